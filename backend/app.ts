@@ -1,0 +1,39 @@
+import swagger from '@fastify/swagger';
+import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
+import Fastify, { type FastifyInstance } from 'fastify';
+import type { BackendConfig } from './config.js';
+import { registerErrorHandling } from './errors.js';
+import { orderRoutes } from './orders.js';
+import { petRoutes } from './pets.js';
+import type { PetStore } from './store.js';
+import { validatorCompiler } from './validation.js';
+
+/** Builds the pet backend; never listens (server.ts does). */
+export async function buildBackend(
+  config: Pick<BackendConfig, 'bodyLimit' | 'logLevel'>,
+  store: PetStore,
+): Promise<FastifyInstance> {
+  const app = Fastify({
+    bodyLimit: config.bodyLimit,
+    logger: { level: config.logLevel, redact: ['req.headers.authorization'] },
+    // The gateway's request id, so one id follows a request through both logs.
+    requestIdHeader: 'x-request-id',
+  }).withTypeProvider<TypeBoxTypeProvider>();
+  app.setValidatorCompiler(validatorCompiler);
+  registerErrorHandling(app);
+  // The API speaks JSON only: any other body is a 415, never a string handed to validation.
+  app.removeContentTypeParser('text/plain');
+
+  await app.register(swagger, {
+    openapi: {
+      openapi: '3.1.0',
+      info: { title: 'Pet Store backend', version: '1.0.0' },
+      servers: [{ url: '/' }],
+    },
+  });
+  await app.register(petRoutes, { store });
+  await app.register(orderRoutes, { store });
+  app.get('/v1/openapi.json', { schema: { hide: true } }, async () => app.swagger());
+  app.get('/healthz', { schema: { hide: true } }, async () => ({ status: 'ok' }));
+  return app;
+}

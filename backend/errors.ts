@@ -1,0 +1,94 @@
+import { type Static, Type } from '@sinclair/typebox';
+import type { FastifyError, FastifyInstance } from 'fastify';
+
+/** The spec's Error body; every non-2xx answer of the backend has this shape. */
+export const ErrorBody = Type.Object(
+  {
+    code: Type.String({ description: 'Machine-readable error code (see README)' }),
+    message: Type.String({ description: 'Human-readable description' }),
+    status: Type.Integer({ description: 'The HTTP status code' }),
+  },
+  { title: 'Error' },
+);
+export type ErrorBody = Static<typeof ErrorBody>;
+
+/** The closed catalogue of the backend's error codes and their statuses. README lists each. */
+export const BACKEND_ERRORS = {
+  validation_failed: 400,
+  malformed_json: 400,
+  invalid_cursor: 400,
+  invalid_idempotency_key: 400,
+  bad_request: 400,
+  pet_not_found: 404,
+  route_not_found: 404,
+  method_not_allowed: 405,
+  payload_too_large: 413,
+  unsupported_media_type: 415,
+  idempotency_key_reused: 422,
+  internal_error: 500,
+} as const;
+export type BackendErrorCode = keyof typeof BACKEND_ERRORS;
+
+export class BackendError extends Error {
+  readonly status: number;
+  constructor(
+    readonly code: BackendErrorCode,
+    message: string,
+    readonly headers: Record<string, string> = {},
+  ) {
+    super(message);
+    this.status = BACKEND_ERRORS[code];
+  }
+}
+
+export function errorBody(code: BackendErrorCode, message: string): ErrorBody {
+  return { code, message, status: BACKEND_ERRORS[code] };
+}
+
+/** Maps framework errors (validation, body parsing) onto the catalogue. */
+function fromFramework(err: FastifyError): BackendError {
+  if (err.validation) return new BackendError('validation_failed', err.message);
+  switch (err.code) {
+    case 'FST_ERR_CTP_BODY_TOO_LARGE':
+      return new BackendError('payload_too_large', 'Request body is larger than the limit');
+    case 'FST_ERR_CTP_INVALID_MEDIA_TYPE':
+      return new BackendError('unsupported_media_type', 'Content-Type must be application/json');
+    case 'FST_ERR_CTP_EMPTY_JSON_BODY':
+      return new BackendError('malformed_json', 'Request body is empty');
+    case 'FST_ERR_CTP_INVALID_JSON_BODY':
+      return new BackendError('malformed_json', 'Request body is not valid JSON');
+  }
+  if (err instanceof SyntaxError) return new BackendError('malformed_json', 'Request body is not valid JSON');
+  const status = err.statusCode ?? 500;
+  if (status >= 400 && status < 500) return new BackendError('bad_request', 'The request could not be processed');
+  return new BackendError('internal_error', 'Internal error');
+}
+
+/** The one renderer: every error, the framework's included, leaves as {code, message, status}. */
+export function registerErrorHandling(app: FastifyInstance): void {
+  app.setErrorHandler((err: FastifyError, request, reply) => {
+    const e = err instanceof BackendError ? err : fromFramework(err);
+    if (e.status >= 500) request.log.error({ err }, 'request failed');
+    reply.code(e.status).headers(e.headers).send(errorBody(e.code, e.message));
+  });
+  app.setNotFoundHandler((request, reply) => {
+    reply.code(404).send(errorBody('route_not_found', `No route ${request.method} ${request.url.split('?')[0]}`));
+  });
+}
+
+/** Registers a 405 for every method a path does not serve, with the Allow header. */
+export function methodNotAllowed(app: FastifyInstance, url: string, allowed: string[]): void {
+  const allow = allowed.includes('GET') ? [...allowed, 'HEAD'] : allowed;
+  const others = ['DELETE', 'PATCH', 'PUT', 'POST', 'GET', 'OPTIONS'].filter((m) => !allow.includes(m));
+  app.route({
+    method: others,
+    url,
+    // onRequest, so a refused method never has its body parsed.
+    onRequest: async () => {
+      throw new BackendError('method_not_allowed', `Method not allowed; use ${allow.join(', ')}`, {
+        allow: allow.join(', '),
+      });
+    },
+    handler: async () => undefined,
+  });
+}

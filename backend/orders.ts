@@ -1,0 +1,28 @@
+import { Type } from '@sinclair/typebox';
+import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
+import { ErrorBody, methodNotAllowed } from './errors.js';
+import { decodeCursor, page } from './paging.js';
+import { LIMIT_DEFAULT, ListOrdersQuery, Order } from './schemas.js';
+import type { PetStore } from './store.js';
+
+// The spec only names GET /store/orders; the record's fields follow the classic pet store.
+export const orderRoutes: FastifyPluginAsyncTypebox<{ store: PetStore }> = async (app, { store }) => {
+  app.get(
+    '/v1/store/orders',
+    {
+      schema: {
+        operationId: 'listOrders',
+        summary: 'List store orders',
+        querystring: ListOrdersQuery,
+        response: { 200: Type.Array(Order), 400: ErrorBody, 401: ErrorBody, 429: ErrorBody },
+      },
+    },
+    async (request, reply) => {
+      const { limit = LIMIT_DEFAULT, cursor } = request.query;
+      const { items, next } = page(store.listOrders(limit + 1, decodeCursor(cursor)), limit, '/v1/store/orders', {});
+      if (next) reply.header('link', next);
+      return items;
+    },
+  );
+  methodNotAllowed(app, '/v1/store/orders', ['GET']);
+};
