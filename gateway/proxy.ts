@@ -1,0 +1,90 @@
+import type { IncomingHttpHeaders } from 'node:http';
+import { Readable } from 'node:stream';
+import proxy from '@fastify/http-proxy';
+import type { FastifyInstance, FastifyRequest } from 'fastify';
+import { GatewayError } from './errors.js';
+
+// Hop-by-hop headers (RFC 9110 §7.6.1) and the client's credentials never cross the gateway;
+// undici also throws on some of them (keep-alive, upgrade, expect).
+const HOP_BY_HOP = [
+  'connection',
+  'keep-alive',
+  'proxy-connection',
+  'proxy-authenticate',
+  'proxy-authorization',
+  'te',
+  'trailer',
+  'transfer-encoding',
+  'upgrade',
+  'expect',
+];
+const FROM_CLIENT_ONLY = ['authorization', 'x-consumer-id', 'x-consumer-plan', 'x-forwarded-for', 'x-forwarded-proto'];
+
+type Headers = IncomingHttpHeaders;
+
+function withoutHopByHop(headers: Headers): Headers {
+  const listed = String(headers.connection ?? '')
+    .split(',')
+    .map((t) => t.trim().toLowerCase())
+    .filter(Boolean);
+  for (const name of [...HOP_BY_HOP, ...listed]) delete headers[name];
+  return headers;
+}
+
+function upstreamError(error: Error & { code?: string }): GatewayError {
+  const code = String((error.cause as { code?: string } | undefined)?.code ?? error.code ?? '');
+  if (code.includes('TIMEOUT')) return new GatewayError('gateway_timeout', 'The backend did not answer in time');
+  return new GatewayError('bad_gateway', 'The backend could not be reached');
+}
+
+export interface ProxyOptions {
+  upstream: string;
+  bodyLimit: number;
+  timeoutMs: number;
+  /** Headers the backend receives about the caller (consumer id and plan). */
+  identity: (request: FastifyRequest) => Record<string, string>;
+}
+
+/**
+ * @fastify/http-proxy to the backend for every path; the allow-list has already refused
+ * anything else in onRequest. Bodies are read at the gateway up to bodyLimit (chunked ones
+ * too, so an oversized body is a 413 here) and then streamed on.
+ */
+export async function registerProxy(app: FastifyInstance, opts: ProxyOptions): Promise<void> {
+  app.removeAllContentTypeParsers();
+  app.addContentTypeParser('*', { parseAs: 'buffer', bodyLimit: opts.bodyLimit }, (_req, body, done) => {
+    // A stream, so reply-from forwards the bytes as they came instead of re-encoding them.
+    done(null, Readable.from([body as Buffer]));
+  });
+  await app.register(proxy, {
+    upstream: opts.upstream,
+    proxyPayloads: false,
+    disableRequestLogging: true, // the gateway writes one access line per request itself
+    undici: {
+      connections: 128,
+      pipelining: 1,
+      headersTimeout: opts.timeoutMs,
+      bodyTimeout: opts.timeoutMs,
+      connect: { timeout: opts.timeoutMs },
+    },
+    replyOptions: {
+      // No retries: a retried POST could create a pet twice, and the timeout must hold.
+      retryDelay: () => null,
+      rewriteRequestHeaders: (request, headers) => {
+        withoutHopByHop(headers as Headers);
+        for (const name of FROM_CLIENT_ONLY) delete headers[name];
+        return {
+          ...headers,
+          ...opts.identity(request as FastifyRequest),
+          'x-request-id': request.id,
+          'x-forwarded-for': request.ip,
+          'x-forwarded-proto': request.protocol,
+        };
+      },
+      rewriteHeaders: (headers) => withoutHopByHop(headers as Headers),
+      onError: (reply, { error }) => {
+        reply.send(upstreamError(error));
+      },
+    },
+  });
+}

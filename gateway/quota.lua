@@ -1,0 +1,50 @@
+-- One atomic decision per request: ban check, then the minute and day windows.
+-- KEYS[1]: the subject's counters (hash); KEYS[2]: times of its recent 429s (list).
+-- Both share one hash tag, so they live in one Redis Cluster slot.
+-- ARGV: perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs.
+-- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs}; outcome 0 admitted,
+-- 1 minute limit, 2 day limit, 3 banned. Time is Redis's own, so skewed gateways agree.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local perMinute, perDay = tonumber(ARGV[1]), tonumber(ARGV[2])
+local banAfter, banWithin, banFor = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+
+local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban')
+local ban = tonumber(h[5]) or 0
+-- A request during a ban neither counts nor extends it.
+if ban > now then return {3, 0, 0, now, ban} end
+
+local ms = now - now % 60000
+local ds = now - now % 86400000
+local mc = (tonumber(h[1]) == ms) and tonumber(h[2]) or 0
+local dc = (tonumber(h[3]) == ds) and tonumber(h[4]) or 0
+local expireAt = ms + 60000
+if perDay > 0 then expireAt = ds + 86400000 end
+
+-- The day is checked first: when both are full, the day is what the client must wait for.
+local violated = 0
+if perDay > 0 and dc >= perDay then violated = 2 elseif mc >= perMinute then violated = 1 end
+
+if violated > 0 then
+  -- Refused: counted in neither window, only in the list of recent 429s.
+  if banAfter > 0 then
+    redis.call('LPUSH', KEYS[2], now)
+    redis.call('LTRIM', KEYS[2], 0, banAfter)
+    redis.call('PEXPIRE', KEYS[2], banWithin)
+    local oldest = tonumber(redis.call('LINDEX', KEYS[2], banAfter))
+    if oldest and oldest > now - banWithin then
+      ban = now + banFor
+      redis.call('HSET', KEYS[1], 'ban', ban)
+      redis.call('PEXPIREAT', KEYS[1], math.max(expireAt, ban))
+      redis.call('DEL', KEYS[2])
+      return {3, mc, dc, now, ban}
+    end
+  end
+  return {violated, mc, dc, now, 0}
+end
+
+mc = mc + 1
+dc = dc + 1
+redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc)
+redis.call('PEXPIREAT', KEYS[1], math.max(expireAt, ban))
+return {0, mc, dc, now, 0}

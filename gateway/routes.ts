@@ -1,0 +1,46 @@
+import { GatewayError } from './errors.js';
+
+/** The allow-list: only the spec's operations are proxied. */
+export const ROUTES = [
+  { id: 'listPets', method: 'GET', path: '/v1/pets' },
+  { id: 'createPet', method: 'POST', path: '/v1/pets' },
+  { id: 'getPet', method: 'GET', path: '/v1/pets/{petId}' },
+  { id: 'listOrders', method: 'GET', path: '/v1/store/orders' },
+] as const;
+export type Route = (typeof ROUTES)[number];
+export type RouteId = Route['id'];
+
+const PATHS = [...new Set(ROUTES.map((r) => r.path))].map((path) => ({
+  path,
+  segments: path.split('/'),
+  routes: ROUTES.filter((r) => r.path === path),
+}));
+
+// A dot segment, plain or percent-encoded: a URL parser on the way to the backend would
+// resolve it and leave /v1, so it is refused before anything else.
+const DOT_SEGMENT = /^(\.|%2e){1,2}$/i;
+
+function matches(pattern: string[], segments: string[]): boolean {
+  if (pattern.length !== segments.length) return false;
+  return pattern.every((p, i) => (p.startsWith('{') ? segments[i] !== '' : p === segments[i]));
+}
+
+/**
+ * The route a request may take, or the GatewayError that refuses it: 400 for a path that
+ * tries to leave /v1, 404 for an unknown path, 405 (with Allow) for a known path and
+ * another method. HEAD follows GET.
+ */
+export function matchRoute(method: string, url: string): Route | GatewayError {
+  const q = url.indexOf('?');
+  const segments = (q === -1 ? url : url.slice(0, q)).split('/');
+  if (segments.some((s) => DOT_SEGMENT.test(s))) {
+    return new GatewayError('invalid_path', 'Dot segments are not allowed in the path');
+  }
+  const known = PATHS.find((p) => matches(p.segments, segments));
+  if (!known) return new GatewayError('route_not_found', 'No such route');
+  const want = method === 'HEAD' ? 'GET' : method;
+  const route = known.routes.find((r) => r.method === want);
+  if (route) return route;
+  const allow = known.routes.flatMap((r) => (r.method === 'GET' ? ['GET', 'HEAD'] : [r.method])).join(', ');
+  return new GatewayError('method_not_allowed', `Method ${method} is not allowed here; use ${allow}`, { allow });
+}

@@ -1,0 +1,86 @@
+import { watch } from 'node:fs';
+import { basename, dirname } from 'node:path';
+import { Redis } from 'ioredis';
+import { buildGateway } from './app.js';
+import { ConfigError, loadConfigFile, loadSettings } from './config.js';
+
+// Entry: settings and config (fail fast), the quota store, listen, reload, close on signals.
+let settings: ReturnType<typeof loadSettings>;
+let initial: ReturnType<typeof loadConfigFile>;
+try {
+  settings = loadSettings();
+  initial = loadConfigFile(settings.configFile, settings.redisKeyPrefix);
+} catch (err) {
+  console.error(err instanceof Error ? err.message : String(err));
+  process.exit(1);
+}
+
+let redis: Redis | undefined;
+if (settings.redisUrl) {
+  // Fail fast instead of queueing: no offline queue, one retry, and a command timeout,
+  // which is the only guard against a Redis that accepts connections but never answers.
+  redis = new Redis(settings.redisUrl, {
+    enableOfflineQueue: false,
+    maxRetriesPerRequest: 1,
+    commandTimeout: settings.redisTimeoutMs,
+    connectTimeout: 2000,
+    retryStrategy: (times) => Math.min(times * 100, 2000),
+  });
+  redis.on('error', () => {}); // reported once through the store's degraded log line instead
+}
+
+const { app, setConfig } = await buildGateway(settings, { config: initial, redis });
+if (!settings.redisUrl) {
+  app.log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
+}
+if (redis) {
+  await new Promise<void>((resolve) => {
+    const timer = setTimeout(resolve, 3000);
+    redis.once('ready', () => {
+      clearTimeout(timer);
+      resolve();
+    });
+  });
+  if (redis.status !== 'ready') app.log.warn('Redis is not ready yet; quotas are per process until it is');
+}
+
+function reload(reason: string): void {
+  try {
+    setConfig(loadConfigFile(settings.configFile, settings.redisKeyPrefix));
+    app.log.info({ reason, file: settings.configFile }, 'config reloaded');
+  } catch (err) {
+    const problems = err instanceof ConfigError ? err.problems : [(err as Error).message];
+    app.log.error({ reason, file: settings.configFile, problems }, 'config reload refused; the previous config stays in force');
+  }
+}
+
+// The directory is watched, not the file: editors and the keys command replace the file
+// by rename, which a watch on the old inode would miss.
+let debounce: NodeJS.Timeout | undefined;
+const watcher = watch(dirname(settings.configFile), (_event, name) => {
+  if (name !== basename(settings.configFile)) return;
+  clearTimeout(debounce);
+  debounce = setTimeout(() => reload('file changed'), 100);
+});
+process.on('SIGHUP', () => reload('SIGHUP'));
+
+await app.listen({ port: settings.port, host: settings.host });
+app.log.info({ environment: initial.environment, backend: settings.backendUrl, store: redis ? 'redis' : 'memory' }, 'gateway ready');
+
+let closing = false;
+for (const signal of ['SIGTERM', 'SIGINT'] as const) {
+  process.on(signal, () => {
+    if (closing) process.exit(1); // a second signal: leave at once
+    closing = true;
+    app.log.info({ signal }, 'closing: finishing in-flight requests');
+    watcher.close();
+    clearTimeout(debounce);
+    app
+      .close()
+      .then(() => redis?.quit())
+      .then(
+        () => process.exit(0),
+        () => process.exit(1),
+      );
+  });
+}

@@ -1,0 +1,32 @@
+import { type ChildProcess, spawn } from 'node:child_process';
+import { resolve } from 'node:path';
+
+// `npm start`: the backend and the gateway as two processes, the same entries the
+// Docker images run, with their embedded defaults. The children get their own process
+// group, so a terminal's Ctrl-C reaches them once, through this file; SIGHUP (reload)
+// goes to the gateway only. When either exits, the other is stopped.
+const entries = ['dist/backend/server.js', 'dist/gateway/server.js'];
+const root = import.meta.dirname.endsWith('dist') ? resolve(import.meta.dirname, '..') : import.meta.dirname;
+
+const children: ChildProcess[] = entries.map((entry) =>
+  spawn(process.execPath, [resolve(root, entry)], { cwd: root, stdio: 'inherit', env: process.env, detached: true }),
+);
+const gateway = children[1]!;
+let exiting = false;
+for (const child of children) {
+  child.once('exit', (code, signal) => {
+    if (!exiting) {
+      exiting = true;
+      for (const other of children) if (other !== child && other.exitCode === null) other.kill('SIGTERM');
+    }
+    if (children.every((c) => c.exitCode !== null || c.signalCode !== null)) {
+      process.exit(code ?? (signal ? 1 : 0));
+    }
+  });
+}
+for (const signal of ['SIGTERM', 'SIGINT'] as const) {
+  process.on(signal, () => {
+    for (const child of children) if (child.exitCode === null) child.kill(signal);
+  });
+}
+process.on('SIGHUP', () => gateway.kill('SIGHUP'));

@@ -1,0 +1,186 @@
+import { connect } from 'node:net';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { GATEWAY_ERRORS } from '../../gateway/errors.js';
+import { generateKey } from '../../gateway/keys.js';
+import { call, makeKey, startStack, testConfig } from '../helpers/stack.js';
+
+const active = makeKey('free');
+const revoked = { ...makeKey('free'), revokedAt: '2026-01-01T00:00:00Z' };
+let stack: Awaited<ReturnType<typeof startStack>>;
+
+beforeAll(async () => {
+  const plans = { free: { perMinute: 1000, perDay: 100000 } };
+  stack = await startStack(testConfig([active, revoked], { plans, unauthenticated: { perMinute: 500 } }), {
+    GATEWAY_BODY_LIMIT: '2048',
+  });
+});
+afterAll(() => stack.stop());
+
+/** Sends raw bytes and returns the raw answer, for what fetch will not send. */
+function raw(bytes: string): Promise<string> {
+  return new Promise((resolve, reject) => {
+    const s = connect(stack.gateway.port, '127.0.0.1');
+    let text = '';
+    s.on('data', (c) => {
+      text += c;
+    });
+    s.on('end', () => resolve(text));
+    s.on('error', reject);
+    s.setTimeout(5000, () => {
+      s.destroy();
+      reject(new Error(`no answer; got: ${text}`));
+    });
+    s.write(bytes);
+  });
+}
+
+function parseRaw(text: string) {
+  const [head, body] = text.split('\r\n\r\n');
+  const [status, ...lines] = head!.split('\r\n');
+  const headers = Object.fromEntries(lines.map((l) => [l.slice(0, l.indexOf(':')).toLowerCase(), l.slice(l.indexOf(':') + 1).trim()]));
+  return { status: Number(status!.split(' ')[1]), headers, body: JSON.parse(body!) };
+}
+
+async function expectGatewayError(res: Response, status: number, code: string) {
+  expect(res.status).toBe(status);
+  expect(res.headers.get('content-type')).toMatch(/^application\/json/);
+  expect(await res.json()).toEqual({ code, message: expect.any(String), status });
+}
+
+function expectRateHeaders(headers: Headers, limit: number) {
+  expect(headers.get('x-ratelimit-limit')).toBe(String(limit));
+  expect(Number(headers.get('x-ratelimit-remaining'))).toBeGreaterThanOrEqual(0);
+  const reset = Number(headers.get('x-ratelimit-reset'));
+  expect(reset * 1000).toBeGreaterThan(Date.now() - 1000);
+  expect(reset * 1000).toBeLessThan(Date.now() + 86_400_000 + 1000);
+  expect(headers.get('ratelimit-policy')).toMatch(/^"minute";q=\d+;w=60/);
+  expect(headers.get('ratelimit')).toMatch(/^"minute";r=\d+;t=\d+/);
+  expect(headers.get('x-request-id')).toBeTruthy();
+}
+
+describe('authentication', () => {
+  const wrongEnv = generateKey('staging').key;
+  it.each([
+    ['no header', undefined, /Missing API key/],
+    ['another scheme', 'Basic dXNlcjpwYXNz', /Malformed/],
+    ['a bearer that is not a key', 'Bearer not-a-key', /Malformed/],
+    ['an empty bearer', 'Bearer ', /Malformed/],
+    ['an unknown key', `Bearer ${generateKey('production').key}`, /Unknown API key/],
+    ['a revoked key', `Bearer ${revoked.key}`, /revoked/],
+    ['a key of the other environment', `Bearer ${wrongEnv}`, /staging environment/],
+  ])('refuses %s with 401, WWW-Authenticate and the per-address limit headers', async (_, authorization, message) => {
+    const res = await fetch(`${stack.gateway.url}/v1/pets`, { headers: authorization ? { authorization } : {} });
+    expect(res.status).toBe(401);
+    expect(res.headers.get('www-authenticate')).toMatch(/^Bearer realm="pet-store"/);
+    const body = await res.json();
+    expect(body).toEqual({ code: 'unauthorized', message: expect.stringMatching(message), status: 401 });
+    expect(JSON.stringify(body)).not.toContain(wrongEnv);
+    expectRateHeaders(res.headers, 500);
+    expect(res.headers.get('ratelimit-policy')).toBe('"minute";q=500;w=60');
+  });
+
+  it('accepts the scheme in any case', async () => {
+    const res = await fetch(`${stack.gateway.url}/v1/pets`, { headers: { authorization: `bEaReR ${active.key}` } });
+    expect(res.status).toBe(200);
+  });
+
+  it('authenticates before routing: an unknown path without a key is a 401, not a 404', async () => {
+    expect((await call(`${stack.gateway.url}/v1/secret`)).status).toBe(401);
+    expect((await call(`${stack.gateway.url}/v1/secret`, active.key)).status).toBe(404);
+  });
+});
+
+describe('headers on every status', () => {
+  it('carries the key limit headers on 200, 201, 400, 404, 405 and 413', async () => {
+    const u = stack.gateway.url;
+    const post = (body: string) =>
+      call(`${u}/v1/pets`, active.key, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
+    const answers = [
+      [await call(`${u}/v1/pets`, active.key), 200],
+      [await post('{"name":"Rex","categoryId":1}'), 201],
+      [await post('{"name":""}'), 400],
+      [await call(`${u}/v1/pets/999999`, active.key), 404],
+      [await call(`${u}/nowhere`, active.key), 404],
+      [await call(`${u}/v1/pets`, active.key, { method: 'DELETE' }), 405],
+      [await post(JSON.stringify({ name: 'x'.repeat(4000), categoryId: 1 })), 413],
+    ] as const;
+    for (const [res, status] of answers) {
+      expect(res.status).toBe(status);
+      expectRateHeaders(res.headers, 1000);
+      expect(res.headers.get('ratelimit-policy')).toBe('"minute";q=1000;w=60, "day";q=100000;w=86400');
+    }
+  });
+
+  it('answers routes outside the allow-list itself: 404, and 405 with Allow', async () => {
+    await expectGatewayError(await call(`${stack.gateway.url}/v1/store/inventory`, active.key), 404, 'route_not_found');
+    const res = await call(`${stack.gateway.url}/v1/pets/1`, active.key, { method: 'DELETE' });
+    expect(res.headers.get('allow')).toBe('GET, HEAD');
+    await expectGatewayError(res, 405, 'method_not_allowed');
+  });
+
+  it('adds Deprecation, Sunset and Link to the deprecated route, errors included, and only there', async () => {
+    const found = await call(`${stack.gateway.url}/v1/pets/999999`, active.key);
+    expect(found.status).toBe(404);
+    expect(found.headers.get('deprecation')).toBe('@1735689600');
+    expect(found.headers.get('sunset')).toBe('Thu, 05 Dec 2030 00:00:00 GMT');
+    expect(found.headers.get('link')).toBe('</v1/pets>; rel="successor-version"');
+    const bad = await call(`${stack.gateway.url}/v1/pets/abc`, active.key);
+    expect(bad.status).toBe(400);
+    expect(bad.headers.get('deprecation')).toBe('@1735689600');
+    expect((await call(`${stack.gateway.url}/v1/pets`, active.key)).headers.get('deprecation')).toBeNull();
+  });
+
+  it('refuses a chunked body over the limit with 413 at the gateway', async () => {
+    const key = `Bearer ${active.key}`;
+    const chunk = 'a'.repeat(1500);
+    const text = await raw(
+      `POST /v1/pets HTTP/1.1\r\nHost: x\r\nAuthorization: ${key}\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n` +
+        `${chunk.length.toString(16)}\r\n${chunk}\r\n${chunk.length.toString(16)}\r\n${chunk}\r\n0\r\n\r\n`,
+    );
+    const res = parseRaw(text);
+    expect(res.status).toBe(413);
+    expect(res.body).toEqual({ code: 'payload_too_large', message: expect.any(String), status: 413 });
+    expect(res.headers['x-ratelimit-limit']).toBe('1000');
+  });
+
+  it.each([
+    ['Content-Length with Transfer-Encoding', 'POST /v1/pets HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n', 400, 'bad_request'],
+    ['oversized headers', `GET /v1/pets HTTP/1.1\r\nHost: x\r\nX-Big: ${'a'.repeat(20_000)}\r\n\r\n`, 431, 'headers_too_large'],
+    ['a request line that is not HTTP', 'HELLO\r\n\r\n', 400, 'bad_request'],
+  ])('answers %s in the Error shape with the per-address headers', async (_, bytes, status, code) => {
+    const res = parseRaw(await raw(bytes));
+    expect(res.status).toBe(status);
+    expect(res.headers['content-type']).toMatch(/^application\/json/);
+    expect(res.body).toEqual({ code, message: expect.any(String), status });
+    expect(res.headers['x-ratelimit-limit']).toBe('500');
+    expect(res.headers['ratelimit-policy']).toBe('"minute";q=500;w=60');
+  });
+
+  it.each(['/v1/pets/..', '/v1/pets/%2e%2e/admin', '/v1/../etc/passwd'])('refuses the path %s without leaving /v1', async (path) => {
+    const res = parseRaw(
+      await raw(`GET ${path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${active.key}\r\nConnection: close\r\n\r\n`),
+    );
+    expect(res.status).toBe(400);
+    expect(res.body.code).toBe('invalid_path');
+  });
+
+  it('answers a malformed URL in the Error shape', async () => {
+    const res = parseRaw(
+      await raw(`GET /v1/pets/%zz HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${active.key}\r\nConnection: close\r\n\r\n`),
+    );
+    expect(Object.keys(res.body).sort()).toEqual(['code', 'message', 'status']);
+    expect(res.body.status).toBe(res.status);
+    expect(res.status).toBeGreaterThanOrEqual(400);
+    expect(res.status).toBeLessThan(500);
+  });
+});
+
+describe('error catalogue', () => {
+  it('lists every gateway code in the README with its status', async () => {
+    const { readFileSync } = await import('node:fs');
+    const readme = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
+    for (const [code, status] of Object.entries(GATEWAY_ERRORS)) {
+      expect(readme).toMatch(new RegExp(`\\|\\s*\`${code}\`\\s*\\|\\s*${status}\\s*\\|`));
+    }
+  });
+});

@@ -1,0 +1,100 @@
+import { readFileSync } from 'node:fs';
+import { describe, expect, it } from 'vitest';
+import { ConfigError, compileConfig, loadConfigFile, parseConfigText, validateConfigFile } from '../../gateway/config.js';
+import { generateKey, hashKey, readCredential } from '../../gateway/keys.js';
+import { testConfig } from '../helpers/stack.js';
+
+const problems = (raw: unknown): string[] => {
+  try {
+    validateConfigFile(raw, 'test.yaml');
+  } catch (err) {
+    if (err instanceof ConfigError) return err.problems;
+    throw err;
+  }
+  return [];
+};
+
+const key = { id: 'acme', hash: hashKey('x'), plan: 'free' };
+
+describe('config file', () => {
+  it('accepts the shipped production and staging configs', () => {
+    expect(loadConfigFile('config/gateway.yaml').environment).toBe('production');
+    expect(loadConfigFile('config/staging.yaml').environment).toBe('staging');
+  });
+
+  it('accepts JSON, which is valid YAML', () => {
+    const text = JSON.stringify(testConfig([]));
+    expect(parseConfigText(text, 'c.json').plans.free).toEqual({ perMinute: 5, perDay: 1000 });
+  });
+
+  it.each([
+    ['an unknown environment', { environment: 'dev' }, /^environment: /],
+    ['a misspelled field', { bans: { afterRejected: 1, withinSeconds: 1, durationSeconds: 1, extra: 1 } }, /^bans\.extra: Unexpected property/],
+    ['a zero limit', { plans: { free: { perMinute: 0, perDay: 1 } } }, /^plans\.free\.perMinute: /],
+    ['a plan with one limit', { plans: { free: { perMinute: 5 } } }, /^plans\.free: give either/],
+    ['a key of an unknown plan', { keys: [{ ...key, plan: 'gold' }] }, /^keys\.0\.plan: unknown plan "gold"/],
+    ['a custom key without limits', { keys: [{ ...key, plan: 'enterprise' }] }, /^keys\.0\.limits: required/],
+    ['a bad key id', { keys: [{ ...key, id: 'Has Space' }] }, /^keys\.0\.id: /],
+    ['a plain key instead of a hash', { keys: [{ ...key, hash: 'psk_live_abc' }] }, /^keys\.0\.hash: /],
+    ['duplicate ids', { keys: [key, { ...key, hash: hashKey('y') }] }, /^keys\.1\.id: duplicate/],
+    [
+      'a deprecation of an unknown route',
+      { deprecations: [{ method: 'GET', path: '/v1/x', deprecatedAt: '2025-01-01T00:00:00Z', sunset: '2030-12-05T00:00:00Z', successor: '/v1/pets' }] },
+      /^deprecations\.0: no route GET \/v1\/x/,
+    ],
+    [
+      'a sunset before the deprecation',
+      { deprecations: [{ method: 'GET', path: '/v1/pets/{petId}', deprecatedAt: '2031-01-01T00:00:00Z', sunset: '2030-12-05T00:00:00Z', successor: '/v1/pets' }] },
+      /^deprecations\.0\.sunset: earlier/,
+    ],
+  ])('refuses %s, naming the field', (_, over, want) => {
+    const found = problems({ ...testConfig([]), ...over });
+    expect(found.some((p) => want.test(p)), found.join('\n')).toBe(true);
+  });
+
+  it('lists every problem at once', () => {
+    const found = problems({ ...testConfig([]), environment: 'dev', unauthenticated: { perMinute: -1 } });
+    expect(found.some((p) => p.startsWith('environment'))).toBe(true);
+    expect(found.some((p) => p.startsWith('unauthenticated.perMinute'))).toBe(true);
+  });
+
+  it('refuses text that is not YAML with the file name', () => {
+    expect(() => parseConfigText('plans: [unclosed', 'broken.yaml')).toThrow(/broken\.yaml: invalid config/);
+  });
+
+  it('takes a key override over its plan, and keeps the hash as the only index', () => {
+    const k = generateKey('production');
+    const config = compileConfig(
+      validateConfigFile({ ...testConfig([]), keys: [{ id: 'big', hash: k.hash, plan: 'free', limits: { perMinute: 9, perDay: 99 } }] }, 't'),
+      'px',
+    );
+    const consumer = config.consumers.get(k.hash)!;
+    expect(consumer.limits).toEqual({ perMinute: 9, perDay: 99 });
+    expect(consumer.subject.key).toBe('px:production:{k:big}');
+    expect(consumer.policy).toBe('"minute";q=9;w=60, "day";q=99;w=86400');
+    expect([...config.consumers.keys()]).toEqual([k.hash]);
+  });
+
+  it('keeps plain keys out of the shipped config files', () => {
+    for (const f of ['config/gateway.yaml', 'config/staging.yaml']) {
+      expect(readFileSync(f, 'utf8')).not.toMatch(/psk_(live|test)_[A-Za-z0-9_-]{32}/);
+    }
+  });
+});
+
+describe('keys', () => {
+  it('prefixes keys with their environment', () => {
+    expect(generateKey('production').key).toMatch(/^psk_live_[A-Za-z0-9_-]{32}$/);
+    expect(generateKey('staging').key).toMatch(/^psk_test_[A-Za-z0-9_-]{32}$/);
+  });
+
+  it('reads a bearer credential', () => {
+    const { key, hash } = generateKey('production');
+    expect(readCredential(`Bearer ${key}`, 'production')).toEqual({ kind: 'key', hash });
+    expect(readCredential(`bearer ${key}`, 'production')).toEqual({ kind: 'key', hash });
+    expect(readCredential(undefined, 'production')).toEqual({ kind: 'missing' });
+    expect(readCredential(key, 'production')).toEqual({ kind: 'malformed' });
+    expect(readCredential(`Bearer ${key}x`, 'production')).toEqual({ kind: 'malformed' });
+    expect(readCredential(`Bearer ${key}`, 'staging')).toEqual({ kind: 'wrong_environment', environment: 'production' });
+  });
+});

@@ -1,0 +1,100 @@
+import { describe, expect, it } from 'vitest';
+import {
+  type Decision,
+  deprecationHeaders,
+  policyHeader,
+  rateLimitHeaders,
+  windows,
+} from '../../gateway/headers.js';
+
+const free = { perMinute: 60, perDay: 1000 };
+const policy = policyHeader(free);
+// 2026-11-22T10:15:17.250Z: 42.75 s before the minute ends, 49 482.75 s before the day ends.
+const now = Date.UTC(2026, 10, 22, 10, 15, 17, 250);
+const minuteEnd = Date.UTC(2026, 10, 22, 10, 16) / 1000;
+const dayEnd = Date.UTC(2026, 10, 23) / 1000;
+
+const allowed = (m: number, d: number): Decision => ({ outcome: 'allowed', nowMs: now, windows: windows(free, now, m, d) });
+
+describe('rate-limit headers', () => {
+  it('writes the policy in the draft-10 form', () => {
+    expect(policy).toBe('"minute";q=60;w=60, "day";q=1000;w=86400');
+    expect(policyHeader({ perMinute: 30, perDay: 0 })).toBe('"minute";q=30;w=60');
+  });
+
+  it.each([
+    ['first request', 1, 1, { limit: '60', remaining: '59', reset: minuteEnd, rl: '"minute";r=59;t=43, "day";r=999;t=49483' }],
+    ['last admitted', 60, 100, { limit: '60', remaining: '0', reset: minuteEnd, rl: '"minute";r=0;t=43, "day";r=900;t=49483' }],
+    ['day nearer exhaustion', 10, 995, { limit: '1000', remaining: '5', reset: dayEnd, rl: '"minute";r=50;t=43, "day";r=5;t=49483' }],
+    ['tie goes to the minute', 990, 990, { limit: '60', remaining: '0', reset: minuteEnd, rl: '"minute";r=0;t=43, "day";r=10;t=49483' }],
+  ])('%s', (_, m, d, want) => {
+    const h = rateLimitHeaders(allowed(m, d), policy);
+    expect(h['x-ratelimit-limit']).toBe(want.limit);
+    expect(h['x-ratelimit-remaining']).toBe(want.remaining);
+    expect(h['x-ratelimit-reset']).toBe(String(want.reset));
+    expect(h.ratelimit).toBe(want.rl);
+    expect(h['ratelimit-policy']).toBe(policy);
+    expect(h['retry-after']).toBeUndefined();
+  });
+
+  it('first refused by the minute: the minute window and Retry-After to its end', () => {
+    const h = rateLimitHeaders(
+      { outcome: 'rejected', violated: 'minute', nowMs: now, windows: windows(free, now, 60, 100) },
+      policy,
+    );
+    expect(h['x-ratelimit-remaining']).toBe('0');
+    expect(h['x-ratelimit-reset']).toBe(String(minuteEnd));
+    expect(h['retry-after']).toBe('43');
+  });
+
+  it('refused by the day: the day window, even with minute room left', () => {
+    const h = rateLimitHeaders(
+      { outcome: 'rejected', violated: 'day', nowMs: now, windows: windows(free, now, 3, 1000) },
+      policy,
+    );
+    expect(h['x-ratelimit-limit']).toBe('1000');
+    expect(h['x-ratelimit-reset']).toBe(String(dayEnd));
+    expect(h['retry-after']).toBe('49483');
+  });
+
+  it('a ban: remaining 0, reset and Retry-After at its end', () => {
+    const banUntil = now + 899_001;
+    const h = rateLimitHeaders({ outcome: 'banned', nowMs: now, banUntilMs: banUntil, windows: windows(free, now, 0, 0) }, policy);
+    expect(h['x-ratelimit-remaining']).toBe('0');
+    expect(h['x-ratelimit-reset']).toBe(String(Math.ceil(banUntil / 1000)));
+    expect(h['retry-after']).toBe('900');
+    expect(h.ratelimit).toBe('"minute";r=0;t=900, "day";r=0;t=900');
+  });
+
+  it('rolls over at the UTC minute and day boundaries', () => {
+    const lastMs = Date.UTC(2026, 10, 22, 23, 59, 59, 999);
+    const [m1, d1] = windows(free, lastMs, 1, 1);
+    const [m2, d2] = windows(free, lastMs + 1, 1, 1);
+    expect(m1!.resetMs).toBe(lastMs + 1);
+    expect(d1!.resetMs).toBe(lastMs + 1);
+    expect(m2!.resetMs).toBe(lastMs + 1 + 60_000);
+    expect(d2!.resetMs).toBe(lastMs + 1 + 86_400_000);
+    // Never 0 while still blocked: 1 ms before the boundary is still 1 s.
+    const h = rateLimitHeaders({ outcome: 'rejected', violated: 'minute', nowMs: lastMs, windows: [m1!, d1!] }, policy);
+    expect(h['retry-after']).toBe('1');
+  });
+});
+
+describe('deprecation headers', () => {
+  it('uses RFC 9745 @seconds, an IMF-fixdate Sunset in GMT, and the successor link', () => {
+    const h = deprecationHeaders({
+      deprecatedAtMs: Date.parse('2025-01-01T00:00:00Z'),
+      sunsetMs: Date.parse('2030-12-05T00:00:00Z'),
+      successor: '/v1/pets',
+    });
+    expect(h).toEqual({
+      deprecation: '@1735689600',
+      sunset: 'Thu, 05 Dec 2030 00:00:00 GMT',
+      link: '</v1/pets>; rel="successor-version"',
+    });
+    const withDocs = deprecationHeaders({ deprecatedAtMs: 0, sunsetMs: 0, successor: '/v1/pets', documentation: 'https://d.example/x' });
+    expect(withDocs.link).toBe(
+      '<https://d.example/x>; rel="deprecation"; type="text/html", </v1/pets>; rel="successor-version", <https://d.example/x>; rel="sunset"; type="text/html"',
+    );
+  });
+});

@@ -1,0 +1,188 @@
+import { randomUUID } from 'node:crypto';
+import { Redis } from 'ioredis';
+import calculateSlot from 'cluster-key-slot';
+import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import type { FastifyBaseLogger } from 'fastify';
+import { DAY_MS, MINUTE_MS } from '../../gateway/headers.js';
+import { MemoryQuotaStore, type QuotaStore, type QuotaSubject, RedisQuotaStore } from '../../gateway/quota-store.js';
+import { roomInMinute } from '../helpers/time.js';
+
+const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
+const bans = { afterRejected: 3, withinMs: 60_000, durationMs: 900_000 };
+const subject = (perMinute: number, perDay: number, withBans = true): QuotaSubject => ({
+  key: `gw:test:{k:${randomUUID()}}`,
+  limits: { perMinute, perDay },
+  bans: withBans ? bans : null,
+});
+
+async function outcomes(store: QuotaStore, s: QuotaSubject, n: number): Promise<string[]> {
+  const out: string[] = [];
+  for (let i = 0; i < n; i++) {
+    const d = await store.consume(s);
+    out.push(d.outcome === 'rejected' ? d.violated : d.outcome);
+  }
+  return out;
+}
+
+let redis: Redis;
+beforeAll(async () => {
+  redis = new Redis(inject('redisUrl'), { enableOfflineQueue: true });
+});
+afterAll(() => redis.quit());
+
+// The same rules, run against both stores: Redis (quota.lua) and the in-process twin.
+describe.each([
+  ['redis', () => new RedisQuotaStore(redis, silent) as QuotaStore],
+  ['memory', () => new MemoryQuotaStore() as QuotaStore],
+])('%s store', (_, make) => {
+  it('admits while both windows have room and counts once in each', async () => {
+    await roomInMinute(3000);
+    const store = make();
+    const s = subject(3, 100, false);
+    const first = await store.consume(s);
+    expect(first.windows.map((w) => [w.name, w.used])).toEqual([
+      ['minute', 1],
+      ['day', 1],
+    ]);
+    expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'minute']);
+  });
+
+  it('does not count a refused request in either window', async () => {
+    await roomInMinute(3000);
+    const store = make();
+    const s = subject(2, 100, false);
+    await outcomes(store, s, 10); // 2 admitted, 8 refused by the minute
+    const probe = { ...s, limits: { perMinute: 100, perDay: 100 } };
+    const d = await store.consume(probe);
+    expect(d.windows.map((w) => w.used)).toEqual([3, 3]);
+  });
+
+  it('refuses on the day window, which wins when both are full', async () => {
+    await roomInMinute(3000);
+    const store = make();
+    const s = subject(2, 2, false);
+    expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'day']);
+  });
+
+  it('bans after more than afterRejected refusals, and requests during the ban do not extend it', async () => {
+    await roomInMinute(3000);
+    const store = make();
+    const s = subject(1, 100);
+    expect(await outcomes(store, s, 6)).toEqual(['allowed', 'minute', 'minute', 'minute', 'banned', 'banned']);
+    const a = await store.consume(s);
+    const b = await store.consume(s);
+    if (a.outcome !== 'banned' || b.outcome !== 'banned') throw new Error('expected a ban');
+    expect(b.banUntilMs).toBe(a.banUntilMs);
+    expect(a.banUntilMs - a.nowMs).toBeLessThanOrEqual(bans.durationMs);
+    expect(a.banUntilMs - a.nowMs).toBeGreaterThan(bans.durationMs - 5000);
+  });
+
+  it('has no day window for a subject without one', async () => {
+    const store = make();
+    const d = await store.consume(subject(5, 0, false));
+    expect(d.windows.map((w) => w.name)).toEqual(['minute']);
+  });
+});
+
+describe('memory store with an injected clock', () => {
+  it('rolls the minute at :00 UTC and the day at 00:00 UTC', async () => {
+    let now = Date.UTC(2026, 10, 22, 23, 59, 30);
+    const store = new MemoryQuotaStore(() => now);
+    const s = subject(2, 3, false);
+    expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'minute']);
+    now = Date.UTC(2026, 10, 22, 23, 59, 59, 999);
+    expect(await outcomes(store, s, 1)).toEqual(['minute']);
+    now += 1; // 00:00:00.000: a new minute and a new day
+    expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'minute']);
+    now += MINUTE_MS;
+    expect(await outcomes(store, s, 2)).toEqual(['allowed', 'day']);
+    now += DAY_MS;
+    expect(await outcomes(store, s, 1)).toEqual(['allowed']);
+  });
+
+  it('counts refusals for a ban only within the window, and lifts the ban at its end', async () => {
+    let now = Date.UTC(2026, 10, 22, 10, 0, 0);
+    const store = new MemoryQuotaStore(() => now);
+    const s = subject(1, 1000);
+    expect(await outcomes(store, s, 3)).toEqual(['allowed', 'minute', 'minute']);
+    now += 61_000; // the two refusals leave the 60 s ban window
+    expect(await outcomes(store, s, 5)).toEqual(['allowed', 'minute', 'minute', 'minute', 'banned']);
+    now += bans.durationMs - 1;
+    expect(await outcomes(store, s, 1)).toEqual(['banned']);
+    now += 1;
+    expect(await outcomes(store, s, 1)).toEqual(['allowed']);
+  });
+});
+
+describe('redis store', () => {
+  it('keeps all keys of one subject in one Cluster slot', () => {
+    const key = 'gw:production:{k:acme}';
+    expect(calculateSlot(`${key}:rej`)).toBe(calculateSlot(key));
+    expect(calculateSlot(key)).not.toBe(calculateSlot('gw:production:{k:other}'));
+  });
+
+  it('aligns windows to UTC using Redis time, and expires the counters at the end of the day', async () => {
+    const store = new RedisQuotaStore(redis, silent);
+    const s = subject(5, 10, false);
+    const d = await store.consume(s);
+    const fields = await redis.hgetall(s.key);
+    expect(Number(fields.ms) % MINUTE_MS).toBe(0);
+    expect(Number(fields.ds) % DAY_MS).toBe(0);
+    expect(d.windows[0]!.resetMs).toBe(Number(fields.ms) + MINUTE_MS);
+    expect(Math.abs(d.nowMs - Date.now())).toBeLessThan(2000);
+    const pexpireAt = Number(await redis.call('PEXPIRETIME', s.key));
+    expect(pexpireAt).toBe(Number(fields.ds) + DAY_MS);
+  });
+
+  it('starts a new minute when the stored window is an old one', async () => {
+    await roomInMinute(3000);
+    const store = new RedisQuotaStore(redis, silent);
+    const s = subject(2, 10, false);
+    expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'minute']);
+    const ms = Number(await redis.hget(s.key, 'ms'));
+    await redis.hset(s.key, 'ms', ms - MINUTE_MS); // as if those two were last minute
+    const d = await store.consume(s);
+    expect(d.windows.map((w) => w.used)).toEqual([1, 3]);
+  });
+
+  it('admits exactly the limit under concurrent load from several clients', async () => {
+    await roomInMinute(10_000);
+    const clients = [0, 1, 2].map(() => new Redis(inject('redisUrl')));
+    const stores = clients.map((c) => new RedisQuotaStore(c, silent));
+    const s = subject(50, 1000, false);
+    const results = await Promise.all(Array.from({ length: 300 }, (_, i) => stores[i % 3]!.consume(s)));
+    expect(results.filter((d) => d.outcome === 'allowed')).toHaveLength(50);
+    await Promise.all(clients.map((c) => c.quit()));
+  });
+
+  it('answers a known ban without a round trip, and another instance learns it from Redis', async () => {
+    await roomInMinute(3000);
+    const own = new Redis(inject('redisUrl'));
+    const store = new RedisQuotaStore(own, silent);
+    const s = subject(1, 100);
+    expect(await outcomes(store, s, 5)).toContain('banned');
+    own.disconnect(); // no Redis for this instance any more
+    const cached = await store.consume(s);
+    expect(cached.outcome).toBe('banned');
+    expect(store.degraded).toBe(false);
+    const other = new RedisQuotaStore(redis, silent);
+    expect((await other.consume(s)).outcome).toBe('banned');
+  });
+
+  it('falls back to the in-process store when Redis fails, and says so', async () => {
+    const broken = new Redis('redis://127.0.0.1:1', {
+      enableOfflineQueue: false,
+      maxRetriesPerRequest: 0,
+      retryStrategy: () => null,
+      lazyConnect: true,
+    });
+    const warnings: unknown[] = [];
+    const log = { ...silent, warn: (...a: unknown[]) => warnings.push(a) } as unknown as FastifyBaseLogger;
+    const store = new RedisQuotaStore(broken, log);
+    const s = subject(2, 10, false);
+    expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'minute']);
+    expect(store.degraded).toBe(true);
+    expect(warnings).toHaveLength(1);
+    broken.disconnect();
+  });
+});
