@@ -39,6 +39,7 @@ export default async function setup(project: TestProject): Promise<() => Promise
       } catch (err) {
         throw new Error(
           `No Redis for the tests: set REDIS_URL, install redis-server (apt-get install redis-server), or start Docker. (${(err as Error).message})`,
+          { cause: err },
         );
       }
     }
