@@ -1,7 +1,7 @@
 import swagger from '@fastify/swagger';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import Fastify, { type FastifyInstance } from 'fastify';
-import type { BackendConfig } from './config.js';
+import { type BackendConfig, loggerOptions } from './config.js';
 import { registerErrorHandling } from './errors.js';
 import { orderRoutes } from './orders.js';
 import { petRoutes } from './pets.js';
@@ -10,12 +10,12 @@ import { validatorCompiler } from './validation.js';
 
 /** Builds the pet backend; never listens (server.ts does). */
 export async function buildBackend(
-  config: Pick<BackendConfig, 'bodyLimit' | 'logLevel'>,
+  config: Pick<BackendConfig, 'bodyLimit' | 'logLevel'> & { logPretty?: boolean },
   store: PetStore,
 ): Promise<FastifyInstance> {
   const app = Fastify({
     bodyLimit: config.bodyLimit,
-    logger: { level: config.logLevel, redact: ['req.headers.authorization'] },
+    logger: loggerOptions(config.logLevel, config.logPretty),
     // The gateway's request id, so one id follows a request through both logs.
     requestIdHeader: 'x-request-id',
   }).withTypeProvider<TypeBoxTypeProvider>();

@@ -7,6 +7,21 @@ export const LogLevel = Type.Union(
 );
 
 /**
+ * pino options of both services: credentials and cookies are removed from anything logged
+ * under a request's headers; LOG_PRETTY=1 gives human-readable lines through pino-pretty.
+ */
+export function loggerOptions(level: string, pretty = false) {
+  return {
+    level,
+    redact: {
+      paths: ['req.headers.authorization', 'req.headers.cookie', 'headers.authorization', 'headers.cookie'],
+      remove: true,
+    },
+    ...(pretty ? { transport: { target: 'pino-pretty', options: { translateTime: 'SYS:HH:MM:ss.l' } } } : {}),
+  };
+}
+
+/**
  * Reads the variables a schema names from the environment, converts and defaults them,
  * and throws one error listing every bad variable. Shared by the backend and the gateway.
  */
@@ -24,7 +39,9 @@ const Env = Type.Object({
   BACKEND_HOST: Type.String({ minLength: 1, default: '127.0.0.1' }),
   PETS_DB: Type.String({ minLength: 1, default: 'data/pets.db' }),
   BACKEND_BODY_LIMIT: Type.Integer({ minimum: 1, default: 1024 * 1024 }),
+  SHUTDOWN_GRACE_MS: Type.Integer({ minimum: 0, default: 10_000 }),
   LOG_LEVEL: LogLevel,
+  LOG_PRETTY: Type.Union([Type.Literal('1'), Type.Literal('0')], { default: '0' }),
 });
 
 export interface BackendConfig {
@@ -32,7 +49,9 @@ export interface BackendConfig {
   host: string;
   dbFile: string;
   bodyLimit: number;
+  shutdownGraceMs: number;
   logLevel: string;
+  logPretty: boolean;
 }
 
 export function loadBackendConfig(env: NodeJS.ProcessEnv = process.env): BackendConfig {
@@ -42,6 +61,8 @@ export function loadBackendConfig(env: NodeJS.ProcessEnv = process.env): Backend
     host: v.BACKEND_HOST,
     dbFile: v.PETS_DB,
     bodyLimit: v.BACKEND_BODY_LIMIT,
+    shutdownGraceMs: v.SHUTDOWN_GRACE_MS,
     logLevel: v.LOG_LEVEL,
+    logPretty: v.LOG_PRETTY === '1',
   });
 }

@@ -13,14 +13,24 @@ try {
 const store = new PetStore(config.dbFile);
 const app = await buildBackend(config, store);
 app.addHook('onClose', async () => store.close());
-await app.listen({ port: config.port, host: config.host });
-
+// In-flight requests finish (cut after SHUTDOWN_GRACE_MS), then the database closes.
+// A second signal exits at once.
+let closing = false;
 for (const signal of ['SIGTERM', 'SIGINT'] as const) {
-  process.once(signal, () => {
+  process.on(signal, () => {
+    if (closing) process.exit(1);
+    closing = true;
     app.log.info({ signal }, 'closing');
+    const grace = setTimeout(() => app.server.closeAllConnections(), config.shutdownGraceMs);
     app.close().then(
-      () => process.exit(0),
+      () => {
+        clearTimeout(grace);
+        process.exit(0);
+      },
       () => process.exit(1),
     );
   });
 }
+
+await app.listen({ port: config.port, host: config.host });
+

@@ -6,6 +6,8 @@ import { authenticate } from './auth.js';
 import type { Consumer, GatewayConfig, GatewaySettings } from './config.js';
 import { type GatewayErrorCode, GatewayError, handleError, renderError } from './errors.js';
 import { rateLimitHeaders } from './headers.js';
+import { GatewayMetrics, type RejectionReason } from './metrics.js';
+import { loggerOptions } from '../backend/config.js';
 import { registerProxy } from './proxy.js';
 import { admit } from './quota.js';
 import { MemoryQuotaStore, type QuotaStore, type QuotaSubject, RedisQuotaStore } from './quota-store.js';
@@ -32,11 +34,15 @@ export interface Gateway {
   setConfig(config: GatewayConfig): void;
   config(): GatewayConfig;
   store: QuotaStore;
+  metrics: GatewayMetrics;
 }
 
 /** Builds the gateway: hooks in order (request id, auth, quota, route allow-list), then the proxy. Never listens. */
 export async function buildGateway(
-  settings: Pick<GatewaySettings, 'backendUrl' | 'bodyLimit' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel'>,
+  settings: Pick<
+    GatewaySettings,
+    'backendUrl' | 'bodyLimit' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds'
+  >,
   deps: GatewayDeps,
 ): Promise<Gateway> {
   let config = deps.config;
@@ -53,10 +59,7 @@ export async function buildGateway(
   }
 
   const app = Fastify({
-    logger: {
-      level: settings.logLevel,
-      redact: { paths: ['req.headers.authorization', 'req.headers.cookie', 'headers.authorization'], remove: true },
-    },
+    logger: loggerOptions(settings.logLevel, settings.logPretty),
     // One access line per request (onResponse below) instead of fastify's two.
     logController: new LogController({ disableRequestLogging: true }),
     genReqId: (req) => {
@@ -77,7 +80,10 @@ export async function buildGateway(
       );
     },
   });
-  const store: QuotaStore = deps.redis ? new RedisQuotaStore(deps.redis, app.log) : new MemoryQuotaStore();
+  const metrics = new GatewayMetrics(settings.metricsKeyIds, () => ({ degraded: store.degraded, bans: store.activeBans() }));
+  const store: QuotaStore = deps.redis
+    ? new RedisQuotaStore(deps.redis, app.log, (s) => metrics.redisSeconds.observe(s))
+    : new MemoryQuotaStore();
   app.decorateRequest('gw', null as unknown as FastifyRequest['gw']);
   app.setErrorHandler(handleError);
 
@@ -110,13 +116,15 @@ export async function buildGateway(
 
   app.addHook('onResponse', async (request, reply) => {
     const { consumer, route, quota } = request.gw ?? {};
+    const status = reply.statusCode;
+    metrics.request(route ?? 'none', status, consumer?.plan ?? 'none', consumer?.id, rejection(status, quota));
     request.log.info(
       {
         key: consumer?.id,
         plan: consumer?.plan,
         route: route ?? null,
         method: request.method,
-        status: reply.statusCode,
+        status,
         ms: Math.round(reply.elapsedTime * 10) / 10,
         quota,
       },
@@ -132,6 +140,7 @@ export async function buildGateway(
       const c = request.gw.consumer!;
       return { 'x-consumer-id': c.id, 'x-consumer-plan': c.plan };
     },
+    upstreamSeconds: (request, seconds) => metrics.upstreamSeconds.observe({ route: request.gw.route ?? 'none' }, seconds),
   });
 
   /**
@@ -182,7 +191,19 @@ export async function buildGateway(
     },
     config: () => config,
     store,
+    metrics,
   };
+}
+
+const REJECTIONS: Record<string, RejectionReason> = {
+  rate_limited: 'minute',
+  daily_quota_exceeded: 'day',
+  key_banned: 'banned',
+};
+
+function rejection(status: number, quota: string | undefined): RejectionReason | undefined {
+  if (status === 401) return 'unauthenticated';
+  return status === 429 && quota ? REJECTIONS[quota] : undefined;
 }
 
 function statusText(status: number): string {

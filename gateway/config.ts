@@ -20,6 +20,12 @@ const Env = Type.Object({
   UPSTREAM_TIMEOUT_MS: Type.Integer({ minimum: 1, default: 10_000 }),
   REDIS_TIMEOUT_MS: Type.Integer({ minimum: 1, default: 250 }),
   REDIS_KEY_PREFIX: Type.String({ pattern: '^[A-Za-z0-9_.-]{1,32}$', default: 'gw' }),
+  ADMIN_PORT: Type.Integer({ minimum: 0, maximum: 65535, default: 9000 }),
+  ADMIN_HOST: Type.String({ minLength: 1, default: '127.0.0.1' }),
+  ADMIN_TOKEN: Type.Optional(Type.String({ minLength: 16 })),
+  METRICS_KEY_IDS: Type.Union([Type.Literal('true'), Type.Literal('false')], { default: 'false' }),
+  SHUTDOWN_GRACE_MS: Type.Integer({ minimum: 0, default: 10_000 }),
+  LOG_PRETTY: Type.Union([Type.Literal('1'), Type.Literal('0')], { default: '0' }),
   TRUST_PROXY: Type.Union([Type.Literal('true'), Type.Literal('false')], { default: 'false' }),
   LOG_LEVEL: LogLevel,
 });
@@ -35,7 +41,13 @@ export interface GatewaySettings {
   redisTimeoutMs: number;
   redisKeyPrefix: string;
   trustProxy: boolean;
+  adminPort: number;
+  adminHost: string;
+  adminToken: string | undefined;
+  metricsKeyIds: boolean;
+  shutdownGraceMs: number;
   logLevel: string;
+  logPretty: boolean;
 }
 
 export function loadSettings(env: NodeJS.ProcessEnv = process.env): GatewaySettings {
@@ -51,7 +63,13 @@ export function loadSettings(env: NodeJS.ProcessEnv = process.env): GatewaySetti
     redisTimeoutMs: v.REDIS_TIMEOUT_MS,
     redisKeyPrefix: v.REDIS_KEY_PREFIX,
     trustProxy: v.TRUST_PROXY === 'true',
+    adminPort: v.ADMIN_PORT,
+    adminHost: v.ADMIN_HOST,
+    adminToken: v.ADMIN_TOKEN,
+    metricsKeyIds: v.METRICS_KEY_IDS === 'true',
+    shutdownGraceMs: v.SHUTDOWN_GRACE_MS,
     logLevel: v.LOG_LEVEL,
+    logPretty: v.LOG_PRETTY === '1',
   });
 }
 

@@ -9,6 +9,7 @@ export const GATEWAY_ERRORS = {
   invalid_path: 400,
   unauthorized: 401,
   route_not_found: 404,
+  key_not_found: 404,
   method_not_allowed: 405,
   request_timeout: 408,
   route_sunset: 410,
@@ -19,6 +20,7 @@ export const GATEWAY_ERRORS = {
   headers_too_large: 431,
   internal_error: 500,
   bad_gateway: 502,
+  not_ready: 503,
   gateway_timeout: 504,
 } as const;
 export type GatewayErrorCode = keyof typeof GATEWAY_ERRORS;

@@ -43,7 +43,11 @@ export interface ProxyOptions {
   timeoutMs: number;
   /** Headers the backend receives about the caller (consumer id and plan). */
   identity: (request: FastifyRequest) => Record<string, string>;
+  /** Told how long the backend took to send its response headers. */
+  upstreamSeconds: (request: FastifyRequest, seconds: number) => void;
 }
+
+const sentAt = new WeakMap<object, number>();
 
 /**
  * @fastify/http-proxy to the backend for every path; the allow-list has already refused
@@ -73,6 +77,7 @@ export async function registerProxy(app: FastifyInstance, opts: ProxyOptions): P
       rewriteRequestHeaders: (request, headers) => {
         withoutHopByHop(headers as Headers);
         for (const name of FROM_CLIENT_ONLY) delete headers[name];
+        sentAt.set(request, performance.now());
         return {
           ...headers,
           ...opts.identity(request as FastifyRequest),
@@ -81,7 +86,11 @@ export async function registerProxy(app: FastifyInstance, opts: ProxyOptions): P
           'x-forwarded-proto': request.protocol,
         };
       },
-      rewriteHeaders: (headers) => withoutHopByHop(headers as Headers),
+      rewriteHeaders: (headers, request) => {
+        const started = request && sentAt.get(request);
+        if (started) opts.upstreamSeconds(request as FastifyRequest, (performance.now() - started) / 1000);
+        return withoutHopByHop(headers as Headers);
+      },
       onError: (reply, { error }) => {
         reply.send(upstreamError(error));
       },

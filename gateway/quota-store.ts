@@ -16,11 +16,25 @@ export interface QuotaSubject {
   bans: BanPolicy | null;
 }
 
+/** A subject's counters as they stand, read without counting (for the admin usage lookup). */
+export interface Usage {
+  nowMs: number;
+  minuteUsed: number;
+  dayUsed: number;
+  /** 0 when not banned. */
+  banUntilMs: number;
+  /** 429s within the ban window so far. */
+  recentRejections: number;
+}
+
 /** The store behind one interface: one decision per request. */
 export interface QuotaStore {
   consume(subject: QuotaSubject): Promise<Decision>;
+  peek(subject: QuotaSubject): Promise<Usage>;
   /** True while decisions come from the in-process fallback because Redis failed. */
   readonly degraded: boolean;
+  /** Bans this instance knows to be in force now. */
+  activeBans(): number;
 }
 
 const OUTCOMES = ['allowed', 'minute', 'day', 'banned'] as const;
@@ -58,6 +72,26 @@ export class MemoryQuotaStore implements QuotaStore {
 
   async consume(subject: QuotaSubject): Promise<Decision> {
     return toDecision(subject, this.step(subject, this.clock()));
+  }
+
+  async peek({ key, bans }: QuotaSubject): Promise<Usage> {
+    const now = this.clock();
+    const s = this.states.get(key);
+    if (!s) return { nowMs: now, minuteUsed: 0, dayUsed: 0, banUntilMs: 0, recentRejections: 0 };
+    return {
+      nowMs: now,
+      minuteUsed: s.ms === windowStart(now, MINUTE_MS) ? s.mc : 0,
+      dayUsed: s.ds === windowStart(now, DAY_MS) ? s.dc : 0,
+      banUntilMs: s.ban > now ? s.ban : 0,
+      recentRejections: bans ? s.rejections.filter((t) => t > now - bans.withinMs).length : 0,
+    };
+  }
+
+  activeBans(): number {
+    const now = this.clock();
+    let n = 0;
+    for (const s of this.states.values()) if (s.ban > now) n++;
+    return n;
   }
 
   private step({ key, limits, bans }: QuotaSubject, now: number): number[] {
@@ -118,6 +152,8 @@ export class RedisQuotaStore implements QuotaStore {
   constructor(
     redis: Redis,
     private readonly log: FastifyBaseLogger,
+    /** Told the duration of every script call, in seconds (the latency histogram). */
+    private readonly observe: (seconds: number) => void = () => {},
   ) {
     redis.defineCommand('quota', { numberOfKeys: 2, lua: SCRIPT });
     this.redis = redis as QuotaRedis;
@@ -140,6 +176,7 @@ export class RedisQuotaStore implements QuotaStore {
     if (this.retryAt > local) return this.fallback.consume(subject);
     const { limits, bans } = subject;
     let reply: number[];
+    const started = performance.now();
     try {
       reply = await this.redis.quota(
         subject.key,
@@ -151,9 +188,10 @@ export class RedisQuotaStore implements QuotaStore {
         bans?.durationMs ?? 0,
       );
     } catch (err) {
-      if (this.retryAt === 0) this.log.warn({ err }, 'quota store: Redis failed; limits are per process until it answers');
-      this.retryAt = local + RETRY_REDIS_AFTER_MS;
+      this.failed(err, local);
       return this.fallback.consume(subject);
+    } finally {
+      this.observe((performance.now() - started) / 1000);
     }
     if (this.retryAt !== 0) {
       this.retryAt = 0;
@@ -162,5 +200,47 @@ export class RedisQuotaStore implements QuotaStore {
     this.offsetMs = reply[3]! - local;
     if (reply[0] === 3) this.bans.set(subject.key, reply[4]!);
     return toDecision(subject, reply);
+  }
+
+  private failed(err: unknown, local: number): void {
+    if (this.retryAt === 0) this.log.warn({ err }, 'quota store: Redis failed; limits are per process until it answers');
+    this.retryAt = local + RETRY_REDIS_AFTER_MS;
+  }
+
+  /** One MULTI: Redis time, the counters and the recent 429s, read together. */
+  async peek(subject: QuotaSubject): Promise<Usage> {
+    let results: Array<[Error | null, unknown]> | null;
+    try {
+      results = await this.redis
+        .multi()
+        .time()
+        .hmget(subject.key, 'ms', 'mc', 'ds', 'dc', 'ban')
+        .lrange(`${subject.key}:rej`, 0, -1)
+        .exec();
+    } catch (err) {
+      this.failed(err, Date.now());
+      return this.fallback.peek(subject);
+    }
+    const [time, fields, rejections] = (results ?? []).map(([err, value]) => {
+      if (err) throw err;
+      return value;
+    }) as [[string, string], Array<string | null>, string[]];
+    const now = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
+    const [ms, mc, ds, dc, ban] = fields.map(Number) as [number, number, number, number, number];
+    const withinMs = subject.bans?.withinMs ?? 0;
+    return {
+      nowMs: now,
+      minuteUsed: ms === windowStart(now, MINUTE_MS) ? mc : 0,
+      dayUsed: ds === windowStart(now, DAY_MS) ? dc : 0,
+      banUntilMs: ban > now ? ban : 0,
+      recentRejections: rejections.filter((t) => Number(t) > now - withinMs).length,
+    };
+  }
+
+  activeBans(): number {
+    const now = Date.now() + this.offsetMs;
+    let n = 0;
+    for (const until of this.bans.values()) if (until > now) n++;
+    return n;
   }
 }

@@ -1,6 +1,7 @@
 import { watch } from 'node:fs';
 import { basename, dirname } from 'node:path';
 import { Redis } from 'ioredis';
+import { buildAdmin } from './admin.js';
 import { buildGateway } from './app.js';
 import { ConfigError, loadConfigFile, loadSettings } from './config.js';
 
@@ -29,7 +30,19 @@ if (settings.redisUrl) {
   redis.on('error', () => {}); // reported once through the store's degraded log line instead
 }
 
-const { app, setConfig } = await buildGateway(settings, { config: initial, redis });
+const gateway = await buildGateway(settings, { config: initial, redis });
+const { app, setConfig } = gateway;
+let closing = false;
+const admin = await buildAdmin({
+  config: gateway.config,
+  store: gateway.store,
+  metrics: gateway.metrics,
+  redis,
+  backendUrl: settings.backendUrl,
+  adminToken: settings.adminToken,
+  closing: () => closing,
+  log: app.log,
+});
 if (!settings.redisUrl) {
   app.log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
 }
@@ -64,23 +77,45 @@ const watcher = watch(dirname(settings.configFile), (_event, name) => {
 });
 process.on('SIGHUP', () => reload('SIGHUP'));
 
-await app.listen({ port: settings.port, host: settings.host });
-app.log.info({ environment: initial.environment, backend: settings.backendUrl, store: redis ? 'redis' : 'memory' }, 'gateway ready');
-
-let closing = false;
+// Graceful stop: /readyz turns 503, the listener closes, in-flight requests finish (cut
+// after SHUTDOWN_GRACE_MS), then the admin port and Redis close. A second signal exits at once.
 for (const signal of ['SIGTERM', 'SIGINT'] as const) {
   process.on(signal, () => {
-    if (closing) process.exit(1); // a second signal: leave at once
+    if (closing) process.exit(1);
     closing = true;
     app.log.info({ signal }, 'closing: finishing in-flight requests');
     watcher.close();
     clearTimeout(debounce);
+    let forced = false;
+    const grace = setTimeout(() => {
+      forced = true;
+      app.log.warn('grace period over: closing the remaining connections');
+      app.server.closeAllConnections();
+    }, settings.shutdownGraceMs);
     app
       .close()
+      .then(() => admin.close())
       .then(() => redis?.quit())
       .then(
-        () => process.exit(0),
+        () => {
+          clearTimeout(grace);
+          process.exit(forced ? 1 : 0);
+        },
         () => process.exit(1),
       );
   });
 }
+
+const address = await app.listen({ port: settings.port, host: settings.host });
+const adminAddress = await admin.listen({ port: settings.adminPort, host: settings.adminHost });
+app.log.info(
+  {
+    address,
+    admin: adminAddress,
+    environment: initial.environment,
+    backend: settings.backendUrl,
+    store: redis ? 'redis' : 'memory',
+  },
+  'gateway ready',
+);
+

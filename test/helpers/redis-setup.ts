@@ -1,6 +1,6 @@
-import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
+import { execFileSync } from 'node:child_process';
 import type { TestProject } from 'vitest/node';
-import { freePort, waitForPort } from './net.js';
+import { spawnRedis } from './redis.js';
 
 declare module 'vitest' {
   interface ProvidedContext {
@@ -17,17 +17,9 @@ export default async function setup(project: TestProject): Promise<() => Promise
   let teardown = async () => {};
   if (!url) {
     if (hasRedisServer()) {
-      const port = await freePort();
-      const child: ChildProcess = spawn(
-        'redis-server',
-        ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'],
-        { stdio: 'ignore' },
-      );
-      await waitForPort(port, 5000);
-      url = `redis://127.0.0.1:${port}`;
-      teardown = async () => {
-        child.kill('SIGTERM');
-      };
+      const redis = await spawnRedis();
+      url = redis.url;
+      teardown = async () => redis.stop();
     } else {
       try {
         const { RedisContainer } = await import('@testcontainers/redis');

@@ -52,17 +52,17 @@ export function writeConfig(file: string, config: ConfigFile): void {
   writeFileSync(file, JSON.stringify(config, null, 2));
 }
 
-export type Gateway = Started & { url: string; port: number };
+export type Gateway = Started & { url: string; port: number; adminUrl: string };
 
 export async function startGateway(env: Record<string, string>): Promise<Gateway> {
   const g = await startProcess(
     'dist/gateway/server.js',
-    { GATEWAY_PORT: '0', REDIS_URL: inject('redisUrl'), ...env },
+    { GATEWAY_PORT: '0', ADMIN_PORT: '0', REDIS_URL: inject('redisUrl'), ...env },
     (l) => l.msg === 'gateway ready',
   );
-  const listening = g.logs.find((l) => /listening at/.test(String(l.msg)));
-  const port = Number(/:(\d+)$/.exec(String(listening?.msg))?.[1]);
-  return { ...g, url: `http://127.0.0.1:${port}`, port };
+  const ready = g.logs.find((l) => l.msg === 'gateway ready')!;
+  const url = String(ready.address);
+  return { ...g, url, port: Number(new URL(url).port), adminUrl: String(ready.admin) };
 }
 
 /** The real backend process and one gateway in front of it, on free ports. */

@@ -1,0 +1,88 @@
+import { createHash, timingSafeEqual } from 'node:crypto';
+import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
+import type { Redis } from 'ioredis';
+import type { GatewayConfig } from './config.js';
+import { GatewayError, handleError } from './errors.js';
+import { windows } from './headers.js';
+import type { GatewayMetrics } from './metrics.js';
+import type { QuotaStore } from './quota-store.js';
+
+export interface AdminDeps {
+  config: () => GatewayConfig;
+  store: QuotaStore;
+  metrics: GatewayMetrics;
+  redis?: Redis;
+  backendUrl: string;
+  adminToken?: string;
+  /** True once shutdown has begun: /readyz then answers 503 so load balancers stop sending. */
+  closing: () => boolean;
+  log: FastifyBaseLogger;
+}
+
+const digest = (s: string) => createHash('sha256').update(s).digest();
+
+/**
+ * The admin surface, on its own port and never on the public one: health, readiness,
+ * Prometheus metrics, and a key's usage (behind ADMIN_TOKEN).
+ */
+export async function buildAdmin(deps: AdminDeps): Promise<FastifyInstance> {
+  const app = Fastify({ loggerInstance: deps.log, return503OnClosing: false });
+  app.setErrorHandler(handleError);
+  app.setNotFoundHandler(() => {
+    throw new GatewayError('route_not_found', 'No such admin route');
+  });
+  const token = deps.adminToken ? digest(deps.adminToken) : undefined;
+  if (!token) app.log.warn('ADMIN_TOKEN is not set: /admin/* answers 401 to everyone');
+
+  app.get('/healthz', async () => ({ status: 'ok' }));
+
+  app.get('/readyz', async (_request, reply) => {
+    const problems: string[] = [];
+    if (deps.closing()) problems.push('shutting down');
+    if (deps.redis) {
+      await deps.redis.ping().catch((err: Error) => problems.push(`redis: ${err.message}`));
+    }
+    await fetch(`${deps.backendUrl}/healthz`, { signal: AbortSignal.timeout(1000) }).then(
+      (res) => {
+        if (!res.ok) problems.push(`backend: status ${res.status}`);
+      },
+      (err: Error) => problems.push(`backend: ${err.cause ? String((err.cause as Error).message) : err.message}`),
+    );
+    if (problems.length > 0) throw new GatewayError('not_ready', `Not ready: ${problems.join('; ')}`);
+    reply.header('cache-control', 'no-store');
+    return { status: 'ready', store: deps.redis ? 'redis' : 'memory' };
+  });
+
+  app.get('/metrics', async (_request, reply) => {
+    reply.type(deps.metrics.registry.contentType);
+    return deps.metrics.registry.metrics();
+  });
+
+  app.get<{ Params: { id: string } }>('/admin/keys/:id/usage', async (request) => {
+    const given = /^Bearer (\S+)$/i.exec(request.headers.authorization ?? '')?.[1];
+    if (!token || !given || !timingSafeEqual(digest(given), token)) {
+      throw new GatewayError('unauthorized', token ? 'Admin token missing or wrong' : 'ADMIN_TOKEN is not configured', {
+        'www-authenticate': 'Bearer realm="pet-store-admin"',
+      });
+    }
+    const consumer = [...deps.config().consumers.values()].find((c) => c.id === request.params.id);
+    if (!consumer) throw new GatewayError('key_not_found', `No key with id "${request.params.id}"`);
+    const usage = await deps.store.peek(consumer.subject);
+    const iso = (ms: number) => new Date(ms).toISOString();
+    const state = windows(consumer.limits, usage.nowMs, usage.minuteUsed, usage.dayUsed);
+    return {
+      id: consumer.id,
+      plan: consumer.plan,
+      revoked: consumer.revoked,
+      limits: consumer.limits,
+      windows: Object.fromEntries(
+        state.map((w) => [w.name, { used: w.used, remaining: Math.max(0, w.limit - w.used), resetAt: iso(w.resetMs) }]),
+      ),
+      ban: { active: usage.banUntilMs > 0, until: usage.banUntilMs > 0 ? iso(usage.banUntilMs) : null },
+      recentRejections: usage.recentRejections,
+      store: deps.redis ? (deps.store.degraded ? 'memory (Redis failing)' : 'redis') : 'memory',
+      at: iso(usage.nowMs),
+    };
+  });
+  return app;
+}

@@ -1,0 +1,72 @@
+import { Counter, collectDefaultMetrics, Gauge, Histogram, Registry } from 'prom-client';
+
+/** What the gateway reports to the access-log hook, and the reasons a request is refused. */
+export type RejectionReason = 'minute' | 'day' | 'banned' | 'unauthenticated';
+
+/**
+ * Prometheus metrics, one registry per gateway. Label values are bounded: route ids from the
+ * allow-list (or "none"), statuses, plan names from the config; key ids only when configured.
+ */
+export class GatewayMetrics {
+  readonly registry = new Registry();
+  private readonly requests: Counter<string>;
+  private readonly rejections: Counter<'reason'>;
+  readonly redisSeconds: Histogram<never>;
+  readonly upstreamSeconds: Histogram<'route'>;
+
+  constructor(
+    private readonly keyLabels: boolean,
+    store: () => { degraded: boolean; bans: number },
+  ) {
+    const registers = [this.registry];
+    collectDefaultMetrics({ register: this.registry });
+    this.requests = new Counter({
+      name: 'gateway_requests_total',
+      help: 'Requests answered, by route, status and plan',
+      labelNames: keyLabels ? ['route', 'status', 'plan', 'key'] : ['route', 'status', 'plan'],
+      registers,
+    });
+    this.rejections = new Counter({
+      name: 'gateway_rejections_total',
+      help: 'Requests refused, by reason: minute, day, banned, unauthenticated',
+      labelNames: ['reason'],
+      registers,
+    });
+    this.redisSeconds = new Histogram({
+      name: 'gateway_redis_duration_seconds',
+      help: 'Duration of the quota script call to Redis',
+      buckets: [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25],
+      registers,
+    });
+    this.upstreamSeconds = new Histogram({
+      name: 'gateway_upstream_duration_seconds',
+      help: 'Time from sending a request to the backend to its response headers, by route',
+      labelNames: ['route'],
+      buckets: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
+      registers,
+    });
+    new Gauge({
+      name: 'gateway_bans_active',
+      help: 'Keys this instance knows to be banned now',
+      registers,
+      collect() {
+        this.set(store().bans);
+      },
+    });
+    new Gauge({
+      name: 'gateway_quota_store_degraded',
+      help: '1 while quota decisions come from the in-process fallback because Redis fails',
+      registers,
+      collect() {
+        this.set(store().degraded ? 1 : 0);
+      },
+    });
+  }
+
+  request(route: string, status: number, plan: string, key: string | undefined, rejected?: RejectionReason): void {
+    const labels: Record<string, string | number> = { route, status, plan };
+    if (this.keyLabels) labels.key = key ?? 'none';
+    this.requests.inc(labels);
+    if (rejected) this.rejections.inc({ reason: rejected });
+  }
+}
