@@ -209,22 +209,23 @@ export class RedisQuotaStore implements QuotaStore {
 
   /** One MULTI: Redis time, the counters and the recent 429s, read together. */
   async peek(subject: QuotaSubject): Promise<Usage> {
-    let results: Array<[Error | null, unknown]> | null;
+    let values: unknown[];
     try {
-      results = await this.redis
+      const results = await this.redis
         .multi()
         .time()
         .hmget(subject.key, 'ms', 'mc', 'ds', 'dc', 'ban')
         .lrange(`${subject.key}:rej`, 0, -1)
         .exec();
+      values = (results ?? []).map(([err, value]) => {
+        if (err) throw err;
+        return value;
+      });
     } catch (err) {
       this.failed(err, Date.now());
       return this.fallback.peek(subject);
     }
-    const [time, fields, rejections] = (results ?? []).map(([err, value]) => {
-      if (err) throw err;
-      return value;
-    }) as [[string, string], Array<string | null>, string[]];
+    const [time, fields, rejections] = values as [[string, string], Array<string | null>, string[]];
     const now = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
     const [ms, mc, ds, dc, ban] = fields.map(Number) as [number, number, number, number, number];
     const withinMs = subject.bans?.withinMs ?? 0;

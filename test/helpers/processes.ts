@@ -1,6 +1,7 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import { resolve } from 'node:path';
 import { createInterface } from 'node:readline';
+import { waitForPort } from './net.js';
 
 const ROOT = resolve(import.meta.dirname, '../..');
 
@@ -19,7 +20,7 @@ export interface Started {
 export async function startProcess(
   entry: string,
   env: Record<string, string>,
-  ready: (line: Record<string, unknown>) => boolean,
+  ready: ((line: Record<string, unknown>) => boolean) | { port: number },
 ): Promise<Started> {
   const proc = spawn(process.execPath, [resolve(ROOT, entry)], {
     cwd: ROOT,
@@ -77,7 +78,8 @@ export async function startProcess(
     clearTimeout(timer);
     return code;
   };
-  await waitForLog(ready);
+  if (typeof ready === 'function') await waitForLog(ready);
+  else await Promise.race([waitForPort(ready.port, 10_000), exited.then(() => Promise.reject(new Error(`${entry} exited early:\n${text}`)))]);
   return { proc, logs, output: () => text, stop, waitForLog };
 }
 

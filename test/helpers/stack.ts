@@ -57,7 +57,7 @@ export type Gateway = Started & { url: string; port: number; adminUrl: string };
 export async function startGateway(env: Record<string, string>): Promise<Gateway> {
   const g = await startProcess(
     'dist/gateway/server.js',
-    { GATEWAY_PORT: '0', ADMIN_PORT: '0', REDIS_URL: inject('redisUrl'), ...env },
+    { GATEWAY_PORT: '0', ADMIN_PORT: '0', ...env, REDIS_URL: env.REDIS_URL ?? inject('redisUrl') },
     (l) => l.msg === 'gateway ready',
   );
   const ready = g.logs.find((l) => l.msg === 'gateway ready')!;
