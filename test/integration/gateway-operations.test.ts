@@ -1,6 +1,8 @@
 import { readFileSync } from 'node:fs';
 import { request } from 'node:http';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { freePort } from '../helpers/net.js';
+import { startProcess } from '../helpers/processes.js';
 import { spawnRedis } from '../helpers/redis.js';
 import { call, makeKey, startStack, testConfig } from '../helpers/stack.js';
 import { roomInMinute, sleep } from '../helpers/time.js';
@@ -130,6 +132,25 @@ describe('admin token', () => {
       expect(stack.gateway.logs.some((l) => /ADMIN_TOKEN is not set/.test(String(l.msg)))).toBe(true);
     } finally {
       await stack.stop();
+    }
+  });
+});
+
+describe('pretty logs', () => {
+  it('prints human-readable lines with LOG_PRETTY=1', async () => {
+    const [port, adminPort] = [await freePort(), await freePort()];
+    const g = await startProcess(
+      'dist/gateway/server.js',
+      { GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), GATEWAY_CONFIG: 'config/gateway.yaml', LOG_PRETTY: '1' },
+      { port: adminPort },
+    );
+    try {
+      // pino-pretty writes from a worker thread, a little after the port opens.
+      for (let i = 0; i < 50 && !/gateway ready/.test(g.output()); i++) await sleep(100);
+      expect(g.output()).toMatch(/INFO \(\d+\): gateway ready/);
+      expect(g.logs).toEqual([]); // no JSON lines
+    } finally {
+      await g.stop();
     }
   });
 });
