@@ -55,24 +55,30 @@ export function reportedWindow(d: Decision): WindowState {
   return d.windows.reduce((best, w) => (remaining(w) < remaining(best) ? w : best));
 }
 
-/** Seconds a refused client should wait: to the end of the ban or of the violated window. */
+/**
+ * When a window can admit again. During a ban nothing is admitted before the ban ends, and a
+ * window already used up stays closed until its own reset if that comes later (a ban that
+ * started with the day used up ends at midnight UTC in effect, not after 15 minutes).
+ */
+function reopensAt(d: Decision, w: WindowState): number {
+  if (d.outcome !== 'banned') return w.resetMs;
+  return remaining(w) === 0 ? Math.max(d.banUntilMs, w.resetMs) : d.banUntilMs;
+}
+
+/** Seconds a refused client should wait: until a request can be admitted again. */
 export function retryAfterSeconds(d: Decision): number | undefined {
-  if (d.outcome === 'banned') return secondsUntil(d.banUntilMs, d.nowMs);
+  if (d.outcome === 'banned') return secondsUntil(Math.max(...d.windows.map((w) => reopensAt(d, w))), d.nowMs);
   if (d.outcome === 'rejected') return secondsUntil(reportedWindow(d).resetMs, d.nowMs);
   return undefined;
 }
 
-/** Every rate-limit header of a response. During a ban every window reports 0 until the ban ends. */
+/** Every rate-limit header of a response. During a ban every window reports 0 left. */
 export function rateLimitHeaders(d: Decision, policy: string): Record<string, string> {
   const w = reportedWindow(d);
   const banned = d.outcome === 'banned';
   const resetMs = banned ? d.banUntilMs : w.resetMs;
   const state = d.windows
-    .map((x) =>
-      banned
-        ? `"${x.name}";r=0;t=${secondsUntil(d.banUntilMs, d.nowMs)}`
-        : `"${x.name}";r=${remaining(x)};t=${secondsUntil(x.resetMs, d.nowMs)}`,
-    )
+    .map((x) => `"${x.name}";r=${banned ? 0 : remaining(x)};t=${secondsUntil(reopensAt(d, x), d.nowMs)}`)
     .join(', ');
   const headers: Record<string, string> = {
     'x-ratelimit-limit': String(w.limit),

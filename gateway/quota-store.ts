@@ -37,6 +37,23 @@ export interface QuotaStore {
   activeBans(): number;
 }
 
+/** A subject's stored counters: window starts, admitted counts, ban end (the script's hash fields). */
+interface Counters {
+  ms: number;
+  mc: number;
+  ds: number;
+  dc: number;
+  ban: number;
+}
+
+/** Admitted counts of the windows current at `now`: a stored count of an older window is 0. */
+function countsAt(c: Counters, now: number): { minuteUsed: number; dayUsed: number } {
+  return {
+    minuteUsed: c.ms === windowStart(now, MINUTE_MS) ? c.mc : 0,
+    dayUsed: c.ds === windowStart(now, DAY_MS) ? c.dc : 0,
+  };
+}
+
 const OUTCOMES = ['allowed', 'minute', 'day', 'banned'] as const;
 
 function toDecision(
@@ -50,13 +67,10 @@ function toDecision(
   return { outcome: 'rejected', violated: o === 'minute' ? 'minute' : 'day', nowMs: nowMs!, windows: w };
 }
 
-interface MemoryState {
-  ms: number;
-  mc: number;
-  ds: number;
-  dc: number;
-  ban: number;
+interface MemoryState extends Counters {
   rejections: number[];
+  /** When the state may be dropped: what PEXPIREAT / PEXPIRE give the script's keys. */
+  expiresAt: number;
 }
 
 /**
@@ -80,8 +94,7 @@ export class MemoryQuotaStore implements QuotaStore {
     if (!s) return { nowMs: now, minuteUsed: 0, dayUsed: 0, banUntilMs: 0, recentRejections: 0 };
     return {
       nowMs: now,
-      minuteUsed: s.ms === windowStart(now, MINUTE_MS) ? s.mc : 0,
-      dayUsed: s.ds === windowStart(now, DAY_MS) ? s.dc : 0,
+      ...countsAt(s, now),
       banUntilMs: s.ban > now ? s.ban : 0,
       recentRejections: bans ? s.rejections.filter((t) => t > now - bans.withinMs).length : 0,
     };
@@ -96,36 +109,44 @@ export class MemoryQuotaStore implements QuotaStore {
 
   private step({ key, limits, bans }: QuotaSubject, now: number): number[] {
     this.sweep(now);
-    const s = this.states.get(key) ?? { ms: 0, mc: 0, ds: 0, dc: 0, ban: 0, rejections: [] };
-    this.states.set(key, s);
-    if (s.ban > now) return [3, 0, 0, now, s.ban];
+    let s = this.states.get(key);
+    if (!s) {
+      s = { ms: 0, mc: 0, ds: 0, dc: 0, ban: 0, rejections: [], expiresAt: 0 };
+      this.states.set(key, s);
+    }
+    const { minuteUsed: mc, dayUsed: dc } = countsAt(s, now);
+    if (s.ban > now) return [3, mc, dc, now, s.ban];
     const ms = windowStart(now, MINUTE_MS);
     const ds = windowStart(now, DAY_MS);
-    const mc = s.ms === ms ? s.mc : 0;
-    const dc = s.ds === ds ? s.dc : 0;
+    const expireAt = limits.perDay > 0 ? ds + DAY_MS : ms + MINUTE_MS;
     const violated = limits.perDay > 0 && dc >= limits.perDay ? 2 : mc >= limits.perMinute ? 1 : 0;
     if (violated > 0) {
       if (bans) {
         s.rejections = [now, ...s.rejections.filter((t) => t > now - bans.withinMs)].slice(0, bans.afterRejected + 1);
+        s.expiresAt = Math.max(s.expiresAt, now + bans.withinMs);
         if (s.rejections.length > bans.afterRejected) {
           s.ban = now + bans.durationMs;
           s.rejections = [];
+          s.expiresAt = Math.max(s.expiresAt, expireAt, s.ban);
           return [3, mc, dc, now, s.ban];
         }
       }
       return [violated, mc, dc, now, 0];
     }
-    Object.assign(s, { ms, mc: mc + 1, ds, dc: dc + 1 });
+    Object.assign(s, { ms, mc: mc + 1, ds, dc: dc + 1, expiresAt: Math.max(s.expiresAt, expireAt, s.ban) });
     return [0, mc + 1, dc + 1, now, 0];
   }
 
-  /** Drops states whose windows and ban are over, at most once a minute. */
+  /** Drops states whose windows, ban and recent 429s are all over, at most once a minute. */
   private sweep(now: number): void {
     if (now - this.lastSweep < MINUTE_MS) return;
     this.lastSweep = now;
-    const day = windowStart(now, DAY_MS);
-    const minute = windowStart(now, MINUTE_MS);
-    for (const [k, s] of this.states) if (s.ds < day && s.ms < minute && s.ban <= now) this.states.delete(k);
+    for (const [k, s] of this.states) if (s.expiresAt <= now) this.states.delete(k);
+  }
+
+  /** How many subjects it holds (for tests of the sweep). */
+  get size(): number {
+    return this.states.size;
   }
 }
 
@@ -143,7 +164,8 @@ type QuotaRedis = Redis & {
  */
 export class RedisQuotaStore implements QuotaStore {
   private readonly redis: QuotaRedis;
-  private readonly bans = new Map<string, number>();
+  /** Bans seen in replies, with the counters they came with: answered without a round trip. */
+  private readonly bans = new Map<string, Counters>();
   /** Redis time minus local time, from the last reply; turns local time into Redis time for cached bans. */
   private offsetMs = 0;
   private retryAt = 0;
@@ -165,11 +187,12 @@ export class RedisQuotaStore implements QuotaStore {
 
   async consume(subject: QuotaSubject): Promise<Decision> {
     const local = Date.now();
-    const banUntil = this.bans.get(subject.key);
-    if (banUntil !== undefined) {
+    const known = this.bans.get(subject.key);
+    if (known) {
       const now = local + this.offsetMs;
-      if (banUntil > now) {
-        return { outcome: 'banned', nowMs: now, banUntilMs: banUntil, windows: windows(subject.limits, now, 0, 0) };
+      if (known.ban > now) {
+        const { minuteUsed, dayUsed } = countsAt(known, now);
+        return { outcome: 'banned', nowMs: now, banUntilMs: known.ban, windows: windows(subject.limits, now, minuteUsed, dayUsed) };
       }
       this.bans.delete(subject.key);
     }
@@ -197,8 +220,11 @@ export class RedisQuotaStore implements QuotaStore {
       this.retryAt = 0;
       this.log.info('quota store: Redis answers again');
     }
-    this.offsetMs = reply[3]! - local;
-    if (reply[0] === 3) this.bans.set(subject.key, reply[4]!);
+    const [outcome, mc, dc, now, ban] = reply as [number, number, number, number, number];
+    this.offsetMs = now - local;
+    if (outcome === 3) {
+      this.bans.set(subject.key, { ms: windowStart(now, MINUTE_MS), mc, ds: windowStart(now, DAY_MS), dc, ban });
+    }
     return toDecision(subject, reply);
   }
 
@@ -231,8 +257,7 @@ export class RedisQuotaStore implements QuotaStore {
     const withinMs = subject.bans?.withinMs ?? 0;
     return {
       nowMs: now,
-      minuteUsed: ms === windowStart(now, MINUTE_MS) ? mc : 0,
-      dayUsed: ds === windowStart(now, DAY_MS) ? dc : 0,
+      ...countsAt({ ms, mc, ds, dc, ban }, now),
       banUntilMs: ban > now ? ban : 0,
       recentRejections: rejections.filter((t) => Number(t) > now - withinMs).length,
     };
@@ -241,7 +266,7 @@ export class RedisQuotaStore implements QuotaStore {
   activeBans(): number {
     const now = Date.now() + this.offsetMs;
     let n = 0;
-    for (const until of this.bans.values()) if (until > now) n++;
+    for (const { ban } of this.bans.values()) if (ban > now) n++;
     return n;
   }
 }

@@ -10,14 +10,15 @@ local perMinute, perDay = tonumber(ARGV[1]), tonumber(ARGV[2])
 local banAfter, banWithin, banFor = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 
 local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban')
-local ban = tonumber(h[5]) or 0
--- A request during a ban neither counts nor extends it.
-if ban > now then return {3, 0, 0, now, ban} end
-
 local ms = now - now % 60000
 local ds = now - now % 86400000
 local mc = (tonumber(h[1]) == ms) and tonumber(h[2]) or 0
 local dc = (tonumber(h[3]) == ds) and tonumber(h[4]) or 0
+local ban = tonumber(h[5]) or 0
+-- A request during a ban neither counts nor extends it; the counts still tell whether
+-- a window stays closed past the ban's end.
+if ban > now then return {3, mc, dc, now, ban} end
+
 local expireAt = ms + 60000
 if perDay > 0 then expireAt = ds + 86400000 end
 

@@ -59,11 +59,19 @@ describe('rate-limit headers', () => {
 
   it('a ban: remaining 0, reset and Retry-After at its end', () => {
     const banUntil = now + 899_001;
-    const h = rateLimitHeaders({ outcome: 'banned', nowMs: now, banUntilMs: banUntil, windows: windows(free, now, 0, 0) }, policy);
+    const h = rateLimitHeaders({ outcome: 'banned', nowMs: now, banUntilMs: banUntil, windows: windows(free, now, 60, 100) }, policy);
     expect(h['x-ratelimit-remaining']).toBe('0');
     expect(h['x-ratelimit-reset']).toBe(String(Math.ceil(banUntil / 1000)));
     expect(h['retry-after']).toBe('900');
     expect(h.ratelimit).toBe('"minute";r=0;t=900, "day";r=0;t=900');
+  });
+
+  it('a ban with the day used up: Retry-After and the day run to midnight, not to the ban end', () => {
+    const banUntil = now + 900_000;
+    const h = rateLimitHeaders({ outcome: 'banned', nowMs: now, banUntilMs: banUntil, windows: windows(free, now, 3, 1000) }, policy);
+    expect(h['retry-after']).toBe('49483');
+    expect(h.ratelimit).toBe('"minute";r=0;t=900, "day";r=0;t=49483');
+    expect(h['x-ratelimit-reset']).toBe(String(Math.ceil(banUntil / 1000)));
   });
 
   it('rolls over at the UTC minute and day boundaries', () => {

@@ -5,7 +5,7 @@ import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import type { FastifyBaseLogger } from 'fastify';
 import { DAY_MS, MINUTE_MS } from '../../gateway/headers.js';
 import { MemoryQuotaStore, type QuotaStore, type QuotaSubject, RedisQuotaStore } from '../../gateway/quota-store.js';
-import { roomInMinute } from '../helpers/time.js';
+import { roomInMinute, sleep } from '../helpers/time.js';
 
 const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
 const bans = { afterRejected: 3, withinMs: 60_000, durationMs: 900_000 };
@@ -114,7 +114,37 @@ describe('memory store with an injected clock', () => {
   });
 });
 
+describe('memory store upkeep', () => {
+  it('drops an address after its minute, as Redis expires it, and a key after its day', async () => {
+    let now = Date.UTC(2026, 10, 22, 10, 0, 0);
+    const store = new MemoryQuotaStore(() => now);
+    await store.consume(subject(5, 0, false)); // an address: minute window only
+    await store.consume(subject(5, 100, false)); // a key: minute and day
+    expect(store.size).toBe(2);
+    now += 61_000;
+    await store.consume(subject(5, 100, false));
+    expect(store.size).toBe(2); // the address is gone, the first key stays until midnight
+    now = Date.UTC(2026, 10, 23, 0, 1, 0);
+    await store.consume(subject(5, 0, false));
+    expect(store.size).toBe(1);
+  });
+});
+
 describe('redis store', () => {
+  it('does not extend a ban, whichever instance asks, and reports the counts it holds', async () => {
+    await roomInMinute(5000);
+    const s = subject(2, 100);
+    const fresh = () => new RedisQuotaStore(redis, silent); // no cached ban: every call runs the script
+    for (let i = 0; i < 6; i++) await fresh().consume(s);
+    const ban = Number(await redis.hget(s.key, 'ban'));
+    expect(ban).toBeGreaterThan(Date.now());
+    await sleep(1100);
+    const d = await fresh().consume(s);
+    expect(d.outcome).toBe('banned');
+    expect(Number(await redis.hget(s.key, 'ban'))).toBe(ban);
+    expect(d.windows.map((w) => w.used)).toEqual([2, 2]);
+  });
+
   it('keeps all keys of one subject in one Cluster slot', () => {
     const key = 'gw:production:{k:acme}';
     expect(calculateSlot(`${key}:rej`)).toBe(calculateSlot(key));
