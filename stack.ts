@@ -12,20 +12,29 @@ const children: ChildProcess[] = entries.map((entry) =>
   spawn(process.execPath, [resolve(root, entry)], { cwd: root, stdio: 'inherit', env: process.env, detached: true }),
 );
 const gateway = children[1]!;
-let exiting = false;
+// The exit code: a child that stopped on its own decides it (a crash is never hidden by
+// the other's clean stop); after a signal to us, the worst of the two.
+let stopping = false;
+let verdict: number | undefined;
 for (const child of children) {
   child.once('exit', (code, signal) => {
-    if (!exiting) {
-      exiting = true;
+    const status = code ?? (signal ? 1 : 0);
+    if (!stopping) {
+      stopping = true;
+      verdict = status === 0 ? 1 : status; // nothing should stop unasked
       for (const other of children) if (other !== child && other.exitCode === null) other.kill('SIGTERM');
+    } else {
+      verdict = Math.max(verdict ?? 0, status);
     }
-    if (children.every((c) => c.exitCode !== null || c.signalCode !== null)) {
-      process.exit(code ?? (signal ? 1 : 0));
-    }
+    if (children.every((c) => c.exitCode !== null || c.signalCode !== null)) process.exit(verdict ?? 0);
   });
 }
 for (const signal of ['SIGTERM', 'SIGINT'] as const) {
   process.on(signal, () => {
+    if (!stopping) {
+      stopping = true;
+      verdict = 0;
+    }
     for (const child of children) if (child.exitCode === null) child.kill(signal);
   });
 }

@@ -112,7 +112,9 @@ async function main() {
       });
     }
     const key = generateKey('production');
-    const config = testConfig([{ id: 'bench', plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 }, ...key }]);
+    const config = testConfig([{ id: 'bench', plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 }, ...key }], {
+      unauthenticated: { perMinute: 1e9 }, // so the 401 row measures 401s, not 429s
+    });
     const file = join(dir, 'gateway.json');
     writeFileSync(file, JSON.stringify(config));
     const env = { BACKEND_URL: backend.url, GATEWAY_CONFIG: file, LOG_LEVEL: 'warn' };

@@ -26,7 +26,11 @@ const digest = (s: string) => createHash('sha256').update(s).digest();
  * Prometheus metrics, and a key's usage (behind ADMIN_TOKEN).
  */
 export async function buildAdmin(deps: AdminDeps): Promise<FastifyInstance> {
-  const app = Fastify({ loggerInstance: deps.log, return503OnClosing: false });
+  const app = Fastify({
+    loggerInstance: deps.log,
+    return503OnClosing: false,
+    frameworkErrors: (err, request, reply) => handleError(err, request, reply),
+  });
   app.setErrorHandler(handleError);
   app.setNotFoundHandler(() => {
     throw new GatewayError('route_not_found', 'No such admin route');

@@ -1,15 +1,21 @@
 import { randomUUID } from 'node:crypto';
-import type { Socket } from 'node:net';
 import type { Redis } from 'ioredis';
-import Fastify, { type FastifyInstance, type FastifyReply, type FastifyRequest, LogController } from 'fastify';
+import Fastify, {
+  type FastifyBaseLogger,
+  type FastifyInstance,
+  type FastifyReply,
+  type FastifyRequest,
+  LogController,
+} from 'fastify';
 import { authenticate } from './auth.js';
 import type { Consumer, GatewayConfig, GatewaySettings } from './config.js';
-import { type GatewayErrorCode, GatewayError, handleError, renderError } from './errors.js';
+import { GatewayError, handleError } from './errors.js';
 import { rateLimitHeaders } from './headers.js';
 import { GatewayMetrics, type RejectionReason } from './metrics.js';
 import { loggerOptions } from '../backend/config.js';
 import { registerProxy } from './proxy.js';
-import { admit } from './quota.js';
+import { clientErrorHandler, installRawHandlers, type RawDeps } from './http-errors.js';
+import { admit, refusal } from './quota.js';
 import { MemoryQuotaStore, type QuotaStore, type QuotaSubject, RedisQuotaStore } from './quota-store.js';
 import { matchRoute, type RouteId } from './routes.js';
 
@@ -53,10 +59,48 @@ export async function buildGateway(
     bans: null,
   });
 
-  /** Counts a request without a key against its address; the headers describe that limit. */
-  async function admitAnonymous(ip: string, reply: FastifyReply): Promise<void> {
-    await admit(store, reply, anonymous(ip), config.unauthenticated.policy);
+  /** Asks for a decision, puts its headers on the reply and notes it for the access line; throws a 429. */
+  async function admitNoting(request: FastifyRequest, reply: FastifyReply, subject: QuotaSubject, policy: string) {
+    try {
+      request.gw.quota = (await admit(store, reply, subject, policy)).outcome;
+    } catch (err) {
+      request.gw.quota = err instanceof GatewayError ? err.code : 'error';
+      throw err;
+    }
   }
+
+  /** Counts a request without a valid key against its address; the headers describe that limit. */
+  const admitAnonymous = (request: FastifyRequest, reply: FastifyReply) =>
+    admitNoting(request, reply, anonymous(request.ip), config.unauthenticated.policy);
+
+  /** One access line and the metrics, for every answer, whichever path made it. */
+  function record(
+    log: FastifyBaseLogger,
+    e: { method: string; status: number; ms: number; consumer?: Consumer; route?: RouteId; quota?: string },
+  ): void {
+    metrics.request(e.route ?? 'none', e.status, e.consumer?.plan ?? 'none', e.consumer?.id, rejection(e.status, e.quota));
+    log.info(
+      {
+        key: e.consumer?.id,
+        plan: e.consumer?.plan,
+        route: e.route ?? null,
+        method: e.method,
+        status: e.status,
+        ms: Math.round(e.ms * 10) / 10,
+        quota: e.quota,
+      },
+      'request',
+    );
+  }
+
+  const raw: RawDeps = {
+    admitAddress: async (address) => {
+      const decision = await store.consume(anonymous(address));
+      return { headers: rateLimitHeaders(decision, config.unauthenticated.policy), refused: refusal(decision) };
+    },
+    record: ({ reqId, method, status, quota, started }) =>
+      record(app.log.child({ reqId }), { method, status, quota, ms: performance.now() - started }),
+  };
 
   const app = Fastify({
     logger: loggerOptions(settings.logLevel, settings.logPretty),
@@ -66,20 +110,29 @@ export async function buildGateway(
       const given = req.headers['x-request-id'];
       return typeof given === 'string' && REQUEST_ID.test(given) ? given : randomUUID();
     },
-    trustProxy: settings.trustProxy,
+    // A hop count trusts that many proxies nearest to the gateway (fastify's types take no number).
+    trustProxy:
+      typeof settings.trustProxy === 'number'
+        ? ((hops: number) => (_addr: string, hop: number) => hop < hops)(settings.trustProxy)
+        : settings.trustProxy,
     bodyLimit: settings.bodyLimit,
     // Keep-alive requests arriving while closing are still served, in the Error shape if refused.
     return503OnClosing: false,
-    clientErrorHandler: (err, socket) => onClientError(err, socket),
+    // A missing Host is refused in onRequest, in the Error shape, instead of by Node with an empty 400.
+    http: { requireHostHeader: false },
+    clientErrorHandler: (err, socket) => clientErrorHandler(raw)(err, socket),
+    // A URL fastify cannot decode: no route, so no hooks; answered and recorded here.
     frameworkErrors: (err, request, reply) => {
       request.gw = {};
       reply.header('x-request-id', request.id);
-      admitAnonymous(request.ip, reply).then(
+      reply.raw.once('finish', () => record(request.log, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, quota: request.gw.quota }));
+      admitAnonymous(request, reply).then(
         () => handleError(err, request, reply),
         (refused) => handleError(refused, request, reply),
       );
     },
   });
+  installRawHandlers(app.server, raw);
   const metrics = new GatewayMetrics(settings.metricsKeyIds, () => ({ degraded: store.degraded, bans: store.activeBans() }));
   const store: QuotaStore = deps.redis
     ? new RedisQuotaStore(deps.redis, app.log, (s) => metrics.redisSeconds.observe(s))
@@ -91,10 +144,14 @@ export async function buildGateway(
     request.gw = {};
     reply.header('x-request-id', request.id);
     const current = config;
+    if (request.headers.host === undefined && request.raw.httpVersion === '1.1') {
+      await admitAnonymous(request, reply);
+      throw new GatewayError('bad_request', 'HTTP/1.1 requests need a Host header');
+    }
     // Authentication first, for every path: a caller without a valid key learns nothing of routes.
     const who = authenticate(request.headers.authorization, current);
     if (who instanceof GatewayError) {
-      await admitAnonymous(request.ip, reply);
+      await admitAnonymous(request, reply);
       throw who;
     }
     request.gw.consumer = who;
@@ -102,11 +159,7 @@ export async function buildGateway(
     const deprecation = route instanceof GatewayError ? undefined : current.deprecations.get(route.id);
     if (deprecation) reply.headers(deprecation.headers);
     // Every authenticated request counts, whatever its outcome, except one refused with 429.
-    const decision = await admit(store, reply, who.subject, who.policy).catch((err: unknown) => {
-      request.gw.quota = err instanceof GatewayError ? err.code : 'error';
-      throw err;
-    });
-    request.gw.quota = decision.outcome;
+    await admitNoting(request, reply, who.subject, who.policy);
     if (route instanceof GatewayError) throw route;
     request.gw.route = route.id;
     if (deprecation && Date.now() >= deprecation.sunsetMs) {
@@ -116,20 +169,7 @@ export async function buildGateway(
 
   app.addHook('onResponse', async (request, reply) => {
     const { consumer, route, quota } = request.gw ?? {};
-    const status = reply.statusCode;
-    metrics.request(route ?? 'none', status, consumer?.plan ?? 'none', consumer?.id, rejection(status, quota));
-    request.log.info(
-      {
-        key: consumer?.id,
-        plan: consumer?.plan,
-        route: route ?? null,
-        method: request.method,
-        status,
-        ms: Math.round(reply.elapsedTime * 10) / 10,
-        quota,
-      },
-      'request',
-    );
+    record(request.log, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, consumer, route, quota });
   });
 
   await registerProxy(app, {
@@ -142,47 +182,6 @@ export async function buildGateway(
     },
     upstreamSeconds: (request, seconds) => metrics.upstreamSeconds.observe({ route: request.gw.route ?? 'none' }, seconds),
   });
-
-  /**
-   * Errors of the HTTP parser (bad framing, oversized headers) come before fastify has a
-   * request; they are answered here, in the Error shape, counted against the address.
-   */
-  function onClientError(err: Error & { code?: string }, socket: Socket): void {
-    if (err.code === 'ECONNRESET' || socket.destroyed) {
-      socket.destroy();
-      return;
-    }
-    const code: GatewayErrorCode =
-      err.code === 'HPE_HEADER_OVERFLOW'
-        ? 'headers_too_large'
-        : err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
-          ? 'request_timeout'
-          : 'bad_request';
-    const message =
-      code === 'headers_too_large'
-        ? 'Request headers are too large'
-        : code === 'request_timeout'
-          ? 'The request was not received in time'
-          : 'Malformed HTTP request';
-    const subject = anonymous(socket.remoteAddress ?? 'unknown');
-    store.consume(subject).then(
-      (d) => write(rateLimitHeaders(d, config.unauthenticated.policy)),
-      () => write({}),
-    );
-    function write(headers: Record<string, string>): void {
-      if (!socket.writable) return void socket.destroy();
-      const body = renderError(code, message);
-      const status = new GatewayError(code, message).status;
-      const lines = Object.entries({
-        ...headers,
-        'content-type': 'application/json; charset=utf-8',
-        'cache-control': 'no-store',
-        'content-length': String(Buffer.byteLength(body)),
-        connection: 'close',
-      }).map(([k, v]) => `${k}: ${v}`);
-      socket.end(`HTTP/1.1 ${status} ${statusText(status)}\r\n${lines.join('\r\n')}\r\n\r\n${body}`);
-    }
-  }
 
   return {
     app,
@@ -204,8 +203,4 @@ const REJECTIONS: Record<string, RejectionReason> = {
 function rejection(status: number, quota: string | undefined): RejectionReason | undefined {
   if (status === 401) return 'unauthenticated';
   return status === 429 && quota ? REJECTIONS[quota] : undefined;
-}
-
-function statusText(status: number): string {
-  return { 400: 'Bad Request', 408: 'Request Timeout', 431: 'Request Header Fields Too Large' }[status] ?? 'Error';
 }

@@ -1,4 +1,5 @@
 import { readFileSync } from 'node:fs';
+import { isIP } from 'node:net';
 import { type Static, Type } from '@sinclair/typebox';
 import { Value } from '@sinclair/typebox/value';
 import { parse as parseYaml } from 'yaml';
@@ -9,6 +10,22 @@ import type { QuotaSubject } from './quota-store.js';
 import { ROUTES, type RouteId } from './routes.js';
 
 // ---- process settings (env) ----
+
+/** TRUST_PROXY as fastify takes it; every address is checked here, so a typo stops the boot. */
+function trustProxy(value: string): false | number | string {
+  if (value === 'false') return false;
+  if (/^[0-9]+$/.test(value)) return Number(value);
+  const bad = value.split(',').map((t) => t.trim()).filter((t) => {
+    if (['loopback', 'linklocal', 'uniquelocal'].includes(t)) return false;
+    const [addr = '', bits, ...rest] = t.split('/');
+    const max = isIP(addr) === 4 ? 32 : 128;
+    return rest.length > 0 || isIP(addr) === 0 || (bits !== undefined && !(/^[0-9]+$/.test(bits) && Number(bits) <= max));
+  });
+  if (bad.length > 0) {
+    throw new Error(`Invalid gateway settings:\n  TRUST_PROXY: not an address, CIDR or hop count: ${bad.join(', ')}`);
+  }
+  return value;
+}
 
 const Env = Type.Object({
   GATEWAY_PORT: Type.Integer({ minimum: 0, maximum: 65535, default: 3000 }),
@@ -26,7 +43,12 @@ const Env = Type.Object({
   METRICS_KEY_IDS: Type.Union([Type.Literal('true'), Type.Literal('false')], { default: 'false' }),
   SHUTDOWN_GRACE_MS: Type.Integer({ minimum: 0, default: 10_000 }),
   LOG_PRETTY: Type.Union([Type.Literal('1'), Type.Literal('0')], { default: '0' }),
-  TRUST_PROXY: Type.Union([Type.Literal('true'), Type.Literal('false')], { default: 'false' }),
+  // Never a plain "true": that would trust any X-Forwarded-For a client writes.
+  TRUST_PROXY: Type.String({
+    minLength: 1,
+    default: 'false',
+    description: 'false, a hop count, or a comma-separated list of proxy addresses/CIDRs (or loopback, linklocal, uniquelocal)',
+  }),
   LOG_LEVEL: LogLevel,
 });
 
@@ -40,7 +62,8 @@ export interface GatewaySettings {
   upstreamTimeoutMs: number;
   redisTimeoutMs: number;
   redisKeyPrefix: string;
-  trustProxy: boolean;
+  /** For fastify's trustProxy: false, a hop count, or addresses/CIDRs of trusted proxies. */
+  trustProxy: false | number | string;
   adminPort: number;
   adminHost: string;
   adminToken: string | undefined;
@@ -48,6 +71,11 @@ export interface GatewaySettings {
   shutdownGraceMs: number;
   logLevel: string;
   logPretty: boolean;
+}
+
+/** GATEWAY_CONFIG alone, for the keys command: other settings do not concern it. */
+export function configFilePath(env: NodeJS.ProcessEnv = process.env): string {
+  return env.GATEWAY_CONFIG || Env.properties.GATEWAY_CONFIG.default;
 }
 
 export function loadSettings(env: NodeJS.ProcessEnv = process.env): GatewaySettings {
@@ -62,7 +90,7 @@ export function loadSettings(env: NodeJS.ProcessEnv = process.env): GatewaySetti
     upstreamTimeoutMs: v.UPSTREAM_TIMEOUT_MS,
     redisTimeoutMs: v.REDIS_TIMEOUT_MS,
     redisKeyPrefix: v.REDIS_KEY_PREFIX,
-    trustProxy: v.TRUST_PROXY === 'true',
+    trustProxy: trustProxy(v.TRUST_PROXY),
     adminPort: v.ADMIN_PORT,
     adminHost: v.ADMIN_HOST,
     adminToken: v.ADMIN_TOKEN,

@@ -14,6 +14,7 @@ export const GATEWAY_ERRORS = {
   request_timeout: 408,
   route_sunset: 410,
   payload_too_large: 413,
+  expectation_failed: 417,
   rate_limited: 429,
   daily_quota_exceeded: 429,
   key_banned: 429,

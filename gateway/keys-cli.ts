@@ -1,8 +1,8 @@
 import { randomBytes } from 'node:crypto';
-import { readFileSync, renameSync, writeFileSync } from 'node:fs';
+import { closeSync, openSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { parseArgs } from 'node:util';
-import { isMap, isSeq, parseDocument } from 'yaml';
-import { ConfigError, parseConfigText, loadSettings } from './config.js';
+import { type Document, isMap, isSeq, parseDocument } from 'yaml';
+import { ConfigError, configFilePath, parseConfigText } from './config.js';
 import { generateKey } from './keys.js';
 
 // `npm run keys -- create|list|revoke`: edits the config file in place (comments kept),
@@ -28,23 +28,28 @@ function run(argv: string[]): void {
       'per-day': { type: 'string' },
     },
   });
-  const file = values.config ?? loadSettings().configFile;
+  const file = values.config ?? configFilePath();
+  if (positionals[0] === 'list') list(file);
+  else withLock(file, () => edit(file, positionals[0], values));
+}
+
+function list(file: string): void {
+  const current = parseConfigText(readFileSync(file, 'utf8'), file);
+  const rows = current.keys.map((k) => {
+    const limits = k.limits ?? current.plans[k.plan];
+    const status = k.revokedAt ? `revoked ${k.revokedAt}` : 'active';
+    return [k.id, k.plan, `${limits?.perMinute}/min ${limits?.perDay}/day`, status, k.createdAt ?? ''];
+  });
+  const all = [['ID', 'PLAN', 'LIMITS', 'STATUS', 'CREATED'], ...rows];
+  const widths = all[0]!.map((_, i) => Math.max(...all.map((r) => r[i]!.length)));
+  for (const r of all) console.log(r.map((c, i) => c.padEnd(widths[i]!)).join('  ').trimEnd());
+}
+
+type Options = { plan?: string; id?: string; 'per-minute'?: string; 'per-day'?: string };
+
+function edit(file: string, command: string | undefined, values: Options): void {
   const text = readFileSync(file, 'utf8');
   const current = parseConfigText(text, file);
-  const command = positionals[0];
-
-  if (command === 'list') {
-    const rows = current.keys.map((k) => {
-      const plan = current.plans[k.plan];
-      const limits = k.limits ?? plan;
-      return [k.id, k.plan, `${limits?.perMinute}/min ${limits?.perDay}/day`, k.revokedAt ? `revoked ${k.revokedAt}` : 'active', k.createdAt ?? ''];
-    });
-    const all = [['ID', 'PLAN', 'LIMITS', 'STATUS', 'CREATED'], ...rows];
-    const widths = all[0]!.map((_, i) => Math.max(...all.map((r) => r[i]!.length)));
-    for (const r of all) console.log(r.map((c, i) => c.padEnd(widths[i]!)).join('  ').trimEnd());
-    return;
-  }
-
   const doc = parseDocument(text);
   let keys = doc.get('keys');
   if (!isSeq(keys)) {
@@ -67,7 +72,7 @@ function run(argv: string[]): void {
     if (perMinute !== undefined) entry.limits = { perMinute: Number(perMinute), perDay: Number(perDay) };
     entry.createdAt = new Date().toISOString().replace(/\.\d+Z$/, 'Z');
     keys.add(doc.createNode(entry));
-    save(file, String(doc));
+    save(file, text, doc);
     console.error(`created key "${id}" (plan ${values.plan}) in ${file}; it is shown only now:`);
     console.log(key);
     return;
@@ -79,18 +84,46 @@ function run(argv: string[]): void {
     if (!isMap(item)) throw new Error(`no key with id "${values.id}" in ${file}`);
     if (item.has('revokedAt')) throw new Error(`key "${values.id}" is already revoked`);
     item.set('revokedAt', new Date().toISOString().replace(/\.\d+Z$/, 'Z'));
-    save(file, String(doc));
+    save(file, text, doc);
     console.error(`revoked key "${values.id}" in ${file}`);
     return;
   }
   throw new UsageError(command ? `unknown command "${command}"` : 'missing command');
 }
 
-function save(file: string, text: string): void {
+/** Writes the edited document in the file's own format (JSON stays JSON), keeping its mode. */
+function save(file: string, before: string, doc: Document): void {
+  const text = before.trimStart().startsWith('{')
+    ? `${JSON.stringify(doc.toJS(), null, 2)}\n`
+    : doc.toString({ lineWidth: 0 });
   parseConfigText(text, file); // refuse to write what the gateway would refuse to load
   const tmp = `${file}.${process.pid}.tmp`;
-  writeFileSync(tmp, text);
+  writeFileSync(tmp, text, { mode: statSync(file).mode });
   renameSync(tmp, file);
+}
+
+/** One editor at a time: two concurrent `create`s must not drop a key. */
+function withLock(file: string, work: () => void): void {
+  const lock = `${file}.lock`;
+  const deadline = Date.now() + 5000;
+  for (;;) {
+    try {
+      closeSync(openSync(lock, 'wx'));
+      break;
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code !== 'EEXIST' || Date.now() > deadline) {
+        throw new Error(`cannot lock ${lock} (another keys command running? remove the file if not)`, {
+          cause: err,
+        });
+      }
+      Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 50);
+    }
+  }
+  try {
+    work();
+  } finally {
+    rmSync(lock, { force: true });
+  }
 }
 
 try {

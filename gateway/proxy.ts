@@ -18,7 +18,17 @@ const HOP_BY_HOP = [
   'upgrade',
   'expect',
 ];
-const FROM_CLIENT_ONLY = ['authorization', 'x-consumer-id', 'x-consumer-plan', 'x-forwarded-for', 'x-forwarded-proto'];
+// Identity and forwarding headers are the gateway's to write, never the client's.
+const FROM_CLIENT_ONLY = [
+  'authorization',
+  'x-consumer-id',
+  'x-consumer-plan',
+  'forwarded',
+  'x-forwarded-for',
+  'x-forwarded-proto',
+  'x-forwarded-host',
+  'x-real-ip',
+];
 
 type Headers = IncomingHttpHeaders;
 

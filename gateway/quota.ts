@@ -3,7 +3,8 @@ import { GatewayError } from './errors.js';
 import { type Decision, rateLimitHeaders, reportedWindow, retryAfterSeconds } from './headers.js';
 import type { QuotaStore, QuotaSubject } from './quota-store.js';
 
-function refusal(d: Decision): GatewayError | undefined {
+/** The 429 a decision calls for, if any. */
+export function refusal(d: Decision): GatewayError | undefined {
   const wait = retryAfterSeconds(d);
   if (d.outcome === 'banned') {
     return new GatewayError('key_banned', `Banned for sending after repeated 429s; retry after ${wait} s`);

@@ -16,9 +16,10 @@ const PATHS = [...new Set(ROUTES.map((r) => r.path))].map((path) => ({
   routes: ROUTES.filter((r) => r.path === path),
 }));
 
-// A dot segment, plain or percent-encoded: a URL parser on the way to the backend would
-// resolve it and leave /v1, so it is refused before anything else.
+// A dot segment, plain or percent-encoded, or a backslash (which WHATWG URL parsers treat as
+// a slash): a parser on the way to the backend could resolve it and leave /v1.
 const DOT_SEGMENT = /^(\.|%2e){1,2}$/i;
+const BACKSLASH = /\\|%5c/i;
 
 function matches(pattern: string[], segments: string[]): boolean {
   if (pattern.length !== segments.length) return false;
@@ -33,8 +34,8 @@ function matches(pattern: string[], segments: string[]): boolean {
 export function matchRoute(method: string, url: string): Route | GatewayError {
   const q = url.indexOf('?');
   const segments = (q === -1 ? url : url.slice(0, q)).split('/');
-  if (segments.some((s) => DOT_SEGMENT.test(s))) {
-    return new GatewayError('invalid_path', 'Dot segments are not allowed in the path');
+  if (segments.some((s) => DOT_SEGMENT.test(s) || BACKSLASH.test(s))) {
+    return new GatewayError('invalid_path', 'Dot segments and backslashes are not allowed in the path');
   }
   const known = PATHS.find((p) => matches(p.segments, segments));
   if (!known) return new GatewayError('route_not_found', 'No such route');

@@ -4,7 +4,7 @@ import { join } from 'node:path';
 import { promisify } from 'node:util';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { startGateway, startStack, call, makeKey, tempDir, testConfig, writeConfig } from '../helpers/stack.js';
-import { sleep } from '../helpers/time.js';
+import { roomInMinute, sleep } from '../helpers/time.js';
 
 const run = promisify(execFile);
 
@@ -119,6 +119,33 @@ describe('the keys command and hot reload', () => {
   });
 });
 
+describe('the keys command on its own', () => {
+  it('keeps a JSON config JSON, and two concurrent creates both land', async () => {
+    const { dir, cleanup } = tempDir();
+    const file = join(dir, 'gateway.json');
+    writeConfig(file, testConfig([]));
+    const [a, b] = await Promise.all([
+      keys('create', '--plan', 'free', '--id', 'one', '--config', file),
+      keys('create', '--plan', 'free', '--id', 'two', '--config', file),
+    ]);
+    expect([a.code, b.code]).toEqual([0, 0]);
+    const written = JSON.parse(readFileSync(file, 'utf8'));
+    expect(written.keys.map((k: { id: string }) => k.id).sort()).toEqual(['one', 'two']);
+    cleanup();
+  });
+
+  it('reads only GATEWAY_CONFIG from the environment', async () => {
+    const { dir, cleanup } = tempDir();
+    const file = join(dir, 'gateway.yaml');
+    writeConfig(file, testConfig([]));
+    const { stdout } = await run(process.execPath, ['dist/gateway/keys-cli.js', 'list'], {
+      env: { PATH: process.env.PATH, GATEWAY_CONFIG: file, GATEWAY_PORT: 'not-a-port' },
+    });
+    expect(stdout).toMatch(/^ID\s+PLAN/);
+    cleanup();
+  });
+});
+
 describe('boot and deprecation', () => {
   it('stops the boot on a bad config file, naming the field', async () => {
     const { dir, cleanup } = tempDir();
@@ -158,6 +185,30 @@ describe('boot and deprecation', () => {
       expect(res.status).toBe(401);
       expect((await res.json()).message).toMatch(/production environment/);
       expect((await call(`${stack.gateway.url}/v1/pets`, test.key)).status).toBe(200);
+    } finally {
+      await stack.stop();
+    }
+  });
+});
+
+describe('client address behind a proxy', () => {
+  const spoofed = async (url: string, forwarded: string) =>
+    (await fetch(`${url}/v1/pets`, { headers: { 'x-forwarded-for': forwarded } })).status;
+
+  it.each([
+    ['not set: X-Forwarded-For is ignored', {}],
+    ['a hop count', { TRUST_PROXY: '1' }],
+    ['the proxy address', { TRUST_PROXY: '127.0.0.1' }],
+  ])('%s, so a client cannot dodge its per-address limit', async (_, env) => {
+    const stack = await startStack(testConfig([], { unauthenticated: { perMinute: 2 } }), env);
+    try {
+      await roomInMinute(3000);
+      // A client writing its own entries; the proxy (this test) appends the address it saw.
+      const got = [];
+      for (let i = 0; i < 4; i++) got.push(await spoofed(stack.gateway.url, `10.9.9.${i}, 203.0.113.7`));
+      expect(got).toEqual([401, 401, 429, 429]);
+      const other = await spoofed(stack.gateway.url, '203.0.113.8');
+      expect(other).toBe('TRUST_PROXY' in env ? 401 : 429); // another real client has its own limit
     } finally {
       await stack.stop();
     }

@@ -144,6 +144,9 @@ describe('headers on every status', () => {
   });
 
   it.each([
+    ['a request without Host', 'GET /v1/pets HTTP/1.1\r\nConnection: close\r\n\r\n', 400, 'bad_request'],
+    ['an Expect other than 100-continue', 'GET /v1/pets HTTP/1.1\r\nHost: x\r\nExpect: foo\r\nConnection: close\r\n\r\n', 417, 'expectation_failed'],
+    ['CONNECT', 'CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n', 405, 'method_not_allowed'],
     ['Content-Length with Transfer-Encoding', 'POST /v1/pets HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n', 400, 'bad_request'],
     ['oversized headers', `GET /v1/pets HTTP/1.1\r\nHost: x\r\nX-Big: ${'a'.repeat(20_000)}\r\n\r\n`, 431, 'headers_too_large'],
     ['a request line that is not HTTP', 'HELLO\r\n\r\n', 400, 'bad_request'],
@@ -164,14 +167,22 @@ describe('headers on every status', () => {
     expect(res.body.code).toBe('invalid_path');
   });
 
-  it('answers a malformed URL in the Error shape', async () => {
+  it('answers a URL it cannot decode in the Error shape, and records it', async () => {
     const res = parseRaw(
-      await raw(`GET /v1/pets/%zz HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${active.key}\r\nConnection: close\r\n\r\n`),
+      await raw(`GET /%zz HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${active.key}\r\nConnection: close\r\n\r\n`),
     );
-    expect(Object.keys(res.body).sort()).toEqual(['code', 'message', 'status']);
-    expect(res.body.status).toBe(res.status);
-    expect(res.status).toBeGreaterThanOrEqual(400);
-    expect(res.status).toBeLessThan(500);
+    expect(res.status).toBe(400);
+    expect(res.body).toEqual({ code: 'invalid_path', message: expect.any(String), status: 400 });
+    expect(res.headers['x-ratelimit-limit']).toBe('500');
+    const id = res.headers['x-request-id'];
+    await stack.gateway.waitForLog((l) => l.reqId === id && l.msg === 'request' && l.status === 400);
+  });
+
+  it('records the answers made outside fastify too', async () => {
+    const res = parseRaw(await raw('GET /v1/pets HTTP/1.1\r\nHost: x\r\nExpect: foo\r\nConnection: close\r\n\r\n'));
+    const id = res.headers['x-request-id'];
+    expect(id).toMatch(/^[0-9a-f-]{36}$/);
+    await stack.gateway.waitForLog((l) => l.reqId === id && l.msg === 'request' && l.status === 417);
   });
 });
 

@@ -88,6 +88,10 @@ describe('what crosses the gateway', () => {
         'proxy-authorization': 'Basic x',
         te: 'trailers',
         cookie: 'a=b',
+        forwarded: 'for=6.6.6.6',
+        'x-real-ip': '6.6.6.6',
+        'x-forwarded-for': '6.6.6.6',
+        'x-forwarded-host': 'evil.example',
       },
     });
     expect(res.status).toBe(200);
@@ -99,6 +103,10 @@ describe('what crosses the gateway', () => {
     expect(h['x-request-id']).toBe('trace-abc.123');
     expect(h['proxy-authorization']).toBeUndefined();
     expect(h.te).toBeUndefined();
+    expect(h.forwarded).toBeUndefined();
+    expect(h['x-real-ip']).toBeUndefined();
+    expect(h['x-forwarded-host']).toBeUndefined();
+    expect(h['x-forwarded-for']).toBe('127.0.0.1');
     expect(res.headers.get('x-request-id')).toBe('trace-abc.123');
     expect(res.headers.get('x-hop')).toBeNull();
     expect(res.headers.get('proxy-authenticate')).toBeNull();

@@ -1,6 +1,6 @@
 import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
-import { ConfigError, compileConfig, loadConfigFile, parseConfigText, validateConfigFile } from '../../gateway/config.js';
+import { ConfigError, compileConfig, loadConfigFile, loadSettings, parseConfigText, validateConfigFile } from '../../gateway/config.js';
 import { generateKey, hashKey, readCredential } from '../../gateway/keys.js';
 import { testConfig } from '../helpers/stack.js';
 
@@ -96,5 +96,24 @@ describe('keys', () => {
     expect(readCredential(key, 'production')).toEqual({ kind: 'malformed' });
     expect(readCredential(`Bearer ${key}x`, 'production')).toEqual({ kind: 'malformed' });
     expect(readCredential(`Bearer ${key}`, 'staging')).toEqual({ kind: 'wrong_environment', environment: 'production' });
+  });
+});
+
+describe('settings', () => {
+  it.each([
+    ['false', false],
+    ['1', 1],
+    ['loopback', 'loopback'],
+    ['10.0.0.0/8, 127.0.0.1, ::1', '10.0.0.0/8, 127.0.0.1, ::1'],
+  ])('reads TRUST_PROXY=%s', (value, want) => {
+    expect(loadSettings({ TRUST_PROXY: value }).trustProxy).toEqual(want);
+  });
+
+  it.each(['true', 'abc', '10.0.0.0/40', '1.2.3'])('refuses TRUST_PROXY=%s, naming it', (value) => {
+    expect(() => loadSettings({ TRUST_PROXY: value })).toThrow(/TRUST_PROXY/);
+  });
+
+  it('lists every bad variable', () => {
+    expect(() => loadSettings({ GATEWAY_PORT: 'x', ADMIN_TOKEN: 'short' })).toThrow(/GATEWAY_PORT[\s\S]*ADMIN_TOKEN|ADMIN_TOKEN[\s\S]*GATEWAY_PORT/);
   });
 });

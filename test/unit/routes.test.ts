@@ -29,6 +29,8 @@ describe('route allow-list', () => {
     ['GET', '/v1/pets/%2e%2E', 'invalid_path'],
     ['GET', '/v1/../admin', 'invalid_path'],
     ['GET', '/v1/./pets', 'invalid_path'],
+    ['GET', '/v1/pets/x\\..\\..\\openapi.json', 'invalid_path'],
+    ['GET', '/v1/pets/1%5C..', 'invalid_path'],
     ['DELETE', '/v1/pets/1', 'method_not_allowed'],
     ['PUT', '/v1/pets', 'method_not_allowed'],
     ['POST', '/v1/store/orders', 'method_not_allowed'],
