@@ -13,8 +13,8 @@ import { GatewayError, handleError } from './errors.js';
 import { rateLimitHeaders } from './headers.js';
 import { GatewayMetrics, type RejectionReason } from './metrics.js';
 import { loggerOptions } from '../backend/config.js';
-import { registerProxy } from './proxy.js';
 import { clientErrorHandler, installRawHandlers, type RawDeps } from './http-errors.js';
+import { registerProxy } from './proxy.js';
 import { admit, refusal } from './quota.js';
 import { MemoryQuotaStore, type QuotaStore, type QuotaSubject, RedisQuotaStore } from './quota-store.js';
 import { matchRoute, type RouteId } from './routes.js';
@@ -120,12 +120,14 @@ export async function buildGateway(
     return503OnClosing: false,
     // A missing Host is refused in onRequest, in the Error shape, instead of by Node with an empty 400.
     http: { requireHostHeader: false },
-    clientErrorHandler: (err, socket) => clientErrorHandler(raw)(err, socket),
+    clientErrorHandler: clientErrorHandler(raw),
     // A URL fastify cannot decode: no route, so no hooks; answered and recorded here.
     frameworkErrors: (err, request, reply) => {
       request.gw = {};
       reply.header('x-request-id', request.id);
-      reply.raw.once('finish', () => record(request.log, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, quota: request.gw.quota }));
+      reply.raw.once('finish', () =>
+        record(request.log, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, quota: request.gw.quota }),
+      );
       admitAnonymous(request, reply).then(
         () => handleError(err, request, reply),
         (refused) => handleError(refused, request, reply),
@@ -176,10 +178,7 @@ export async function buildGateway(
     upstream: settings.backendUrl,
     bodyLimit: settings.bodyLimit,
     timeoutMs: settings.upstreamTimeoutMs,
-    identity: (request) => {
-      const c = request.gw.consumer!;
-      return { 'x-consumer-id': c.id, 'x-consumer-plan': c.plan };
-    },
+    identity: (request) => request.gw.consumer!.upstreamHeaders,
     upstreamSeconds: (request, seconds) => metrics.upstreamSeconds.observe({ route: request.gw.route ?? 'none' }, seconds),
   });
 

@@ -164,6 +164,8 @@ export interface Consumer {
   subject: QuotaSubject;
   /** RateLimit-Policy value, built once. */
   policy: string;
+  /** What the backend is told about the caller (X-Consumer-Id, X-Consumer-Plan), built once. */
+  upstreamHeaders: Readonly<Record<string, string>>;
 }
 
 export interface Deprecation {
@@ -248,6 +250,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       revoked: k.revokedAt !== undefined,
       subject: { key: `${keyPrefix}:{k:${k.id}}`, limits, bans },
       policy: policyHeader(limits),
+      upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-plan': k.plan }),
     });
   }
   const deprecations = new Map<RouteId, Deprecation>();
