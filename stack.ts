@@ -3,15 +3,14 @@ import { resolve } from 'node:path';
 
 // `npm start`: the backend and the gateway as two processes, the same entries the
 // Docker images run, with their embedded defaults. The children get their own process
-// group, so a terminal's Ctrl-C reaches them once, through this file; SIGHUP (reload)
-// goes to the gateway only. When either exits, the other is stopped.
+// group, so a terminal's Ctrl-C reaches them once, through this file. When either exits,
+// the other is stopped.
 const entries = ['dist/backend/server.js', 'dist/gateway/server.js'];
 const root = import.meta.dirname.endsWith('dist') ? resolve(import.meta.dirname, '..') : import.meta.dirname;
 
 const children: ChildProcess[] = entries.map((entry) =>
   spawn(process.execPath, [resolve(root, entry)], { cwd: root, stdio: 'inherit', env: process.env, detached: true }),
 );
-const gateway = children[1]!;
 // The exit code: a child that stopped on its own decides it (a crash is never hidden by
 // the other's clean stop); after a signal to us, the worst of the two.
 let stopping = false;
@@ -29,13 +28,14 @@ for (const child of children) {
     if (children.every((c) => c.exitCode !== null || c.signalCode !== null)) process.exit(verdict ?? 0);
   });
 }
-for (const signal of ['SIGTERM', 'SIGINT'] as const) {
+// SIGHUP is a closed terminal here, so it stops both; reload the gateway with `kill -HUP` on
+// its own pid, or by editing the config file.
+for (const signal of ['SIGTERM', 'SIGINT', 'SIGHUP'] as const) {
   process.on(signal, () => {
     if (!stopping) {
       stopping = true;
       verdict = 0;
     }
-    for (const child of children) if (child.exitCode === null) child.kill(signal);
+    for (const child of children) if (child.exitCode === null) child.kill(signal === 'SIGHUP' ? 'SIGTERM' : signal);
   });
 }
-process.on('SIGHUP', () => gateway.kill('SIGHUP'));

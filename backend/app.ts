@@ -2,7 +2,7 @@ import swagger from '@fastify/swagger';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import Fastify, { type FastifyInstance } from 'fastify';
 import { type BackendConfig, loggerOptions } from './config.js';
-import { registerErrorHandling } from './errors.js';
+import { handleError, registerErrorHandling } from './errors.js';
 import { orderRoutes } from './orders.js';
 import { petRoutes } from './pets.js';
 import type { PetStore } from './store.js';
@@ -18,6 +18,8 @@ export async function buildBackend(
     logger: loggerOptions(config.logLevel, config.logPretty),
     // The gateway's request id, so one id follows a request through both logs.
     requestIdHeader: 'x-request-id',
+    // Errors raised before routing (bad URL, over-long path parameter) get the Error shape too.
+    frameworkErrors: (err, request, reply) => handleError(err, request, reply),
   }).withTypeProvider<TypeBoxTypeProvider>();
   app.setValidatorCompiler(validatorCompiler);
   registerErrorHandling(app);

@@ -1,5 +1,5 @@
 import { type Static, Type } from '@sinclair/typebox';
-import type { FastifyError, FastifyInstance } from 'fastify';
+import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 
 /** The spec's Error body; every non-2xx answer of the backend has this shape. */
 export const ErrorBody = Type.Object(
@@ -23,6 +23,7 @@ export const BACKEND_ERRORS = {
   route_not_found: 404,
   method_not_allowed: 405,
   payload_too_large: 413,
+  uri_too_long: 414,
   unsupported_media_type: 415,
   idempotency_key_reused: 422,
   internal_error: 500,
@@ -57,6 +58,10 @@ function fromFramework(err: FastifyError): BackendError {
       return new BackendError('malformed_json', 'Request body is empty');
     case 'FST_ERR_CTP_INVALID_JSON_BODY':
       return new BackendError('malformed_json', 'Request body is not valid JSON');
+    case 'FST_ERR_BAD_URL':
+      return new BackendError('bad_request', 'The request path is not a valid URL path');
+    case 'FST_ERR_MAX_PARAM_LENGTH':
+      return new BackendError('uri_too_long', 'A path segment is longer than the service accepts');
   }
   if (err instanceof SyntaxError) return new BackendError('malformed_json', 'Request body is not valid JSON');
   const status = err.statusCode ?? 500;
@@ -65,12 +70,14 @@ function fromFramework(err: FastifyError): BackendError {
 }
 
 /** The one renderer: every error, the framework's included, leaves as {code, message, status}. */
+export function handleError(err: FastifyError, request: FastifyRequest, reply: FastifyReply): void {
+  const e = err instanceof BackendError ? err : fromFramework(err);
+  if (e.status >= 500) request.log.error({ err }, 'request failed');
+  reply.code(e.status).headers(e.headers).send(errorBody(e.code, e.message));
+}
+
 export function registerErrorHandling(app: FastifyInstance): void {
-  app.setErrorHandler((err: FastifyError, request, reply) => {
-    const e = err instanceof BackendError ? err : fromFramework(err);
-    if (e.status >= 500) request.log.error({ err }, 'request failed');
-    reply.code(e.status).headers(e.headers).send(errorBody(e.code, e.message));
-  });
+  app.setErrorHandler(handleError);
   app.setNotFoundHandler((request, reply) => {
     reply.code(404).send(errorBody('route_not_found', `No route ${request.method} ${request.url.split('?')[0]}`));
   });

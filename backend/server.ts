@@ -21,11 +21,16 @@ for (const signal of ['SIGTERM', 'SIGINT'] as const) {
     if (closing) process.exit(1);
     closing = true;
     app.log.info({ signal }, 'closing');
-    const grace = setTimeout(() => app.server.closeAllConnections(), config.shutdownGraceMs);
+    let forced = false;
+    const grace = setTimeout(() => {
+      forced = true;
+      app.log.warn('grace period over: closing the remaining connections');
+      app.server.closeAllConnections();
+    }, config.shutdownGraceMs);
     app.close().then(
       () => {
         clearTimeout(grace);
-        process.exit(0);
+        process.exit(forced ? 1 : 0);
       },
       () => process.exit(1),
     );

@@ -1,5 +1,5 @@
 import { randomUUID } from 'node:crypto';
-import { STATUS_CODES, type Server } from 'node:http';
+import { STATUS_CODES, type Server, type ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
 import { GATEWAY_ERRORS, type GatewayError, type GatewayErrorCode, renderError } from './errors.js';
 
@@ -13,13 +13,27 @@ export interface RawDeps {
 
 type Send = (status: number, headers: Record<string, string>, body: string) => void;
 
+const REQUEST_ID = /^[A-Za-z0-9._:-]{1,128}$/;
+
+/** The client's X-Request-Id when well-formed (1 to 128 of [A-Za-z0-9._:-]), else a new UUID. */
+export function requestId(given: unknown): string {
+  return typeof given === 'string' && REQUEST_ID.test(given) ? given : randomUUID();
+}
+
 /**
  * Answers, in the Error shape, a request that never reaches fastify: it is counted against
  * its address like any request without a key, and refused with 429 when that limit is spent.
  */
-function answer(deps: RawDeps, address: string, method: string, code: GatewayErrorCode, message: string, send: Send): void {
+function answer(
+  deps: RawDeps,
+  request: { address: string; method: string; id?: unknown },
+  code: GatewayErrorCode,
+  message: string,
+  send: Send,
+): void {
+  const { address, method } = request;
   const started = performance.now();
-  const reqId = randomUUID();
+  const reqId = requestId(request.id);
   deps
     .admitAddress(address)
     .catch(() => ({ headers: {}, refused: undefined }))
@@ -45,9 +59,15 @@ function answer(deps: RawDeps, address: string, method: string, code: GatewayErr
 
 function toSocket(socket: Socket): Send {
   return (status, headers, body) => {
-    if (!socket.writable) return void socket.destroy();
-    const lines = Object.entries(headers).map(([k, v]) => `${k}: ${v}\r\n`);
-    socket.end(`HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\n${lines.join('')}\r\n${body}`);
+    const write = () => {
+      if (!socket.writable) return void socket.destroy();
+      const lines = Object.entries(headers).map(([k, v]) => `${k}: ${v}\r\n`);
+      socket.end(`HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\n${lines.join('')}\r\n${body}`);
+    };
+    // A pipelined request before the bad one may still be answering: write after it, in order.
+    const inFlight = (socket as Socket & { _httpMessage?: ServerResponse })._httpMessage;
+    if (inFlight && !inFlight.writableFinished) inFlight.once('finish', write);
+    else write();
   };
 }
 
@@ -61,17 +81,21 @@ export function clientErrorHandler(deps: RawDeps) {
   return (err: Error & { code?: string }, socket: Socket): void => {
     if (err.code === 'ECONNRESET' || socket.destroyed) return void socket.destroy();
     const [code, message] = PARSER_ERRORS[err.code ?? ''] ?? ['bad_request', 'Malformed HTTP request'];
-    answer(deps, socket.remoteAddress ?? 'unknown', 'unknown', code, message, toSocket(socket));
+    answer(deps, { address: socket.remoteAddress ?? 'unknown', method: 'unknown' }, code, message, toSocket(socket));
   };
 }
+
+// The address is the socket's: these requests never reach fastify, so TRUST_PROXY does not apply.
 
 /** Node answers these itself, with an empty body, unless someone listens: we do. */
 export function installRawHandlers(server: Server, deps: RawDeps): void {
   server.on('checkExpectation', (req, res) => {
     const send: Send = (status, headers, body) => res.writeHead(status, headers).end(body);
-    answer(deps, req.socket.remoteAddress ?? 'unknown', req.method ?? 'unknown', 'expectation_failed', 'Only Expect: 100-continue is supported', send);
+    const request = { address: req.socket.remoteAddress ?? 'unknown', method: req.method ?? 'unknown', id: req.headers['x-request-id'] };
+    answer(deps, request, 'expectation_failed', 'Only Expect: 100-continue is supported', send);
   });
   server.on('connect', (req, socket: Socket) => {
-    answer(deps, socket.remoteAddress ?? 'unknown', 'CONNECT', 'method_not_allowed', 'CONNECT is not supported', toSocket(socket));
+    const request = { address: socket.remoteAddress ?? 'unknown', method: 'CONNECT', id: req.headers['x-request-id'] };
+    answer(deps, request, 'method_not_allowed', 'CONNECT is not supported', toSocket(socket));
   });
 }

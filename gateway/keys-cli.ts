@@ -111,7 +111,8 @@ function withLock(file: string, work: () => void): void {
       closeSync(openSync(lock, 'wx'));
       break;
     } catch (err) {
-      if ((err as NodeJS.ErrnoException).code !== 'EEXIST' || Date.now() > deadline) {
+      if ((err as NodeJS.ErrnoException).code !== 'EEXIST') throw err;
+      if (Date.now() > deadline) {
         throw new Error(`cannot lock ${lock} (another keys command running? remove the file if not)`, {
           cause: err,
         });

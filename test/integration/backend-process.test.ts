@@ -3,6 +3,8 @@ import { request as httpRequest } from 'node:http';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
+import Database from 'better-sqlite3';
+import { PetStore } from '../../backend/store.js';
 import { startBackend } from '../helpers/processes.js';
 
 const dir = mkdtempSync(join(tmpdir(), 'pets-'));
@@ -30,6 +32,13 @@ describe('backend process', () => {
       created.push(res.body);
     }
     const backend = await startBackend({ PETS_DB: db });
+    // Killing a process loses nothing the OS already holds; power loss would, without these.
+    const file = new Database(db, { readonly: true });
+    expect(file.pragma('journal_mode', { simple: true })).toBe('wal');
+    file.close();
+    const store = new PetStore(join(dir, 'probe', 'created.db')); // the parent folder is created
+    expect((store as unknown as { db: Database.Database }).db.pragma('synchronous', { simple: true })).toBe(2);
+    store.close();
     try {
       for (const pet of created) {
         const res = await fetch(`${backend.url}/v1/pets/${pet.id}`);

@@ -26,6 +26,8 @@ describe('npm start (stack.ts)', () => {
       (l) => l.msg === 'gateway ready',
     );
     try {
+      // Both start at once; the backend may open its port after the gateway is ready.
+      const backendUp = await stack.waitForLog((l) => String(l.msg).endsWith(`127.0.0.1:${backendPort}`));
       expect(stack.logs.some((l) => /REDIS_URL is not set: .*per gateway process/.test(String(l.msg)))).toBe(true);
       const url = `http://127.0.0.1:${gatewayPort}/v1/pets`;
       await roomInMinute(3000);
@@ -35,8 +37,7 @@ describe('npm start (stack.ts)', () => {
 
       // The backend dies: the stack stops the gateway and exits non-zero.
       const exited = new Promise<number | null>((r) => stack.proc.once('exit', (code) => r(code)));
-      const backendPid = stack.logs.find((l) => /listening at http:\/\/127\.0\.0\.1:\d+$/.test(String(l.msg)) && String(l.msg).endsWith(`:${backendPort}`))?.pid;
-      process.kill(Number(backendPid), 'SIGKILL');
+      process.kill(Number(backendUp.pid), 'SIGKILL');
       expect(await exited).not.toBe(0);
     } finally {
       await stack.stop();

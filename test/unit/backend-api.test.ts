@@ -236,6 +236,11 @@ describe('errors', () => {
     expect((await app.inject({ method: 'PUT', url: '/v1/store/orders' })).statusCode).toBe(405);
   });
 
+  it('answers errors raised before routing in the Error shape', async () => {
+    expectError(await app.inject(`/v1/pets/${'1'.repeat(101)}`), 414, 'uri_too_long');
+    expectError(await app.inject('/v1/pets/%zz'), 400, 'bad_request');
+  });
+
   it('hides the detail of an internal error', async () => {
     store.close();
     const body = expectError(await app.inject('/v1/pets'), 500, 'internal_error');

@@ -26,7 +26,7 @@ describe('rate-limit headers', () => {
     ['first request', 1, 1, { limit: '60', remaining: '59', reset: minuteEnd, rl: '"minute";r=59;t=43, "day";r=999;t=49483' }],
     ['last admitted', 60, 100, { limit: '60', remaining: '0', reset: minuteEnd, rl: '"minute";r=0;t=43, "day";r=900;t=49483' }],
     ['day nearer exhaustion', 10, 995, { limit: '1000', remaining: '5', reset: dayEnd, rl: '"minute";r=50;t=43, "day";r=5;t=49483' }],
-    ['tie goes to the minute', 990, 990, { limit: '60', remaining: '0', reset: minuteEnd, rl: '"minute";r=0;t=43, "day";r=10;t=49483' }],
+    ['tie goes to the minute', 55, 995, { limit: '60', remaining: '5', reset: minuteEnd, rl: '"minute";r=5;t=43, "day";r=5;t=49483' }],
   ])('%s', (_, m, d, want) => {
     const h = rateLimitHeaders(allowed(m, d), policy);
     expect(h['x-ratelimit-limit']).toBe(want.limit);
@@ -45,6 +45,16 @@ describe('rate-limit headers', () => {
     expect(h['x-ratelimit-remaining']).toBe('0');
     expect(h['x-ratelimit-reset']).toBe(String(minuteEnd));
     expect(h['retry-after']).toBe('43');
+  });
+
+  it('refused by the day while the minute is also spent: the violated day window', () => {
+    const h = rateLimitHeaders(
+      { outcome: 'rejected', violated: 'day', nowMs: now, windows: windows(free, now, 60, 1000) },
+      policy,
+    );
+    expect(h['x-ratelimit-limit']).toBe('1000');
+    expect(h['x-ratelimit-reset']).toBe(String(dayEnd));
+    expect(h['retry-after']).toBe('49483');
   });
 
   it('refused by the day: the day window, even with minute room left', () => {

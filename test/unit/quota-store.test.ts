@@ -1,7 +1,9 @@
 import { randomUUID } from 'node:crypto';
 import { Redis } from 'ioredis';
 import calculateSlot from 'cluster-key-slot';
-import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, inject, it, vi } from 'vitest';
+import { compileConfig, validateConfigFile } from '../../gateway/config.js';
+import { makeKey, testConfig } from '../helpers/stack.js';
 import type { FastifyBaseLogger } from 'fastify';
 import { DAY_MS, MINUTE_MS } from '../../gateway/headers.js';
 import { MemoryQuotaStore, type QuotaStore, type QuotaSubject, RedisQuotaStore } from '../../gateway/quota-store.js';
@@ -145,10 +147,29 @@ describe('redis store', () => {
     expect(d.windows.map((w) => w.used)).toEqual([2, 2]);
   });
 
-  it('keeps all keys of one subject in one Cluster slot', () => {
-    const key = 'gw:production:{k:acme}';
-    expect(calculateSlot(`${key}:rej`)).toBe(calculateSlot(key));
-    expect(calculateSlot(key)).not.toBe(calculateSlot('gw:production:{k:other}'));
+  it('keeps all the Redis keys of one consumer in one Cluster slot', async () => {
+    const prefix = `slot${randomUUID().slice(0, 8)}`;
+    const config = compileConfig(validateConfigFile(testConfig([{ ...makeKey('tiny'), id: 'acme' }]), 't'), prefix);
+    const consumer = [...config.consumers.values()][0]!;
+    const store = new RedisQuotaStore(redis, silent);
+    for (let i = 0; i < 5; i++) await store.consume(consumer.subject); // admitted and refused: both keys exist
+    const names = await redis.keys(`${prefix}:*`);
+    expect(names.sort()).toEqual([`${prefix}:production:{k:acme}`, `${prefix}:production:{k:acme}:rej`]);
+    expect(new Set(names.map((n) => calculateSlot(n))).size).toBe(1);
+  });
+
+  it('takes the time from Redis, not from the gateway clock', async () => {
+    const s = subject(5, 10, false);
+    const store = new RedisQuotaStore(redis, silent);
+    const real = Date.now();
+    vi.useFakeTimers({ toFake: ['Date'], now: real + 3_600_000 }); // this gateway runs an hour fast
+    try {
+      const d = await store.consume(s);
+      expect(Math.abs(d.nowMs - real)).toBeLessThan(2000);
+      expect(Number(await redis.hget(s.key, 'ms'))).toBe(d.nowMs - (d.nowMs % MINUTE_MS));
+    } finally {
+      vi.useRealTimers();
+    }
   });
 
   it('aligns windows to UTC using Redis time, and expires the counters at the end of the day', async () => {
