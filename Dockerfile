@@ -9,6 +9,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends python3 make g+
 COPY package.json package-lock.json ./
 RUN npm ci --no-audit --no-fund
 COPY tsconfig.json tsconfig.build.json stack.ts ./
+COPY runtime runtime
 COPY backend backend
 COPY gateway gateway
 RUN npm run build && npm prune --omit=dev

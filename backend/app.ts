@@ -1,7 +1,8 @@
 import swagger from '@fastify/swagger';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import Fastify, { type FastifyInstance } from 'fastify';
-import { type BackendConfig, loggerOptions } from './config.js';
+import { loggerOptions } from '../runtime/process.js';
+import type { BackendConfig } from './config.js';
 import { handleError, registerErrorHandling } from './errors.js';
 import { orderRoutes } from './orders.js';
 import { petRoutes } from './pets.js';

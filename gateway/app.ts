@@ -11,7 +11,7 @@ import type { Consumer, GatewayConfig, GatewaySettings } from './config.js';
 import { GatewayError, handleError } from './errors.js';
 import { rateLimitHeaders } from './headers.js';
 import { GatewayMetrics, type RejectionReason } from './metrics.js';
-import { loggerOptions } from '../backend/config.js';
+import { loggerOptions } from '../runtime/process.js';
 import { clientErrorHandler, installRawHandlers, type RawDeps, requestId } from './http-errors.js';
 import { registerProxy } from './proxy.js';
 import { admit, refusal } from './quota.js';

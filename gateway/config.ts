@@ -3,7 +3,7 @@ import { isIP } from 'node:net';
 import { type Static, Type } from '@sinclair/typebox';
 import { Value } from '@sinclair/typebox/value';
 import { parse as parseYaml } from 'yaml';
-import { LogLevel, readEnv } from '../backend/config.js';
+import { LogLevel, readEnv } from '../runtime/process.js';
 import { deprecationHeaders, type Limits, policyHeader } from './headers.js';
 import type { Environment } from './keys.js';
 import type { QuotaSubject } from './quota-store.js';

@@ -1,6 +1,7 @@
 import { watch } from 'node:fs';
 import { basename, dirname } from 'node:path';
 import { Redis } from 'ioredis';
+import { stopOnSignals } from '../runtime/process.js';
 import { buildAdmin } from './admin.js';
 import { buildGateway } from './app.js';
 import { ConfigError, loadConfigFile, loadSettings } from './config.js';
@@ -77,34 +78,19 @@ const watcher = watch(dirname(settings.configFile), (_event, name) => {
 });
 process.on('SIGHUP', () => reload('SIGHUP'));
 
-// Graceful stop: /readyz turns 503, the listener closes, in-flight requests finish (cut
-// after SHUTDOWN_GRACE_MS), then the admin port and Redis close. A second signal exits at once.
-for (const signal of ['SIGTERM', 'SIGINT'] as const) {
-  process.on(signal, () => {
-    if (closing) process.exit(1);
+// Graceful stop: /readyz turns 503 and the config watch ends, in-flight requests finish,
+// then the admin port and Redis close.
+stopOnSignals(app, settings.shutdownGraceMs, {
+  beforeClose: () => {
     closing = true;
-    app.log.info({ signal }, 'closing: finishing in-flight requests');
     watcher.close();
     clearTimeout(debounce);
-    let forced = false;
-    const grace = setTimeout(() => {
-      forced = true;
-      app.log.warn('grace period over: closing the remaining connections');
-      app.server.closeAllConnections();
-    }, settings.shutdownGraceMs);
-    app
-      .close()
-      .then(() => admin.close())
-      .then(() => redis?.quit())
-      .then(
-        () => {
-          clearTimeout(grace);
-          process.exit(forced ? 1 : 0);
-        },
-        () => process.exit(1),
-      );
-  });
-}
+  },
+  afterClose: async () => {
+    await admin.close();
+    await redis?.quit();
+  },
+});
 
 const address = await app.listen({ port: settings.port, host: settings.host });
 const adminAddress = await admin.listen({ port: settings.adminPort, host: settings.adminHost });

@@ -1,0 +1,76 @@
+import { type Static, type TObject, Type } from '@sinclair/typebox';
+import { Value } from '@sinclair/typebox/value';
+import type { FastifyInstance } from 'fastify';
+
+// How a service process runs, the same for the backend and the gateway: settings read from
+// the environment, the logger, and a graceful stop on signals.
+
+export const LogLevel = Type.Union(
+  ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'].map((l) => Type.Literal(l)),
+  { default: 'info' },
+);
+
+/**
+ * pino options of both services: credentials and cookies are removed from anything logged
+ * under a request's headers; LOG_PRETTY=1 gives human-readable lines through pino-pretty.
+ */
+export function loggerOptions(level: string, pretty = false) {
+  return {
+    level,
+    redact: {
+      paths: ['req.headers.authorization', 'req.headers.cookie', 'headers.authorization', 'headers.cookie'],
+      remove: true,
+    },
+    ...(pretty ? { transport: { target: 'pino-pretty', options: { translateTime: 'SYS:HH:MM:ss.l' } } } : {}),
+  };
+}
+
+/**
+ * Reads the variables a schema names from the environment, converts and defaults them,
+ * and throws one error listing every bad variable. Shared by the backend and the gateway.
+ */
+export function readEnv<T extends TObject>(schema: T, env: NodeJS.ProcessEnv, what: string): Static<T> {
+  const raw = Object.fromEntries(Object.keys(schema.properties).flatMap((k) => (env[k] ? [[k, env[k]]] : [])));
+  const value = Value.Default(schema, Value.Convert(schema, raw));
+  const problems = [...Value.Errors(schema, value)].map((e) => `${e.path.slice(1)}: ${e.message}`);
+  if (problems.length > 0) throw new Error(`Invalid ${what} settings:\n  ${problems.join('\n  ')}`);
+  return value as Static<T>;
+}
+
+/**
+ * SIGTERM/SIGINT: `beforeClose` runs (stop watchers, turn readiness off), the listener closes
+ * and in-flight requests finish; connections still busy after `graceMs` are cut. Then
+ * `afterClose` releases the rest and the process exits: 0, or 1 if connections were cut. A
+ * second signal exits at once with 1. Install before listening, so no signal finds no handler.
+ */
+export function stopOnSignals(
+  app: FastifyInstance,
+  graceMs: number,
+  hooks: { beforeClose?: () => void; afterClose?: () => Promise<unknown> } = {},
+): void {
+  let closing = false;
+  for (const signal of ['SIGTERM', 'SIGINT'] as const) {
+    process.on(signal, () => {
+      if (closing) process.exit(1);
+      closing = true;
+      app.log.info({ signal }, 'closing: finishing in-flight requests');
+      hooks.beforeClose?.();
+      let forced = false;
+      const grace = setTimeout(() => {
+        forced = true;
+        app.log.warn('grace period over: closing the remaining connections');
+        app.server.closeAllConnections();
+      }, graceMs);
+      app
+        .close()
+        .then(() => hooks.afterClose?.())
+        .then(
+          () => {
+            clearTimeout(grace);
+            process.exit(forced ? 1 : 0);
+          },
+          () => process.exit(1),
+        );
+    });
+  }
+}
