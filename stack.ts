@@ -1,14 +1,14 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import { resolve } from 'node:path';
+import { SERVICES } from './runtime/services.js';
 
 // `npm start`: the backend and the gateway as two processes, the same entries the
 // Docker images run, with their embedded defaults. The children get their own process
 // group, so a terminal's Ctrl-C reaches them once, through this file. When either exits,
 // the other is stopped.
-const entries = ['dist/backend/server.js', 'dist/gateway/server.js'];
 const root = import.meta.dirname.endsWith('dist') ? resolve(import.meta.dirname, '..') : import.meta.dirname;
 
-const children: ChildProcess[] = entries.map((entry) =>
+const children: ChildProcess[] = SERVICES.map(({ entry }) =>
   spawn(process.execPath, [resolve(root, entry)], { cwd: root, stdio: 'inherit', env: process.env, detached: true }),
 );
 // The exit code: a child that stopped on its own decides it (a crash is never hidden by

@@ -2,7 +2,7 @@ import swagger from '@fastify/swagger';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import Fastify, { type FastifyInstance } from 'fastify';
 import { loggerOptions } from '../runtime/process.js';
-import type { BackendConfig } from './config.js';
+import type { BackendSettings } from './settings.js';
 import { handleError, registerErrorHandling } from './errors.js';
 import { orderRoutes } from './orders.js';
 import { petRoutes } from './pets.js';
@@ -11,7 +11,7 @@ import { validatorCompiler } from './validation.js';
 
 /** Builds the pet backend; never listens (server.ts does). */
 export async function buildBackend(
-  config: Pick<BackendConfig, 'bodyLimit' | 'logLevel'> & { logPretty?: boolean },
+  config: Pick<BackendSettings, 'bodyLimit' | 'logLevel'> & { logPretty?: boolean },
   store: PetStore,
 ): Promise<FastifyInstance> {
   const app = Fastify({

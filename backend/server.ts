@@ -1,20 +1,20 @@
 import { buildBackend } from './app.js';
 import { stopOnSignals } from '../runtime/process.js';
-import { loadBackendConfig } from './config.js';
+import { loadBackendSettings } from './settings.js';
 import { PetStore } from './store.js';
 
 // Entry: settings, storage, listen, and a graceful close on SIGTERM/SIGINT.
-let config: ReturnType<typeof loadBackendConfig>;
+let settings: ReturnType<typeof loadBackendSettings>;
 try {
-  config = loadBackendConfig();
+  settings = loadBackendSettings();
 } catch (err) {
   console.error((err as Error).message);
   process.exit(1);
 }
-const store = new PetStore(config.dbFile);
-const app = await buildBackend(config, store);
+const store = new PetStore(settings.dbFile);
+const app = await buildBackend(settings, store);
+app.log.info({ file: settings.dbFile, ...store.durability() }, 'pet store open');
 app.addHook('onClose', async () => store.close());
-stopOnSignals(app, config.shutdownGraceMs);
+stopOnSignals(app, settings.shutdownGraceMs);
 
-await app.listen({ port: config.port, host: config.host });
-
+await app.listen({ port: settings.port, host: settings.host });

@@ -130,6 +130,12 @@ export class PetStore {
     })();
   }
 
+  /** The journal and sync modes in force: what makes a 201 survive a crash (logged at boot). */
+  durability(): { journalMode: string; synchronous: string } {
+    const sync = ['off', 'normal', 'full', 'extra'][this.db.pragma('synchronous', { simple: true }) as number] ?? 'unknown';
+    return { journalMode: String(this.db.pragma('journal_mode', { simple: true })), synchronous: sync };
+  }
+
   close(): void {
     this.db.close();
   }

@@ -5,12 +5,12 @@ import { join } from 'node:path';
 import { promisify } from 'node:util';
 import type { FastifyBaseLogger } from 'fastify';
 import { Redis } from 'ioredis';
-import { generateKey } from '../gateway/keys.js';
-import { RedisQuotaStore } from '../gateway/quota-store.js';
+import { generateKey } from '../gateway/auth/keys.js';
+import { RedisQuotaStore } from '../gateway/quota/redis-store.js';
 import { spawnRedis } from '../test/helpers/redis.js';
 import { freePort, waitForPort } from '../test/helpers/net.js';
 import { startProcess } from '../test/helpers/processes.js';
-import { testConfig } from '../test/helpers/stack.js';
+import { testConfig } from '../test/helpers/config.js';
 
 // `npm run bench`: loopback only, bounded (about a minute), and every figure is printed as a
 // ratio against a reference measured in the same run, because this machine is shared and noisy.
@@ -75,7 +75,7 @@ async function redisRoundTrips(url: string): Promise<{ ping: number; quota: numb
   const redis = new Redis(url);
   const silent = { warn: () => {}, info: () => {} } as unknown as FastifyBaseLogger;
   const store = new RedisQuotaStore(redis, silent);
-  const subject = { key: 'bench:{k:one}', limits: { perMinute: 1e9, perDay: 1e9 }, bans: null };
+  const subject = { name: 'bench:{k:one}', limits: { perMinute: 1e9, perDay: 1e9 }, bans: null, policy: '' };
   const n = 20_000;
   const time = async (f: () => Promise<unknown>) => {
     const t = performance.now();

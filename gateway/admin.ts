@@ -3,9 +3,9 @@ import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import type { Redis } from 'ioredis';
 import type { GatewayConfig } from './config.js';
 import { GatewayError, handleError } from './errors.js';
-import { windows } from './headers.js';
 import type { GatewayMetrics } from './metrics.js';
-import type { QuotaStore } from './quota-store.js';
+import { windows } from './quota/decision.js';
+import type { QuotaStore } from './quota/store.js';
 
 export interface AdminDeps {
   config: () => GatewayConfig;
@@ -73,12 +73,13 @@ export async function buildAdmin(deps: AdminDeps): Promise<FastifyInstance> {
     if (!consumer) throw new GatewayError('key_not_found', `No key with id "${request.params.id}"`);
     const usage = await deps.store.peek(consumer.subject);
     const iso = (ms: number) => new Date(ms).toISOString();
-    const state = windows(consumer.limits, usage.nowMs, usage.minuteUsed, usage.dayUsed);
+    const { limits } = consumer.subject;
+    const state = windows(limits, usage.nowMs, usage.minuteUsed, usage.dayUsed);
     return {
       id: consumer.id,
       plan: consumer.plan,
       revoked: consumer.revoked,
-      limits: consumer.limits,
+      limits,
       windows: Object.fromEntries(
         state.map((w) => [w.name, { used: w.used, remaining: Math.max(0, w.limit - w.used), resetAt: iso(w.resetMs) }]),
       ),

@@ -1,14 +1,19 @@
 import { randomUUID } from 'node:crypto';
 import { STATUS_CODES, type Server, type ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
-import { GATEWAY_ERRORS, type GatewayError, type GatewayErrorCode, renderError } from './errors.js';
+import type { AccessEntry } from './access-log.js';
+import { GATEWAY_ERRORS, type GatewayErrorCode, renderError } from './errors.js';
+import type { Admission } from './quota/admit.js';
+
+// Answers, in the Error shape, to requests that never reach fastify: bad framing, oversized
+// headers and parser timeouts, an unsupported Expect, CONNECT.
 
 /** What answering without fastify needs from the gateway. */
 export interface RawDeps {
-  /** Counts the request against its address: the rate-limit headers, and the refusal if over. */
-  admitAddress(address: string): Promise<{ headers: Record<string, string>; refused?: GatewayError }>;
+  /** Admission against the client address's quota (quota/admit.ts). */
+  admitAddress(address: string): Promise<Admission>;
   /** Writes the access line and the metrics, as for any other request. */
-  record(entry: { reqId: string; method: string; status: number; quota?: string; started: number }): void;
+  record(reqId: string, entry: AccessEntry): void;
 }
 
 type Send = (status: number, headers: Record<string, string>, body: string) => void;
@@ -36,11 +41,11 @@ function answer(
   const reqId = requestId(request.id);
   deps
     .admitAddress(address)
-    .catch(() => ({ headers: {}, refused: undefined }))
-    .then(({ headers, refused }) => {
-      const c = refused?.code ?? code;
+    .catch((): Partial<Admission> => ({}))
+    .then(({ headers, refusal, outcome }) => {
+      const c = refusal?.code ?? code;
       const status = GATEWAY_ERRORS[c];
-      const body = renderError(c, refused?.message ?? message);
+      const body = renderError(c, refusal?.message ?? message);
       send(
         status,
         {
@@ -53,7 +58,7 @@ function answer(
         },
         body,
       );
-      deps.record({ reqId, method, status, quota: refused?.code, started });
+      deps.record(reqId, { method, status, outcome, ms: performance.now() - started });
     });
 }
 

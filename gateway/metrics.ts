@@ -1,7 +1,9 @@
 import { Counter, collectDefaultMetrics, Gauge, Histogram, Registry } from 'prom-client';
+import type { Refusal } from './quota/decision.js';
+import type { QuotaStore } from './quota/store.js';
 
-/** What the gateway reports to the access-log hook, and the reasons a request is refused. */
-export type RejectionReason = 'minute' | 'day' | 'banned' | 'unauthenticated';
+/** Why a request was refused: its quota's outcome, or no valid key. */
+export type RejectionReason = Refusal | 'unauthenticated';
 
 /**
  * Prometheus metrics, one registry per gateway. Label values are bounded: route ids from the
@@ -14,10 +16,7 @@ export class GatewayMetrics {
   readonly redisSeconds: Histogram<never>;
   readonly upstreamSeconds: Histogram<'route'>;
 
-  constructor(
-    private readonly keyLabels: boolean,
-    store: () => { degraded: boolean; bans: number },
-  ) {
+  constructor(private readonly keyLabels: boolean) {
     const registers = [this.registry];
     collectDefaultMetrics({ register: this.registry });
     this.requests = new Counter({
@@ -45,12 +44,17 @@ export class GatewayMetrics {
       buckets: [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10],
       registers,
     });
+  }
+
+  /** The store's state, read when metrics are scraped. */
+  watch(store: Pick<QuotaStore, 'degraded' | 'activeBans'>): void {
+    const registers = [this.registry];
     new Gauge({
       name: 'gateway_bans_active',
       help: 'Keys this instance knows to be banned now',
       registers,
       collect() {
-        this.set(store().bans);
+        this.set(store.activeBans());
       },
     });
     new Gauge({
@@ -58,7 +62,7 @@ export class GatewayMetrics {
       help: '1 while quota decisions come from the in-process fallback because Redis fails',
       registers,
       collect() {
-        this.set(store().degraded ? 1 : 0);
+        this.set(store.degraded ? 1 : 0);
       },
     });
   }

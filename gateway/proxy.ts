@@ -51,8 +51,6 @@ export interface ProxyOptions {
   upstream: string;
   bodyLimit: number;
   timeoutMs: number;
-  /** Headers the backend receives about the caller (consumer id and plan). */
-  identity: (request: FastifyRequest) => Record<string, string>;
   /** Told how long the backend took to send its response headers. */
   upstreamSeconds: (request: FastifyRequest, seconds: number) => void;
 }
@@ -90,7 +88,7 @@ export async function registerProxy(app: FastifyInstance, opts: ProxyOptions): P
         sentAt.set(request, performance.now());
         return {
           ...headers,
-          ...opts.identity(request as FastifyRequest),
+          ...(request as FastifyRequest).ctx.consumer!.upstreamHeaders,
           'x-request-id': request.id,
           'x-forwarded-for': request.ip,
           'x-forwarded-proto': request.protocol,

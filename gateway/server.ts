@@ -4,7 +4,8 @@ import { Redis } from 'ioredis';
 import { stopOnSignals } from '../runtime/process.js';
 import { buildAdmin } from './admin.js';
 import { buildGateway } from './app.js';
-import { ConfigError, loadConfigFile, loadSettings } from './config.js';
+import { ConfigError, loadConfigFile } from './config.js';
+import { loadSettings } from './settings.js';
 
 // Entry: settings and config (fail fast), the quota store, listen, reload, close on signals.
 let settings: ReturnType<typeof loadSettings>;

@@ -1,14 +1,7 @@
-import { type Static, type TObject, Type } from '@sinclair/typebox';
-import { Value } from '@sinclair/typebox/value';
 import type { FastifyInstance } from 'fastify';
 
-// How a service process runs, the same for the backend and the gateway: settings read from
-// the environment, the logger, and a graceful stop on signals.
-
-export const LogLevel = Type.Union(
-  ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'].map((l) => Type.Literal(l)),
-  { default: 'info' },
-);
+// How a service process runs, the same for the backend and the gateway: its logger and its
+// graceful stop on signals. (Settings: runtime/settings.ts.)
 
 /**
  * pino options of both services: credentials and cookies are removed from anything logged
@@ -23,18 +16,6 @@ export function loggerOptions(level: string, pretty = false) {
     },
     ...(pretty ? { transport: { target: 'pino-pretty', options: { translateTime: 'SYS:HH:MM:ss.l' } } } : {}),
   };
-}
-
-/**
- * Reads the variables a schema names from the environment, converts and defaults them,
- * and throws one error listing every bad variable. Shared by the backend and the gateway.
- */
-export function readEnv<T extends TObject>(schema: T, env: NodeJS.ProcessEnv, what: string): Static<T> {
-  const raw = Object.fromEntries(Object.keys(schema.properties).flatMap((k) => (env[k] ? [[k, env[k]]] : [])));
-  const value = Value.Default(schema, Value.Convert(schema, raw));
-  const problems = [...Value.Errors(schema, value)].map((e) => `${e.path.slice(1)}: ${e.message}`);
-  if (problems.length > 0) throw new Error(`Invalid ${what} settings:\n  ${problems.join('\n  ')}`);
-  return value as Static<T>;
 }
 
 /**

@@ -2,7 +2,8 @@ import { randomBytes } from 'node:crypto';
 import { closeSync, openSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 import { type Document, isMap, isSeq, parseDocument } from 'yaml';
-import { ConfigError, configFilePath, parseConfigText } from './config.js';
+import { ConfigError, parseConfigText } from '../config.js';
+import { configFilePath } from '../settings.js';
 import { generateKey } from './keys.js';
 
 // `npm run keys -- create|list|revoke`: edits the config file in place (comments kept),

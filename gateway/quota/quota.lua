@@ -2,8 +2,9 @@
 -- KEYS[1]: the subject's counters (hash); KEYS[2]: times of its recent 429s (list).
 -- Both share one hash tag, so they live in one Redis Cluster slot.
 -- ARGV: perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs.
--- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs}; outcome 0 admitted,
--- 1 minute limit, 2 day limit, 3 banned. Time is Redis's own, so skewed gateways agree.
+-- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs}; outcome is an index into
+-- OUTCOMES in decision.ts: 0 allowed, 1 minute, 2 day, 3 banned. Time is Redis's own, so
+-- skewed gateways agree.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local perMinute, perDay = tonumber(ARGV[1]), tonumber(ARGV[2])

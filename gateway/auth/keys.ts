@@ -2,14 +2,14 @@ import { createHash, randomBytes } from 'node:crypto';
 
 export type Environment = 'production' | 'staging';
 
-/** A key names its environment, so a staging key is refused by production and back. */
-export const KEY_PREFIX: Record<Environment, string> = { production: 'psk_live_', staging: 'psk_test_' };
+/** An API key names its environment, so a staging key is refused by production and back. */
+export const API_KEY_PREFIX: Record<Environment, string> = { production: 'psk_live_', staging: 'psk_test_' };
 const KEY_FORMAT = /^psk_(live|test)_[A-Za-z0-9_-]{32}$/;
 const BEARER = /^bearer +(\S+) *$/i;
 
 /** A new key: 24 random bytes (192 bits), base64url, behind the environment prefix. */
 export function generateKey(environment: Environment): { key: string; hash: string } {
-  const key = `${KEY_PREFIX[environment]}${randomBytes(24).toString('base64url')}`;
+  const key = `${API_KEY_PREFIX[environment]}${randomBytes(24).toString('base64url')}`;
   return { key, hash: hashKey(key) };
 }
 

@@ -1,0 +1,46 @@
+import type { FastifyBaseLogger, FastifyReply, FastifyRequest } from 'fastify';
+import type { Consumer } from './config.js';
+import type { GatewayMetrics, RejectionReason } from './metrics.js';
+import type { Outcome } from './quota/decision.js';
+import type { RouteId } from './routes.js';
+
+/** One answered request, whichever path answered it (proxy, hook, framework error, raw socket). */
+export interface AccessEntry {
+  method: string;
+  status: number;
+  ms: number;
+  consumer?: Consumer;
+  route?: RouteId;
+  outcome?: Outcome;
+}
+
+/** Why a request was refused, for the metric: a 401, or a 429 without a key, is "unauthenticated". */
+function rejection(e: AccessEntry): RejectionReason | undefined {
+  if (e.status === 401 || (e.status === 429 && !e.consumer)) return 'unauthenticated';
+  return e.status === 429 && e.outcome && e.outcome !== 'allowed' ? e.outcome : undefined;
+}
+
+/** The access line and the request metrics: one of each for every answer. */
+export function accessLog(metrics: GatewayMetrics) {
+  function record(log: FastifyBaseLogger, e: AccessEntry): void {
+    metrics.request(e.route ?? 'none', e.status, e.consumer?.plan ?? 'none', e.consumer?.id, rejection(e));
+    log.info(
+      {
+        keyId: e.consumer?.id,
+        plan: e.consumer?.plan,
+        route: e.route ?? null,
+        method: e.method,
+        status: e.status,
+        ms: Math.round(e.ms * 10) / 10,
+        outcome: e.outcome,
+      },
+      'request',
+    );
+  }
+  /** fastify's onResponse hook: the request's context as the pipeline left it. */
+  async function onResponse(request: FastifyRequest, reply: FastifyReply): Promise<void> {
+    const { consumer, route, outcome } = request.ctx;
+    record(request.log, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, consumer, route, outcome });
+  }
+  return { record, onResponse };
+}

@@ -1,0 +1,93 @@
+import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
+import type { AccessEntry } from './access-log.js';
+import { authenticate } from './auth/authenticate.js';
+import type { Consumer, GatewayConfig } from './config.js';
+import { sunsetRefusal } from './deprecation.js';
+import { GatewayError, handleError } from './errors.js';
+import { admit } from './quota/admit.js';
+import type { Outcome, QuotaSubject } from './quota/decision.js';
+import type { QuotaStore } from './quota/store.js';
+import { matchRoute, type RouteId } from './routes.js';
+
+declare module 'fastify' {
+  interface FastifyRequest {
+    ctx: RequestContext;
+  }
+}
+
+/** What the gateway learned about a request, step by step; read by the proxy and the access line. */
+export interface RequestContext {
+  /** The config in force when the request arrived: a reload mid-request does not change it. */
+  readonly config: GatewayConfig;
+  consumer?: Consumer;
+  route?: RouteId;
+  /** The quota decision, once made. */
+  outcome?: Outcome;
+}
+
+/** Starts a request's context; the request id goes on every answer, errors included. */
+function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConfig): RequestContext {
+  reply.header('x-request-id', request.id);
+  request.ctx = { config };
+  return request.ctx;
+}
+
+/** HTTP/1.1 requires Host (RFC 9112 §3.2). Node is told not to check, so the refusal is ours, in the Error shape. */
+function missingHost(request: FastifyRequest): GatewayError | undefined {
+  if (request.headers.host !== undefined || request.raw.httpVersion !== '1.1') return undefined;
+  return new GatewayError('bad_request', 'HTTP/1.1 requests need a Host header');
+}
+
+/**
+ * The request pipeline, in order: context, authentication (or the per-address quota),
+ * route, deprecation headers, the key's quota, then the refusals. Every step that can
+ * refuse returns its GatewayError; this is the one place that throws them.
+ */
+export function requestPipeline(
+  store: QuotaStore,
+  config: () => GatewayConfig,
+  record: (request: FastifyRequest, entry: AccessEntry) => void,
+) {
+  /** Admission for this request: headers on the reply, the outcome in the context; returns the refusal. */
+  async function admitRequest(request: FastifyRequest, reply: FastifyReply, subject: QuotaSubject) {
+    const admission = await admit(store, subject);
+    reply.headers(admission.headers);
+    request.ctx.outcome = admission.outcome;
+    return admission.refusal;
+  }
+
+  async function onRequest(request: FastifyRequest, reply: FastifyReply): Promise<void> {
+    const ctx = begin(request, reply, config());
+    // Authentication first, for every path: a caller without a valid key learns nothing of routes.
+    const who = missingHost(request) ?? authenticate(request.headers.authorization, ctx.config);
+    if (who instanceof GatewayError) {
+      throw (await admitRequest(request, reply, ctx.config.addressSubject(request.ip))) ?? who;
+    }
+    ctx.consumer = who;
+    const route = matchRoute(request.method, request.url);
+    const deprecation = route instanceof GatewayError ? undefined : ctx.config.deprecations.get(route.id);
+    if (!(route instanceof GatewayError)) ctx.route = route.id;
+    if (deprecation) reply.headers(deprecation.headers);
+    // Every authenticated request counts, whatever its outcome, except one refused with 429.
+    const refused = await admitRequest(request, reply, who.subject);
+    if (refused) throw refused;
+    if (route instanceof GatewayError) throw route;
+    const sunset = deprecation && sunsetRefusal(route, deprecation);
+    if (sunset) throw sunset;
+  }
+
+  /** fastify's frameworkErrors (a URL it cannot decode): no route, so no hooks; counted, answered and recorded here. */
+  function onFrameworkError(err: FastifyError, request: FastifyRequest, reply: FastifyReply): void {
+    const started = performance.now(); // fastify starts no reply timer on this path
+    const ctx = begin(request, reply, config());
+    reply.raw.once('finish', () =>
+      record(request, { method: request.method, status: reply.statusCode, ms: performance.now() - started, outcome: ctx.outcome }),
+    );
+    admitRequest(request, reply, ctx.config.addressSubject(request.ip)).then(
+      (refused) => handleError(refused ?? err, request, reply),
+      (failed) => handleError(failed, request, reply),
+    );
+  }
+
+  return { onRequest, onFrameworkError };
+}

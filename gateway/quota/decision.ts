@@ -1,0 +1,80 @@
+// The quota model: what is asked (a subject: its limits and ban policy) and what is decided
+// (one Outcome, and the windows as they stand after it). Pure: plain values and `now`.
+
+export const MINUTE_MS = 60_000;
+export const DAY_MS = 86_400_000;
+
+/**
+ * Why a request was admitted or refused: the one vocabulary of quota.lua (which returns the
+ * index), the in-process store, the headers, the error codes, the access line and the metrics.
+ */
+export const OUTCOMES = ['allowed', 'minute', 'day', 'banned'] as const;
+export type Outcome = (typeof OUTCOMES)[number];
+export type Refusal = Exclude<Outcome, 'allowed'>;
+
+export interface Limits {
+  perMinute: number;
+  /** 0: no day window (the unauthenticated per-address limit has only a minute). */
+  perDay: number;
+}
+
+export interface BanPolicy {
+  afterRejected: number;
+  withinMs: number;
+  durationMs: number;
+}
+
+/** Whose quota: a key's, or a client address's. Built once per key at config load. */
+export interface QuotaSubject {
+  /** Base name of its counters in the store, with a hash tag so they share one Cluster slot. */
+  name: string;
+  limits: Limits;
+  bans: BanPolicy | null;
+  /** Its `RateLimit-Policy` header value, constant per limits. */
+  policy: string;
+}
+
+/** One window's state after the decision. `used` counts admitted requests only. */
+export interface WindowState {
+  name: 'minute' | 'day';
+  limit: number;
+  used: number;
+  resetMs: number;
+}
+
+export interface Decision {
+  outcome: Outcome;
+  nowMs: number;
+  /** When the ban ends; 0 unless the outcome is `banned`. */
+  banUntilMs: number;
+  windows: WindowState[];
+}
+
+/** What a store counted: the outcome and the admitted counts of the current windows. */
+export interface Tally {
+  outcome: Outcome;
+  minuteUsed: number;
+  dayUsed: number;
+  nowMs: number;
+  banUntilMs: number;
+}
+
+/** Window boundaries are aligned to UTC: the minute at second :00, the day at 00:00. */
+export function windowStart(nowMs: number, sizeMs: number): number {
+  return nowMs - (nowMs % sizeMs);
+}
+
+/** The windows of a subject from the admitted counts of the current windows. */
+export function windows(limits: Limits, nowMs: number, minuteUsed: number, dayUsed: number): WindowState[] {
+  const list: WindowState[] = [
+    { name: 'minute', limit: limits.perMinute, used: minuteUsed, resetMs: windowStart(nowMs, MINUTE_MS) + MINUTE_MS },
+  ];
+  if (limits.perDay > 0) {
+    list.push({ name: 'day', limit: limits.perDay, used: dayUsed, resetMs: windowStart(nowMs, DAY_MS) + DAY_MS });
+  }
+  return list;
+}
+
+export function decision(limits: Limits, t: Tally): Decision {
+  return { outcome: t.outcome, nowMs: t.nowMs, banUntilMs: t.banUntilMs, windows: windows(limits, t.nowMs, t.minuteUsed, t.dayUsed) };
+}

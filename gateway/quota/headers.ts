@@ -1,0 +1,57 @@
+import type { Decision, Limits, WindowState } from './decision.js';
+
+// Pure header math: a decision in, header values out. No clock, no I/O.
+
+/** `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers-10); constant per limits, built at load. */
+export function policyHeader(limits: Limits): string {
+  const parts = [`"minute";q=${limits.perMinute};w=60`];
+  if (limits.perDay > 0) parts.push(`"day";q=${limits.perDay};w=86400`);
+  return parts.join(', ');
+}
+
+const remaining = (w: WindowState) => Math.max(0, w.limit - w.used);
+/** Whole seconds until `atMs`, rounded up and never 0 while it is still ahead. */
+const secondsUntil = (atMs: number, nowMs: number) => Math.max(1, Math.ceil((atMs - nowMs) / 1000));
+
+/** The window the X- headers describe: the violated one, else the fewest remaining, the shorter on a tie. */
+export function reportedWindow(d: Decision): WindowState {
+  const violated = d.outcome === 'minute' || d.outcome === 'day' ? d.windows.find((w) => w.name === d.outcome) : undefined;
+  return violated ?? d.windows.reduce((best, w) => (remaining(w) < remaining(best) ? w : best));
+}
+
+/**
+ * When a window can admit again. During a ban nothing is admitted before the ban ends, and a
+ * window already used up stays closed until its own reset if that comes later (a ban that
+ * started with the day used up ends at midnight UTC in effect, not after 15 minutes).
+ */
+function reopensAt(d: Decision, w: WindowState): number {
+  if (d.outcome !== 'banned') return w.resetMs;
+  return remaining(w) === 0 ? Math.max(d.banUntilMs, w.resetMs) : d.banUntilMs;
+}
+
+/** Seconds a refused client should wait: until a request can be admitted again. */
+export function retryAfterSeconds(d: Decision): number | undefined {
+  if (d.outcome === 'banned') return secondsUntil(Math.max(...d.windows.map((w) => reopensAt(d, w))), d.nowMs);
+  if (d.outcome !== 'allowed') return secondsUntil(reportedWindow(d).resetMs, d.nowMs);
+  return undefined;
+}
+
+/** Every rate-limit header of a response. During a ban every window reports 0 left. */
+export function rateLimitHeaders(d: Decision, policy: string): Record<string, string> {
+  const w = reportedWindow(d);
+  const banned = d.outcome === 'banned';
+  const resetMs = banned ? d.banUntilMs : w.resetMs;
+  const state = d.windows
+    .map((x) => `"${x.name}";r=${banned ? 0 : remaining(x)};t=${secondsUntil(reopensAt(d, x), d.nowMs)}`)
+    .join(', ');
+  const headers: Record<string, string> = {
+    'x-ratelimit-limit': String(w.limit),
+    'x-ratelimit-remaining': String(banned ? 0 : remaining(w)),
+    'x-ratelimit-reset': String(Math.ceil(resetMs / 1000)),
+    'ratelimit-policy': policy,
+    ratelimit: state,
+  };
+  const retry = retryAfterSeconds(d);
+  if (retry !== undefined) headers['retry-after'] = String(retry);
+  return headers;
+}

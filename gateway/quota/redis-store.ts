@@ -1,0 +1,125 @@
+import { readFileSync } from 'node:fs';
+import type { Redis } from 'ioredis';
+import type { FastifyBaseLogger } from 'fastify';
+import { DAY_MS, type Decision, decision, MINUTE_MS, OUTCOMES, type QuotaSubject, windowStart } from './decision.js';
+import { MemoryQuotaStore } from './memory-store.js';
+import { type Counters, countsAt, type QuotaStore, type Usage } from './store.js';
+
+const SCRIPT = readFileSync(new URL('./quota.lua', import.meta.url), 'utf8');
+const RETRY_REDIS_AFTER_MS = 1000;
+
+type QuotaRedis = Redis & {
+  quota(counters: string, rejections: string, ...args: number[]): Promise<[number, number, number, number, number]>;
+};
+
+/**
+ * Redis: one EVALSHA of quota.lua per request. Bans already seen are answered from memory
+ * without a round trip. When Redis fails, decisions come from the in-process fallback
+ * (logged once, `degraded` set) and Redis is tried again after a second.
+ */
+export class RedisQuotaStore implements QuotaStore {
+  private readonly redis: QuotaRedis;
+  /** Bans seen in replies, with the counters they came with: answered without a round trip. */
+  private readonly bans = new Map<string, Counters>();
+  /** Redis time minus local time, from the last reply; turns local time into Redis time for cached bans. */
+  private offsetMs = 0;
+  private retryAt = 0;
+  private readonly fallback = new MemoryQuotaStore();
+
+  constructor(
+    redis: Redis,
+    private readonly log: FastifyBaseLogger,
+    /** Told the duration of every script call, in seconds (the latency histogram). */
+    private readonly observe: (seconds: number) => void = () => {},
+  ) {
+    redis.defineCommand('quota', { numberOfKeys: 2, lua: SCRIPT });
+    this.redis = redis as QuotaRedis;
+  }
+
+  get degraded(): boolean {
+    return this.retryAt !== 0;
+  }
+
+  async consume(subject: QuotaSubject): Promise<Decision> {
+    const local = Date.now();
+    const known = this.bans.get(subject.name);
+    if (known) {
+      const now = local + this.offsetMs;
+      if (known.ban > now) return decision(subject.limits, { outcome: 'banned', ...countsAt(known, now), nowMs: now, banUntilMs: known.ban });
+      this.bans.delete(subject.name);
+    }
+    if (this.retryAt > local) return this.fallback.consume(subject);
+    const { limits, bans } = subject;
+    let reply: [number, number, number, number, number];
+    const started = performance.now();
+    try {
+      reply = await this.redis.quota(
+        subject.name,
+        `${subject.name}:rej`,
+        limits.perMinute,
+        limits.perDay,
+        bans?.afterRejected ?? 0,
+        bans?.withinMs ?? 0,
+        bans?.durationMs ?? 0,
+      );
+    } catch (err) {
+      this.failed(err, local);
+      return this.fallback.consume(subject);
+    } finally {
+      this.observe((performance.now() - started) / 1000);
+    }
+    if (this.retryAt !== 0) {
+      this.retryAt = 0;
+      this.log.info('quota store: Redis answers again');
+    }
+    const [index, minuteUsed, dayUsed, nowMs, banUntilMs] = reply;
+    const outcome = OUTCOMES[index]!;
+    this.offsetMs = nowMs - local;
+    if (outcome === 'banned') {
+      this.bans.set(subject.name, { ms: windowStart(nowMs, MINUTE_MS), mc: minuteUsed, ds: windowStart(nowMs, DAY_MS), dc: dayUsed, ban: banUntilMs });
+    }
+    return decision(limits, { outcome, minuteUsed, dayUsed, nowMs, banUntilMs });
+  }
+
+  private failed(err: unknown, local: number): void {
+    if (this.retryAt === 0) this.log.warn({ err }, 'quota store: Redis failed; limits are per process until it answers');
+    this.retryAt = local + RETRY_REDIS_AFTER_MS;
+  }
+
+  /** One MULTI: Redis time, the counters and the recent 429s, read together. */
+  async peek(subject: QuotaSubject): Promise<Usage> {
+    let values: unknown[];
+    try {
+      const results = await this.redis
+        .multi()
+        .time()
+        .hmget(subject.name, 'ms', 'mc', 'ds', 'dc', 'ban')
+        .lrange(`${subject.name}:rej`, 0, -1)
+        .exec();
+      values = (results ?? []).map(([err, value]) => {
+        if (err) throw err;
+        return value;
+      });
+    } catch (err) {
+      this.failed(err, Date.now());
+      return this.fallback.peek(subject);
+    }
+    const [time, fields, rejections] = values as [[string, string], Array<string | null>, string[]];
+    const now = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
+    const [ms, mc, ds, dc, ban] = fields.map(Number) as [number, number, number, number, number];
+    const withinMs = subject.bans?.withinMs ?? 0;
+    return {
+      nowMs: now,
+      ...countsAt({ ms, mc, ds, dc, ban }, now),
+      banUntilMs: ban > now ? ban : 0,
+      recentRejections: rejections.filter((t) => Number(t) > now - withinMs).length,
+    };
+  }
+
+  activeBans(): number {
+    const now = Date.now() + this.offsetMs;
+    let n = 0;
+    for (const { ban } of this.bans.values()) if (ban > now) n++;
+    return n;
+  }
+}

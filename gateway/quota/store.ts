@@ -1,0 +1,39 @@
+import { DAY_MS, type Decision, MINUTE_MS, type QuotaSubject, windowStart } from './decision.js';
+
+/** The contract both stores keep: one decision per request, and a read that counts nothing. */
+export interface QuotaStore {
+  consume(subject: QuotaSubject): Promise<Decision>;
+  peek(subject: QuotaSubject): Promise<Usage>;
+  /** True while decisions come from the in-process fallback because Redis failed. */
+  readonly degraded: boolean;
+  /** Bans this instance knows to be in force now. */
+  activeBans(): number;
+}
+
+/** A subject's counters as they stand, read without counting (for the admin usage lookup). */
+export interface Usage {
+  nowMs: number;
+  minuteUsed: number;
+  dayUsed: number;
+  /** 0 when not banned. */
+  banUntilMs: number;
+  /** 429s within the ban window so far. */
+  recentRejections: number;
+}
+
+/** A subject's stored counters: window starts, admitted counts, ban end (quota.lua's hash fields). */
+export interface Counters {
+  ms: number;
+  mc: number;
+  ds: number;
+  dc: number;
+  ban: number;
+}
+
+/** Admitted counts of the windows current at `now`: a stored count of an older window is 0. */
+export function countsAt(c: Counters, now: number): { minuteUsed: number; dayUsed: number } {
+  return {
+    minuteUsed: c.ms === windowStart(now, MINUTE_MS) ? c.mc : 0,
+    dayUsed: c.ds === windowStart(now, DAY_MS) ? c.dc : 0,
+  };
+}

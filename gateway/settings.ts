@@ -1,0 +1,61 @@
+import { isIP } from 'node:net';
+import { Type } from '@sinclair/typebox';
+import { flag, logLevel, readSettings } from '../runtime/settings.js';
+
+// The gateway's process settings: each one's variable, default and rule side by side.
+
+/** TRUST_PROXY: false, a hop count, or proxy addresses/CIDRs; every entry checked, so a typo stops the boot. */
+function parseTrustProxy(value: string): false | number | string {
+  if (value === 'false') return false;
+  if (/^[0-9]+$/.test(value)) return Number(value);
+  const bad = value.split(',').map((t) => t.trim()).filter((t) => {
+    if (['loopback', 'linklocal', 'uniquelocal'].includes(t)) return false;
+    const [addr = '', bits, ...rest] = t.split('/');
+    const max = isIP(addr) === 4 ? 32 : 128;
+    return rest.length > 0 || isIP(addr) === 0 || (bits !== undefined && !(/^[0-9]+$/.test(bits) && Number(bits) <= max));
+  });
+  if (bad.length > 0) throw new Error(`not an address, CIDR or hop count: ${bad.join(', ')}`);
+  return value;
+}
+
+const Port = (env: string, fallback: number) => Type.Integer({ env, minimum: 0, maximum: 65535, default: fallback });
+const Ms = (env: string, fallback: number) => Type.Integer({ env, minimum: 1, default: fallback });
+
+export const GatewaySettingsSchema = Type.Object({
+  port: Port('GATEWAY_PORT', 3000),
+  host: Type.String({ env: 'GATEWAY_HOST', minLength: 1, default: '127.0.0.1' }),
+  backendUrl: Type.String({ env: 'BACKEND_URL', pattern: '^https?://', default: 'http://127.0.0.1:3001' }),
+  redisUrl: Type.Optional(Type.String({ env: 'REDIS_URL', pattern: '^rediss?://' })),
+  configFile: Type.String({ env: 'GATEWAY_CONFIG', minLength: 1, default: 'config/gateway.yaml' }),
+  bodyLimit: Type.Integer({ env: 'GATEWAY_BODY_LIMIT', minimum: 1, default: 1024 * 1024 }),
+  upstreamTimeoutMs: Ms('UPSTREAM_TIMEOUT_MS', 10_000),
+  redisTimeoutMs: Ms('REDIS_TIMEOUT_MS', 250),
+  redisKeyPrefix: Type.String({ env: 'REDIS_KEY_PREFIX', pattern: '^[A-Za-z0-9_.-]{1,32}$', default: 'gw' }),
+  // Never a plain "true": that would trust any X-Forwarded-For a client writes.
+  trustProxy: Type.Transform(Type.String({ env: 'TRUST_PROXY', minLength: 1, default: 'false' }))
+    .Decode(parseTrustProxy)
+    .Encode(String),
+  adminPort: Port('ADMIN_PORT', 9000),
+  adminHost: Type.String({ env: 'ADMIN_HOST', minLength: 1, default: '127.0.0.1' }),
+  adminToken: Type.Optional(Type.String({ env: 'ADMIN_TOKEN', minLength: 16 })),
+  metricsKeyIds: flag('METRICS_KEY_IDS', 'true', 'false', false),
+  shutdownGraceMs: Type.Integer({ env: 'SHUTDOWN_GRACE_MS', minimum: 0, default: 10_000 }),
+  logPretty: flag('LOG_PRETTY', '1', '0', false),
+  logLevel: logLevel(),
+});
+export type GatewaySettings = ReturnType<typeof loadSettings>;
+
+export function loadSettings(env: NodeJS.ProcessEnv = process.env) {
+  return readSettings(GatewaySettingsSchema, env, 'gateway');
+}
+
+/** GATEWAY_CONFIG alone, for the keys command: other settings do not concern it. */
+export function configFilePath(env: NodeJS.ProcessEnv = process.env): string {
+  const { env: name, default: fallback } = GatewaySettingsSchema.properties.configFile;
+  return env[name] || fallback;
+}
+
+/** TRUST_PROXY as fastify takes it: a hop count trusts that many proxies nearest to the gateway. */
+export function fastifyTrustProxy(value: GatewaySettings['trustProxy']) {
+  return typeof value === 'number' ? (_addr: string, hop: number) => hop < value : value;
+}
