@@ -2,57 +2,74 @@ import { execFile } from 'node:child_process';
 import { copyFileSync, readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { startGateway, startStack, call, makeKey, tempDir, testConfig, writeConfig } from '../helpers/stack.js';
-import { roomInMinute, sleep } from '../helpers/time.js';
+import { Redis } from 'ioredis';
+import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import { type EchoBackend, echoBackend } from '../helpers/backends.js';
+import { call, makeKey, tempDir, testConfig, writeConfig } from '../helpers/config.js';
+import { buildTestGateway } from '../helpers/gateway.js';
+import { startGateway, startStack } from '../helpers/stack.js';
+import { eventually, inOneMinute, sleep } from '../helpers/time.js';
 
 const run = promisify(execFile);
 
-/** The keys command as a user runs it (the compiled entry behind `npm run keys`). */
+/** The compiled entry behind `npm run keys`, read from package.json so the test follows the script. */
+const KEYS_CLI = (() => {
+  const script = String(JSON.parse(readFileSync('package.json', 'utf8')).scripts?.keys);
+  const entry = /^node (\S+)$/.exec(script)?.[1];
+  if (!entry) throw new Error(`package.json scripts.keys is not "node <entry>": ${script}`);
+  return entry;
+})();
+
+/** The keys command as a user runs it. */
 async function keys(...args: string[]): Promise<{ stdout: string; stderr: string; code: number }> {
   try {
-    const { stdout, stderr } = await run(process.execPath, ['dist/gateway/keys-cli.js', ...args]);
+    const { stdout, stderr } = await run(process.execPath, [KEYS_CLI, ...args]);
     return { stdout, stderr, code: 0 };
   } catch (err) {
     const e = err as { stdout: string; stderr: string; code: number };
     return { stdout: e.stdout, stderr: e.stderr, code: e.code };
   }
 }
+const lastLine = (out: { stdout: string }) => out.stdout.trim().split('\n').pop()!;
 
-/** Polls until `check` passes: a reload is asynchronous (file watch, debounce). */
-async function eventually(check: () => Promise<boolean>, ms = 5000): Promise<void> {
-  const end = Date.now() + ms;
-  while (Date.now() < end) {
-    if (await check()) return;
-    await sleep(50);
-  }
-  throw new Error('condition not met in time');
-}
-
+// Hot reload (the file watch and SIGHUP) lives in gateway/server.ts: a gateway process, in
+// front of an in-test backend. Each test creates the keys it uses.
 describe('the keys command and hot reload', () => {
+  let echo: EchoBackend;
   let stack: Awaited<ReturnType<typeof startStack>>;
   beforeAll(async () => {
-    stack = await startStack(testConfig([]));
+    echo = await echoBackend();
+    stack = await startStack(testConfig([]), {}, echo.url);
     // Start from the shipped file, comments and all, as an operator would.
     copyFileSync('config/gateway.yaml', stack.configFile);
     stack.gateway.proc.kill('SIGHUP');
     await stack.gateway.waitForLog((l) => l.msg === 'config reloaded' && l.reason === 'SIGHUP');
   });
-  afterAll(() => stack.stop());
+  afterAll(async () => {
+    await stack?.stop();
+    await echo?.close();
+  });
+  const status = async (key: string) => (await call(`${stack.gateway.url}/v1/pets`, key)).status;
 
   it('creates a key that a running gateway accepts, without a restart', async () => {
     const out = await keys('create', '--plan', 'pro', '--id', 'acme', '--config', stack.configFile);
     expect(out.code).toBe(0);
-    const lines = out.stdout.trim().split('\n');
-    const key = lines[lines.length - 1]!;
+    const key = lastLine(out);
     expect(key).toMatch(/^psk_live_[A-Za-z0-9_-]{32}$/);
     const text = readFileSync(stack.configFile, 'utf8');
     expect(text).not.toContain(key);
     expect(text).toMatch(/id: acme\n\s+hash: sha256:[0-9a-f]{64}\n\s+plan: pro/);
     expect(text).toContain('# Only SHA-256 digests'); // comments survive the edit
-    await eventually(async () => (await call(`${stack.gateway.url}/v1/pets`, key)).status === 200);
+    await eventually(async () => (await status(key)) === 200, 5000, 'the new key accepted');
     const res = await call(`${stack.gateway.url}/v1/pets`, key);
     expect(res.headers.get('x-ratelimit-limit')).toBe('300');
+    // The reloaded config still counts under the process's REDIS_KEY_PREFIX, by key id.
+    const redis = new Redis(inject('redisUrl'));
+    try {
+      expect(await redis.hget(`${stack.env.REDIS_KEY_PREFIX}:production:{k:acme}`, 'dc')).toBe('2');
+    } finally {
+      redis.disconnect();
+    }
 
     const listed = await keys('list', '--config', stack.configFile);
     expect(listed.stdout).toMatch(/acme\s+pro\s+300\/min 10000\/day\s+active/);
@@ -61,9 +78,9 @@ describe('the keys command and hot reload', () => {
 
   it('revokes a key: 401 from the running gateway, no request dropped meanwhile', async () => {
     const created = await keys('create', '--plan', 'enterprise', '--id', 'bigco', '--per-minute', '5000', '--per-day', '90000', '--config', stack.configFile);
-    const key = created.stdout.trim().split('\n').pop()!;
-    const other = (await keys('create', '--plan', 'business', '--config', stack.configFile)).stdout.trim().split('\n').pop()!;
-    await eventually(async () => (await call(`${stack.gateway.url}/v1/pets`, other)).status === 200);
+    const key = lastLine(created);
+    const other = lastLine(await keys('create', '--plan', 'business', '--config', stack.configFile));
+    await eventually(async () => (await status(other)) === 200, 5000, 'the new keys accepted');
     expect((await call(`${stack.gateway.url}/v1/pets`, key)).headers.get('x-ratelimit-limit')).toBe('5000');
 
     // Traffic from another key runs through the reload; none of it may fail.
@@ -71,13 +88,13 @@ describe('the keys command and hot reload', () => {
     const seen: number[] = [];
     const traffic = (async () => {
       while (!stop) {
-        seen.push((await call(`${stack.gateway.url}/v1/pets`, other)).status);
-        await sleep(5); // well under the business plan's 1000 a minute
+        seen.push(await status(other));
+        await sleep(5); // pacing, well under the business plan's 1000 a minute
       }
     })();
     const out = await keys('revoke', '--id', 'bigco', '--config', stack.configFile);
     expect(out.code).toBe(0);
-    await eventually(async () => (await call(`${stack.gateway.url}/v1/pets`, key)).status === 401);
+    await eventually(async () => (await status(key)) === 401, 5000, 'the revoked key refused');
     stop = true;
     await traffic;
     expect(seen.length).toBeGreaterThan(5);
@@ -88,24 +105,31 @@ describe('the keys command and hot reload', () => {
   });
 
   it('refuses a broken edit with a log line and keeps the old config in force', async () => {
-    const key = (await keys('create', '--plan', 'free', '--config', stack.configFile)).stdout.trim().split('\n').pop()!;
-    await eventually(async () => (await call(`${stack.gateway.url}/v1/pets`, key)).status === 200);
+    const key = lastLine(await keys('create', '--plan', 'free', '--config', stack.configFile));
+    await eventually(async () => (await status(key)) === 200, 5000, 'the new key accepted');
     const good = readFileSync(stack.configFile, 'utf8');
+    const refusedBefore = stack.gateway.logs.length;
     writeFileSync(stack.configFile, good.replace('plans:', 'plans:\n  gold: { perMinute: -1, perDay: 5 }'));
-    const refused = await stack.gateway.waitForLog((l) => l.msg === 'config reload refused; the previous config stays in force');
-    expect(String(refused.problems)).toMatch(/plans\.gold\.perMinute/);
-    expect((await call(`${stack.gateway.url}/v1/pets`, key)).status).toBe(200);
-    writeFileSync(stack.configFile, good);
+    try {
+      const refused = await stack.gateway.waitForLog(
+        (l) => stack.gateway.logs.indexOf(l) >= refusedBefore && l.msg === 'config reload refused; the previous config stays in force',
+      );
+      expect(String(refused.problems)).toMatch(/plans\.gold\.perMinute/);
+      expect(await status(key)).toBe(200);
+    } finally {
+      writeFileSync(stack.configFile, good);
+    }
   });
 
   it('refuses bad input to the keys command without touching the file', async () => {
+    expect((await keys('create', '--plan', 'pro', '--id', 'taken', '--config', stack.configFile)).code).toBe(0);
     const before = readFileSync(stack.configFile, 'utf8');
     const cases: Array<[string[], number, RegExp]> = [
       [['create', '--plan', 'gold'], 1, /keys\.\d+\.plan: unknown plan "gold"/],
       [['create', '--plan', 'enterprise'], 1, /limits: required for the custom plan/],
       [['create', '--plan', 'free', '--per-minute', '5'], 2, /both --per-minute and --per-day/],
       [['create', '--plan', 'free', '--id', 'Bad Id'], 1, /keys\.\d+\.id: /],
-      [['create', '--plan', 'pro', '--id', 'acme'], 1, /duplicate id "acme"/],
+      [['create', '--plan', 'pro', '--id', 'taken'], 1, /duplicate id "taken"/],
       [['revoke', '--id', 'nobody'], 1, /no key with id "nobody"/],
       [['explode'], 2, /unknown command "explode"/],
     ];
@@ -122,37 +146,49 @@ describe('the keys command and hot reload', () => {
 describe('the keys command on its own', () => {
   it('keeps a JSON config JSON, and ten concurrent creates all land', async () => {
     const { dir, cleanup } = tempDir();
-    const file = join(dir, 'gateway.json');
-    writeConfig(file, testConfig([]));
-    const ids = Array.from({ length: 10 }, (_, i) => `k${i}`);
-    const outs = await Promise.all(ids.map((id) => keys('create', '--plan', 'free', '--id', id, '--config', file)));
-    expect(outs.map((o) => o.code)).toEqual(ids.map(() => 0));
-    const written = JSON.parse(readFileSync(file, 'utf8'));
-    expect(written.keys.map((k: { id: string }) => k.id).sort()).toEqual(ids);
-    cleanup();
+    try {
+      const file = join(dir, 'gateway.json');
+      writeConfig(file, testConfig([]));
+      const ids = Array.from({ length: 10 }, (_, i) => `k${i}`);
+      const outs = await Promise.all(ids.map((id) => keys('create', '--plan', 'free', '--id', id, '--config', file)));
+      expect(outs.map((o) => o.code)).toEqual(ids.map(() => 0));
+      const written = JSON.parse(readFileSync(file, 'utf8'));
+      expect(written.keys.map((k: { id: string }) => k.id).sort()).toEqual(ids);
+    } finally {
+      cleanup();
+    }
   });
 
   it('reads only GATEWAY_CONFIG from the environment', async () => {
     const { dir, cleanup } = tempDir();
-    const file = join(dir, 'gateway.yaml');
-    writeConfig(file, testConfig([]));
-    const { stdout } = await run(process.execPath, ['dist/gateway/keys-cli.js', 'list'], {
-      env: { PATH: process.env.PATH, GATEWAY_CONFIG: file, GATEWAY_PORT: 'not-a-port' },
-    });
-    expect(stdout).toMatch(/^ID\s+PLAN/);
-    cleanup();
+    try {
+      const file = join(dir, 'gateway.yaml');
+      writeConfig(file, testConfig([makeKey('free')]));
+      const { stdout } = await run(process.execPath, [KEYS_CLI, 'list'], {
+        env: { PATH: process.env.PATH, GATEWAY_CONFIG: file, GATEWAY_PORT: 'not-a-port' },
+      });
+      expect(stdout).toMatch(/^ID\s+PLAN/);
+      expect(stdout).toMatch(/\nt\S+\s+free\s+5\/min 1000\/day\s+active/); // the file named by GATEWAY_CONFIG
+    } finally {
+      cleanup();
+    }
   });
 });
 
-describe('boot and deprecation', () => {
+describe('boot', () => {
   it('stops the boot on a bad config file, naming the field', async () => {
     const { dir, cleanup } = tempDir();
-    const file = join(dir, 'bad.yaml');
-    writeConfig(file, { ...testConfig([]), unauthenticated: { perMinute: 0 } });
-    await expect(startGateway({ GATEWAY_CONFIG: file })).rejects.toThrow(/unauthenticated\.perMinute/);
-    cleanup();
+    try {
+      const file = join(dir, 'bad.yaml');
+      writeConfig(file, { ...testConfig([]), unauthenticated: { perMinute: 0 } });
+      await expect(startGateway({ GATEWAY_CONFIG: file })).rejects.toThrow(/unauthenticated\.perMinute/);
+    } finally {
+      cleanup();
+    }
   });
+});
 
+describe('deprecation and environment', () => {
   it('answers 410 from the sunset on, without asking the backend', async () => {
     const k = makeKey('free');
     const past = testConfig([k], {
@@ -160,55 +196,48 @@ describe('boot and deprecation', () => {
         { method: 'GET', path: '/v1/pets/{petId}', deprecatedAt: '2020-01-01T00:00:00Z', sunset: '2021-06-01T00:00:00Z', successor: '/v1/pets' },
       ],
     });
-    const stack = await startStack(past);
-    try {
-      await stack.backend.stop(); // any call to the backend would now be a 502
-      const res = await call(`${stack.gateway.url}/v1/pets/1`, k.key);
-      expect(res.status).toBe(410);
-      expect((await res.json()).code).toBe('route_sunset');
-      expect(res.headers.get('sunset')).toBe('Tue, 01 Jun 2021 00:00:00 GMT');
-      expect(res.headers.get('deprecation')).toBe('@1577836800');
-      expect((await call(`${stack.gateway.url}/v1/pets`, k.key)).status).toBe(502);
-    } finally {
-      await stack.stop();
-    }
+    const gw = await buildTestGateway({ config: past });
+    const res = await gw.call('/v1/pets/1', k.key);
+    expect(res.status).toBe(410);
+    expect((await res.json()).code).toBe('route_sunset');
+    expect(res.headers.get('sunset')).toBe('Tue, 01 Jun 2021 00:00:00 GMT');
+    expect(res.headers.get('deprecation')).toBe('@1577836800');
+    expect(gw.echo!.seen).toEqual([]); // the backend was never asked
+    // Other routes still reach the backend.
+    expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
+    expect(gw.echo!.seen.map((s) => `${s.method} ${s.url}`)).toEqual(['GET /v1/pets']);
   });
 
   it('a staging gateway refuses production keys and takes its own', async () => {
     const live = makeKey('free', 'production');
     const test = makeKey('free', 'staging');
-    const stack = await startStack(testConfig([live, test], { environment: 'staging' }));
-    try {
-      const res = await call(`${stack.gateway.url}/v1/pets`, live.key);
-      expect(res.status).toBe(401);
-      expect((await res.json()).message).toMatch(/production environment/);
-      expect((await call(`${stack.gateway.url}/v1/pets`, test.key)).status).toBe(200);
-    } finally {
-      await stack.stop();
-    }
+    const gw = await buildTestGateway({ config: testConfig([live, test], { environment: 'staging' }) });
+    const res = await gw.call('/v1/pets', live.key);
+    expect(res.status).toBe(401);
+    expect((await res.json()).message).toMatch(/production environment/);
+    expect((await gw.call('/v1/pets', test.key)).status).toBe(200);
+    expect(gw.echo!.seen).toHaveLength(1);
   });
 });
 
 describe('client address behind a proxy', () => {
-  const spoofed = async (url: string, forwarded: string) =>
-    (await fetch(`${url}/v1/pets`, { headers: { 'x-forwarded-for': forwarded } })).status;
-
   it.each([
-    ['not set: X-Forwarded-For is ignored', {}],
-    ['a hop count', { TRUST_PROXY: '1' }],
-    ['the proxy address', { TRUST_PROXY: '127.0.0.1' }],
-  ])('%s, so a client cannot dodge its per-address limit', async (_, env) => {
-    const stack = await startStack(testConfig([], { unauthenticated: { perMinute: 2 } }), env);
-    try {
-      await roomInMinute(3000);
+    ['not set: X-Forwarded-For is ignored', false as const],
+    ['a hop count', 1],
+    ['the proxy address', '127.0.0.1'],
+  ])('%s, so a client cannot dodge its per-address limit', async (_, trustProxy) => {
+    const gw = await buildTestGateway({
+      config: testConfig([], { unauthenticated: { perMinute: 2 } }),
+      settings: { trustProxy },
+    });
+    const spoofed = async (forwarded: string) => (await gw.call('/v1/pets', undefined, { headers: { 'x-forwarded-for': forwarded } })).status;
+    await inOneMinute(async () => {
       // A client writing its own entries; the proxy (this test) appends the address it saw.
       const got = [];
-      for (let i = 0; i < 4; i++) got.push(await spoofed(stack.gateway.url, `10.9.9.${i}, 203.0.113.7`));
+      for (let i = 0; i < 4; i++) got.push(await spoofed(`10.9.9.${i}, 203.0.113.7`));
       expect(got).toEqual([401, 401, 429, 429]);
-      const other = await spoofed(stack.gateway.url, '203.0.113.8');
-      expect(other).toBe('TRUST_PROXY' in env ? 401 : 429); // another real client has its own limit
-    } finally {
-      await stack.stop();
-    }
+      // Another real client has its own limit, when the proxy is trusted; else all are 127.0.0.1.
+      expect(await spoofed('203.0.113.8')).toBe(trustProxy === false ? 429 : 401);
+    }, gw.freshCounters);
   });
 });

@@ -1,17 +1,27 @@
-import { join } from 'node:path';
+import { execFileSync } from 'node:child_process';
+import { readFileSync } from 'node:fs';
+import { join, resolve } from 'node:path';
 import { Redis } from 'ioredis';
 import { describe, expect, inject, it } from 'vitest';
+import { SERVICES } from '../../runtime/services.js';
+import { call, makeKey, tempDir, testConfig, writeConfig } from '../helpers/config.js';
+import { buildTestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
 import { startProcess } from '../helpers/processes.js';
-import { roomInMinute } from '../helpers/time.js';
-import { call, makeKey, startStack, tempDir, testConfig, writeConfig } from '../helpers/stack.js';
+import { inOneMinute } from '../helpers/time.js';
+
+const ROOT = resolve(import.meta.dirname, '../..');
+
+/** The command line of a running process, as `ps` shows it. */
+const commandLine = (pid: number) => execFileSync('ps', ['-ww', '-o', 'args=', '-p', String(pid)], { encoding: 'utf8' }).trim();
+const entryOf = (name: string) => SERVICES.find((s) => s.name === name)!.entry;
 
 describe('npm start (stack.ts)', () => {
   it('runs backend and gateway with the in-process store, says so, and passes a crash on', async () => {
     const { dir, cleanup } = tempDir();
     const file = join(dir, 'gateway.yaml');
-    const k = makeKey('tiny'); // 3 a minute
-    writeConfig(file, testConfig([k]));
+    const keys = [makeKey('tiny'), makeKey('tiny'), makeKey('tiny')]; // 3 a minute each: one per counting run
+    writeConfig(file, testConfig(keys));
     const [backendPort, gatewayPort, adminPort] = [await freePort(), await freePort(), await freePort()];
     const stack = await startProcess(
       'dist/stack.js',
@@ -28,12 +38,23 @@ describe('npm start (stack.ts)', () => {
     try {
       // Both start at once; the backend may open its port after the gateway is ready.
       const backendUp = await stack.waitForLog((l) => String(l.msg).endsWith(`127.0.0.1:${backendPort}`));
+      const gatewayUp = stack.logs.find((l) => l.msg === 'gateway ready')!;
+      expect(gatewayUp.store).toBe('memory');
       expect(stack.logs.some((l) => /REDIS_URL is not set: .*per gateway process/.test(String(l.msg)))).toBe(true);
+      // The two children run the entries the images run (runtime/services.ts).
+      expect(commandLine(Number(backendUp.pid))).toBe(`${process.execPath} ${resolve(ROOT, entryOf('backend'))}`);
+      expect(commandLine(Number(gatewayUp.pid))).toBe(`${process.execPath} ${resolve(ROOT, entryOf('gateway'))}`);
+
       const url = `http://127.0.0.1:${gatewayPort}/v1/pets`;
-      await roomInMinute(3000);
-      const got = [];
-      for (let i = 0; i < 4; i++) got.push((await call(url, k.key)).status);
-      expect(got).toEqual([200, 200, 200, 429]); // limited, in the gateway's own memory
+      let run = 0; // a run that crosses a minute boundary is redone with the next, untouched key
+      await inOneMinute(
+        async () => {
+          const got = [];
+          for (let i = 0; i < 4; i++) got.push((await call(url, keys[run]!.key)).status);
+          expect(got).toEqual([200, 200, 200, 429]); // limited, in the gateway's own memory
+        },
+        () => run++,
+      );
 
       // The backend dies: the stack stops the gateway and exits non-zero.
       const exited = new Promise<number | null>((r) => stack.proc.once('exit', (code) => r(code)));
@@ -49,19 +70,76 @@ describe('npm start (stack.ts)', () => {
 describe('secrets in Redis', () => {
   it('names Redis keys by key id, never by the key', async () => {
     const k = makeKey('free');
-    const stack = await startStack(testConfig([k]));
+    const gw = await buildTestGateway({ config: testConfig([k]) });
+    for (let i = 0; i < 7; i++) await gw.call('/v1/pets', k.key); // counters, and 429s to record
+    expect((await gw.call('/v1/pets', `${k.key.slice(0, -1)}Z`)).status).toBe(401); // a near miss, counted by address
     const redis = new Redis(inject('redisUrl'));
     try {
-      for (let i = 0; i < 7; i++) await call(`${stack.gateway.url}/v1/pets`, k.key);
-      await call(`${stack.gateway.url}/v1/pets`, `${k.key.slice(0, -1)}Z`);
-      const names = await redis.keys(`${stack.env.REDIS_KEY_PREFIX}:*`);
-      expect(names).toContain(`${stack.env.REDIS_KEY_PREFIX}:production:{k:${k.id}}`);
+      const prefix = gw.gateway.config().redisPrefix;
+      const names = await redis.keys(`${prefix}:*`);
+      expect(names).toContain(`${prefix}:{k:${k.id}}`);
+      expect(names).toContain(`${prefix}:{k:${k.id}}:rej`);
+      expect(names).toContain(`${prefix}:{a:127.0.0.1}`);
       const secret = k.key.slice('psk_live_'.length);
       for (const name of names) expect(name).not.toContain(secret.slice(0, 12));
       for (const name of names) expect(name).not.toContain(k.hash.slice(7, 19));
     } finally {
-      await redis.quit();
-      await stack.stop();
+      redis.disconnect();
     }
+  });
+});
+
+/** The Dockerfile's stages by name, each with the CMD it runs (its own, or inherited from the stage it builds on). */
+function dockerStages(text: string): Map<string, { from: string; cmd?: unknown }> {
+  const logical = text
+    .replace(/\\\r?\n/g, ' ') // line continuations
+    .split(/\r?\n/)
+    .map((l) => l.trim())
+    .filter((l) => l !== '' && !l.startsWith('#'));
+  const stages = new Map<string, { from: string; cmd?: unknown }>();
+  let current: { from: string; cmd?: unknown } | undefined;
+  for (const line of logical) {
+    const [, instruction = '', rest = ''] = /^(\S+)\s*(.*)$/.exec(line) ?? [];
+    if (instruction.toUpperCase() === 'FROM') {
+      const m = /^(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?$/i.exec(rest);
+      if (!m) throw new Error(`cannot parse FROM ${rest}`);
+      current = { from: m[1]!, cmd: stages.get(m[1]!)?.cmd };
+      stages.set(m[2] ?? `#${stages.size}`, current);
+    } else if (instruction.toUpperCase() === 'CMD') {
+      if (!current) throw new Error('CMD before FROM');
+      current.cmd = JSON.parse(rest); // exec form only: a shell-form CMD is not JSON and fails here
+    }
+  }
+  return stages;
+}
+
+describe('images', () => {
+  it('run the same entries that npm start runs', () => {
+    const pkg = JSON.parse(readFileSync(join(ROOT, 'package.json'), 'utf8'));
+    expect(pkg.scripts.start).toBe('node dist/stack.js');
+    const stages = dockerStages(readFileSync(join(ROOT, 'Dockerfile'), 'utf8'));
+    expect(SERVICES.map((s) => s.name)).toEqual(['backend', 'gateway']);
+    for (const { name, entry } of SERVICES) {
+      expect(stages.get(name)?.cmd, `target ${name}`).toEqual(['node', entry]);
+    }
+  });
+
+  it('reads a Dockerfile as Docker does', () => {
+    const stages = dockerStages(
+      [
+        'FROM node:20 AS base',
+        'CMD ["node", "base.js"]',
+        'FROM base AS a',
+        'HEALTHCHECK --interval=10s \\',
+        '  CMD ["node", "-e", "probe"]',
+        'FROM base AS b',
+        '# CMD ["node", "commented.js"]',
+        'CMD ["node", \\',
+        '  "b.js"]',
+      ].join('\n'),
+    );
+    expect(stages.get('a')?.cmd).toEqual(['node', 'base.js']); // inherited; HEALTHCHECK's CMD is not the stage's
+    expect(stages.get('b')?.cmd).toEqual(['node', 'b.js']);
+    expect(() => dockerStages('FROM node:20 AS x\nCMD node x.js')).toThrow();
   });
 });

@@ -1,8 +1,8 @@
 import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
-import { ConfigError, compileConfig, loadConfigFile, loadSettings, parseConfigText, validateConfigFile } from '../../gateway/config.js';
-import { generateKey, hashKey, readCredential } from '../../gateway/keys.js';
-import { testConfig } from '../helpers/stack.js';
+import { generateKey, hashKey } from '../../gateway/auth/keys.js';
+import { ConfigError, compileConfig, loadConfigFile, parseConfigText, validateConfigFile } from '../../gateway/config.js';
+import { testConfig } from '../helpers/config.js';
 
 const problems = (raw: unknown): string[] => {
   try {
@@ -69,51 +69,25 @@ describe('config file', () => {
       'px',
     );
     const consumer = config.consumers.get(k.hash)!;
-    expect(consumer.limits).toEqual({ perMinute: 9, perDay: 99 });
-    expect(consumer.subject.key).toBe('px:production:{k:big}');
-    expect(consumer.policy).toBe('"minute";q=9;w=60, "day";q=99;w=86400');
+    expect(consumer.subject.limits).toEqual({ perMinute: 9, perDay: 99 });
+    expect(consumer.subject.name).toBe('px:production:{k:big}');
+    expect(consumer.subject.policy).toBe('"minute";q=9;w=60, "day";q=99;w=86400');
     expect([...config.consumers.keys()]).toEqual([k.hash]);
+  });
+
+  it('gives requests without a key a per-address quota with a minute window only', () => {
+    const config = compileConfig(validateConfigFile(testConfig([], { unauthenticated: { perMinute: 7 } }), 't'), 'px');
+    expect(config.addressSubject('10.0.0.1')).toEqual({
+      name: 'px:production:{a:10.0.0.1}',
+      limits: { perMinute: 7, perDay: 0 },
+      bans: null,
+      policy: '"minute";q=7;w=60',
+    });
   });
 
   it('keeps plain keys out of the shipped config files', () => {
     for (const f of ['config/gateway.yaml', 'config/staging.yaml']) {
       expect(readFileSync(f, 'utf8')).not.toMatch(/psk_(live|test)_[A-Za-z0-9_-]{32}/);
     }
-  });
-});
-
-describe('keys', () => {
-  it('prefixes keys with their environment', () => {
-    expect(generateKey('production').key).toMatch(/^psk_live_[A-Za-z0-9_-]{32}$/);
-    expect(generateKey('staging').key).toMatch(/^psk_test_[A-Za-z0-9_-]{32}$/);
-  });
-
-  it('reads a bearer credential', () => {
-    const { key, hash } = generateKey('production');
-    expect(readCredential(`Bearer ${key}`, 'production')).toEqual({ kind: 'key', hash });
-    expect(readCredential(`bearer ${key}`, 'production')).toEqual({ kind: 'key', hash });
-    expect(readCredential(undefined, 'production')).toEqual({ kind: 'missing' });
-    expect(readCredential(key, 'production')).toEqual({ kind: 'malformed' });
-    expect(readCredential(`Bearer ${key}x`, 'production')).toEqual({ kind: 'malformed' });
-    expect(readCredential(`Bearer ${key}`, 'staging')).toEqual({ kind: 'wrong_environment', environment: 'production' });
-  });
-});
-
-describe('settings', () => {
-  it.each([
-    ['false', false],
-    ['1', 1],
-    ['loopback', 'loopback'],
-    ['10.0.0.0/8, 127.0.0.1, ::1', '10.0.0.0/8, 127.0.0.1, ::1'],
-  ])('reads TRUST_PROXY=%s', (value, want) => {
-    expect(loadSettings({ TRUST_PROXY: value }).trustProxy).toEqual(want);
-  });
-
-  it.each(['true', 'abc', '10.0.0.0/40', '1.2.3'])('refuses TRUST_PROXY=%s, naming it', (value) => {
-    expect(() => loadSettings({ TRUST_PROXY: value })).toThrow(/TRUST_PROXY/);
-  });
-
-  it('lists every bad variable', () => {
-    expect(() => loadSettings({ GATEWAY_PORT: 'x', ADMIN_TOKEN: 'short' })).toThrow(/GATEWAY_PORT[\s\S]*ADMIN_TOKEN|ADMIN_TOKEN[\s\S]*GATEWAY_PORT/);
   });
 });

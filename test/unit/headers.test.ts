@@ -1,11 +1,6 @@
 import { describe, expect, it } from 'vitest';
-import {
-  type Decision,
-  deprecationHeaders,
-  policyHeader,
-  rateLimitHeaders,
-  windows,
-} from '../../gateway/headers.js';
+import { type Decision, type Outcome, windows } from '../../gateway/quota/decision.js';
+import { policyHeader, rateLimitHeaders } from '../../gateway/quota/headers.js';
 
 const free = { perMinute: 60, perDay: 1000 };
 const policy = policyHeader(free);
@@ -14,7 +9,13 @@ const now = Date.UTC(2026, 10, 22, 10, 15, 17, 250);
 const minuteEnd = Date.UTC(2026, 10, 22, 10, 16) / 1000;
 const dayEnd = Date.UTC(2026, 10, 23) / 1000;
 
-const allowed = (m: number, d: number): Decision => ({ outcome: 'allowed', nowMs: now, windows: windows(free, now, m, d) });
+const at = (outcome: Outcome, m: number, d: number, banUntilMs = 0, nowMs = now): Decision => ({
+  outcome,
+  nowMs,
+  banUntilMs,
+  windows: windows(free, nowMs, m, d),
+});
+const allowed = (m: number, d: number) => at('allowed', m, d);
 
 describe('rate-limit headers', () => {
   it('writes the policy in the draft-10 form', () => {
@@ -38,30 +39,21 @@ describe('rate-limit headers', () => {
   });
 
   it('first refused by the minute: the minute window and Retry-After to its end', () => {
-    const h = rateLimitHeaders(
-      { outcome: 'rejected', violated: 'minute', nowMs: now, windows: windows(free, now, 60, 100) },
-      policy,
-    );
+    const h = rateLimitHeaders(at('minute', 60, 100), policy);
     expect(h['x-ratelimit-remaining']).toBe('0');
     expect(h['x-ratelimit-reset']).toBe(String(minuteEnd));
     expect(h['retry-after']).toBe('43');
   });
 
   it('refused by the day while the minute is also spent: the violated day window', () => {
-    const h = rateLimitHeaders(
-      { outcome: 'rejected', violated: 'day', nowMs: now, windows: windows(free, now, 60, 1000) },
-      policy,
-    );
+    const h = rateLimitHeaders(at('day', 60, 1000), policy);
     expect(h['x-ratelimit-limit']).toBe('1000');
     expect(h['x-ratelimit-reset']).toBe(String(dayEnd));
     expect(h['retry-after']).toBe('49483');
   });
 
   it('refused by the day: the day window, even with minute room left', () => {
-    const h = rateLimitHeaders(
-      { outcome: 'rejected', violated: 'day', nowMs: now, windows: windows(free, now, 3, 1000) },
-      policy,
-    );
+    const h = rateLimitHeaders(at('day', 3, 1000), policy);
     expect(h['x-ratelimit-limit']).toBe('1000');
     expect(h['x-ratelimit-reset']).toBe(String(dayEnd));
     expect(h['retry-after']).toBe('49483');
@@ -69,7 +61,7 @@ describe('rate-limit headers', () => {
 
   it('a ban: remaining 0, reset and Retry-After at its end', () => {
     const banUntil = now + 899_001;
-    const h = rateLimitHeaders({ outcome: 'banned', nowMs: now, banUntilMs: banUntil, windows: windows(free, now, 60, 100) }, policy);
+    const h = rateLimitHeaders(at('banned', 60, 100, banUntil), policy);
     expect(h['x-ratelimit-remaining']).toBe('0');
     expect(h['x-ratelimit-reset']).toBe(String(Math.ceil(banUntil / 1000)));
     expect(h['retry-after']).toBe('900');
@@ -78,7 +70,7 @@ describe('rate-limit headers', () => {
 
   it('a ban with the day used up: Retry-After and the day run to midnight, not to the ban end', () => {
     const banUntil = now + 900_000;
-    const h = rateLimitHeaders({ outcome: 'banned', nowMs: now, banUntilMs: banUntil, windows: windows(free, now, 3, 1000) }, policy);
+    const h = rateLimitHeaders(at('banned', 3, 1000, banUntil), policy);
     expect(h['retry-after']).toBe('49483');
     expect(h.ratelimit).toBe('"minute";r=0;t=900, "day";r=0;t=49483');
     expect(h['x-ratelimit-reset']).toBe(String(Math.ceil(banUntil / 1000)));
@@ -93,26 +85,7 @@ describe('rate-limit headers', () => {
     expect(m2!.resetMs).toBe(lastMs + 1 + 60_000);
     expect(d2!.resetMs).toBe(lastMs + 1 + 86_400_000);
     // Never 0 while still blocked: 1 ms before the boundary is still 1 s.
-    const h = rateLimitHeaders({ outcome: 'rejected', violated: 'minute', nowMs: lastMs, windows: [m1!, d1!] }, policy);
+    const h = rateLimitHeaders({ outcome: 'minute', nowMs: lastMs, banUntilMs: 0, windows: [m1!, d1!] }, policy);
     expect(h['retry-after']).toBe('1');
-  });
-});
-
-describe('deprecation headers', () => {
-  it('uses RFC 9745 @seconds, an IMF-fixdate Sunset in GMT, and the successor link', () => {
-    const h = deprecationHeaders({
-      deprecatedAtMs: Date.parse('2025-01-01T00:00:00Z'),
-      sunsetMs: Date.parse('2030-12-05T00:00:00Z'),
-      successor: '/v1/pets',
-    });
-    expect(h).toEqual({
-      deprecation: '@1735689600',
-      sunset: 'Thu, 05 Dec 2030 00:00:00 GMT',
-      link: '</v1/pets>; rel="successor-version"',
-    });
-    const withDocs = deprecationHeaders({ deprecatedAtMs: 0, sunsetMs: 0, successor: '/v1/pets', documentation: 'https://d.example/x' });
-    expect(withDocs.link).toBe(
-      '<https://d.example/x>; rel="deprecation"; type="text/html", </v1/pets>; rel="successor-version", <https://d.example/x>; rel="sunset"; type="text/html"',
-    );
   });
 });

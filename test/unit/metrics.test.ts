@@ -1,11 +1,12 @@
 import { describe, expect, it } from 'vitest';
 import { GatewayMetrics } from '../../gateway/metrics.js';
 
-const store = () => ({ degraded: false, bans: 2 });
+const store = { degraded: false, activeBans: () => 2 };
 
 describe('metrics labels', () => {
   it('carry no key id unless configured', async () => {
-    const m = new GatewayMetrics(false, store);
+    const m = new GatewayMetrics(false);
+    m.watch(store);
     m.request('listPets', 200, 'free', 'acme');
     const text = await m.registry.metrics();
     expect(text).toContain('gateway_requests_total{route="listPets",status="200",plan="free"} 1');
@@ -14,7 +15,8 @@ describe('metrics labels', () => {
   });
 
   it('carry the key id when METRICS_KEY_IDS is on', async () => {
-    const m = new GatewayMetrics(true, store);
+    const m = new GatewayMetrics(true);
+    m.watch(store);
     m.request('listPets', 429, 'free', 'acme', 'minute');
     const text = await m.registry.metrics();
     expect(text).toContain('gateway_requests_total{route="listPets",status="429",plan="free",key="acme"} 1');

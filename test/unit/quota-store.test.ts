@@ -2,26 +2,28 @@ import { randomUUID } from 'node:crypto';
 import { Redis } from 'ioredis';
 import calculateSlot from 'cluster-key-slot';
 import { afterAll, beforeAll, describe, expect, inject, it, vi } from 'vitest';
-import { compileConfig, validateConfigFile } from '../../gateway/config.js';
-import { makeKey, testConfig } from '../helpers/stack.js';
 import type { FastifyBaseLogger } from 'fastify';
-import { DAY_MS, MINUTE_MS } from '../../gateway/headers.js';
-import { MemoryQuotaStore, type QuotaStore, type QuotaSubject, RedisQuotaStore } from '../../gateway/quota-store.js';
-import { roomInMinute, sleep } from '../helpers/time.js';
+import { compileConfig, validateConfigFile } from '../../gateway/config.js';
+import { DAY_MS, MINUTE_MS, type QuotaSubject } from '../../gateway/quota/decision.js';
+import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
+import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
+import type { QuotaStore } from '../../gateway/quota/store.js';
+import { makeKey, testConfig } from '../helpers/config.js';
+import { eventually, inOneMinute } from '../helpers/time.js';
 
 const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
 const bans = { afterRejected: 3, withinMs: 60_000, durationMs: 900_000 };
 const subject = (perMinute: number, perDay: number, withBans = true): QuotaSubject => ({
-  key: `gw:test:{k:${randomUUID()}}`,
+  name: `gw:test:{k:${randomUUID()}}`,
   limits: { perMinute, perDay },
   bans: withBans ? bans : null,
+  policy: '',
 });
 
 async function outcomes(store: QuotaStore, s: QuotaSubject, n: number): Promise<string[]> {
   const out: string[] = [];
   for (let i = 0; i < n; i++) {
-    const d = await store.consume(s);
-    out.push(d.outcome === 'rejected' ? d.violated : d.outcome);
+    out.push((await store.consume(s)).outcome);
   }
   return out;
 }
@@ -38,45 +40,49 @@ describe.each([
   ['memory', () => new MemoryQuotaStore() as QuotaStore],
 ])('%s store', (_, make) => {
   it('admits while both windows have room and counts once in each', async () => {
-    await roomInMinute(3000);
-    const store = make();
-    const s = subject(3, 100, false);
-    const first = await store.consume(s);
-    expect(first.windows.map((w) => [w.name, w.used])).toEqual([
-      ['minute', 1],
-      ['day', 1],
-    ]);
-    expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'minute']);
+    await inOneMinute(async () => {
+      const store = make();
+      const s = subject(3, 100, false);
+      const first = await store.consume(s);
+      expect(first.windows.map((w) => [w.name, w.used])).toEqual([
+        ['minute', 1],
+        ['day', 1],
+      ]);
+      expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'minute']);
+    });
   });
 
   it('does not count a refused request in either window', async () => {
-    await roomInMinute(3000);
-    const store = make();
-    const s = subject(2, 100, false);
-    await outcomes(store, s, 10); // 2 admitted, 8 refused by the minute
-    const probe = { ...s, limits: { perMinute: 100, perDay: 100 } };
-    const d = await store.consume(probe);
-    expect(d.windows.map((w) => w.used)).toEqual([3, 3]);
+    await inOneMinute(async () => {
+      const store = make();
+      const s = subject(2, 100, false);
+      await outcomes(store, s, 10); // 2 admitted, 8 refused by the minute
+      const probe = { ...s, limits: { perMinute: 100, perDay: 100 } };
+      const d = await store.consume(probe);
+      expect(d.windows.map((w) => w.used)).toEqual([3, 3]);
+    });
   });
 
   it('refuses on the day window, which wins when both are full', async () => {
-    await roomInMinute(3000);
-    const store = make();
-    const s = subject(2, 2, false);
-    expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'day']);
+    await inOneMinute(async () => {
+      const store = make();
+      const s = subject(2, 2, false);
+      expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'day']);
+    });
   });
 
   it('bans after more than afterRejected refusals, and requests during the ban do not extend it', async () => {
-    await roomInMinute(3000);
-    const store = make();
-    const s = subject(1, 100);
-    expect(await outcomes(store, s, 6)).toEqual(['allowed', 'minute', 'minute', 'minute', 'banned', 'banned']);
-    const a = await store.consume(s);
-    const b = await store.consume(s);
-    if (a.outcome !== 'banned' || b.outcome !== 'banned') throw new Error('expected a ban');
-    expect(b.banUntilMs).toBe(a.banUntilMs);
-    expect(a.banUntilMs - a.nowMs).toBeLessThanOrEqual(bans.durationMs);
-    expect(a.banUntilMs - a.nowMs).toBeGreaterThan(bans.durationMs - 5000);
+    await inOneMinute(async () => {
+      const store = make();
+      const s = subject(1, 100);
+      expect(await outcomes(store, s, 6)).toEqual(['allowed', 'minute', 'minute', 'minute', 'banned', 'banned']);
+      const a = await store.consume(s);
+      const b = await store.consume(s);
+      if (a.outcome !== 'banned' || b.outcome !== 'banned') throw new Error('expected a ban');
+      expect(b.banUntilMs).toBe(a.banUntilMs);
+      expect(a.banUntilMs - a.nowMs).toBeLessThanOrEqual(bans.durationMs);
+      expect(a.banUntilMs - a.nowMs).toBeGreaterThan(bans.durationMs - 5000);
+    });
   });
 
   it('has no day window for a subject without one', async () => {
@@ -134,17 +140,22 @@ describe('memory store upkeep', () => {
 
 describe('redis store', () => {
   it('does not extend a ban, whichever instance asks, and reports the counts it holds', async () => {
-    await roomInMinute(5000);
-    const s = subject(2, 100);
-    const fresh = () => new RedisQuotaStore(redis, silent); // no cached ban: every call runs the script
-    for (let i = 0; i < 6; i++) await fresh().consume(s);
-    const ban = Number(await redis.hget(s.key, 'ban'));
-    expect(ban).toBeGreaterThan(Date.now());
-    await sleep(1100);
-    const d = await fresh().consume(s);
-    expect(d.outcome).toBe('banned');
-    expect(Number(await redis.hget(s.key, 'ban'))).toBe(ban);
-    expect(d.windows.map((w) => w.used)).toEqual([2, 2]);
+    await inOneMinute(async () => {
+      const s = subject(2, 100);
+      const fresh = () => new RedisQuotaStore(redis, silent); // no cached ban: every call runs the script
+      for (let i = 0; i < 6; i++) await fresh().consume(s);
+      const ban = Number(await redis.hget(s.name, 'ban'));
+      expect(ban).toBeGreaterThan(Date.now());
+      // A later call has a later Redis time: an extended ban would show a later end.
+      await eventually(async () => {
+        const [sec, us] = await redis.time();
+        return Number(sec) * 1000 + Math.floor(Number(us) / 1000) > ban - bans.durationMs;
+      });
+      const d = await fresh().consume(s);
+      expect(d.outcome).toBe('banned');
+      expect(Number(await redis.hget(s.name, 'ban'))).toBe(ban);
+      expect(d.windows.map((w) => w.used)).toEqual([2, 2]);
+    });
   });
 
   it('keeps all the Redis keys of one consumer in one Cluster slot', async () => {
@@ -166,7 +177,7 @@ describe('redis store', () => {
     try {
       const d = await store.consume(s);
       expect(Math.abs(d.nowMs - real)).toBeLessThan(2000);
-      expect(Number(await redis.hget(s.key, 'ms'))).toBe(d.nowMs - (d.nowMs % MINUTE_MS));
+      expect(Number(await redis.hget(s.name, 'ms'))).toBe(d.nowMs - (d.nowMs % MINUTE_MS));
     } finally {
       vi.useRealTimers();
     }
@@ -176,48 +187,51 @@ describe('redis store', () => {
     const store = new RedisQuotaStore(redis, silent);
     const s = subject(5, 10, false);
     const d = await store.consume(s);
-    const fields = await redis.hgetall(s.key);
+    const fields = await redis.hgetall(s.name);
     expect(Number(fields.ms) % MINUTE_MS).toBe(0);
     expect(Number(fields.ds) % DAY_MS).toBe(0);
     expect(d.windows[0]!.resetMs).toBe(Number(fields.ms) + MINUTE_MS);
     expect(Math.abs(d.nowMs - Date.now())).toBeLessThan(2000);
-    const pexpireAt = Number(await redis.call('PEXPIRETIME', s.key));
+    const pexpireAt = Number(await redis.call('PEXPIRETIME', s.name));
     expect(pexpireAt).toBe(Number(fields.ds) + DAY_MS);
   });
 
   it('starts a new minute when the stored window is an old one', async () => {
-    await roomInMinute(3000);
-    const store = new RedisQuotaStore(redis, silent);
-    const s = subject(2, 10, false);
-    expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'minute']);
-    const ms = Number(await redis.hget(s.key, 'ms'));
-    await redis.hset(s.key, 'ms', ms - MINUTE_MS); // as if those two were last minute
-    const d = await store.consume(s);
-    expect(d.windows.map((w) => w.used)).toEqual([1, 3]);
+    await inOneMinute(async () => {
+      const store = new RedisQuotaStore(redis, silent);
+      const s = subject(2, 10, false);
+      expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'minute']);
+      const ms = Number(await redis.hget(s.name, 'ms'));
+      await redis.hset(s.name, 'ms', ms - MINUTE_MS); // as if those two were last minute
+      const d = await store.consume(s);
+      expect(d.windows.map((w) => w.used)).toEqual([1, 3]);
+    });
   });
 
   it('admits exactly the limit under concurrent load from several clients', async () => {
-    await roomInMinute(10_000);
-    const clients = [0, 1, 2].map(() => new Redis(inject('redisUrl')));
-    const stores = clients.map((c) => new RedisQuotaStore(c, silent));
-    const s = subject(50, 1000, false);
-    const results = await Promise.all(Array.from({ length: 300 }, (_, i) => stores[i % 3]!.consume(s)));
-    expect(results.filter((d) => d.outcome === 'allowed')).toHaveLength(50);
-    await Promise.all(clients.map((c) => c.quit()));
+    await inOneMinute(async () => {
+      const clients = [0, 1, 2].map(() => new Redis(inject('redisUrl')));
+      const stores = clients.map((c) => new RedisQuotaStore(c, silent));
+      const s = subject(50, 1000, false);
+      const results = await Promise.all(Array.from({ length: 300 }, (_, i) => stores[i % 3]!.consume(s)));
+      expect(results.filter((d) => d.outcome === 'allowed')).toHaveLength(50);
+      await Promise.all(clients.map((c) => c.quit()));
+    });
   });
 
   it('answers a known ban without a round trip, and another instance learns it from Redis', async () => {
-    await roomInMinute(3000);
-    const own = new Redis(inject('redisUrl'));
-    const store = new RedisQuotaStore(own, silent);
-    const s = subject(1, 100);
-    expect(await outcomes(store, s, 5)).toContain('banned');
-    own.disconnect(); // no Redis for this instance any more
-    const cached = await store.consume(s);
-    expect(cached.outcome).toBe('banned');
-    expect(store.degraded).toBe(false);
-    const other = new RedisQuotaStore(redis, silent);
-    expect((await other.consume(s)).outcome).toBe('banned');
+    await inOneMinute(async () => {
+      const own = new Redis(inject('redisUrl'));
+      const store = new RedisQuotaStore(own, silent);
+      const s = subject(1, 100);
+      expect(await outcomes(store, s, 5)).toContain('banned');
+      own.disconnect(); // no Redis for this instance any more
+      const cached = await store.consume(s);
+      expect(cached.outcome).toBe('banned');
+      expect(store.degraded).toBe(false);
+      const other = new RedisQuotaStore(redis, silent);
+      expect((await other.consume(s)).outcome).toBe('banned');
+    });
   });
 
   it('falls back to the in-process store when Redis fails, and says so', async () => {

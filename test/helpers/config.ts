@@ -1,0 +1,63 @@
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { generateKey } from '../../gateway/auth/keys.js';
+import type { ConfigFile } from '../../gateway/config.js';
+
+export interface TestKey {
+  id: string;
+  plan: string;
+  key: string;
+  hash: string;
+  limits?: { perMinute: number; perDay: number };
+  revokedAt?: string;
+}
+
+/** A config file for tests: small limits, keys made here, written as JSON (valid YAML). */
+export function testConfig(keys: TestKey[], over: Partial<ConfigFile> = {}): ConfigFile {
+  return {
+    environment: 'production',
+    plans: { free: { perMinute: 5, perDay: 1000 }, tiny: { perMinute: 3, perDay: 4 }, enterprise: { custom: true } },
+    keys: keys.map(({ id, plan, hash, limits, revokedAt }) => ({ id, plan, hash, limits, revokedAt })),
+    bans: { afterRejected: 3, withinSeconds: 60, durationSeconds: 900 },
+    unauthenticated: { perMinute: 4 },
+    deprecations: [
+      {
+        method: 'GET',
+        path: '/v1/pets/{petId}',
+        deprecatedAt: '2025-01-01T00:00:00Z',
+        sunset: '2030-12-05T00:00:00Z',
+        successor: '/v1/pets',
+      },
+    ],
+    ...over,
+  };
+}
+
+let serial = 0;
+/** A fresh key with an id unique to this run, so Redis counters never carry across tests. */
+export function makeKey(plan = 'free', env: 'production' | 'staging' = 'production'): TestKey {
+  serial += 1;
+  return { id: `t${process.pid}-${Date.now().toString(36)}-${serial}`, plan, ...generateKey(env) };
+}
+
+/** A Redis key prefix no other gateway of this run uses: test files share one Redis. */
+export function uniquePrefix(): string {
+  serial += 1;
+  return `t${process.pid}x${Date.now().toString(36)}x${serial}`;
+}
+
+export function tempDir(): { dir: string; cleanup: () => void } {
+  const dir = mkdtempSync(join(tmpdir(), 'gw-'));
+  return { dir, cleanup: () => rmSync(dir, { recursive: true, force: true }) };
+}
+
+export function writeConfig(file: string, config: ConfigFile): void {
+  writeFileSync(file, JSON.stringify(config, null, 2));
+}
+
+export function call(url: string, key?: string, init: RequestInit = {}): Promise<Response> {
+  const headers = new Headers(init.headers);
+  if (key) headers.set('authorization', `Bearer ${key}`);
+  return fetch(url, { ...init, headers });
+}

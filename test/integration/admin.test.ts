@@ -1,0 +1,233 @@
+import { Redis } from 'ioredis';
+import { describe, expect, it, onTestFinished } from 'vitest';
+import { makeKey, type TestKey, testConfig } from '../helpers/config.js';
+import { buildTestGateway, type TestGateway, type TestGatewayOptions } from '../helpers/gateway.js';
+import { spawnRedis } from '../helpers/redis.js';
+import { eventually, inOneMinute } from '../helpers/time.js';
+
+// The admin surface (health, readiness, metrics, key usage) and the access log, through the
+// in-process gateway and admin app on real ports and real Redis. Every test builds its own
+// gateway, so its counters, metrics and logs start from zero and it passes alone.
+const ADMIN_TOKEN = 'admin-token-0123456789';
+const ADMIN_ROUTES = ['/healthz', '/readyz', '/metrics', '/admin/keys/:id/usage'];
+
+function build(keys: TestKey[], over: Partial<TestGatewayOptions> = {}): Promise<TestGateway> {
+  return buildTestGateway({ config: testConfig(keys), admin: { token: ADMIN_TOKEN }, ...over });
+}
+
+const admin = (gw: TestGateway, path: string, token?: string) =>
+  fetch(`${gw.adminUrl}${path}`, { headers: token ? { authorization: `Bearer ${token}` } : {} });
+const metrics = async (gw: TestGateway) => (await admin(gw, '/metrics')).text();
+const usage = async (gw: TestGateway, id: string) => (await admin(gw, `/admin/keys/${id}/usage`, ADMIN_TOKEN)).json();
+const codes = async (gw: TestGateway, key: string, n: number) => {
+  const out: string[] = [];
+  for (let i = 0; i < n; i++) {
+    const res = await gw.call('/v1/pets', key);
+    out.push(res.ok ? String(res.status) : (await res.json()).code);
+  }
+  return out;
+};
+
+describe('admin port', () => {
+  it('answers health and readiness', async () => {
+    const gw = await build([]);
+    expect(await (await admin(gw, '/healthz')).json()).toEqual({ status: 'ok' });
+    const ready = await admin(gw, '/readyz');
+    expect(ready.status).toBe(200);
+    expect(await ready.json()).toEqual({ status: 'ready', store: 'redis' });
+    expect(gw.echo!.seen.map((s) => s.url)).toEqual(['/healthz']); // readiness asked the backend
+  });
+
+  it('shows a key usage that moves with its requests, behind the admin token', async () => {
+    const k = makeKey('free'); // 5 a minute
+    // A fresh gateway per run, so a run discarded by inOneMinute leaves nothing behind.
+    const gw = await inOneMinute(async () => {
+      const gw = await build([k]);
+      const before = await usage(gw, k.id);
+      expect(before).toMatchObject({ id: k.id, plan: 'free', revoked: false, limits: { perMinute: 5, perDay: 1000 } });
+      expect(before.windows.minute.used).toBe(0);
+      expect(await codes(gw, k.key, 7)).toEqual(['200', '200', '200', '200', '200', 'rate_limited', 'rate_limited']);
+      const after = await usage(gw, k.id);
+      expect(after.windows.minute).toEqual({ used: 5, remaining: 0, resetAt: expect.stringMatching(/:00\.000Z$/) });
+      expect(Date.parse(after.windows.minute.resetAt)).toBe((Math.floor(Date.now() / 60_000) + 1) * 60_000);
+      expect(after.windows.day).toMatchObject({ used: before.windows.day.used + 5, remaining: 995 });
+      expect(after.recentRejections).toBe(2);
+      expect(after.ban).toEqual({ active: false, until: null });
+      expect(after.store).toBe('redis');
+      return gw;
+    });
+
+    for (const token of [undefined, 'wrong-token-0123456789']) {
+      const res = await admin(gw, `/admin/keys/${k.id}/usage`, token);
+      expect(res.status).toBe(401);
+      expect((await res.json()).code).toBe('unauthorized');
+    }
+    const missing = await admin(gw, '/admin/keys/nobody/usage', ADMIN_TOKEN);
+    expect(missing.status).toBe(404);
+    expect((await missing.json()).code).toBe('key_not_found');
+  });
+
+  it('serves Prometheus metrics with bounded labels and no key ids', async () => {
+    const k = makeKey('free'); // 5 a minute
+    const text = await inOneMinute(async () => {
+      const gw = await build([k]);
+      expect(await codes(gw, k.key, 6)).toEqual(['200', '200', '200', '200', '200', 'rate_limited']);
+      expect((await gw.call('/v1/pets')).status).toBe(401);
+      const res = await admin(gw, '/metrics');
+      expect(res.headers.get('content-type')).toMatch(/^text\/plain/);
+      return res.text();
+    });
+    // This gateway answered exactly these requests: 5 admitted, 1 over the minute limit, 1 without a key.
+    expect(text).toMatch(/^gateway_requests_total\{route="listPets",status="200",plan="free"\} 5$/m);
+    expect(text).toMatch(/^gateway_requests_total\{route="listPets",status="429",plan="free"\} 1$/m);
+    expect(text).toMatch(/^gateway_requests_total\{route="none",status="401",plan="none"\} 1$/m);
+    expect(text).toMatch(/^gateway_rejections_total\{reason="minute"\} 1$/m);
+    expect(text).toMatch(/^gateway_rejections_total\{reason="unauthenticated"\} 1$/m);
+    expect(text).toMatch(/^gateway_redis_duration_seconds_count 7$/m); // one script call per request
+    expect(text).toMatch(/^gateway_upstream_duration_seconds_count\{route="listPets"\} 5$/m);
+    expect(text).toMatch(/^gateway_bans_active 0$/m);
+    expect(text).toMatch(/^gateway_quota_store_degraded 0$/m);
+    expect(text).not.toContain(k.id);
+    expect(text).not.toContain(k.key);
+  });
+
+  it('shows a ban in the usage and the metrics', async () => {
+    const k = makeKey('free'); // 5 a minute; bans: afterRejected 3 within 60 s, for 900 s
+    const gw = await inOneMinute(async () => {
+      const gw = await build([k]);
+      // 5 admitted, 3 refusals allowed, the 4th refusal bans.
+      expect(await codes(gw, k.key, 9)).toEqual([
+        ...['200', '200', '200', '200', '200'],
+        ...['rate_limited', 'rate_limited', 'rate_limited', 'key_banned'],
+      ]);
+      return gw;
+    });
+    const after = await usage(gw, k.id);
+    expect(after.ban.active).toBe(true);
+    expect(Date.parse(after.ban.until) - Date.now()).toBeGreaterThan(890_000);
+    expect(Date.parse(after.ban.until) - Date.now()).toBeLessThanOrEqual(900_000);
+    const text = await metrics(gw);
+    expect(text).toMatch(/^gateway_bans_active 1$/m);
+    expect(text).toMatch(/^gateway_rejections_total\{reason="banned"\} 1$/m);
+    expect(text).toMatch(/^gateway_rejections_total\{reason="minute"\} 3$/m);
+  });
+
+  it('answers 401 to everyone when no admin token is set, and logs why', async () => {
+    const k = makeKey('free');
+    const gw = await build([k], { admin: {} });
+    const res = await admin(gw, `/admin/keys/${k.id}/usage`, 'anything-at-all-0123');
+    expect(res.status).toBe(401);
+    expect((await res.json()).message).toMatch(/ADMIN_TOKEN is not configured/);
+    expect(gw.logs.some((l) => /ADMIN_TOKEN is not set/.test(String(l.msg)))).toBe(true);
+    // With a token set, the same request is let through to the lookup.
+    const withToken = await build([k]);
+    expect((await admin(withToken, `/admin/keys/${k.id}/usage`, ADMIN_TOKEN)).status).toBe(200);
+    expect(withToken.logs.some((l) => /ADMIN_TOKEN is not set/.test(String(l.msg)))).toBe(false);
+  });
+
+  it('is never registered on the public server, and listens on its own port', async () => {
+    const k = makeKey('free');
+    const gw = await build([k]);
+    const publicRoutes = gw.app.printRoutes();
+    for (const url of ADMIN_ROUTES) {
+      expect(gw.admin!.hasRoute({ method: 'GET', url }), url).toBe(true); // the list is the admin app's
+      expect(gw.app.hasRoute({ method: 'GET', url }), url).toBe(false);
+    }
+    for (const segment of ['healthz', 'readyz', 'metrics', 'admin', 'usage']) expect(publicRoutes).not.toContain(segment);
+    expect(new URL(gw.adminUrl).port).not.toBe(String(gw.port));
+    // And as a client meets it: the public port does not answer them, with a valid key or without.
+    for (const path of ['/healthz', '/metrics', `/admin/keys/${k.id}/usage`]) {
+      expect((await gw.call(path, k.key)).status, path).toBe(404);
+    }
+    expect(gw.echo!.seen).toEqual([]);
+  });
+
+  it('reports a backend that does not answer, or answers badly, in readiness', async () => {
+    const gw = await build([]);
+    const { arrived, release } = gw.echo!.hold(); // the backend takes the health check and never answers
+    try {
+      const ready = await admin(gw, '/readyz');
+      expect((await arrived).url).toBe('/healthz');
+      expect(ready.status).toBe(503);
+      expect((await ready.json()).message).toMatch(/backend/);
+    } finally {
+      release();
+    }
+    gw.echo!.answer = (req, res) => {
+      res.writeHead(req.url === '/healthz' ? 503 : 200).end();
+    };
+    const ready = await admin(gw, '/readyz');
+    expect(ready.status).toBe(503);
+    expect((await ready.json()).message).toMatch(/backend: status 503/);
+  });
+});
+
+describe('access log', () => {
+  it('writes one access line per request with id, key id, plan, route, status, duration and outcome', async () => {
+    const k = makeKey('free');
+    const gw = await build([k]);
+    const reqId = `trace-${k.id}`;
+    const res = await gw.call('/v1/pets', k.key, { headers: { 'x-request-id': reqId } });
+    expect(res.status).toBe(200);
+    expect(res.headers.get('x-request-id')).toBe(reqId);
+    const line = await gw.waitForLog((l) => l.reqId === reqId && l.msg === 'request');
+    expect(line).toMatchObject({ keyId: k.id, plan: 'free', route: 'listPets', method: 'GET', status: 200, outcome: 'allowed' });
+    expect(typeof line.ms).toBe('number');
+    expect(gw.logs.filter((l) => l.reqId === reqId)).toHaveLength(1);
+    expect(JSON.stringify(gw.logs)).not.toContain(k.key);
+  });
+
+  it('names the refusal in the outcome', async () => {
+    const k = makeKey('tiny'); // 3 a minute
+    const lines = await inOneMinute(async () => {
+      const gw = await build([k]);
+      for (let i = 0; i < 4; i++) await gw.call('/v1/pets', k.key, { headers: { 'x-request-id': `r${i}-${k.id}` } });
+      return Promise.all([0, 3].map((i) => gw.waitForLog((l) => l.reqId === `r${i}-${k.id}` && l.msg === 'request')));
+    });
+    expect(lines.map((l) => [l.status, l.outcome])).toEqual([
+      [200, 'allowed'],
+      [429, 'minute'],
+    ]);
+  });
+});
+
+describe('a frozen Redis', () => {
+  it('keeps serving from the in-process store while Redis is frozen, says so, and goes back to Redis', async () => {
+    const redis = await spawnRedis(); // its own Redis, so this test can freeze it
+    onTestFinished(() => redis.stop());
+    const other = makeKey('free'); // 5 a minute
+    const spare = makeKey('free'); // untouched until Redis comes back
+    const poller = { ...makeKey('enterprise'), limits: { perMinute: 100_000, perDay: 1_000_000 } };
+    const gw = await build([other, spare, poller], { redis: redis.url });
+
+    redis.proc.kill('SIGSTOP');
+    try {
+      const res = await gw.call('/v1/pets/1', other.key);
+      expect(res.status).toBe(200); // served: the echo backend answers 200 to everything
+      expect(gw.echo!.seen.map((s) => s.url)).toEqual(['/v1/pets/1']);
+      expect(res.headers.get('x-ratelimit-limit')).toBe('5');
+      await gw.waitForLog((l) => String(l.msg).startsWith('quota store: Redis failed'));
+      expect(await metrics(gw)).toMatch(/^gateway_quota_store_degraded 1$/m);
+      const ready = await admin(gw, '/readyz');
+      expect(ready.status).toBe(503);
+      expect((await ready.json()).message).toMatch(/redis/);
+    } finally {
+      redis.proc.kill('SIGCONT');
+    }
+    // Whenever the store tries Redis again, a request is decided there again.
+    await eventually(async () => (await gw.call('/v1/pets', poller.key)).ok && !gw.gateway.store.degraded, 10_000, 'back on Redis');
+    await gw.waitForLog((l) => l.msg === 'quota store: Redis answers again');
+    expect(await metrics(gw)).toMatch(/^gateway_quota_store_degraded 0$/m);
+    // (not `other`: its request that timed out may still have run once Redis woke, and counted)
+    const res = await gw.call('/v1/pets', spare.key);
+    expect(res.status).toBe(200);
+    const check = new Redis(redis.url);
+    try {
+      const name = `${gw.gateway.config().redisPrefix}:{k:${spare.id}}`;
+      expect(await check.hget(name, 'dc')).toBe('1'); // counted in Redis, not in this process
+    } finally {
+      check.disconnect();
+    }
+    expect((await admin(gw, '/readyz')).status).toBe(200);
+  });
+});

@@ -1,0 +1,97 @@
+import { request } from 'node:http';
+import { describe, expect, it, onTestFinished } from 'vitest';
+import { echoBackend } from '../helpers/backends.js';
+import { call, makeKey, testConfig } from '../helpers/config.js';
+import { freePort } from '../helpers/net.js';
+import { startProcess } from '../helpers/processes.js';
+import { startStack } from '../helpers/stack.js';
+import { eventually } from '../helpers/time.js';
+
+// What needs a gateway process: signals and graceful shutdown, and LOG_PRETTY output of the
+// process. (Everything else about the gateway runs in-process: admin.test.ts and the others.)
+
+/** A gateway process in front of an in-test echo backend, so a test can hold a request in flight. */
+async function heldStack() {
+  const k = makeKey('free');
+  const echo = await echoBackend();
+  onTestFinished(() => echo.close());
+  const stack = await startStack(testConfig([k]), {}, echo.url);
+  onTestFinished(() => stack.stop());
+  const exited = new Promise<number | null>((r) => stack.gateway.proc.once('exit', (code) => r(code)));
+  return { k, echo, stack, gateway: stack.gateway, exited };
+}
+
+const logIndex = (logs: Array<Record<string, unknown>>, match: (msg: string) => boolean) =>
+  logs.findIndex((l) => match(String(l.msg)));
+
+describe('graceful shutdown', () => {
+  it('finishes a request in flight when SIGTERM arrives, then logs closed and exits 0', async () => {
+    const { k, echo, gateway, exited } = await heldStack();
+    const { arrived, release } = echo.hold(); // the backend holds the request until released
+    onTestFinished(release);
+    const answer = new Promise<{ status: number; body: string }>((resolve, reject) => {
+      const req = request(`${gateway.url}/v1/pets`, { headers: { authorization: `Bearer ${k.key}` } }, (res) => {
+        let body = '';
+        res.on('data', (c) => {
+          body += c;
+        });
+        res.on('end', () => resolve({ status: res.statusCode ?? 0, body }));
+      });
+      req.on('error', reject);
+      req.end();
+    });
+    expect((await arrived).url).toBe('/v1/pets'); // in flight: at the backend, not yet answered
+    gateway.proc.kill('SIGTERM');
+    await gateway.waitForLog((l) => l.msg === 'closing: finishing in-flight requests');
+    const ready = await fetch(`${gateway.adminUrl}/readyz`);
+    expect(ready.status).toBe(503);
+    expect((await ready.json()).message).toMatch(/shutting down/);
+    expect(gateway.logs.some((l) => l.msg === 'closed')).toBe(false); // still waiting for the request
+    release();
+    const { status, body } = await answer;
+    expect(status).toBe(200);
+    expect(JSON.parse(body)).toEqual([]);
+    expect(await exited).toBe(0);
+    const closing = logIndex(gateway.logs, (m) => m.startsWith('closing'));
+    const closed = logIndex(gateway.logs, (m) => m === 'closed');
+    expect(closing).toBeGreaterThanOrEqual(0);
+    expect(closed).toBeGreaterThan(closing);
+    expect(gateway.logs[closed]).toMatchObject({ cut: false });
+  });
+
+  it('exits at once on a second signal', async () => {
+    const { k, echo, gateway, exited } = await heldStack();
+    const { arrived, release } = echo.hold();
+    onTestFinished(release);
+    const pending = call(`${gateway.url}/v1/pets`, k.key).then(
+      (res) => res.status,
+      () => 'cut',
+    );
+    await arrived;
+    gateway.proc.kill('SIGTERM');
+    await gateway.waitForLog((l) => String(l.msg).startsWith('closing'));
+    gateway.proc.kill('SIGTERM');
+    expect(await exited).toBe(1);
+    expect(await pending).toBe('cut');
+    expect(gateway.logs.some((l) => String(l.msg).startsWith('closed'))).toBe(false);
+  });
+});
+
+describe('pretty logs', () => {
+  it('prints human-readable lines with LOG_PRETTY=1', async () => {
+    const [port, adminPort] = [await freePort(), await freePort()];
+    const g = await startProcess(
+      'dist/gateway/server.js',
+      { GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), GATEWAY_CONFIG: 'config/gateway.yaml', LOG_PRETTY: '1' },
+      { port: adminPort },
+    );
+    try {
+      // pino-pretty writes from a worker thread, a little after the port opens.
+      await eventually(() => /gateway ready/.test(g.output()), 5000, '"gateway ready" printed');
+      expect(g.output()).toMatch(/INFO \(\d+\): gateway ready/);
+      expect(g.logs).toEqual([]); // no JSON lines
+    } finally {
+      await g.stop();
+    }
+  });
+});

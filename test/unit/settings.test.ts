@@ -1,0 +1,65 @@
+import { describe, expect, it } from 'vitest';
+import { loadBackendSettings } from '../../backend/settings.js';
+import { configFilePath, loadSettings } from '../../gateway/settings.js';
+
+describe('settings', () => {
+  it.each([
+    ['false', false],
+    ['1', 1],
+    ['loopback', 'loopback'],
+    ['10.0.0.0/8, 127.0.0.1, ::1', '10.0.0.0/8, 127.0.0.1, ::1'],
+  ])('reads TRUST_PROXY=%s', (value, want) => {
+    expect(loadSettings({ TRUST_PROXY: value }).trustProxy).toEqual(want);
+  });
+
+  it.each(['true', 'abc', '10.0.0.0/40', '1.2.3'])('refuses TRUST_PROXY=%s, naming it', (value) => {
+    expect(() => loadSettings({ TRUST_PROXY: value })).toThrow(/TRUST_PROXY/);
+  });
+
+  it('lists every bad variable', () => {
+    expect(() => loadSettings({ GATEWAY_PORT: 'x', ADMIN_TOKEN: 'short' })).toThrow(/GATEWAY_PORT[\s\S]*ADMIN_TOKEN|ADMIN_TOKEN[\s\S]*GATEWAY_PORT/);
+  });
+});
+
+describe('settings from their schema', () => {
+  it('gives every default when the environment is empty', () => {
+    expect(loadSettings({})).toEqual({
+      port: 3000,
+      host: '127.0.0.1',
+      backendUrl: 'http://127.0.0.1:3001',
+      configFile: 'config/gateway.yaml',
+      bodyLimit: 1048576,
+      upstreamTimeoutMs: 10000,
+      redisTimeoutMs: 250,
+      redisKeyPrefix: 'gw',
+      trustProxy: false,
+      adminPort: 9000,
+      adminHost: '127.0.0.1',
+      metricsKeyIds: false,
+      shutdownGraceMs: 10000,
+      logPretty: false,
+      logLevel: 'info',
+    });
+    expect(Object.isFrozen(loadSettings({}))).toBe(true);
+  });
+
+  it('reads each variable into its setting, converted', () => {
+    const s = loadSettings({ GATEWAY_PORT: '8080', REDIS_URL: 'redis://r:6379', METRICS_KEY_IDS: 'true', LOG_PRETTY: '1', LOG_LEVEL: 'warn' });
+    expect(s).toMatchObject({ port: 8080, redisUrl: 'redis://r:6379', metricsKeyIds: true, logPretty: true, logLevel: 'warn' });
+  });
+
+  it('names the allowed values of a closed list', () => {
+    expect(() => loadSettings({ LOG_LEVEL: 'verbose' })).toThrow(/LOG_LEVEL: expected one of fatal, error, warn, info, debug, trace, silent/);
+    expect(() => loadSettings({ LOG_PRETTY: 'true' })).toThrow(/LOG_PRETTY: expected one of 1, 0/);
+  });
+
+  it('reads only GATEWAY_CONFIG for the keys command', () => {
+    expect(configFilePath({ GATEWAY_CONFIG: 'x.yaml', GATEWAY_PORT: 'nonsense' })).toBe('x.yaml');
+    expect(configFilePath({})).toBe('config/gateway.yaml');
+  });
+
+  it('reads the backend settings the same way', () => {
+    expect(loadBackendSettings({ BACKEND_PORT: '4001' })).toMatchObject({ port: 4001, dbFile: 'data/pets.db', logPretty: false });
+    expect(() => loadBackendSettings({ BACKEND_PORT: 'seventy', PETS_DB: '' })).toThrow(/BACKEND_PORT: Expected integer/);
+  });
+});
