@@ -42,12 +42,17 @@ export function stopOnSignals(
         app.log.warn('grace period over: closing the remaining connections');
         app.server.closeAllConnections();
       }, graceMs);
+      // A keep-alive connection whose last request finishes during the close would otherwise
+      // hold the exit for Node's keepAliveTimeout (5 s): close each one as soon as it is idle.
+      const idle = setInterval(() => app.server.closeIdleConnections(), 50);
       app
         .close()
         .then(() => hooks.afterClose?.())
         .then(
           () => {
             clearTimeout(grace);
+            clearInterval(idle);
+            app.log.info({ cut: forced }, forced ? 'closed; busy connections were cut' : 'closed');
             process.exit(forced ? 1 : 0);
           },
           () => process.exit(1),
