@@ -1,48 +1,48 @@
-import { execFile, execFileSync, spawn } from 'node:child_process';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { execFile, execFileSync, spawn, type ChildProcess } from 'node:child_process';
+import { mkdirSync, mkdtempSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { cpus, tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
-import type { FastifyBaseLogger } from 'fastify';
 import { Redis } from 'ioredis';
 import { generateKey } from '../gateway/auth/keys.js';
-import { RedisQuotaStore } from '../gateway/quota/redis-store.js';
-import { spawnRedis } from '../test/helpers/redis.js';
-import { freePort, waitForPort } from '../test/helpers/net.js';
-import { startProcess } from '../test/helpers/processes.js';
 import { testConfig } from '../test/helpers/config.js';
+import { freePort, waitForPort } from '../test/helpers/net.js';
+import { spawnRedis } from '../test/helpers/redis.js';
 
-// `npm run bench`: loopback only, bounded (about a minute), and every figure is printed as a
-// ratio against a reference measured in the same run, because this machine is shared and noisy.
-//   1. HTTP: wrk against the backend directly (reference), nginx proxying to it (a C proxy, if
-//      nginx is installed), and the gateway with the in-process store and with Redis.
-//   2. Redis: the quota script per call against a plain PING round trip on the same connection.
+// `npm run bench`: loopback only, bounded (about five minutes by default), every variant
+// measured in the same run, interleaved and repeated, and reported as medians and as ratios
+// against the bare proxy measured alongside: this machine is shared and noisy.
+//   saturation: wrk -t1 -c50 per variant and round: req/s, p50/p99, CPU us per request of the
+//     variant's own processes, Redis commands per request;
+//   fixed rate: bench/fixed-rate.ts (open loop) at half the gateway's saturation: p50/p99 there.
+// BENCH_SECONDS (default 7) and BENCH_ROUNDS (default 3) bound it; results go to bench/results/.
 
 const run = promisify(execFile);
-const SECONDS = Number(process.env.BENCH_SECONDS ?? 5);
-const CONNECTIONS = 32;
+const ROOT = resolve(import.meta.dirname, '..');
+const SECONDS = Number(process.env.BENCH_SECONDS ?? 7);
+const ROUNDS = Number(process.env.BENCH_ROUNDS ?? 3);
+const CONNECTIONS = 50;
+const TICK_US = 1e6 / Number(execFileSync('getconf', ['CLK_TCK']).toString().trim() || 100);
 
-interface Result {
+interface Variant {
   name: string;
+  url: string;
+  headers?: Record<string, string>;
+  /** The processes whose CPU counts for this variant (descendants included). */
+  pids: number[];
+  /** The status every answer should have; anything else is counted as an error. */
+  status: number;
+  /** Shown as '-' where a variant has no Redis. */
+  redis: boolean;
+}
+
+interface Sample {
   rps: number;
   p50: number;
   p99: number;
-  non2xx: number;
-}
-
-async function wrk(name: string, url: string, headers: Record<string, string> = {}): Promise<Result> {
-  const args = ['-t', '2', '-c', String(CONNECTIONS), '-d', `${SECONDS}s`, '--latency'];
-  for (const [k, v] of Object.entries(headers)) args.push('-H', `${k}: ${v}`);
-  await run('wrk', [...args.slice(0, 4), '-d', '1s', url]); // warm up
-  const { stdout } = await run('wrk', [...args, url]);
-  const rps = Number(/Requests\/sec:\s+([\d.]+)/.exec(stdout)?.[1]);
-  const ms = (label: string) => {
-    const m = new RegExp(`${label}%\\s+([\\d.]+)(us|ms|s)`).exec(stdout);
-    if (!m) return Number.NaN;
-    return Number(m[1]) * (m[2] === 'us' ? 0.001 : m[2] === 's' ? 1000 : 1);
-  };
-  const non2xx = Number(/Non-2xx or 3xx responses: (\d+)/.exec(stdout)?.[1] ?? 0);
-  return { name, rps, p50: ms('50'), p99: ms('99'), non2xx };
+  cpuUs: number;
+  redisCmds: number;
+  wrong: number;
 }
 
 function hasCommand(cmd: string): boolean {
@@ -51,6 +51,236 @@ function hasCommand(cmd: string): boolean {
     return true;
   } catch {
     return false;
+  }
+}
+
+/** A process of ours, its output to a file (as a container's log would be), ready when its port opens. */
+async function start(name: string, args: string[], env: Record<string, string>, port: number, dir: string): Promise<ChildProcess> {
+  const out = openSync(join(dir, `${name}.log`), 'a');
+  const proc = spawn(args[0]!, args.slice(1), { cwd: ROOT, env: { PATH: process.env.PATH ?? '', ...env }, stdio: ['ignore', out, out] });
+  await Promise.race([
+    waitForPort(port, 15_000),
+    new Promise((_, reject) => proc.once('exit', (code) => reject(new Error(`${name} exited (${code}); see ${dir}/${name}.log`)))),
+  ]);
+  return proc;
+}
+
+/** utime + stime of a process and all its descendants, in microseconds. */
+function cpuUs(pid: number): number {
+  let total = 0;
+  const walk = (p: number) => {
+    try {
+      const stat = readFileSync(`/proc/${p}/stat`, 'utf8');
+      const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+      total += (Number(fields[11]) + Number(fields[12])) * TICK_US;
+      for (const task of readdirSync(`/proc/${p}/task`)) {
+        const children = readFileSync(`/proc/${p}/task/${task}/children`, 'utf8').trim();
+        for (const c of children ? children.split(' ') : []) walk(Number(c));
+      }
+    } catch {
+      // gone: nothing to add
+    }
+  };
+  walk(pid);
+  return total;
+}
+
+/** Commands clients sent (a script's own calls excluded), from INFO commandstats. */
+async function redisCommands(redis: Redis, scriptOnly: Set<string>): Promise<number> {
+  const text = await redis.info('commandstats');
+  let n = 0;
+  for (const m of text.matchAll(/^cmdstat_([a-z_|]+):calls=(\d+)/gm)) {
+    if (!scriptOnly.has(m[1]!) && m[1] !== 'info') n += Number(m[2]);
+  }
+  return n;
+}
+
+async function wrk(v: Variant, seconds: number) {
+  const args = ['-t1', `-c${CONNECTIONS}`, `-d${seconds}s`, '--latency'];
+  for (const [k, val] of Object.entries(v.headers ?? {})) args.push('-H', `${k}: ${val}`);
+  // wrk counts only non-2xx/3xx as errors; a 429 variant checks its status with a Lua hook instead.
+  const script = join(tmpdir(), `bench-status-${v.status}.lua`);
+  writeFileSync(script, `wrong = 0\nresponse = function(status) if status ~= ${v.status} then wrong = wrong + 1 end end\n` +
+    `done = function() io.write("wrong statuses: " .. wrong .. "\\n") end\n`);
+  const { stdout } = await run('wrk', [...args, '-s', script, v.url]);
+  const ms = (label: string) => {
+    const m = new RegExp(`^\\s+${label}%\\s+([\\d.]+)(us|ms|s)`, 'm').exec(stdout);
+    return m ? Number(m[1]) * (m[2] === 'us' ? 0.001 : m[2] === 's' ? 1000 : 1) : Number.NaN;
+  };
+  return {
+    rps: Number(/Requests\/sec:\s+([\d.]+)/.exec(stdout)?.[1]),
+    requests: Number(/(\d+) requests in/.exec(stdout)?.[1]),
+    p50: ms('50'),
+    p99: ms('99'),
+    wrong: Number(/wrong statuses: (\d+)/.exec(stdout)?.[1] ?? Number.NaN),
+  };
+}
+
+async function saturate(v: Variant, redis: Redis, scriptOnly: Set<string>): Promise<Sample> {
+  await wrk(v, 1); // warm up: JIT, connections, caches
+  const [cpu0, cmd0] = [v.pids.reduce((s, p) => s + cpuUs(p), 0), v.redis ? await redisCommands(redis, scriptOnly) : 0];
+  const r = await wrk(v, SECONDS);
+  const [cpu1, cmd1] = [v.pids.reduce((s, p) => s + cpuUs(p), 0), v.redis ? await redisCommands(redis, scriptOnly) : 0];
+  return { rps: r.rps, p50: r.p50, p99: r.p99, cpuUs: (cpu1 - cpu0) / r.requests, redisCmds: v.redis ? (cmd1 - cmd0) / r.requests : Number.NaN, wrong: r.wrong };
+}
+
+async function fixedRate(v: Variant, rate: number): Promise<{ p50: number; p99: number; errors: number }> {
+  const headers = Object.entries(v.headers ?? {}).map(([k, val]) => `${k}: ${val}`);
+  const { stdout } = await run(process.execPath, ['--import', 'tsx', 'bench/fixed-rate.ts', v.url, String(rate), String(SECONDS), ...headers], { cwd: ROOT });
+  return JSON.parse(stdout.trim().split('\n').pop()!);
+}
+
+const median = (xs: number[]) => {
+  const s = [...xs].sort((a, b) => a - b);
+  return s.length % 2 ? s[(s.length - 1) / 2]! : (s[s.length / 2 - 1]! + s[s.length / 2]!) / 2;
+};
+
+/** Every command a Lua script of these setups calls: counted by Redis, but not sent by a client. */
+function scriptCommands(): Set<string> {
+  const sources = [readFileSync(join(ROOT, 'gateway/quota/quota.lua'), 'utf8')];
+  const peerStore = join(ROOT, 'node_modules/@fastify/rate-limit/store/RedisStore.js');
+  try {
+    sources.push(readFileSync(peerStore, 'utf8'));
+  } catch {
+    // an older layout: its script's commands then count as client commands, and show
+  }
+  const names = sources.flatMap((s) => [...s.matchAll(/redis\.call\(\s*['"]([A-Za-z]+)['"]/g)].map((m) => m[1]!.toLowerCase()));
+  return new Set(names);
+}
+
+async function main() {
+  if (!hasCommand('wrk')) throw new Error('wrk is needed: apt-get install wrk');
+  const dir = mkdtempSync(join(tmpdir(), 'bench-'));
+  const stops: Array<() => unknown> = [];
+  const node = process.execPath;
+  try {
+    const redisServer = await spawnRedis();
+    stops.push(() => redisServer.stop());
+    const redis = new Redis(redisServer.url);
+    stops.push(() => redis.quit());
+
+    const backendPort = await freePort();
+    const backend = await start('backend', [node, 'dist/backend/server.js'], { BACKEND_PORT: String(backendPort), PETS_DB: ':memory:', LOG_LEVEL: 'warn' }, backendPort, dir);
+    stops.push(() => backend.kill('SIGTERM'));
+    const backendUrl = `http://127.0.0.1:${backendPort}`;
+    for (let i = 0; i < 20; i++) {
+      await fetch(`${backendUrl}/v1/pets`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ name: `pet${i}`, categoryId: 1 }) });
+    }
+
+    const ok = { id: 'bench', ...generateKey('production') };
+    const refused = { id: 'refused', ...generateKey('production') };
+    const banned = { id: 'banned', ...generateKey('production') };
+    const config = testConfig(
+      [
+        { ...ok, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } },
+        { ...refused, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1 } },
+        { ...banned, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } },
+      ],
+      // No ban from the 429 path's refusals: that path is measured on its own.
+      { unauthenticated: { perMinute: 1e9 }, bans: { afterRejected: 1e9, withinSeconds: 1, durationSeconds: 900 } },
+    );
+    const file = join(dir, 'gateway.json');
+    writeFileSync(file, JSON.stringify(config));
+
+    // The gateway as users run it: access line at info (to a file), metrics on.
+    const gateway = async (name: string, env: Record<string, string>) => {
+      const [port, adminPort] = [await freePort(), await freePort()];
+      const proc = await start(name, [node, 'dist/gateway/server.js'], {
+        BACKEND_URL: backendUrl, GATEWAY_CONFIG: file, LOG_LEVEL: 'info', GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), ...env,
+      }, adminPort, dir);
+      stops.push(() => proc.kill('SIGTERM'));
+      // With workers the admin port opens first: ready once every worker listens.
+      for (let i = 0; i < 200 && (await fetch(`http://127.0.0.1:${adminPort}/readyz`).catch(() => undefined))?.status !== 200; i++) {
+        await new Promise((r) => setTimeout(r, 50));
+      }
+      return { url: `http://127.0.0.1:${port}`, pid: proc.pid! };
+    };
+    const reference = async (name: string, env: Record<string, string>) => {
+      const port = await freePort();
+      const proc = await start(name, [node, '--import', 'tsx', 'bench/reference-proxy.ts'], {
+        BACKEND_URL: backendUrl, PORT: String(port), KEY_HASHES: ok.hash.slice('sha256:'.length), ...env,
+      }, port, dir);
+      stops.push(() => proc.kill('SIGTERM'));
+      return { url: `http://127.0.0.1:${port}`, pid: proc.pid! };
+    };
+
+    const withRedis = await gateway('gateway-redis', { REDIS_URL: redisServer.url });
+    const inMemory = await gateway('gateway-memory', {});
+    const workers = await gateway('gateway-workers', { REDIS_URL: redisServer.url, GATEWAY_WORKERS: '2' });
+    const bare = await reference('bare', {});
+    const peer = await reference('peer', { RATE_LIMIT_REDIS: redisServer.url });
+    const nginx = hasCommand('nginx') ? await startNginx(dir, backendUrl) : undefined;
+    if (nginx) stops.push(nginx.stop);
+
+    // The 429 path: the day of `refused` is spent by one request. The banned path: a ban in Redis.
+    await fetch(`${withRedis.url}/v1/pets`, { headers: { authorization: `Bearer ${refused.key}` } });
+    await redis.hset(`gw:production:{k:${banned.id}}`, 'ban', Date.now() + 3_600_000);
+
+    const auth = (k: { key: string }) => ({ authorization: `Bearer ${k.key}` });
+    const path = '/v1/pets';
+    const variants: Variant[] = [
+      { name: 'backend direct', url: `${backendUrl}${path}`, pids: [backend.pid!], status: 200, redis: false },
+      ...(nginx ? [{ name: 'nginx -> backend', url: `${nginx.url}${path}`, pids: [nginx.pid], status: 200, redis: false }] : []),
+      { name: 'bare proxy (key check only)', url: `${bare.url}${path}`, headers: auth(ok), pids: [bare.pid], status: 200, redis: false },
+      { name: 'peer: @fastify/rate-limit, Redis', url: `${peer.url}${path}`, headers: auth(ok), pids: [peer.pid], status: 200, redis: true },
+      { name: 'gateway, Redis', url: `${withRedis.url}${path}`, headers: auth(ok), pids: [withRedis.pid], status: 200, redis: true },
+      { name: 'gateway, in-process store', url: `${inMemory.url}${path}`, headers: auth(ok), pids: [inMemory.pid], status: 200, redis: false },
+      { name: 'gateway, Redis, 2 workers', url: `${workers.url}${path}`, headers: auth(ok), pids: [workers.pid], status: 200, redis: true },
+      { name: 'gateway, Redis, 429 path', url: `${withRedis.url}${path}`, headers: auth(refused), pids: [withRedis.pid], status: 429, redis: true },
+      { name: 'gateway, Redis, banned path', url: `${withRedis.url}${path}`, headers: auth(banned), pids: [withRedis.pid], status: 429, redis: true },
+    ];
+
+    const scriptOnly = scriptCommands();
+    const samples = new Map<string, Sample[]>(variants.map((v) => [v.name, []]));
+    for (let round = 1; round <= ROUNDS; round++) {
+      for (const v of variants) samples.get(v.name)!.push(await saturate(v, redis, scriptOnly));
+      process.stderr.write(`round ${round}/${ROUNDS} done\n`);
+    }
+    const med = (name: string, k: keyof Sample) => median(samples.get(name)!.map((s) => s[k]));
+
+    // Latency at a fixed rate: half what the gateway sustains, the same rate for every variant.
+    const rate = Math.round(med('gateway, Redis', 'rps') / 2);
+    const atRate = new Map<string, { p50: number; p99: number; errors: number }>();
+    for (const v of variants.filter((x) => x.status === 200 && !x.name.includes('in-process') && !x.name.includes('workers'))) atRate.set(v.name, await fixedRate(v, rate));
+
+    const bareRps = med('bare proxy (key check only)', 'rps');
+    const bareCpu = med('bare proxy (key check only)', 'cpuUs');
+    const direct = atRate.get('backend direct')!;
+    const rows = variants.map((v) => ({
+      variant: v.name,
+      rps: Math.round(med(v.name, 'rps')),
+      xBare: med(v.name, 'rps') / bareRps,
+      p50ms: med(v.name, 'p50'),
+      p99ms: med(v.name, 'p99'),
+      cpuUsPerReq: med(v.name, 'cpuUs'),
+      cpuUsOverBare: med(v.name, 'cpuUs') - bareCpu,
+      redisCmdsPerReq: med(v.name, 'redisCmds'),
+      wrongStatuses: samples.get(v.name)!.reduce((s, x) => s + x.wrong, 0),
+      atRate: atRate.get(v.name) && { ...atRate.get(v.name)!, p99AddedMs: atRate.get(v.name)!.p99 - direct.p99 },
+    }));
+
+    const f = (n: number, d = 0) => (Number.isFinite(n) ? n.toFixed(d) : '-');
+    console.log(`\nGET ${path} (20 pets), wrk -t1 -c${CONNECTIONS} -d${SECONDS}s, ${ROUNDS} rounds interleaved, medians; ${cpus().length} cores shared with wrk, Redis and the backend`);
+    const head = ['variant', 'req/s', 'x bare', 'p50 ms', 'p99 ms', 'CPU us/req', 'vs bare', 'Redis cmd/req', `p50@${rate}/s`, `p99@${rate}/s`, 'wrong'];
+    const table = rows.map((r) => [
+      r.variant, String(r.rps), f(r.xBare, 2), f(r.p50ms, 2), f(r.p99ms, 2), f(r.cpuUsPerReq), (r.cpuUsOverBare >= 0 ? '+' : '') + f(r.cpuUsOverBare),
+      f(r.redisCmdsPerReq, 2), r.atRate ? f(r.atRate.p50, 2) : '-', r.atRate ? f(r.atRate.p99, 2) : '-', String(r.wrongStatuses),
+    ]);
+    const widths = head.map((h, i) => Math.max(h.length, ...table.map((t) => t[i]!.length)));
+    for (const line of [head, ...table]) console.log(line.map((c, i) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!))).join('  '));
+    const gw = rows.find((r) => r.variant === 'gateway, Redis')!;
+    const peerRow = rows.find((r) => r.variant.startsWith('peer'))!;
+    console.log(`\ngateway vs peer: ${(gw.rps / peerRow.rps).toFixed(2)}x req/s; at ${rate}/s the gateway adds ${f(gw.atRate!.p99AddedMs, 2)} ms p99 over the backend direct`);
+    if (!nginx) console.log('(nginx not installed: apt-get install nginx for the C proxy reference)');
+
+    mkdirSync(join(ROOT, 'bench/results'), { recursive: true });
+    const commit = execFileSync('git', ['rev-parse', '--short', 'HEAD'], { cwd: ROOT }).toString().trim();
+    const out = join(ROOT, 'bench/results', `${new Date().toISOString().replace(/[:.]/g, '-')}-${commit}.json`);
+    writeFileSync(out, `${JSON.stringify({ commit, at: new Date().toISOString(), seconds: SECONDS, rounds: ROUNDS, connections: CONNECTIONS, cores: cpus().length, fixedRate: rate, rows, samples: Object.fromEntries(samples) }, null, 2)}\n`);
+    console.log(`results: ${out}`);
+  } finally {
+    for (const stop of stops.reverse()) await stop();
+    rmSync(dir, { recursive: true, force: true });
   }
 }
 
@@ -68,103 +298,7 @@ http { access_log off; client_body_temp_path ${dir}; proxy_temp_path ${dir};
   );
   const proc = spawn('nginx', ['-c', conf], { stdio: 'ignore' });
   await waitForPort(port, 5000);
-  return { url: `http://127.0.0.1:${port}`, stop: () => proc.kill('SIGTERM') };
-}
-
-async function redisRoundTrips(url: string): Promise<{ ping: number; quota: number; quotaConcurrent: number }> {
-  const redis = new Redis(url);
-  const silent = { warn: () => {}, info: () => {} } as unknown as FastifyBaseLogger;
-  const store = new RedisQuotaStore(redis, silent);
-  const subject = { name: 'bench:{k:one}', limits: { perMinute: 1e9, perDay: 1e9 }, bans: null, policy: '' };
-  const n = 20_000;
-  const time = async (f: () => Promise<unknown>) => {
-    const t = performance.now();
-    for (let i = 0; i < n; i++) await f();
-    return (performance.now() - t) / n;
-  };
-  await time(() => redis.ping());
-  const ping = await time(() => redis.ping());
-  const quota = await time(() => store.consume(subject));
-  const t = performance.now();
-  for (let round = 0; round < 20; round++) await Promise.all(Array.from({ length: 1000 }, () => store.consume(subject)));
-  const quotaConcurrent = 20_000 / ((performance.now() - t) / 1000);
-  await redis.quit();
-  return { ping, quota, quotaConcurrent };
-}
-
-async function main() {
-  if (!hasCommand('wrk')) throw new Error('wrk is needed: apt-get install wrk');
-  const dir = mkdtempSync(join(tmpdir(), 'bench-'));
-  const redis = await spawnRedis();
-  // Both services log at warn here: the figures are the proxy's cost, not the log writer's.
-  const backendPort = await freePort();
-  const backend = {
-    ...(await startProcess('dist/backend/server.js', { BACKEND_PORT: String(backendPort), PETS_DB: ':memory:', LOG_LEVEL: 'warn' }, { port: backendPort })),
-    url: `http://127.0.0.1:${backendPort}`,
-  };
-  const stops: Array<() => unknown> = [() => backend.stop(), () => redis.stop()];
-  try {
-    for (let i = 0; i < 20; i++) {
-      await fetch(`${backend.url}/v1/pets`, {
-        method: 'POST',
-        headers: { 'content-type': 'application/json' },
-        body: JSON.stringify({ name: `pet${i}`, categoryId: 1 }),
-      });
-    }
-    const key = generateKey('production');
-    const config = testConfig([{ id: 'bench', plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 }, ...key }], {
-      unauthenticated: { perMinute: 1e9 }, // so the 401 row measures 401s, not 429s
-    });
-    const file = join(dir, 'gateway.json');
-    writeFileSync(file, JSON.stringify(config));
-    const env = { BACKEND_URL: backend.url, GATEWAY_CONFIG: file, LOG_LEVEL: 'warn' };
-    const gateway = async (redisUrl: string) => {
-      const [port, adminPort] = [await freePort(), await freePort()];
-      const g = await startProcess(
-        'dist/gateway/server.js',
-        { ...env, GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), REDIS_URL: redisUrl },
-        { port: adminPort }, // the admin port opens last
-      );
-      return { ...g, url: `http://127.0.0.1:${port}` };
-    };
-    const withRedis = await gateway(redis.url);
-    const inMemory = await gateway('');
-    stops.push(() => withRedis.stop(), () => inMemory.stop());
-    const nginx = hasCommand('nginx') ? await startNginx(dir, backend.url) : undefined;
-    if (nginx) stops.push(nginx.stop);
-
-    const auth = { authorization: `Bearer ${key.key}` };
-    const results: Result[] = [await wrk('backend direct (reference)', `${backend.url}/v1/pets`)];
-    if (nginx) results.push(await wrk('nginx -> backend', `${nginx.url}/v1/pets`));
-    results.push(await wrk('gateway (in-process store) -> backend', `${inMemory.url}/v1/pets`, auth));
-    results.push(await wrk('gateway (Redis) -> backend', `${withRedis.url}/v1/pets`, auth));
-    results.push(await wrk('gateway 401, no backend call', `${withRedis.url}/v1/pets`));
-
-    const ref = results[0]!;
-    const nginxRps = results.find((r) => r.name.startsWith('nginx'))?.rps;
-    console.log(`\nHTTP, GET /v1/pets (20 pets), wrk -t2 -c${CONNECTIONS} -d${SECONDS}s, loopback, 2 cores shared with the load generator`);
-    console.log('name'.padEnd(40), 'req/s'.padStart(9), 'p50 ms'.padStart(8), 'p99 ms'.padStart(8), 'x backend'.padStart(10), 'x nginx'.padStart(8), 'non-2xx'.padStart(8));
-    for (const r of results) {
-      console.log(
-        r.name.padEnd(40),
-        r.rps.toFixed(0).padStart(9),
-        r.p50.toFixed(2).padStart(8),
-        r.p99.toFixed(2).padStart(8),
-        (r.rps / ref.rps).toFixed(2).padStart(10),
-        (nginxRps ? (r.rps / nginxRps).toFixed(2) : '-').padStart(8),
-        String(r.non2xx).padStart(8),
-      );
-    }
-    if (!nginx) console.log('(nginx not installed: apt-get install nginx-light for the C proxy reference)');
-
-    const rt = await redisRoundTrips(redis.url);
-    console.log('\nRedis, one connection, sequential: quota script per call vs PING (the round-trip floor)');
-    console.log(`PING ${(rt.ping * 1000).toFixed(1)} us, quota script ${(rt.quota * 1000).toFixed(1)} us, ratio ${(rt.quota / rt.ping).toFixed(2)}`);
-    console.log(`quota script, 1000 in flight: ${rt.quotaConcurrent.toFixed(0)} decisions/s`);
-  } finally {
-    for (const stop of stops.reverse()) await stop();
-    rmSync(dir, { recursive: true, force: true });
-  }
+  return { url: `http://127.0.0.1:${port}`, pid: proc.pid!, stop: () => proc.kill('SIGTERM') };
 }
 
 await main();
