@@ -1,7 +1,7 @@
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, LogController } from 'fastify';
 import type { Redis } from 'ioredis';
-import { type DestinationStream, pino } from 'pino';
-import { loggerOptions } from '../runtime/process.js';
+import type { DestinationStream } from 'pino';
+import { createLogger } from '../runtime/process.js';
 import { accessLog } from './access-log.js';
 import type { GatewayConfig } from './config.js';
 import { handleError } from './errors.js';
@@ -41,9 +41,8 @@ type AppSettings = Pick<
 export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Promise<Gateway> {
   let config = deps.config;
   const current = () => config;
-  const options = loggerOptions(settings.logLevel, settings.logPretty && !deps.logStream);
-  const log: FastifyBaseLogger = deps.logStream ? pino(options, deps.logStream) : pino(options);
   const metrics = new GatewayMetrics(settings.metricsKeyIds);
+  const log: FastifyBaseLogger = createLogger(settings.logLevel, settings.logPretty, () => metrics.logLinesDropped.inc(), deps.logStream);
   const store: QuotaStore = deps.redis
     ? new RedisQuotaStore(deps.redis, log, (s) => metrics.redisSeconds.observe(s))
     : new MemoryQuotaStore();
@@ -78,7 +77,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     upstream: settings.backendUrl,
     bodyLimit: settings.bodyLimit,
     timeoutMs: settings.upstreamTimeoutMs,
-    upstreamSeconds: (request, seconds) => metrics.upstreamSeconds.observe({ route: request.ctx.route ?? 'none' }, seconds),
+    upstreamSeconds: (request, seconds) => metrics.upstream(request.ctx.route ?? 'none', seconds),
   });
 
   return { app, setConfig: (next) => void (config = next), config: current, store, metrics };

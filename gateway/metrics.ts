@@ -14,7 +14,11 @@ export class GatewayMetrics {
   private readonly requests: Counter<string>;
   private readonly rejections: Counter<'reason'>;
   readonly redisSeconds: Histogram<never>;
-  readonly upstreamSeconds: Histogram<'route'>;
+  readonly logLinesDropped: Counter<never>;
+  private readonly upstreamSeconds: Histogram<'route'>;
+  // Bounded like the labels: routes x statuses x plans (x key ids when configured).
+  private readonly children = new Map<string, { inc(): void }>();
+  private readonly upstreamChildren = new Map<string, { observe(v: number): void }>();
 
   constructor(private readonly keyLabels: boolean) {
     const registers = [this.registry];
@@ -29,6 +33,11 @@ export class GatewayMetrics {
       name: 'gateway_rejections_total',
       help: 'Requests refused, by reason: minute, day, banned, unauthenticated',
       labelNames: ['reason'],
+      registers,
+    });
+    this.logLinesDropped = new Counter({
+      name: 'gateway_log_lines_dropped_total',
+      help: 'Log lines dropped because stdout did not keep up (more than 16 MiB waiting)',
       registers,
     });
     this.redisSeconds = new Histogram({
@@ -46,6 +55,15 @@ export class GatewayMetrics {
     });
   }
 
+  get contentType(): string {
+    return this.registry.contentType;
+  }
+
+  /** The Prometheus text of this process's metrics. */
+  text(): Promise<string> {
+    return this.registry.metrics();
+  }
+
   /** The store's state, read when metrics are scraped. */
   watch(store: Pick<QuotaStore, 'degraded' | 'activeBans'>): void {
     const registers = [this.registry];
@@ -53,6 +71,7 @@ export class GatewayMetrics {
       name: 'gateway_bans_active',
       help: 'Keys this instance knows to be banned now',
       registers,
+      aggregator: 'max', // workers share the bans they see through Redis: not a sum
       collect() {
         this.set(store.activeBans());
       },
@@ -61,16 +80,35 @@ export class GatewayMetrics {
       name: 'gateway_quota_store_degraded',
       help: '1 while quota decisions come from the in-process fallback because Redis fails',
       registers,
+      aggregator: 'max', // 1 if any worker is degraded
       collect() {
         this.set(store.degraded ? 1 : 0);
       },
     });
   }
 
+  /**
+   * Counts one answered request. Label children are bound once per label set and kept:
+   * prom-client otherwise hashes the label object on every call, on the hot path.
+   */
   request(route: string, status: number, plan: string, key: string | undefined, rejected?: RejectionReason): void {
-    const labels: Record<string, string | number> = { route, status, plan };
-    if (this.keyLabels) labels.key = key ?? 'none';
-    this.requests.inc(labels);
-    if (rejected) this.rejections.inc({ reason: rejected });
+    const id = this.keyLabels ? `${route} ${status} ${plan} ${key ?? 'none'}` : `${route} ${status} ${plan}`;
+    let child = this.children.get(id);
+    if (!child) {
+      child = this.keyLabels ? this.requests.labels(route, String(status), plan, key ?? 'none') : this.requests.labels(route, String(status), plan);
+      this.children.set(id, child);
+    }
+    child.inc();
+    if (rejected) this.rejections.labels(rejected).inc();
+  }
+
+  /** Time from sending to the backend to its response headers, for a route. */
+  upstream(route: string, seconds: number): void {
+    let child = this.upstreamChildren.get(route);
+    if (!child) {
+      child = this.upstreamSeconds.labels(route);
+      this.upstreamChildren.set(route, child);
+    }
+    child.observe(seconds);
   }
 }

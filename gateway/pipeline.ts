@@ -23,6 +23,8 @@ export interface RequestContext {
   route?: RouteId;
   /** The quota decision, once made. */
   outcome?: Outcome;
+  /** When the request left for the backend (performance.now()), for the upstream latency. */
+  sentAt?: number;
 }
 
 /** Starts a request's context; the request id goes on every answer, errors included. */

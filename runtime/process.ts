@@ -1,4 +1,5 @@
 import type { FastifyInstance } from 'fastify';
+import { type DestinationStream, destination, type Logger, pino } from 'pino';
 
 // How a service process runs, the same for the backend and the gateway: its logger and its
 // graceful stop on signals. (Settings: runtime/settings.ts.)
@@ -18,6 +19,35 @@ export function loggerOptions(level: string, pretty = false) {
   };
 }
 
+/** How much log text may wait in memory for a slow stdout before lines are dropped (and counted). */
+export const LOG_BUFFER_BYTES = 16 * 1024 * 1024;
+
+/**
+ * stdout for the access log, written asynchronously: lines that arrive while a write is in
+ * flight leave together in the next one, instead of one blocking write(2) per request on
+ * the hot path. What is buffered is flushed synchronously when the process exits, a crash
+ * included. A stdout that stops reading costs up to LOG_BUFFER_BYTES of memory, then lines
+ * are dropped and `onDrop` is told, rather than stalling every request behind the log.
+ */
+export function asyncStdout(onDrop: () => void) {
+  const dest = destination({ dest: 1, sync: false, maxLength: LOG_BUFFER_BYTES });
+  dest.on('drop', onDrop);
+  process.once('exit', () => {
+    try {
+      dest.flushSync();
+    } catch {
+      // stdout already gone: nothing left to write to
+    }
+  });
+  return dest;
+}
+
+/** A service's logger: pretty through pino-pretty, else JSON lines to `stream` or to asyncStdout. */
+export function createLogger(level: string, pretty: boolean, onDrop: () => void, stream?: DestinationStream): Logger {
+  const options = loggerOptions(level, pretty && !stream);
+  return options.transport ? pino(options) : pino(options, stream ?? asyncStdout(onDrop));
+}
+
 /**
  * SIGTERM/SIGINT: `beforeClose` runs (stop watchers, turn readiness off), the listener closes
  * and in-flight requests finish; connections still busy after `graceMs` are cut. Then
@@ -28,9 +58,10 @@ export function stopOnSignals(
   app: FastifyInstance,
   graceMs: number,
   hooks: { beforeClose?: () => void; afterClose?: () => Promise<unknown> } = {},
+  signals: readonly NodeJS.Signals[] = ['SIGTERM', 'SIGINT'],
 ): void {
   let closing = false;
-  for (const signal of ['SIGTERM', 'SIGINT'] as const) {
+  for (const signal of signals) {
     process.on(signal, () => {
       if (closing) process.exit(1);
       closing = true;
