@@ -3,14 +3,16 @@ import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import type { Redis } from 'ioredis';
 import type { GatewayConfig } from './config.js';
 import { GatewayError, handleError } from './errors.js';
-import type { GatewayMetrics } from './metrics.js';
 import { windows } from './quota/decision.js';
 import type { QuotaStore } from './quota/store.js';
 
 export interface AdminDeps {
   config: () => GatewayConfig;
   store: QuotaStore;
-  metrics: GatewayMetrics;
+  /** The Prometheus text: this process's registry, or every worker's, aggregated. */
+  metrics: { contentType: string; text(): Promise<string> };
+  /** Problems that make this instance unready beyond Redis and the backend (a worker down). */
+  problems?: () => string[];
   redis?: Redis;
   backendUrl: string;
   adminToken?: string;
@@ -43,6 +45,7 @@ export async function buildAdmin(deps: AdminDeps): Promise<FastifyInstance> {
   app.get('/readyz', async (_request, reply) => {
     const problems: string[] = [];
     if (deps.closing()) problems.push('shutting down');
+    problems.push(...(deps.problems?.() ?? []));
     if (deps.redis) {
       await deps.redis.ping().catch((err: Error) => problems.push(`redis: ${err.message}`));
     }
@@ -58,8 +61,8 @@ export async function buildAdmin(deps: AdminDeps): Promise<FastifyInstance> {
   });
 
   app.get('/metrics', async (_request, reply) => {
-    reply.type(deps.metrics.registry.contentType);
-    return deps.metrics.registry.metrics();
+    reply.type(deps.metrics.contentType);
+    return deps.metrics.text();
   });
 
   app.get<{ Params: { id: string } }>('/admin/keys/:id/usage', async (request) => {

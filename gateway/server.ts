@@ -1,108 +1,66 @@
-import { watch } from 'node:fs';
-import { basename, dirname } from 'node:path';
-import { Redis } from 'ioredis';
+import cluster from 'node:cluster';
 import { stopOnSignals } from '../runtime/process.js';
 import { buildAdmin } from './admin.js';
 import { buildGateway } from './app.js';
-import { ConfigError, loadConfigFile } from './config.js';
-import { loadSettings } from './settings.js';
+import { runPrimary, runWorker } from './cluster.js';
+import { type GatewayConfig, loadConfigFile } from './config.js';
+import { awaitRedis, connectRedis, reloader, watchConfig } from './lifecycle.js';
+import { type GatewaySettings, loadSettings } from './settings.js';
 
-// Entry: settings and config (fail fast), the quota store, listen, reload, close on signals.
-let settings: ReturnType<typeof loadSettings>;
-let initial: ReturnType<typeof loadConfigFile>;
+// Entry: settings and config (fail fast), then one gateway process with its admin port, or
+// with GATEWAY_WORKERS > 1 a cluster (cluster.ts).
+let settings: GatewaySettings;
+let initial: GatewayConfig;
 try {
   settings = loadSettings();
   initial = loadConfigFile(settings.configFile, settings.redisKeyPrefix);
+  if (settings.workers > 1 && !settings.redisUrl) {
+    throw new Error(
+      `GATEWAY_WORKERS=${settings.workers} needs REDIS_URL: without Redis each worker keeps its own quotas, so every limit would be multiplied by ${settings.workers}`,
+    );
+  }
 } catch (err) {
   console.error(err instanceof Error ? err.message : String(err));
   process.exit(1);
 }
 
-let redis: Redis | undefined;
-if (settings.redisUrl) {
-  // Fail fast instead of queueing: no offline queue, one retry, and a command timeout,
-  // which is the only guard against a Redis that accepts connections but never answers.
-  redis = new Redis(settings.redisUrl, {
-    enableOfflineQueue: false,
-    maxRetriesPerRequest: 1,
-    commandTimeout: settings.redisTimeoutMs,
-    connectTimeout: 2000,
-    retryStrategy: (times) => Math.min(times * 100, 2000),
+if (settings.workers > 1) await (cluster.isPrimary ? runPrimary(settings, initial) : runWorker(settings, initial));
+else await runSingle(settings, initial);
+
+async function runSingle(settings: GatewaySettings, initial: GatewayConfig): Promise<void> {
+  const redis = connectRedis(settings);
+  const gateway = await buildGateway(settings, { config: initial, redis });
+  const { app } = gateway;
+  let closing = false;
+  const admin = await buildAdmin({
+    config: gateway.config,
+    store: gateway.store,
+    metrics: gateway.metrics,
+    redis,
+    backendUrl: settings.backendUrl,
+    adminToken: settings.adminToken,
+    closing: () => closing,
+    log: app.log,
   });
-  redis.on('error', () => {}); // reported once through the store's degraded log line instead
-}
+  if (!redis) app.log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
+  await awaitRedis(redis, app.log);
+  const stopWatching = watchConfig(settings.configFile, reloader(settings, gateway.setConfig, app.log));
 
-const gateway = await buildGateway(settings, { config: initial, redis });
-const { app, setConfig } = gateway;
-let closing = false;
-const admin = await buildAdmin({
-  config: gateway.config,
-  store: gateway.store,
-  metrics: gateway.metrics,
-  redis,
-  backendUrl: settings.backendUrl,
-  adminToken: settings.adminToken,
-  closing: () => closing,
-  log: app.log,
-});
-if (!settings.redisUrl) {
-  app.log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
-}
-if (redis) {
-  await new Promise<void>((resolve) => {
-    const timer = setTimeout(resolve, 3000);
-    redis.once('ready', () => {
-      clearTimeout(timer);
-      resolve();
-    });
+  // Graceful stop: /readyz turns 503 and the config watch ends, in-flight requests finish,
+  // then the admin port and Redis close.
+  stopOnSignals(app, settings.shutdownGraceMs, {
+    beforeClose: () => {
+      closing = true;
+      stopWatching();
+    },
+    afterClose: async () => {
+      await admin.close();
+      await redis?.quit();
+    },
   });
-  if (redis.status !== 'ready') app.log.warn('Redis is not ready yet; quotas are per process until it is');
+
+  const address = await app.listen({ port: settings.port, host: settings.host });
+  const adminAddress = await admin.listen({ port: settings.adminPort, host: settings.adminHost });
+  const { environment } = initial;
+  app.log.info({ address, admin: adminAddress, environment, backend: settings.backendUrl, store: redis ? 'redis' : 'memory' }, 'gateway ready');
 }
-
-function reload(reason: string): void {
-  try {
-    setConfig(loadConfigFile(settings.configFile, settings.redisKeyPrefix));
-    app.log.info({ reason, file: settings.configFile }, 'config reloaded');
-  } catch (err) {
-    const problems = err instanceof ConfigError ? err.problems : [(err as Error).message];
-    app.log.error({ reason, file: settings.configFile, problems }, 'config reload refused; the previous config stays in force');
-  }
-}
-
-// The directory is watched, not the file: editors and the keys command replace the file
-// by rename, which a watch on the old inode would miss.
-let debounce: NodeJS.Timeout | undefined;
-const watcher = watch(dirname(settings.configFile), (_event, name) => {
-  if (name !== basename(settings.configFile)) return;
-  clearTimeout(debounce);
-  debounce = setTimeout(() => reload('file changed'), 100);
-});
-process.on('SIGHUP', () => reload('SIGHUP'));
-
-// Graceful stop: /readyz turns 503 and the config watch ends, in-flight requests finish,
-// then the admin port and Redis close.
-stopOnSignals(app, settings.shutdownGraceMs, {
-  beforeClose: () => {
-    closing = true;
-    watcher.close();
-    clearTimeout(debounce);
-  },
-  afterClose: async () => {
-    await admin.close();
-    await redis?.quit();
-  },
-});
-
-const address = await app.listen({ port: settings.port, host: settings.host });
-const adminAddress = await admin.listen({ port: settings.adminPort, host: settings.adminHost });
-app.log.info(
-  {
-    address,
-    admin: adminAddress,
-    environment: initial.environment,
-    backend: settings.backendUrl,
-    store: redis ? 'redis' : 'memory',
-  },
-  'gateway ready',
-);
-

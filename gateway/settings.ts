@@ -40,6 +40,7 @@ export const GatewaySettingsSchema = Type.Object({
   adminToken: Type.Optional(Type.String({ env: 'ADMIN_TOKEN', minLength: 16 })),
   metricsKeyIds: flag('METRICS_KEY_IDS', 'true', 'false', false),
   shutdownGraceMs: Type.Integer({ env: 'SHUTDOWN_GRACE_MS', minimum: 0, default: 10_000 }),
+  workers: Type.Integer({ env: 'GATEWAY_WORKERS', minimum: 1, maximum: 64, default: 1 }),
   logPretty: flag('LOG_PRETTY', '1', '0', false),
   logLevel: logLevel(),
 });

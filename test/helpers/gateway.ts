@@ -1,11 +1,12 @@
 import type { AddressInfo } from 'node:net';
 import { Writable } from 'node:stream';
 import type { FastifyInstance } from 'fastify';
-import { Redis } from 'ioredis';
+import type { Redis } from 'ioredis';
 import { afterAll, beforeAll, inject, onTestFinished } from 'vitest';
 import { buildAdmin } from '../../gateway/admin.js';
 import { buildGateway, type Gateway } from '../../gateway/app.js';
 import { compileConfig, type ConfigFile, validateConfigFile } from '../../gateway/config.js';
+import { connectRedis } from '../../gateway/lifecycle.js';
 import type { GatewaySettings } from '../../gateway/settings.js';
 import { type EchoBackend, echoBackend, petsBackend } from './backends.js';
 import { call, uniquePrefix } from './config.js';
@@ -18,6 +19,8 @@ export interface TestGatewayOptions {
   /** A Redis URL (default: the run's Redis), or false for the in-process store. */
   redis?: string | false;
   settings?: Partial<GatewaySettings>;
+  /** The Redis key prefix, to share counters with a gateway process; unique by default. */
+  redisKeyPrefix?: string;
   /** Also serve the admin app on its own port, with this token (or none). */
   admin?: { token?: string };
 }
@@ -83,10 +86,8 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
     backendUrl = opts.backend;
   }
   const redisUrl = opts.redis === undefined ? inject('redisUrl') : opts.redis;
-  const redis = redisUrl
-    ? new Redis(redisUrl, { enableOfflineQueue: false, maxRetriesPerRequest: 1, commandTimeout: 250, retryStrategy: () => 50 })
-    : undefined;
-  redis?.on('error', () => {});
+  // The production client and its options (lifecycle.ts), so the tests exercise them.
+  const redis = redisUrl ? connectRedis({ redisUrl, redisTimeoutMs: 250 }) : undefined;
   if (redis) {
     closers.push(() => redis.disconnect());
     await eventually(() => redis.status === 'ready', 5000, 'Redis ready');
@@ -101,7 +102,7 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
     },
   });
   let file = opts.config;
-  let prefix = uniquePrefix();
+  let prefix = opts.redisKeyPrefix ?? uniquePrefix();
   const compile = () => compileConfig(validateConfigFile(file, 'test config'), prefix);
   const gateway = await buildGateway({ ...SETTINGS, backendUrl, ...opts.settings }, { config: compile(), redis, logStream });
   await gateway.app.listen({ port: 0, host: '127.0.0.1' });

@@ -37,6 +37,7 @@ describe('settings from their schema', () => {
       adminHost: '127.0.0.1',
       metricsKeyIds: false,
       shutdownGraceMs: 10000,
+      workers: 1,
       logPretty: false,
       logLevel: 'info',
     });
@@ -61,5 +62,20 @@ describe('settings from their schema', () => {
   it('reads the backend settings the same way', () => {
     expect(loadBackendSettings({ BACKEND_PORT: '4001' })).toMatchObject({ port: 4001, dbFile: 'data/pets.db', logPretty: false });
     expect(() => loadBackendSettings({ BACKEND_PORT: 'seventy', PETS_DB: '' })).toThrow(/BACKEND_PORT: Expected integer/);
+  });
+});
+
+describe('README settings table', () => {
+  it('lists every variable of both services with its default, and no other', async () => {
+    const { readFileSync } = await import('node:fs');
+    const { GatewaySettingsSchema } = await import('../../gateway/settings.js');
+    const { BackendSettingsSchema } = await import('../../backend/settings.js');
+    const text = readFileSync('README.md', 'utf8');
+    const start = text.indexOf('## Settings (environment)');
+    const section = text.slice(start, text.indexOf('\n## ', start + 1));
+    const rows = new Map([...section.matchAll(/^\| `([A-Z_]+)` \| ([^|]+) \|/gm)].map((m) => [m[1]!, m[2]!.trim()]));
+    const schemas = [GatewaySettingsSchema, BackendSettingsSchema].flatMap((s) => Object.values(s.properties) as unknown as Array<{ env: string; default?: unknown }>);
+    const want = new Map(schemas.map((s) => [s.env, s.default === undefined ? 'unset' : `\`${String(s.default)}\``]));
+    expect(Object.fromEntries(rows)).toEqual(Object.fromEntries(want));
   });
 });

@@ -1,0 +1,118 @@
+import cluster, { type Worker } from 'node:cluster';
+import type { FastifyBaseLogger } from 'fastify';
+import { AggregatorRegistry } from 'prom-client';
+import { createLogger, stopOnSignals } from '../runtime/process.js';
+import { buildAdmin } from './admin.js';
+import { buildGateway } from './app.js';
+import type { GatewayConfig } from './config.js';
+import { awaitRedis, connectRedis, reloader, watchConfig } from './lifecycle.js';
+import { RedisQuotaStore } from './quota/redis-store.js';
+import type { GatewaySettings } from './settings.js';
+
+// GATEWAY_WORKERS=N: N gateway processes on one port (node:cluster; the primary hands each
+// connection to a worker in turn). Limits stay exact because they live in Redis, which is
+// why more than one worker needs REDIS_URL. The primary serves the admin port once (metrics
+// of every worker, aggregated), watches the config and tells every worker to reload, and
+// on SIGTERM/SIGINT drains every worker before it exits.
+
+const RELOAD = 'gateway:reload';
+const RESTART_AFTER_MS = 1000;
+
+export async function runPrimary(settings: GatewaySettings, initial: GatewayConfig): Promise<void> {
+  const log: FastifyBaseLogger = createLogger(settings.logLevel, settings.logPretty, () => {});
+  const redis = connectRedis(settings)!;
+  let config = initial;
+  let closing = false;
+  const listening = new Set<number>();
+
+  const aggregator = new AggregatorRegistry();
+  const admin = await buildAdmin({
+    config: () => config,
+    store: new RedisQuotaStore(redis, log), // for the usage lookup: it only reads
+    metrics: { contentType: aggregator.contentType, text: () => aggregator.clusterMetrics() },
+    problems: () => (listening.size < settings.workers ? [`workers: ${listening.size} of ${settings.workers} listening`] : []),
+    redis,
+    backendUrl: settings.backendUrl,
+    adminToken: settings.adminToken,
+    closing: () => closing,
+    log,
+  });
+  await awaitRedis(redis, log);
+  const adminAddress = await admin.listen({ port: settings.adminPort, host: settings.adminHost });
+
+  const reload = reloader(settings, (next) => (config = next), log);
+  const stopWatching = watchConfig(settings.configFile, (reason) => {
+    reload(reason);
+    for (const worker of workers()) worker.send({ type: RELOAD, reason });
+  });
+
+  let announced = false;
+  cluster.on('listening', (worker, a) => {
+    listening.add(worker.id);
+    if (announced || listening.size < settings.workers) return;
+    announced = true;
+    const address = `http://${a.address ?? settings.host}:${a.port}`;
+    const { environment } = initial;
+    log.info({ address, admin: adminAddress, workers: settings.workers, environment, backend: settings.backendUrl, store: 'redis' }, 'gateway ready');
+  });
+  cluster.on('exit', (worker: Worker, code, signal) => {
+    listening.delete(worker.id);
+    if (closing) return;
+    log.error({ worker: worker.process.pid, code, signal }, `gateway worker exited; starting another in ${RESTART_AFTER_MS} ms`);
+    setTimeout(() => !closing && cluster.fork(), RESTART_AFTER_MS);
+  });
+
+  for (const signal of ['SIGTERM', 'SIGINT'] as const) {
+    process.on(signal, () => {
+      if (closing) process.exit(1);
+      closing = true;
+      stopWatching();
+      log.info({ signal, workers: listening.size }, 'closing: draining every worker');
+      void drain(workers()).then(async (worst) => {
+        await admin.close();
+        await redis.quit().catch(() => {});
+        log.info({ cut: worst !== 0 }, worst === 0 ? 'closed' : 'closed; a worker cut busy connections');
+        process.exit(worst);
+      });
+    });
+  }
+  for (let i = 0; i < settings.workers; i++) cluster.fork();
+}
+
+const workers = () => Object.values(cluster.workers ?? {}).filter((w): w is Worker => w !== undefined);
+
+/** SIGTERM to every worker (each finishes its in-flight requests); resolves with the worst exit code. */
+function drain(list: Worker[]): Promise<number> {
+  return new Promise((resolve) => {
+    let worst = 0;
+    let left = list.length;
+    if (left === 0) resolve(0);
+    for (const w of list) {
+      w.once('exit', (code) => {
+        worst = Math.max(worst, code ?? 1);
+        if (--left === 0) resolve(worst);
+      });
+      w.process.kill('SIGTERM');
+    }
+  });
+}
+
+export async function runWorker(settings: GatewaySettings, initial: GatewayConfig): Promise<void> {
+  const redis = connectRedis(settings)!;
+  const gateway = await buildGateway(settings, { config: initial, redis });
+  const { app } = gateway;
+  // The primary asks each worker for its registry and sums them (prom-client's cluster support).
+  new AggregatorRegistry();
+  AggregatorRegistry.setRegistries([gateway.metrics.registry]);
+  const reload = reloader(settings, gateway.setConfig, app.log);
+  process.on('message', (m: { type?: string; reason?: string }) => {
+    if (m?.type === RELOAD) reload(m.reason ?? 'primary');
+  });
+  // The primary decides: it reloads every worker, and passes a stop on as SIGTERM. A Ctrl-C
+  // reaches the whole process group; taken here too, it would count as a second signal.
+  process.on('SIGHUP', () => {});
+  process.on('SIGINT', () => {});
+  stopOnSignals(app, settings.shutdownGraceMs, { afterClose: () => redis.quit().catch(() => {}) }, ['SIGTERM']);
+  await awaitRedis(redis, app.log);
+  await app.listen({ port: settings.port, host: settings.host });
+}

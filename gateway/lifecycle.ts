@@ -1,0 +1,72 @@
+import { watch } from 'node:fs';
+import { basename, dirname } from 'node:path';
+import type { FastifyBaseLogger } from 'fastify';
+import { Redis } from 'ioredis';
+import { ConfigError, type GatewayConfig, loadConfigFile } from './config.js';
+import type { GatewaySettings } from './settings.js';
+
+// What a gateway process needs around its app: the Redis connection, and config reloads
+// on a change of the file or SIGHUP. Shared by the single process, the cluster's primary
+// and its workers.
+
+/** Fail fast instead of queueing: no offline queue, one retry, and a command timeout. */
+export function connectRedis(settings: Pick<GatewaySettings, 'redisUrl' | 'redisTimeoutMs'>): Redis | undefined {
+  if (!settings.redisUrl) return undefined;
+  const redis = new Redis(settings.redisUrl, {
+    enableOfflineQueue: false,
+    maxRetriesPerRequest: 1,
+    // The only guard against a Redis that accepts connections but never answers.
+    commandTimeout: settings.redisTimeoutMs,
+    connectTimeout: 2000,
+    retryStrategy: (times) => Math.min(times * 100, 2000),
+  });
+  redis.on('error', () => {}); // reported once through the store's degraded log line instead
+  return redis;
+}
+
+/** Waits up to 3 s for Redis, so the first requests are decided by it; says so if it is not there. */
+export async function awaitRedis(redis: Redis | undefined, log: FastifyBaseLogger): Promise<void> {
+  if (!redis) return;
+  await new Promise<void>((resolve) => {
+    const timer = setTimeout(resolve, 3000);
+    redis.once('ready', () => {
+      clearTimeout(timer);
+      resolve();
+    });
+  });
+  if (redis.status !== 'ready') log.warn('Redis is not ready yet; quotas are per process until it is');
+}
+
+/** Loads the file again; a broken edit is refused with a log line and the old config stays. */
+export function reloader(settings: GatewaySettings, apply: (config: GatewayConfig) => void, log: FastifyBaseLogger) {
+  return (reason: string): void => {
+    try {
+      apply(loadConfigFile(settings.configFile, settings.redisKeyPrefix));
+      log.info({ reason, file: settings.configFile }, 'config reloaded');
+    } catch (err) {
+      const problems = err instanceof ConfigError ? err.problems : [(err as Error).message];
+      log.error({ reason, file: settings.configFile, problems }, 'config reload refused; the previous config stays in force');
+    }
+  };
+}
+
+/**
+ * Calls `reload` when the config file changes (debounced) and on SIGHUP; returns the stop.
+ * The directory is watched, not the file: editors and the keys command replace the file by
+ * rename, which a watch on the old inode would miss.
+ */
+export function watchConfig(file: string, reload: (reason: string) => void): () => void {
+  let debounce: NodeJS.Timeout | undefined;
+  const watcher = watch(dirname(file), (_event, name) => {
+    if (name !== basename(file)) return;
+    clearTimeout(debounce);
+    debounce = setTimeout(() => reload('file changed'), 100);
+  });
+  const onHup = () => reload('SIGHUP');
+  process.on('SIGHUP', onHup);
+  return () => {
+    watcher.close();
+    clearTimeout(debounce);
+    process.off('SIGHUP', onHup);
+  };
+}

@@ -1,0 +1,120 @@
+import { readFileSync, writeFileSync } from 'node:fs';
+import { request } from 'node:http';
+import { describe, expect, it, onTestFinished } from 'vitest';
+import { echoBackend } from '../helpers/backends.js';
+import { call, makeKey, testConfig } from '../helpers/config.js';
+import { buildTestGateway } from '../helpers/gateway.js';
+import { startProcess } from '../helpers/processes.js';
+import { startStack } from '../helpers/stack.js';
+import { eventually, inOneMinute } from '../helpers/time.js';
+
+// GATEWAY_WORKERS=2: two worker processes on one port behind the cluster's primary.
+
+async function workersStack(keys: ReturnType<typeof makeKey>[]) {
+  const echo = await echoBackend();
+  onTestFinished(() => echo.close());
+  const stack = await startStack(testConfig(keys), { GATEWAY_WORKERS: '2', ADMIN_TOKEN: 'admin-token-0123456789' }, echo.url);
+  onTestFinished(() => stack.stop());
+  return { echo, stack, gateway: stack.gateway };
+}
+
+/** The pids that wrote access lines: which workers served. */
+const servedBy = (logs: Array<Record<string, unknown>>) => new Set(logs.filter((l) => l.msg === 'request').map((l) => l.pid));
+
+describe('GATEWAY_WORKERS', () => {
+  it('refuses more than one worker without REDIS_URL, saying why', async () => {
+    const started = startProcess('dist/gateway/server.js', { GATEWAY_WORKERS: '2', GATEWAY_PORT: '0', ADMIN_PORT: '0' }, { port: 1 });
+    await expect(started).rejects.toThrow(/GATEWAY_WORKERS=2 needs REDIS_URL: without Redis each worker keeps its own quotas/);
+  });
+
+  it('admits exactly the limit across two workers and another instance on one Redis, and sums their metrics', async () => {
+    const keys = [0, 1, 2].map(() => ({ ...makeKey('enterprise'), limits: { perMinute: 40, perDay: 100000 } }));
+    const { stack, gateway } = await workersStack(keys);
+    // A third instance in this process, on the same Redis prefix and the same backend.
+    const other = await buildTestGateway({ config: testConfig(keys), backend: stack.env.BACKEND_URL, redisKeyPrefix: stack.env.REDIS_KEY_PREFIX });
+    let attempt = 0;
+    const admitted = await inOneMinute(
+      async () => {
+        const k = keys[attempt]!;
+        const urls = [gateway.url, gateway.url, other.url];
+        const all = await Promise.all(Array.from({ length: 120 }, (_, i) => call(`${urls[i % 3]}/v1/pets`, k.key).then((r) => r.status)));
+        expect(all.filter((s) => s === 200)).toHaveLength(40);
+        expect(all.filter((s) => s === 429)).toHaveLength(80);
+        return all;
+      },
+      () => void attempt++,
+    );
+    expect(admitted).toHaveLength(120);
+    expect(servedBy(gateway.logs).size).toBe(2); // both workers took requests
+    // The admin port answers once for the cluster: every worker's counts, summed.
+    const served = await (await fetch(`${gateway.adminUrl}/metrics`)).text();
+    const ok = Number(/^gateway_requests_total\{route="listPets",status="200",plan="enterprise"\} (\d+)$/m.exec(served)?.[1]);
+    const refused = Number(/^gateway_requests_total\{route="listPets",status="429",plan="enterprise"\} (\d+)$/m.exec(served)?.[1]);
+    const otherText = await other.gateway.metrics.text();
+    const otherOk = Number(/^gateway_requests_total\{route="listPets",status="200",plan="enterprise"\} (\d+)$/m.exec(otherText)?.[1] ?? 0);
+    const otherRefused = Number(/^gateway_requests_total\{route="listPets",status="429",plan="enterprise"\} (\d+)$/m.exec(otherText)?.[1] ?? 0);
+    expect(ok + refused).toBe(80 * (attempt + 1)); // two of every three requests went to the workers
+    expect(ok + otherOk).toBe(40 * (attempt + 1));
+    expect(refused + otherRefused).toBe(80 * (attempt + 1));
+  });
+
+  it('reloads every worker when the config file changes', async () => {
+    const first = makeKey('free');
+    const { stack, gateway } = await workersStack([first]);
+    const added = { ...makeKey('enterprise'), limits: { perMinute: 1000, perDay: 100000 } };
+    const file = JSON.parse(readFileSync(stack.configFile, 'utf8'));
+    file.keys.push({ id: added.id, hash: added.hash, plan: added.plan, limits: added.limits });
+    writeFileSync(stack.configFile, JSON.stringify(file));
+    // The primary reloads its own copy (for the usage lookup) and tells each worker.
+    await eventually(() => gateway.logs.filter((l) => l.msg === 'config reloaded').length >= 3, 5000, 'three reloads');
+    const statuses = await Promise.all(Array.from({ length: 20 }, () => call(`${gateway.url}/v1/pets`, added.key).then((r) => r.status)));
+    expect(statuses).toEqual(Array(20).fill(200));
+    expect(servedBy(gateway.logs).size).toBe(2);
+    gateway.proc.kill('SIGHUP'); // on the primary: it reloads, and every worker with it
+    await eventually(() => gateway.logs.filter((l) => l.msg === 'config reloaded' && l.reason === 'SIGHUP').length >= 3, 5000, 'SIGHUP reloads');
+    expect(gateway.proc.exitCode).toBeNull();
+    const usage = await fetch(`${gateway.adminUrl}/admin/keys/${added.id}/usage`, { headers: { authorization: 'Bearer admin-token-0123456789' } });
+    expect(usage.status).toBe(200);
+    expect((await usage.json()).windows.minute.used).toBe(20);
+  });
+
+  it('drains every worker on SIGTERM: a request in flight finishes, then the primary exits 0', async () => {
+    const k = makeKey('free');
+    const { echo, gateway } = await workersStack([k]);
+    const exited = new Promise<number | null>((r) => gateway.proc.once('exit', (code) => r(code)));
+    const { arrived, release } = echo.hold();
+    onTestFinished(release);
+    const answer = new Promise<number>((resolve, reject) => {
+      const req = request(`${gateway.url}/v1/pets`, { headers: { authorization: `Bearer ${k.key}` } }, (res) => {
+        res.resume();
+        res.on('end', () => resolve(res.statusCode ?? 0));
+      });
+      req.on('error', reject);
+      req.end();
+    });
+    await arrived;
+    gateway.proc.kill('SIGTERM');
+    await gateway.waitForLog((l) => l.msg === 'closing: draining every worker');
+    const ready = await fetch(`${gateway.adminUrl}/readyz`);
+    expect(ready.status).toBe(503);
+    release();
+    expect(await answer).toBe(200);
+    expect(await exited).toBe(0);
+    expect(gateway.logs.filter((l) => l.msg === 'closed')).toHaveLength(3); // two workers, then the primary
+  });
+
+  it('starts another worker when one dies, and readiness says so meanwhile', async () => {
+    const { gateway } = await workersStack([makeKey('free')]);
+    expect((await fetch(`${gateway.adminUrl}/readyz`)).status).toBe(200);
+    // A worker's pid: one that logged that it listens, other than the primary's (the admin port).
+    const worker = Number(gateway.logs.find((l) => String(l.msg).startsWith('Server listening') && l.pid !== gateway.proc.pid)?.pid);
+    expect(worker).toBeGreaterThan(0);
+    process.kill(worker, 'SIGKILL');
+    const exitLine = await gateway.waitForLog((l) => String(l.msg).startsWith('gateway worker exited'));
+    expect(exitLine).toMatchObject({ worker, signal: 'SIGKILL' });
+    const meanwhile = await fetch(`${gateway.adminUrl}/readyz`);
+    expect(meanwhile.status).toBe(503);
+    expect((await meanwhile.json()).message).toMatch(/workers: 1 of 2 listening/);
+    await eventually(async () => (await fetch(`${gateway.adminUrl}/readyz`)).status === 200, 5000, 'ready again');
+  });
+});
