@@ -19,6 +19,9 @@ export function connectRedis(settings: Pick<GatewaySettings, 'redisUrl' | 'redis
     commandTimeout: settings.redisTimeoutMs,
     connectTimeout: 2000,
     retryStrategy: (times) => Math.min(times * 100, 2000),
+    // The commands of requests decided in the same tick leave in one write: on loopback a
+    // write per command cost more gateway CPU than all of our own per-request work.
+    enableAutoPipelining: true,
   });
   redis.on('error', () => {}); // reported once through the store's degraded log line instead
   return redis;
