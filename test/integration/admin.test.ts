@@ -177,16 +177,16 @@ describe('access log', () => {
     expect(JSON.stringify(gw.logs)).not.toContain(k.key);
   });
 
-  it('names the refusal in the outcome', async () => {
+  it('names the refusal in the outcome, and the route it was refused on', async () => {
     const k = makeKey('tiny'); // 3 a minute
     const lines = await inOneMinute(async () => {
       const gw = await build([k]);
       for (let i = 0; i < 4; i++) await gw.call('/v1/pets', k.key, { headers: { 'x-request-id': `r${i}-${k.id}` } });
       return Promise.all([0, 3].map((i) => gw.waitForLog((l) => l.reqId === `r${i}-${k.id}` && l.msg === 'request')));
     });
-    expect(lines.map((l) => [l.status, l.outcome])).toEqual([
-      [200, 'allowed'],
-      [429, 'minute'],
+    expect(lines.map((l) => [l.status, l.outcome, l.route])).toEqual([
+      [200, 'allowed', 'listPets'],
+      [429, 'minute', 'listPets'],
     ]);
   });
 });
