@@ -34,7 +34,7 @@ export interface Gateway {
 
 type AppSettings = Pick<
   GatewaySettings,
-  'backendUrl' | 'bodyLimit' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds'
+  'backendUrl' | 'bodyLimit' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds' | 'quotaLeaseMax'
 >;
 
 /** Wiring only: logger, metrics, store, then the request pipeline in order and the proxy. Never listens. */
@@ -44,7 +44,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   const metrics = new GatewayMetrics(settings.metricsKeyIds);
   const log: FastifyBaseLogger = createLogger(settings.logLevel, settings.logPretty, () => metrics.logLinesDropped.inc(), deps.logStream);
   const store: QuotaStore = deps.redis
-    ? new RedisQuotaStore(deps.redis, log, (s) => metrics.redisSeconds.observe(s))
+    ? new RedisQuotaStore(deps.redis, log, (s) => metrics.redisSeconds.observe(s), settings.quotaLeaseMax)
     : new MemoryQuotaStore();
   metrics.watch(store);
   const access = accessLog(metrics);

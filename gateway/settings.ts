@@ -30,6 +30,7 @@ export const GatewaySettingsSchema = Type.Object({
   bodyLimit: Type.Integer({ env: 'GATEWAY_BODY_LIMIT', minimum: 1, default: 1024 * 1024 }),
   upstreamTimeoutMs: Ms('UPSTREAM_TIMEOUT_MS', 10_000),
   redisTimeoutMs: Ms('REDIS_TIMEOUT_MS', 250),
+  quotaLeaseMax: Type.Integer({ env: 'QUOTA_LEASE_MAX', minimum: 1, maximum: 1000, default: 20 }),
   redisKeyPrefix: Type.String({ env: 'REDIS_KEY_PREFIX', pattern: '^[A-Za-z0-9_.-]{1,32}$', default: 'gw' }),
   // Never a plain "true": that would trust any X-Forwarded-For a client writes.
   trustProxy: Type.Transform(Type.String({ env: 'TRUST_PROXY', minLength: 1, default: 'false' }))

@@ -78,3 +78,13 @@ export function windows(limits: Limits, nowMs: number, minuteUsed: number, dayUs
 export function decision(limits: Limits, t: Tally): Decision {
   return { outcome: t.outcome, nowMs: t.nowMs, banUntilMs: t.banUntilMs, windows: windows(limits, t.nowMs, t.minuteUsed, t.dayUsed) };
 }
+
+/**
+ * Units one instance may take from Redis at once for a subject: 1% of its smaller window,
+ * at most `max`, and 1 (no lease) below 200 a window. What an instance leased and did not
+ * hand out before the minute ends is lost: at most lease - 1 per instance per minute.
+ */
+export function leaseSize(limits: Limits, max: number): number {
+  const smallest = limits.perDay > 0 ? Math.min(limits.perMinute, limits.perDay) : limits.perMinute;
+  return Math.max(1, Math.min(max, Math.floor(smallest / 100)));
+}

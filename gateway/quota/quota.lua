@@ -1,14 +1,16 @@
 -- One atomic decision per request: ban check, then the minute and day windows.
 -- KEYS[1]: the subject's counters (hash); KEYS[2]: times of its recent 429s (list).
 -- Both share one hash tag, so they live in one Redis Cluster slot.
--- ARGV: perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs.
--- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs}; outcome is an index into
+-- ARGV: perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs,
+-- lease (units an admitted request may take at once: 1, or more for a lease).
+-- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken}; outcome is an index into
 -- OUTCOMES in decision.ts: 0 allowed, 1 minute, 2 day, 3 banned. Time is Redis's own, so
 -- skewed gateways agree.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local perMinute, perDay = tonumber(ARGV[1]), tonumber(ARGV[2])
 local banAfter, banWithin, banFor = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local lease = tonumber(ARGV[6]) or 1
 
 local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban')
 local ms = now - now % 60000
@@ -45,8 +47,16 @@ if violated > 0 then
   return {violated, mc, dc, now, 0}
 end
 
-mc = mc + 1
-dc = dc + 1
+-- A lease takes several units at once, for the instance to hand out itself, only while
+-- both windows keep room for two leases: near the limit, one decision per request.
+local take = 1
+if lease > 1 then
+  local room = perMinute - mc
+  if perDay > 0 then room = math.min(room, perDay - dc) end
+  if room >= 2 * lease then take = lease end
+end
+mc = mc + take
+dc = dc + take
 redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc)
 redis.call('PEXPIREAT', KEYS[1], math.max(expireAt, ban))
-return {0, mc, dc, now, 0}
+return {0, mc, dc, now, 0, take}

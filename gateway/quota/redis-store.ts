@@ -1,21 +1,37 @@
 import { readFileSync } from 'node:fs';
 import type { Redis } from 'ioredis';
 import type { FastifyBaseLogger } from 'fastify';
-import { DAY_MS, type Decision, decision, MINUTE_MS, OUTCOMES, type QuotaSubject, windowStart } from './decision.js';
+import { DAY_MS, type Decision, decision, leaseSize, MINUTE_MS, OUTCOMES, type QuotaSubject, windowStart } from './decision.js';
 import { MemoryQuotaStore } from './memory-store.js';
 import { type Counters, countsAt, type QuotaStore, type Usage } from './store.js';
 
 const SCRIPT = readFileSync(new URL('./quota.lua', import.meta.url), 'utf8');
 const RETRY_REDIS_AFTER_MS = 1000;
 
+type Reply = [outcome: number, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number, taken?: number];
 type QuotaRedis = Redis & {
-  quota(counters: string, rejections: string, ...args: number[]): Promise<[number, number, number, number, number]>;
+  quota(counters: string, rejections: string, ...args: number[]): Promise<Reply>;
 };
 
+/** Units taken from Redis in one admission and not handed out yet (see leaseSize). */
+interface Lease {
+  left: number;
+  /** performance.now() before which the lease is surely still in its Redis minute. */
+  until: number;
+  /** The Redis minute's end, and the counts Redis held after the lease: what headers report. */
+  windowEndMs: number;
+  minuteUsed: number;
+  dayUsed: number;
+}
+
 /**
- * Redis: one EVALSHA of quota.lua per request. Bans already seen are answered from memory
- * without a round trip. When Redis fails, decisions come from the in-process fallback
- * (logged once, `degraded` set) and Redis is tried again after a second.
+ * Redis: one EVALSHA of quota.lua per decision. Bans already seen are answered from memory
+ * without a round trip, and so are admissions from a lease: with `leaseMax` > 1, a subject
+ * with large limits takes several units in one call and this instance hands them out (the
+ * units come out of the Redis count atomically, so the limit still holds across instances;
+ * headers count the whole lease as used, so they never claim more room than there is).
+ * When Redis fails, decisions come from the in-process fallback (logged once, `degraded`
+ * set) and Redis is tried again after a second.
  */
 export class RedisQuotaStore implements QuotaStore {
   private readonly redis: QuotaRedis;
@@ -25,12 +41,17 @@ export class RedisQuotaStore implements QuotaStore {
   private offsetMs = 0;
   private retryAt = 0;
   private readonly fallback = new MemoryQuotaStore();
+  private readonly leases = new Map<string, Lease>();
+  /** Per subject, the lease request in flight: resolves with its outcome. */
+  private readonly pending = new Map<string, Promise<Decision['outcome'] | undefined>>();
 
   constructor(
     redis: Redis,
     private readonly log: FastifyBaseLogger,
     /** Told the duration of every script call, in seconds (the latency histogram). */
     private readonly observe: (seconds: number) => void = () => {},
+    /** Largest lease (QUOTA_LEASE_MAX); 1: every admission asks Redis. */
+    private readonly leaseMax = 1,
   ) {
     redis.defineCommand('quota', { numberOfKeys: 2, lua: SCRIPT });
     this.redis = redis as QuotaRedis;
@@ -41,16 +62,50 @@ export class RedisQuotaStore implements QuotaStore {
   }
 
   async consume(subject: QuotaSubject): Promise<Decision> {
-    const local = Date.now();
-    const known = this.bans.get(subject.name);
-    if (known) {
-      const now = local + this.offsetMs;
-      if (known.ban > now) return decision(subject.limits, { outcome: 'banned', ...countsAt(known, now), nowMs: now, banUntilMs: known.ban });
-      this.bans.delete(subject.name);
+    // After a sibling request's refusal, this one asks Redis itself rather than wait in line.
+    let solo = false;
+    for (;;) {
+      const local = Date.now();
+      const known = this.bans.get(subject.name);
+      if (known) {
+        const now = local + this.offsetMs;
+        if (known.ban > now) return decision(subject.limits, { outcome: 'banned', ...countsAt(known, now), nowMs: now, banUntilMs: known.ban });
+        this.bans.delete(subject.name);
+      }
+      const lease = this.leases.get(subject.name);
+      if (lease) {
+        if (lease.left > 0 && performance.now() < lease.until) {
+          lease.left--;
+          const now = Math.min(local + this.offsetMs, lease.windowEndMs - 1);
+          return decision(subject.limits, { outcome: 'allowed', minuteUsed: lease.minuteUsed, dayUsed: lease.dayUsed, nowMs: now, banUntilMs: 0 });
+        }
+        this.leases.delete(subject.name);
+      }
+      if (this.retryAt > local) return this.fallback.consume(subject);
+      const size = leaseSize(subject.limits, this.leaseMax);
+      if (size === 1 || solo) return this.ask(subject, size, local);
+      // One lease request per subject in flight: concurrent requests wait for the lease it
+      // brings instead of each taking one, which would reserve many times what they use.
+      const pending = this.pending.get(subject.name);
+      if (pending) {
+        solo = (await pending) !== 'allowed';
+        continue;
+      }
+      const call = this.ask(subject, size, local);
+      const done = call.then(
+        (d) => d.outcome,
+        () => undefined,
+      );
+      this.pending.set(subject.name, done);
+      void done.then(() => this.pending.delete(subject.name)); // before the waiters resume
+      return call;
     }
-    if (this.retryAt > local) return this.fallback.consume(subject);
+  }
+
+  /** One call of quota.lua: the decision, and the lease or ban it brings. */
+  private async ask(subject: QuotaSubject, lease: number, local: number): Promise<Decision> {
     const { limits, bans } = subject;
-    let reply: [number, number, number, number, number];
+    let reply: Reply;
     const started = performance.now();
     try {
       reply = await this.redis.quota(
@@ -61,6 +116,7 @@ export class RedisQuotaStore implements QuotaStore {
         bans?.afterRejected ?? 0,
         bans?.withinMs ?? 0,
         bans?.durationMs ?? 0,
+        lease,
       );
     } catch (err) {
       this.failed(err, local);
@@ -72,9 +128,14 @@ export class RedisQuotaStore implements QuotaStore {
       this.retryAt = 0;
       this.log.info('quota store: Redis answers again');
     }
-    const [index, minuteUsed, dayUsed, nowMs, banUntilMs] = reply;
+    const [index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = 1] = reply;
     const outcome = OUTCOMES[index]!;
     this.offsetMs = nowMs - local;
+    if (taken > 1) {
+      // Timed from before the call, so the lease ends no later than its Redis minute does.
+      const windowEndMs = windowStart(nowMs, MINUTE_MS) + MINUTE_MS;
+      this.leases.set(subject.name, { left: taken - 1, until: started + windowEndMs - nowMs, windowEndMs, minuteUsed, dayUsed });
+    }
     if (outcome === 'banned') {
       this.bans.set(subject.name, { ms: windowStart(nowMs, MINUTE_MS), mc: minuteUsed, ds: windowStart(nowMs, DAY_MS), dc: dayUsed, ban: banUntilMs });
     }

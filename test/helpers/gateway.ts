@@ -56,6 +56,8 @@ const SETTINGS = {
   logLevel: 'info' as const,
   logPretty: false,
   metricsKeyIds: false,
+  // Exact per-request headers for the tests' large limits; lease tests set their own.
+  quotaLeaseMax: 1,
 };
 
 /**

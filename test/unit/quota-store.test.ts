@@ -251,3 +251,71 @@ describe('redis store', () => {
     broken.disconnect();
   });
 });
+
+describe('redis store with leases', () => {
+  const leased = (client: Redis = redis, max = 20) => new RedisQuotaStore(client, silent, () => {}, max);
+  const counted = async (s: QuotaSubject) => Number(await redis.hget(s.name, 'mc'));
+
+  it('takes 1% of the limit in one call and hands it out without asking Redis again', async () => {
+    await inOneMinute(async () => {
+      const store = leased();
+      const s = subject(1000, 100000, false); // a lease is 10 units
+      const first = await store.consume(s);
+      expect(await counted(s)).toBe(10);
+      const rest = [];
+      for (let i = 0; i < 9; i++) rest.push(await store.consume(s));
+      expect(await counted(s)).toBe(10); // no call for these nine
+      expect(rest.every((d) => d.outcome === 'allowed')).toBe(true);
+      // The headers count the whole lease as used: never more room than Redis holds.
+      expect([first, ...rest].every((d) => d.windows[0]!.used === 10)).toBe(true);
+      await store.consume(s);
+      expect(await counted(s)).toBe(20);
+    });
+  });
+
+  it('takes no lease below 200 a window, nor when the window has room for less than two leases', async () => {
+    await inOneMinute(async () => {
+      const small = subject(199, 100000, false);
+      await leased().consume(small);
+      expect(await counted(small)).toBe(1);
+      const s = subject(1000, 100000, false);
+      const [sec] = await redis.time();
+      await redis.hset(s.name, 'ms', Number(sec) * 1000 - ((Number(sec) * 1000) % MINUTE_MS), 'mc', 981);
+      await leased().consume(s); // 19 left: less than two leases of 10
+      expect(await counted(s)).toBe(982);
+    });
+  });
+
+  it('asks Redis once at a time per subject, so concurrent requests do not each reserve a lease', async () => {
+    await inOneMinute(async () => {
+      const one = leased();
+      const s = subject(1000, 100000, false); // leases of 10
+      const results = await Promise.all(Array.from({ length: 95 }, () => one.consume(s)));
+      expect(results.every((d) => d.outcome === 'allowed')).toBe(true);
+      expect(await counted(s)).toBe(100); // ten leases for 95 requests, not 95 leases
+      // Without the one-at-a-time rule it would be as if each request were its own instance:
+      const apart = subject(1000, 100000, false);
+      await Promise.all(Array.from({ length: 95 }, () => leased().consume(apart)));
+      expect(await counted(apart)).toBe(950);
+    });
+  });
+
+  it('never admits past the limit across instances, and leaves at most lease - 1 per instance unused', async () => {
+    await inOneMinute(async () => {
+      const clients = [0, 1].map(() => new Redis(inject('redisUrl')));
+      try {
+        const [a, b] = clients.map((c) => leased(c, 5));
+        const s = subject(500, 100000, false); // leases of 5
+        expect((await a!.consume(s)).outcome).toBe('allowed'); // a holds 4 more
+        let admittedByB = 0;
+        while ((await b!.consume(s)).outcome === 'allowed') admittedByB++;
+        expect(admittedByB).toBe(495); // the 4 units a holds are not b's to give: under by lease - 1
+        const fromA = await Promise.all(Array.from({ length: 6 }, () => a!.consume(s)));
+        expect(fromA.map((d) => d.outcome)).toEqual(['allowed', 'allowed', 'allowed', 'allowed', 'minute', 'minute']);
+        expect(await counted(s)).toBe(500);
+      } finally {
+        await Promise.all(clients.map((c) => c.quit()));
+      }
+    });
+  });
+});
