@@ -1,5 +1,5 @@
 import { buildBackend } from './app.js';
-import { stopOnSignals } from '../runtime/process.js';
+import { listenOrExit, stopOnSignals } from '../runtime/process.js';
 import { loadBackendSettings } from './settings.js';
 import { PetStore } from './store.js';
 
@@ -17,4 +17,4 @@ app.log.info({ file: settings.dbFile, ...store.durability() }, 'pet store open')
 app.addHook('onClose', async () => store.close());
 stopOnSignals(app, settings.shutdownGraceMs);
 
-await app.listen({ port: settings.port, host: settings.host });
+await listenOrExit(app, settings.port, settings.host, { port: 'BACKEND_PORT', host: 'BACKEND_HOST' });

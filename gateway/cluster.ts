@@ -1,7 +1,7 @@
 import cluster, { type Worker } from 'node:cluster';
 import type { FastifyBaseLogger } from 'fastify';
 import { AggregatorRegistry } from 'prom-client';
-import { createLogger, stopOnSignals } from '../runtime/process.js';
+import { createLogger, listenOrExit, stopOnSignals } from '../runtime/process.js';
 import { buildAdmin } from './admin.js';
 import { buildGateway } from './app.js';
 import type { GatewayConfig } from './config.js';
@@ -38,7 +38,7 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
     log,
   });
   await awaitRedis(redis, log);
-  const adminAddress = await admin.listen({ port: settings.adminPort, host: settings.adminHost });
+  const adminAddress = await listenOrExit(admin, settings.adminPort, settings.adminHost, { port: 'ADMIN_PORT', host: 'ADMIN_HOST' });
 
   const reload = reloader(settings, (next) => (config = next), log);
   const stopWatching = watchConfig(settings.configFile, (reason) => {
@@ -58,6 +58,11 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
   cluster.on('exit', (worker: Worker, code, signal) => {
     listening.delete(worker.id);
     if (closing) return;
+    if (!announced) {
+      // It never listened (it said why on stderr): starting it again would fail the same way.
+      log.error({ worker: worker.process.pid, code, signal }, 'a gateway worker could not start; stopping');
+      process.exit(1);
+    }
     log.error({ worker: worker.process.pid, code, signal }, `gateway worker exited; starting another in ${RESTART_AFTER_MS} ms`);
     setTimeout(() => !closing && cluster.fork(), RESTART_AFTER_MS);
   });
@@ -114,5 +119,5 @@ export async function runWorker(settings: GatewaySettings, initial: GatewayConfi
   process.on('SIGINT', () => {});
   stopOnSignals(app, settings.shutdownGraceMs, { afterClose: () => redis.quit().catch(() => {}) }, ['SIGTERM']);
   await awaitRedis(redis, app.log);
-  await app.listen({ port: settings.port, host: settings.host });
+  await listenOrExit(app, settings.port, settings.host, { port: 'GATEWAY_PORT', host: 'GATEWAY_HOST' });
 }

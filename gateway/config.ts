@@ -189,13 +189,26 @@ export function parseConfigText(text: string, source: string): ConfigFile {
   return validateConfigFile(raw, source);
 }
 
-/** Reads, validates and compiles a config file; throws ConfigError naming every problem. */
-export function loadConfigFile(path: string, redisKeyPrefix?: string): GatewayConfig {
+const UNREADABLE: Record<string, string> = {
+  ENOENT: 'no such file',
+  EACCES: 'permission denied',
+  EISDIR: 'a directory, not a file',
+};
+
+/**
+ * Reads, validates and compiles a config file; throws ConfigError naming every problem.
+ * `setting` names where the path came from, for a file that cannot be read at all.
+ */
+export function loadConfigFile(path: string, redisKeyPrefix?: string, setting?: string): GatewayConfig {
   let text: string;
   try {
     text = readFileSync(path, 'utf8');
   } catch (err) {
-    throw new ConfigError(path, [`cannot read: ${(err as NodeJS.ErrnoException).code ?? (err as Error).message}`]);
+    const code = (err as NodeJS.ErrnoException).code ?? '';
+    const why = `cannot read it: ${UNREADABLE[code] ?? (err as Error).message}`;
+    const error = new ConfigError(setting ? `${setting}=${path}` : path, [why]);
+    error.message = `${error.source}: ${why}`; // one line: there is no content to list problems in
+    throw error;
   }
   return compileConfig(parseConfigText(text, path), redisKeyPrefix);
 }

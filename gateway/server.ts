@@ -1,5 +1,5 @@
 import cluster from 'node:cluster';
-import { stopOnSignals } from '../runtime/process.js';
+import { listenOrExit, stopOnSignals } from '../runtime/process.js';
 import { buildAdmin } from './admin.js';
 import { buildGateway } from './app.js';
 import { runPrimary, runWorker } from './cluster.js';
@@ -9,11 +9,13 @@ import { type GatewaySettings, loadSettings } from './settings.js';
 
 // Entry: settings and config (fail fast), then one gateway process with its admin port, or
 // with GATEWAY_WORKERS > 1 a cluster (cluster.ts).
+const PUBLIC = { port: 'GATEWAY_PORT', host: 'GATEWAY_HOST' };
+const ADMIN = { port: 'ADMIN_PORT', host: 'ADMIN_HOST' };
 let settings: GatewaySettings;
 let initial: GatewayConfig;
 try {
   settings = loadSettings();
-  initial = loadConfigFile(settings.configFile, settings.redisKeyPrefix);
+  initial = loadConfigFile(settings.configFile, settings.redisKeyPrefix, 'GATEWAY_CONFIG');
   if (settings.workers > 1 && !settings.redisUrl) {
     throw new Error(
       `GATEWAY_WORKERS=${settings.workers} needs REDIS_URL: without Redis each worker keeps its own quotas, so every limit would be multiplied by ${settings.workers}`,
@@ -59,8 +61,8 @@ async function runSingle(settings: GatewaySettings, initial: GatewayConfig): Pro
     },
   });
 
-  const address = await app.listen({ port: settings.port, host: settings.host });
-  const adminAddress = await admin.listen({ port: settings.adminPort, host: settings.adminHost });
+  const address = await listenOrExit(app, settings.port, settings.host, PUBLIC);
+  const adminAddress = await listenOrExit(admin, settings.adminPort, settings.adminHost, ADMIN);
   const { environment } = initial;
   app.log.info({ address, admin: adminAddress, environment, backend: settings.backendUrl, store: redis ? 'redis' : 'memory' }, 'gateway ready');
 }

@@ -49,6 +49,33 @@ export function createLogger(level: string, pretty: boolean, onDrop: () => void,
 }
 
 /**
+ * Listens, or exits 1 with one line naming the setting to change: a port already in use or
+ * not allowed, an address this machine does not have. Never a stack.
+ */
+export async function listenOrExit(
+  app: FastifyInstance,
+  port: number,
+  host: string,
+  names: { port: string; host: string },
+): Promise<string> {
+  try {
+    return await app.listen({ port, host });
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code;
+    const [setting, why] =
+      code === 'EADDRINUSE'
+        ? [`${names.port}=${port}`, `${host}:${port} is already in use (is another one running?)`]
+        : code === 'EACCES'
+          ? [`${names.port}=${port}`, `not allowed to listen on port ${port} (ports below 1024 need privileges)`]
+          : code === 'EADDRNOTAVAIL' || code === 'ENOTFOUND'
+            ? [`${names.host}=${host}`, `not an address of this machine`]
+            : [`${names.host}:${names.port}=${host}:${port}`, (err as Error).message];
+    console.error(`${setting}: ${why}`);
+    process.exit(1);
+  }
+}
+
+/**
  * SIGTERM/SIGINT: `beforeClose` runs (stop watchers, turn readiness off), the listener closes
  * and in-flight requests finish; connections still busy after `graceMs` are cut. Then
  * `afterClose` releases the rest and the process exits: 0, or 1 if connections were cut. A

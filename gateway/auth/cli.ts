@@ -63,6 +63,8 @@ function edit(file: string, command: string | undefined, values: Options): void 
   if (command === 'create') {
     if (!values.plan) throw new UsageError('create needs --plan');
     const id = values.id ?? `${values.plan}-${randomBytes(3).toString('hex')}`;
+    // Said plainly: through the validator it would read as if the file were broken.
+    if (current.keys.some((k) => k.id === id)) throw new Error(`a key with id "${id}" is already in ${file}; choose another --id`);
     const perMinute = values['per-minute'];
     const perDay = values['per-day'];
     if ((perMinute === undefined) !== (perDay === undefined)) {

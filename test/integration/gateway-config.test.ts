@@ -130,7 +130,7 @@ describe('the keys command and hot reload', () => {
       [['create', '--plan', 'enterprise'], 1, /limits: required for the custom plan/],
       [['create', '--plan', 'free', '--per-minute', '5'], 2, /both --per-minute and --per-day/],
       [['create', '--plan', 'free', '--id', 'Bad Id'], 1, /keys\.\d+\.id: /],
-      [['create', '--plan', 'pro', '--id', 'taken'], 1, /duplicate id "taken"/],
+      [['create', '--plan', 'pro', '--id', 'taken'], 1, /^error: a key with id "taken" is already in .+; choose another --id\n$/],
       [['revoke', '--id', 'nobody'], 1, /no key with id "nobody"/],
       [['explode'], 2, /unknown command "explode"/],
     ];

@@ -1,0 +1,64 @@
+import { spawnSync } from 'node:child_process';
+import { createServer, type Server } from 'node:net';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+
+// What a user meets when a service cannot start: one line on stderr that names the setting
+// and the value, exit code 1, no stack.
+
+let busy: Server;
+let port: number;
+beforeAll(async () => {
+  busy = createServer();
+  await new Promise<void>((r) => busy.listen(0, '127.0.0.1', r));
+  port = (busy.address() as { port: number }).port;
+});
+afterAll(() => new Promise<void>((r) => busy.close(() => r())));
+
+function start(entry: string, env: Record<string, string>) {
+  const run = spawnSync(process.execPath, [entry], { env: { PATH: process.env.PATH ?? '', ...env }, encoding: 'utf8', timeout: 15_000 });
+  const lines = run.stderr.trim().split('\n').filter(Boolean);
+  return { status: run.status, lines };
+}
+
+describe('startup errors', () => {
+  it.each([
+    ['the gateway port', 'dist/gateway/server.js', () => ({ GATEWAY_PORT: String(port), ADMIN_PORT: '0' }), () => `GATEWAY_PORT=${port}: 127.0.0.1:${port} is already in use`],
+    ['the admin port', 'dist/gateway/server.js', () => ({ GATEWAY_PORT: '0', ADMIN_PORT: String(port) }), () => `ADMIN_PORT=${port}: 127.0.0.1:${port} is already in use`],
+    ['the backend port', 'dist/backend/server.js', () => ({ BACKEND_PORT: String(port), PETS_DB: ':memory:' }), () => `BACKEND_PORT=${port}: 127.0.0.1:${port} is already in use`],
+  ])('%s in use: one line naming the setting and its value', (_, entry, env, want) => {
+    const { status, lines } = start(entry, env());
+    expect(status).toBe(1);
+    expect(lines).toHaveLength(1);
+    expect(lines[0]).toContain(want());
+  });
+
+  it('a gateway address this machine does not have: names GATEWAY_HOST', () => {
+    const { status, lines } = start('dist/gateway/server.js', { GATEWAY_HOST: '192.0.2.1', GATEWAY_PORT: '0', ADMIN_PORT: '0' });
+    expect(status).toBe(1);
+    expect(lines).toEqual(['GATEWAY_HOST=192.0.2.1: not an address of this machine']);
+  });
+
+  it('a config file that is not there: names GATEWAY_CONFIG and what is wrong', () => {
+    const { status, lines } = start('dist/gateway/server.js', { GATEWAY_CONFIG: 'config/nope.yaml' });
+    expect(status).toBe(1);
+    expect(lines).toEqual(['GATEWAY_CONFIG=config/nope.yaml: cannot read it: no such file']);
+  });
+
+  it('a bad setting: names it and the values allowed', () => {
+    const { status, lines } = start('dist/gateway/server.js', { LOG_LEVEL: 'verbose' });
+    expect(status).toBe(1);
+    expect(lines).toEqual(['Invalid gateway settings:', '  LOG_LEVEL: expected one of fatal, error, warn, info, debug, trace, silent']);
+  });
+
+  it('two workers on a port in use: the worker says why and the whole gateway stops', () => {
+    const { status, lines } = start('dist/gateway/server.js', {
+      GATEWAY_WORKERS: '2',
+      REDIS_URL: process.env.REDIS_URL ?? '',
+      GATEWAY_PORT: String(port),
+      ADMIN_PORT: '0',
+    });
+    expect(status).toBe(1);
+    expect(lines.length).toBeGreaterThanOrEqual(1);
+    for (const line of lines) expect(line).toBe(`GATEWAY_PORT=${port}: 127.0.0.1:${port} is already in use (is another one running?)`);
+  });
+});
