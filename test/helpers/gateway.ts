@@ -89,7 +89,9 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   }
   const redisUrl = opts.redis === undefined ? inject('redisUrl') : opts.redis;
   // The production client and its options (lifecycle.ts), so the tests exercise them.
-  const redis = redisUrl ? connectRedis({ redisUrl, redisTimeoutMs: 250 }) : undefined;
+  // A second, not 250 ms: several in-process instances share this busy event loop, and a
+  // slow call would hand decisions to the per-process fallback (tests of that set their own).
+  const redis = redisUrl ? connectRedis({ redisUrl, redisTimeoutMs: opts.settings?.redisTimeoutMs ?? 1000 }) : undefined;
   if (redis) {
     closers.push(() => redis.disconnect());
     await eventually(() => redis.status === 'ready', 5000, 'Redis ready');

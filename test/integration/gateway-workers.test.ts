@@ -3,17 +3,16 @@ import { request } from 'node:http';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { echoBackend } from '../helpers/backends.js';
 import { call, makeKey, testConfig } from '../helpers/config.js';
-import { buildTestGateway } from '../helpers/gateway.js';
 import { startProcess } from '../helpers/processes.js';
-import { startStack } from '../helpers/stack.js';
+import { startGateway, startStack } from '../helpers/stack.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
 
 // GATEWAY_WORKERS=2: two worker processes on one port behind the cluster's primary.
 
-async function workersStack(keys: ReturnType<typeof makeKey>[]) {
+async function workersStack(keys: ReturnType<typeof makeKey>[], env: Record<string, string> = {}) {
   const echo = await echoBackend();
   onTestFinished(() => echo.close());
-  const stack = await startStack(testConfig(keys), { GATEWAY_WORKERS: '2', ADMIN_TOKEN: 'admin-token-0123456789' }, echo.url);
+  const stack = await startStack(testConfig(keys), { GATEWAY_WORKERS: '2', ADMIN_TOKEN: 'admin-token-0123456789', ...env }, echo.url);
   onTestFinished(() => stack.stop());
   return { echo, stack, gateway: stack.gateway };
 }
@@ -30,13 +29,14 @@ describe('GATEWAY_WORKERS', () => {
   it('never admits more than the limit across two workers and another instance, leases on, and sums their metrics', async () => {
     // 600 a minute: each instance takes leases of 6 units (1%), and may leave at most 5 unused.
     const keys = [0, 1, 2].map(() => ({ ...makeKey('enterprise'), limits: { perMinute: 600, perDay: 100000 } }));
-    const { stack, gateway } = await workersStack(keys);
-    // A third instance in this process, on the same Redis prefix and the same backend.
-    const other = await buildTestGateway({
-      config: testConfig(keys),
-      backend: stack.env.BACKEND_URL,
-      redisKeyPrefix: stack.env.REDIS_KEY_PREFIX,
-      settings: { quotaLeaseMax: 20 },
+    // A Redis that answers, whatever the load on this machine: a call slower than
+    // REDIS_TIMEOUT_MS would hand the decision to the per-process fallback, which is
+    // another rule (fail open) than the one under test here.
+    const healthy = { REDIS_TIMEOUT_MS: '5000' };
+    const { stack, gateway } = await workersStack(keys, healthy);
+    const other = await startGateway({ ...stack.env, ...healthy }); // a third instance: same Redis prefix, same backend
+    onTestFinished(async () => {
+      await other.stop();
     });
     let attempt = 0;
     let admittedInAll = 0; // over every run, a discarded one included: the metrics count them all
@@ -53,12 +53,13 @@ describe('GATEWAY_WORKERS', () => {
       },
       () => void attempt++,
     );
+    for (const g of [gateway, other]) expect(g.logs.filter((l) => String(l.msg).startsWith('quota store: Redis failed'))).toEqual([]);
     expect(servedBy(gateway.logs).size).toBe(2); // both workers took requests
     // The admin port answers once for the cluster: every worker's counts, summed.
     const count = (text: string, status: number) =>
       Number(new RegExp(`^gateway_requests_total\\{route="listPets",status="${status}",plan="enterprise"\\} (\\d+)$`, 'm').exec(text)?.[1] ?? 0);
     const cluster = await (await fetch(`${gateway.adminUrl}/metrics`)).text();
-    const own = await other.gateway.metrics.text();
+    const own = await (await fetch(`${other.adminUrl}/metrics`)).text();
     // Two of every three requests went to the workers.
     expect(count(cluster, 200) + count(cluster, 429)).toBe(1200 * (attempt + 1));
     expect(count(cluster, 200) + count(own, 200)).toBe(admittedInAll);
