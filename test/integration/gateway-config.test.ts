@@ -12,13 +12,8 @@ import { eventually, inOneMinute, sleep } from '../helpers/time.js';
 
 const run = promisify(execFile);
 
-/** The compiled entry behind `npm run keys`, read from package.json so the test follows the script. */
-const KEYS_CLI = (() => {
-  const script = String(JSON.parse(readFileSync('package.json', 'utf8')).scripts?.keys);
-  const entry = /^node (\S+)$/.exec(script)?.[1];
-  if (!entry) throw new Error(`package.json scripts.keys is not "node <entry>": ${script}`);
-  return entry;
-})();
+/** The compiled keys command, as the images run it (README, compose). */
+const KEYS_CLI = 'dist/gateway/auth/cli.js';
 
 /** The keys command as a user runs it. */
 async function keys(...args: string[]): Promise<{ stdout: string; stderr: string; code: number }> {
@@ -145,6 +140,19 @@ describe('the keys command and hot reload', () => {
 });
 
 describe('the keys command on its own', () => {
+  it('runs as `npm run keys` without a build: the command package.json gives', async () => {
+    const { dir, cleanup } = tempDir();
+    const file = join(dir, 'gateway.yaml');
+    const k = makeKey('free');
+    writeConfig(file, testConfig([k]));
+    const [node, ...args] = String(JSON.parse(readFileSync('package.json', 'utf8')).scripts.keys).split(' ');
+    expect(node).toBe('node');
+    expect(JSON.parse(readFileSync('package.json', 'utf8')).scripts.prekeys).toBeUndefined(); // no rebuild first
+    const { stdout } = await run(process.execPath, [...args, 'list', '--config', file]);
+    expect(stdout).toMatch(new RegExp(`^${k.id}\\s+free\\s+5/min 1000/day\\s+active`, 'm'));
+    cleanup();
+  });
+
   it('keeps a JSON config JSON, and ten concurrent creates all land', async () => {
     const { dir, cleanup } = tempDir();
     try {
