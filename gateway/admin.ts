@@ -23,6 +23,15 @@ export interface AdminDeps {
 
 const digest = (s: string) => createHash('sha256').update(s).digest();
 
+/** Why Redis is not usable, in an operator's words rather than the client library's. */
+async function redisProblems(redis: Redis): Promise<string[]> {
+  if (redis.status !== 'ready') return [`redis: not connected (${redis.status}); the gateway keeps trying`];
+  return redis.ping().then(
+    () => [],
+    (err: Error) => [/timed out/i.test(err.message) ? 'redis: connected but not answering in time' : `redis: ${err.message}`],
+  );
+}
+
 /**
  * The admin surface, on its own port and never on the public one: health, readiness,
  * Prometheus metrics, and a key's usage (behind ADMIN_TOKEN).
@@ -47,7 +56,7 @@ export async function buildAdmin(deps: AdminDeps): Promise<FastifyInstance> {
     if (deps.closing()) problems.push('shutting down');
     problems.push(...(deps.problems?.() ?? []));
     if (deps.redis) {
-      await deps.redis.ping().catch((err: Error) => problems.push(`redis: ${err.message}`));
+      problems.push(...(await redisProblems(deps.redis)));
     }
     await fetch(`${deps.backendUrl}/healthz`, { signal: AbortSignal.timeout(1000) }).then(
       (res) => {

@@ -210,7 +210,7 @@ describe('a frozen Redis', () => {
       expect(await metrics(gw)).toMatch(/^gateway_quota_store_degraded 1$/m);
       const ready = await admin(gw, '/readyz');
       expect(ready.status).toBe(503);
-      expect((await ready.json()).message).toMatch(/redis/);
+      expect((await ready.json()).message).toBe('Not ready: redis: connected but not answering in time');
     } finally {
       redis.proc.kill('SIGCONT');
     }
@@ -229,5 +229,14 @@ describe('a frozen Redis', () => {
       check.disconnect();
     }
     expect((await admin(gw, '/readyz')).status).toBe(200);
+  });
+
+  it('says in plain words when Redis is gone', async () => {
+    const redis = await spawnRedis();
+    const gw = await build([makeKey('free')], { redis: redis.url });
+    redis.stop();
+    await eventually(async () => (await admin(gw, '/readyz')).status === 503, 5000, 'not ready');
+    const { message } = await (await admin(gw, '/readyz')).json();
+    expect(message).toMatch(/^Not ready: redis: not connected \((connecting|reconnecting|connect|close|end)\); the gateway keeps trying$/);
   });
 });
