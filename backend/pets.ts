@@ -75,7 +75,7 @@ export const petRoutes: FastifyPluginAsyncTypebox<{ store: PetStore }> = async (
     async (request, reply) => {
       const name = request.body.name.trim();
       if ([...name].length > NAME_MAX) {
-        throw new BackendError('validation_failed', `body/name must be at most ${NAME_MAX} characters after trimming`);
+        throw new BackendError('validation_failed', `body.name: must be at most ${NAME_MAX} characters after trimming`);
       }
       const pet = { name, categoryId: request.body.categoryId, status: request.body.status ?? 'available' };
       const create = (): IdempotentAnswer => {

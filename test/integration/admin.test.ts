@@ -32,6 +32,10 @@ describe('admin port', () => {
   it('answers health and readiness', async () => {
     const gw = await build([]);
     expect(await (await admin(gw, '/healthz')).json()).toEqual({ status: 'ok' });
+    // One access line per admin request too, not fastify's "incoming request" / "request completed" pair.
+    const line = await gw.waitForLog((l) => l.msg === 'admin request' && l.url === '/healthz');
+    expect(line).toMatchObject({ method: 'GET', status: 200, ms: expect.any(Number) });
+    expect(gw.logs.filter((l) => l.msg === 'incoming request' || l.msg === 'request completed')).toEqual([]);
     const ready = await admin(gw, '/readyz');
     expect(ready.status).toBe(200);
     expect(await ready.json()).toEqual({ status: 'ready', store: 'redis' });

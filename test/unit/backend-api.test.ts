@@ -116,7 +116,10 @@ describe('POST /v1/pets', () => {
 
   it('counts the name length after trimming', async () => {
     expect((await post({ name: ` ${'a'.repeat(200)} `, categoryId: 1 })).statusCode).toBe(201);
-    expectError(await post({ name: 'a'.repeat(201), categoryId: 1 }), 400, 'validation_failed');
+    const tooLong = expectError(await post({ name: 'a'.repeat(201), categoryId: 1 }), 400, 'validation_failed');
+    // Named the way the schema's own messages name a field: body.<field>: <what is wrong>.
+    expect(tooLong.message).toBe('body.name: must be at most 200 characters after trimming');
+    expect(expectError(await post({ name: 'a', categoryId: 'x' }), 400, 'validation_failed').message).toMatch(/^body\.categoryId: /);
   });
 
   it.each([
