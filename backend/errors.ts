@@ -90,6 +90,8 @@ export function methodNotAllowed(app: FastifyInstance, url: string, allowed: str
   app.route({
     method: others,
     url,
+    // Not an operation: kept out of the OpenAPI document, where a client generator would call it.
+    schema: { hide: true },
     // onRequest, so a refused method never has its body parsed.
     onRequest: async () => {
       throw new BackendError('method_not_allowed', `Method not allowed; use ${allow.join(', ')}`, {

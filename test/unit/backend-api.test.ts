@@ -277,6 +277,11 @@ describe('OpenAPI', () => {
     expect(doc.paths['/v1/pets'].post.operationId).toBe('createPet');
     expect(doc.paths['/v1/pets/{petId}'].get.deprecated).toBe(true);
     expect(doc.paths['/v1/store/orders'].get.operationId).toBe('listOrders');
+    // Only the operations that exist: the 405 answers for other methods are not operations.
+    const operations = Object.entries(doc.paths as Record<string, Record<string, unknown>>).flatMap(([path, ops]) =>
+      Object.keys(ops).map((method) => `${method.toUpperCase()} ${path}`),
+    );
+    expect(operations.sort()).toEqual(['GET /v1/pets', 'GET /v1/pets/{petId}', 'GET /v1/store/orders', 'POST /v1/pets']);
     const newPet = doc.paths['/v1/pets'].post.requestBody.content['application/json'].schema;
     expect(newPet.properties.status.default).toBe('available');
   });
