@@ -124,10 +124,7 @@ export class RedisQuotaStore implements QuotaStore {
     } finally {
       this.observe((performance.now() - started) / 1000);
     }
-    if (this.retryAt !== 0) {
-      this.retryAt = 0;
-      this.log.info('quota store: Redis answers again');
-    }
+    this.recovered();
     const [index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = 1] = reply;
     const outcome = OUTCOMES[index]!;
     this.offsetMs = nowMs - local;
@@ -143,8 +140,31 @@ export class RedisQuotaStore implements QuotaStore {
   }
 
   private failed(err: unknown, local: number): void {
-    if (this.retryAt === 0) this.log.warn({ err }, 'quota store: Redis failed; limits are per process until it answers');
+    if (this.retryAt === 0) {
+      this.log.warn({ err }, 'quota store: Redis failed; limits are per process until it answers');
+      this.probe();
+    }
     this.retryAt = local + RETRY_REDIS_AFTER_MS;
+  }
+
+  /**
+   * While degraded, asks Redis every second whether it answers, traffic or not, so the
+   * degraded gauge and the usage lookup come back with Redis, not with the next request.
+   */
+  private probe(): void {
+    const timer = setTimeout(() => {
+      this.redis.ping().then(
+        () => this.recovered(),
+        () => this.degraded && this.probe(),
+      );
+    }, RETRY_REDIS_AFTER_MS);
+    timer.unref(); // never what keeps a stopping process alive
+  }
+
+  private recovered(): void {
+    if (this.retryAt === 0) return;
+    this.retryAt = 0;
+    this.log.info('quota store: Redis answers again');
   }
 
   /** One MULTI: Redis time, the counters and the recent 429s, read together. */

@@ -235,6 +235,28 @@ describe('a frozen Redis', () => {
     expect((await admin(gw, '/readyz')).status).toBe(200);
   });
 
+  it('clears the degraded state within 2 s of Redis answering again, with no request in between', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const k = makeKey('free');
+    const gw = await build([k], { redis: redis.url });
+    redis.proc.kill('SIGSTOP');
+    try {
+      expect((await gw.call('/v1/pets', k.key)).status).toBe(200); // decided in-process: Redis does not answer
+      await gw.waitForLog((l) => String(l.msg).startsWith('quota store: Redis failed'));
+      expect(await metrics(gw)).toMatch(/^gateway_quota_store_degraded 1$/m);
+    } finally {
+      redis.proc.kill('SIGCONT');
+    }
+    const answered = Date.now();
+    const requests = gw.echo!.seen.length;
+    await eventually(async () => /^gateway_quota_store_degraded 0$/m.test(await metrics(gw)), 2500, 'degraded back to 0');
+    expect(Date.now() - answered).toBeLessThan(2500);
+    expect((await usage(gw, k.id)).store).toBe('redis');
+    expect(gw.echo!.seen.length).toBe(requests); // no API request helped it
+    expect(gw.logs.some((l) => l.msg === 'quota store: Redis answers again')).toBe(true);
+  });
+
   it('says in plain words when Redis is gone', async () => {
     const redis = await spawnRedis();
     const gw = await build([makeKey('free')], { redis: redis.url });
