@@ -42,6 +42,7 @@ export class RedisQuotaStore implements QuotaStore {
   private retryAt = 0;
   private readonly fallback = new MemoryQuotaStore();
   private readonly leases = new Map<string, Lease>();
+  private lastSweep = 0;
   /** Per subject, the lease request in flight: resolves with its outcome. */
   private readonly pending = new Map<string, Promise<Decision['outcome'] | undefined>>();
 
@@ -82,6 +83,7 @@ export class RedisQuotaStore implements QuotaStore {
         this.leases.delete(subject.name);
       }
       if (this.retryAt > local) return this.fallback.consume(subject);
+      this.sweepLeases();
       const size = leaseSize(subject.limits, this.leaseMax);
       if (size === 1 || solo) return this.ask(subject, size, local);
       // One lease request per subject in flight: concurrent requests wait for the lease it
@@ -100,6 +102,19 @@ export class RedisQuotaStore implements QuotaStore {
       void done.then(() => this.pending.delete(subject.name)); // before the waiters resume
       return call;
     }
+  }
+
+  /** How many leases it holds (for tests of the sweep). */
+  get leasesHeld(): number {
+    return this.leases.size;
+  }
+
+  /** Forgets leases whose minute is over, at most once a minute: keys (or addresses) that stopped sending. */
+  private sweepLeases(): void {
+    const now = performance.now();
+    if (now - this.lastSweep < MINUTE_MS) return;
+    this.lastSweep = now;
+    for (const [name, lease] of this.leases) if (lease.until <= now) this.leases.delete(name);
   }
 
   /** One call of quota.lua: the decision, and the lease or ban it brings. */

@@ -318,4 +318,20 @@ describe('redis store with leases', () => {
       }
     });
   });
+
+  it('forgets the leases of subjects that stopped sending, once their minute is over', async () => {
+    const store = leased();
+    await store.consume(subject(1000, 100000, false));
+    expect(store.leasesHeld).toBe(1);
+    const realNow = performance.now();
+    vi.useFakeTimers({ toFake: ['performance'] });
+    try {
+      // Past any lease's minute and the sweep's pace, wherever the fake clock starts.
+      vi.advanceTimersByTime(realNow + 61_000);
+      await store.consume(subject(5, 100, false)); // another subject: no lease of its own
+      expect(store.leasesHeld).toBe(0);
+    } finally {
+      vi.useRealTimers();
+    }
+  });
 });
