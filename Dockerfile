@@ -4,7 +4,9 @@
 
 FROM node:20-bookworm-slim AS build
 WORKDIR /app
-# better-sqlite3 compiles from source when no prebuilt binary can be fetched.
+# better-sqlite3 compiles from source when no prebuilt binary can be fetched; node-gyp then
+# uses the headers the image already has instead of downloading them (offline, proxied builds).
+ENV npm_config_nodedir=/usr/local
 RUN apt-get update && apt-get install -y --no-install-recommends python3 make g++ && rm -rf /var/lib/apt/lists/*
 COPY package.json package-lock.json ./
 RUN npm ci --no-audit --no-fund
