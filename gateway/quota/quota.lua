@@ -2,7 +2,8 @@
 -- KEYS[1]: the subject's counters (hash); KEYS[2]: times of its recent 429s (list).
 -- Both share one hash tag, so they live in one Redis Cluster slot.
 -- ARGV: perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs,
--- lease (units an admitted request may take at once: 1, or more for a lease).
+-- lease (units an admitted request may take at once: 1, or more for a lease), and the unused
+-- units of this instance's last lease with that lease's minute and day starts, given back.
 -- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken}; outcome is an index into
 -- OUTCOMES in decision.ts: 0 allowed, 1 minute, 2 day, 3 banned. Time is Redis's own, so
 -- skewed gateways agree.
@@ -18,6 +19,14 @@ local ds = now - now % 86400000
 local mc = (tonumber(h[1]) == ms) and tonumber(h[2]) or 0
 local dc = (tonumber(h[3]) == ds) and tonumber(h[4]) or 0
 local ban = tonumber(h[5]) or 0
+-- Units leased earlier and never handed out leave the windows they were counted in.
+local back = tonumber(ARGV[7]) or 0
+if back > 0 then
+  local changed = false
+  if tonumber(ARGV[9]) == ds and dc >= back then dc = dc - back changed = true end
+  if tonumber(ARGV[8]) == ms and mc >= back then mc = mc - back changed = true end
+  if changed then redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc) end
+end
 -- A request during a ban neither counts nor extends it; the counts still tell whether
 -- a window stays closed past the ban's end.
 if ban > now then return {3, mc, dc, now, ban} end

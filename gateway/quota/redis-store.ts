@@ -20,6 +20,8 @@ interface Lease {
   until: number;
   /** The Redis minute's end, and the counts Redis held after the lease: what headers report. */
   windowEndMs: number;
+  /** The lease's day start, so unused units can be given back to that day. */
+  dayStartMs: number;
   minuteUsed: number;
   dayUsed: number;
 }
@@ -43,8 +45,11 @@ export class RedisQuotaStore implements QuotaStore {
   private readonly fallback = new MemoryQuotaStore();
   private readonly leases = new Map<string, Lease>();
   private lastSweep = 0;
-  /** Per subject, the lease request in flight: resolves with its outcome. */
-  private readonly pending = new Map<string, Promise<Decision['outcome'] | undefined>>();
+  private probing = false;
+  /** Per subject, the lease request in flight: resolves with whether it brought a lease. */
+  private readonly pending = new Map<string, Promise<boolean>>();
+  /** Per subject, an expired lease's unused units, given back to Redis with the next call. */
+  private readonly unused = new Map<string, Lease>();
 
   constructor(
     redis: Redis,
@@ -81,23 +86,22 @@ export class RedisQuotaStore implements QuotaStore {
           return decision(subject.limits, { outcome: 'allowed', minuteUsed: lease.minuteUsed, dayUsed: lease.dayUsed, nowMs: now, banUntilMs: 0 });
         }
         this.leases.delete(subject.name);
+        if (lease.left > 0) this.unused.set(subject.name, lease); // given back by the next call
       }
       if (this.retryAt > local) return this.fallback.consume(subject);
       this.sweepLeases();
       const size = leaseSize(subject.limits, this.leaseMax);
-      if (size === 1 || solo) return this.ask(subject, size, local);
+      if (size === 1 || solo) return this.ask(subject, solo ? 1 : size, local);
       // One lease request per subject in flight: concurrent requests wait for the lease it
       // brings instead of each taking one, which would reserve many times what they use.
       const pending = this.pending.get(subject.name);
       if (pending) {
-        solo = (await pending) !== 'allowed';
+        // No lease came (refused, or too near the limit to lease): ask alone, for one unit.
+        solo = !(await pending);
         continue;
       }
       const call = this.ask(subject, size, local);
-      const done = call.then(
-        (d) => d.outcome,
-        () => undefined,
-      );
+      const done = call.then(() => this.leases.has(subject.name));
       this.pending.set(subject.name, done);
       void done.then(() => this.pending.delete(subject.name)); // before the waiters resume
       return call;
@@ -109,18 +113,22 @@ export class RedisQuotaStore implements QuotaStore {
     return this.leases.size;
   }
 
-  /** Forgets leases whose minute is over, at most once a minute: keys (or addresses) that stopped sending. */
+  /** Forgets leases over for a minute, at most once a minute: keys (or addresses) that stopped sending. */
   private sweepLeases(): void {
     const now = performance.now();
     if (now - this.lastSweep < MINUTE_MS) return;
     this.lastSweep = now;
-    for (const [name, lease] of this.leases) if (lease.until <= now) this.leases.delete(name);
+    // A minute's grace, so a subject that sends every minute or two still gives its units back;
+    // one that stopped sending keeps them counted: at most lease - 1, once.
+    for (const [name, lease] of this.leases) if (lease.until <= now - MINUTE_MS) this.leases.delete(name);
   }
 
   /** One call of quota.lua: the decision, and the lease or ban it brings. */
   private async ask(subject: QuotaSubject, lease: number, local: number): Promise<Decision> {
     const { limits, bans } = subject;
     let reply: Reply;
+    const back = this.unused.get(subject.name);
+    this.unused.delete(subject.name); // if the call fails they stay counted: the safe side
     const started = performance.now();
     try {
       reply = await this.redis.quota(
@@ -132,6 +140,9 @@ export class RedisQuotaStore implements QuotaStore {
         bans?.withinMs ?? 0,
         bans?.durationMs ?? 0,
         lease,
+        back?.left ?? 0,
+        back ? back.windowEndMs - MINUTE_MS : 0,
+        back?.dayStartMs ?? 0,
       );
     } catch (err) {
       this.failed(err, local);
@@ -146,7 +157,8 @@ export class RedisQuotaStore implements QuotaStore {
     if (taken > 1) {
       // Timed from before the call, so the lease ends no later than its Redis minute does.
       const windowEndMs = windowStart(nowMs, MINUTE_MS) + MINUTE_MS;
-      this.leases.set(subject.name, { left: taken - 1, until: started + windowEndMs - nowMs, windowEndMs, minuteUsed, dayUsed });
+      const until = started + windowEndMs - nowMs;
+      this.leases.set(subject.name, { left: taken - 1, until, windowEndMs, dayStartMs: windowStart(nowMs, DAY_MS), minuteUsed, dayUsed });
     }
     if (outcome === 'banned') {
       this.bans.set(subject.name, { ms: windowStart(nowMs, MINUTE_MS), mc: minuteUsed, ds: windowStart(nowMs, DAY_MS), dc: dayUsed, ban: banUntilMs });
@@ -167,7 +179,10 @@ export class RedisQuotaStore implements QuotaStore {
    * degraded gauge and the usage lookup come back with Redis, not with the next request.
    */
   private probe(): void {
+    if (this.probing) return;
+    this.probing = true;
     const timer = setTimeout(() => {
+      this.probing = false;
       this.redis.ping().then(
         () => this.recovered(),
         () => this.degraded && this.probe(),

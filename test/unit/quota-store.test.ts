@@ -319,15 +319,64 @@ describe('redis store with leases', () => {
     });
   });
 
-  it('forgets the leases of subjects that stopped sending, once their minute is over', async () => {
+  it('gives the unused units of an expired lease back to the day, with the next call', async () => {
+    const store = leased();
+    const s = subject(1000, 100000, false); // leases of 10
+    await store.consume(s); // one unit used, nine held
+    expect(Number(await redis.hget(s.name, 'dc'))).toBe(10);
+    const realNow = performance.now();
+    vi.useFakeTimers({ toFake: ['performance'] });
+    try {
+      vi.advanceTimersByTime(realNow + 61_000); // the lease's minute is over, for this instance
+      await store.consume(s); // gives the nine back, then takes a new lease of 10
+    } finally {
+      vi.useRealTimers();
+    }
+    expect(Number(await redis.hget(s.name, 'dc'))).toBe(11); // 1 + 10, not 10 + 10
+  });
+
+  it('does not queue requests behind each other when no lease comes', async () => {
+    await inOneMinute(async () => {
+      const client = new Redis(inject('redisUrl'));
+      try {
+        const store = leased(client);
+        // Count the script calls in flight at once, on the real client.
+        const calls = client as unknown as { quota: (...a: unknown[]) => Promise<unknown> };
+        const quota = calls.quota.bind(client);
+        let inFlight = 0;
+        let most = 0;
+        calls.quota = async (...a) => {
+          most = Math.max(most, ++inFlight);
+          try {
+            return await quota(...a);
+          } finally {
+            inFlight--;
+          }
+        };
+        const s = subject(1000, 100000, false);
+        const [sec] = await redis.time();
+        await redis.hset(s.name, 'ms', Number(sec) * 1000 - ((Number(sec) * 1000) % MINUTE_MS), 'mc', 985);
+        // 15 of room, less than two leases: the first call brings no lease, and the others then
+        // ask together, one unit each, instead of one after the other.
+        const results = await Promise.all(Array.from({ length: 20 }, () => store.consume(s)));
+        expect(results.filter((d) => d.outcome === 'allowed')).toHaveLength(15);
+        expect(await counted(s)).toBe(1000);
+        expect(most).toBeGreaterThan(1);
+      } finally {
+        await client.quit();
+      }
+    });
+  });
+
+  it('forgets the leases of subjects that stopped sending, a minute after theirs is over', async () => {
     const store = leased();
     await store.consume(subject(1000, 100000, false));
     expect(store.leasesHeld).toBe(1);
     const realNow = performance.now();
     vi.useFakeTimers({ toFake: ['performance'] });
     try {
-      // Past any lease's minute and the sweep's pace, wherever the fake clock starts.
-      vi.advanceTimersByTime(realNow + 61_000);
+      // Past any lease's minute and its minute of grace, wherever the fake clock starts.
+      vi.advanceTimersByTime(realNow + 121_000);
       await store.consume(subject(5, 100, false)); // another subject: no lease of its own
       expect(store.leasesHeld).toBe(0);
     } finally {
