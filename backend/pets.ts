@@ -1,5 +1,5 @@
 import { createHash } from 'node:crypto';
-import { Type } from '@sinclair/typebox';
+import { type Static, Type } from '@sinclair/typebox';
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import { BackendError, ErrorBody, methodNotAllowed } from './errors.js';
 import { decodeCursor, page } from './paging.js';
@@ -39,6 +39,33 @@ function fingerprint(value: unknown): string {
 
 const errors = { 400: ErrorBody, 401: ErrorBody, 429: ErrorBody };
 
+/**
+ * Adds the pet; with an Idempotency-Key (scoped per consumer), a retry with the same body
+ * gets the first answer back and another body is refused with 422.
+ */
+function createOnce(
+  store: PetStore,
+  body: Static<typeof NewPet>,
+  rawKey: string | undefined,
+  scope: string,
+): { answer: IdempotentAnswer; replayed: boolean } {
+  const name = body.name.trim();
+  if ([...name].length > NAME_MAX) {
+    throw new BackendError('validation_failed', `body.name: must be at most ${NAME_MAX} characters after trimming`);
+  }
+  const pet = { name, categoryId: body.categoryId, status: body.status ?? 'available' };
+  const create = (): IdempotentAnswer => {
+    const created = store.addPet(pet);
+    return { status: 201, body: JSON.stringify(created), location: `/v1/pets/${created.id}` };
+  };
+  if (rawKey === undefined) return { answer: create(), replayed: false };
+  const outcome = store.idempotent(scope, parseIdempotencyKey(rawKey), fingerprint(body), Date.now(), create);
+  if (outcome.kind === 'conflict') {
+    throw new BackendError('idempotency_key_reused', 'This Idempotency-Key was used with a different body');
+  }
+  return { answer: outcome.answer, replayed: outcome.kind === 'replay' };
+}
+
 export const petRoutes: FastifyPluginAsyncTypebox<{ store: PetStore }> = async (app, { store }) => {
   app.get(
     '/v1/pets',
@@ -73,28 +100,9 @@ export const petRoutes: FastifyPluginAsyncTypebox<{ store: PetStore }> = async (
       },
     },
     async (request, reply) => {
-      const name = request.body.name.trim();
-      if ([...name].length > NAME_MAX) {
-        throw new BackendError('validation_failed', `body.name: must be at most ${NAME_MAX} characters after trimming`);
-      }
-      const pet = { name, categoryId: request.body.categoryId, status: request.body.status ?? 'available' };
-      const create = (): IdempotentAnswer => {
-        const created = store.addPet(pet);
-        return { status: 201, body: JSON.stringify(created), location: `/v1/pets/${created.id}` };
-      };
-      const rawKey = request.headers['idempotency-key'];
-      let answer: IdempotentAnswer;
-      if (rawKey === undefined) {
-        answer = create();
-      } else {
-        const scope = String(request.headers['x-consumer-id'] ?? '');
-        const outcome = store.idempotent(scope, parseIdempotencyKey(rawKey), fingerprint(request.body), Date.now(), create);
-        if (outcome.kind === 'conflict') {
-          throw new BackendError('idempotency_key_reused', 'This Idempotency-Key was used with a different body');
-        }
-        if (outcome.kind === 'replay') reply.header('idempotent-replayed', 'true');
-        answer = outcome.answer;
-      }
+      const scope = String(request.headers['x-consumer-id'] ?? '');
+      const { answer, replayed } = createOnce(store, request.body, request.headers['idempotency-key'], scope);
+      if (replayed) reply.header('idempotent-replayed', 'true');
       if (answer.location) reply.header('location', answer.location);
       return reply.code(201).send(JSON.parse(answer.body) as Pet);
     },

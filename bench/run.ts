@@ -22,6 +22,9 @@ const ROOT = resolve(import.meta.dirname, '..');
 const SECONDS = Number(process.env.BENCH_SECONDS ?? 7);
 const ROUNDS = Number(process.env.BENCH_ROUNDS ?? 3);
 const CONNECTIONS = 50;
+// Another build of the gateway to measure, e.g. an earlier commit's dist/ in a git worktree,
+// so that before and after are measured in one sitting against the same references.
+const GATEWAY_ENTRY = resolve(ROOT, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js');
 const TICK_US = 1e6 / Number(execFileSync('getconf', ['CLK_TCK']).toString().trim() || 100);
 
 interface Variant {
@@ -191,7 +194,7 @@ async function main() {
     // The gateway as users run it: access line at info (to a file), metrics on.
     const gateway = async (name: string, env: Record<string, string>) => {
       const [port, adminPort] = [await freePort(), await freePort()];
-      const proc = await start(name, [node, 'dist/gateway/server.js'], {
+      const proc = await start(name, [node, GATEWAY_ENTRY], {
         BACKEND_URL: backendUrl, GATEWAY_CONFIG: file, LOG_LEVEL: 'info', GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), ...env,
       }, adminPort, dir);
       stops.push(() => proc.kill('SIGTERM'));
@@ -283,7 +286,7 @@ async function main() {
     mkdirSync(join(ROOT, 'bench/results'), { recursive: true });
     const commit = execFileSync('git', ['rev-parse', '--short', 'HEAD'], { cwd: ROOT }).toString().trim();
     const out = join(ROOT, 'bench/results', `${new Date().toISOString().replace(/[:.]/g, '-')}-${commit}.json`);
-    writeFileSync(out, `${JSON.stringify({ commit, at: new Date().toISOString(), seconds: SECONDS, rounds: ROUNDS, connections: CONNECTIONS, cores: cpus().length, fixedRate: rate, rows, samples: Object.fromEntries(samples) }, null, 2)}\n`);
+    writeFileSync(out, `${JSON.stringify({ commit, gateway: GATEWAY_ENTRY, at: new Date().toISOString(), seconds: SECONDS, rounds: ROUNDS, connections: CONNECTIONS, cores: cpus().length, fixedRate: rate, rows, samples: Object.fromEntries(samples) }, null, 2)}\n`);
     console.log(`results: ${out}`);
   } finally {
     for (const stop of stops.reverse()) await stop();

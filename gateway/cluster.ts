@@ -73,7 +73,7 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
       closing = true;
       stopWatching();
       log.info({ signal, workers: listening.size }, 'closing: draining every worker');
-      void drain(workers()).then(async (worst) => {
+      void drain(workers(), settings.shutdownGraceMs + 2000).then(async (worst) => {
         await admin.close();
         await redis.quit().catch(() => {});
         log.info({ cut: worst !== 0 }, worst === 0 ? 'closed' : 'closed; a worker cut busy connections');
@@ -86,16 +86,24 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
 
 const workers = () => Object.values(cluster.workers ?? {}).filter((w): w is Worker => w !== undefined);
 
-/** SIGTERM to every worker (each finishes its in-flight requests); resolves with the worst exit code. */
-function drain(list: Worker[]): Promise<number> {
+/**
+ * SIGTERM to every worker (each finishes its in-flight requests); resolves with the worst
+ * exit code. A worker still alive after `deadlineMs` (its own grace period plus a margin) is
+ * killed and counts as 1.
+ */
+function drain(list: Worker[], deadlineMs: number): Promise<number> {
+  const alive = list.filter((w) => !w.isDead());
   return new Promise((resolve) => {
     let worst = 0;
-    let left = list.length;
+    let left = alive.length;
     if (left === 0) resolve(0);
-    for (const w of list) {
+    const deadline = setTimeout(() => alive.forEach((w) => !w.isDead() && w.process.kill('SIGKILL')), deadlineMs);
+    for (const w of alive) {
       w.once('exit', (code) => {
         worst = Math.max(worst, code ?? 1);
-        if (--left === 0) resolve(worst);
+        if (--left > 0) return;
+        clearTimeout(deadline);
+        resolve(worst);
       });
       w.process.kill('SIGTERM');
     }

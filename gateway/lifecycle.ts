@@ -29,7 +29,7 @@ export function connectRedis(settings: Pick<GatewaySettings, 'redisUrl' | 'redis
 
 /** Waits up to 3 s for Redis, so the first requests are decided by it; says so if it is not there. */
 export async function awaitRedis(redis: Redis | undefined, log: FastifyBaseLogger): Promise<void> {
-  if (!redis) return;
+  if (!redis || redis.status === 'ready') return;
   await new Promise<void>((resolve) => {
     const timer = setTimeout(resolve, 3000);
     redis.once('ready', () => {
@@ -37,7 +37,7 @@ export async function awaitRedis(redis: Redis | undefined, log: FastifyBaseLogge
       resolve();
     });
   });
-  if (redis.status !== 'ready') log.warn('Redis is not ready yet; quotas are per process until it is');
+  if ((redis.status as string) !== 'ready') log.warn('Redis is not ready yet; quotas are per process until it is');
 }
 
 /** Loads the file again; a broken edit is refused with a log line and the old config stays. */

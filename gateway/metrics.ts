@@ -92,23 +92,23 @@ export class GatewayMetrics {
    * prom-client otherwise hashes the label object on every call, on the hot path.
    */
   request(route: string, status: number, plan: string, key: string | undefined, rejected?: RejectionReason): void {
-    const id = this.keyLabels ? `${route} ${status} ${plan} ${key ?? 'none'}` : `${route} ${status} ${plan}`;
-    let child = this.children.get(id);
-    if (!child) {
-      child = this.keyLabels ? this.requests.labels(route, String(status), plan, key ?? 'none') : this.requests.labels(route, String(status), plan);
-      this.children.set(id, child);
-    }
-    child.inc();
-    if (rejected) this.rejections.labels(rejected).inc();
+    const labels = this.keyLabels ? [route, String(status), plan, key ?? 'none'] : [route, String(status), plan];
+    bound(this.children, labels.join(' '), () => this.requests.labels(...labels)).inc();
+    if (rejected) bound(this.children, `rejected ${rejected}`, () => this.rejections.labels(rejected)).inc();
   }
 
   /** Time from sending to the backend to its response headers, for a route. */
   upstream(route: string, seconds: number): void {
-    let child = this.upstreamChildren.get(route);
-    if (!child) {
-      child = this.upstreamSeconds.labels(route);
-      this.upstreamChildren.set(route, child);
-    }
-    child.observe(seconds);
+    bound(this.upstreamChildren, route, () => this.upstreamSeconds.labels(route)).observe(seconds);
   }
+}
+
+/** The child kept under `id`, bound by `bind` the first time. */
+function bound<T>(children: Map<string, T>, id: string, bind: () => T): T {
+  let child = children.get(id);
+  if (!child) {
+    child = bind();
+    children.set(id, child);
+  }
+  return child;
 }

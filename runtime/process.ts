@@ -20,7 +20,7 @@ export function loggerOptions(level: string, pretty = false) {
 }
 
 /** How much log text may wait in memory for a slow stdout before lines are dropped (and counted). */
-export const LOG_BUFFER_BYTES = 16 * 1024 * 1024;
+const LOG_BUFFER_BYTES = 16 * 1024 * 1024;
 
 /**
  * stdout for the access log, written asynchronously: lines that arrive while a write is in
@@ -29,16 +29,10 @@ export const LOG_BUFFER_BYTES = 16 * 1024 * 1024;
  * included. A stdout that stops reading costs up to LOG_BUFFER_BYTES of memory, then lines
  * are dropped and `onDrop` is told, rather than stalling every request behind the log.
  */
-export function asyncStdout(onDrop: () => void) {
+function asyncStdout(onDrop: () => void) {
+  // pino itself flushes an asynchronous destination synchronously on exit (on-exit-leak-free).
   const dest = destination({ dest: 1, sync: false, maxLength: LOG_BUFFER_BYTES });
   dest.on('drop', onDrop);
-  process.once('exit', () => {
-    try {
-      dest.flushSync();
-    } catch {
-      // stdout already gone: nothing left to write to
-    }
-  });
   return dest;
 }
 

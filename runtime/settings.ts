@@ -6,10 +6,10 @@ import { Value } from '@sinclair/typebox/value';
 // settings type, the validation and the README table all come from one object.
 
 /** A setting read from the environment variable `env`. */
-export type EnvSchema = TSchema & { env: string };
+type EnvSchema = TSchema & { env: string };
 
 /** One of a closed list of words; the error names them all. */
-export function oneOf<const T extends string>(env: string, values: readonly T[], fallback: T) {
+function oneOf<const T extends string>(env: string, values: readonly T[], fallback: T) {
   return Type.Unsafe<T>(Type.Union(values.map((v) => Type.Literal(v)), { env, default: fallback }));
 }
 

@@ -10,14 +10,14 @@ export interface Admission {
   refusal?: GatewayError;
 }
 
-export const REFUSAL_CODES: Record<Refusal, GatewayErrorCode> = {
+const REFUSAL_CODES: Record<Refusal, GatewayErrorCode> = {
   minute: 'rate_limited',
   day: 'daily_quota_exceeded',
   banned: 'key_banned',
 };
 
 /** The 429 a decision calls for, if any. */
-export function refusal(d: Decision): GatewayError | undefined {
+function refusal(d: Decision): GatewayError | undefined {
   if (d.outcome === 'allowed') return undefined;
   const wait = retryAfterSeconds(d);
   const why =

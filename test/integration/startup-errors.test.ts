@@ -1,6 +1,6 @@
 import { spawnSync } from 'node:child_process';
 import { createServer, type Server } from 'node:net';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 
 // What a user meets when a service cannot start: one line on stderr that names the setting
 // and the value, exit code 1, no stack.
@@ -53,7 +53,7 @@ describe('startup errors', () => {
   it('two workers on a port in use: the worker says why and the whole gateway stops', () => {
     const { status, lines } = start('dist/gateway/server.js', {
       GATEWAY_WORKERS: '2',
-      REDIS_URL: process.env.REDIS_URL ?? '',
+      REDIS_URL: inject('redisUrl'),
       GATEWAY_PORT: String(port),
       ADMIN_PORT: '0',
     });
