@@ -46,9 +46,17 @@ export function errorBody(code: BackendErrorCode, message: string): ErrorBody {
   return { code, message, status: BACKEND_ERRORS[code] };
 }
 
+export const IDEMPOTENCY_KEY_MAX = 255;
+export const IDEMPOTENCY_KEY_RULE = `Idempotency-Key must be a quoted string or token of 1 to ${IDEMPOTENCY_KEY_MAX} characters`;
+
+/** Fields whose refusal has a code of its own instead of validation_failed (the field as validation.ts names it). */
+const FIELD_ERRORS: Record<string, () => BackendError> = {
+  'headers.idempotency-key': () => new BackendError('invalid_idempotency_key', IDEMPOTENCY_KEY_RULE),
+};
+
 /** Maps framework errors (validation, body parsing) onto the catalogue. */
-function fromFramework(err: FastifyError): BackendError {
-  if (err.validation) return new BackendError('validation_failed', err.message);
+function fromFramework(err: FastifyError & { field?: string }): BackendError {
+  if (err.validation) return FIELD_ERRORS[err.field ?? '']?.() ?? new BackendError('validation_failed', err.message);
   switch (err.code) {
     case 'FST_ERR_CTP_BODY_TOO_LARGE':
       return new BackendError('payload_too_large', 'Request body is larger than the limit');

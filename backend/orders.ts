@@ -14,7 +14,7 @@ export const orderRoutes: FastifyPluginAsyncTypebox<{ store: PetStore }> = async
         operationId: 'listOrders',
         summary: 'List store orders',
         querystring: ListOrdersQuery,
-        response: { 200: Type.Array(Order), 400: ErrorBody, 401: ErrorBody, 429: ErrorBody },
+        response: { 200: Type.Array(Order), 400: ErrorBody },
       },
     },
     async (request, reply) => {

@@ -1,7 +1,7 @@
 import { createHash } from 'node:crypto';
 import { type Static, Type } from '@sinclair/typebox';
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
-import { BackendError, ErrorBody, methodNotAllowed } from './errors.js';
+import { BackendError, ErrorBody, IDEMPOTENCY_KEY_MAX, IDEMPOTENCY_KEY_RULE, methodNotAllowed } from './errors.js';
 import { decodeCursor, page } from './paging.js';
 import { LIMIT_DEFAULT, ListPetsQuery, NAME_MAX, NewPet, Pet, PetParams } from './schemas.js';
 import type { IdempotentAnswer, PetStore } from './store.js';
@@ -10,17 +10,18 @@ import type { IdempotentAnswer, PetStore } from './store.js';
 // a bare token is accepted too, since many clients send one.
 const SF_STRING = /^"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"$/;
 const TOKEN = /^[A-Za-z0-9!#$%&'*+.^_`|~:/-]+$/;
-const KEY_MAX = 255;
 
+/** The header's schema: validation refuses anything else (400 invalid_idempotency_key), and the OpenAPI document says the same. */
+export const IdempotencyKey = Type.String({
+  pattern: `^(?:"(?:[\\x20\\x21\\x23-\\x5b\\x5d-\\x7e]|\\\\["\\\\]){1,${IDEMPOTENCY_KEY_MAX}}"|[A-Za-z0-9!#$%&'*+.^_\`|~:/-]{1,${IDEMPOTENCY_KEY_MAX}})$`,
+  description: `A quoted string ("order-42") or a token (order-42) of 1 to ${IDEMPOTENCY_KEY_MAX} characters; a retry with the same key and body gets the first answer back, with Idempotent-Replayed: true`,
+});
+
+/** The key inside the header value (the schema has already refused malformed ones). */
 export function parseIdempotencyKey(raw: string): string {
   const quoted = SF_STRING.exec(raw);
   const key = quoted ? (quoted[1] ?? '').replace(/\\(["\\])/g, '$1') : TOKEN.test(raw) ? raw : '';
-  if (key.length === 0 || key.length > KEY_MAX) {
-    throw new BackendError(
-      'invalid_idempotency_key',
-      `Idempotency-Key must be a quoted string or token of 1 to ${KEY_MAX} characters`,
-    );
-  }
+  if (key.length === 0 || key.length > IDEMPOTENCY_KEY_MAX) throw new BackendError('invalid_idempotency_key', IDEMPOTENCY_KEY_RULE);
   return key;
 }
 
@@ -37,7 +38,7 @@ function fingerprint(value: unknown): string {
   return createHash('sha256').update(JSON.stringify(canonical(value))).digest('hex');
 }
 
-const errors = { 400: ErrorBody, 401: ErrorBody, 429: ErrorBody };
+const errors = { 400: ErrorBody };
 
 /**
  * Adds the pet; with an Idempotency-Key (scoped per consumer), a retry with the same body
@@ -94,7 +95,7 @@ export const petRoutes: FastifyPluginAsyncTypebox<{ store: PetStore }> = async (
         operationId: 'createPet',
         summary: 'Add an animal',
         description: 'status defaults to `available`. With an Idempotency-Key, a retry replays the first answer.',
-        headers: Type.Object({ 'idempotency-key': Type.Optional(Type.String()) }),
+        headers: Type.Object({ 'idempotency-key': Type.Optional(IdempotencyKey) }),
         body: NewPet,
         response: { 201: Pet, ...errors, 422: ErrorBody },
       },

@@ -38,10 +38,7 @@ export const validatorCompiler: FastifySchemaCompiler<TSchema> = ({ schema, http
     if (check.Check(value)) return { value };
     const first = check.Errors(value).First();
     const where = first?.path ? first.path.slice(1).replaceAll('/', '.') : '';
-    return {
-      error: Object.assign(new Error(`${httpPart ?? 'request'}${where ? `.${where}` : ''}: ${describe(first)}`), {
-        validation: true,
-      }),
-    };
+    const field = `${httpPart ?? 'request'}${where ? `.${where}` : ''}`;
+    return { error: Object.assign(new Error(`${field}: ${describe(first)}`), { validation: true, field }) };
   };
 };

@@ -7,6 +7,7 @@ import type { GatewayConfig } from './config.js';
 import { handleError } from './errors.js';
 import { clientErrorHandler, installRawHandlers, type RawDeps, requestId } from './http-errors.js';
 import { GatewayMetrics } from './metrics.js';
+import { documentServer, OPENAPI_PATH } from './openapi.js';
 import { requestPipeline } from './pipeline.js';
 import { registerProxy } from './proxy.js';
 import { admit } from './quota/admit.js';
@@ -37,7 +38,7 @@ type AppSettings = Pick<
   'backendUrl' | 'bodyLimit' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds' | 'quotaLeaseMax'
 >;
 
-/** Wiring only: logger, metrics, store, then the request pipeline in order and the proxy. Never listens. */
+/** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */
 export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Promise<Gateway> {
   let config = deps.config;
   const current = () => config;
@@ -73,6 +74,8 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   app.setErrorHandler(handleError);
   app.addHook('onRequest', pipeline.onRequest);
   app.addHook('onResponse', access.onResponse);
+  const document = documentServer(settings.backendUrl, settings.upstreamTimeoutMs);
+  app.get(OPENAPI_PATH, async (request) => document(request.ctx.config));
   await registerProxy(app, {
     upstream: settings.backendUrl,
     bodyLimit: settings.bodyLimit,

@@ -7,7 +7,7 @@ import { GatewayError, handleError } from './errors.js';
 import { admit } from './quota/admit.js';
 import type { Outcome, QuotaSubject } from './quota/decision.js';
 import type { QuotaStore } from './quota/store.js';
-import { matchRoute, type RouteId } from './routes.js';
+import { DOCUMENT_ROUTE, isDocumentPath, matchRoute, type RouteId } from './routes.js';
 
 declare module 'fastify' {
   interface FastifyRequest {
@@ -41,8 +41,8 @@ function missingHost(request: FastifyRequest): GatewayError | undefined {
 }
 
 /**
- * The request pipeline, in order: context, authentication (or the per-address quota),
- * route, deprecation headers, the key's quota, then the refusals. Every step that can
+ * The request pipeline, in order: context, the public document (per-address quota only),
+ * authentication (or the per-address quota), route, deprecation headers, the key's quota, then the refusals. Every step that can
  * refuse returns its GatewayError; this is the one place that throws them.
  */
 export function requestPipeline(
@@ -58,10 +58,22 @@ export function requestPipeline(
     return admission.refusal;
   }
 
+  /** The public document: the per-address quota instead of a key, and GET or HEAD only. */
+  async function publicDocument(request: FastifyRequest, reply: FastifyReply): Promise<void> {
+    request.ctx.route = DOCUMENT_ROUTE.id;
+    const refused = await admitRequest(request, reply, request.ctx.config.addressSubject(request.ip));
+    if (refused) throw refused;
+    if (request.method !== 'GET' && request.method !== 'HEAD') {
+      throw new GatewayError('method_not_allowed', `Method ${request.method} is not allowed here; use GET, HEAD`, { allow: 'GET, HEAD' });
+    }
+  }
+
   async function onRequest(request: FastifyRequest, reply: FastifyReply): Promise<void> {
     const ctx = begin(request, reply, config());
-    // Authentication first, for every path: a caller without a valid key learns nothing of routes.
-    const who = missingHost(request) ?? authenticate(request.headers.authorization, ctx.config);
+    const malformed = missingHost(request);
+    if (!malformed && isDocumentPath(request.url)) return publicDocument(request, reply);
+    // Authentication first, for every other path: a caller without a valid key learns nothing of routes.
+    const who = malformed ?? authenticate(request.headers.authorization, ctx.config);
     if (who instanceof GatewayError) {
       throw (await admitRequest(request, reply, ctx.config.addressSubject(request.ip))) ?? who;
     }

@@ -8,7 +8,14 @@ export const ROUTES = [
   { id: 'listOrders', method: 'GET', path: '/v1/store/orders' },
 ] as const;
 export type Route = (typeof ROUTES)[number];
-export type RouteId = Route['id'];
+/** The gateway's own public route: the API's OpenAPI document (openapi.ts), no key needed. */
+export const DOCUMENT_ROUTE = { id: 'openapi', method: 'GET', path: '/v1/openapi.json' } as const;
+export type RouteId = Route['id'] | typeof DOCUMENT_ROUTE.id;
+
+/** Is this request for the public document? Then it is served whatever key it carries, per address. */
+export function isDocumentPath(url: string): boolean {
+  return url.startsWith(DOCUMENT_ROUTE.path) && (url.length === DOCUMENT_ROUTE.path.length || url[DOCUMENT_ROUTE.path.length] === '?');
+}
 
 const PATHS = [...new Set(ROUTES.map((r) => r.path))].map((path) => ({
   path,

@@ -68,10 +68,10 @@ export async function echoBackend(): Promise<EchoBackend> {
 }
 
 /** The real pet backend (the same app the backend process runs), in this process on port 0, on a throwaway database. */
-export async function petsBackend(): Promise<{ url: string; app: FastifyInstance; store: PetStore; close: () => Promise<void> }> {
+export async function petsBackend(port = 0): Promise<{ url: string; app: FastifyInstance; store: PetStore; close: () => Promise<void> }> {
   const store = new PetStore(':memory:');
   const app = await buildBackend({ bodyLimit: 1024 * 1024, logLevel: 'silent' }, store);
-  const url = await app.listen({ port: 0, host: '127.0.0.1' });
+  const url = await app.listen({ port, host: '127.0.0.1' });
   return {
     url,
     app,

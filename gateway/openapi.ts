@@ -1,0 +1,202 @@
+import { ErrorBody } from '../backend/errors.js';
+import type { GatewayConfig } from './config.js';
+import type { Deprecation } from './deprecation.js';
+import { GatewayError } from './errors.js';
+import { DOCUMENT_ROUTE, ROUTES, type RouteId } from './routes.js';
+
+// The API's OpenAPI document as clients see it through the gateway, served to anyone at
+// GET /v1/openapi.json (it counts against the per-address limit). The backend's document stays
+// the single source of truth for operations, parameters and bodies; this adds what the gateway
+// does: only the operations it proxies, the bearer scheme, 401/429/502/504 with the Error body on
+// every operation, the rate-limit headers on every answer, Retry-After on a 429, and from the
+// config the deprecated operations' headers and their 410.
+
+export const OPENAPI_PATH = DOCUMENT_ROUTE.path;
+
+type Json = Record<string, unknown>;
+interface Response {
+  description: string;
+  headers?: Record<string, Json>;
+  content?: Json;
+}
+interface Operation {
+  operationId?: string;
+  deprecated?: boolean;
+  responses?: Record<string, Response>;
+  [field: string]: unknown;
+}
+export interface OpenApiDocument {
+  openapi: string;
+  info: { title: string; version: string; description?: string };
+  paths?: Record<string, Record<string, Operation>>;
+  components?: { schemas?: Json; [part: string]: unknown };
+  [field: string]: unknown;
+}
+
+const ref = (part: string, name: string) => ({ $ref: `#/components/${part}/${name}` });
+const integer = { type: 'integer', minimum: 0 };
+const text = { type: 'string' };
+
+/** Every header the API documents (headers.ts and deprecation.ts write most); `required`: on every such answer. */
+const HEADERS: Record<string, Json> = {
+  'X-Request-Id': { required: true, description: 'The request id: the client\'s when it is 1 to 128 of [A-Za-z0-9._:-], else a new UUID', schema: text },
+  'RateLimit-Policy': { required: true,
+    description: 'Both windows of the key (or of the client address without a key), IETF draft-ietf-httpapi-ratelimit-headers-10',
+    schema: text,
+    example: '"minute";q=60;w=60, "day";q=1000;w=86400',
+  },
+  RateLimit: { required: true,
+    description: 'Each window\'s state: r requests left, t seconds until it resets',
+    schema: text,
+    example: '"minute";r=59;t=20, "day";r=999;t=76400',
+  },
+  'X-RateLimit-Limit': { required: true, description: 'Limit of the window nearest exhaustion (on a 429, the violated one)', schema: integer },
+  'X-RateLimit-Remaining': { required: true, description: 'Requests left in that window (0 during a ban)', schema: integer },
+  'X-RateLimit-Reset': { required: true, description: 'Unix time (seconds) when that window resets, or when the ban ends', schema: integer },
+  'Retry-After': { required: true, description: 'Whole seconds until the blocking window resets or the ban ends', schema: { type: 'integer', minimum: 1 } },
+  'WWW-Authenticate': { required: true, description: 'Bearer', schema: text },
+  Deprecation: { required: true, description: 'RFC 9745: when the operation was deprecated (@ Unix seconds)', schema: text, example: '@1735689600' },
+  Sunset: { required: true, description: 'RFC 8594: when the operation stops answering (then 410 route_sunset)', schema: text },
+  'Link-Deprecation': { required: true, description: 'The successor (rel="successor-version"), and the documentation when configured', schema: text },
+  'Link-Next': { description: 'While more remain: the next page, <...>; rel="next"', schema: text },
+  Location: { required: true, description: 'The new pet\'s URL', schema: text },
+  'Idempotent-Replayed': { description: '"true" when the answer is the replay of an earlier request with the same Idempotency-Key', schema: text },
+};
+
+const EVERY_ANSWER = ['X-Request-Id', 'RateLimit-Policy', 'RateLimit', 'X-RateLimit-Limit', 'X-RateLimit-Remaining', 'X-RateLimit-Reset'];
+
+/** Headers the backend adds to one operation's answers, by status. */
+const BACKEND_HEADERS: Partial<Record<RouteId, Record<string, Record<string, string>>>> = {
+  listPets: { '200': { Link: 'Link-Next' } },
+  listOrders: { '200': { Link: 'Link-Next' } },
+  createPet: { '201': { Location: 'Location', 'Idempotent-Replayed': 'Idempotent-Replayed' } },
+};
+
+const DESCRIPTIONS: Record<string, string> = {
+  '200': 'OK',
+  '201': 'Created',
+  '400': 'The request breaks the schema: validation_failed, malformed_json, invalid_cursor, invalid_idempotency_key, or the gateway\'s bad_request / invalid_path',
+  '401': 'unauthorized: the key is missing, malformed, unknown, revoked or of the other environment',
+  '404': 'Not found',
+  '410': 'route_sunset: the operation is past its Sunset date',
+  '422': 'idempotency_key_reused: the same Idempotency-Key with another body',
+  '429': 'rate_limited (the minute is used up), daily_quota_exceeded (the day), or key_banned (the key kept sending after 429s)',
+  '502': 'bad_gateway: the backend could not be reached',
+  '504': 'gateway_timeout: the backend did not answer in time',
+};
+
+function errorResponse(status: string, extra: Record<string, Json> = {}): Response {
+  return {
+    description: DESCRIPTIONS[status] ?? 'Error',
+    headers: { ...extra },
+    content: { 'application/json': { schema: ref('schemas', 'Error') } },
+  };
+}
+
+/** One operation as the gateway serves it: the backend's, with the gateway's answers and headers. */
+function throughGateway(op: Operation, id: RouteId, deprecation: Deprecation | undefined): Operation {
+  const responses: Record<string, Response> = {};
+  for (const [status, r] of Object.entries(op.responses ?? {})) {
+    const error = Number(status) >= 400;
+    responses[status] = error
+      ? errorResponse(status)
+      : { ...r, description: r.description === 'Default Response' ? (DESCRIPTIONS[status] ?? r.description) : r.description, headers: {} };
+    for (const [name, component] of Object.entries(BACKEND_HEADERS[id]?.[status] ?? {})) responses[status]!.headers![name] = ref('headers', component);
+  }
+  responses['401'] = errorResponse('401', { 'WWW-Authenticate': ref('headers', 'WWW-Authenticate') });
+  responses['429'] = errorResponse('429', { 'Retry-After': ref('headers', 'Retry-After') });
+  responses['502'] = errorResponse('502');
+  responses['504'] = errorResponse('504');
+  if (deprecation) responses['410'] = errorResponse('410');
+  for (const [status, r] of Object.entries(responses)) {
+    for (const name of EVERY_ANSWER) r.headers![name] = ref('headers', name);
+    // A 401 says nothing of routes, their deprecation included.
+    if (deprecation && status !== '401') {
+      r.headers!.Deprecation = ref('headers', 'Deprecation');
+      r.headers!.Sunset = ref('headers', 'Sunset');
+      r.headers!.Link ??= ref('headers', 'Link-Deprecation');
+    }
+  }
+  return { ...op, ...(deprecation ? { deprecated: true } : {}), responses: Object.fromEntries(Object.entries(responses).sort()) };
+}
+
+/** The document operation itself: public, limited per client address. */
+function documentOperation(): Operation {
+  const responses: Record<string, Response> = {
+    '200': { description: 'This document', content: { 'application/json': { schema: { type: 'object' } } } },
+    '429': errorResponse('429', { 'Retry-After': ref('headers', 'Retry-After') }),
+    '502': errorResponse('502'),
+    '504': errorResponse('504'),
+  };
+  for (const r of Object.values(responses)) for (const name of EVERY_ANSWER) (r.headers ??= {})[name] = ref('headers', name);
+  return {
+    operationId: 'getOpenApiDocument',
+    summary: 'This OpenAPI document',
+    description: 'Public: no key needed. It counts against the per-address limit for requests without a key.',
+    security: [],
+    responses,
+  };
+}
+
+/** The gateway's document from the backend's: pure, so a test can check it against the running service. */
+export function gatewayDocument(backend: OpenApiDocument, deprecations: ReadonlyMap<RouteId, Deprecation>): OpenApiDocument {
+  const paths: Record<string, Record<string, Operation>> = {};
+  for (const route of ROUTES) {
+    const op = backend.paths?.[route.path]?.[route.method.toLowerCase()];
+    if (!op) continue; // not served by the backend: not documented
+    (paths[route.path] ??= {})[route.method.toLowerCase()] = throughGateway(op, route.id, deprecations.get(route.id));
+  }
+  paths[OPENAPI_PATH] = { get: documentOperation() };
+  return {
+    openapi: backend.openapi,
+    info: {
+      title: 'Pet Store API',
+      version: backend.info.version,
+      description: 'Every request goes through the gateway: send `Authorization: Bearer <key>`. Every answer carries the rate-limit headers.',
+    },
+    servers: [{ url: '/' }],
+    security: [{ apiKey: [] }],
+    paths,
+    components: {
+      ...backend.components,
+      schemas: { ...backend.components?.schemas, Error: ErrorBody },
+      securitySchemes: {
+        apiKey: { type: 'http', scheme: 'bearer', description: 'An API key: psk_live_… (production) or psk_test_… (staging)' },
+      },
+      headers: HEADERS,
+    },
+  };
+}
+
+/**
+ * Serves the document: the backend's is read once (again after a failure) and the gateway's is
+ * made once per config, since the deprecations come from it.
+ */
+export function documentServer(backendUrl: string, timeoutMs: number) {
+  let backend: Promise<OpenApiDocument> | undefined;
+  const made = new WeakMap<GatewayConfig, OpenApiDocument>();
+
+  async function fetchBackend(): Promise<OpenApiDocument> {
+    let res: globalThis.Response;
+    try {
+      res = await fetch(new URL(OPENAPI_PATH, backendUrl), { signal: AbortSignal.timeout(timeoutMs) });
+    } catch (err) {
+      if ((err as Error).name === 'TimeoutError') throw new GatewayError('gateway_timeout', 'The backend did not answer in time');
+      throw new GatewayError('bad_gateway', 'The backend could not be reached');
+    }
+    if (!res.ok) throw new GatewayError('bad_gateway', `The backend answered ${res.status} for its API document`);
+    return (await res.json()) as OpenApiDocument;
+  }
+
+  return async function document(config: GatewayConfig): Promise<OpenApiDocument> {
+    const cached = made.get(config);
+    if (cached) return cached;
+    backend ??= fetchBackend().catch((err: unknown) => {
+      backend = undefined;
+      throw err;
+    });
+    const doc = gatewayDocument(await backend, config.deprecations);
+    made.set(config, doc);
+    return doc;
+  };
+}
