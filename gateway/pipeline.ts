@@ -34,10 +34,25 @@ function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConf
   return request.ctx;
 }
 
-/** HTTP/1.1 requires Host (RFC 9112 §3.2). Node is told not to check, so the refusal is ours, in the Error shape. */
-function missingHost(request: FastifyRequest): GatewayError | undefined {
-  if (request.headers.host !== undefined || request.raw.httpVersion !== '1.1') return undefined;
-  return new GatewayError('bad_request', 'HTTP/1.1 requests need a Host header');
+/**
+ * What makes a request ambiguous before anything is decided: HTTP/1.1 without Host (RFC 9112
+ * §3.2; Node is told not to check, so the refusal is ours, in the Error shape), and a second
+ * Authorization (a singleton field, RFC 9110 §11.6.2: Node would keep the first silently).
+ */
+function malformed(request: FastifyRequest): GatewayError | undefined {
+  if (request.headers.host === undefined && request.raw.httpVersion === '1.1') {
+    return new GatewayError('bad_request', 'HTTP/1.1 requests need a Host header');
+  }
+  if (request.headers.authorization !== undefined && authorizationFields(request.raw.rawHeaders) > 1) {
+    return new GatewayError('bad_request', 'Authorization appears more than once');
+  }
+  return undefined;
+}
+
+function authorizationFields(raw: string[]): number {
+  let n = 0;
+  for (let i = 0; i < raw.length; i += 2) if (raw[i]!.length === 13 && raw[i]!.toLowerCase() === 'authorization') n++;
+  return n;
 }
 
 /**
@@ -70,10 +85,10 @@ export function requestPipeline(
 
   async function onRequest(request: FastifyRequest, reply: FastifyReply): Promise<void> {
     const ctx = begin(request, reply, config());
-    const malformed = missingHost(request);
-    if (!malformed && isDocumentPath(request.url)) return publicDocument(request, reply);
+    const bad = malformed(request);
+    if (!bad && isDocumentPath(request.url)) return publicDocument(request, reply);
     // Authentication first, for every other path: a caller without a valid key learns nothing of routes.
-    const who = malformed ?? authenticate(request.headers.authorization, ctx.config);
+    const who = bad ?? authenticate(request.headers.authorization, ctx.config);
     if (who instanceof GatewayError) {
       throw (await admitRequest(request, reply, ctx.config.addressSubject(request.ip))) ?? who;
     }

@@ -167,6 +167,12 @@ describe('headers on every status', () => {
     ['Content-Length with Transfer-Encoding', 'POST /v1/pets HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n', 400, 'bad_request'],
     ['oversized headers', `GET /v1/pets HTTP/1.1\r\nHost: x\r\nX-Big: ${'a'.repeat(20_000)}\r\n\r\n`, 431, 'headers_too_large'],
     ['a request line that is not HTTP', 'HELLO\r\n\r\n', 400, 'bad_request'],
+    [
+      'two Authorization fields, a valid key in each',
+      `GET /v1/pets HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${active.key}\r\nauthorization: Bearer ${active.key}\r\nConnection: close\r\n\r\n`,
+      400,
+      'bad_request',
+    ],
   ])('answers %s in the Error shape with the per-address headers', async (_, bytes, status, code) => {
     const res = parseRaw(await raw(bytes));
     expect(res.status).toBe(status);
