@@ -2,7 +2,7 @@
 # One file, two images: `--target backend` and `--target gateway`. Both run the same compiled
 # entries that `npm start` runs (stack.ts starts these two files), so tests cover what ships.
 
-FROM node:20-bookworm-slim AS build
+FROM node:24-trixie-slim AS build
 WORKDIR /app
 # better-sqlite3 compiles from source when no prebuilt binary can be fetched; node-gyp then
 # uses the headers the image already has instead of downloading them (offline, proxied builds).
@@ -16,7 +16,7 @@ COPY backend backend
 COPY gateway gateway
 RUN npm run build && npm prune --omit=dev
 
-FROM node:20-bookworm-slim AS runtime
+FROM node:24-trixie-slim AS runtime
 ENV NODE_ENV=production
 WORKDIR /app
 COPY --from=build /app/package.json ./

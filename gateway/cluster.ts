@@ -125,6 +125,9 @@ export async function runWorker(settings: GatewaySettings, initial: GatewayConfi
   // reaches the whole process group; taken here too, it would count as a second signal.
   process.on('SIGHUP', () => {});
   process.on('SIGINT', () => {});
+  // A primary that has already stopped (another worker could not start) makes talking to it
+  // fail with EPIPE: this worker has nothing left to serve, and the primary said why.
+  cluster.worker?.on('error', () => process.exit(1));
   stopOnSignals(app, settings.shutdownGraceMs, { afterClose: () => redis.quit().catch(() => {}) }, ['SIGTERM']);
   await awaitRedis(redis, app.log);
   await listenOrExit(app, settings.port, settings.host, { port: 'GATEWAY_PORT', host: 'GATEWAY_HOST' });

@@ -1,0 +1,345 @@
+// `npm run compose:smoke`: build both images, start the stack with compose, and do what the
+// README's operator section does, against whatever engine DOCKER_HOST (else
+// /var/run/docker.sock) reaches, through `docker compose` or `docker-compose`.
+//
+// Where no engine answers, it brings one up with the container shim (CONTAINERS_SHIM, else
+// ../shared/tools/containers/setup.sh beside the repo) and takes it down afterwards. If even that
+// cannot start an engine, the run is skipped (one line says why), never passed.
+//
+// It works in a scratch copy of the files git does not ignore, so the repo's config/ is never touched, under
+// its own compose project on free host ports, and removes its containers and volumes at the end.
+// One line per check; the last line is `compose smoke: N passed, N failed` (or `skipped: why`),
+// and the counts go to .compose-smoke-results.json for .ci/run.
+import { spawnSync, type SpawnSyncReturns } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { cpSync, existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { request } from 'node:http';
+import { createServer } from 'node:net';
+import { tmpdir } from 'node:os';
+import { dirname, join, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const ROOT = resolve(dirname(fileURLToPath(import.meta.url)), '..');
+const RESULTS = join(ROOT, '.compose-smoke-results.json');
+const MINUTES = 60_000;
+
+type Env = Record<string, string | undefined>;
+type Counts = { passed: number; failed: number; skipped: number };
+const counts: Counts = { passed: 0, failed: 0, skipped: 0 };
+
+class Skip extends Error {}
+class Failed extends Error {}
+
+function finish(code: number, line: string): never {
+  console.log(line);
+  writeFileSync(RESULTS, JSON.stringify(counts) + '\n');
+  process.exit(code);
+}
+
+// --------------------------------------------------------------------- commands and HTTP
+
+function sh(cmd: string[], env: Env, opts: { cwd?: string; timeoutMs?: number; log?: string } = {}): SpawnSyncReturns<string> {
+  const r = spawnSync(cmd[0]!, cmd.slice(1), {
+    cwd: opts.cwd ?? ROOT,
+    env: env as NodeJS.ProcessEnv,
+    encoding: 'utf8',
+    timeout: opts.timeoutMs ?? 2 * MINUTES,
+    maxBuffer: 256 * 1024 * 1024,
+  });
+  if (opts.log) writeFileSync(opts.log, `$ ${cmd.join(' ')}\n${r.stdout ?? ''}${r.stderr ?? ''}\n`, { flag: 'a' });
+  return r;
+}
+
+function mustRun(cmd: string[], env: Env, opts: { cwd?: string; timeoutMs?: number; log?: string } = {}): string {
+  const r = sh(cmd, env, opts);
+  if (r.status !== 0) {
+    const why = r.error ? r.error.message : `exit ${r.status ?? r.signal}`;
+    const tail = `${r.stdout ?? ''}${r.stderr ?? ''}`.trim().split('\n').slice(-15).join('\n');
+    throw new Failed(`${cmd.join(' ')}: ${why}\n${tail}`);
+  }
+  return r.stdout;
+}
+
+function onPath(name: string): boolean {
+  return spawnSync('sh', ['-c', `command -v ${name}`], { encoding: 'utf8' }).status === 0;
+}
+
+/** Does a Docker API answer at this DOCKER_HOST (unix:// or tcp://)? */
+function engineAnswers(host: string): Promise<boolean> {
+  return new Promise((done) => {
+    const target = host.startsWith('unix://')
+      ? { socketPath: host.slice('unix://'.length) }
+      : { host: new URL(host.replace(/^tcp:/, 'http:')).hostname, port: Number(new URL(host.replace(/^tcp:/, 'http:')).port || 2375) };
+    const req = request({ ...target, path: '/_ping', timeout: 3000 }, (res) => {
+      res.resume();
+      done(res.statusCode === 200);
+    });
+    req.on('timeout', () => req.destroy());
+    req.on('error', () => done(false));
+    req.end();
+  });
+}
+
+async function http(url: string, init: RequestInit = {}): Promise<{ status: number; headers: Headers; body: string }> {
+  const res = await fetch(url, { ...init, signal: AbortSignal.timeout(5000) });
+  return { status: res.status, headers: res.headers, body: await res.text() };
+}
+
+async function until<T>(what: string, timeoutMs: number, probe: () => Promise<T | undefined>): Promise<T> {
+  const deadline = Date.now() + timeoutMs;
+  let last = 'nothing yet';
+  for (;;) {
+    try {
+      const v = await probe();
+      if (v !== undefined) return v;
+    } catch (err) {
+      last = (err as Error).message;
+    }
+    if (Date.now() > deadline) throw new Failed(`${what}: not within ${timeoutMs / 1000} s (last: ${last})`);
+    await new Promise((r) => setTimeout(r, 500));
+  }
+}
+
+function expectThat(ok: boolean, message: string): void {
+  if (!ok) throw new Failed(message);
+}
+
+function freePort(): Promise<number> {
+  return new Promise((done, fail) => {
+    const s = createServer();
+    s.once('error', fail);
+    s.listen(0, '127.0.0.1', () => {
+      const { port } = s.address() as { port: number };
+      s.close(() => done(port));
+    });
+  });
+}
+
+// --------------------------------------------------------------------- the engine
+
+function findShim(): string | undefined {
+  const candidates = [
+    process.env.CONTAINERS_SHIM,
+    resolve(ROOT, '../shared/tools/containers/setup.sh'),
+    '/work/shared/tools/containers/setup.sh',
+  ];
+  return candidates.find((p): p is string => !!p && existsSync(p));
+}
+
+/** The environment that reaches an engine, and how to let go of it afterwards. */
+async function engine(log: string): Promise<{ env: Env; release: () => void }> {
+  const host = process.env.DOCKER_HOST ?? 'unix:///var/run/docker.sock';
+  if (await engineAnswers(host)) {
+    console.log(`engine: ${host}`);
+    return { env: { ...process.env }, release: () => {} };
+  }
+  const shim = findShim();
+  if (!shim) throw new Skip(`no container engine answers at ${host}, and no container shim (CONTAINERS_SHIM) to start one`);
+  console.log(`engine: none at ${host}; starting one with ${shim} (a few minutes the first time)`);
+  const up = sh(['bash', shim, 'up', '--dockerfile', 'Dockerfile', '--compose', 'docker-compose.yml'], process.env, {
+    timeoutMs: 15 * MINUTES,
+    log,
+  });
+  const env: Env = { ...process.env };
+  for (const m of (up.stdout ?? '').matchAll(/^export (\w+)=(.*)$/gm)) env[m[1]!] = m[2]!.replace(/^['"]|['"]$/g, '');
+  if (up.status !== 0 || !env.DOCKER_HOST || !(await engineAnswers(env.DOCKER_HOST))) {
+    const why = up.error ? up.error.message : `exit ${up.status ?? up.signal}`;
+    throw new Skip(`the container engine could not be started (${shim} up: ${why}; its output is in ${log})`);
+  }
+  console.log(`engine: ${env.DOCKER_HOST}`);
+  return { env, release: () => void sh(['bash', shim, 'down'], process.env, { log }) };
+}
+
+function composeCommand(env: Env): string[] {
+  if (onPath('docker') && sh(['docker', 'compose', 'version'], env).status === 0) return ['docker', 'compose'];
+  if (onPath('docker-compose')) return ['docker-compose'];
+  throw new Skip('neither `docker compose` nor `docker-compose` is installed');
+}
+
+// --------------------------------------------------------------------- the checks
+
+async function main(): Promise<void> {
+  rmSync(RESULTS, { force: true });
+  const work = mkdtempSync(join(tmpdir(), 'compose-smoke-'));
+  const log = join(work, 'commands.log');
+  let release = () => {};
+  let down = () => {};
+  try {
+    const reached = await engine(log);
+    release = reached.release;
+    const compose = composeCommand(reached.env);
+    const client = onPath('docker') ? 'docker' : 'podman';
+
+    // A scratch copy of the files git does not ignore (tracked or new): the build context and the config the stack mounts.
+    const app = join(work, 'app');
+    mkdirSync(app);
+    for (const file of mustRun(['git', 'ls-files', '-z', '--cached', '--others', '--exclude-standard'], process.env).split('\0').filter(Boolean)) {
+      if (existsSync(join(ROOT, file))) cpSync(join(ROOT, file), join(app, file), { recursive: true });
+    }
+    const ports = { gw: await freePort(), admin: await freePort(), sgw: await freePort(), sadmin: await freePort() };
+    const adminToken = randomBytes(16).toString('hex');
+    const env: Env = {
+      ...reached.env,
+      COMPOSE_PROJECT_NAME: `petstore-smoke-${process.pid}`,
+      GATEWAY_PUBLISH_PORT: String(ports.gw),
+      ADMIN_PUBLISH_PORT: String(ports.admin),
+      STAGING_GATEWAY_PUBLISH_PORT: String(ports.sgw),
+      STAGING_ADMIN_PUBLISH_PORT: String(ports.sadmin),
+      ADMIN_TOKEN: adminToken,
+      STAGING_ADMIN_TOKEN: adminToken,
+    };
+    const run = (args: string[], timeoutMs = 3 * MINUTES) => mustRun([...compose, ...args], env, { cwd: app, timeoutMs, log });
+    down = () => void sh([...compose, '--profile', 'staging', 'down', '-v', '--remove-orphans'], env, { cwd: app, log, timeoutMs: 2 * MINUTES });
+
+    const gw = `http://127.0.0.1:${ports.gw}`;
+    const admin = `http://127.0.0.1:${ports.admin}`;
+    const sgw = `http://127.0.0.1:${ports.sgw}`;
+    const bearer = (key: string) => ({ headers: { authorization: `Bearer ${key}` } });
+    const asAdmin = bearer(adminToken);
+    const user = `${process.getuid?.() ?? 1000}:${process.getgid?.() ?? 1000}`;
+    // The README's keys command: the gateway image's copy, run as the caller on the mounted config/.
+    const makeKey = (id: string, configFile = 'gateway.yaml') => {
+      const out = mustRun(
+        [client, 'run', '--rm', '--user', user, '-v', `${join(app, 'config')}:/app/config`,
+          '-e', `GATEWAY_CONFIG=/app/config/${configFile}`,
+          'pet-store-gateway', 'node', 'dist/gateway/auth/cli.js', 'create', '--plan', 'free', '--id', id],
+        env, { log },
+      );
+      return out.trim(); // the key alone on stdout, as `KEY=$(docker run ...)` in the README needs
+    };
+    const ready = (base: string) =>
+      until(`${base}/readyz answers 200`, 2 * MINUTES, async () => ((await http(`${base}/readyz`)).status === 200 ? true : undefined));
+    const usage = async (id: string) => JSON.parse((await http(`${admin}/admin/keys/${id}/usage`, asAdmin)).body) as { windows: { day: { used: number } } };
+
+    let key = '';
+    let petName = '';
+    let dayUsed = -1;
+    const steps: [string, () => Promise<void>][] = [
+      ['both images build (compose build)', async () => void run(['build'], 20 * MINUTES)],
+      ['the stack starts: /healthz and /readyz answer 200 on the admin port', async () => {
+        run(['up', '-d']);
+        await ready(admin);
+        expectThat((await http(`${admin}/healthz`)).status === 200, '/healthz did not answer 200');
+      }],
+      ["the image's keys command makes a key, as the caller, in the mounted config/", async () => {
+        key = makeKey('smoke');
+        expectThat(/^psk_live_\S+$/.test(key), `expected one psk_live_ key alone on stdout, got ${key.split("\n").length} line(s)`);
+        expectThat(!readFileSync(join(app, 'config/gateway.yaml'), 'utf8').includes(key), 'the plain key is in the config file');
+      }],
+      ['the new key works without a restart, with the rate-limit headers', async () => {
+        const res = await until('the new key is accepted', 30_000, async () => {
+          const r = await http(`${gw}/v1/pets`, bearer(key));
+          return r.status === 200 ? r : undefined;
+        });
+        const policy = res.headers.get('ratelimit-policy');
+        expectThat(policy === '"minute";q=60;w=60, "day";q=1000;w=86400', `ratelimit-policy: ${policy}`);
+        expectThat(/^"minute";r=\d+;t=\d+, "day";r=\d+;t=\d+$/.test(res.headers.get('ratelimit') ?? ''), `ratelimit: ${res.headers.get('ratelimit')}`);
+        expectThat(res.headers.get('x-ratelimit-limit') === '60', `x-ratelimit-limit: ${res.headers.get('x-ratelimit-limit')}`);
+        expectThat(!!res.headers.get('x-request-id'), 'no x-request-id');
+      }],
+      ['a pet is added through the gateway', async () => {
+        petName = `Smoke ${process.pid}`;
+        const res = await http(`${gw}/v1/pets`, {
+          method: 'POST',
+          headers: { authorization: `Bearer ${key}`, 'content-type': 'application/json', 'idempotency-key': `"smoke-${process.pid}"` },
+          body: JSON.stringify({ name: petName, categoryId: 1 }),
+        });
+        expectThat(res.status === 201, `POST /v1/pets answered ${res.status}: ${res.body}`);
+      }],
+      ['past the minute limit: 429 rate_limited with Retry-After', async () => {
+        for (let i = 0; i < 130; i++) {
+          const res = await http(`${gw}/v1/pets`, bearer(key));
+          if (res.status === 200) continue;
+          expectThat(res.status === 429, `expected 200 or 429, got ${res.status}: ${res.body}`);
+          const retry = Number(res.headers.get('retry-after'));
+          expectThat(Number.isInteger(retry) && retry >= 1 && retry <= 60, `retry-after: ${res.headers.get('retry-after')}`);
+          expectThat(JSON.parse(res.body).code === 'rate_limited', `body: ${res.body}`);
+          return;
+        }
+        throw new Failed('no 429 in 130 requests');
+      }],
+      ['/metrics counts the requests and the refusal; the usage lookup shows the day', async () => {
+        const metrics = await http(`${admin}/metrics`);
+        expectThat(metrics.status === 200, `/metrics answered ${metrics.status}`);
+        expectThat(/^gateway_requests_total\{.*status="200".*\} \d+/m.test(metrics.body), 'no gateway_requests_total for 200');
+        expectThat(/^gateway_rejections_total\{reason="minute"\} [1-9]/m.test(metrics.body), 'no minute rejection counted');
+        const used = (await usage('smoke')).windows.day.used;
+        expectThat(used >= 60, `day used ${used}, expected 60 or more`);
+      }],
+      ['a config edit on the host reloads; a broken one is refused and the last good one stays', async () => {
+        const file = join(app, 'config/gateway.yaml');
+        const good = readFileSync(file, 'utf8');
+        const edited = good.replace('free: { perMinute: 60, perDay: 1000 }', 'free: { perMinute: 61, perDay: 1000 }');
+        expectThat(edited !== good, 'the free plan line is not in config/gateway.yaml');
+        writeFileSync(file, edited);
+        const policy = async () => (await http(`${gw}/v1/pets`, bearer(key))).headers.get('ratelimit-policy') ?? '';
+        await until('the edited limit shows in RateLimit-Policy', 30_000, async () => ((await policy()).includes('q=61;w=60') ? true : undefined));
+        writeFileSync(file, edited.replace('plans:', 'plans: [broken'));
+        await new Promise((r) => setTimeout(r, 3000));
+        expectThat((await policy()).includes('q=61;w=60'), 'the broken edit replaced the config in force');
+        const logs = mustRun([...compose, 'logs', '--no-color', 'gateway'], env, { cwd: app });
+        expectThat(/config reload refused/.test(logs), 'no log line says the broken edit was refused');
+        writeFileSync(file, good);
+      }],
+      ['the staging profile starts and keys never cross environments', async () => {
+        run(['--profile', 'staging', 'up', '-d']);
+        await ready(`http://127.0.0.1:${ports.sadmin}`);
+        expectThat((await http(`${sgw}/v1/pets`, bearer(key))).status === 401, 'a production key was not refused by staging');
+        const testKey = makeKey('smoke-staging', 'staging.yaml');
+        expectThat(/^psk_test_\S+$/.test(testKey), 'the staging key is not one psk_test_ key alone on stdout');
+        await until('the staging key is accepted by staging', 30_000, async () => ((await http(`${sgw}/v1/pets`, bearer(testKey))).status === 200 ? true : undefined));
+        expectThat((await http(`${gw}/v1/pets`, bearer(testKey))).status === 401, 'a staging key was not refused by production');
+      }],
+      ["down and up: the pets and the day's count are kept", async () => {
+        dayUsed = (await usage('smoke')).windows.day.used;
+        run(['--profile', 'staging', 'down']);
+        run(['up', '-d']);
+        await ready(admin);
+        const after = (await usage('smoke')).windows.day.used;
+        expectThat(after === dayUsed, `day used was ${dayUsed} before down, ${after} after up`);
+        const reader = makeKey('smoke-reader');
+        const pets = await until('the pets are listed', 30_000, async () => {
+          const r = await http(`${gw}/v1/pets?limit=100`, bearer(reader));
+          return r.status === 200 ? (JSON.parse(r.body) as { name: string }[]) : undefined;
+        });
+        expectThat(pets.some((p) => p.name === petName), `${petName} is not among the pets after down/up`);
+      }],
+      ['everything comes down, volumes included', async () => {
+        run(['--profile', 'staging', 'down', '-v', '--remove-orphans']);
+        down = () => {};
+        const left = mustRun([client, 'volume', 'ls', '-q', '--filter', `label=com.docker.compose.project=${env.COMPOSE_PROJECT_NAME}`], env);
+        expectThat(left.trim() === '', `volumes left: ${left.trim()}`);
+      }],
+    ];
+
+    for (const [name, step] of steps) {
+      const started = Date.now();
+      try {
+        await step();
+      } catch (err) {
+        counts.failed++;
+        console.log(`FAILED  ${name}\n        ${(err as Error).message.replace(/\n/g, '\n        ')}`);
+        console.log(`        (every command and its output: ${log})`);
+        for (const [rest] of steps.slice(steps.findIndex(([n]) => n === name) + 1)) console.log(`not run ${rest}`);
+        break;
+      }
+      counts.passed++;
+      console.log(`ok      ${name} (${((Date.now() - started) / 1000).toFixed(1)} s)`);
+    }
+  } catch (err) {
+    if (err instanceof Skip) {
+      counts.skipped = 1;
+      down();
+      release();
+      finish(0, `compose smoke: skipped: ${err.message}`);
+    }
+    counts.failed++;
+    console.log(`FAILED  ${(err as Error).message}`);
+  }
+  down();
+  release();
+  if (counts.failed === 0) rmSync(work, { recursive: true, force: true });
+  finish(counts.failed ? 1 : 0, `compose smoke: ${counts.passed} passed, ${counts.failed} failed`);
+}
+
+await main();
