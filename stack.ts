@@ -1,41 +1,98 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import { resolve } from 'node:path';
+import { Type } from '@sinclair/typebox';
+import { createLogger } from './runtime/process.js';
 import { SERVICES } from './runtime/services.js';
+import { flag, logLevel, readSettings } from './runtime/settings.js';
 
-// `npm start`: the backend and the gateway as two processes, the same entries the
-// Docker images run, with their embedded defaults. The children get their own process
-// group, so a terminal's Ctrl-C reaches them once, through this file. When either exits,
-// the other is stopped.
+// `npm start`: the backend and the gateway as two supervised processes, the same entries the
+// Docker images run, with their embedded defaults. A service that crashes after it said it was
+// ready is restarted with backoff while the other keeps serving (the gateway answers 502 while
+// the backend is away); one that fails before it is ready (a port in use, a bad setting) stops
+// the whole stack, since a restart would fail the same way. The children get their own process
+// group, so a terminal's Ctrl-C reaches them once, through this file.
+
 const root = import.meta.dirname.endsWith('dist') ? resolve(import.meta.dirname, '..') : import.meta.dirname;
-
-const children: ChildProcess[] = SERVICES.map(({ entry }) =>
-  spawn(process.execPath, [resolve(root, entry)], { cwd: root, stdio: 'inherit', env: process.env, detached: true }),
-);
-// The exit code: a child that stopped on its own decides it (a crash is never hidden by
-// the other's clean stop); after a signal to us, the worst of the two.
-let stopping = false;
-let verdict: number | undefined;
-for (const child of children) {
-  child.once('exit', (code, signal) => {
-    const status = code ?? (signal ? 1 : 0);
-    if (!stopping) {
-      stopping = true;
-      verdict = status === 0 ? 1 : status; // nothing should stop unasked
-      for (const other of children) if (other !== child && other.exitCode === null) other.kill('SIGTERM');
-    } else {
-      verdict = Math.max(verdict ?? 0, status);
-    }
-    if (children.every((c) => c.exitCode !== null || c.signalCode !== null)) process.exit(verdict ?? 0);
-  });
+// Bad values are the children's to report, each naming its variable; here they fall back.
+let logSettings: { logLevel: string; logPretty: boolean };
+try {
+  logSettings = readSettings(Type.Object({ logLevel: logLevel(), logPretty: flag('LOG_PRETTY', '1', '0', false) }), process.env, 'npm start');
+} catch {
+  logSettings = { logLevel: 'info', logPretty: false };
 }
-// SIGHUP is a closed terminal here, so it stops both; reload the gateway with `kill -HUP` on
-// its own pid, or by editing the config file.
-for (const signal of ['SIGTERM', 'SIGINT', 'SIGHUP'] as const) {
-  process.on(signal, () => {
-    if (!stopping) {
-      stopping = true;
-      verdict = 0;
-    }
-    for (const child of children) if (child.exitCode === null) child.kill(signal === 'SIGHUP' ? 'SIGTERM' : signal);
+const log = createLogger(logSettings.logLevel, logSettings.logPretty, () => {}).child({ service: 'stack' });
+
+/** Restart delays: 100 ms doubling to 5 s; a run of a minute or more starts the count again. */
+const FIRST_DELAY_MS = 100;
+const MAX_DELAY_MS = 5_000;
+const STABLE_MS = 60_000;
+
+interface Service {
+  name: string;
+  entry: string;
+  child?: ChildProcess;
+  ready: boolean;
+  restarts: number;
+  startedAt: number;
+  timer?: NodeJS.Timeout;
+}
+
+const services: Service[] = SERVICES.map(({ name, entry }) => ({ name, entry, ready: false, restarts: 0, startedAt: 0 }));
+let stopping = false;
+let verdict = 0;
+
+const running = () => services.filter((s) => s.child && s.child.exitCode === null && s.child.signalCode === null);
+
+function start(service: Service): void {
+  service.ready = false;
+  service.startedAt = Date.now();
+  const child = spawn(process.execPath, [resolve(root, service.entry)], {
+    cwd: root,
+    // fd 3 is the channel on which the service says it is ready (runtime/process.ts announceReady).
+    stdio: ['inherit', 'inherit', 'inherit', 'ipc'],
+    env: process.env,
+    detached: true,
   });
+  service.child = child;
+  child.on('message', (m: { type?: string }) => {
+    if (m?.type === 'ready') service.ready = true;
+  });
+  child.once('exit', (code, signal) => exited(service, code ?? (signal ? 1 : 0), signal));
+}
+
+function exited(service: Service, status: number, signal: NodeJS.Signals | null): void {
+  service.child = undefined;
+  if (stopping) {
+    verdict = Math.max(verdict, status);
+  } else if (!service.ready) {
+    // It never came up: its own line has said why. Stop the rest and pass the failure on.
+    stopAll(status === 0 ? 1 : status);
+  } else {
+    if (Date.now() - service.startedAt >= STABLE_MS) service.restarts = 0;
+    const delay = Math.min(FIRST_DELAY_MS * 2 ** service.restarts, MAX_DELAY_MS);
+    service.restarts += 1;
+    log.error({ exitCode: signal ? null : status, signal, restartInMs: delay, restarts: service.restarts }, `${service.name} exited; restarting it`);
+    service.timer = setTimeout(() => {
+      service.timer = undefined;
+      if (!stopping) start(service);
+    }, delay);
+  }
+  if (stopping && running().length === 0) process.exit(verdict);
+}
+
+function stopAll(status: number, signal: NodeJS.Signals = 'SIGTERM'): void {
+  if (!stopping) {
+    stopping = true;
+    verdict = status;
+  }
+  for (const s of services) clearTimeout(s.timer);
+  for (const s of running()) s.child!.kill(signal);
+  if (running().length === 0) process.exit(verdict);
+}
+
+for (const service of services) start(service);
+// SIGHUP is a closed terminal here, so it stops both; reload the gateway with `kill -HUP` on
+// its own pid, or by editing the config file. The exit code is the worst of the children's.
+for (const signal of ['SIGTERM', 'SIGINT', 'SIGHUP'] as const) {
+  process.on(signal, () => stopAll(0, signal === 'SIGHUP' ? 'SIGTERM' : signal));
 }

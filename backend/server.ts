@@ -1,5 +1,5 @@
 import { buildBackend } from './app.js';
-import { listenOrExit, stopOnSignals } from '../runtime/process.js';
+import { announceReady, listenOrExit, stopOnSignals } from '../runtime/process.js';
 import { loadBackendSettings } from './settings.js';
 import { PetStore } from './store.js';
 
@@ -18,3 +18,4 @@ app.addHook('onClose', async () => store.close());
 stopOnSignals(app, settings.shutdownGraceMs);
 
 await listenOrExit(app, settings.port, settings.host, { port: 'BACKEND_PORT', host: 'BACKEND_HOST' });
+announceReady();

@@ -1,7 +1,7 @@
 import cluster, { type Worker } from 'node:cluster';
 import type { FastifyBaseLogger } from 'fastify';
 import { AggregatorRegistry } from 'prom-client';
-import { createLogger, listenOrExit, stopOnSignals } from '../runtime/process.js';
+import { announceReady, createLogger, listenOrExit, stopOnSignals } from '../runtime/process.js';
 import { buildAdmin } from './admin.js';
 import { buildGateway } from './app.js';
 import type { GatewayConfig } from './config.js';
@@ -54,6 +54,7 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
     const address = `http://${a.address ?? settings.host}:${a.port}`;
     const { environment } = initial;
     log.info({ address, admin: adminAddress, workers: settings.workers, environment, backend: settings.backendUrl, store: 'redis' }, 'gateway ready');
+    announceReady();
   });
   cluster.on('exit', (worker: Worker, code, signal) => {
     listening.delete(worker.id);

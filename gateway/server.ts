@@ -1,5 +1,5 @@
 import cluster from 'node:cluster';
-import { listenOrExit, stopOnSignals } from '../runtime/process.js';
+import { announceReady, listenOrExit, stopOnSignals } from '../runtime/process.js';
 import { buildAdmin } from './admin.js';
 import { buildGateway } from './app.js';
 import { runPrimary, runWorker } from './cluster.js';
@@ -65,4 +65,5 @@ async function runSingle(settings: GatewaySettings, initial: GatewayConfig): Pro
   const adminAddress = await listenOrExit(admin, settings.adminPort, settings.adminHost, ADMIN);
   const { environment } = initial;
   app.log.info({ address, admin: adminAddress, environment, backend: settings.backendUrl, store: redis ? 'redis' : 'memory' }, 'gateway ready');
+  announceReady();
 }

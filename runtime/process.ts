@@ -1,3 +1,4 @@
+import cluster from 'node:cluster';
 import type { FastifyInstance } from 'fastify';
 import { type DestinationStream, destination, type Logger, pino } from 'pino';
 
@@ -67,6 +68,18 @@ export async function listenOrExit(
     console.error(`${setting}: ${why}`);
     process.exit(1);
   }
+}
+
+/**
+ * Tells a supervising parent (`npm start`, stack.ts) that this service is up, on the IPC channel
+ * it was started with: from now on an exit is a crash to restart, not a failed start. Does
+ * nothing without such a parent, or in a cluster worker (its channel is the primary's).
+ */
+export function announceReady(): void {
+  if (!process.send || cluster.isWorker) return;
+  process.send({ type: 'ready' });
+  // The channel must not keep a stopping process alive.
+  process.channel?.unref();
 }
 
 /**

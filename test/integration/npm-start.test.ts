@@ -8,7 +8,7 @@ import { call, makeKey, tempDir, testConfig, writeConfig } from '../helpers/conf
 import { buildTestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
 import { startProcess } from '../helpers/processes.js';
-import { inOneMinute } from '../helpers/time.js';
+import { eventually, inOneMinute } from '../helpers/time.js';
 
 const ROOT = resolve(import.meta.dirname, '../..');
 
@@ -17,11 +17,12 @@ const commandLine = (pid: number) => execFileSync('ps', ['-ww', '-o', 'args=', '
 const entryOf = (name: string) => SERVICES.find((s) => s.name === name)!.entry;
 
 describe('npm start (stack.ts)', () => {
-  it('runs backend and gateway with the in-process store, says so, and passes a crash on', async () => {
+  it('runs backend and gateway with the in-process store, says so, and restarts a crashed one while the other serves', async () => {
     const { dir, cleanup } = tempDir();
     const file = join(dir, 'gateway.yaml');
     const keys = [makeKey('tiny'), makeKey('tiny'), makeKey('tiny')]; // 3 a minute each: one per counting run
-    writeConfig(file, testConfig(keys));
+    const roomy = { ...makeKey('enterprise'), limits: { perMinute: 100_000, perDay: 1_000_000 } };
+    writeConfig(file, testConfig([...keys, roomy]));
     const [backendPort, gatewayPort, adminPort] = [await freePort(), await freePort(), await freePort()];
     const stack = await startProcess(
       'dist/stack.js',
@@ -31,13 +32,14 @@ describe('npm start (stack.ts)', () => {
         GATEWAY_PORT: String(gatewayPort),
         ADMIN_PORT: String(adminPort),
         GATEWAY_CONFIG: file,
-        PETS_DB: ':memory:',
+        PETS_DB: join(dir, 'pets.db'),
       },
       (l) => l.msg === 'gateway ready',
     );
+    const backendListening = (l: Record<string, unknown>) => String(l.msg).endsWith(`127.0.0.1:${backendPort}`);
     try {
       // Both start at once; the backend may open its port after the gateway is ready.
-      const backendUp = await stack.waitForLog((l) => String(l.msg).endsWith(`127.0.0.1:${backendPort}`));
+      const backendUp = await stack.waitForLog(backendListening);
       const gatewayUp = stack.logs.find((l) => l.msg === 'gateway ready')!;
       expect(gatewayUp.store).toBe('memory');
       expect(stack.logs.some((l) => /REDIS_URL is not set: .*per gateway process/.test(String(l.msg)))).toBe(true);
@@ -56,10 +58,28 @@ describe('npm start (stack.ts)', () => {
         () => run++,
       );
 
-      // The backend dies: the stack stops the gateway and exits non-zero.
-      const exited = new Promise<number | null>((r) => stack.proc.once('exit', (code) => r(code)));
+      // The backend dies: the gateway answers 502 at once, the stack restarts the backend, and
+      // within a second of it listening again the key is served.
+      const killedAt = Date.now();
       process.kill(Number(backendUp.pid), 'SIGKILL');
-      expect(await exited).not.toBe(0);
+      await eventually(async () => (await call(url, roomy.key)).status === 502, 1000, '502 while the backend is down');
+      const restarted = await stack.waitForLog((l) => l.msg === 'backend exited; restarting it');
+      expect(restarted).toMatchObject({ signal: 'SIGKILL', restarts: 1, restartInMs: 100 });
+      const backendBack = await stack.waitForLog((l) => backendListening(l) && l.pid !== backendUp.pid, 10_000);
+      await eventually(async () => (await call(url, roomy.key)).status === 200, 1000, '200 within 1 s of the backend being back');
+      expect(Date.now() - killedAt).toBeLessThan(10_000);
+      expect(commandLine(Number(backendBack.pid))).toBe(`${process.execPath} ${resolve(ROOT, entryOf('backend'))}`);
+
+      // The gateway dies: restarted too, and the backend's data outlives it all.
+      process.kill(Number(gatewayUp.pid), 'SIGKILL');
+      await stack.waitForLog((l) => l.msg === 'gateway exited; restarting it');
+      await stack.waitForLog((l) => l.msg === 'gateway ready' && l.pid !== gatewayUp.pid, 10_000);
+      expect((await call(url, roomy.key)).status).toBe(200);
+
+      // SIGTERM still stops both cleanly.
+      const exited = new Promise<number | null>((r) => stack.proc.once('exit', (code) => r(code)));
+      stack.proc.kill('SIGTERM');
+      expect(await exited).toBe(0);
     } finally {
       await stack.stop();
       cleanup();

@@ -32,6 +32,12 @@ describe('startup errors', () => {
     expect(lines[0]).toContain(want());
   });
 
+  it('npm start with the backend port in use: that one line, and the whole stack stops (no restart)', () => {
+    const { status, lines } = start('dist/stack.js', { BACKEND_PORT: String(port), GATEWAY_PORT: '0', ADMIN_PORT: '0', PETS_DB: ':memory:' });
+    expect(status).toBe(1);
+    expect(lines).toEqual([`BACKEND_PORT=${port}: 127.0.0.1:${port} is already in use (is another one running?)`]);
+  });
+
   it('a gateway address this machine does not have: names GATEWAY_HOST', () => {
     const { status, lines } = start('dist/gateway/server.js', { GATEWAY_HOST: '192.0.2.1', GATEWAY_PORT: '0', ADMIN_PORT: '0' });
     expect(status).toBe(1);
