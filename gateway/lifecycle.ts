@@ -27,15 +27,23 @@ export function connectRedis(settings: Pick<GatewaySettings, 'redisUrl' | 'redis
   return redis;
 }
 
-/** Waits up to 3 s for Redis, so the first requests are decided by it; says so if it is not there. */
+/**
+ * Waits for Redis so the first requests are decided by it, but never holds up listening: it
+ * stops waiting at the first failed attempt (a Redis that is down refuses at once) or after
+ * 1 s (one that does not answer), says so, and the store decides locally until Redis is back.
+ */
 export async function awaitRedis(redis: Redis | undefined, log: FastifyBaseLogger): Promise<void> {
   if (!redis || redis.status === 'ready') return;
   await new Promise<void>((resolve) => {
-    const timer = setTimeout(resolve, 3000);
-    redis.once('ready', () => {
+    const done = () => {
       clearTimeout(timer);
+      redis.off('ready', done);
+      redis.off('error', done);
       resolve();
-    });
+    };
+    const timer = setTimeout(done, 1000);
+    redis.once('ready', done);
+    redis.once('error', done);
   });
   if ((redis.status as string) !== 'ready') log.warn('Redis is not ready yet; quotas are per process until it is');
 }

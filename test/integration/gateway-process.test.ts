@@ -95,3 +95,22 @@ describe('pretty logs', () => {
     }
   });
 });
+
+describe('Redis down at boot', () => {
+  it('listens within 2 s all the same, serves from the in-process store, and says so', async () => {
+    const k = makeKey('free');
+    const echo = await echoBackend();
+    onTestFinished(() => echo.close());
+    const closed = await freePort(); // nothing listens here: every connection is refused
+    const stack = await startStack(testConfig([k]), { REDIS_URL: `redis://127.0.0.1:${closed}` }, echo.url);
+    onTestFinished(() => stack.stop());
+    const { logs } = stack.gateway;
+    const ready = logs.find((l) => l.msg === 'gateway ready')!;
+    expect(ready.store).toBe('redis');
+    expect(logs.some((l) => String(l.msg).startsWith('Redis is not ready yet'))).toBe(true);
+    // From the process's first line to listening, by the gateway's own clock.
+    expect(Number(ready.time) - Number(logs[0]!.time)).toBeLessThan(2000);
+    expect((await call(`${stack.gateway.url}/v1/pets`, k.key)).status).toBe(200);
+    expect((await fetch(`${stack.gateway.adminUrl}/readyz`)).status).toBe(503);
+  });
+});
