@@ -4,12 +4,10 @@
 
 FROM node:24-trixie-slim AS build
 WORKDIR /app
-# better-sqlite3 compiles from source when no prebuilt binary can be fetched; node-gyp then
-# uses the headers the image already has instead of downloading them (offline, proxied builds).
-ENV npm_config_nodedir=/usr/local
-RUN apt-get update && apt-get install -y --no-install-recommends python3 make g++ && rm -rf /var/lib/apt/lists/*
 COPY package.json package-lock.json ./
-RUN npm ci --no-audit --no-fund
+# The backend uses Node's own node:sqlite here; better-sqlite3 (optional, for Node 20 only) is
+# left out, so nothing is compiled and nothing is downloaded but the npm packages.
+RUN npm ci --omit=optional --no-audit --no-fund
 COPY tsconfig.json tsconfig.build.json stack.ts ./
 COPY runtime runtime
 COPY backend backend

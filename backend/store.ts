@@ -1,6 +1,6 @@
 import { mkdirSync } from 'node:fs';
 import { dirname } from 'node:path';
-import Database from 'better-sqlite3';
+import { type Database, SQLITE } from './sqlite.js';
 import type { NewPet, Order, Pet, PetStatus } from './schemas.js';
 
 /** A stored answer to an idempotent POST, replayed for a retry with the same key and body. */
@@ -21,14 +21,14 @@ export const IDEMPOTENCY_TTL_MS = 24 * 60 * 60 * 1000;
  * 201 leaves, so a backend killed right after answering loses nothing.
  */
 export class PetStore {
-  private readonly db: Database.Database;
+  private readonly db: Database;
   private readonly stmts;
 
   constructor(file: string) {
     if (file !== ':memory:') mkdirSync(dirname(file), { recursive: true });
-    this.db = new Database(file);
-    this.db.pragma('journal_mode = WAL');
-    this.db.pragma('synchronous = FULL');
+    this.db = SQLITE.open(file);
+    this.db.exec('PRAGMA journal_mode = WAL');
+    this.db.exec('PRAGMA synchronous = FULL');
     this.db.exec(`
       CREATE TABLE IF NOT EXISTS pets (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -115,7 +115,7 @@ export class PetStore {
     now: number,
     create: () => IdempotentAnswer,
   ): IdempotencyOutcome {
-    return this.db.transaction(() => {
+    return this.transaction(() => {
       const row = this.stmts.idemGet.get(scope, key, now - IDEMPOTENCY_TTL_MS) as
         | (IdempotentAnswer & { fingerprint: string })
         | undefined;
@@ -127,13 +127,27 @@ export class PetStore {
       const answer = create();
       this.stmts.idemPut.run(scope, key, fingerprint, answer.status, answer.body, answer.location, now);
       return { kind: 'created' as const, answer };
-    })();
+    });
   }
 
-  /** The journal and sync modes in force: what makes a 201 survive a crash (logged at boot). */
-  durability(): { journalMode: string; synchronous: string } {
-    const sync = ['off', 'normal', 'full', 'extra'][this.db.pragma('synchronous', { simple: true }) as number] ?? 'unknown';
-    return { journalMode: String(this.db.pragma('journal_mode', { simple: true })), synchronous: sync };
+  /** `fn` inside one write transaction: all of it commits, or none (it throws). */
+  private transaction<T>(fn: () => T): T {
+    this.db.exec('BEGIN IMMEDIATE');
+    try {
+      const result = fn();
+      this.db.exec('COMMIT');
+      return result;
+    } catch (err) {
+      this.db.exec('ROLLBACK');
+      throw err;
+    }
+  }
+
+  /** The journal and sync modes in force, and the driver: what makes a 201 survive a crash (logged at boot). */
+  durability(): { journalMode: string; synchronous: string; driver: string } {
+    const pragma = (name: string) => (this.db.prepare(`PRAGMA ${name}`).get() as Record<string, unknown>)[name];
+    const sync = ['off', 'normal', 'full', 'extra'][Number(pragma('synchronous'))] ?? 'unknown';
+    return { journalMode: String(pragma('journal_mode')), synchronous: sync, driver: SQLITE.name };
   }
 
   close(): void {

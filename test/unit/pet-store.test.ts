@@ -12,7 +12,9 @@ describe('pet store durability', () => {
     // Killing a process loses nothing the OS already holds; power loss would, without these.
     const store = new PetStore(join(dir, 'nested', 'pets.db'));
     try {
-      expect(store.durability()).toEqual({ journalMode: 'wal', synchronous: 'full' });
+      // Node's own node:sqlite where the runtime has it, better-sqlite3 on Node 20.
+      const driver = process.getBuiltinModule?.('node:sqlite') ? 'node:sqlite' : 'better-sqlite3';
+      expect(store.durability()).toEqual({ journalMode: 'wal', synchronous: 'full', driver });
     } finally {
       store.close();
     }
