@@ -1,7 +1,7 @@
 import type { FastifyBaseLogger, FastifyReply, FastifyRequest } from 'fastify';
 import type { Consumer } from './config.js';
 import type { GatewayMetrics, RejectionReason } from './metrics.js';
-import type { Outcome } from './quota/decision.js';
+import type { AdmissionOutcome } from './quota/decision.js';
 import type { RouteId } from './routes.js';
 
 /** One answered request, whichever path answered it (proxy, hook, framework error, raw socket). */
@@ -11,12 +11,13 @@ export interface AccessEntry {
   ms: number;
   consumer?: Consumer;
   route?: RouteId;
-  outcome?: Outcome;
+  outcome?: AdmissionOutcome;
 }
 
 /** Why a request was refused, for the metric: a 401, or a 429 without a key, is "unauthenticated". */
 function rejection(e: AccessEntry): RejectionReason | undefined {
   if (e.status === 401 || (e.status === 429 && !e.consumer)) return 'unauthenticated';
+  if (e.outcome === 'unavailable') return 'unavailable';
   return e.status === 429 && e.outcome && e.outcome !== 'allowed' ? e.outcome : undefined;
 }
 

@@ -35,7 +35,7 @@ export interface Gateway {
 
 type AppSettings = Pick<
   GatewaySettings,
-  'backendUrl' | 'bodyLimit' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds' | 'quotaLeaseMax'
+  'backendUrl' | 'bodyLimit' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds' | 'quotaLeaseMax' | 'redisTimeoutMs' | 'quotaStoreFailure'
 >;
 
 /** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */
@@ -45,7 +45,12 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   const metrics = new GatewayMetrics(settings.metricsKeyIds);
   const log: FastifyBaseLogger = createLogger(settings.logLevel, settings.logPretty, () => metrics.logLinesDropped.inc(), deps.logStream);
   const store: QuotaStore = deps.redis
-    ? new RedisQuotaStore(deps.redis, log, (s) => metrics.redisSeconds.observe(s), settings.quotaLeaseMax)
+    ? new RedisQuotaStore(deps.redis, log, {
+        observe: (s) => metrics.redisSeconds.observe(s),
+        leaseMax: settings.quotaLeaseMax,
+        timeoutMs: settings.redisTimeoutMs,
+        failClosed: settings.quotaStoreFailure === 'closed',
+      })
     : new MemoryQuotaStore();
   metrics.watch(store);
   const access = accessLog(metrics);

@@ -2,8 +2,8 @@ import { Counter, collectDefaultMetrics, Gauge, Histogram, Registry } from 'prom
 import type { Refusal } from './quota/decision.js';
 import type { QuotaStore } from './quota/store.js';
 
-/** Why a request was refused: its quota's outcome, or no valid key. */
-export type RejectionReason = Refusal | 'unauthenticated';
+/** Why a request was refused: its quota's outcome, no valid key, or a quota store failing closed. */
+export type RejectionReason = Refusal | 'unauthenticated' | 'unavailable';
 
 /**
  * Prometheus metrics, one registry per gateway. Label values are bounded: route ids from the
@@ -31,7 +31,7 @@ export class GatewayMetrics {
     });
     this.rejections = new Counter({
       name: 'gateway_rejections_total',
-      help: 'Requests refused, by reason: minute, day, banned, unauthenticated',
+      help: 'Requests refused, by reason: minute, day, banned, unauthenticated, unavailable (QUOTA_STORE_FAILURE=closed)',
       labelNames: ['reason'],
       registers,
     });

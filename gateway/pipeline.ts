@@ -5,7 +5,7 @@ import type { Consumer, GatewayConfig } from './config.js';
 import { sunsetRefusal } from './deprecation.js';
 import { GatewayError, handleError } from './errors.js';
 import { admit } from './quota/admit.js';
-import type { Outcome, QuotaSubject } from './quota/decision.js';
+import type { AdmissionOutcome, QuotaSubject } from './quota/decision.js';
 import type { QuotaStore } from './quota/store.js';
 import { DOCUMENT_ROUTE, isDocumentPath, matchRoute, type RouteId } from './routes.js';
 
@@ -22,7 +22,7 @@ export interface RequestContext {
   consumer?: Consumer;
   route?: RouteId;
   /** The quota decision, once made. */
-  outcome?: Outcome;
+  outcome?: AdmissionOutcome;
   /** When the request left for the backend (performance.now()), for the upstream latency. */
   sentAt?: number;
 }

@@ -1,6 +1,6 @@
 import { isIP } from 'node:net';
 import { Type } from '@sinclair/typebox';
-import { flag, logLevel, readSettings } from '../runtime/settings.js';
+import { flag, logLevel, oneOf, readSettings } from '../runtime/settings.js';
 
 // The gateway's process settings: each one's variable, default and rule side by side.
 
@@ -30,6 +30,8 @@ export const GatewaySettingsSchema = Type.Object({
   bodyLimit: Type.Integer({ env: 'GATEWAY_BODY_LIMIT', minimum: 1, default: 1024 * 1024 }),
   upstreamTimeoutMs: Ms('UPSTREAM_TIMEOUT_MS', 10_000),
   redisTimeoutMs: Ms('REDIS_TIMEOUT_MS', 250),
+  // While Redis fails: decide in-process (open) or answer 503 quota_store_unavailable (closed).
+  quotaStoreFailure: oneOf('QUOTA_STORE_FAILURE', ['open', 'closed'], 'open'),
   quotaLeaseMax: Type.Integer({ env: 'QUOTA_LEASE_MAX', minimum: 1, maximum: 1000, default: 20 }),
   redisKeyPrefix: Type.String({ env: 'REDIS_KEY_PREFIX', pattern: '^[A-Za-z0-9_.-]{1,32}$', default: 'gw' }),
   // Never a plain "true": that would trust any X-Forwarded-For a client writes.

@@ -9,7 +9,7 @@ import { Value } from '@sinclair/typebox/value';
 type EnvSchema = TSchema & { env: string };
 
 /** One of a closed list of words; the error names them all. */
-function oneOf<const T extends string>(env: string, values: readonly T[], fallback: T) {
+export function oneOf<const T extends string>(env: string, values: readonly T[], fallback: T) {
   return Type.Unsafe<T>(Type.Union(values.map((v) => Type.Literal(v)), { env, default: fallback }));
 }
 

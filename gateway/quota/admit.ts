@@ -1,11 +1,11 @@
 import { GatewayError, type GatewayErrorCode } from '../errors.js';
-import type { Decision, Outcome, QuotaSubject, Refusal } from './decision.js';
+import type { AdmissionOutcome, Decision, QuotaSubject, Refusal } from './decision.js';
 import { rateLimitHeaders, reportedWindow, retryAfterSeconds } from './headers.js';
-import type { QuotaStore } from './store.js';
+import { type QuotaStore, QuotaStoreUnavailable } from './store.js';
 
 /** What admission tells the caller: the outcome, the headers every answer carries, and the 429 if refused. */
 export interface Admission {
-  outcome: Outcome;
+  outcome: AdmissionOutcome;
   headers: Record<string, string>;
   refusal?: GatewayError;
 }
@@ -33,6 +33,22 @@ function refusal(d: Decision): GatewayError | undefined {
  * it, like authentication and routing; the caller decides how to answer.
  */
 export async function admit(store: QuotaStore, subject: QuotaSubject): Promise<Admission> {
-  const decision = await store.consume(subject);
+  let decision: Decision;
+  try {
+    decision = await store.consume(subject);
+  } catch (err) {
+    if (err instanceof QuotaStoreUnavailable) return UNAVAILABLE(subject);
+    throw err;
+  }
   return { outcome: decision.outcome, headers: rateLimitHeaders(decision, subject.policy), refusal: refusal(decision) };
 }
+
+/**
+ * Failing closed while Redis fails: a 503 that blames the store, not the client. The policy is
+ * known; the windows' state is not, so no header claims it. Redis is tried again every second.
+ */
+const UNAVAILABLE = (subject: QuotaSubject): Admission => ({
+  outcome: 'unavailable',
+  headers: { 'ratelimit-policy': subject.policy, 'retry-after': '1' },
+  refusal: new GatewayError('quota_store_unavailable', 'The quota store is not answering; retry after 1 s'),
+});

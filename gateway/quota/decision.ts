@@ -11,6 +11,8 @@ export const DAY_MS = 86_400_000;
 export const OUTCOMES = ['allowed', 'minute', 'day', 'banned'] as const;
 export type Outcome = (typeof OUTCOMES)[number];
 export type Refusal = Exclude<Outcome, 'allowed'>;
+/** What admission ends with: a decision's outcome, or `unavailable` when a store failing closed could not decide. */
+export type AdmissionOutcome = Outcome | 'unavailable';
 
 export interface Limits {
   perMinute: number;

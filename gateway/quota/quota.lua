@@ -3,12 +3,17 @@
 -- Both share one hash tag, so they live in one Redis Cluster slot.
 -- ARGV: perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs,
 -- lease (units an admitted request may take at once: 1, or more for a lease), and the unused
--- units of this instance's last lease with that lease's minute and day starts, given back.
+-- units of this instance's last lease with that lease's minute and day starts, given back;
+-- then the deadline (Redis time, ms; 0: none) after which the gateway has given up waiting.
 -- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken}; outcome is an index into
 -- OUTCOMES in decision.ts: 0 allowed, 1 minute, 2 day, 3 banned. Time is Redis's own, so
 -- skewed gateways agree.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- Run after the gateway stopped waiting (a frozen or stalled Redis): it decided the request
+-- itself, so nothing changes here, and the request is counted once, where it was decided.
+local deadline = tonumber(ARGV[10]) or 0
+if deadline > 0 and now > deadline then return {-1, 0, 0, now, 0} end
 local perMinute, perDay = tonumber(ARGV[1]), tonumber(ARGV[2])
 local banAfter, banWithin, banFor = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local lease = tonumber(ARGV[6]) or 1

@@ -3,7 +3,7 @@ import type { Redis } from 'ioredis';
 import type { FastifyBaseLogger } from 'fastify';
 import { DAY_MS, type Decision, decision, leaseSize, MINUTE_MS, OUTCOMES, type QuotaSubject, windowStart } from './decision.js';
 import { MemoryQuotaStore } from './memory-store.js';
-import { type Counters, countsAt, type QuotaStore, type Usage } from './store.js';
+import { type Counters, countsAt, type QuotaStore, QuotaStoreUnavailable, type Usage } from './store.js';
 
 const SCRIPT = readFileSync(new URL('./quota.lua', import.meta.url), 'utf8');
 const RETRY_REDIS_AFTER_MS = 1000;
@@ -41,6 +41,13 @@ export class RedisQuotaStore implements QuotaStore {
   private readonly bans = new Map<string, Counters>();
   /** Redis time minus local time, from the last reply; turns local time into Redis time for cached bans. */
   private offsetMs = 0;
+  /**
+   * The smallest such offset lately (a sample overstates the offset by its call's one-way
+   * delay, so the smallest is the truest): turns the moment this instance stops waiting for a
+   * call into the Redis time quota.lua compares with.
+   */
+  private deadlineOffset = Number.POSITIVE_INFINITY;
+  private deadlineOffsetAt = 0;
   private retryAt = 0;
   private readonly fallback = new MemoryQuotaStore();
   private readonly leases = new Map<string, Lease>();
@@ -51,16 +58,51 @@ export class RedisQuotaStore implements QuotaStore {
   /** Per subject, an expired lease's unused units, given back to Redis with the next call. */
   private readonly unused = new Map<string, Lease>();
 
+  private readonly observe: (seconds: number) => void;
+  private readonly leaseMax: number;
+  private readonly timeoutMs: number;
+  private readonly failClosed: boolean;
+
   constructor(
     redis: Redis,
     private readonly log: FastifyBaseLogger,
-    /** Told the duration of every script call, in seconds (the latency histogram). */
-    private readonly observe: (seconds: number) => void = () => {},
-    /** Largest lease (QUOTA_LEASE_MAX); 1: every admission asks Redis. */
-    private readonly leaseMax = 1,
+    options: {
+      /** Told the duration of every script call, in seconds (the latency histogram). */
+      observe?: (seconds: number) => void;
+      /** Largest lease (QUOTA_LEASE_MAX); 1 (the default): every admission asks Redis. */
+      leaseMax?: number;
+      /** How long a call is waited for (REDIS_TIMEOUT_MS); later, Redis must not count it. 0: no deadline. */
+      timeoutMs?: number;
+      /** While Redis fails, throw QuotaStoreUnavailable instead of deciding in-process. */
+      failClosed?: boolean;
+    } = {},
   ) {
+    this.observe = options.observe ?? (() => {});
+    this.leaseMax = options.leaseMax ?? 1;
+    this.timeoutMs = options.timeoutMs ?? 0;
+    this.failClosed = options.failClosed ?? false;
     redis.defineCommand('quota', { numberOfKeys: 2, lua: SCRIPT });
     this.redis = redis as QuotaRedis;
+    // Learn the clock offset on every (re)connection, so even the first decision has a deadline.
+    redis.on('ready', () => this.calibrate());
+    if (redis.status === 'ready') this.calibrate();
+  }
+
+  private calibrate(): void {
+    const sentAt = Date.now();
+    this.redis.time().then(
+      ([s, us]) => this.learnOffset(Number(s) * 1000 + Math.floor(Number(us) / 1000) - sentAt),
+      () => {}, // a failing Redis is the decisions' to report
+    );
+  }
+
+  private learnOffset(sample: number): void {
+    this.offsetMs = sample;
+    const now = performance.now();
+    if (sample <= this.deadlineOffset || now - this.deadlineOffsetAt > 10_000) {
+      this.deadlineOffset = sample;
+      this.deadlineOffsetAt = now;
+    }
   }
 
   get degraded(): boolean {
@@ -88,7 +130,7 @@ export class RedisQuotaStore implements QuotaStore {
         this.leases.delete(subject.name);
         if (lease.left > 0) this.unused.set(subject.name, lease); // given back by the next call
       }
-      if (this.retryAt > local) return this.fallback.consume(subject);
+      if (this.retryAt > local) return this.local(subject);
       this.sweepLeases();
       const size = leaseSize(subject.limits, this.leaseMax);
       if (size === 1 || solo) return this.ask(subject, solo ? 1 : size, local);
@@ -130,6 +172,8 @@ export class RedisQuotaStore implements QuotaStore {
     const back = this.unused.get(subject.name);
     this.unused.delete(subject.name); // if the call fails they stay counted: the safe side
     const started = performance.now();
+    const sentAt = Date.now();
+    const deadline = this.timeoutMs > 0 && Number.isFinite(this.deadlineOffset) ? sentAt + this.deadlineOffset + this.timeoutMs : 0;
     try {
       reply = await this.redis.quota(
         subject.name,
@@ -143,17 +187,19 @@ export class RedisQuotaStore implements QuotaStore {
         back?.left ?? 0,
         back ? back.windowEndMs - MINUTE_MS : 0,
         back?.dayStartMs ?? 0,
+        deadline,
       );
+      if (reply[0] < 0) throw new Error('Redis ran the decision after its deadline');
     } catch (err) {
       this.failed(err, local);
-      return this.fallback.consume(subject);
+      return this.local(subject);
     } finally {
       this.observe((performance.now() - started) / 1000);
     }
     this.recovered();
     const [index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = 1] = reply;
     const outcome = OUTCOMES[index]!;
-    this.offsetMs = nowMs - local;
+    this.learnOffset(nowMs - sentAt);
     if (taken > 1) {
       // Timed from before the call, so the lease ends no later than its Redis minute does.
       const windowEndMs = windowStart(nowMs, MINUTE_MS) + MINUTE_MS;
@@ -164,6 +210,12 @@ export class RedisQuotaStore implements QuotaStore {
       this.bans.set(subject.name, { ms: windowStart(nowMs, MINUTE_MS), mc: minuteUsed, ds: windowStart(nowMs, DAY_MS), dc: dayUsed, ban: banUntilMs });
     }
     return decision(limits, { outcome, minuteUsed, dayUsed, nowMs, banUntilMs });
+  }
+
+  /** The decision while Redis fails: the in-process copy of the rules, or none when failing closed. */
+  private local(subject: QuotaSubject): Promise<Decision> {
+    if (this.failClosed) return Promise.reject(new QuotaStoreUnavailable());
+    return this.fallback.consume(subject);
   }
 
   private failed(err: unknown, local: number): void {

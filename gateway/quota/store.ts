@@ -10,6 +10,13 @@ export interface QuotaStore {
   activeBans(): number;
 }
 
+/** Thrown by a store that fails closed (QUOTA_STORE_FAILURE=closed) when it cannot decide. */
+export class QuotaStoreUnavailable extends Error {
+  constructor() {
+    super('The quota store is not answering');
+  }
+}
+
 /** A subject's counters as they stand, read without counting (for the admin usage lookup). */
 export interface Usage {
   nowMs: number;

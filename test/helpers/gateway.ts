@@ -58,6 +58,7 @@ const SETTINGS = {
   metricsKeyIds: false,
   // Exact per-request headers for the tests' large limits; lease tests set their own.
   quotaLeaseMax: 1,
+  quotaStoreFailure: 'open' as const,
 };
 
 /**
@@ -91,7 +92,8 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   // The production client and its options (lifecycle.ts), so the tests exercise them.
   // A second, not 250 ms: several in-process instances share this busy event loop, and a
   // slow call would hand decisions to the per-process fallback (tests of that set their own).
-  const redis = redisUrl ? connectRedis({ redisUrl, redisTimeoutMs: opts.settings?.redisTimeoutMs ?? 1000 }) : undefined;
+  const redisTimeoutMs = opts.settings?.redisTimeoutMs ?? 1000;
+  const redis = redisUrl ? connectRedis({ redisUrl, redisTimeoutMs }) : undefined;
   if (redis) {
     closers.push(() => redis.disconnect());
     await eventually(() => redis.status === 'ready', 5000, 'Redis ready');
@@ -108,7 +110,7 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   let file = opts.config;
   let prefix = opts.redisKeyPrefix ?? uniquePrefix();
   const compile = () => compileConfig(validateConfigFile(file, 'test config'), prefix);
-  const gateway = await buildGateway({ ...SETTINGS, backendUrl, ...opts.settings }, { config: compile(), redis, logStream });
+  const gateway = await buildGateway({ ...SETTINGS, backendUrl, ...opts.settings, redisTimeoutMs }, { config: compile(), redis, logStream });
   await gateway.app.listen({ port: 0, host: '127.0.0.1' });
   closers.push(() => gateway.app.close());
   const port = (gateway.app.server.address() as AddressInfo).port;

@@ -222,7 +222,6 @@ describe('a frozen Redis', () => {
     await eventually(async () => (await gw.call('/v1/pets', poller.key)).ok && !gw.gateway.store.degraded, 10_000, 'back on Redis');
     await gw.waitForLog((l) => l.msg === 'quota store: Redis answers again');
     expect(await metrics(gw)).toMatch(/^gateway_quota_store_degraded 0$/m);
-    // (not `other`: its request that timed out may still have run once Redis woke, and counted)
     const res = await gw.call('/v1/pets', spare.key);
     expect(res.status).toBe(200);
     const check = new Redis(redis.url);
@@ -233,6 +232,59 @@ describe('a frozen Redis', () => {
       check.disconnect();
     }
     expect((await admin(gw, '/readyz')).status).toBe(200);
+  });
+
+  it('counts a request decided locally while Redis is frozen there only: Redis, woken, does not count it too', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const k = { ...makeKey('enterprise'), limits: { perMinute: 1000, perDay: 100_000 } };
+    const gw = await build([k], { redis: redis.url, settings: { redisTimeoutMs: 300 } });
+    expect((await gw.call('/v1/pets', k.key)).status).toBe(200); // decided in Redis
+    redis.proc.kill('SIGSTOP');
+    try {
+      // Three at once: all three scripts are on the wire when Redis stops answering.
+      const answers = await Promise.all([1, 2, 3].map(() => gw.call('/v1/pets', k.key)));
+      expect(answers.map((r) => r.status)).toEqual([200, 200, 200]);
+      expect(gw.gateway.store.degraded).toBe(true);
+    } finally {
+      redis.proc.kill('SIGCONT');
+    }
+    await eventually(() => !gw.gateway.store.degraded, 5000, 'back on Redis');
+    const check = new Redis(redis.url);
+    try {
+      // Redis ran the three scripts when it woke, after their deadline: they changed nothing.
+      expect(await check.hget(`${gw.gateway.config().redisPrefix}:{k:${k.id}}`, 'dc')).toBe('1');
+    } finally {
+      check.disconnect();
+    }
+    expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
+    expect((await usage(gw, k.id)).windows.day.used).toBe(2);
+  });
+
+  it('QUOTA_STORE_FAILURE=closed: 503 quota_store_unavailable with Retry-After while Redis is frozen, never a 429', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const k = { ...makeKey('enterprise'), limits: { perMinute: 1000, perDay: 100_000 } };
+    const gw = await build([k], { redis: redis.url, settings: { redisTimeoutMs: 300, quotaStoreFailure: 'closed' } });
+    expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
+    redis.proc.kill('SIGSTOP');
+    try {
+      for (const key of [k.key, undefined]) {
+        // With the key, and without one (the per-address quota is in the store too).
+        const res = await gw.call('/v1/pets', key);
+        expect(res.status).toBe(503);
+        expect(await res.json()).toEqual({ code: 'quota_store_unavailable', message: expect.any(String), status: 503 });
+        expect(res.headers.get('retry-after')).toBe('1');
+        expect(res.headers.get('ratelimit-policy')).toMatch(/^"minute";q=\d+;w=60/);
+        expect(res.headers.get('x-ratelimit-remaining')).toBeNull(); // unknown: not claimed
+      }
+      expect(gw.echo!.seen.length).toBe(1); // only the request before the freeze reached the backend
+      expect(await metrics(gw)).toMatch(/^gateway_rejections_total\{reason="unavailable"\} 2$/m);
+      await gw.waitForLog((l) => l.msg === 'request' && l.status === 503 && l.outcome === 'unavailable');
+    } finally {
+      redis.proc.kill('SIGCONT');
+    }
+    await eventually(async () => (await gw.call('/v1/pets', k.key)).status === 200, 5000, 'served again once Redis answers');
   });
 
   it('clears the degraded state within 2 s of Redis answering again, with no request in between', async () => {

@@ -253,7 +253,7 @@ describe('redis store', () => {
 });
 
 describe('redis store with leases', () => {
-  const leased = (client: Redis = redis, max = 20) => new RedisQuotaStore(client, silent, () => {}, max);
+  const leased = (client: Redis = redis, max = 20) => new RedisQuotaStore(client, silent, { leaseMax: max });
   const counted = async (s: QuotaSubject) => Number(await redis.hget(s.name, 'mc'));
 
   it('takes 1% of the limit in one call and hands it out without asking Redis again', async () => {
