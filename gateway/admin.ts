@@ -1,6 +1,6 @@
 import { createHash, timingSafeEqual } from 'node:crypto';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, LogController } from 'fastify';
-import type { Redis } from 'ioredis';
+import type { RedisClient } from './lifecycle.js';
 import type { GatewayConfig } from './config.js';
 import { GatewayError, handleError } from './errors.js';
 import { windows } from './quota/decision.js';
@@ -13,7 +13,7 @@ export interface AdminDeps {
   metrics: { contentType: string; text(): Promise<string> };
   /** Problems that make this instance unready beyond Redis and the backend (a worker down). */
   problems?: () => string[];
-  redis?: Redis;
+  redis?: RedisClient;
   backendUrl: string;
   adminToken?: string;
   /** True once shutdown has begun: /readyz then answers 503 so load balancers stop sending. */
@@ -23,12 +23,20 @@ export interface AdminDeps {
 
 const digest = (s: string) => createHash('sha256').update(s).digest();
 
+/** Which Redis, in the words of the settings that chose it. */
+function redisName(redis: RedisClient): string {
+  if ('isCluster' in redis && redis.isCluster) return 'redis (REDIS_CLUSTER_NODES)';
+  const { sentinels, name } = (redis as { options: { sentinels?: unknown[] | null; name?: string } }).options;
+  return sentinels?.length ? `redis (REDIS_SENTINELS, master ${name})` : 'redis';
+}
+
 /** Why Redis is not usable, in an operator's words rather than the client library's. */
-async function redisProblems(redis: Redis): Promise<string[]> {
-  if (redis.status !== 'ready') return [`redis: not connected (${redis.status}); the gateway keeps trying`];
+async function redisProblems(redis: RedisClient): Promise<string[]> {
+  const what = redisName(redis);
+  if (redis.status !== 'ready') return [`${what}: not connected (${redis.status}); the gateway keeps trying`];
   return redis.ping().then(
     () => [],
-    (err: Error) => [/timed out/i.test(err.message) ? 'redis: connected but not answering in time' : `redis: ${err.message}`],
+    (err: Error) => [/timed out/i.test(err.message) ? `${what}: connected but not answering in time` : `${what}: ${err.message}`],
   );
 }
 

@@ -1,5 +1,5 @@
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, LogController } from 'fastify';
-import type { Redis } from 'ioredis';
+import type { RedisClient } from './lifecycle.js';
 import type { DestinationStream } from 'pino';
 import { createLogger } from '../runtime/process.js';
 import { accessLog } from './access-log.js';
@@ -19,7 +19,7 @@ import { fastifyTrustProxy, type GatewaySettings } from './settings.js';
 export interface GatewayDeps {
   config: GatewayConfig;
   /** The shared quota store; without it, quotas are kept in this process. */
-  redis?: Redis;
+  redis?: RedisClient;
   /** Where log lines go (tests read them); stdout when unset. */
   logStream?: DestinationStream;
 }

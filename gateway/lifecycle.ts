@@ -1,28 +1,44 @@
 import { watch } from 'node:fs';
 import { basename, dirname } from 'node:path';
 import type { FastifyBaseLogger } from 'fastify';
-import { Redis } from 'ioredis';
+import { Cluster, Redis } from 'ioredis';
 import { ConfigError, type GatewayConfig, loadConfigFile } from './config.js';
-import type { GatewaySettings } from './settings.js';
+import { type GatewaySettings, redisTarget } from './settings.js';
 
 // What a gateway process needs around its app: the Redis connection, and config reloads
 // on a change of the file or SIGHUP. Shared by the single process, the cluster's primary
 // and its workers.
 
-/** Fail fast instead of queueing: no offline queue, one retry, and a command timeout. */
-export function connectRedis(settings: Pick<GatewaySettings, 'redisUrl' | 'redisTimeoutMs'>): Redis | undefined {
-  if (!settings.redisUrl) return undefined;
-  const redis = new Redis(settings.redisUrl, {
-    enableOfflineQueue: false,
+/** The client of whichever Redis the settings name: one node, a Cluster, or a Sentinel group's master. */
+export type RedisClient = Redis | Cluster;
+
+type RedisSettings = Pick<GatewaySettings, 'redisUrl' | 'redisClusterNodes' | 'redisSentinels' | 'redisSentinelName' | 'redisTimeoutMs'>;
+
+/**
+ * Fail fast instead of queueing: no offline queue, one retry, and a command timeout, for each
+ * kind of Redis. A Cluster follows MOVED and refreshes its slot map when a master fails over;
+ * a Sentinel client asks the sentinels for the master again on every reconnect, and listens
+ * for their +switch-master so a failover is followed without waiting for an error.
+ */
+export function connectRedis(settings: RedisSettings): RedisClient | undefined {
+  const target = redisTarget(settings);
+  if (!target) return undefined;
+  const node = {
     maxRetriesPerRequest: 1,
     // The only guard against a Redis that accepts connections but never answers.
     commandTimeout: settings.redisTimeoutMs,
     connectTimeout: 2000,
-    retryStrategy: (times) => Math.min(times * 100, 2000),
-    // The commands of requests decided in the same tick leave in one write: on loopback a
-    // write per command cost more gateway CPU than all of our own per-request work.
-    enableAutoPipelining: true,
-  });
+  };
+  // The commands of requests decided in the same tick leave in one write: on loopback a
+  // write per command cost more gateway CPU than all of our own per-request work.
+  const common = { enableOfflineQueue: false, enableAutoPipelining: true };
+  const backoff = (times: number) => Math.min(times * 100, 2000);
+  const redis: RedisClient =
+    target.kind === 'cluster'
+      ? new Cluster(target.nodes, { ...common, clusterRetryStrategy: backoff, slotsRefreshTimeout: 2000, redisOptions: node })
+      : target.kind === 'sentinel'
+        ? new Redis({ ...common, ...node, sentinels: target.sentinels, name: target.name, sentinelRetryStrategy: backoff, retryStrategy: backoff, failoverDetector: true })
+        : new Redis(target.url, { ...common, ...node, retryStrategy: backoff });
   redis.on('error', () => {}); // reported once through the store's degraded log line instead
   return redis;
 }
@@ -32,7 +48,7 @@ export function connectRedis(settings: Pick<GatewaySettings, 'redisUrl' | 'redis
  * stops waiting at the first failed attempt (a Redis that is down refuses at once) or after
  * 1 s (one that does not answer), says so, and the store decides locally until Redis is back.
  */
-export async function awaitRedis(redis: Redis | undefined, log: FastifyBaseLogger): Promise<void> {
+export async function awaitRedis(redis: RedisClient | undefined, log: FastifyBaseLogger): Promise<void> {
   if (!redis || redis.status === 'ready') return;
   await new Promise<void>((resolve) => {
     const done = () => {

@@ -5,7 +5,7 @@ import { buildGateway } from './app.js';
 import { runPrimary, runWorker } from './cluster.js';
 import { type GatewayConfig, loadConfigFile } from './config.js';
 import { awaitRedis, connectRedis, reloader, watchConfig } from './lifecycle.js';
-import { type GatewaySettings, loadSettings } from './settings.js';
+import { type GatewaySettings, loadSettings, redisTarget } from './settings.js';
 
 // Entry: settings and config (fail fast), then one gateway process with its admin port, or
 // with GATEWAY_WORKERS > 1 a cluster (cluster.ts).
@@ -16,9 +16,9 @@ let initial: GatewayConfig;
 try {
   settings = loadSettings();
   initial = loadConfigFile(settings.configFile, settings.redisKeyPrefix, 'GATEWAY_CONFIG');
-  if (settings.workers > 1 && !settings.redisUrl) {
+  if (settings.workers > 1 && !redisTarget(settings)) {
     throw new Error(
-      `GATEWAY_WORKERS=${settings.workers} needs REDIS_URL: without Redis each worker keeps its own quotas, so every limit would be multiplied by ${settings.workers}`,
+      `GATEWAY_WORKERS=${settings.workers} needs Redis (REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS): without Redis each worker keeps its own quotas, so every limit would be multiplied by ${settings.workers}`,
     );
   }
 } catch (err) {

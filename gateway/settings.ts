@@ -18,6 +18,9 @@ function parseTrustProxy(value: string): false | number | string {
   return value;
 }
 
+/** `host:port,host:port,...` */
+const HOST_PORTS = '^[^,:\\s]+:[0-9]{1,5}(,[^,:\\s]+:[0-9]{1,5})*$';
+
 const Port = (env: string, fallback: number) => Type.Integer({ env, minimum: 0, maximum: 65535, default: fallback });
 const Ms = (env: string, fallback: number) => Type.Integer({ env, minimum: 1, default: fallback });
 
@@ -26,6 +29,10 @@ export const GatewaySettingsSchema = Type.Object({
   host: Type.String({ env: 'GATEWAY_HOST', minLength: 1, default: '127.0.0.1' }),
   backendUrl: Type.String({ env: 'BACKEND_URL', pattern: '^https?://', default: 'http://127.0.0.1:3001' }),
   redisUrl: Type.Optional(Type.String({ env: 'REDIS_URL', pattern: '^rediss?://' })),
+  // A Redis Cluster from its seed nodes, or a Sentinel group: instead of REDIS_URL.
+  redisClusterNodes: Type.Optional(Type.String({ env: 'REDIS_CLUSTER_NODES', pattern: HOST_PORTS })),
+  redisSentinels: Type.Optional(Type.String({ env: 'REDIS_SENTINELS', pattern: HOST_PORTS })),
+  redisSentinelName: Type.Optional(Type.String({ env: 'REDIS_SENTINEL_NAME', pattern: '^[A-Za-z0-9_.-]{1,64}$' })),
   configFile: Type.String({ env: 'GATEWAY_CONFIG', minLength: 1, default: 'config/gateway.yaml' }),
   bodyLimit: Type.Integer({ env: 'GATEWAY_BODY_LIMIT', minimum: 1, default: 1024 * 1024 }),
   upstreamTimeoutMs: Ms('UPSTREAM_TIMEOUT_MS', 10_000),
@@ -50,7 +57,27 @@ export const GatewaySettingsSchema = Type.Object({
 export type GatewaySettings = ReturnType<typeof loadSettings>;
 
 export function loadSettings(env: NodeJS.ProcessEnv = process.env) {
-  return readSettings(GatewaySettingsSchema, env, 'gateway');
+  const settings = readSettings(GatewaySettingsSchema, env, 'gateway');
+  const chosen = [
+    settings.redisUrl && 'REDIS_URL',
+    settings.redisClusterNodes && 'REDIS_CLUSTER_NODES',
+    settings.redisSentinels && 'REDIS_SENTINELS',
+  ].filter(Boolean);
+  const problems = [];
+  if (chosen.length > 1) problems.push(`  ${chosen.join(', ')}: set one of them, not ${chosen.length}`);
+  if (settings.redisSentinels && !settings.redisSentinelName) problems.push('  REDIS_SENTINEL_NAME: required with REDIS_SENTINELS (the master group name)');
+  if (settings.redisSentinelName && !settings.redisSentinels) problems.push('  REDIS_SENTINEL_NAME: only means something with REDIS_SENTINELS');
+  if (problems.length > 0) throw new Error(['Invalid gateway settings:', ...problems].join('\n'));
+  return settings;
+}
+
+/** Which Redis the settings name, if any: a single node, a Cluster or a Sentinel group. */
+export function redisTarget(s: Pick<GatewaySettings, 'redisUrl' | 'redisClusterNodes' | 'redisSentinels' | 'redisSentinelName'>) {
+  const nodes = (list: string) => list.split(',').map((n) => ({ host: n.slice(0, n.lastIndexOf(':')), port: Number(n.slice(n.lastIndexOf(':') + 1)) }));
+  if (s.redisClusterNodes) return { kind: 'cluster' as const, nodes: nodes(s.redisClusterNodes) };
+  if (s.redisSentinels) return { kind: 'sentinel' as const, sentinels: nodes(s.redisSentinels), name: s.redisSentinelName! };
+  if (s.redisUrl) return { kind: 'single' as const, url: s.redisUrl };
+  return undefined;
 }
 
 /** GATEWAY_CONFIG alone, for the keys command: other settings do not concern it. */

@@ -1,5 +1,5 @@
 import { readFileSync } from 'node:fs';
-import type { Redis } from 'ioredis';
+import type { RedisClient } from '../lifecycle.js';
 import type { FastifyBaseLogger } from 'fastify';
 import { DAY_MS, type Decision, decision, leaseSize, MINUTE_MS, OUTCOMES, type QuotaSubject, windowStart } from './decision.js';
 import { MemoryQuotaStore } from './memory-store.js';
@@ -9,7 +9,7 @@ const SCRIPT = readFileSync(new URL('./quota.lua', import.meta.url), 'utf8');
 const RETRY_REDIS_AFTER_MS = 1000;
 
 type Reply = [outcome: number, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number, taken?: number];
-type QuotaRedis = Redis & {
+type QuotaRedis = RedisClient & {
   quota(counters: string, rejections: string, ...args: number[]): Promise<Reply>;
 };
 
@@ -64,7 +64,7 @@ export class RedisQuotaStore implements QuotaStore {
   private readonly failClosed: boolean;
 
   constructor(
-    redis: Redis,
+    redis: RedisClient,
     private readonly log: FastifyBaseLogger,
     options: {
       /** Told the duration of every script call, in seconds (the latency histogram). */

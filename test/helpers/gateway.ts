@@ -1,12 +1,11 @@
 import type { AddressInfo } from 'node:net';
 import { Writable } from 'node:stream';
 import type { FastifyInstance } from 'fastify';
-import type { Redis } from 'ioredis';
 import { afterAll, beforeAll, inject, onTestFinished } from 'vitest';
 import { buildAdmin } from '../../gateway/admin.js';
 import { buildGateway, type Gateway } from '../../gateway/app.js';
 import { compileConfig, type ConfigFile, validateConfigFile } from '../../gateway/config.js';
-import { connectRedis } from '../../gateway/lifecycle.js';
+import { connectRedis, type RedisClient } from '../../gateway/lifecycle.js';
 import type { GatewaySettings } from '../../gateway/settings.js';
 import { type EchoBackend, echoBackend, petsBackend } from './backends.js';
 import { call, uniquePrefix } from './config.js';
@@ -36,7 +35,7 @@ export interface TestGateway {
   /** The echo backend, when the gateway uses one. */
   echo?: EchoBackend;
   backendUrl: string;
-  redis?: Redis;
+  redis?: RedisClient;
   /** Every JSON log line the gateway has written. */
   logs: Array<Record<string, unknown>>;
   waitForLog(match: (line: Record<string, unknown>) => boolean, ms?: number): Promise<Record<string, unknown>>;
@@ -88,12 +87,14 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   } else {
     backendUrl = opts.backend;
   }
-  const redisUrl = opts.redis === undefined ? inject('redisUrl') : opts.redis;
+  const { redisClusterNodes, redisSentinels, redisSentinelName } = opts.settings ?? {};
+  // A Cluster or Sentinel group given in the settings replaces the run's single Redis.
+  const redisUrl = redisClusterNodes || redisSentinels ? undefined : opts.redis === undefined ? inject('redisUrl') : opts.redis || undefined;
   // The production client and its options (lifecycle.ts), so the tests exercise them.
   // A second, not 250 ms: several in-process instances share this busy event loop, and a
   // slow call would hand decisions to the per-process fallback (tests of that set their own).
   const redisTimeoutMs = opts.settings?.redisTimeoutMs ?? 1000;
-  const redis = redisUrl ? connectRedis({ redisUrl, redisTimeoutMs }) : undefined;
+  const redis = connectRedis({ redisUrl, redisClusterNodes, redisSentinels, redisSentinelName, redisTimeoutMs });
   if (redis) {
     closers.push(() => redis.disconnect());
     await eventually(() => redis.status === 'ready', 5000, 'Redis ready');

@@ -1,4 +1,8 @@
-import { type ChildProcess, spawn } from 'node:child_process';
+import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { createServer } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { freePort, waitForPort } from './net.js';
 
 /** A real redis-server on a free port, for the run or for one test that needs to break it. */
@@ -17,3 +21,166 @@ export async function spawnRedis(): Promise<{ url: string; proc: ChildProcess; s
     },
   };
 }
+
+const canListen = (port: number) =>
+  new Promise<boolean>((resolve) => {
+    const s = createServer();
+    s.once('error', () => resolve(false));
+    s.listen(port, '127.0.0.1', () => s.close(() => resolve(true)));
+  });
+
+/** A port free together with port + 10000 (a Cluster node's bus port), below the ephemeral range. */
+async function clusterPort(taken: Set<number>): Promise<number> {
+  for (;;) {
+    const port = 20_000 + Math.floor(Math.random() * 10_000);
+    if (taken.has(port)) continue;
+    if ((await canListen(port)) && (await canListen(port + 10_000))) {
+      taken.add(port);
+      return port;
+    }
+  }
+}
+
+const cli = (port: number, ...args: string[]) =>
+  execFileSync('redis-cli', ['-h', '127.0.0.1', '-p', String(port), ...args], { encoding: 'utf8', timeout: 10_000 }).trim();
+
+async function until(what: string, ms: number, check: () => boolean): Promise<void> {
+  const end = Date.now() + ms;
+  for (;;) {
+    try {
+      if (check()) return;
+    } catch {
+      // not yet
+    }
+    if (Date.now() > end) throw new Error(`${what}: not within ${ms} ms`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
+
+export interface RedisNode {
+  port: number;
+  proc: ChildProcess;
+}
+
+/**
+ * A real Redis Cluster on loopback: 3 masters with a replica each, made by
+ * `redis-cli --cluster create`, failing over after 1 s without its master.
+ */
+export async function spawnCluster(): Promise<{ nodes: string; all: RedisNode[]; masterOf(key: string): RedisNode; stop(): void }> {
+  const dir = mkdtempSync(join(tmpdir(), 'redis-cluster-'));
+  const taken = new Set<number>();
+  const all: RedisNode[] = [];
+  const stop = () => {
+    for (const n of all) {
+      n.proc.kill('SIGCONT');
+      n.proc.kill('SIGKILL');
+    }
+    rmSync(dir, { recursive: true, force: true });
+  };
+  try {
+    for (let i = 0; i < 6; i++) {
+      const port = await clusterPort(taken);
+      const proc = spawn(
+        'redis-server',
+        ['--port', String(port), '--bind', '127.0.0.1', '--cluster-enabled', 'yes', '--cluster-config-file', `nodes-${port}.conf`,
+          '--cluster-node-timeout', '1000', '--dir', dir, '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0'],
+        { stdio: 'ignore' },
+      );
+      all.push({ port, proc });
+    }
+    for (const n of all) await waitForPort(n.port, 5000);
+    execFileSync('redis-cli', ['--cluster', 'create', ...all.map((n) => `127.0.0.1:${n.port}`), '--cluster-replicas', '1', '--cluster-yes'], {
+      stdio: 'ignore',
+      timeout: 30_000,
+    });
+    await until('cluster state ok on every node', 20_000, () => all.every((n) => cli(n.port, 'cluster', 'info').includes('cluster_state:ok')));
+    // A replica that never synced is too stale to be promoted: wait for every link.
+    await until('every replica in sync', 20_000, () =>
+      all.every((n) => {
+        const info = cli(n.port, 'info', 'replication');
+        return info.includes('role:master') || info.includes('master_link_status:up');
+      }),
+    );
+  } catch (err) {
+    stop();
+    throw err;
+  }
+  /** The node serving `key`'s slot now, as a live node's CLUSTER NODES says (after a failover too). */
+  const masterOf = (key: string) => {
+    const live = all.find((n) => {
+      try {
+        return cli(n.port, 'ping') === 'PONG';
+      } catch {
+        return false;
+      }
+    })!;
+    const slot = Number(cli(live.port, 'cluster', 'keyslot', key));
+    for (const line of cli(live.port, 'cluster', 'nodes').split('\n')) {
+      const [, address, flags, , , , , , ...ranges] = line.split(' ');
+      if (!flags?.split(',').includes('master') || flags.includes('fail')) continue;
+      const serves = ranges.some((r) => {
+        const [a, b = a] = r.split('-').map(Number);
+        return slot >= a! && slot <= b!;
+      });
+      if (serves) return all.find((n) => n.port === Number(address!.split('@')[0]!.split(':')[1]))!;
+    }
+    throw new Error(`no live master serves slot ${slot}`);
+  };
+  return { nodes: all.slice(0, 2).map((n) => `127.0.0.1:${n.port}`).join(','), all, masterOf, stop };
+}
+
+/**
+ * A real Sentinel group on loopback: a master, a replica and three sentinels (quorum 2) that
+ * fail over one second after the master stops answering.
+ */
+export async function spawnSentinels(): Promise<{ sentinels: string; name: string; master: RedisNode; replica: RedisNode; stop(): void }> {
+  const dir = mkdtempSync(join(tmpdir(), 'redis-sentinel-'));
+  const procs: ChildProcess[] = [];
+  const stop = () => {
+    for (const p of procs) {
+      p.kill('SIGCONT');
+      p.kill('SIGKILL');
+    }
+    rmSync(dir, { recursive: true, force: true });
+  };
+  const name = 'petstore';
+  try {
+    const [mPort, rPort] = [await freePort(), await freePort()];
+    const server = (port: number, ...extra: string[]) => {
+      const proc = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0', ...extra], {
+        stdio: 'ignore',
+      });
+      procs.push(proc);
+      return { port, proc };
+    };
+    const master = server(mPort);
+    const replica = server(rPort, '--replicaof', '127.0.0.1', String(mPort));
+    await waitForPort(mPort, 5000);
+    await waitForPort(rPort, 5000);
+    await until('the replica in sync', 10_000, () => cli(rPort, 'info', 'replication').includes('master_link_status:up'));
+    const ports: number[] = [];
+    for (let i = 0; i < 3; i++) {
+      const port = await freePort();
+      const conf = join(dir, `sentinel-${port}.conf`);
+      writeFileSync(
+        conf,
+        [`port ${port}`, 'bind 127.0.0.1', `dir ${dir}`, `sentinel monitor ${name} 127.0.0.1 ${mPort} 2`,
+          `sentinel down-after-milliseconds ${name} 1000`, `sentinel failover-timeout ${name} 5000`, ''].join('\n'),
+      );
+      procs.push(spawn('redis-server', [conf, '--sentinel'], { stdio: 'ignore' }));
+      ports.push(port);
+    }
+    for (const p of ports) await waitForPort(p, 5000);
+    // Failover needs the sentinels to know the replica and each other.
+    await until('sentinels see the replica and each other', 20_000, () =>
+      ports.every((p) => cli(p, 'sentinel', 'replicas', name).includes(String(rPort)) && Number(cli(p, 'sentinel', 'ckquorum', name).match(/(\d+) usable/)?.[1]) >= 3),
+    );
+    return { sentinels: ports.map((p) => `127.0.0.1:${p}`).join(','), name, master, replica, stop };
+  } catch (err) {
+    stop();
+    throw err;
+  }
+}
+
+/** What a node says it is: master or slave (Redis's word). */
+export const role = (port: number) => cli(port, 'role').split('\n')[0];

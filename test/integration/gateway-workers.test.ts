@@ -23,7 +23,7 @@ const servedBy = (logs: Array<Record<string, unknown>>) => new Set(logs.filter((
 describe('GATEWAY_WORKERS', () => {
   it('refuses more than one worker without REDIS_URL, saying why', async () => {
     const started = startProcess('dist/gateway/server.js', { GATEWAY_WORKERS: '2', GATEWAY_PORT: '0', ADMIN_PORT: '0' }, { port: 1 });
-    await expect(started).rejects.toThrow(/GATEWAY_WORKERS=2 needs REDIS_URL: without Redis each worker keeps its own quotas/);
+    await expect(started).rejects.toThrow(/GATEWAY_WORKERS=2 needs Redis \(REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS\): without Redis each worker keeps its own quotas/);
   });
 
   it('never admits more than the limit across two workers and another instance, leases on, and sums their metrics', async () => {

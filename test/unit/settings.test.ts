@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { loadBackendSettings } from '../../backend/settings.js';
-import { configFilePath, loadSettings } from '../../gateway/settings.js';
+import { configFilePath, loadSettings, redisTarget } from '../../gateway/settings.js';
 
 describe('settings', () => {
   it.each([
@@ -54,6 +54,23 @@ describe('settings from their schema', () => {
   it('names the allowed values of a closed list', () => {
     expect(() => loadSettings({ LOG_LEVEL: 'verbose' })).toThrow(/LOG_LEVEL: expected one of fatal, error, warn, info, debug, trace, silent/);
     expect(() => loadSettings({ LOG_PRETTY: 'true' })).toThrow(/LOG_PRETTY: expected one of 1, 0/);
+  });
+
+  it('takes one Redis: a URL, a Cluster or a Sentinel group, each well formed', () => {
+    expect(redisTarget(loadSettings({ REDIS_CLUSTER_NODES: '10.0.0.1:7000,redis-b:7001' }))).toEqual({
+      kind: 'cluster',
+      nodes: [{ host: '10.0.0.1', port: 7000 }, { host: 'redis-b', port: 7001 }],
+    });
+    expect(redisTarget(loadSettings({ REDIS_SENTINELS: 's1:26379', REDIS_SENTINEL_NAME: 'mymaster' }))).toEqual({
+      kind: 'sentinel',
+      sentinels: [{ host: 's1', port: 26379 }],
+      name: 'mymaster',
+    });
+    expect(redisTarget(loadSettings({}))).toBeUndefined();
+    expect(() => loadSettings({ REDIS_URL: 'redis://r:6379', REDIS_CLUSTER_NODES: 'a:1' })).toThrow(/REDIS_URL, REDIS_CLUSTER_NODES: set one of them, not 2/);
+    expect(() => loadSettings({ REDIS_SENTINELS: 's1:26379' })).toThrow(/REDIS_SENTINEL_NAME: required with REDIS_SENTINELS/);
+    expect(() => loadSettings({ REDIS_SENTINEL_NAME: 'mymaster' })).toThrow(/REDIS_SENTINEL_NAME: only means something with REDIS_SENTINELS/);
+    expect(() => loadSettings({ REDIS_CLUSTER_NODES: 'a:1;b:2' })).toThrow(/REDIS_CLUSTER_NODES/);
   });
 
   it('reads only GATEWAY_CONFIG for the keys command', () => {

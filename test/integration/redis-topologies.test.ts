@@ -1,0 +1,158 @@
+import { Cluster, Redis } from 'ioredis';
+import { describe, expect, it, onTestFinished } from 'vitest';
+import { makeKey, testConfig } from '../helpers/config.js';
+import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
+import { role, spawnCluster, spawnSentinels } from '../helpers/redis.js';
+import { eventually, inOneMinute } from '../helpers/time.js';
+
+// The gateway on a real Redis Cluster (3 masters, 3 replicas) and a real Sentinel group, both
+// started here from the redis-server binary on loopback ports. Limits stay exact; a master
+// killed under load costs no 5xx (decisions go in-process meanwhile) and enforcement moves to
+// the promoted replica. The time it takes is logged for the README.
+
+/** Requests one after another until stopped; every status seen, and when enforcement came back. */
+function load(gw: TestGateway, key: string) {
+  const statuses = new Map<number, number>();
+  let running = true;
+  const done = (async () => {
+    while (running) {
+      let status = 0; // 0: no answer at all
+      try {
+        const res = await gw.call('/v1/pets', key);
+        await res.arrayBuffer();
+        status = res.status;
+      } catch {
+        if (!running) break;
+      }
+      statuses.set(status, (statuses.get(status) ?? 0) + 1);
+    }
+  })();
+  return {
+    statuses,
+    stop: async () => {
+      running = false;
+      await done;
+    },
+  };
+}
+
+describe('Redis Cluster', () => {
+  it('admits exactly the limit, with every key of a consumer in one slot, on the master serving it', async () => {
+    const cluster = await spawnCluster();
+    onTestFinished(() => cluster.stop());
+    const keys = [makeKey('free'), makeKey('free'), makeKey('free')]; // 5 a minute each
+    const gw = await buildTestGateway({ config: testConfig(keys), settings: { redisClusterNodes: cluster.nodes }, admin: {} });
+    expect((await fetch(`${gw.adminUrl}/readyz`)).status).toBe(200);
+    let run = 0;
+    await inOneMinute(
+      async () => {
+        const got = [];
+        for (let i = 0; i < 6; i++) got.push((await gw.call('/v1/pets', keys[run]!.key)).status);
+        expect(got).toEqual([200, 200, 200, 200, 200, 429]);
+      },
+      () => run++,
+    );
+    const name = `${gw.gateway.config().redisPrefix}:{k:${keys[run]!.id}}`;
+    const owner = cluster.masterOf(name);
+    expect(cluster.masterOf(`${name}:rej`)).toBe(owner); // the hash tag: one slot, one node
+    const direct = new Redis({ port: owner.port, host: '127.0.0.1' }).on('error', () => {});
+    onTestFinished(() => direct.disconnect());
+    expect(await direct.hget(name, 'mc')).toBe('5');
+    expect(await direct.llen(`${name}:rej`)).toBe(1);
+
+    // Readiness names the Redis by the setting that chose it.
+    cluster.stop();
+    await eventually(async () => (await fetch(`${gw.adminUrl}/readyz`)).status === 503, 10_000, '/readyz 503');
+    expect((await (await fetch(`${gw.adminUrl}/readyz`)).json()).message).toMatch(/^Not ready: redis \(REDIS_CLUSTER_NODES\): /);
+  });
+
+  it('a master killed under load: no 5xx, and enforcement moves to the promoted replica', { timeout: 60_000 }, async () => {
+    const cluster = await spawnCluster();
+    onTestFinished(() => cluster.stop());
+    const roomy = { ...makeKey('enterprise'), limits: { perMinute: 1_000_000, perDay: 10_000_000 } };
+    const gw = await buildTestGateway({ config: testConfig([roomy]), settings: { redisClusterNodes: cluster.nodes, redisTimeoutMs: 250 } });
+    const name = `${gw.gateway.config().redisPrefix}:{k:${roomy.id}}`;
+    expect((await gw.call('/v1/pets', roomy.key)).status).toBe(200);
+    const master = cluster.masterOf(name);
+
+    const traffic = load(gw, roomy.key);
+    onTestFinished(() => traffic.stop()); // first: before the gateway closes
+    await new Promise((r) => setTimeout(r, 300));
+    const killedAt = Date.now();
+    master.proc.kill('SIGKILL');
+    // Enforcement is back when the replica has been promoted and counts this key's requests.
+    const client = new Cluster(cluster.all.filter((n) => n !== master).map((n) => ({ host: '127.0.0.1', port: n.port }))).on('error', () => {});
+    onTestFinished(() => client.disconnect());
+    let counted = -1;
+    await eventually(
+      async () => {
+        const now = (() => {
+          try {
+            return cluster.masterOf(name);
+          } catch {
+            return master; // between the master's failure and the promotion: nobody serves the slot
+          }
+        })();
+        if (now === master) return false;
+        const before = Number(await client.hget(name, 'dc'));
+        await new Promise((r) => setTimeout(r, 100));
+        counted = Number(await client.hget(name, 'dc'));
+        return counted > before && !gw.gateway.store.degraded;
+      },
+      30_000,
+      'requests counted on the promoted replica',
+    );
+    const backAfterMs = Date.now() - killedAt;
+    await traffic.stop();
+    console.log(`Redis Cluster failover: enforcement back on the promoted replica ${backAfterMs} ms after the master was killed`);
+    expect([...traffic.statuses.keys()]).toEqual([200]); // served throughout, never a 5xx or a 429
+    expect(role(cluster.masterOf(name).port)).toBe('master');
+  });
+});
+
+describe('Redis Sentinel', () => {
+  it('decides on the master the sentinels name, and on the promoted replica once the master dies', { timeout: 60_000 }, async () => {
+    const group = await spawnSentinels();
+    onTestFinished(() => group.stop());
+    const k = makeKey('free'); // 5 a minute
+    const roomy = { ...makeKey('enterprise'), limits: { perMinute: 1_000_000, perDay: 10_000_000 } };
+    const gw = await buildTestGateway({
+      config: testConfig([k, roomy]),
+      settings: { redisSentinels: group.sentinels, redisSentinelName: group.name, redisTimeoutMs: 250 },
+    });
+    const name = (id: string) => `${gw.gateway.config().redisPrefix}:{k:${id}}`;
+    await inOneMinute(
+      async () => {
+        const got = [];
+        for (let i = 0; i < 6; i++) got.push((await gw.call('/v1/pets', k.key)).status);
+        expect(got).toEqual([200, 200, 200, 200, 200, 429]);
+      },
+      () => gw.freshCounters(),
+    );
+    const onMaster = new Redis({ port: group.master.port, host: '127.0.0.1' }).on('error', () => {});
+    onTestFinished(() => onMaster.disconnect());
+    expect(await onMaster.hget(name(k.id), 'mc')).toBe('5');
+
+    const traffic = load(gw, roomy.key);
+    onTestFinished(() => traffic.stop()); // first: before the gateway closes
+    await new Promise((r) => setTimeout(r, 300));
+    const killedAt = Date.now();
+    group.master.proc.kill('SIGKILL');
+    const promoted = new Redis({ port: group.replica.port, host: '127.0.0.1' }).on('error', () => {});
+    onTestFinished(() => promoted.disconnect());
+    await eventually(
+      async () => {
+        if (role(group.replica.port) !== 'master') return false;
+        const before = Number(await promoted.hget(name(roomy.id), 'dc'));
+        await new Promise((r) => setTimeout(r, 100));
+        return Number(await promoted.hget(name(roomy.id), 'dc')) > before && !gw.gateway.store.degraded;
+      },
+      30_000,
+      'requests counted on the promoted replica',
+    );
+    const backAfterMs = Date.now() - killedAt;
+    await traffic.stop();
+    console.log(`Redis Sentinel failover: enforcement back on the promoted replica ${backAfterMs} ms after the master was killed`);
+    expect([...traffic.statuses.keys()]).toEqual([200]);
+  });
+});
