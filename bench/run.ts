@@ -1,13 +1,13 @@
-import { execFile, execFileSync, spawn, type ChildProcess } from 'node:child_process';
-import { mkdirSync, mkdtempSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { execFileSync, spawn } from 'node:child_process';
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { cpus, tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
-import { promisify } from 'node:util';
 import { Redis } from 'ioredis';
 import { generateKey } from '../gateway/auth/keys.js';
 import { testConfig } from '../test/helpers/config.js';
 import { freePort, waitForPort } from '../test/helpers/net.js';
 import { spawnRedis } from '../test/helpers/redis.js';
+import { hasCommand, ROOT, start, wrk as runWrk } from './lib.js';
 
 // `npm run bench`: loopback only, bounded (about five minutes by default), every variant
 // measured in the same run, interleaved and repeated, and reported as medians and as ratios
@@ -17,8 +17,7 @@ import { spawnRedis } from '../test/helpers/redis.js';
 //   fixed rate: wrk with think time, at half the gateway's saturation: p50/p99 there.
 // BENCH_SECONDS (default 7) and BENCH_ROUNDS (default 3) bound it; results go to bench/results/.
 
-const run = promisify(execFile);
-const ROOT = resolve(import.meta.dirname, '..');
+
 const SECONDS = Number(process.env.BENCH_SECONDS ?? 7);
 const ROUNDS = Number(process.env.BENCH_ROUNDS ?? 3);
 const CONNECTIONS = 50;
@@ -46,26 +45,6 @@ interface Sample {
   cpuUs: number;
   redisCmds: number;
   wrong: number;
-}
-
-function hasCommand(cmd: string): boolean {
-  try {
-    execFileSync('sh', ['-c', `command -v ${cmd}`], { stdio: 'ignore' });
-    return true;
-  } catch {
-    return false;
-  }
-}
-
-/** A process of ours, its output to a file (as a container's log would be), ready when its port opens. */
-async function start(name: string, args: string[], env: Record<string, string>, port: number, dir: string): Promise<ChildProcess> {
-  const out = openSync(join(dir, `${name}.log`), 'a');
-  const proc = spawn(args[0]!, args.slice(1), { cwd: ROOT, env: { PATH: process.env.PATH ?? '', ...env }, stdio: ['ignore', out, out] });
-  await Promise.race([
-    waitForPort(port, 15_000),
-    new Promise((_, reject) => proc.once('exit', (code) => reject(new Error(`${name} exited (${code}); see ${dir}/${name}.log`)))),
-  ]);
-  return proc;
 }
 
 /** utime + stime of a process and all its descendants, in microseconds. */
@@ -98,26 +77,7 @@ async function redisCommands(redis: Redis, scriptOnly: Set<string>): Promise<num
   return n;
 }
 
-async function wrk(v: Variant, seconds: number, extraLua = '') {
-  const args = ['-t1', `-c${CONNECTIONS}`, `-d${seconds}s`, '--latency'];
-  for (const [k, val] of Object.entries(v.headers ?? {})) args.push('-H', `${k}: ${val}`);
-  // wrk counts only non-2xx/3xx as errors; a 429 variant checks its status with a Lua hook instead.
-  const script = join(tmpdir(), `bench-${process.pid}-${v.status}-${extraLua.length}.lua`);
-  writeFileSync(script, `wrong = 0\nresponse = function(status) if status ~= ${v.status} then wrong = wrong + 1 end end\n` +
-    `done = function() io.write("wrong statuses: " .. wrong .. "\\n") end\n${extraLua}`);
-  const { stdout } = await run('wrk', [...args, '-s', script, v.url]);
-  const ms = (label: string) => {
-    const m = new RegExp(`^\\s+${label}%\\s+([\\d.]+)(us|ms|s)`, 'm').exec(stdout);
-    return m ? Number(m[1]) * (m[2] === 'us' ? 0.001 : m[2] === 's' ? 1000 : 1) : Number.NaN;
-  };
-  return {
-    rps: Number(/Requests\/sec:\s+([\d.]+)/.exec(stdout)?.[1]),
-    requests: Number(/(\d+) requests in/.exec(stdout)?.[1]),
-    p50: ms('50'),
-    p99: ms('99'),
-    wrong: Number(/wrong statuses: (\d+)/.exec(stdout)?.[1] ?? Number.NaN),
-  };
-}
+const wrk = (v: Variant, seconds: number, extraLua = '') => runWrk(v.url, v.headers ?? {}, v.status, CONNECTIONS, seconds, extraLua);
 
 async function saturate(v: Variant, redis: Redis, scriptOnly: Set<string>): Promise<Sample> {
   await wrk(v, 1); // warm up: JIT, connections, caches

@@ -35,7 +35,7 @@ export interface Gateway {
 
 type AppSettings = Pick<
   GatewaySettings,
-  'backendUrl' | 'bodyLimit' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds' | 'quotaLeaseMax' | 'redisTimeoutMs' | 'quotaStoreFailure'
+  'backendUrl' | 'bodyLimit' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds' | 'quotaLeaseMax' | 'redisTimeoutMs' | 'quotaWaitMs' | 'quotaStoreFailure'
 >;
 
 /** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */
@@ -49,6 +49,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
         observe: (s) => metrics.redisSeconds.observe(s),
         leaseMax: settings.quotaLeaseMax,
         timeoutMs: settings.redisTimeoutMs,
+        waitMs: settings.quotaWaitMs,
         failClosed: settings.quotaStoreFailure === 'closed',
       })
     : new MemoryQuotaStore();

@@ -43,7 +43,7 @@ export class GatewayMetrics {
     this.redisSeconds = new Histogram({
       name: 'gateway_redis_duration_seconds',
       help: 'Duration of the quota script call to Redis',
-      buckets: [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25],
+      buckets: [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.1, 0.25],
       registers,
     });
     this.upstreamSeconds = new Histogram({
@@ -65,8 +65,21 @@ export class GatewayMetrics {
   }
 
   /** The store's state, read when metrics are scraped. */
-  watch(store: Pick<QuotaStore, 'degraded' | 'activeBans'>): void {
+  watch(store: Pick<QuotaStore, 'degraded' | 'activeBans' | 'localDecisions'>): void {
     const registers = [this.registry];
+    new Counter({
+      name: 'gateway_quota_local_decisions_total',
+      help: 'Quota decisions made in-process instead of in Redis: reason="late" (no answer within QUOTA_WAIT_MS for that request), "failing" (Redis failing)',
+      labelNames: ['reason'],
+      registers,
+      collect() {
+        const counts = store.localDecisions;
+        if (!counts) return;
+        this.reset();
+        this.inc({ reason: 'late' }, counts.late);
+        this.inc({ reason: 'failing' }, counts.failing);
+      },
+    });
     new Gauge({
       name: 'gateway_bans_active',
       help: 'Keys this instance knows to be banned now',

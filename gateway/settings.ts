@@ -37,6 +37,8 @@ export const GatewaySettingsSchema = Type.Object({
   bodyLimit: Type.Integer({ env: 'GATEWAY_BODY_LIMIT', minimum: 1, default: 1024 * 1024 }),
   upstreamTimeoutMs: Ms('UPSTREAM_TIMEOUT_MS', 10_000),
   redisTimeoutMs: Ms('REDIS_TIMEOUT_MS', 250),
+  // The longest a request waits for its quota decision; past it, decided in-process (bench:faults).
+  quotaWaitMs: Ms('QUOTA_WAIT_MS', 40),
   // While Redis fails: decide in-process (open) or answer 503 quota_store_unavailable (closed).
   quotaStoreFailure: oneOf('QUOTA_STORE_FAILURE', ['open', 'closed'], 'open'),
   quotaLeaseMax: Type.Integer({ env: 'QUOTA_LEASE_MAX', minimum: 1, maximum: 1000, default: 20 }),

@@ -7,6 +7,7 @@ import { type Counters, countsAt, type QuotaStore, QuotaStoreUnavailable, type U
 
 const SCRIPT = readFileSync(new URL('./quota.lua', import.meta.url), 'utf8');
 const RETRY_REDIS_AFTER_MS = 1000;
+const LATE = Symbol('late');
 
 type Reply = [outcome: number, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number, taken?: number];
 type QuotaRedis = RedisClient & {
@@ -33,7 +34,7 @@ interface Lease {
  * units come out of the Redis count atomically, so the limit still holds across instances;
  * headers count the whole lease as used, so they never claim more room than there is).
  * When Redis fails, decisions come from the in-process fallback (logged once, `degraded`
- * set) and Redis is tried again after a second.
+ * set) without waiting on Redis, and a probe asks Redis every second until it answers.
  */
 export class RedisQuotaStore implements QuotaStore {
   private readonly redis: QuotaRedis;
@@ -48,7 +49,8 @@ export class RedisQuotaStore implements QuotaStore {
    */
   private deadlineOffset = Number.POSITIVE_INFINITY;
   private deadlineOffsetAt = 0;
-  private retryAt = 0;
+  /** Since when Redis has been failing (Date.now()); 0 while it answers. */
+  private failedAt = 0;
   private readonly fallback = new MemoryQuotaStore();
   private readonly leases = new Map<string, Lease>();
   private lastSweep = 0;
@@ -61,7 +63,10 @@ export class RedisQuotaStore implements QuotaStore {
   private readonly observe: (seconds: number) => void;
   private readonly leaseMax: number;
   private readonly timeoutMs: number;
+  private readonly waitMs: number;
   private readonly failClosed: boolean;
+  /** Decisions made in-process: Redis slower than waitMs for that request, or failing. */
+  private readonly localCount = { late: 0, failing: 0 };
 
   constructor(
     redis: RedisClient,
@@ -71,8 +76,14 @@ export class RedisQuotaStore implements QuotaStore {
       observe?: (seconds: number) => void;
       /** Largest lease (QUOTA_LEASE_MAX); 1 (the default): every admission asks Redis. */
       leaseMax?: number;
-      /** How long a call is waited for (REDIS_TIMEOUT_MS); later, Redis must not count it. 0: no deadline. */
+      /** A call slower than this (REDIS_TIMEOUT_MS) means Redis fails. 0: no deadline. */
       timeoutMs?: number;
+      /**
+       * The longest a request waits for its decision (QUOTA_WAIT_MS): past it, that request
+       * alone is decided in-process and Redis, running its script later, does not count it.
+       * 0: as long as timeoutMs. Failing closed waits the whole timeoutMs.
+       */
+      waitMs?: number;
       /** While Redis fails, throw QuotaStoreUnavailable instead of deciding in-process. */
       failClosed?: boolean;
     } = {},
@@ -81,6 +92,8 @@ export class RedisQuotaStore implements QuotaStore {
     this.leaseMax = options.leaseMax ?? 1;
     this.timeoutMs = options.timeoutMs ?? 0;
     this.failClosed = options.failClosed ?? false;
+    const wait = this.failClosed ? 0 : (options.waitMs ?? 0);
+    this.waitMs = wait > 0 && (this.timeoutMs === 0 || wait < this.timeoutMs) ? wait : 0;
     redis.defineCommand('quota', { numberOfKeys: 2, lua: SCRIPT });
     this.redis = redis as QuotaRedis;
     // Learn the clock offset on every (re)connection, so even the first decision has a deadline.
@@ -106,12 +119,14 @@ export class RedisQuotaStore implements QuotaStore {
   }
 
   get degraded(): boolean {
-    return this.retryAt !== 0;
+    return this.failedAt !== 0;
   }
 
   async consume(subject: QuotaSubject): Promise<Decision> {
     // After a sibling request's refusal, this one asks Redis itself rather than wait in line.
     let solo = false;
+    // However long it waits in line and on Redis, a request is decided by this moment.
+    const giveUpAt = this.waitMs > 0 ? performance.now() + this.waitMs : Number.POSITIVE_INFINITY;
     for (;;) {
       const local = Date.now();
       const known = this.bans.get(subject.name);
@@ -130,10 +145,11 @@ export class RedisQuotaStore implements QuotaStore {
         this.leases.delete(subject.name);
         if (lease.left > 0) this.unused.set(subject.name, lease); // given back by the next call
       }
-      if (this.retryAt > local) return this.local(subject);
+      // While Redis fails no request waits on it: the probe alone finds out when it answers again.
+      if (this.degraded) return this.local(subject);
       this.sweepLeases();
       const size = leaseSize(subject.limits, this.leaseMax);
-      if (size === 1 || solo) return this.ask(subject, solo ? 1 : size, local);
+      if (size === 1 || solo) return this.ask(subject, solo ? 1 : size, local, giveUpAt);
       // One lease request per subject in flight: concurrent requests wait for the lease it
       // brings instead of each taking one, which would reserve many times what they use.
       const pending = this.pending.get(subject.name);
@@ -142,7 +158,7 @@ export class RedisQuotaStore implements QuotaStore {
         solo = !(await pending);
         continue;
       }
-      const call = this.ask(subject, size, local);
+      const call = this.ask(subject, size, local, giveUpAt);
       const done = call.then(() => this.leases.has(subject.name));
       this.pending.set(subject.name, done);
       void done.then(() => this.pending.delete(subject.name)); // before the waiters resume
@@ -165,17 +181,24 @@ export class RedisQuotaStore implements QuotaStore {
     for (const [name, lease] of this.leases) if (lease.until <= now - MINUTE_MS) this.leases.delete(name);
   }
 
-  /** One call of quota.lua: the decision, and the lease or ban it brings. */
-  private async ask(subject: QuotaSubject, lease: number, local: number): Promise<Decision> {
+  /**
+   * One call of quota.lua: the decision, and the lease or ban it brings. Past `giveUpAt` the
+   * request is decided in-process; the script carries that moment in Redis time and changes
+   * nothing if Redis runs it later. Only a call that fails or outlasts timeoutMs marks Redis
+   * as failing.
+   */
+  private async ask(subject: QuotaSubject, lease: number, local: number, giveUpAt: number): Promise<Decision> {
     const { limits, bans } = subject;
-    let reply: Reply;
+    let reply: Reply | typeof LATE;
+    const started = performance.now();
+    const budget = Math.min(giveUpAt - started, this.timeoutMs > 0 ? this.timeoutMs : Number.POSITIVE_INFINITY);
+    if (budget <= 0) return this.late(subject); // its wait in line used it up
     const back = this.unused.get(subject.name);
     this.unused.delete(subject.name); // if the call fails they stay counted: the safe side
-    const started = performance.now();
     const sentAt = Date.now();
-    const deadline = this.timeoutMs > 0 && Number.isFinite(this.deadlineOffset) ? sentAt + this.deadlineOffset + this.timeoutMs : 0;
+    const deadline = Number.isFinite(budget) && Number.isFinite(this.deadlineOffset) ? sentAt + this.deadlineOffset + budget : 0;
     try {
-      reply = await this.redis.quota(
+      const call = this.redis.quota(
         subject.name,
         `${subject.name}:rej`,
         limits.perMinute,
@@ -189,14 +212,27 @@ export class RedisQuotaStore implements QuotaStore {
         back?.dayStartMs ?? 0,
         deadline,
       );
-      if (reply[0] < 0) throw new Error('Redis ran the decision after its deadline');
+      // commandTimeout bounds the wait at timeoutMs; a shorter budget needs a timer of its own.
+      if (Number.isFinite(budget) && (this.timeoutMs === 0 || budget < this.timeoutMs)) {
+        let timer: NodeJS.Timeout | undefined;
+        reply = await Promise.race([call, new Promise<typeof LATE>((r) => (timer = setTimeout(r, budget, LATE)))]);
+        clearTimeout(timer);
+        if (reply === LATE) {
+          // Still pending: a failure or a timeout later still tells that Redis fails.
+          call.then(() => this.observe((performance.now() - started) / 1000), (err: unknown) => this.failed(err, Date.now()));
+          return this.late(subject);
+        }
+      } else {
+        reply = await call;
+      }
+      this.observe((performance.now() - started) / 1000);
     } catch (err) {
+      this.observe((performance.now() - started) / 1000);
       this.failed(err, local);
       return this.local(subject);
-    } finally {
-      this.observe((performance.now() - started) / 1000);
     }
     this.recovered();
+    if (reply[0] < 0) return this.late(subject); // Redis ran it after the moment the request was decided
     const [index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = 1] = reply;
     const outcome = OUTCOMES[index]!;
     this.learnOffset(nowMs - sentAt);
@@ -215,15 +251,26 @@ export class RedisQuotaStore implements QuotaStore {
   /** The decision while Redis fails: the in-process copy of the rules, or none when failing closed. */
   private local(subject: QuotaSubject): Promise<Decision> {
     if (this.failClosed) return Promise.reject(new QuotaStoreUnavailable());
+    this.localCount.failing++;
     return this.fallback.consume(subject);
   }
 
+  /** The decision of a request Redis did not answer in time for, Redis being otherwise well. */
+  private late(subject: QuotaSubject): Promise<Decision> {
+    this.localCount.late++;
+    return this.fallback.consume(subject);
+  }
+
+  /** How many decisions were made in-process, and why: `late` (QUOTA_WAIT_MS passed) or `failing` (Redis failing). */
+  get localDecisions(): Readonly<{ late: number; failing: number }> {
+    return this.localCount;
+  }
+
   private failed(err: unknown, local: number): void {
-    if (this.retryAt === 0) {
-      this.log.warn({ err }, 'quota store: Redis failed; limits are per process until it answers');
-      this.probe();
-    }
-    this.retryAt = local + RETRY_REDIS_AFTER_MS;
+    if (this.failedAt !== 0) return;
+    this.failedAt = local;
+    this.log.warn({ err }, 'quota store: Redis failed; limits are per process until it answers');
+    this.probe();
   }
 
   /**
@@ -244,8 +291,8 @@ export class RedisQuotaStore implements QuotaStore {
   }
 
   private recovered(): void {
-    if (this.retryAt === 0) return;
-    this.retryAt = 0;
+    if (this.failedAt === 0) return;
+    this.failedAt = 0;
     this.log.info('quota store: Redis answers again');
   }
 

@@ -8,6 +8,8 @@ export interface QuotaStore {
   readonly degraded: boolean;
   /** Bans this instance knows to be in force now. */
   activeBans(): number;
+  /** A shared store's decisions made in-process instead: Redis late for that request, or failing. */
+  readonly localDecisions?: Readonly<{ late: number; failing: number }>;
 }
 
 /** Thrown by a store that fails closed (QUOTA_STORE_FAILURE=closed) when it cannot decide. */

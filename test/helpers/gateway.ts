@@ -58,6 +58,8 @@ const SETTINGS = {
   // Exact per-request headers for the tests' large limits; lease tests set their own.
   quotaLeaseMax: 1,
   quotaStoreFailure: 'open' as const,
+  // Not the default 40 ms: several in-process instances share this busy event loop (see below).
+  quotaWaitMs: 1000,
 };
 
 /**

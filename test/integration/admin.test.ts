@@ -234,6 +234,60 @@ describe('a frozen Redis', () => {
     expect((await admin(gw, '/readyz')).status).toBe(200);
   });
 
+  it('while Redis is frozen only the requests in flight at the freeze wait (up to REDIS_TIMEOUT_MS); later ones never do', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const k = { ...makeKey('enterprise'), limits: { perMinute: 1000, perDay: 100_000 } };
+    const timeoutMs = 600;
+    const gw = await build([k], { redis: redis.url, settings: { redisTimeoutMs: timeoutMs } });
+    expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
+    const timed = async () => {
+      const t = performance.now();
+      expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
+      return performance.now() - t;
+    };
+    redis.proc.kill('SIGSTOP');
+    try {
+      expect(await timed()).toBeGreaterThanOrEqual(timeoutMs * 0.9); // the one in flight waits its timeout
+      // Then for 2.5 s (the probe tries Redis every second meanwhile), no request waits on it.
+      const later: number[] = [];
+      const end = performance.now() + 2500;
+      while (performance.now() < end) {
+        later.push(await timed());
+        await new Promise((r) => setTimeout(r, 100));
+      }
+      expect(later.length).toBeGreaterThan(10);
+      expect(Math.max(...later)).toBeLessThan(timeoutMs / 2);
+    } finally {
+      redis.proc.kill('SIGCONT');
+    }
+  });
+
+  it('QUOTA_WAIT_MS: a request Redis is late for is decided in-process, without calling Redis failing, and counted once', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const k = { ...makeKey('enterprise'), limits: { perMinute: 1000, perDay: 100_000 } };
+    const gw = await build([k], { redis: redis.url, settings: { redisTimeoutMs: 3000, quotaWaitMs: 150 } });
+    expect((await gw.call('/v1/pets', k.key)).status).toBe(200); // decided in Redis
+    redis.proc.kill('SIGSTOP');
+    let waited: number;
+    try {
+      const t = performance.now();
+      expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
+      waited = performance.now() - t;
+      expect(gw.gateway.store.degraded).toBe(false); // late once is not failing: REDIS_TIMEOUT_MS has not passed
+    } finally {
+      redis.proc.kill('SIGCONT');
+    }
+    expect(waited).toBeLessThan(1500); // the wait bound, not REDIS_TIMEOUT_MS
+    expect(await metrics(gw)).toMatch(/^gateway_quota_local_decisions_total\{reason="late"\} 1$/m);
+    // Redis, thawed, ran the late script after its deadline: it did not count it.
+    await eventually(async () => (await usage(gw, k.id)).windows.day.used === 1, 3000, 'Redis answers');
+    expect(gw.gateway.store.degraded).toBe(false);
+    expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
+    expect((await usage(gw, k.id)).windows.day.used).toBe(2);
+  });
+
   it('counts a request decided locally while Redis is frozen there only: Redis, woken, does not count it too', async () => {
     const redis = await spawnRedis();
     onTestFinished(() => redis.stop());

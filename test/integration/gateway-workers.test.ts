@@ -30,9 +30,9 @@ describe('GATEWAY_WORKERS', () => {
     // 600 a minute: each instance takes leases of 6 units (1%), and may leave at most 5 unused.
     const keys = [0, 1, 2].map(() => ({ ...makeKey('enterprise'), limits: { perMinute: 600, perDay: 100000 } }));
     // A Redis that answers, whatever the load on this machine: a call slower than
-    // REDIS_TIMEOUT_MS would hand the decision to the per-process fallback, which is
-    // another rule (fail open) than the one under test here.
-    const healthy = { REDIS_TIMEOUT_MS: '5000' };
+    // REDIS_TIMEOUT_MS (or, for one request, QUOTA_WAIT_MS) would hand the decision to the
+    // per-process fallback, which is another rule (fail open) than the one under test here.
+    const healthy = { REDIS_TIMEOUT_MS: '5000', QUOTA_WAIT_MS: '5000' };
     const { stack, gateway } = await workersStack(keys, healthy);
     const other = await startGateway({ ...stack.env, ...healthy }); // a third instance: same Redis prefix, same backend
     onTestFinished(async () => {

@@ -31,6 +31,7 @@ describe('settings from their schema', () => {
       bodyLimit: 1048576,
       upstreamTimeoutMs: 10000,
       redisTimeoutMs: 250,
+      quotaWaitMs: 40,
       quotaStoreFailure: 'open',
       quotaLeaseMax: 20,
       redisKeyPrefix: 'gw',

@@ -1,0 +1,58 @@
+import { execFile, execFileSync, spawn, type ChildProcess } from 'node:child_process';
+import { openSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
+import { promisify } from 'node:util';
+import { waitForPort } from '../test/helpers/net.js';
+
+// What the benchmarks share: starting our processes, and driving wrk.
+
+const run = promisify(execFile);
+export const ROOT = resolve(import.meta.dirname, '..');
+
+export function hasCommand(cmd: string): boolean {
+  try {
+    execFileSync('sh', ['-c', `command -v ${cmd}`], { stdio: 'ignore' });
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+/** A process of ours, its output to a file (as a container's log would be), ready when its port opens. */
+export async function start(name: string, args: string[], env: Record<string, string>, port: number, dir: string): Promise<ChildProcess> {
+  const out = openSync(join(dir, `${name}.log`), 'a');
+  const proc = spawn(args[0]!, args.slice(1), { cwd: ROOT, env: { PATH: process.env.PATH ?? '', ...env }, stdio: ['ignore', out, out] });
+  await Promise.race([
+    waitForPort(port, 15_000),
+    new Promise((_, reject) => proc.once('exit', (code) => reject(new Error(`${name} exited (${code}); see ${dir}/${name}.log`)))),
+  ]);
+  return proc;
+}
+
+/**
+ * wrk -t1 against `url`: req/s, p50, p99 and max latency (ms), and how many answers had
+ * another status than `status` (wrk itself counts only non-2xx/3xx, so a Lua hook counts).
+ */
+export async function wrk(url: string, headers: Record<string, string>, status: number, connections: number, seconds: number, extraLua = '') {
+  const args = ['-t1', `-c${connections}`, `-d${seconds}s`, '--latency'];
+  for (const [k, val] of Object.entries(headers)) args.push('-H', `${k}: ${val}`);
+  const script = join(tmpdir(), `bench-${process.pid}-${status}-${extraLua.length}.lua`);
+  writeFileSync(script, `wrong = 0\nresponse = function(status) if status ~= ${status} then wrong = wrong + 1 end end\n` +
+    `done = function() io.write("wrong statuses: " .. wrong .. "\\n") end\n${extraLua}`);
+  const { stdout } = await run('wrk', [...args, '-s', script, url]);
+  const toMs = (n: string, unit: string) => Number(n) * (unit === 'us' ? 0.001 : unit === 's' ? 1000 : 1);
+  const ms = (label: string) => {
+    const m = new RegExp(`^\\s+${label}%\\s+([\\d.]+)(us|ms|s)`, 'm').exec(stdout);
+    return m ? toMs(m[1]!, m[2]!) : Number.NaN;
+  };
+  const max = /^\s+Latency\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)/m.exec(stdout);
+  return {
+    rps: Number(/Requests\/sec:\s+([\d.]+)/.exec(stdout)?.[1]),
+    requests: Number(/(\d+) requests in/.exec(stdout)?.[1]),
+    p50: ms('50'),
+    p99: ms('99'),
+    max: max ? toMs(max[1]!, max[2]!) : Number.NaN,
+    wrong: Number(/wrong statuses: (\d+)/.exec(stdout)?.[1] ?? Number.NaN),
+  };
+}
