@@ -35,7 +35,7 @@ export interface Gateway {
 
 type AppSettings = Pick<
   GatewaySettings,
-  'backendUrl' | 'bodyLimit' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds' | 'quotaLeaseMax' | 'redisTimeoutMs' | 'quotaWaitMs' | 'quotaStoreFailure'
+  'backendUrl' | 'bodyLimit' | 'requestTimeoutMs' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds' | 'quotaLeaseMax' | 'redisTimeoutMs' | 'quotaWaitMs' | 'quotaStoreFailure'
 >;
 
 /** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */
@@ -70,8 +70,15 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     bodyLimit: settings.bodyLimit,
     // Keep-alive requests arriving while closing are still served, in the Error shape if refused.
     return503OnClosing: false,
+    // A slow client (headers or body trickled) is cut with 408 once GATEWAY_REQUEST_TIMEOUT_MS
+    // has passed, checked every second rather than Node's default 30 s.
+    requestTimeout: settings.requestTimeoutMs,
     // A missing Host is refused by the pipeline, in the Error shape, instead of by Node with an empty 400.
-    http: { requireHostHeader: false },
+    http: {
+      requireHostHeader: false,
+      headersTimeout: settings.requestTimeoutMs,
+      connectionsCheckingInterval: Math.min(1000, settings.requestTimeoutMs),
+    },
     clientErrorHandler: clientErrorHandler(raw),
     frameworkErrors: pipeline.onFrameworkError,
   });

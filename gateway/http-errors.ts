@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import { STATUS_CODES, type Server, type ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
 import type { AccessEntry } from './access-log.js';
-import { GATEWAY_ERRORS, type GatewayErrorCode, renderError } from './errors.js';
+import { GATEWAY_ERRORS, GatewayError, type GatewayErrorCode, renderError } from './errors.js';
 import type { Admission } from './quota/admit.js';
 
 // Answers, in the Error shape, to requests that never reach fastify: bad framing, oversized
@@ -81,10 +81,30 @@ const PARSER_ERRORS: Record<string, [GatewayErrorCode, string]> = {
   ERR_HTTP_REQUEST_TIMEOUT: ['request_timeout', 'The request was not received in time'],
 };
 
+/**
+ * GATEWAY_REQUEST_TIMEOUT_MS passed while fastify is still reading the request's body (it
+ * trickles): fail that read, so fastify answers 408 itself (with the key's headers, one access
+ * line), then close the connection. False when the timed-out request is not in fastify.
+ */
+function timeoutInFastify(socket: Socket): boolean {
+  const inFlight = (socket as Socket & { _httpMessage?: ServerResponse })._httpMessage;
+  if (!inFlight || inFlight.req.complete) return false;
+  if (inFlight.headersSent || inFlight.req.listenerCount('error') === 0) {
+    socket.destroy();
+    return true;
+  }
+  inFlight.setHeader('connection', 'close');
+  inFlight.once('finish', () => socket.destroy());
+  setTimeout(() => socket.destroy(), 1000).unref();
+  inFlight.req.emit('error', new GatewayError('request_timeout', 'The request was not received in time'));
+  return true;
+}
+
 /** fastify's clientErrorHandler: bad framing, oversized headers, timeouts from the HTTP parser. */
 export function clientErrorHandler(deps: RawDeps) {
   return (err: Error & { code?: string }, socket: Socket): void => {
     if (err.code === 'ECONNRESET' || socket.destroyed) return void socket.destroy();
+    if (err.code === 'ERR_HTTP_REQUEST_TIMEOUT' && timeoutInFastify(socket)) return;
     const [code, message] = PARSER_ERRORS[err.code ?? ''] ?? ['bad_request', 'Malformed HTTP request'];
     answer(deps, { address: socket.remoteAddress ?? 'unknown', method: 'unknown' }, code, message, toSocket(socket));
   };

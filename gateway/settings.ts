@@ -35,6 +35,8 @@ export const GatewaySettingsSchema = Type.Object({
   redisSentinelName: Type.Optional(Type.String({ env: 'REDIS_SENTINEL_NAME', pattern: '^[A-Za-z0-9_.-]{1,64}$' })),
   configFile: Type.String({ env: 'GATEWAY_CONFIG', minLength: 1, default: 'config/gateway.yaml' }),
   bodyLimit: Type.Integer({ env: 'GATEWAY_BODY_LIMIT', minimum: 1, default: 1024 * 1024 }),
+  // A client's whole request (headers and body) must arrive within this; then 408 (slow clients).
+  requestTimeoutMs: Ms('GATEWAY_REQUEST_TIMEOUT_MS', 30_000),
   upstreamTimeoutMs: Ms('UPSTREAM_TIMEOUT_MS', 10_000),
   redisTimeoutMs: Ms('REDIS_TIMEOUT_MS', 250),
   // The longest a request waits for its quota decision; past it, decided in-process (bench:faults).

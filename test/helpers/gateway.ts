@@ -50,6 +50,7 @@ export interface TestGateway {
 
 const SETTINGS = {
   bodyLimit: 1024 * 1024,
+  requestTimeoutMs: 30_000,
   upstreamTimeoutMs: 5000,
   trustProxy: false as const,
   logLevel: 'info' as const,

@@ -29,6 +29,7 @@ describe('settings from their schema', () => {
       backendUrl: 'http://127.0.0.1:3001',
       configFile: 'config/gateway.yaml',
       bodyLimit: 1048576,
+      requestTimeoutMs: 30000,
       upstreamTimeoutMs: 10000,
       redisTimeoutMs: 250,
       quotaWaitMs: 40,

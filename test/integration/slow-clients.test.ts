@@ -1,0 +1,55 @@
+import { connect } from 'node:net';
+import { describe, expect, it } from 'vitest';
+import { makeKey, testConfig } from '../helpers/config.js';
+import { useTestGateway } from '../helpers/gateway.js';
+
+// Slow clients (Slowloris): a request whose headers or body trickle in is cut once
+// GATEWAY_REQUEST_TIMEOUT_MS has passed, with 408 in the Error shape where an answer can
+// still be sent, and its connection closed; the gateway keeps serving others meanwhile.
+const k = makeKey('free');
+const gw = useTestGateway({ config: testConfig([k], { unauthenticated: { perMinute: 1000 } }), settings: { requestTimeoutMs: 1000 } });
+
+/** Sends `head` at once, then `drip` every 200 ms; resolves with what came back and when the socket closed. */
+function trickle(head: string, drip: string): Promise<{ text: string; ms: number }> {
+  return new Promise((resolve, reject) => {
+    const started = performance.now();
+    const s = connect(gw.port, '127.0.0.1');
+    let text = '';
+    s.on('data', (c) => {
+      text += c;
+    });
+    const timer = setInterval(() => s.writable && s.write(drip), 200);
+    s.on('close', () => {
+      clearInterval(timer);
+      resolve({ text, ms: performance.now() - started });
+    });
+    s.on('error', () => {});
+    s.setTimeout(10_000, () => {
+      clearInterval(timer);
+      s.destroy();
+      reject(new Error(`not cut within 10 s; got: ${text}`));
+    });
+    s.write(head);
+  });
+}
+
+describe('slow clients', () => {
+  it.each([
+    ['headers trickled', 'GET /v1/pets HTTP/1.1\r\nHost: x\r\n', 'X-Slow: 1\r\n'],
+    ['a body trickled', `POST /v1/pets HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${k.key}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n`, ' '],
+  ])('%s: 408 request_timeout in the Error shape, connection closed, within the timeout and a check', async (_, head, drip) => {
+    const lines408 = () => gw.logs.filter((l) => l.msg === 'request' && l.status === 408).length;
+    const before = lines408();
+    const served = gw.call('/v1/pets', k.key); // another client meanwhile
+    const { text, ms } = await trickle(head, drip);
+    expect((await served).status).toBe(200);
+    expect(text).toMatch(/^HTTP\/1\.1 408 /);
+    const body = JSON.parse(text.slice(text.indexOf('\r\n\r\n') + 4));
+    expect(body).toEqual({ code: 'request_timeout', message: expect.any(String), status: 408 });
+    expect(ms).toBeGreaterThanOrEqual(900);
+    expect(ms).toBeLessThan(5000); // 1 s timeout, checked every second: well inside 5 s
+    expect(text.toLowerCase()).toContain('\r\nx-ratelimit-limit: ');
+    await new Promise((r) => setTimeout(r, 200));
+    expect(lines408()).toBe(before + 1); // one access line, as for any request
+  });
+});
