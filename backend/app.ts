@@ -3,7 +3,7 @@ import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
 import Fastify, { type FastifyInstance } from 'fastify';
 import { loggerOptions } from '../runtime/process.js';
 import type { BackendSettings } from './settings.js';
-import { handleError, registerErrorHandling } from './errors.js';
+import { clientErrorHandler, handleError, registerErrorHandling } from './errors.js';
 import { orderRoutes } from './orders.js';
 import { petRoutes } from './pets.js';
 import type { PetStore } from './store.js';
@@ -21,6 +21,7 @@ export async function buildBackend(
     requestIdHeader: 'x-request-id',
     // Errors raised before routing (bad URL, over-long path parameter) get the Error shape too.
     frameworkErrors: (err, request, reply) => handleError(err, request, reply),
+    clientErrorHandler,
   }).withTypeProvider<TypeBoxTypeProvider>();
   app.setValidatorCompiler(validatorCompiler);
   registerErrorHandling(app);

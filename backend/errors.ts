@@ -1,4 +1,6 @@
 import { type Static, Type } from '@sinclair/typebox';
+import { STATUS_CODES } from 'node:http';
+import type { Socket } from 'node:net';
 import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 
 /** The spec's Error body; every non-2xx answer of the backend has this shape. */
@@ -22,10 +24,12 @@ export const BACKEND_ERRORS = {
   pet_not_found: 404,
   route_not_found: 404,
   method_not_allowed: 405,
+  request_timeout: 408,
   payload_too_large: 413,
   uri_too_long: 414,
   unsupported_media_type: 415,
   idempotency_key_reused: 422,
+  headers_too_large: 431,
   internal_error: 500,
 } as const;
 export type BackendErrorCode = keyof typeof BACKEND_ERRORS;
@@ -82,6 +86,27 @@ export function handleError(err: FastifyError, request: FastifyRequest, reply: F
   const e = err instanceof BackendError ? err : fromFramework(err);
   if (e.status >= 500) request.log.error({ err }, 'request failed');
   reply.code(e.status).headers(e.headers).send(errorBody(e.code, e.message));
+}
+
+/**
+ * Requests Node's HTTP parser refuses before fastify sees them (an unknown method, bad
+ * framing, oversized headers, a timeout): answered on the socket in the Error shape too,
+ * instead of fastify's default `{"error","message","statusCode"}`.
+ */
+export function clientErrorHandler(err: Error & { code?: string }, socket: Socket): void {
+  if (err.code === 'ECONNRESET' || !socket.writable) return void socket.destroy();
+  const [code, message]: [BackendErrorCode, string] =
+    err.code === 'HPE_HEADER_OVERFLOW'
+      ? ['headers_too_large', 'Request headers are too large']
+      : err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
+        ? ['request_timeout', 'The request was not received in time']
+        : ['bad_request', 'Malformed HTTP request'];
+  const status = BACKEND_ERRORS[code];
+  const body = JSON.stringify(errorBody(code, message));
+  socket.end(
+    `HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\ncontent-type: application/json; charset=utf-8\r\n` +
+      `content-length: ${Buffer.byteLength(body)}\r\nconnection: close\r\n\r\n${body}`,
+  );
 }
 
 export function registerErrorHandling(app: FastifyInstance): void {
