@@ -3,7 +3,11 @@ import { request as httpRequest } from 'node:http';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
+import { makeKey, testConfig } from '../helpers/config.js';
+import { freePort } from '../helpers/net.js';
 import { startBackend } from '../helpers/processes.js';
+import { startStack } from '../helpers/stack.js';
+import { eventually } from '../helpers/time.js';
 
 const dir = mkdtempSync(join(tmpdir(), 'pets-'));
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
@@ -86,5 +90,72 @@ describe('backend process', () => {
     const backend = await startBackend();
     expect(await backend.stop()).toBe(0);
     await expect(startBackend({ BACKEND_PORT: 'seventy' })).rejects.toThrow(/BACKEND_PORT/);
+  });
+});
+
+describe('through the gateway, with retries', () => {
+  it('every pet a client asked for exists exactly once after SIGKILLs of the gateway and the backend mid-load (Idempotency-Key)', async () => {
+    const db = join(dir, 'through-gateway.db');
+    const port = await freePort(); // the backend comes back on the same port
+    const k = { ...makeKey('enterprise'), limits: { perMinute: 1e6, perDay: 1e7 } };
+    let backend = await startBackend({ PETS_DB: db, BACKEND_PORT: String(port) });
+    const stacks = [await startStack(testConfig([k]), {}, backend.url)];
+    const stopAll = async () => {
+      for (const s of stacks) await s.stop();
+      await backend.stop();
+    };
+    try {
+      let url = stacks[0]!.gateway.url;
+      const created = new Map<string, number>(); // name -> id the client was given
+      const PER_CLIENT = 25;
+      // Each client creates its pets one by one and retries a pet, with the same
+      // Idempotency-Key, until it gets its 201: through resets, 502s and a new gateway.
+      const client = async (c: number) => {
+        for (let i = 0; i < PER_CLIENT; i++) {
+          const name = `c${c}-p${i}`;
+          for (let attempt = 0; attempt < 200; attempt++) {
+            const res = await fetch(`${url}/v1/pets`, {
+              method: 'POST',
+              headers: { authorization: `Bearer ${k.key}`, 'content-type': 'application/json', 'idempotency-key': `"${name}"` },
+              body: JSON.stringify({ name, categoryId: 1 }),
+            }).catch(() => undefined);
+            if (res?.status === 201) {
+              created.set(name, ((await res.json()) as { id: number }).id);
+              break;
+            }
+            await res?.arrayBuffer();
+            await new Promise((r) => setTimeout(r, 50));
+          }
+        }
+      };
+      const faults = (async () => {
+        await eventually(() => created.size >= 20, 20_000, '20 pets');
+        stacks[0]!.gateway.proc.kill('SIGKILL'); // requests in flight: created or not, the client cannot tell
+        const next = await startStack(testConfig([k]), {}, backend.url);
+        stacks.push(next);
+        url = next.gateway.url;
+        await eventually(() => created.size >= 50, 20_000, '50 pets');
+        backend.proc.kill('SIGKILL');
+        await new Promise((r) => setTimeout(r, 300)); // 502s meanwhile
+        backend = await startBackend({ PETS_DB: db, BACKEND_PORT: String(port) });
+      })();
+      await Promise.all([0, 1, 2, 3].map(client));
+      await faults;
+      expect(created.size).toBe(4 * PER_CLIENT);
+
+      const stored = new Map<number, string>();
+      for (let cursor: string | undefined, more = true; more; ) {
+        const res = await fetch(`${backend.url}/v1/pets?limit=100${cursor ? `&cursor=${cursor}` : ''}`);
+        for (const pet of (await res.json()) as Array<{ id: number; name: string }>) stored.set(pet.id, pet.name);
+        cursor = /cursor=([^&>]+)/.exec(res.headers.get('link') ?? '')?.[1];
+        more = cursor !== undefined;
+      }
+      const names = [...stored.values()];
+      expect(names.length).toBe(4 * PER_CLIENT); // no duplicate from a retry
+      expect(new Set(names).size).toBe(names.length);
+      for (const [name, id] of created) expect(stored.get(id), name).toBe(name); // none lost
+    } finally {
+      await stopAll();
+    }
   });
 });
