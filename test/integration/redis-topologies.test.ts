@@ -66,6 +66,31 @@ describe('Redis Cluster', () => {
     expect((await (await fetch(`${gw.adminUrl}/readyz`)).json()).message).toMatch(/^Not ready: redis \(REDIS_CLUSTER_NODES\): /);
   });
 
+  it('three instances on the Cluster, leases on, under concurrent load: exactly the limit, the ban shared', async () => {
+    const cluster = await spawnCluster();
+    onTestFinished(() => cluster.stop());
+    // 400 a minute: leases of 4 (1%); never over, and under by at most 3 per instance.
+    const crowd = { ...makeKey('enterprise'), limits: { perMinute: 400, perDay: 100_000 } };
+    const config = testConfig([crowd], { bans: { afterRejected: 3, withinSeconds: 60, durationSeconds: 900 } });
+    const first = await buildTestGateway({ config, settings: { redisClusterNodes: cluster.nodes, quotaLeaseMax: 20 } });
+    const others = await Promise.all([0, 1].map(() => buildTestGateway({ config, backend: first.backendUrl, settings: { redisClusterNodes: cluster.nodes, quotaLeaseMax: 20 } })));
+    const instances = [first, ...others];
+    const share = () => {
+      first.freshCounters();
+      for (const g of others) g.gateway.setConfig(first.gateway.config());
+    };
+    share();
+    await inOneMinute(async () => {
+      const all = await Promise.all(Array.from({ length: 600 }, (_, i) => instances[i % 3]!.call('/v1/pets', crowd.key).then((r) => r.status)));
+      const admitted = all.filter((s) => s === 200).length;
+      expect(admitted).toBeLessThanOrEqual(400);
+      expect(admitted).toBeGreaterThanOrEqual(400 - 3 * 3);
+      expect(all.filter((s) => s !== 200 && s !== 429)).toEqual([]);
+      // Past the ban threshold: every instance answers key_banned.
+      for (const g of instances) expect((await (await g.call('/v1/pets', crowd.key)).json()).code).toBe('key_banned');
+    }, share);
+  });
+
   it('a master killed under load: no 5xx, and enforcement moves to the promoted replica', { timeout: 60_000 }, async () => {
     const cluster = await spawnCluster();
     onTestFinished(() => cluster.stop());
