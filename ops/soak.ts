@@ -4,6 +4,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { hasCommand, start } from '../bench/lib.js';
 import { generateKey } from '../gateway/auth/keys.js';
+import { allPets } from '../test/helpers/backends.js';
 import { testConfig } from '../test/helpers/config.js';
 import { freePort, waitForPort } from '../test/helpers/net.js';
 
@@ -136,12 +137,7 @@ async function main() {
     const rssEnd = Object.fromEntries(Object.entries(procs).map(([n, p]) => [n, rss(p.pid!)]));
 
     const stored = new Map<string, number>();
-    for (let cursor: string | undefined, more = true; more; ) {
-      const res = await fetch(`http://127.0.0.1:${backendPort}/v1/pets?limit=100${cursor ? `&cursor=${cursor}` : ''}`);
-      for (const pet of (await res.json()) as Array<{ name: string }>) stored.set(pet.name, (stored.get(pet.name) ?? 0) + 1);
-      cursor = /cursor=([^&>]+)/.exec(res.headers.get('link') ?? '')?.[1];
-      more = cursor !== undefined;
-    }
+    for (const pet of await allPets(`http://127.0.0.1:${backendPort}`)) stored.set(pet.name, (stored.get(pet.name) ?? 0) + 1);
     const lost = [...acked.keys()].filter((n) => !stored.has(n)).length;
     const doubled = [...stored.values()].filter((n) => n > 1).length;
     const total = [...byStatus.values()].reduce((a, b) => a + b, 0);

@@ -82,3 +82,15 @@ export async function petsBackend(port = 0): Promise<{ url: string; app: Fastify
     },
   };
 }
+
+/** Every pet a backend holds, following its Link rel="next" pages. */
+export async function allPets(backendUrl: string): Promise<Array<{ id: number; name: string }>> {
+  const pets: Array<{ id: number; name: string }> = [];
+  for (let cursor: string | undefined, more = true; more; ) {
+    const res = await fetch(`${backendUrl}/v1/pets?limit=100${cursor ? `&cursor=${cursor}` : ''}`);
+    pets.push(...((await res.json()) as Array<{ id: number; name: string }>));
+    cursor = /cursor=([^&>]+)/.exec(res.headers.get('link') ?? '')?.[1];
+    more = cursor !== undefined;
+  }
+  return pets;
+}

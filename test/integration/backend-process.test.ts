@@ -3,6 +3,7 @@ import { request as httpRequest } from 'node:http';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
+import { allPets } from '../helpers/backends.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { freePort } from '../helpers/net.js';
 import { startBackend } from '../helpers/processes.js';
@@ -45,13 +46,7 @@ describe('backend process', () => {
     }
     const backend = await startBackend({ PETS_DB: db });
     try {
-      const stored = new Map<number, string>();
-      for (let cursor: string | undefined, more = true; more; ) {
-        const res = await fetch(`${backend.url}/v1/pets?limit=100${cursor ? `&cursor=${cursor}` : ''}`);
-        for (const pet of (await res.json()) as Array<{ id: number; name: string }>) stored.set(pet.id, pet.name);
-        cursor = /cursor=([^&>]+)/.exec(res.headers.get('link') ?? '')?.[1];
-        more = cursor !== undefined;
-      }
+      const stored = new Map((await allPets(backend.url)).map((p) => [p.id, p.name]));
       expect(acknowledged.length).toBeGreaterThanOrEqual(80);
       const lost = acknowledged.filter((p) => stored.get(p.id) !== p.name);
       expect(lost).toEqual([]);
@@ -143,13 +138,7 @@ describe('through the gateway, with retries', () => {
       await faults;
       expect(created.size).toBe(4 * PER_CLIENT);
 
-      const stored = new Map<number, string>();
-      for (let cursor: string | undefined, more = true; more; ) {
-        const res = await fetch(`${backend.url}/v1/pets?limit=100${cursor ? `&cursor=${cursor}` : ''}`);
-        for (const pet of (await res.json()) as Array<{ id: number; name: string }>) stored.set(pet.id, pet.name);
-        cursor = /cursor=([^&>]+)/.exec(res.headers.get('link') ?? '')?.[1];
-        more = cursor !== undefined;
-      }
+      const stored = new Map((await allPets(backend.url)).map((p) => [p.id, p.name]));
       const names = [...stored.values()];
       expect(names.length).toBe(4 * PER_CLIENT); // no duplicate from a retry
       expect(new Set(names).size).toBe(names.length);
