@@ -1,5 +1,5 @@
 import { execFileSync } from 'node:child_process';
-import { readFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, utimesSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { Redis } from 'ioredis';
 import { describe, expect, inject, it } from 'vitest';
@@ -82,6 +82,30 @@ describe('npm start (stack.ts)', () => {
       expect(await exited).toBe(0);
     } finally {
       await stack.stop();
+      cleanup();
+    }
+  });
+});
+
+describe('npm start compiles only when needed (runtime/build-if-stale.mjs)', () => {
+  it('a second start does not compile again; a changed source does', () => {
+    const { dir, cleanup } = tempDir();
+    try {
+      // A stand-in project whose build only leaves a mark, with the real prestart script.
+      for (const d of ['backend', 'gateway', 'runtime', 'dist']) mkdirSync(join(dir, d));
+      writeFileSync(join(dir, 'package.json'), JSON.stringify({ scripts: { build: 'node -e "require(\'fs\').appendFileSync(\'built\', \'x\'); require(\'fs\').writeFileSync(\'dist/.built\', \'\')"' } }));
+      for (const f of ['stack.ts', 'package-lock.json', 'tsconfig.json', 'tsconfig.build.json', 'gateway/app.ts']) writeFileSync(join(dir, f), '');
+      const prestart = () => execFileSync(process.execPath, [resolve(ROOT, 'runtime/build-if-stale.mjs')], { cwd: dir, stdio: 'ignore' });
+      const builds = () => (existsSync(join(dir, 'built')) ? readFileSync(join(dir, 'built'), 'utf8').length : 0);
+      prestart();
+      expect(builds()).toBe(1); // no build yet: compiled
+      prestart();
+      expect(builds()).toBe(1); // nothing changed: not again
+      const later = new Date(Date.now() + 5000);
+      utimesSync(join(dir, 'gateway/app.ts'), later, later);
+      prestart();
+      expect(builds()).toBe(2); // a source changed
+    } finally {
       cleanup();
     }
   });
