@@ -1,4 +1,4 @@
-import { type ChildProcess, spawn } from 'node:child_process';
+import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
 import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -12,7 +12,8 @@ import { hasCommand, ROOT, start, wrk } from './lib.js';
 //      Redis call on every request, QUOTA_LEASE_MAX=1): the gateway's own histogram of its
 //      Redis calls, and whether it ever believed Redis failed (it must not).
 //   2. At a fixed rate (wrk with think time), one phase per fault: healthy, Redis frozen
-//      (SIGSTOP), thawed, killed (SIGKILL), restarted on its port. Per phase: p50, p99, max and
+//      (SIGSTOP), thawed, its packets dropped (an iptables DROP on its loopback port, as root),
+//      killed (SIGKILL), restarted on its port. Per phase: p50, p99, max and
 //      statuses other than 200 (a 5xx or a 429 caused by Redis must not happen), against the
 //      backend direct at the same rate, measured in the same run.
 
@@ -85,11 +86,26 @@ async function main() {
       return { phase: label, rps: Math.round(r.rps), p50ms: r.p50, p99ms: r.p99, maxMs: r.max, not200: r.wrong };
     };
     await wrk(gw.url, headers, 200, CONNECTIONS, 1, think);
+    // Packets to Redis's port dropped on loopback (root and iptables only): the rule names only
+    // this run's Redis port, and is taken out again whatever happens.
+    const dropping = hasCommand('iptables') && process.getuid?.() === 0;
+    const rule = ['INPUT', '-i', 'lo', '-p', 'tcp', '--dport', String(redisPort), '-j', 'DROP'];
+    const firewall = (op: '-I' | '-D') => execFileSync('iptables', [op, ...rule], { stdio: 'ignore' });
+    stops.push(() => {
+      try {
+        if (dropping) firewall('-D');
+      } catch {
+        // not there: already taken out
+      }
+    });
     const phases = [
       await phase('backend direct (reference)', `${backendUrl}/v1/pets`, {}),
       await phase('gateway, Redis healthy', gw.url, headers),
       await phase('Redis frozen (SIGSTOP)', gw.url, headers, () => redis.kill('SIGSTOP'), () => redis.kill('SIGCONT')),
       await phase('Redis thawed', gw.url, headers),
+      ...(dropping
+        ? [await phase('Redis packets dropped (iptables)', gw.url, headers, () => firewall('-I'), () => firewall('-D'))]
+        : []),
       await phase('Redis killed (SIGKILL)', gw.url, headers, () => redis.kill('SIGKILL')),
       await phase('Redis restarted', gw.url, headers, async () => {
         redis = redisServer(redisPort);
@@ -105,7 +121,7 @@ async function main() {
     console.log(`\n2. Faults at about ${RATE} req/s (wrk think time), ${PHASE_SECONDS} s per phase, default settings`);
     const ref = phases[0]!;
     for (const p of phases) {
-      console.log(`   ${p.phase.padEnd(28)} ${String(p.rps).padStart(5)}/s  p50 ${f(p.p50ms, 2).padStart(6)} ms  p99 ${f(p.p99ms, 2).padStart(7)} ms (x${f(p.p99ms / ref.p99ms, 1)} direct)  max ${f(p.maxMs, 1).padStart(6)} ms  not 200: ${p.not200}`);
+      console.log(`   ${p.phase.padEnd(34)} ${String(p.rps).padStart(5)}/s  p50 ${f(p.p50ms, 2).padStart(6)} ms  p99 ${f(p.p99ms, 2).padStart(7)} ms (x${f(p.p99ms / ref.p99ms, 1)} direct)  max ${f(p.maxMs, 1).padStart(6)} ms  not 200: ${p.not200}`);
     }
     mkdirSync(join(ROOT, 'bench/results'), { recursive: true });
     const out = join(ROOT, 'bench/results', `faults-${new Date().toISOString().replace(/[:.]/g, '-')}.json`);
