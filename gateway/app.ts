@@ -94,6 +94,10 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     bodyLimit: settings.bodyLimit,
     timeoutMs: settings.upstreamTimeoutMs,
     upstreamSeconds: (request, seconds) => metrics.upstream(request.ctx.route ?? 'none', seconds),
+    // The backend could not be reached or timed out: the request is given back to its windows.
+    failed: ({ ctx }) => {
+      if (ctx.consumer && ctx.countedAtMs !== undefined) void store.refund(ctx.consumer.subject, ctx.countedAtMs);
+    },
   });
 
   return { app, setConfig: (next) => void (config = next), config: current, store, metrics };

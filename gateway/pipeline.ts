@@ -23,6 +23,8 @@ export interface RequestContext {
   route?: RouteId;
   /** The quota decision, once made. */
   outcome?: AdmissionOutcome;
+  /** When the key's quota counted this request, if it did: a 502/504 gives it back. */
+  countedAtMs?: number;
   /** When the request left for the backend (performance.now()), for the upstream latency. */
   sentAt?: number;
 }
@@ -70,6 +72,7 @@ export function requestPipeline(
     const admission = await admit(store, subject);
     reply.headers(admission.headers);
     request.ctx.outcome = admission.outcome;
+    request.ctx.countedAtMs = admission.countedAtMs;
     return admission.refusal;
   }
 

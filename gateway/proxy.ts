@@ -60,6 +60,8 @@ export interface ProxyOptions {
   timeoutMs: number;
   /** Told how long the backend took to send its response headers. */
   upstreamSeconds: (request: FastifyRequest, seconds: number) => void;
+  /** Told of a request the gateway answers 502/504 itself: the client is not charged for it. */
+  failed: (request: FastifyRequest) => void;
 }
 
 /**
@@ -103,6 +105,7 @@ export async function registerProxy(app: FastifyInstance, opts: ProxyOptions): P
         return copyWithout(headers as Headers, DROPPED);
       },
       onError: (reply, { error }) => {
+        opts.failed(reply.request as FastifyRequest);
         reply.send(upstreamError(error));
       },
     },

@@ -6,6 +6,8 @@ import { type QuotaStore, QuotaStoreUnavailable } from './store.js';
 /** What admission tells the caller: the outcome, the headers every answer carries, and the 429 if refused. */
 export interface Admission {
   outcome: AdmissionOutcome;
+  /** When an admitted request was counted (the decision's time): what a refund gives back to. */
+  countedAtMs?: number;
   headers: Record<string, string>;
   refusal?: GatewayError;
 }
@@ -40,7 +42,12 @@ export async function admit(store: QuotaStore, subject: QuotaSubject): Promise<A
     if (err instanceof QuotaStoreUnavailable) return UNAVAILABLE(subject);
     throw err;
   }
-  return { outcome: decision.outcome, headers: rateLimitHeaders(decision, subject.policy), refusal: refusal(decision) };
+  return {
+    outcome: decision.outcome,
+    countedAtMs: decision.outcome === 'allowed' ? decision.nowMs : undefined,
+    headers: rateLimitHeaders(decision, subject.policy),
+    refusal: refusal(decision),
+  };
 }
 
 /**

@@ -34,6 +34,13 @@ export class MemoryQuotaStore implements QuotaStore {
     };
   }
 
+  async refund({ name }: QuotaSubject, countedAtMs: number): Promise<void> {
+    const s = this.states.get(name);
+    if (!s) return;
+    if (s.ms === windowStart(countedAtMs, MINUTE_MS) && s.mc > 0) s.mc--;
+    if (s.ds === windowStart(countedAtMs, DAY_MS) && s.dc > 0) s.dc--;
+  }
+
   activeBans(): number {
     const now = this.clock();
     let n = 0;

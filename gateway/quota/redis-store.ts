@@ -6,12 +6,18 @@ import { MemoryQuotaStore } from './memory-store.js';
 import { type Counters, countsAt, type QuotaStore, QuotaStoreUnavailable, type Usage } from './store.js';
 
 const SCRIPT = readFileSync(new URL('./quota.lua', import.meta.url), 'utf8');
+/** One unit back to the windows that counted it (ARGV: their minute and day starts), if still current. */
+const REFUND = `local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc')
+if tonumber(h[1]) == tonumber(ARGV[1]) and (tonumber(h[2]) or 0) > 0 then redis.call('HINCRBY', KEYS[1], 'mc', -1) end
+if tonumber(h[3]) == tonumber(ARGV[2]) and (tonumber(h[4]) or 0) > 0 then redis.call('HINCRBY', KEYS[1], 'dc', -1) end
+return 1`;
 const RETRY_REDIS_AFTER_MS = 1000;
 const LATE = Symbol('late');
 
 type Reply = [outcome: number, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number, taken?: number];
 type QuotaRedis = RedisClient & {
   quota(counters: string, rejections: string, ...args: number[]): Promise<Reply>;
+  refund(counters: string, minuteStart: number, dayStart: number): Promise<number>;
 };
 
 /** Units taken from Redis in one admission and not handed out yet (see leaseSize). */
@@ -95,6 +101,7 @@ export class RedisQuotaStore implements QuotaStore {
     const wait = this.failClosed ? 0 : (options.waitMs ?? 0);
     this.waitMs = wait > 0 && (this.timeoutMs === 0 || wait < this.timeoutMs) ? wait : 0;
     redis.defineCommand('quota', { numberOfKeys: 2, lua: SCRIPT });
+    redis.defineCommand('refund', { numberOfKeys: 1, lua: REFUND });
     this.redis = redis as QuotaRedis;
     // Learn the clock offset on every (re)connection, so even the first decision has a deadline.
     redis.on('ready', () => this.calibrate());
@@ -294,6 +301,11 @@ export class RedisQuotaStore implements QuotaStore {
     if (this.failedAt === 0) return;
     this.failedAt = 0;
     this.log.info('quota store: Redis answers again');
+  }
+
+  async refund(subject: QuotaSubject, countedAtMs: number): Promise<void> {
+    if (this.degraded) return this.fallback.refund(subject, countedAtMs);
+    await this.redis.refund(subject.name, windowStart(countedAtMs, MINUTE_MS), windowStart(countedAtMs, DAY_MS)).catch(() => {});
   }
 
   /** One MULTI: Redis time, the counters and the recent 429s, read together. */

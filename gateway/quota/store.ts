@@ -4,6 +4,12 @@ import { DAY_MS, type Decision, MINUTE_MS, type QuotaSubject, windowStart } from
 export interface QuotaStore {
   consume(subject: QuotaSubject): Promise<Decision>;
   peek(subject: QuotaSubject): Promise<Usage>;
+  /**
+   * Gives one admitted request back to the windows it was counted in (at `countedAtMs`, the
+   * decision's time), if they are still current: the gateway failed it (502/504), so the
+   * client is not charged. Best effort: a refund that cannot be made leaves the unit counted.
+   */
+  refund(subject: QuotaSubject, countedAtMs: number): Promise<void>;
   /** True while decisions come from the in-process fallback because Redis failed. */
   readonly degraded: boolean;
   /** Bans this instance knows to be in force now. */

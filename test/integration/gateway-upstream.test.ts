@@ -2,7 +2,9 @@ import { request } from 'node:http';
 import { beforeEach, describe, expect, it, onTestFinished } from 'vitest';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
+import { freePort } from '../helpers/net.js';
 import { startBackend } from '../helpers/processes.js';
+import { inOneMinute } from '../helpers/time.js';
 
 // Between the gateway and the backend: faults of a real backend process, and what the gateway
 // lets through in each direction, seen from a recording backend.
@@ -52,6 +54,31 @@ describe('backend faults', () => {
     expect(JSON.stringify(body)).not.toContain(String(new URL(backend.url).port));
     expect(res.headers.get('x-ratelimit-remaining')).toMatch(/^\d+$/);
     expect(res.headers.get('deprecation')).toBe('@1735689600');
+  });
+});
+
+describe('no charge for the gateway\'s own failures', () => {
+  it.each([
+    ['Redis', undefined],
+    ['the in-process store', false as const],
+  ])('a 502 for an unreachable backend is given back to the key\'s windows (%s)', async (_, redis) => {
+    const tiny = makeKey('tiny'); // 3 a minute, 4 a day
+    const closed = await freePort();
+    const gw = await buildTestGateway({ config: testConfig([tiny]), backend: `http://127.0.0.1:${closed}`, redis, admin: {} });
+    const statuses = await inOneMinute(async () => {
+      const got = [];
+      for (let i = 0; i < 6; i++) {
+        const res = await gw.call('/v1/pets', tiny.key);
+        await res.arrayBuffer();
+        got.push(res.status);
+        await new Promise((r) => setTimeout(r, 20)); // the refund is sent after the answer
+      }
+      return got;
+    }, () => gw.freshCounters());
+    // Six 502s, past both the minute (3) and the day (4): none of them was charged.
+    expect(statuses).toEqual([502, 502, 502, 502, 502, 502]);
+    const usage = (await gw.call('/v1/pets', tiny.key)).headers.get('ratelimit');
+    expect(usage).toMatch(/^"minute";r=[23];t=\d+, "day";r=[34];t=\d+$/); // the 7th is counted until it fails too
   });
 });
 

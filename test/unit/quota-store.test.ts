@@ -52,6 +52,26 @@ describe.each([
     });
   });
 
+  it('a refund gives one unit back to the windows that counted it, never to later ones, never below 0', async () => {
+    await inOneMinute(async () => {
+      const store = make();
+      const s = subject(2, 100, false);
+      const first = await store.consume(s);
+      await store.consume(s);
+      expect((await store.consume(s)).outcome).toBe('minute');
+      await store.refund(s, first.nowMs);
+      const after = await store.peek(s);
+      expect([after.minuteUsed, after.dayUsed]).toEqual([1, 1]);
+      // Counted in an earlier minute (and day): that window is over, nothing to give back.
+      await store.refund(s, first.nowMs - DAY_MS);
+      expect((await store.peek(s)).minuteUsed).toBe(1);
+      await store.refund(s, first.nowMs);
+      await store.refund(s, first.nowMs);
+      const floor = await store.peek(s);
+      expect([floor.minuteUsed, floor.dayUsed]).toEqual([0, 0]);
+    });
+  });
+
   it('does not count a refused request in either window', async () => {
     await inOneMinute(async () => {
       const store = make();
