@@ -34,6 +34,8 @@ export const ConfigFile = Type.Object(
           limits: Type.Optional(LimitsSchema),
           createdAt: Type.Optional(IsoDate),
           revokedAt: Type.Optional(IsoDate),
+          /** From this moment the key answers 401 "expired", as a revoked one does. */
+          expiresAt: Type.Optional(IsoDate),
         },
         { additionalProperties: false },
       ),
@@ -44,6 +46,10 @@ export const ConfigFile = Type.Object(
       { additionalProperties: false },
     ),
     unauthenticated: Type.Object({ perMinute: Count }, { additionalProperties: false }),
+    /** Browser origins allowed to call the API and read its headers (CORS); none by default. */
+    cors: Type.Optional(
+      Type.Object({ origins: Type.Array(Type.String({ pattern: '^https?://[^/\\s]+$' })) }, { additionalProperties: false }),
+    ),
     deprecations: Type.Array(
       Type.Object(
         {
@@ -69,6 +75,8 @@ export interface Consumer {
   id: string;
   plan: string;
   revoked: boolean;
+  /** When the key stops working (ms since the epoch); Infinity when it does not expire. */
+  expiresAtMs: number;
   /** Its quota: limits, ban policy, policy header and Redis key base, built once. */
   subject: QuotaSubject;
   /** What the backend is told about the caller (X-Consumer-Id, X-Consumer-Plan), built once. */
@@ -85,6 +93,8 @@ export interface GatewayConfig {
   /** The quota of requests without a valid key, per client address. */
   addressSubject(address: string): QuotaSubject;
   deprecations: ReadonlyMap<RouteId, Deprecation>;
+  /** Origins allowed by CORS (exact `scheme://host[:port]`). */
+  corsOrigins: ReadonlySet<string>;
 }
 
 export class ConfigError extends Error {
@@ -151,6 +161,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       id: k.id,
       plan: k.plan,
       revoked: k.revokedAt !== undefined,
+      expiresAtMs: k.expiresAt ? Date.parse(k.expiresAt) : Number.POSITIVE_INFINITY,
       subject: { name: `${redisPrefix}:{k:${k.id}}`, limits, bans, policy: policyHeader(limits) },
       upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-plan': k.plan }),
     });
@@ -176,6 +187,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
     consumers,
     addressSubject: (address: string) => ({ name: `${redisPrefix}:{a:${address}}`, limits: anonymous, bans: null, policy: anonymousPolicy }),
     deprecations,
+    corsOrigins: new Set(file.cors?.origins ?? []),
   });
 }
 

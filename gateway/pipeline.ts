@@ -2,6 +2,7 @@ import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import type { AccessEntry } from './access-log.js';
 import { authenticate } from './auth/authenticate.js';
 import type { Consumer, GatewayConfig } from './config.js';
+import { corsHeaders, preflight } from './cors.js';
 import { sunsetRefusal } from './deprecation.js';
 import { GatewayError, handleError } from './errors.js';
 import { admit } from './quota/admit.js';
@@ -86,8 +87,14 @@ export function requestPipeline(
     }
   }
 
-  async function onRequest(request: FastifyRequest, reply: FastifyReply): Promise<void> {
+  async function onRequest(request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply | void> {
     const ctx = begin(request, reply, config());
+    if (ctx.config.corsOrigins.size > 0 && corsHeaders(request, reply, ctx.config.corsOrigins)) {
+      // A browser's preflight: per-address quota, answered here, never proxied.
+      const refused = await admitRequest(request, reply, ctx.config.addressSubject(request.ip));
+      if (refused) throw refused;
+      return preflight(reply);
+    }
     const bad = malformed(request);
     if (!bad && isDocumentPath(request.url)) return publicDocument(request, reply);
     // Authentication first, for every other path: a caller without a valid key learns nothing of routes.

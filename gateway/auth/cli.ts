@@ -11,7 +11,7 @@ import { generateKey } from './keys.js';
 // so a running gateway only ever reads a whole, valid file. The plain key is printed once.
 
 const USAGE = `usage:
-  keys create --plan PLAN [--id ID] [--per-minute N --per-day N] [--config FILE]
+  keys create --plan PLAN [--id ID] [--per-minute N --per-day N] [--expires-at ISO-DATE] [--config FILE]
   keys list [--config FILE]
   keys revoke --id ID [--config FILE]`;
 
@@ -27,6 +27,7 @@ function run(argv: string[]): void {
       id: { type: 'string' },
       'per-minute': { type: 'string' },
       'per-day': { type: 'string' },
+      'expires-at': { type: 'string' },
     },
   });
   const file = values.config ?? configFilePath();
@@ -38,7 +39,8 @@ function list(file: string): void {
   const current = parseConfigText(readFileSync(file, 'utf8'), file);
   const rows = current.keys.map((k) => {
     const limits = k.limits ?? current.plans[k.plan];
-    const status = k.revokedAt ? `revoked ${k.revokedAt}` : 'active';
+    const expired = k.expiresAt !== undefined && Date.parse(k.expiresAt) <= Date.now();
+    const status = k.revokedAt ? `revoked ${k.revokedAt}` : expired ? `expired ${k.expiresAt}` : k.expiresAt ? `active, expires ${k.expiresAt}` : 'active';
     return [k.id, k.plan, `${limits?.perMinute}/min ${limits?.perDay}/day`, status, k.createdAt ?? ''];
   });
   const all = [['ID', 'PLAN', 'LIMITS', 'STATUS', 'CREATED'], ...rows];
@@ -46,7 +48,7 @@ function list(file: string): void {
   for (const r of all) console.log(r.map((c, i) => c.padEnd(widths[i]!)).join('  ').trimEnd());
 }
 
-type Options = { plan?: string; id?: string; 'per-minute'?: string; 'per-day'?: string };
+type Options = { plan?: string; id?: string; 'per-minute'?: string; 'per-day'?: string; 'expires-at'?: string };
 
 function edit(file: string, command: string | undefined, values: Options): void {
   const text = readFileSync(file, 'utf8');
@@ -74,6 +76,7 @@ function edit(file: string, command: string | undefined, values: Options): void 
     const entry: Record<string, unknown> = { id, hash, plan: values.plan };
     if (perMinute !== undefined) entry.limits = { perMinute: Number(perMinute), perDay: Number(perDay) };
     entry.createdAt = new Date().toISOString().replace(/\.\d+Z$/, 'Z');
+    if (values['expires-at'] !== undefined) entry.expiresAt = values['expires-at']; // the validator checks the date
     keys.add(doc.createNode(entry));
     save(file, text, doc);
     console.error(`created key "${id}" (plan ${values.plan}) in ${file}; it is shown only now:`);

@@ -5,7 +5,7 @@ import { generateKey } from '../../gateway/auth/keys.js';
 import { GATEWAY_ERRORS } from '../../gateway/errors.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { useTestGateway } from '../helpers/gateway.js';
-import { inOneMinute } from '../helpers/time.js';
+import { eventually, inOneMinute } from '../helpers/time.js';
 
 // The gateway's HTTP surface: authentication, the headers on every status, the answers made
 // outside fastify. In-process gateway on real Redis, in front of the real pet backend
@@ -238,5 +238,60 @@ describe('error catalogue', () => {
     for (const [code, status] of Object.entries(GATEWAY_ERRORS)) {
       expect(readme).toMatch(new RegExp(`\\|\\s*\`${code}\`\\s*\\|\\s*${status}\\s*\\|`));
     }
+  });
+});
+
+describe('key expiry', () => {
+  const roomy = { free: { perMinute: 1000, perDay: 100000 } };
+  const expired = { ...makeKey('free'), expiresAt: '2026-01-01T00:00:00Z' };
+  const soon = { ...makeKey('free'), expiresAt: new Date(Date.now() + 3000).toISOString() };
+  const g = useTestGateway(() => ({ config: testConfig([expired, soon], { plans: roomy }), backend: 'echo' }));
+
+  it('an expired key gets 401 saying so; one that expires later works until then, with no reload', async () => {
+    const res = await g.call('/v1/pets', expired.key);
+    expect(res.status).toBe(401);
+    expect((await res.json()).message).toBe('This API key expired at 2026-01-01T00:00:00.000Z');
+    expect((await g.call('/v1/pets', soon.key)).status).toBe(200);
+    await eventually(async () => (await g.call('/v1/pets', soon.key)).status === 401, 6000, 'the key expired');
+  });
+});
+
+describe('CORS', () => {
+  const k = makeKey('free');
+  const app = 'https://app.example';
+  const g = useTestGateway({
+    config: testConfig([k], { plans: { free: { perMinute: 1000, perDay: 100000 } }, unauthenticated: { perMinute: 1000 }, cors: { origins: [app] } }),
+    backend: 'echo',
+  });
+
+  it('answers a preflight from an allowed origin itself, without a key and without the backend', async () => {
+    const seen = g.echo!.seen.length;
+    const res = await fetch(`${g.url}/v1/pets`, {
+      method: 'OPTIONS',
+      headers: { origin: app, 'access-control-request-method': 'POST', 'access-control-request-headers': 'authorization, content-type' },
+    });
+    expect(res.status).toBe(204);
+    expect(res.headers.get('access-control-allow-origin')).toBe(app);
+    expect(res.headers.get('access-control-allow-methods')).toContain('POST');
+    expect(res.headers.get('access-control-allow-headers')).toContain('authorization');
+    expect(g.echo!.seen.length).toBe(seen);
+  });
+
+  it('lets a page of an allowed origin read the rate-limit headers, errors included; other origins get nothing', async () => {
+    for (const key of [k.key, undefined]) {
+      const res = await g.call('/v1/pets', key, { headers: { origin: app } });
+      expect(res.status).toBe(key ? 200 : 401);
+      expect(res.headers.get('access-control-allow-origin')).toBe(app);
+      expect(res.headers.get('vary')).toMatch(/Origin/i);
+      const exposed = res.headers.get('access-control-expose-headers')!.split(', ');
+      for (const h of ['ratelimit', 'ratelimit-policy', 'x-ratelimit-remaining', 'retry-after', 'deprecation', 'sunset', 'link', 'x-request-id']) {
+        expect(exposed).toContain(h);
+      }
+    }
+    const other = await g.call('/v1/pets', k.key, { headers: { origin: 'https://evil.example' } });
+    expect(other.headers.get('access-control-allow-origin')).toBeNull();
+    const preflight = await fetch(`${g.url}/v1/pets`, { method: 'OPTIONS', headers: { origin: 'https://evil.example', 'access-control-request-method': 'GET' } });
+    expect(preflight.status).toBe(401); // not answered as a preflight: an unauthenticated request
+    expect(preflight.headers.get('access-control-allow-origin')).toBeNull();
   });
 });
