@@ -50,7 +50,7 @@ describe('the keys command and hot reload', () => {
     const out = await keys('create', '--plan', 'pro', '--id', 'acme', '--config', stack.configFile);
     expect(out.code).toBe(0);
     const key = lastLine(out);
-    expect(key).toMatch(/^psk_live_[A-Za-z0-9_-]{32}$/);
+    expect(key).toMatch(/^psk_live_[A-Za-z0-9]{36}$/);
     const text = readFileSync(stack.configFile, 'utf8');
     expect(text).not.toContain(key);
     expect(text).toMatch(/id: acme\n\s+hash: sha256:[0-9a-f]{64}\n\s+plan: pro/);
