@@ -1,7 +1,7 @@
 import { createHash, timingSafeEqual } from 'node:crypto';
-import Fastify, { type FastifyBaseLogger, type FastifyInstance, LogController } from 'fastify';
+import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyRequest, LogController } from 'fastify';
 import type { RedisClient } from './lifecycle.js';
-import type { GatewayConfig } from './config.js';
+import type { Consumer, GatewayConfig } from './config.js';
 import { GatewayError, handleError } from './errors.js';
 import { windows } from './quota/decision.js';
 import type { QuotaStore } from './quota/store.js';
@@ -88,23 +88,24 @@ export async function buildAdmin(deps: AdminDeps): Promise<FastifyInstance> {
     return deps.metrics.text();
   });
 
-  app.get<{ Params: { id: string } }>('/admin/keys/:id/usage', async (request) => {
+  const authorize = (request: FastifyRequest) => {
     const given = /^Bearer (\S+)$/i.exec(request.headers.authorization ?? '')?.[1];
     if (!token || !given || !timingSafeEqual(digest(given), token)) {
       throw new GatewayError('unauthorized', token ? 'Admin token missing or wrong' : 'ADMIN_TOKEN is not configured', {
         'www-authenticate': 'Bearer realm="pet-store-admin"',
       });
     }
-    const consumer = [...deps.config().consumers.values()].find((c) => c.id === request.params.id);
-    if (!consumer) throw new GatewayError('key_not_found', `No key with id "${request.params.id}"`);
+  };
+
+  /** An account's windows, ban and recent 429s, read from the store the gateway enforces with. */
+  async function usageOf(consumer: Consumer) {
     const usage = await deps.store.peek(consumer.subject);
     const iso = (ms: number) => new Date(ms).toISOString();
     const { limits } = consumer.subject;
     const state = windows(limits, usage.nowMs, usage.minuteUsed, usage.dayUsed);
     return {
-      id: consumer.id,
+      account: consumer.account,
       plan: consumer.plan,
-      revoked: consumer.revoked,
       limits,
       windows: Object.fromEntries(
         state.map((w) => [w.name, { used: w.used, remaining: Math.max(0, w.limit - w.used), resetAt: iso(w.resetMs) }]),
@@ -114,6 +115,21 @@ export async function buildAdmin(deps: AdminDeps): Promise<FastifyInstance> {
       store: deps.redis ? (deps.store.degraded ? 'memory (Redis failing)' : 'redis') : 'memory',
       at: iso(usage.nowMs),
     };
+  }
+
+  // A key's usage is its account's: the keys of one account share one quota.
+  app.get<{ Params: { id: string } }>('/admin/keys/:id/usage', async (request) => {
+    authorize(request);
+    const consumer = [...deps.config().consumers.values()].find((c) => c.id === request.params.id);
+    if (!consumer) throw new GatewayError('key_not_found', `No key with id "${request.params.id}"`);
+    return { id: consumer.id, revoked: consumer.revoked, ...(await usageOf(consumer)) };
+  });
+
+  app.get<{ Params: { account: string } }>('/admin/accounts/:account/usage', async (request) => {
+    authorize(request);
+    const members = [...deps.config().consumers.values()].filter((c) => c.account === request.params.account);
+    if (members.length === 0) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
+    return { keys: members.map((c) => c.id).sort(), ...(await usageOf(members[0]!)) };
   });
   return app;
 }

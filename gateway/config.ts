@@ -29,6 +29,8 @@ export const ConfigFile = Type.Object(
       Type.Object(
         {
           id: Type.String({ pattern: '^[a-z0-9_-]{1,64}$' }),
+          /** Keys of one account share its quota (minute, day, bans); a key without one is its own account. */
+          account: Type.Optional(Type.String({ pattern: '^[a-z0-9_-]{1,64}$' })),
           hash: Type.String({ pattern: '^sha256:[0-9a-f]{64}$' }),
           plan: Type.String(),
           limits: Type.Optional(LimitsSchema),
@@ -73,6 +75,8 @@ export type ConfigFile = Static<typeof ConfigFile>;
 export interface Consumer {
   /** The key id: names the key in the file, the logs, the metrics and its Redis keys. */
   id: string;
+  /** The account whose quota it uses: its `account`, or its own id. */
+  account: string;
   plan: string;
   revoked: boolean;
   /** When the key stops working (ms since the epoch); Infinity when it does not expire. */
@@ -125,11 +129,19 @@ function crossChecks(file: ConfigFile): string[] {
   }
   const ids = new Set<string>();
   const hashes = new Set<string>();
+  const accounts = new Map<string, { index: number; plan: string; limits: string }>();
   file.keys.forEach((k, i) => {
     const plan = file.plans[k.plan];
     if (!plan) problems.push(`keys.${i}.plan: unknown plan "${k.plan}"`);
     else if (plan.custom && !k.limits) problems.push(`keys.${i}.limits: required for the custom plan "${k.plan}"`);
     if (ids.has(k.id)) problems.push(`keys.${i}.id: duplicate id "${k.id}"`);
+    // One account, one quota: its keys must agree on the plan and limits it is measured by.
+    const account = k.account ?? k.id;
+    const first = accounts.get(account);
+    if (!first) accounts.set(account, { index: i, plan: k.plan, limits: JSON.stringify(k.limits ?? null) });
+    else if (first.plan !== k.plan || first.limits !== JSON.stringify(k.limits ?? null)) {
+      problems.push(`keys.${i}: account "${account}" is on plan ${first.plan}${first.limits === 'null' ? '' : ` with limits ${first.limits}`} (keys.${first.index}); its keys share one quota, so they must agree`);
+    }
     if (hashes.has(k.hash)) problems.push(`keys.${i}.hash: duplicate hash`);
     ids.add(k.id);
     hashes.add(k.hash);
@@ -157,13 +169,16 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
   for (const k of file.keys) {
     const plan = file.plans[k.plan]!;
     const limits = k.limits ?? { perMinute: plan.perMinute!, perDay: plan.perDay! };
+    const account = k.account ?? k.id;
     consumers.set(k.hash, {
       id: k.id,
+      account,
       plan: k.plan,
       revoked: k.revokedAt !== undefined,
       expiresAtMs: k.expiresAt ? Date.parse(k.expiresAt) : Number.POSITIVE_INFINITY,
-      subject: { name: `${redisPrefix}:{k:${k.id}}`, limits, bans, policy: policyHeader(limits) },
-      upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-plan': k.plan }),
+      // Named by the account: a key without one keeps the name (and the counters) it always had.
+      subject: { name: `${redisPrefix}:{k:${account}}`, limits, bans, policy: policyHeader(limits) },
+      upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-account': account, 'x-consumer-plan': k.plan }),
     });
   }
   const deprecations = new Map<RouteId, Deprecation>();

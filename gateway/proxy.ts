@@ -22,6 +22,7 @@ const HOP_BY_HOP = [
 const FROM_CLIENT_ONLY = [
   'authorization',
   'x-consumer-id',
+  'x-consumer-account',
   'x-consumer-plan',
   'forwarded',
   'x-forwarded-for',

@@ -11,9 +11,10 @@ import { generateKey } from './keys.js';
 // so a running gateway only ever reads a whole, valid file. The plain key is printed once.
 
 const USAGE = `usage:
-  keys create --plan PLAN [--id ID] [--per-minute N --per-day N] [--expires-at ISO-DATE] [--config FILE]
+  keys create --plan PLAN [--id ID] [--account ACCOUNT] [--per-minute N --per-day N] [--expires-at ISO-DATE] [--config FILE]
   keys list [--config FILE]
-  keys revoke --id ID [--config FILE]`;
+  keys revoke --id ID [--config FILE]
+  keys rotate --id ID [--grace DURATION (24h; s, m, h, d)] [--config FILE]`;
 
 class UsageError extends Error {}
 
@@ -28,6 +29,8 @@ function run(argv: string[]): void {
       'per-minute': { type: 'string' },
       'per-day': { type: 'string' },
       'expires-at': { type: 'string' },
+      account: { type: 'string' },
+      grace: { type: 'string' },
     },
   });
   const file = values.config ?? configFilePath();
@@ -41,14 +44,23 @@ function list(file: string): void {
     const limits = k.limits ?? current.plans[k.plan];
     const expired = k.expiresAt !== undefined && Date.parse(k.expiresAt) <= Date.now();
     const status = k.revokedAt ? `revoked ${k.revokedAt}` : expired ? `expired ${k.expiresAt}` : k.expiresAt ? `active, expires ${k.expiresAt}` : 'active';
-    return [k.id, k.plan, `${limits?.perMinute}/min ${limits?.perDay}/day`, status, k.createdAt ?? ''];
+    return [k.id, k.account ?? k.id, k.plan, `${limits?.perMinute}/min ${limits?.perDay}/day`, status, k.createdAt ?? ''];
   });
-  const all = [['ID', 'PLAN', 'LIMITS', 'STATUS', 'CREATED'], ...rows];
+  const all = [['ID', 'ACCOUNT', 'PLAN', 'LIMITS', 'STATUS', 'CREATED'], ...rows];
   const widths = all[0]!.map((_, i) => Math.max(...all.map((r) => r[i]!.length)));
   for (const r of all) console.log(r.map((c, i) => c.padEnd(widths[i]!)).join('  ').trimEnd());
 }
 
-type Options = { plan?: string; id?: string; 'per-minute'?: string; 'per-day'?: string; 'expires-at'?: string };
+type Options = { plan?: string; id?: string; 'per-minute'?: string; 'per-day'?: string; 'expires-at'?: string; account?: string; grace?: string };
+
+const iso = (ms: number) => new Date(ms).toISOString().replace(/\.\d+Z$/, 'Z');
+
+/** `90s`, `15m`, `24h`, `7d` in milliseconds. */
+function duration(text: string): number {
+  const m = /^(\d+)(s|m|h|d)$/.exec(text);
+  if (!m) throw new UsageError(`--grace: expected a number and s, m, h or d (24h), got "${text}"`);
+  return Number(m[1]) * { s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 }[m[2] as 's' | 'm' | 'h' | 'd'];
+}
 
 function edit(file: string, command: string | undefined, values: Options): void {
   const text = readFileSync(file, 'utf8');
@@ -74,12 +86,39 @@ function edit(file: string, command: string | undefined, values: Options): void 
     }
     const { key, hash } = generateKey(current.environment);
     const entry: Record<string, unknown> = { id, hash, plan: values.plan };
+    if (values.account !== undefined) entry.account = values.account;
     if (perMinute !== undefined) entry.limits = { perMinute: Number(perMinute), perDay: Number(perDay) };
     entry.createdAt = new Date().toISOString().replace(/\.\d+Z$/, 'Z');
     if (values['expires-at'] !== undefined) entry.expiresAt = values['expires-at']; // the validator checks the date
     keys.add(doc.createNode(entry));
     save(file, text, doc);
     console.error(`created key "${id}" (plan ${values.plan}) in ${file}; it is shown only now:`);
+    console.log(key);
+    return;
+  }
+
+  if (command === 'rotate') {
+    // A new key for the same account, plan and limits; the old one works for the grace, then
+    // expires. Both count against the one quota meanwhile.
+    if (!values.id) throw new UsageError('rotate needs --id');
+    const item = keys.items.find((k) => isMap(k) && k.get('id') === values.id);
+    const old = current.keys.find((k) => k.id === values.id);
+    if (!isMap(item) || !old) throw new Error(`no key with id "${values.id}" in ${file}`);
+    if (old.revokedAt) throw new Error(`key "${values.id}" is revoked: create a new one instead`);
+    const graceMs = duration(values.grace ?? '24h');
+    const account = old.account ?? old.id;
+    let n = 2;
+    while (current.keys.some((k) => k.id === `${account}-${n}`)) n++;
+    const id = `${account}-${n}`;
+    const { key, hash } = generateKey(current.environment);
+    const entry: Record<string, unknown> = { id, account, hash, plan: old.plan };
+    if (old.limits) entry.limits = old.limits;
+    entry.createdAt = iso(Date.now());
+    keys.add(doc.createNode(entry));
+    const until = Math.min(Date.now() + graceMs, old.expiresAt ? Date.parse(old.expiresAt) : Number.POSITIVE_INFINITY);
+    item.set('expiresAt', iso(until));
+    save(file, text, doc);
+    console.error(`rotated "${values.id}": new key "${id}" (account ${account}, plan ${old.plan}); "${values.id}" works until ${iso(until)}. The new key, shown only now:`);
     console.log(key);
     return;
   }

@@ -12,6 +12,7 @@ export interface TestKey {
   limits?: { perMinute: number; perDay: number };
   revokedAt?: string;
   expiresAt?: string;
+  account?: string;
 }
 
 /** A config file for tests: small limits, keys made here, written as JSON (valid YAML). */
@@ -19,7 +20,7 @@ export function testConfig(keys: TestKey[], over: Partial<ConfigFile> = {}): Con
   return {
     environment: 'production',
     plans: { free: { perMinute: 5, perDay: 1000 }, tiny: { perMinute: 3, perDay: 4 }, enterprise: { custom: true } },
-    keys: keys.map(({ id, plan, hash, limits, revokedAt, expiresAt }) => ({ id, plan, hash, limits, revokedAt, expiresAt })),
+    keys: keys.map(({ id, plan, hash, limits, revokedAt, expiresAt, account }) => ({ id, account, plan, hash, limits, revokedAt, expiresAt })),
     bans: { afterRejected: 3, withinSeconds: 60, durationSeconds: 900 },
     unauthenticated: { perMinute: 4 },
     deprecations: [

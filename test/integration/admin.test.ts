@@ -195,6 +195,24 @@ describe('access log', () => {
   });
 });
 
+describe('accounts in the usage lookup', () => {
+  it('a key answers with its account\'s shared windows; the account answers with its keys', async () => {
+    const web = { ...makeKey('free'), account: 'acme' };
+    const app = { ...makeKey('free'), account: 'acme' };
+    const gw = await build([web, app]);
+    await inOneMinute(async () => {
+      gw.freshCounters();
+      for (const k of [web, app, app]) expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
+      const byKey = await usage(gw, web.id);
+      expect(byKey).toMatchObject({ id: web.id, account: 'acme', windows: { minute: { used: 3 } } });
+      const byAccount = await (await admin(gw, '/admin/accounts/acme/usage', ADMIN_TOKEN)).json();
+      expect(byAccount).toMatchObject({ account: 'acme', keys: [app.id, web.id].sort(), windows: { minute: { used: 3 } } });
+    });
+    expect((await admin(gw, '/admin/accounts/nobody/usage', ADMIN_TOKEN)).status).toBe(404);
+    expect((await admin(gw, '/admin/accounts/acme/usage')).status).toBe(401);
+  });
+});
+
 describe('a frozen Redis', () => {
   it('keeps serving from the in-process store while Redis is frozen, says so, and goes back to Redis', async () => {
     const redis = await spawnRedis(); // its own Redis, so this test can freeze it

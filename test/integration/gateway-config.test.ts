@@ -68,8 +68,49 @@ describe('the keys command and hot reload', () => {
     }
 
     const listed = await keys('list', '--config', stack.configFile);
-    expect(listed.stdout).toMatch(/acme\s+pro\s+300\/min 10000\/day\s+active/);
+    expect(listed.stdout).toMatch(/acme\s+acme\s+pro\s+300\/min 10000\/day\s+active/);
     expect(listed.stdout).not.toContain(key);
+  });
+
+  it('an account: two keys share one quota (the day, here), and the usage is the account\'s', async () => {
+    const made = [];
+    for (const id of ['shop-web', 'shop-app']) {
+      const out = await keys('create', '--plan', 'enterprise', '--per-minute', '100', '--per-day', '4', '--account', 'shop', '--id', id, '--config', stack.configFile);
+      expect(out.code).toBe(0);
+      made.push(lastLine(out));
+    }
+    const [web, app] = made as [string, string];
+    await eventually(async () => (await status(app)) === 200, 5000, 'both keys accepted'); // 1 of the 4
+    expect([await status(web), await status(app), await status(web)]).toEqual([200, 200, 200]);
+    const res = await call(`${stack.gateway.url}/v1/pets`, app);
+    expect(res.status).toBe(429); // the 5th, whichever key sends it
+    expect((await res.json()).code).toBe('daily_quota_exceeded');
+    const differentPlan = await keys('create', '--plan', 'pro', '--account', 'shop', '--config', stack.configFile);
+    expect(differentPlan.code).toBe(1);
+    expect(differentPlan.stderr).toMatch(/account "shop" is on plan enterprise/);
+    expect((await keys('list', '--config', stack.configFile)).stdout).toMatch(/shop-app\s+shop\s+enterprise/);
+  });
+
+  it('rotate: a new key for the same quota; the old one works during the grace, then answers 401 "expired"', async () => {
+    const created = await keys('create', '--plan', 'enterprise', '--per-minute', '1000', '--per-day', '100000', '--id', 'solo', '--config', stack.configFile);
+    const old = lastLine(created);
+    await eventually(async () => (await status(old)) === 200, 5000, 'the key accepted');
+    const rotated = await keys('rotate', '--id', 'solo', '--grace', '4s', '--config', stack.configFile);
+    expect(rotated.code).toBe(0);
+    expect(rotated.stderr).toMatch(/new key "solo-2" \(account solo, plan enterprise\)/);
+    const fresh = lastLine(rotated);
+    await eventually(async () => (await status(fresh)) === 200, 5000, 'the new key accepted');
+    expect(await status(old)).toBe(200); // within the grace
+    const redis = new Redis(inject('redisUrl'));
+    try {
+      // One quota for both: 2 requests with the old key and 1 or more with the new, counted together.
+      expect(Number(await redis.hget(`${stack.env.REDIS_KEY_PREFIX}:production:{k:solo}`, 'dc'))).toBeGreaterThanOrEqual(3);
+    } finally {
+      redis.disconnect();
+    }
+    await eventually(async () => (await status(old)) === 401, 8000, 'the old key expired');
+    expect((await (await call(`${stack.gateway.url}/v1/pets`, old)).json()).message).toMatch(/^This API key expired at /);
+    expect(await status(fresh)).toBe(200);
   });
 
   it('revokes a key: 401 from the running gateway, no request dropped meanwhile', async () => {
@@ -149,7 +190,7 @@ describe('the keys command on its own', () => {
     expect(node).toBe('node');
     expect(JSON.parse(readFileSync('package.json', 'utf8')).scripts.prekeys).toBeUndefined(); // no rebuild first
     const { stdout } = await run(process.execPath, [...args, 'list', '--config', file]);
-    expect(stdout).toMatch(new RegExp(`^${k.id}\\s+free\\s+5/min 1000/day\\s+active`, 'm'));
+    expect(stdout).toMatch(new RegExp(`^${k.id}\\s+${k.id}\\s+free\\s+5/min 1000/day\\s+active`, 'm'));
     cleanup();
   });
 
@@ -176,8 +217,8 @@ describe('the keys command on its own', () => {
       const { stdout } = await run(process.execPath, [KEYS_CLI, 'list'], {
         env: { PATH: process.env.PATH, GATEWAY_CONFIG: file, GATEWAY_PORT: 'not-a-port' },
       });
-      expect(stdout).toMatch(/^ID\s+PLAN/);
-      expect(stdout).toMatch(/\nt\S+\s+free\s+5\/min 1000\/day\s+active/); // the file named by GATEWAY_CONFIG
+      expect(stdout).toMatch(/^ID\s+ACCOUNT\s+PLAN/);
+      expect(stdout).toMatch(/\nt\S+\s+t\S+\s+free\s+5\/min 1000\/day\s+active/); // the file named by GATEWAY_CONFIG
     } finally {
       cleanup();
     }
