@@ -96,7 +96,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     upstreamSeconds: (request, seconds) => metrics.upstream(request.ctx.route ?? 'none', seconds),
     // The backend could not be reached or timed out: the request is given back to its windows.
     failed: ({ ctx }) => {
-      if (ctx.consumer && ctx.countedAtMs !== undefined) void store.refund(ctx.consumer.subject, ctx.countedAtMs);
+      if (ctx.consumer && ctx.countedAtMs !== undefined) void store.refund(ctx.consumer.subject, ctx.countedAtMs, ctx.cost);
     },
   });
 

@@ -13,6 +13,8 @@ import { ROUTES, type RouteId } from './routes.js';
 
 const Count = Type.Integer({ minimum: 1 });
 const LimitsSchema = Type.Object({ perMinute: Count, perDay: Count }, { additionalProperties: false });
+/** Units a request of a route costs, by `"METHOD /path"` (default 1). */
+const Costs = Type.Record(Type.String(), Type.Integer({ minimum: 1, maximum: 1_000_000 }));
 const IsoDate = Type.String({ pattern: '^\\d{4}-\\d{2}-\\d{2}T\\d{2}:\\d{2}(:\\d{2}(\\.\\d+)?)?(Z|[+-]\\d{2}:\\d{2})$' });
 
 export const ConfigFile = Type.Object(
@@ -21,7 +23,7 @@ export const ConfigFile = Type.Object(
     plans: Type.Record(
       Type.String({ pattern: '^[a-z0-9_-]{1,64}$' }),
       Type.Object(
-        { perMinute: Type.Optional(Count), perDay: Type.Optional(Count), custom: Type.Optional(Type.Boolean()) },
+        { perMinute: Type.Optional(Count), perDay: Type.Optional(Count), custom: Type.Optional(Type.Boolean()), costs: Type.Optional(Costs) },
         { additionalProperties: false },
       ),
     ),
@@ -34,6 +36,8 @@ export const ConfigFile = Type.Object(
           hash: Type.String({ pattern: '^sha256:[0-9a-f]{64}$' }),
           plan: Type.String(),
           limits: Type.Optional(LimitsSchema),
+          /** Units a route costs this key, over its plan's (`"POST /v1/pets": 5`). */
+          costs: Type.Optional(Costs),
           createdAt: Type.Optional(IsoDate),
           revokedAt: Type.Optional(IsoDate),
           /** From this moment the key answers 401 "expired", as a revoked one does. */
@@ -81,6 +85,8 @@ export interface Consumer {
   revoked: boolean;
   /** When the key stops working (ms since the epoch); Infinity when it does not expire. */
   expiresAtMs: number;
+  /** Units each route costs, where not 1: the plan's costs, then the key's. */
+  costs: ReadonlyMap<RouteId, number>;
   /** Its quota: limits, ban policy, policy header and Redis key base, built once. */
   subject: QuotaSubject;
   /** What the backend is told about the caller (X-Consumer-Id, X-Consumer-Plan), built once. */
@@ -146,6 +152,13 @@ function crossChecks(file: ConfigFile): string[] {
     ids.add(k.id);
     hashes.add(k.hash);
   });
+  const checkCosts = (costs: Record<string, number> | undefined, where: string) => {
+    for (const route of Object.keys(costs ?? {})) {
+      if (!ROUTES.some((r) => `${r.method} ${r.path}` === route)) problems.push(`${where}.costs: no route "${route}" (write "METHOD /path", e.g. "POST /v1/pets")`);
+    }
+  };
+  for (const [name, plan] of Object.entries(file.plans)) checkCosts(plan.costs, `plans.${name}`);
+  file.keys.forEach((k, i) => checkCosts(k.costs, `keys.${i}`));
   file.deprecations.forEach((d, i) => {
     if (!ROUTES.some((r) => r.method === d.method && r.path === d.path)) {
       problems.push(`deprecations.${i}: no route ${d.method} ${d.path}`);
@@ -155,6 +168,16 @@ function crossChecks(file: ConfigFile): string[] {
     }
   });
   return problems;
+}
+
+/** Route costs by route id, keeping only those that differ from 1. */
+function routeCosts(costs: Record<string, number>): ReadonlyMap<RouteId, number> {
+  const out = new Map<RouteId, number>();
+  for (const r of ROUTES) {
+    const cost = costs[`${r.method} ${r.path}`];
+    if (cost !== undefined && cost !== 1) out.set(r.id, cost);
+  }
+  return out;
 }
 
 /** Turns a valid file into the structures the hot path reads. */
@@ -176,6 +199,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       plan: k.plan,
       revoked: k.revokedAt !== undefined,
       expiresAtMs: k.expiresAt ? Date.parse(k.expiresAt) : Number.POSITIVE_INFINITY,
+      costs: routeCosts({ ...plan.costs, ...k.costs }),
       // Named by the account: a key without one keeps the name (and the counters) it always had.
       subject: { name: `${redisPrefix}:{k:${account}}`, limits, bans, policy: policyHeader(limits) },
       upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-account': account, 'x-consumer-plan': k.plan }),

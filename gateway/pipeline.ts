@@ -26,6 +26,8 @@ export interface RequestContext {
   outcome?: AdmissionOutcome;
   /** When the key's quota counted this request, if it did: a 502/504 gives it back. */
   countedAtMs?: number;
+  /** Units this request cost its key (its route's cost; 1 by default). */
+  cost?: number;
   /** When the request left for the backend (performance.now()), for the upstream latency. */
   sentAt?: number;
 }
@@ -69,8 +71,8 @@ export function requestPipeline(
   record: (request: FastifyRequest, entry: AccessEntry) => void,
 ) {
   /** Admission for this request: headers on the reply, the outcome in the context; returns the refusal. */
-  async function admitRequest(request: FastifyRequest, reply: FastifyReply, subject: QuotaSubject) {
-    const admission = await admit(store, subject);
+  async function admitRequest(request: FastifyRequest, reply: FastifyReply, subject: QuotaSubject, cost = 1) {
+    const admission = await admit(store, subject, cost);
     reply.headers(admission.headers);
     request.ctx.outcome = admission.outcome;
     request.ctx.countedAtMs = admission.countedAtMs;
@@ -107,8 +109,9 @@ export function requestPipeline(
     const deprecation = route instanceof GatewayError ? undefined : ctx.config.deprecations.get(route.id);
     if (!(route instanceof GatewayError)) ctx.route = route.id;
     if (deprecation) reply.headers(deprecation.headers);
-    // Every authenticated request counts, whatever its outcome, except one refused with 429.
-    const refused = await admitRequest(request, reply, who.subject);
+    // Every authenticated request counts (its route's cost), whatever its outcome, except one refused with 429.
+    ctx.cost = (ctx.route && who.costs.get(ctx.route)) || 1;
+    const refused = await admitRequest(request, reply, who.subject, ctx.cost);
     if (refused) throw refused;
     if (route instanceof GatewayError) throw route;
     const sunset = deprecation && sunsetRefusal(route, deprecation);

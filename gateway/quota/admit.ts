@@ -34,10 +34,10 @@ function refusal(d: Decision): GatewayError | undefined {
  * answers written to raw sockets all come here. It returns the refusal rather than throwing
  * it, like authentication and routing; the caller decides how to answer.
  */
-export async function admit(store: QuotaStore, subject: QuotaSubject): Promise<Admission> {
+export async function admit(store: QuotaStore, subject: QuotaSubject, cost = 1): Promise<Admission> {
   let decision: Decision;
   try {
-    decision = await store.consume(subject);
+    decision = await store.consume(subject, cost);
   } catch (err) {
     if (err instanceof QuotaStoreUnavailable) return UNAVAILABLE(subject);
     throw err;

@@ -18,8 +18,8 @@ export class MemoryQuotaStore implements QuotaStore {
 
   constructor(private readonly clock: () => number = Date.now) {}
 
-  async consume(subject: QuotaSubject): Promise<Decision> {
-    return decision(subject.limits, this.step(subject, this.clock()));
+  async consume(subject: QuotaSubject, cost = 1): Promise<Decision> {
+    return decision(subject.limits, this.step(subject, this.clock(), cost));
   }
 
   async peek({ name, bans }: QuotaSubject): Promise<Usage> {
@@ -34,11 +34,11 @@ export class MemoryQuotaStore implements QuotaStore {
     };
   }
 
-  async refund({ name }: QuotaSubject, countedAtMs: number): Promise<void> {
+  async refund({ name }: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
     const s = this.states.get(name);
     if (!s) return;
-    if (s.ms === windowStart(countedAtMs, MINUTE_MS) && s.mc > 0) s.mc--;
-    if (s.ds === windowStart(countedAtMs, DAY_MS) && s.dc > 0) s.dc--;
+    if (s.ms === windowStart(countedAtMs, MINUTE_MS)) s.mc = Math.max(0, s.mc - cost);
+    if (s.ds === windowStart(countedAtMs, DAY_MS)) s.dc = Math.max(0, s.dc - cost);
   }
 
   activeBans(): number {
@@ -48,7 +48,7 @@ export class MemoryQuotaStore implements QuotaStore {
     return n;
   }
 
-  private step({ name, limits, bans }: QuotaSubject, now: number): Tally {
+  private step({ name, limits, bans }: QuotaSubject, now: number, cost: number): Tally {
     this.sweep(now);
     let s = this.states.get(name);
     if (!s) {
@@ -61,7 +61,7 @@ export class MemoryQuotaStore implements QuotaStore {
     const ms = windowStart(now, MINUTE_MS);
     const ds = windowStart(now, DAY_MS);
     const expireAt = limits.perDay > 0 ? ds + DAY_MS : ms + MINUTE_MS;
-    const violated = limits.perDay > 0 && dayUsed >= limits.perDay ? 'day' : minuteUsed >= limits.perMinute ? 'minute' : undefined;
+    const violated = limits.perDay > 0 && dayUsed + cost > limits.perDay ? 'day' : minuteUsed + cost > limits.perMinute ? 'minute' : undefined;
     if (violated) {
       if (bans) {
         s.rejections = [now, ...s.rejections.filter((t) => t > now - bans.withinMs)].slice(0, bans.afterRejected + 1);
@@ -75,8 +75,8 @@ export class MemoryQuotaStore implements QuotaStore {
       }
       return tally(violated);
     }
-    Object.assign(s, { ms, mc: minuteUsed + 1, ds, dc: dayUsed + 1, expiresAt: Math.max(s.expiresAt, expireAt, s.ban) });
-    return { outcome: 'allowed', minuteUsed: minuteUsed + 1, dayUsed: dayUsed + 1, nowMs: now, banUntilMs: 0 };
+    Object.assign(s, { ms, mc: minuteUsed + cost, ds, dc: dayUsed + cost, expiresAt: Math.max(s.expiresAt, expireAt, s.ban) });
+    return { outcome: 'allowed', minuteUsed: minuteUsed + cost, dayUsed: dayUsed + cost, nowMs: now, banUntilMs: 0 };
   }
 
   /** Drops states whose windows, ban and recent 429s are all over, at most once a minute. */

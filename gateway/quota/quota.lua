@@ -4,7 +4,8 @@
 -- ARGV: perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs,
 -- lease (units an admitted request may take at once: 1, or more for a lease), and the unused
 -- units of this instance's last lease with that lease's minute and day starts, given back;
--- then the deadline (Redis time, ms; 0: none) after which the gateway has given up waiting.
+-- then the deadline (Redis time, ms; 0: none) after which the gateway has given up waiting,
+-- and the request's cost in units (1 unless its route costs more; a costly request takes no lease).
 -- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken}; outcome is an index into
 -- OUTCOMES in decision.ts: 0 allowed, 1 minute, 2 day, 3 banned. Time is Redis's own, so
 -- skewed gateways agree.
@@ -17,6 +18,7 @@ if deadline > 0 and now > deadline then return {-1, 0, 0, now, 0} end
 local perMinute, perDay = tonumber(ARGV[1]), tonumber(ARGV[2])
 local banAfter, banWithin, banFor = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local lease = tonumber(ARGV[6]) or 1
+local cost = tonumber(ARGV[11]) or 1
 
 local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban')
 local ms = now - now % 60000
@@ -41,7 +43,7 @@ if perDay > 0 then expireAt = ds + 86400000 end
 
 -- The day is checked first: when both are full, the day is what the client must wait for.
 local violated = 0
-if perDay > 0 and dc >= perDay then violated = 2 elseif mc >= perMinute then violated = 1 end
+if perDay > 0 and dc + cost > perDay then violated = 2 elseif mc + cost > perMinute then violated = 1 end
 
 if violated > 0 then
   -- Refused: counted in neither window, only in the list of recent 429s.
@@ -63,8 +65,8 @@ end
 
 -- A lease takes several units at once, for the instance to hand out itself, only while
 -- both windows keep room for two leases: near the limit, one decision per request.
-local take = 1
-if lease > 1 then
+local take = cost
+if lease > 1 and cost == 1 then
   local room = perMinute - mc
   if perDay > 0 then room = math.min(room, perDay - dc) end
   if room >= 2 * lease then take = lease end

@@ -6,10 +6,11 @@ import { MemoryQuotaStore } from './memory-store.js';
 import { type Counters, countsAt, type QuotaStore, QuotaStoreUnavailable, type Usage } from './store.js';
 
 const SCRIPT = readFileSync(new URL('./quota.lua', import.meta.url), 'utf8');
-/** One unit back to the windows that counted it (ARGV: their minute and day starts), if still current. */
+/** A request's units back to the windows that counted it (ARGV: their minute and day starts, the units), if still current. */
 const REFUND = `local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc')
-if tonumber(h[1]) == tonumber(ARGV[1]) and (tonumber(h[2]) or 0) > 0 then redis.call('HINCRBY', KEYS[1], 'mc', -1) end
-if tonumber(h[3]) == tonumber(ARGV[2]) and (tonumber(h[4]) or 0) > 0 then redis.call('HINCRBY', KEYS[1], 'dc', -1) end
+local n = tonumber(ARGV[3])
+if tonumber(h[1]) == tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'mc', math.max(0, (tonumber(h[2]) or 0) - n)) end
+if tonumber(h[3]) == tonumber(ARGV[2]) then redis.call('HSET', KEYS[1], 'dc', math.max(0, (tonumber(h[4]) or 0) - n)) end
 return 1`;
 const RETRY_REDIS_AFTER_MS = 1000;
 const LATE = Symbol('late');
@@ -17,7 +18,7 @@ const LATE = Symbol('late');
 type Reply = [outcome: number, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number, taken?: number];
 type QuotaRedis = RedisClient & {
   quota(counters: string, rejections: string, ...args: number[]): Promise<Reply>;
-  refund(counters: string, minuteStart: number, dayStart: number): Promise<number>;
+  refund(counters: string, minuteStart: number, dayStart: number, units: number): Promise<number>;
 };
 
 /** Units taken from Redis in one admission and not handed out yet (see leaseSize). */
@@ -129,7 +130,7 @@ export class RedisQuotaStore implements QuotaStore {
     return this.failedAt !== 0;
   }
 
-  async consume(subject: QuotaSubject): Promise<Decision> {
+  async consume(subject: QuotaSubject, cost = 1): Promise<Decision> {
     // After a sibling request's refusal, this one asks Redis itself rather than wait in line.
     let solo = false;
     // However long it waits in line and on Redis, a request is decided by this moment.
@@ -142,7 +143,7 @@ export class RedisQuotaStore implements QuotaStore {
         if (known.ban > now) return decision(subject.limits, { outcome: 'banned', ...countsAt(known, now), nowMs: now, banUntilMs: known.ban });
         this.bans.delete(subject.name);
       }
-      const lease = this.leases.get(subject.name);
+      const lease = cost === 1 ? this.leases.get(subject.name) : undefined; // a costly request asks Redis itself
       if (lease) {
         if (lease.left > 0 && performance.now() < lease.until) {
           lease.left--;
@@ -153,10 +154,10 @@ export class RedisQuotaStore implements QuotaStore {
         if (lease.left > 0) this.unused.set(subject.name, lease); // given back by the next call
       }
       // While Redis fails no request waits on it: the probe alone finds out when it answers again.
-      if (this.degraded) return this.local(subject);
+      if (this.degraded) return this.local(subject, cost);
       this.sweepLeases();
-      const size = leaseSize(subject.limits, this.leaseMax);
-      if (size === 1 || solo) return this.ask(subject, solo ? 1 : size, local, giveUpAt);
+      const size = cost === 1 ? leaseSize(subject.limits, this.leaseMax) : 1;
+      if (size === 1 || solo) return this.ask(subject, solo ? 1 : size, local, giveUpAt, cost);
       // One lease request per subject in flight: concurrent requests wait for the lease it
       // brings instead of each taking one, which would reserve many times what they use.
       const pending = this.pending.get(subject.name);
@@ -194,12 +195,12 @@ export class RedisQuotaStore implements QuotaStore {
    * nothing if Redis runs it later. Only a call that fails or outlasts timeoutMs marks Redis
    * as failing.
    */
-  private async ask(subject: QuotaSubject, lease: number, local: number, giveUpAt: number): Promise<Decision> {
+  private async ask(subject: QuotaSubject, lease: number, local: number, giveUpAt: number, cost = 1): Promise<Decision> {
     const { limits, bans } = subject;
     let reply: Reply | typeof LATE;
     const started = performance.now();
     const budget = Math.min(giveUpAt - started, this.timeoutMs > 0 ? this.timeoutMs : Number.POSITIVE_INFINITY);
-    if (budget <= 0) return this.late(subject); // its wait in line used it up
+    if (budget <= 0) return this.late(subject, cost); // its wait in line used it up
     const back = this.unused.get(subject.name);
     this.unused.delete(subject.name); // if the call fails they stay counted: the safe side
     const sentAt = Date.now();
@@ -218,6 +219,7 @@ export class RedisQuotaStore implements QuotaStore {
         back ? back.windowEndMs - MINUTE_MS : 0,
         back?.dayStartMs ?? 0,
         deadline,
+        cost,
       );
       // commandTimeout bounds the wait at timeoutMs; a shorter budget needs a timer of its own.
       if (Number.isFinite(budget) && (this.timeoutMs === 0 || budget < this.timeoutMs)) {
@@ -227,7 +229,7 @@ export class RedisQuotaStore implements QuotaStore {
         if (reply === LATE) {
           // Still pending: a failure or a timeout later still tells that Redis fails.
           call.then(() => this.observe((performance.now() - started) / 1000), (err: unknown) => this.failed(err, Date.now()));
-          return this.late(subject);
+          return this.late(subject, cost);
         }
       } else {
         reply = await call;
@@ -236,14 +238,14 @@ export class RedisQuotaStore implements QuotaStore {
     } catch (err) {
       this.observe((performance.now() - started) / 1000);
       this.failed(err, local);
-      return this.local(subject);
+      return this.local(subject, cost);
     }
     this.recovered();
-    if (reply[0] < 0) return this.late(subject); // Redis ran it after the moment the request was decided
-    const [index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = 1] = reply;
+    if (reply[0] < 0) return this.late(subject, cost); // Redis ran it after the moment the request was decided
+    const [index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = cost] = reply;
     const outcome = OUTCOMES[index]!;
     this.learnOffset(nowMs - sentAt);
-    if (taken > 1) {
+    if (taken > cost) {
       // Timed from before the call, so the lease ends no later than its Redis minute does.
       const windowEndMs = windowStart(nowMs, MINUTE_MS) + MINUTE_MS;
       const until = started + windowEndMs - nowMs;
@@ -256,16 +258,16 @@ export class RedisQuotaStore implements QuotaStore {
   }
 
   /** The decision while Redis fails: the in-process copy of the rules, or none when failing closed. */
-  private local(subject: QuotaSubject): Promise<Decision> {
+  private local(subject: QuotaSubject, cost = 1): Promise<Decision> {
     if (this.failClosed) return Promise.reject(new QuotaStoreUnavailable());
     this.localCount.failing++;
-    return this.fallback.consume(subject);
+    return this.fallback.consume(subject, cost);
   }
 
   /** The decision of a request Redis did not answer in time for, Redis being otherwise well. */
-  private late(subject: QuotaSubject): Promise<Decision> {
+  private late(subject: QuotaSubject, cost = 1): Promise<Decision> {
     this.localCount.late++;
-    return this.fallback.consume(subject);
+    return this.fallback.consume(subject, cost);
   }
 
   /** How many decisions were made in-process, and why: `late` (QUOTA_WAIT_MS passed) or `failing` (Redis failing). */
@@ -303,9 +305,9 @@ export class RedisQuotaStore implements QuotaStore {
     this.log.info('quota store: Redis answers again');
   }
 
-  async refund(subject: QuotaSubject, countedAtMs: number): Promise<void> {
-    if (this.degraded) return this.fallback.refund(subject, countedAtMs);
-    await this.redis.refund(subject.name, windowStart(countedAtMs, MINUTE_MS), windowStart(countedAtMs, DAY_MS)).catch(() => {});
+  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
+    if (this.degraded) return this.fallback.refund(subject, countedAtMs, cost);
+    await this.redis.refund(subject.name, windowStart(countedAtMs, MINUTE_MS), windowStart(countedAtMs, DAY_MS), cost).catch(() => {});
   }
 
   /** One MULTI: Redis time, the counters and the recent 429s, read together. */

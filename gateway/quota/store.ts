@@ -2,14 +2,15 @@ import { DAY_MS, type Decision, MINUTE_MS, type QuotaSubject, windowStart } from
 
 /** The contract both stores keep: one decision per request, and a read that counts nothing. */
 export interface QuotaStore {
-  consume(subject: QuotaSubject): Promise<Decision>;
+  /** One decision: admitted only if every window has room for the request's whole `cost` (units, default 1). */
+  consume(subject: QuotaSubject, cost?: number): Promise<Decision>;
   peek(subject: QuotaSubject): Promise<Usage>;
   /**
-   * Gives one admitted request back to the windows it was counted in (at `countedAtMs`, the
+   * Gives an admitted request (its `cost` units) back to the windows it was counted in (at `countedAtMs`, the
    * decision's time), if they are still current: the gateway failed it (502/504), so the
    * client is not charged. Best effort: a refund that cannot be made leaves the unit counted.
    */
-  refund(subject: QuotaSubject, countedAtMs: number): Promise<void>;
+  refund(subject: QuotaSubject, countedAtMs: number, cost?: number): Promise<void>;
   /** True while decisions come from the in-process fallback because Redis failed. */
   readonly degraded: boolean;
   /** Bans this instance knows to be in force now. */

@@ -241,6 +241,31 @@ describe('error catalogue', () => {
   });
 });
 
+describe('route costs', () => {
+  const k = makeKey('free');
+  const g = useTestGateway({
+    config: testConfig([k], { plans: { free: { perMinute: 20, perDay: 1000, costs: { 'POST /v1/pets': 5 } } } }),
+    backend: 'echo',
+  });
+
+  it('a route that costs 5 takes 5 units from every window, and the headers count units', async () => {
+    await inOneMinute(async () => {
+      g.freshCounters();
+      const post = await g.call('/v1/pets', k.key, { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{"name":"Rex","categoryId":1}' });
+      expect(post.status).toBe(200); // the echo backend
+      expect(post.headers.get('x-ratelimit-remaining')).toBe('15');
+      expect(post.headers.get('ratelimit')).toMatch(/^"minute";r=15;t=\d+, "day";r=995;t=\d+$/);
+      const get = await g.call('/v1/pets', k.key);
+      expect(get.headers.get('x-ratelimit-remaining')).toBe('14');
+      for (let i = 0; i < 2; i++) await g.call('/v1/pets', k.key, { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{}' });
+      // 14 - 10 = 4 left: a GET still fits, a POST (5) does not.
+      const refused = await g.call('/v1/pets', k.key, { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{}' });
+      expect(refused.status).toBe(429);
+      expect((await g.call('/v1/pets', k.key)).status).toBe(200);
+    });
+  });
+});
+
 describe('key expiry', () => {
   const roomy = { free: { perMinute: 1000, perDay: 100000 } };
   const expired = { ...makeKey('free'), expiresAt: '2026-01-01T00:00:00Z' };

@@ -37,6 +37,9 @@ describe('config file', () => {
     ['a bad key id', { keys: [{ ...key, id: 'Has Space' }] }, /^keys\.0\.id: /],
     ['a plain key instead of a hash', { keys: [{ ...key, hash: 'psk_live_abc' }] }, /^keys\.0\.hash: /],
     ['duplicate ids', { keys: [key, { ...key, hash: hashKey('y') }] }, /^keys\.1\.id: duplicate/],
+    ['a cost for a route that does not exist', { plans: { free: { perMinute: 5, perDay: 10, costs: { 'PUT /v1/pets': 5 } } } }, /^plans\.free\.costs: no route "PUT \/v1\/pets"/],
+    ['a cost of 0', { keys: [{ ...key, costs: { 'POST /v1/pets': 0 } }] }, /^keys\.0\.costs\./],
+    ['two keys of one account on different plans', { keys: [{ ...key, account: 'a' }, { ...key, id: 'k2', hash: hashKey('z'), account: 'a', plan: 'enterprise', limits: { perMinute: 1, perDay: 1 } }] }, /^keys\.1: account "a" is on plan/],
     [
       'a deprecation of an unknown route',
       { deprecations: [{ method: 'GET', path: '/v1/x', deprecatedAt: '2025-01-01T00:00:00Z', sunset: '2030-12-05T00:00:00Z', successor: '/v1/pets' }] },

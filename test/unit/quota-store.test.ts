@@ -52,6 +52,21 @@ describe.each([
     });
   });
 
+  it('a request with a cost is admitted only when every window has room for all of it, and counts all of it', async () => {
+    await inOneMinute(async () => {
+      const store = make();
+      const s = subject(12, 100, false);
+      expect((await store.consume(s, 5)).windows.map((w) => w.used)).toEqual([5, 5]);
+      expect((await store.consume(s, 5)).outcome).toBe('allowed'); // 10
+      expect((await store.consume(s, 5)).outcome).toBe('minute'); // 15 > 12: refused, counted nowhere
+      expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'minute']); // 11, 12, then full
+      const last = await store.consume(s, 1);
+      expect(last.windows.find((w) => w.name === 'minute')!.used).toBe(12);
+      await store.refund(s, last.nowMs, 5);
+      expect((await store.peek(s)).minuteUsed).toBe(7);
+    });
+  });
+
   it('a refund gives one unit back to the windows that counted it, never to later ones, never below 0', async () => {
     await inOneMinute(async () => {
       const store = make();
