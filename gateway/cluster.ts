@@ -34,6 +34,7 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
     redis,
     backendUrl: settings.backendUrl,
     adminToken: settings.adminToken,
+    configFile: settings.configFile,
     closing: () => closing,
     log,
   });

@@ -12,6 +12,8 @@ export const GATEWAY_ERRORS = {
   key_not_found: 404,
   method_not_allowed: 405,
   request_timeout: 408,
+  key_id_taken: 409,
+  config_read_only: 409,
   route_sunset: 410,
   payload_too_large: 413,
   expectation_failed: 417,

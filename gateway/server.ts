@@ -41,6 +41,7 @@ async function runSingle(settings: GatewaySettings, initial: GatewayConfig): Pro
     redis,
     backendUrl: settings.backendUrl,
     adminToken: settings.adminToken,
+    configFile: settings.configFile,
     closing: () => closing,
     log: app.log,
   });

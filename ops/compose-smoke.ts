@@ -104,6 +104,10 @@ function expectThat(ok: boolean, message: string): void {
   if (!ok) throw new Failed(message);
 }
 
+function expect409(res: { status: number; body: string }): void {
+  expectThat(res.status === 409 && JSON.parse(res.body).code === 'config_read_only', `expected 409 config_read_only, got ${res.status} ${res.body}`);
+}
+
 // --------------------------------------------------------------------- the engine
 
 function findShim(): string | undefined {
@@ -254,6 +258,10 @@ async function main(): Promise<void> {
         expectThat(/^gateway_rejections_total\{reason="minute"\} [1-9]/m.test(metrics.body), 'no minute rejection counted');
         const used = (await usage('smoke')).windows.day.used;
         expectThat(used >= 60, `day used ${used}, expected 60 or more`);
+      }],
+      ['the key API answers 409 config_read_only: config/ is mounted read-only', async () => {
+        const res = await http(`${admin}/admin/keys`, { method: 'POST', headers: { ...asAdmin.headers, 'content-type': 'application/json' }, body: '{"plan":"free"}' });
+        expect409(res);
       }],
       ['a config edit on the host reloads; a broken one is refused and the last good one stays', async () => {
         const file = join(app, 'config/gateway.yaml');

@@ -166,7 +166,7 @@ describe('the keys command and hot reload', () => {
       [['create', '--plan', 'enterprise'], 1, /limits: required for the custom plan/],
       [['create', '--plan', 'free', '--per-minute', '5'], 2, /both --per-minute and --per-day/],
       [['create', '--plan', 'free', '--id', 'Bad Id'], 1, /keys\.\d+\.id: /],
-      [['create', '--plan', 'pro', '--id', 'taken'], 1, /^error: a key with id "taken" is already in .+; choose another --id\n$/],
+      [['create', '--plan', 'pro', '--id', 'taken'], 1, /^error: a key with id "taken" is already in .+; choose another id\n$/],
       [['revoke', '--id', 'nobody'], 1, /no key with id "nobody"/],
       [['explode'], 2, /unknown command "explode"/],
     ];
@@ -289,5 +289,60 @@ describe('client address behind a proxy', () => {
       // Another real client has its own limit, when the proxy is trusted; else all are 127.0.0.1.
       expect(await spoofed('203.0.113.8')).toBe(trustProxy === false ? 429 : 401);
     }, gw.freshCounters);
+  });
+});
+
+describe('the key API on the admin port', () => {
+  let echo: EchoBackend;
+  let stack: Awaited<ReturnType<typeof startStack>>;
+  const token = 'admin-token-0123456789';
+  beforeAll(async () => {
+    echo = await echoBackend();
+    const roomy = { plans: { free: { perMinute: 1000, perDay: 100000 } }, unauthenticated: { perMinute: 1000 } };
+    stack = await startStack(testConfig([], roomy), { ADMIN_TOKEN: token }, echo.url);
+  });
+  afterAll(async () => {
+    await stack?.stop();
+    await echo?.close();
+  });
+  const api = (path: string, body?: unknown, auth = token) =>
+    fetch(`${stack.gateway.adminUrl}${path}`, {
+      method: body === undefined ? 'GET' : 'POST',
+      headers: { authorization: `Bearer ${auth}`, ...(body === undefined ? {} : { 'content-type': 'application/json' }) },
+      ...(body === undefined ? {} : { body: JSON.stringify(body) }),
+    });
+  const status = async (key: string) => (await call(`${stack.gateway.url}/v1/pets`, key)).status;
+
+  it('creates, lists (never a secret), rotates and revokes keys, through the file every instance reloads', async () => {
+    const created = await api('/admin/keys', { plan: 'free', id: 'api-made', account: 'api' });
+    expect(created.status).toBe(201);
+    const { id, key } = (await created.json()) as { id: string; key: string };
+    expect(id).toBe('api-made');
+    expect(key).toMatch(/^psk_live_[A-Za-z0-9]{36}$/);
+    expect(readFileSync(stack.configFile, 'utf8')).not.toContain(key);
+    await eventually(async () => (await status(key)) === 200, 5000, 'the key accepted');
+
+    const listed = await (await api('/admin/keys')).text();
+    expect(JSON.parse(listed).keys).toEqual([expect.objectContaining({ id: 'api-made', account: 'api', plan: 'free', status: 'active' })]);
+    expect(listed).not.toMatch(/psk_|sha256/);
+
+    const rotated = (await (await api('/admin/keys/api-made/rotate', { grace: '1h' })).json()) as { id: string; key: string };
+    expect(rotated.id).toBe('api-2');
+    await eventually(async () => (await status(rotated.key)) === 200, 5000, 'the rotated key accepted');
+    expect(await status(key)).toBe(200); // within its grace
+
+    expect((await api('/admin/keys/api-made/revoke', {})).status).toBe(200);
+    await eventually(async () => (await status(key)) === 401, 5000, 'the revoked key refused');
+    expect(await status(rotated.key)).toBe(200);
+  });
+
+  it('answers in the Error shape: bad input 400, a taken id 409, an unknown key 404, no token 401', async () => {
+    const code = async (res: Response) => [res.status, ((await res.json()) as { code: string }).code];
+    expect(await code(await api('/admin/keys', { plan: 'gold' }))).toEqual([400, 'bad_request']);
+    expect(await code(await api('/admin/keys', { id: 'x' }))).toEqual([400, 'bad_request']);
+    await api('/admin/keys', { plan: 'free', id: 'taken' });
+    expect(await code(await api('/admin/keys', { plan: 'free', id: 'taken' }))).toEqual([409, 'key_id_taken']);
+    expect(await code(await api('/admin/keys/nobody/revoke', {}))).toEqual([404, 'key_not_found']);
+    expect(await code(await api('/admin/keys', { plan: 'free' }, 'wrong-token-0123456789'))).toEqual([401, 'unauthorized']);
   });
 });

@@ -1,0 +1,165 @@
+import { randomBytes } from 'node:crypto';
+import { closeSync, openSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { type Document, isMap, isSeq, parseDocument, type YAMLSeq } from 'yaml';
+import { type ConfigFile, parseConfigText } from '../config.js';
+import { generateKey } from './keys.js';
+
+// Keys in the config file, for the keys command and the admin API alike: each change edits
+// the file in place (comments kept), is checked with the gateway's own validator before it is
+// written, and is written by rename under a lock file, so concurrent editors lose nothing and
+// a running gateway only ever reads a whole, valid file. The plain key is returned once.
+
+/** Why a change was refused, in terms both the command and the admin API can answer with. */
+export class KeyFileError extends Error {
+  constructor(
+    message: string,
+    readonly kind: 'invalid' | 'taken' | 'not_found' | 'read_only',
+  ) {
+    super(message);
+  }
+}
+
+export interface NewKey {
+  plan: string;
+  id?: string;
+  account?: string;
+  limits?: { perMinute: number; perDay: number };
+  expiresAt?: string;
+}
+
+export interface KeyRow {
+  id: string;
+  account: string;
+  plan: string;
+  limits: { perMinute?: number; perDay?: number };
+  status: 'active' | 'expired' | 'revoked';
+  createdAt?: string;
+  expiresAt?: string;
+  revokedAt?: string;
+}
+
+const iso = (ms: number) => new Date(ms).toISOString().replace(/\.\d+Z$/, 'Z');
+
+/** `90s`, `15m`, `24h`, `7d` in milliseconds. */
+export function duration(text: string): number {
+  const m = /^(\d+)(s|m|h|d)$/.exec(text);
+  if (!m) throw new KeyFileError(`grace: expected a number and s, m, h or d (24h), got "${text}"`, 'invalid');
+  return Number(m[1]) * { s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 }[m[2] as 's' | 'm' | 'h' | 'd'];
+}
+
+/** Every key, without secrets (the file holds none), with its state now. */
+export function listKeys(file: string): KeyRow[] {
+  const current = parseConfigText(readFileSync(file, 'utf8'), file);
+  return current.keys.map((k) => ({
+    id: k.id,
+    account: k.account ?? k.id,
+    plan: k.plan,
+    limits: k.limits ?? { perMinute: current.plans[k.plan]?.perMinute, perDay: current.plans[k.plan]?.perDay },
+    status: k.revokedAt ? 'revoked' : k.expiresAt !== undefined && Date.parse(k.expiresAt) <= Date.now() ? 'expired' : 'active',
+    ...(k.createdAt && { createdAt: k.createdAt }),
+    ...(k.expiresAt && { expiresAt: k.expiresAt }),
+    ...(k.revokedAt && { revokedAt: k.revokedAt }),
+  }));
+}
+
+export function createKey(file: string, request: NewKey): { id: string; key: string } {
+  return edit(file, (current, keys, doc) => {
+    const id = request.id ?? `${request.plan}-${randomBytes(3).toString('hex')}`;
+    // Said plainly: through the validator it would read as if the file were broken.
+    if (current.keys.some((k) => k.id === id)) throw new KeyFileError(`a key with id "${id}" is already in ${file}; choose another id`, 'taken');
+    const { key, hash } = generateKey(current.environment);
+    const entry: Record<string, unknown> = { id, hash, plan: request.plan };
+    if (request.account !== undefined) entry.account = request.account;
+    if (request.limits) entry.limits = request.limits;
+    entry.createdAt = iso(Date.now());
+    if (request.expiresAt !== undefined) entry.expiresAt = request.expiresAt; // the validator checks the date
+    keys.add(doc.createNode(entry));
+    return { id, key };
+  });
+}
+
+/** A new key in the same account, plan and limits; the old one works for `graceMs`, then expires. */
+export function rotateKey(file: string, oldId: string, graceMs: number): { id: string; key: string; account: string; plan: string; oldExpiresAt: string } {
+  return edit(file, (current, keys, doc) => {
+    const item = keys.items.find((k) => isMap(k) && k.get('id') === oldId);
+    const old = current.keys.find((k) => k.id === oldId);
+    if (!isMap(item) || !old) throw new KeyFileError(`no key with id "${oldId}" in ${file}`, 'not_found');
+    if (old.revokedAt) throw new KeyFileError(`key "${oldId}" is revoked: create a new one instead`, 'invalid');
+    const account = old.account ?? old.id;
+    let n = 2;
+    while (current.keys.some((k) => k.id === `${account}-${n}`)) n++;
+    const id = `${account}-${n}`;
+    const { key, hash } = generateKey(current.environment);
+    const entry: Record<string, unknown> = { id, account, hash, plan: old.plan };
+    if (old.limits) entry.limits = old.limits;
+    entry.createdAt = iso(Date.now());
+    keys.add(doc.createNode(entry));
+    const until = iso(Math.min(Date.now() + graceMs, old.expiresAt ? Date.parse(old.expiresAt) : Number.POSITIVE_INFINITY));
+    item.set('expiresAt', until);
+    return { id, key, account, plan: old.plan, oldExpiresAt: until };
+  });
+}
+
+export function revokeKey(file: string, id: string): { revokedAt: string } {
+  return edit(file, (_current, keys) => {
+    const item = keys.items.find((k) => isMap(k) && k.get('id') === id);
+    if (!isMap(item)) throw new KeyFileError(`no key with id "${id}" in ${file}`, 'not_found');
+    if (item.has('revokedAt')) throw new KeyFileError(`key "${id}" is already revoked`, 'invalid');
+    const revokedAt = iso(Date.now());
+    item.set('revokedAt', revokedAt);
+    return { revokedAt };
+  });
+}
+
+/** One locked, validated edit of the file's `keys` list. */
+function edit<T>(file: string, change: (current: ConfigFile, keys: YAMLSeq, doc: Document) => T): T {
+  return withLock(file, () => {
+    const text = readFileSync(file, 'utf8');
+    const current = parseConfigText(text, file);
+    const doc = parseDocument(text);
+    let keys = doc.get('keys');
+    if (!isSeq(keys)) {
+      doc.set('keys', doc.createNode([]));
+      keys = doc.get('keys');
+    }
+    if (!isSeq(keys)) throw new Error('keys is not a list');
+    keys.flow = false; // `keys: []` would otherwise grow as one long flow line
+    const result = change(current, keys, doc);
+    save(file, text, doc);
+    return result;
+  });
+}
+
+/** Writes the edited document in the file's own format (JSON stays JSON), keeping its mode. */
+function save(file: string, before: string, doc: Document): void {
+  const text = before.trimStart().startsWith('{') ? `${JSON.stringify(doc.toJS(), null, 2)}\n` : doc.toString({ lineWidth: 0 });
+  parseConfigText(text, file); // refuse to write what the gateway would refuse to load
+  const tmp = `${file}.${process.pid}.tmp`;
+  writeFileSync(tmp, text, { mode: statSync(file).mode });
+  renameSync(tmp, file);
+}
+
+/** One editor at a time: two concurrent creates must not drop a key. */
+function withLock<T>(file: string, work: () => T): T {
+  const lock = `${file}.lock`;
+  const deadline = Date.now() + 5000;
+  for (;;) {
+    try {
+      closeSync(openSync(lock, 'wx'));
+      break;
+    } catch (err) {
+      const code = (err as NodeJS.ErrnoException).code;
+      if (code === 'EROFS' || code === 'EACCES' || code === 'EPERM') {
+        throw new KeyFileError(`${file} cannot be written here (${code}): mount its folder writable to manage keys, or use the keys command where it can be`, 'read_only');
+      }
+      if (code !== 'EEXIST') throw err;
+      if (Date.now() > deadline) throw new Error(`cannot lock ${lock} (another keys command running? remove the file if not)`, { cause: err });
+      Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 50);
+    }
+  }
+  try {
+    return work();
+  } finally {
+    rmSync(lock, { force: true });
+  }
+}
