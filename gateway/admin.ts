@@ -1,6 +1,7 @@
 import { createHash, timingSafeEqual } from 'node:crypto';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyRequest, LogController } from 'fastify';
 import type { RedisClient } from './lifecycle.js';
+import { ADMIN_DOCUMENT } from './admin-openapi.js';
 import { createKey, duration, KeyFileError, listKeys, revokeKey, rotateKey } from './auth/key-file.js';
 import { type Consumer, ConfigError, type GatewayConfig } from './config.js';
 import { GatewayError, handleError } from './errors.js';
@@ -67,6 +68,7 @@ export async function buildAdmin(deps: AdminDeps): Promise<FastifyInstance> {
   if (!token) app.log.warn('ADMIN_TOKEN is not set: /admin/* answers 401 to everyone');
 
   app.get('/healthz', async () => ({ status: 'ok' }));
+  app.get('/openapi.json', async () => ADMIN_DOCUMENT);
 
   app.get('/readyz', async (_request, reply) => {
     const problems: string[] = [];

@@ -1,3 +1,4 @@
+import { Validator } from '@seriousme/openapi-schema-validator';
 import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { makeKey, type TestKey, testConfig } from '../helpers/config.js';
@@ -192,6 +193,34 @@ describe('access log', () => {
       [200, 'allowed', 'listPets'],
       [429, 'minute', 'listPets'],
     ]);
+  });
+});
+
+describe("the admin port's OpenAPI document", () => {
+  it('is valid, lists exactly the admin routes, and is served on the admin port only', async () => {
+    const gw = await build([]);
+    const doc = (await (await admin(gw, '/openapi.json')).json()) as { paths: Record<string, Record<string, unknown>> };
+    const result = await new Validator().validate(doc as never);
+    expect(result.errors ?? []).toEqual([]);
+    const documented = Object.entries(doc.paths).flatMap(([path, ops]) => Object.keys(ops).map((m) => `${m.toUpperCase()} ${path.replace(/\{(\w+)\}/g, ':$1')}`));
+    for (const op of documented) {
+      const [method, url] = op.split(' ') as [string, string];
+      expect(gw.admin!.hasRoute({ method: method as 'GET', url }), op).toBe(true);
+    }
+    // And every route the admin port serves is documented.
+    // printRoutes draws a tree, a level per 4 characters of indent: join each line to its parents.
+    const routes: string[] = [];
+    const stack: string[] = [];
+    for (const line of gw.admin!.printRoutes({ commonPrefix: false }).split('\n').filter(Boolean)) {
+      const at = line.search(/[^│├└─\s]/);
+      const depth = Math.floor(at / 4);
+      const m = /^(\S+)(?: \(([A-Z, ]+)\))?/.exec(line.slice(at))!;
+      stack.length = depth;
+      stack.push(m[1]!);
+      for (const method of m[2]?.split(', ') ?? []) if (method !== 'HEAD') routes.push(`${method} ${stack.join('')}`);
+    }
+    expect(routes.sort()).toEqual(documented.sort());
+    expect((await gw.call('/openapi.json')).status).toBe(401); // not on the public port (without a key, no route is told)
   });
 });
 
