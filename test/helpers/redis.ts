@@ -147,7 +147,7 @@ export async function spawnSentinels(): Promise<{ sentinels: string; name: strin
   try {
     const [mPort, rPort] = [await freePort(), await freePort()];
     const server = (port: number, ...extra: string[]) => {
-      const proc = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0', ...extra], {
+      const proc = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0', '--dir', dir, ...extra], {
         stdio: 'ignore',
       });
       procs.push(proc);
