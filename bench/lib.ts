@@ -38,8 +38,11 @@ export async function wrk(url: string, headers: Record<string, string>, status: 
   const args = ['-t1', `-c${connections}`, `-d${seconds}s`, '--latency'];
   for (const [k, val] of Object.entries(headers)) args.push('-H', `${k}: ${val}`);
   const script = join(tmpdir(), `bench-${process.pid}-${status}-${extraLua.length}.lua`);
-  writeFileSync(script, `wrong = 0\nresponse = function(status) if status ~= ${status} then wrong = wrong + 1 end end\n` +
-    `done = function() io.write("wrong statuses: " .. wrong .. "\\n") end\n${extraLua}`);
+  // Each wrk thread has its own Lua state, and done() runs in yet another: it must read every
+  // thread's count (thread:get), or it always prints 0.
+  writeFileSync(script, `local threads = {}\nsetup = function(thread) table.insert(threads, thread) end\n` +
+    `wrong = 0\nresponse = function(status) if status ~= ${status} then wrong = wrong + 1 end end\n` +
+    `done = function() local w = 0 for _, t in ipairs(threads) do w = w + t:get("wrong") end io.write("wrong statuses: " .. w .. "\\n") end\n${extraLua}`);
   const { stdout } = await run('wrk', [...args, '-s', script, url]);
   const toMs = (n: string, unit: string) => Number(n) * (unit === 'us' ? 0.001 : unit === 's' ? 1000 : 1);
   const ms = (label: string) => {

@@ -3,7 +3,8 @@ import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSyn
 import { cpus, tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { Redis } from 'ioredis';
-import { generateKey } from '../gateway/auth/keys.js';
+import { randomBytes } from 'node:crypto';
+import { hashKey } from '../gateway/auth/keys.js';
 import { testConfig } from '../test/helpers/config.js';
 import { freePort, waitForPort } from '../test/helpers/net.js';
 import { spawnRedis } from '../test/helpers/redis.js';
@@ -136,9 +137,15 @@ async function main() {
       await fetch(`${backendUrl}/v1/pets`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ name: `pet${i}`, categoryId: 1 }) });
     }
 
-    const ok = { id: 'bench', ...generateKey('production') };
-    const refused = { id: 'refused', ...generateKey('production') };
-    const banned = { id: 'banned', ...generateKey('production') };
+    // Keys of the format every build accepts (the checksum format came later), so BENCH_GATEWAY
+    // can measure an earlier build against the same keys.
+    const legacyKey = () => {
+      const key = `psk_live_${randomBytes(24).toString('base64url')}`;
+      return { key, hash: hashKey(key) };
+    };
+    const ok = { id: 'bench', ...legacyKey() };
+    const refused = { id: 'refused', ...legacyKey() };
+    const banned = { id: 'banned', ...legacyKey() };
     const config = testConfig(
       [
         { ...ok, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } },
