@@ -61,9 +61,10 @@ function authorizationFields(raw: string[]): number {
 }
 
 /**
- * The request pipeline, in order: context, the public document (per-address quota only),
- * authentication (or the per-address quota), route, deprecation headers, the key's quota, then the refusals. Every step that can
- * refuse returns its GatewayError; this is the one place that throws them.
+ * The request pipeline, in order: context, a CORS preflight, the public document (both on the
+ * per-address quota), authentication (or the per-address quota), route, deprecation headers,
+ * the key's quota (the route's cost), then the refusals. Every step that can refuse returns
+ * its GatewayError; this is the one place that throws them.
  */
 export function requestPipeline(
   store: QuotaStore,
@@ -79,11 +80,16 @@ export function requestPipeline(
     return admission.refusal;
   }
 
+  /** The per-address quota of a request without a key: throws its 429, or else `otherwise`. */
+  async function admitByAddress(request: FastifyRequest, reply: FastifyReply, otherwise?: GatewayError): Promise<void> {
+    const refused = (await admitRequest(request, reply, request.ctx.config.addressSubject(request.ip))) ?? otherwise;
+    if (refused) throw refused;
+  }
+
   /** The public document: the per-address quota instead of a key, and GET or HEAD only. */
   async function publicDocument(request: FastifyRequest, reply: FastifyReply): Promise<void> {
     request.ctx.route = DOCUMENT_ROUTE.id;
-    const refused = await admitRequest(request, reply, request.ctx.config.addressSubject(request.ip));
-    if (refused) throw refused;
+    await admitByAddress(request, reply);
     if (request.method !== 'GET' && request.method !== 'HEAD') {
       throw new GatewayError('method_not_allowed', `Method ${request.method} is not allowed here; use GET, HEAD`, { allow: 'GET, HEAD' });
     }
@@ -93,17 +99,14 @@ export function requestPipeline(
     const ctx = begin(request, reply, config());
     if (ctx.config.corsOrigins.size > 0 && corsHeaders(request, reply, ctx.config.corsOrigins)) {
       // A browser's preflight: per-address quota, answered here, never proxied.
-      const refused = await admitRequest(request, reply, ctx.config.addressSubject(request.ip));
-      if (refused) throw refused;
+      await admitByAddress(request, reply);
       return preflight(reply);
     }
     const bad = malformed(request);
     if (!bad && isDocumentPath(request.url)) return publicDocument(request, reply);
     // Authentication first, for every other path: a caller without a valid key learns nothing of routes.
     const who = bad ?? authenticate(request.headers.authorization, ctx.config);
-    if (who instanceof GatewayError) {
-      throw (await admitRequest(request, reply, ctx.config.addressSubject(request.ip))) ?? who;
-    }
+    if (who instanceof GatewayError) return admitByAddress(request, reply, who);
     ctx.consumer = who;
     const route = matchRoute(request.method, request.url);
     const deprecation = route instanceof GatewayError ? undefined : ctx.config.deprecations.get(route.id);

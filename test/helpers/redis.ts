@@ -165,7 +165,7 @@ export async function spawnSentinels(): Promise<{ sentinels: string; name: strin
       writeFileSync(
         conf,
         [`port ${port}`, 'bind 127.0.0.1', `dir ${dir}`, `sentinel monitor ${name} 127.0.0.1 ${mPort} 2`,
-          `sentinel down-after-milliseconds ${name} 1000`, `sentinel failover-timeout ${name} 5000`, ''].join('\n'),
+          `sentinel down-after-milliseconds ${name} 1000`, `sentinel failover-timeout ${name} 2000`, ''].join('\n'),
       );
       procs.push(spawn('redis-server', [conf, '--sentinel'], { stdio: 'ignore' }));
       ports.push(port);

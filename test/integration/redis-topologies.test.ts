@@ -172,7 +172,7 @@ describe('Redis Sentinel', () => {
         await new Promise((r) => setTimeout(r, 100));
         return Number(await promoted.hget(name(roomy.id), 'dc')) > before && !gw.gateway.store.degraded;
       },
-      30_000,
+      45_000, // a failover attempt that loses its vote is retried after 2 x failover-timeout
       'requests counted on the promoted replica',
     );
     const backAfterMs = Date.now() - killedAt;
