@@ -1,5 +1,5 @@
 import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -147,7 +147,9 @@ export async function spawnSentinels(): Promise<{ sentinels: string; name: strin
   try {
     const [mPort, rPort] = [await freePort(), await freePort()];
     const server = (port: number, ...extra: string[]) => {
-      const proc = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0', '--dir', dir, ...extra], {
+      const own = join(dir, `node-${port}`); // each its own folder: a replica writes its sync file there
+      mkdirSync(own);
+      const proc = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0', '--dir', own, ...extra], {
         stdio: 'ignore',
       });
       procs.push(proc);
