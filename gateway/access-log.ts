@@ -21,12 +21,17 @@ function rejection(e: AccessEntry): RejectionReason | undefined {
   return e.status === 429 && e.outcome && e.outcome !== 'allowed' ? e.outcome : undefined;
 }
 
-/** The access line and the request metrics: one of each for every answer. */
-export function accessLog(metrics: GatewayMetrics) {
-  function record(log: FastifyBaseLogger, e: AccessEntry): void {
+/**
+ * The access line and the request metrics: one of each for every answer. The line is written
+ * by the root logger with the request id as its first field (the same line a request's child
+ * logger would write), so no child logger is made for it.
+ */
+export function accessLog(metrics: GatewayMetrics, log: FastifyBaseLogger) {
+  function record(reqId: string, e: AccessEntry): void {
     metrics.request(e.route ?? 'none', e.status, e.consumer?.plan ?? 'none', e.consumer?.id, rejection(e));
     log.info(
       {
+        reqId,
         keyId: e.consumer?.id,
         plan: e.consumer?.plan,
         route: e.route ?? null,
@@ -41,7 +46,7 @@ export function accessLog(metrics: GatewayMetrics) {
   /** fastify's onResponse hook: the request's context as the pipeline left it. */
   async function onResponse(request: FastifyRequest, reply: FastifyReply): Promise<void> {
     const { consumer, route, outcome } = request.ctx;
-    record(request.log, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, consumer, route, outcome });
+    record(request.id, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, consumer, route, outcome });
   }
   return { record, onResponse };
 }

@@ -1,7 +1,7 @@
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, LogController } from 'fastify';
 import type { RedisClient } from './lifecycle.js';
-import type { DestinationStream } from 'pino';
-import { createLogger } from '../runtime/process.js';
+import type { DestinationStream, Logger } from 'pino';
+import { createLogger, LazyRequestLogger } from '../runtime/process.js';
 import { accessLog } from './access-log.js';
 import type { GatewayConfig } from './config.js';
 import { handleError } from './errors.js';
@@ -54,17 +54,19 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
       })
     : new MemoryQuotaStore();
   metrics.watch(store);
-  const access = accessLog(metrics);
-  const pipeline = requestPipeline(store, current, (request, entry) => access.record(request.log, entry));
+  const access = accessLog(metrics, log);
+  const pipeline = requestPipeline(store, current, access.record);
   const raw: RawDeps = {
     admitAddress: (address) => admit(store, config.addressSubject(address)),
-    record: (reqId, entry) => access.record(log.child({ reqId }), entry),
+    record: access.record,
   };
 
   const app = Fastify({
     loggerInstance: log,
     // One access line per request (access-log.ts) instead of fastify's two.
     logController: new LogController({ disableRequestLogging: true }),
+    // request.log becomes pino's child only if something logs through it (runtime/process.ts).
+    childLoggerFactory: (logger, bindings) => new LazyRequestLogger(logger as Logger, bindings) as unknown as FastifyBaseLogger,
     genReqId: (req) => requestId(req.headers['x-request-id']),
     trustProxy: fastifyTrustProxy(settings.trustProxy),
     bodyLimit: settings.bodyLimit,

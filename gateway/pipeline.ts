@@ -69,7 +69,7 @@ function authorizationFields(raw: string[]): number {
 export function requestPipeline(
   store: QuotaStore,
   config: () => GatewayConfig,
-  record: (request: FastifyRequest, entry: AccessEntry) => void,
+  record: (reqId: string, entry: AccessEntry) => void,
 ) {
   /** Admission for this request: headers on the reply, the outcome in the context; returns the refusal. */
   async function admitRequest(request: FastifyRequest, reply: FastifyReply, subject: QuotaSubject, cost = 1) {
@@ -126,7 +126,7 @@ export function requestPipeline(
     const started = performance.now(); // fastify starts no reply timer on this path
     const ctx = begin(request, reply, config());
     reply.raw.once('finish', () =>
-      record(request, { method: request.method, status: reply.statusCode, ms: performance.now() - started, outcome: ctx.outcome }),
+      record(request.id, { method: request.method, status: reply.statusCode, ms: performance.now() - started, outcome: ctx.outcome }),
     );
     admitRequest(request, reply, ctx.config.addressSubject(request.ip)).then(
       (refused) => handleError(refused ?? err, request, reply),
