@@ -1,5 +1,6 @@
 import { describe, expect, it } from 'vitest';
-import { GatewayMetrics } from '../../gateway/metrics.js';
+import { AggregatorRegistry, Histogram, type Metric, Registry } from 'prom-client';
+import { GatewayMetrics, TallyHistogram } from '../../gateway/metrics.js';
 
 const store = { degraded: false, activeBans: () => 2 };
 
@@ -21,5 +22,36 @@ describe('metrics labels', () => {
     const text = await m.registry.metrics();
     expect(text).toContain('gateway_requests_total{route="listPets",status="429",plan="free",key="acme"} 1');
     expect(text).toContain('gateway_rejections_total{reason="minute"} 1');
+  });
+});
+
+describe('the tallied histogram', () => {
+  const buckets = [0.001, 0.01, 0.1, 1];
+  const observations: Array<[string, number]> = [['a', 0.0005], ['a', 0.001], ['a', 0.05], ['b', 3], ['a', 0.5], ['b', 0.002]];
+  const both = () => {
+    const ours = new Registry();
+    const tally = new TallyHistogram('h_seconds', 'help', 'route', buckets);
+    ours.registerMetric(tally as unknown as Metric);
+    const theirs = new Registry();
+    const reference = new Histogram({ name: 'h_seconds', help: 'help', labelNames: ['route'], buckets, registers: [theirs] });
+    for (const [route, v] of observations) {
+      tally.observe(route, v);
+      reference.labels(route).observe(v);
+    }
+    return { ours, theirs };
+  };
+
+  it('exposes what prom-client\'s Histogram exposes for the same observations', async () => {
+    const { ours, theirs } = both();
+    const text = await ours.metrics();
+    expect(text).toBe(await theirs.metrics());
+    expect(text).toMatch(/^h_seconds_bucket\{le="0.1",route="a"\} 3$/m);
+    expect(text).toMatch(/^h_seconds_count\{route="b"\} 2$/m);
+  });
+
+  it('adds up across workers like a Histogram in the AggregatorRegistry', async () => {
+    const { ours, theirs } = both();
+    const sum = async (r: Registry) => AggregatorRegistry.aggregate([await r.getMetricsAsJSON(), await r.getMetricsAsJSON()]).metrics();
+    expect(await sum(ours)).toBe(await sum(theirs));
   });
 });
