@@ -1,4 +1,4 @@
-import { createHash } from 'node:crypto';
+import { hash } from 'node:crypto';
 import proxy from '@fastify/http-proxy';
 import Fastify, { type FastifyInstance } from 'fastify';
 
@@ -14,7 +14,7 @@ const redisUrl = process.env.RATE_LIMIT_REDIS;
 const app = Fastify({ logger: false });
 app.addHook('onRequest', async (request, reply) => {
   const key = /^bearer +(\S+)$/i.exec(request.headers.authorization ?? '')?.[1];
-  if (!key || !keys.has(createHash('sha256').update(key).digest('hex'))) {
+  if (!key || !keys.has(hash('sha256', key, 'hex'))) {
     return reply.code(401).send({ code: 'unauthorized', message: 'Unknown API key', status: 401 });
   }
 });

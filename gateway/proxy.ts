@@ -36,12 +36,23 @@ const DROPPED = new Set(HOP_BY_HOP);
 const DROPPED_FROM_CLIENT = new Set([...HOP_BY_HOP, ...FROM_CLIENT_ONLY]);
 
 /**
+ * The names a Connection header lists, when they are more than the usual "keep-alive" or
+ * "close" (which name nothing, or a header dropped anyway): parsed only then, since nearly
+ * every response from the backend carries "Connection: keep-alive".
+ */
+function listedIn(connection: string | string[] | undefined): Set<string> | undefined {
+  if (connection === undefined) return undefined;
+  const value = String(connection).toLowerCase();
+  if (value === 'keep-alive' || value === 'close') return undefined;
+  return new Set(value.split(',').map((t) => t.trim()));
+}
+
+/**
  * A copy of `headers` without the dropped names and those the Connection header lists: one
- * pass, no delete (which turns an object slow), nothing allocated when Connection is absent.
+ * pass, no delete (which turns an object slow), no other allocation in the usual case.
  */
 function copyWithout(headers: Headers, dropped: ReadonlySet<string>): Headers {
-  const connection = headers.connection;
-  const listed = connection ? new Set(String(connection).toLowerCase().split(',').map((t) => t.trim())) : undefined;
+  const listed = listedIn(headers.connection);
   const out: Headers = {};
   for (const name in headers) {
     if (!dropped.has(name) && !listed?.has(name)) out[name] = headers[name];

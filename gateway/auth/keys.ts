@@ -1,4 +1,4 @@
-import { createHash, randomBytes } from 'node:crypto';
+import { hash, randomBytes } from 'node:crypto';
 import { crc32 } from 'node:zlib';
 
 export type Environment = 'production' | 'staging';
@@ -33,9 +33,9 @@ export function generateKey(environment: Environment): { key: string; hash: stri
   return { key, hash: hashKey(key) };
 }
 
-/** Keys are stored and looked up only by this digest. */
+/** Keys are stored and looked up only by this digest (crypto.hash: one call, no Hash object). */
 export function hashKey(key: string): string {
-  return `sha256:${createHash('sha256').update(key).digest('hex')}`;
+  return `sha256:${hash('sha256', key, 'hex')}`;
 }
 
 export type Credential =
