@@ -5,7 +5,7 @@ import { announceReady, createLogger, listenOrExit, stopOnSignals } from '../run
 import { buildAdmin } from './admin.js';
 import { buildGateway } from './app.js';
 import type { GatewayConfig } from './config.js';
-import { awaitRedis, connectRedis, reloader, watchConfig } from './lifecycle.js';
+import { awaitRedis, closeRedis, connectRedis, reloader, watchConfig } from './lifecycle.js';
 import { RedisQuotaStore } from './quota/redis-store.js';
 import type { GatewaySettings } from './settings.js';
 
@@ -77,7 +77,7 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
       log.info({ signal, workers: listening.size }, 'closing: draining every worker');
       void drain(workers(), settings.shutdownGraceMs + 2000).then(async (worst) => {
         await admin.close();
-        await redis.quit().catch(() => {});
+        await closeRedis(redis);
         log.info({ cut: worst !== 0 }, worst === 0 ? 'closed' : 'closed; a worker cut busy connections');
         process.exit(worst);
       });
@@ -130,7 +130,7 @@ export async function runWorker(settings: GatewaySettings, initial: GatewayConfi
   // A primary that has already stopped (another worker could not start) makes talking to it
   // fail with EPIPE: this worker has nothing left to serve, and the primary said why.
   cluster.worker?.on('error', () => process.exit(1));
-  stopOnSignals(app, settings.shutdownGraceMs, { afterClose: () => redis.quit().catch(() => {}) }, ['SIGTERM']);
+  stopOnSignals(app, settings.shutdownGraceMs, { afterClose: () => closeRedis(redis) }, ['SIGTERM']);
   await awaitRedis(redis, app.log);
   await listenOrExit(app, settings.port, settings.host, { port: 'GATEWAY_PORT', host: 'GATEWAY_HOST' });
 }

@@ -40,7 +40,36 @@ export function connectRedis(settings: RedisSettings): RedisClient | undefined {
         ? new Redis({ ...common, ...node, sentinels: target.sentinels, name: target.name, sentinelRetryStrategy: backoff, retryStrategy: backoff, failoverDetector: true })
         : new Redis(target.url, { ...common, ...node, retryStrategy: backoff });
   redis.on('error', () => {}); // reported once through the store's degraded log line instead
+  if (redis instanceof Redis) reconnectWhenEnded(redis, backoff);
   return redis;
+}
+
+/** Clients closed by closeRedis: the only ones meant to stay closed. */
+const closedByUs = new WeakSet<RedisClient>();
+
+/** Closes a client from connectRedis for good: QUIT (the socket if that fails), or the socket at once. */
+export async function closeRedis(redis: RedisClient, how: 'quit' | 'now' = 'quit'): Promise<void> {
+  closedByUs.add(redis);
+  if (how === 'quit') await redis.quit().catch(() => redis.disconnect());
+  else redis.disconnect();
+}
+
+/**
+ * ioredis ends a client for good, with no further reconnect, when its connector gives up in
+ * the middle of a connect: a Sentinel's +switch-master arriving while it asks the sentinels
+ * for the master does that (the failover detector closes the connector under the attempt),
+ * and the gateway would then decide locally until restarted. Only closeRedis should end a
+ * client, so any other end is followed by a new connect, with the usual backoff.
+ */
+function reconnectWhenEnded(redis: Redis, backoff: (times: number) => number): void {
+  let ends = 0;
+  redis.on('ready', () => (ends = 0));
+  redis.on('end', () => {
+    if (closedByUs.has(redis)) return;
+    setTimeout(() => {
+      if (!closedByUs.has(redis) && redis.status === 'end') redis.connect().catch(() => {});
+    }, backoff(++ends)).unref();
+  });
 }
 
 /**

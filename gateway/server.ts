@@ -4,7 +4,7 @@ import { buildAdmin } from './admin.js';
 import { buildGateway } from './app.js';
 import { runPrimary, runWorker } from './cluster.js';
 import { type GatewayConfig, loadConfigFile } from './config.js';
-import { awaitRedis, connectRedis, reloader, watchConfig } from './lifecycle.js';
+import { awaitRedis, closeRedis, connectRedis, reloader, watchConfig } from './lifecycle.js';
 import { type GatewaySettings, loadSettings, redisTarget } from './settings.js';
 
 // Entry: settings and config (fail fast), then one gateway process with its admin port, or
@@ -58,7 +58,7 @@ async function runSingle(settings: GatewaySettings, initial: GatewayConfig): Pro
     },
     afterClose: async () => {
       await admin.close();
-      await redis?.quit();
+      if (redis) await closeRedis(redis);
     },
   });
 

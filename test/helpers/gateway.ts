@@ -5,7 +5,7 @@ import { afterAll, beforeAll, inject, onTestFinished } from 'vitest';
 import { buildAdmin } from '../../gateway/admin.js';
 import { buildGateway, type Gateway } from '../../gateway/app.js';
 import { compileConfig, type ConfigFile, validateConfigFile } from '../../gateway/config.js';
-import { connectRedis, type RedisClient } from '../../gateway/lifecycle.js';
+import { closeRedis, connectRedis, type RedisClient } from '../../gateway/lifecycle.js';
 import type { GatewaySettings } from '../../gateway/settings.js';
 import { type EchoBackend, echoBackend, petsBackend } from './backends.js';
 import { call, uniquePrefix } from './config.js';
@@ -99,7 +99,7 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   const redisTimeoutMs = opts.settings?.redisTimeoutMs ?? 1000;
   const redis = connectRedis({ redisUrl, redisClusterNodes, redisSentinels, redisSentinelName, redisTimeoutMs });
   if (redis) {
-    closers.push(() => redis.disconnect());
+    closers.push(() => closeRedis(redis, 'now'));
     await eventually(() => redis.status === 'ready', 5000, 'Redis ready');
   }
   const logs: Array<Record<string, unknown>> = [];

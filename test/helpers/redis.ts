@@ -1,5 +1,5 @@
 import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
-import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -133,7 +133,7 @@ export async function spawnCluster(): Promise<{ nodes: string; all: RedisNode[];
  * A real Sentinel group on loopback: a master, a replica and three sentinels (quorum 2) that
  * fail over one second after the master stops answering.
  */
-export async function spawnSentinels(): Promise<{ sentinels: string; name: string; master: RedisNode; replica: RedisNode; stop(): void }> {
+export async function spawnSentinels(): Promise<{ sentinels: string; name: string; master: RedisNode; replica: RedisNode; stop(): void; log(): string }> {
   const dir = mkdtempSync(join(tmpdir(), 'redis-sentinel-'));
   const procs: ChildProcess[] = [];
   const stop = () => {
@@ -166,7 +166,7 @@ export async function spawnSentinels(): Promise<{ sentinels: string; name: strin
       const conf = join(dir, `sentinel-${port}.conf`);
       writeFileSync(
         conf,
-        [`port ${port}`, 'bind 127.0.0.1', `dir ${dir}`, `sentinel monitor ${name} 127.0.0.1 ${mPort} 2`,
+        [`port ${port}`, 'bind 127.0.0.1', `dir ${dir}`, `logfile ${join(dir, `sentinel-${port}.log`)}`, `sentinel monitor ${name} 127.0.0.1 ${mPort} 2`,
           `sentinel down-after-milliseconds ${name} 1000`, `sentinel failover-timeout ${name} 2000`, ''].join('\n'),
       );
       procs.push(spawn('redis-server', [conf, '--sentinel'], { stdio: 'ignore' }));
@@ -177,7 +177,10 @@ export async function spawnSentinels(): Promise<{ sentinels: string; name: strin
     await until('sentinels see the replica and each other', 20_000, () =>
       ports.every((p) => cli(p, 'sentinel', 'replicas', name).includes(String(rPort)) && Number(cli(p, 'sentinel', 'ckquorum', name).match(/(\d+) usable/)?.[1]) >= 3),
     );
-    return { sentinels: ports.map((p) => `127.0.0.1:${p}`).join(','), name, master, replica, stop };
+    // What the sentinels did (their +sdown, +odown, +vote, +failover... lines), for a failure message.
+    const log = () =>
+      ports.map((p) => readFileSync(join(dir, `sentinel-${p}.log`), 'utf8').split('\n').filter((l) => / [+-][a-z-]+ /.test(l)).slice(-12).map((l) => l.replace(/^\d+:X /, '')).join(' | ')).join(' || ');
+    return { sentinels: ports.map((p) => `127.0.0.1:${p}`).join(','), name, master, replica, stop, log };
   } catch (err) {
     stop();
     throw err;

@@ -165,16 +165,21 @@ describe('Redis Sentinel', () => {
     group.master.proc.kill('SIGKILL');
     const promoted = new Redis({ port: group.replica.port, host: '127.0.0.1' }).on('error', () => {});
     onTestFinished(() => promoted.disconnect());
+    let state = '';
     await eventually(
       async () => {
-        if (role(group.replica.port) !== 'master') return false;
+        const replicaRole = role(group.replica.port);
         const before = Number(await promoted.hget(name(roomy.id), 'dc'));
         await new Promise((r) => setTimeout(r, 100));
-        return Number(await promoted.hget(name(roomy.id), 'dc')) > before && !gw.gateway.store.degraded;
+        const after = Number(await promoted.hget(name(roomy.id), 'dc'));
+        state = `replica role ${replicaRole}, counted ${before} -> ${after}, store degraded ${gw.gateway.store.degraded}, client ${(gw.gateway.store as { redis?: { status?: string } }).redis?.status}, traffic ${JSON.stringify([...traffic.statuses])}, sentinels: ${group.log()}`;
+        return replicaRole === 'master' && after > before && !gw.gateway.store.degraded;
       },
       45_000, // a failover attempt that loses its vote is retried after 2 x failover-timeout
       'requests counted on the promoted replica',
-    );
+    ).catch((err: Error) => {
+      throw new Error(`${err.message}: ${state}`);
+    });
     const backAfterMs = Date.now() - killedAt;
     await traffic.stop();
     console.log(`Redis Sentinel failover: enforcement back on the promoted replica ${backAfterMs} ms after the master was killed`);
