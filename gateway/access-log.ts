@@ -43,10 +43,11 @@ export function accessLog(metrics: GatewayMetrics, log: FastifyBaseLogger) {
       'request',
     );
   }
-  /** fastify's onResponse hook: the request's context as the pipeline left it. */
-  async function onResponse(request: FastifyRequest, reply: FastifyReply): Promise<void> {
+  /** fastify's onResponse hook (callback style: no promise per request): the request's context as the pipeline left it. */
+  function onResponse(request: FastifyRequest, reply: FastifyReply, done: () => void): void {
     const { consumer, route, outcome } = request.ctx;
     record(request.id, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, consumer, route, outcome });
+    done();
   }
   return { record, onResponse };
 }
