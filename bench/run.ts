@@ -1,4 +1,5 @@
 import { execFileSync, spawn } from 'node:child_process';
+import { createServer } from 'node:http';
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { cpus, tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
@@ -15,11 +16,13 @@ import { hasCommand, ROOT, start, wrk as runWrk } from './lib.js';
 // against the bare proxy measured alongside: this machine is shared and noisy.
 //   saturation: wrk -t1 -c50 per variant and round: req/s, p50/p99, CPU us per request of the
 //     variant's own processes, Redis commands per request;
-//   fixed rate: wrk with think time, at half the gateway's saturation: p50/p99 there.
-// BENCH_SECONDS (default 7) and BENCH_ROUNDS (default 3) bound it; results go to bench/results/.
+//   fixed rate: wrk with think time, at half the gateway's saturation: p50/p99 and CPU us per
+//     request there, where the processes do not fight over the two cores;
+//   GATEWAY_WORKERS=2 against 1 in front of a backend that answers cheaply (nginx, or node:http).
+// BENCH_SECONDS (default 6) and BENCH_ROUNDS (default 3) bound it; results go to bench/results/.
 
 
-const SECONDS = Number(process.env.BENCH_SECONDS ?? 7);
+const SECONDS = Number(process.env.BENCH_SECONDS ?? 6);
 const ROUNDS = Number(process.env.BENCH_ROUNDS ?? 3);
 const CONNECTIONS = 50;
 // Another build of the gateway to measure, e.g. an earlier commit's dist/ in a git worktree,
@@ -94,10 +97,13 @@ async function saturate(v: Variant, redis: Redis, scriptOnly: Set<string>): Prom
  * before each request (wrk's delay(), mean CONNECTIONS/rate), so the load runs at about
  * `rate`. Latency is timed from each request's send.
  */
-async function fixedRate(v: Variant, rate: number): Promise<{ p50: number; p99: number; rps: number }> {
+async function fixedRate(v: Variant, rate: number): Promise<{ p50: number; p99: number; rps: number; cpuUs: number }> {
   const meanMs = (CONNECTIONS * 1000) / rate;
+  const cpu0 = v.pids.reduce((s, p) => s + cpuUs(p), 0);
   const r = await wrk(v, SECONDS, `function delay() return math.random(0, ${Math.round(2 * meanMs)}) end\n`);
-  return { p50: r.p50, p99: r.p99, rps: r.rps };
+  // CPU per request again, below saturation: the cores are not fought over, so it is steadier.
+  const cpu = (v.pids.reduce((s, p) => s + cpuUs(p), 0) - cpu0) / r.requests;
+  return { p50: r.p50, p99: r.p99, rps: r.rps, cpuUs: cpu };
 }
 
 const median = (xs: number[]) => {
@@ -180,9 +186,15 @@ async function main() {
       return { url: `http://127.0.0.1:${port}`, pid: proc.pid! };
     };
 
+    // GATEWAY_WORKERS=2 against 1 where the gateway is the bottleneck: in front of a backend
+    // that answers cheaply (nginx returning the same JSON, or a bare node:http server).
+    const cheap = await startCheapBackend(dir, await (await fetch(`${backendUrl}/v1/pets`)).text());
+    stops.push(cheap.stop);
     const withRedis = await gateway('gateway-redis', { REDIS_URL: redisServer.url });
     const inMemory = await gateway('gateway-memory', {});
     const workers = await gateway('gateway-workers', { REDIS_URL: redisServer.url, GATEWAY_WORKERS: '2' });
+    const cheapOne = await gateway('gateway-cheap-1', { REDIS_URL: redisServer.url, BACKEND_URL: cheap.url });
+    const cheapTwo = await gateway('gateway-cheap-2', { REDIS_URL: redisServer.url, BACKEND_URL: cheap.url, GATEWAY_WORKERS: '2' });
     const bare = await reference('bare', {});
     const peer = await reference('peer', { RATE_LIMIT_REDIS: redisServer.url });
     const nginx = hasCommand('nginx') ? await startNginx(dir, backendUrl) : undefined;
@@ -202,6 +214,9 @@ async function main() {
       { name: 'gateway, Redis', url: `${withRedis.url}${path}`, headers: auth(ok), pids: [withRedis.pid], status: 200, redis: true },
       { name: 'gateway, in-process store', url: `${inMemory.url}${path}`, headers: auth(ok), pids: [inMemory.pid], status: 200, redis: false },
       { name: 'gateway, Redis, 2 workers', url: `${workers.url}${path}`, headers: auth(ok), pids: [workers.pid], status: 200, redis: true },
+      { name: `cheap backend (${cheap.kind}) direct`, url: `${cheap.url}${path}`, pids: cheap.pid ? [cheap.pid] : [], status: 200, redis: false },
+      { name: 'gateway, Redis, cheap backend', url: `${cheapOne.url}${path}`, headers: auth(ok), pids: [cheapOne.pid], status: 200, redis: true },
+      { name: 'gateway, Redis, cheap backend, 2 workers', url: `${cheapTwo.url}${path}`, headers: auth(ok), pids: [cheapTwo.pid], status: 200, redis: true },
       { name: 'gateway, Redis, 429 path', url: `${withRedis.url}${path}`, headers: auth(refused), pids: [withRedis.pid], status: 429, redis: true },
       { name: 'gateway, Redis, banned path', url: `${withRedis.url}${path}`, headers: auth(banned), pids: [withRedis.pid], status: 429, redis: true },
     ];
@@ -216,8 +231,8 @@ async function main() {
 
     // Latency at a fixed rate: half what the gateway sustains, the same rate for every variant.
     const rate = Math.round(med('gateway, Redis', 'rps') / 2);
-    const atRate = new Map<string, { p50: number; p99: number; rps: number }>();
-    for (const v of variants.filter((x) => x.status === 200 && !x.name.includes('in-process') && !x.name.includes('workers'))) atRate.set(v.name, await fixedRate(v, rate));
+    const atRate = new Map<string, { p50: number; p99: number; rps: number; cpuUs: number }>();
+    for (const v of variants.filter((x) => x.status === 200 && !/in-process|workers|cheap/.test(x.name))) atRate.set(v.name, await fixedRate(v, rate));
 
     const bareRps = med('bare proxy (key check only)', 'rps');
     const bareCpu = med('bare proxy (key check only)', 'cpuUs');
@@ -232,21 +247,28 @@ async function main() {
       cpuUsOverBare: med(v.name, 'cpuUs') - bareCpu,
       redisCmdsPerReq: med(v.name, 'redisCmds'),
       wrongStatuses: samples.get(v.name)!.reduce((s, x) => s + x.wrong, 0),
-      atRate: atRate.get(v.name) && { ...atRate.get(v.name)!, p99AddedMs: atRate.get(v.name)!.p99 - direct.p99 },
+      atRate: atRate.get(v.name) && {
+        ...atRate.get(v.name)!,
+        p99AddedMs: atRate.get(v.name)!.p99 - direct.p99,
+        cpuUsOverBare: atRate.get(v.name)!.cpuUs - atRate.get('bare proxy (key check only)')!.cpuUs,
+      },
     }));
 
     const f = (n: number, d = 0) => (Number.isFinite(n) ? n.toFixed(d) : '-');
     console.log(`\nGET ${path} (20 pets), wrk -t1 -c${CONNECTIONS} -d${SECONDS}s, ${ROUNDS} rounds interleaved, medians; ${cpus().length} cores shared with wrk, Redis and the backend`);
-    const head = ['variant', 'req/s', 'x bare', 'p50 ms', 'p99 ms', 'CPU us/req', 'vs bare', 'Redis cmd/req', `p50@${rate}/s`, `p99@${rate}/s`, 'wrong'];
+    const head = ['variant', 'req/s', 'x bare', 'p50 ms', 'p99 ms', 'CPU us/req', 'vs bare', 'Redis cmd/req', `p50@${rate}/s`, `p99@${rate}/s`, `CPU us@${rate}/s`, 'wrong'];
     const table = rows.map((r) => [
       r.variant, String(r.rps), f(r.xBare, 2), f(r.p50ms, 2), f(r.p99ms, 2), f(r.cpuUsPerReq), (r.cpuUsOverBare >= 0 ? '+' : '') + f(r.cpuUsOverBare),
-      f(r.redisCmdsPerReq, 2), r.atRate ? f(r.atRate.p50, 2) : '-', r.atRate ? f(r.atRate.p99, 2) : '-', String(r.wrongStatuses),
+      f(r.redisCmdsPerReq, 2), r.atRate ? f(r.atRate.p50, 2) : '-', r.atRate ? f(r.atRate.p99, 2) : '-', r.atRate ? f(r.atRate.cpuUs) : '-', String(r.wrongStatuses),
     ]);
     const widths = head.map((h, i) => Math.max(h.length, ...table.map((t) => t[i]!.length)));
     for (const line of [head, ...table]) console.log(line.map((c, i) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!))).join('  '));
     const gw = rows.find((r) => r.variant === 'gateway, Redis')!;
     const peerRow = rows.find((r) => r.variant.startsWith('peer'))!;
-    console.log(`\ngateway vs peer: ${(gw.rps / peerRow.rps).toFixed(2)}x req/s; at ${rate}/s the gateway adds ${f(gw.atRate!.p99AddedMs, 2)} ms p99 over the backend direct`);
+    console.log(`\ngateway vs peer: ${(gw.rps / peerRow.rps).toFixed(2)}x req/s; at ${rate}/s the gateway adds ${f(gw.atRate!.p99AddedMs, 2)} ms p99 over the backend direct and spends ${f(gw.atRate!.cpuUsOverBare)} us of CPU per request over the bare proxy`);
+    const one = rows.find((r) => r.variant === 'gateway, Redis, cheap backend')!;
+    const two = rows.find((r) => r.variant === 'gateway, Redis, cheap backend, 2 workers')!;
+    console.log(`GATEWAY_WORKERS=2 against 1, in front of a backend that answers cheaply: ${(two.rps / one.rps).toFixed(2)}x req/s, ${f(two.cpuUsPerReq)} against ${f(one.cpuUsPerReq)} us of gateway CPU per request`);
     console.log(`fixed-rate runs achieved: ${[...atRate].map(([name, a]) => `${name} ${f(a.rps)}/s`).join(', ')}`);
     if (!nginx) console.log('(nginx not installed: apt-get install nginx for the C proxy reference)');
 
@@ -259,6 +281,32 @@ async function main() {
     for (const stop of stops.reverse()) await stop();
     rmSync(dir, { recursive: true, force: true });
   }
+}
+
+/**
+ * A backend that costs next to nothing, so the gateway is what limits: nginx answering the
+ * same JSON from memory when installed, else a bare node:http server doing the same.
+ */
+async function startCheapBackend(dir: string, body: string): Promise<{ url: string; pid?: number; kind: string; stop: () => unknown }> {
+  const port = await freePort();
+  if (hasCommand('nginx')) {
+    const conf = join(dir, 'nginx-cheap.conf');
+    writeFileSync(
+      conf,
+      `daemon off; worker_processes 1; pid ${dir}/nginx-cheap.pid; error_log ${dir}/nginx-cheap.err warn;
+events { worker_connections 1024; }
+http { access_log off; client_body_temp_path ${dir}; proxy_temp_path ${dir}; keepalive_requests 1000000;
+  server { listen 127.0.0.1:${port};
+    location / { default_type application/json; return 200 '${body.replace(/'/g, "\\'")}'; } } }`,
+    );
+    const proc = spawn('nginx', ['-c', conf], { stdio: 'ignore' });
+    await waitForPort(port, 5000);
+    return { url: `http://127.0.0.1:${port}`, pid: proc.pid!, kind: 'nginx', stop: () => proc.kill('SIGTERM') };
+  }
+  const server = createServer((_req, res) => res.writeHead(200, { 'content-type': 'application/json' }).end(body));
+  await new Promise<void>((r) => server.listen(port, '127.0.0.1', r));
+  // In this process: its CPU is not counted, and it shares wrk's core budget like nginx would.
+  return { url: `http://127.0.0.1:${port}`, kind: 'node:http', stop: () => server.close() };
 }
 
 async function startNginx(dir: string, upstream: string) {
