@@ -84,7 +84,8 @@ export function decision(limits: Limits, t: Tally): Decision {
 /**
  * Units one instance may take from Redis at once for a subject: 1% of its smaller window,
  * at most `max`, and 1 (no lease) below 200 a window. What an instance leased and did not
- * hand out before the minute ends is lost: at most lease - 1 per instance per minute.
+ * hand out before the minute ends is lost: at most a lease and a half per instance per minute
+ * (the rest of the current lease, and the one taken ahead once half of it was handed out).
  */
 export function leaseSize(limits: Limits, max: number): number {
   const smallest = limits.perDay > 0 ? Math.min(limits.perMinute, limits.perDay) : limits.perMinute;

@@ -5,7 +5,9 @@
 -- lease (units an admitted request may take at once: 1, or more for a lease), and the unused
 -- units of this instance's last lease with that lease's minute and day starts, given back;
 -- then the deadline (Redis time, ms; 0: none) after which the gateway has given up waiting,
--- and the request's cost in units (1 unless its route costs more; a costly request takes no lease).
+-- and the request's cost in units (1 unless its route costs more; a costly request takes no lease);
+-- then refill (1: no request is admitted, the call only takes a whole lease ahead of need, or
+-- nothing, and is never a refusal).
 -- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken}; outcome is an index into
 -- OUTCOMES in decision.ts: 0 allowed, 1 minute, 2 day, 3 banned. Time is Redis's own, so
 -- skewed gateways agree.
@@ -40,6 +42,19 @@ if ban > now then return {3, mc, dc, now, ban} end
 
 local expireAt = ms + 60000
 if perDay > 0 then expireAt = ds + 86400000 end
+
+-- A refill, while the instance still hands out its current lease: a whole lease while both
+-- windows keep room for two, else nothing (the requests then ask one by one, as below).
+if tonumber(ARGV[12]) == 1 then
+  local room = perMinute - mc
+  if perDay > 0 then room = math.min(room, perDay - dc) end
+  if room < 2 * lease then return {0, mc, dc, now, 0, 0} end
+  mc = mc + lease
+  dc = dc + lease
+  redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc)
+  redis.call('PEXPIREAT', KEYS[1], math.max(expireAt, ban))
+  return {0, mc, dc, now, 0, lease}
+end
 
 -- The day is checked first: when both are full, the day is what the client must wait for.
 local violated = 0

@@ -21,6 +21,17 @@ type QuotaRedis = RedisClient & {
   refund(counters: string, minuteStart: number, dayStart: number, units: number): Promise<number>;
 };
 
+/** What `promise` resolves to, or LATE once performance.now() reaches `giveUpAt`. */
+async function within<T>(promise: Promise<T>, giveUpAt: number): Promise<T | typeof LATE> {
+  if (!Number.isFinite(giveUpAt)) return promise;
+  let timer: NodeJS.Timeout | undefined;
+  try {
+    return await Promise.race([promise, new Promise<typeof LATE>((r) => (timer = setTimeout(r, Math.max(0, giveUpAt - performance.now()), LATE)))]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
 /** Units taken from Redis in one admission and not handed out yet (see leaseSize). */
 interface Lease {
   left: number;
@@ -32,6 +43,8 @@ interface Lease {
   dayStartMs: number;
   minuteUsed: number;
   dayUsed: number;
+  /** The lease's size when taken: the next one is asked for once half of it is handed out. */
+  size: number;
 }
 
 /**
@@ -66,6 +79,11 @@ export class RedisQuotaStore implements QuotaStore {
   private readonly pending = new Map<string, Promise<boolean>>();
   /** Per subject, an expired lease's unused units, given back to Redis with the next call. */
   private readonly unused = new Map<string, Lease>();
+  /**
+   * Per subject, the lease taken ahead (a refill, asked for once half of the current one is
+   * handed out): requests then never wait on Redis while the key's traffic is steady.
+   */
+  private readonly next = new Map<string, Lease>();
 
   private readonly observe: (seconds: number) => void;
   private readonly leaseMax: number;
@@ -147,11 +165,19 @@ export class RedisQuotaStore implements QuotaStore {
       if (lease) {
         if (lease.left > 0 && performance.now() < lease.until) {
           lease.left--;
+          if (lease.left === lease.size >> 1 && !this.degraded) this.refill(subject, lease.size);
           const now = Math.min(local + this.offsetMs, lease.windowEndMs - 1);
           return decision(subject.limits, { outcome: 'allowed', minuteUsed: lease.minuteUsed, dayUsed: lease.dayUsed, nowMs: now, banUntilMs: 0 });
         }
         this.leases.delete(subject.name);
-        if (lease.left > 0) this.unused.set(subject.name, lease); // given back by the next call
+        if (lease.left > 0) this.giveBackLater(subject.name, lease);
+      }
+      // The lease taken ahead, if it came: handed out from now on.
+      const ahead = cost === 1 ? this.next.get(subject.name) : undefined;
+      if (ahead) {
+        this.next.delete(subject.name);
+        this.leases.set(subject.name, ahead);
+        continue;
       }
       // While Redis fails no request waits on it: the probe alone finds out when it answers again.
       if (this.degraded) return this.local(subject, cost);
@@ -162,8 +188,10 @@ export class RedisQuotaStore implements QuotaStore {
       // brings instead of each taking one, which would reserve many times what they use.
       const pending = this.pending.get(subject.name);
       if (pending) {
+        const leased = await within(pending, giveUpAt);
+        if (leased === LATE) return this.late(subject, cost); // its wait in line used its QUOTA_WAIT_MS up
         // No lease came (refused, or too near the limit to lease): ask alone, for one unit.
-        solo = !(await pending);
+        solo = !leased;
         continue;
       }
       const call = this.ask(subject, size, local, giveUpAt);
@@ -185,8 +213,66 @@ export class RedisQuotaStore implements QuotaStore {
     if (now - this.lastSweep < MINUTE_MS) return;
     this.lastSweep = now;
     // A minute's grace, so a subject that sends every minute or two still gives its units back;
-    // one that stopped sending keeps them counted: at most lease - 1, once.
-    for (const [name, lease] of this.leases) if (lease.until <= now - MINUTE_MS) this.leases.delete(name);
+    // one that stopped sending keeps them counted: at most what it held, once.
+    for (const held of [this.leases, this.next]) {
+      for (const [name, lease] of held) if (lease.until <= now - MINUTE_MS) held.delete(name);
+    }
+  }
+
+  /**
+   * Keeps a lease's unused units to give back with the subject's next call. Two leases to give
+   * back at once (the current one and the one taken ahead, both expired) merge when they
+   * counted in the same windows; otherwise the older stays counted: under-admission, never over.
+   */
+  private giveBackLater(name: string, lease: Lease): void {
+    const held = this.unused.get(name);
+    if (held && held.windowEndMs === lease.windowEndMs && held.dayStartMs === lease.dayStartMs) held.left += lease.left;
+    else this.unused.set(name, { ...lease });
+  }
+
+  /**
+   * Takes the subject's next lease ahead of need, in the background: the script takes a whole
+   * lease while both windows keep room for two, or nothing (then, as the current lease runs
+   * out, requests ask Redis as usual); it admits no request and is never a refusal. A failing
+   * call marks Redis as failing, like any other.
+   */
+  private refill(subject: QuotaSubject, size: number): void {
+    const { name, limits, bans } = subject;
+    if (this.pending.has(name) || this.next.has(name)) return;
+    const back = this.unused.get(name);
+    this.unused.delete(name);
+    const started = performance.now();
+    const sentAt = Date.now();
+    const call = this.redis
+      .quota(name, `${name}:rej`, limits.perMinute, limits.perDay, bans?.afterRejected ?? 0, bans?.withinMs ?? 0, bans?.durationMs ?? 0, size,
+        back?.left ?? 0, back ? back.windowEndMs - MINUTE_MS : 0, back?.dayStartMs ?? 0, 0, 1, 1)
+      .then(
+        ([index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = 0]) => {
+          this.observe((performance.now() - started) / 1000);
+          this.recovered();
+          this.learnOffset(nowMs - sentAt);
+          if (OUTCOMES[index] === 'banned') {
+            this.bans.set(name, { ms: windowStart(nowMs, MINUTE_MS), mc: minuteUsed, ds: windowStart(nowMs, DAY_MS), dc: dayUsed, ban: banUntilMs });
+          } else if (taken > 0) {
+            this.next.set(name, this.leaseOf(taken, size, started, nowMs, minuteUsed, dayUsed));
+          }
+        },
+        (err: unknown) => {
+          this.observe((performance.now() - started) / 1000);
+          this.failed(err, Date.now());
+        },
+      );
+    // Requests that run out of the current lease meanwhile wait for this one rather than ask
+    // Redis beside it: one lease request per subject in flight, as for any lease.
+    const done = call.then(() => this.next.has(name));
+    this.pending.set(name, done);
+    void done.then(() => this.pending.delete(name));
+  }
+
+  /** A lease of `units` from a reply at Redis time `nowMs`, timed from `started` (before the call), so it ends no later than its Redis minute. */
+  private leaseOf(units: number, size: number, started: number, nowMs: number, minuteUsed: number, dayUsed: number): Lease {
+    const windowEndMs = windowStart(nowMs, MINUTE_MS) + MINUTE_MS;
+    return { left: units, until: started + windowEndMs - nowMs, windowEndMs, dayStartMs: windowStart(nowMs, DAY_MS), minuteUsed, dayUsed, size };
   }
 
   /**
@@ -220,6 +306,7 @@ export class RedisQuotaStore implements QuotaStore {
         back?.dayStartMs ?? 0,
         deadline,
         cost,
+        0,
       );
       // commandTimeout bounds the wait at timeoutMs; a shorter budget needs a timer of its own.
       if (Number.isFinite(budget) && (this.timeoutMs === 0 || budget < this.timeoutMs)) {
@@ -245,12 +332,7 @@ export class RedisQuotaStore implements QuotaStore {
     const [index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = cost] = reply;
     const outcome = OUTCOMES[index]!;
     this.learnOffset(nowMs - sentAt);
-    if (taken > cost) {
-      // Timed from before the call, so the lease ends no later than its Redis minute does.
-      const windowEndMs = windowStart(nowMs, MINUTE_MS) + MINUTE_MS;
-      const until = started + windowEndMs - nowMs;
-      this.leases.set(subject.name, { left: taken - 1, until, windowEndMs, dayStartMs: windowStart(nowMs, DAY_MS), minuteUsed, dayUsed });
-    }
+    if (taken > cost) this.leases.set(subject.name, this.leaseOf(taken - 1, taken, started, nowMs, minuteUsed, dayUsed));
     if (outcome === 'banned') {
       this.bans.set(subject.name, { ms: windowStart(nowMs, MINUTE_MS), mc: minuteUsed, ds: windowStart(nowMs, DAY_MS), dc: dayUsed, ban: banUntilMs });
     }

@@ -291,20 +291,69 @@ describe('redis store with leases', () => {
   const leased = (client: Redis = redis, max = 20) => new RedisQuotaStore(client, silent, { leaseMax: max });
   const counted = async (s: QuotaSubject) => Number(await redis.hget(s.name, 'mc'));
 
-  it('takes 1% of the limit in one call and hands it out without asking Redis again', async () => {
+  it('takes 1% of the limit in one call, hands it out itself, and takes the next lease once half is out', async () => {
     await inOneMinute(async () => {
       const store = leased();
       const s = subject(1000, 100000, false); // a lease is 10 units
       const first = await store.consume(s);
       expect(await counted(s)).toBe(10);
       const rest = [];
-      for (let i = 0; i < 9; i++) rest.push(await store.consume(s));
-      expect(await counted(s)).toBe(10); // no call for these nine
+      for (let i = 0; i < 3; i++) rest.push(await store.consume(s));
+      expect(await counted(s)).toBe(10); // no call for these three
+      rest.push(await store.consume(s)); // five of ten handed out: the next lease is asked for, ahead
+      await eventually(async () => (await counted(s)) === 20, 2000, 'the next lease taken');
+      for (let i = 0; i < 5; i++) rest.push(await store.consume(s));
       expect(rest.every((d) => d.outcome === 'allowed')).toBe(true);
       // The headers count the whole lease as used: never more room than Redis holds.
       expect([first, ...rest].every((d) => d.windows[0]!.used === 10)).toBe(true);
-      await store.consume(s);
+      const fromNext = await store.consume(s); // the first lease is out: the one taken ahead, no call
+      expect(fromNext.windows[0]!.used).toBe(20);
       expect(await counted(s)).toBe(20);
+    });
+  });
+
+  it('with steady traffic, only the first request waits on Redis: every later lease is taken ahead', async () => {
+    await inOneMinute(async () => {
+      const client = new Redis(inject('redisUrl'));
+      try {
+        const store = leased(client);
+        const calls = client as unknown as { quota: (...a: unknown[]) => Promise<unknown> };
+        const quota = calls.quota.bind(client);
+        const kinds: string[] = [];
+        calls.quota = (...a) => (kinds.push(a.at(-1) === 1 ? 'ahead' : 'asked'), quota(...a));
+        const s = subject(1000, 100000, false); // leases of 10
+        for (let i = 0; i < 60; i++) {
+          expect((await store.consume(s)).outcome).toBe('allowed');
+          await new Promise((r) => setTimeout(r, 3)); // a request every few ms
+        }
+        expect(kinds[0]).toBe('asked');
+        expect(kinds.slice(1)).toEqual(Array(kinds.length - 1).fill('ahead'));
+        // 60 requests, six leases handed out; the sixth's half-way point took a seventh ahead.
+        expect(kinds.length).toBe(7);
+        expect(await counted(s)).toBe(70);
+      } finally {
+        await client.quit();
+      }
+    });
+  });
+
+  it('takes nothing ahead near the limit, and a lease taken ahead is never a refusal', async () => {
+    await inOneMinute(async () => {
+      const store = leased();
+      const s = subject(1000, 100000, true); // leases of 10; bans on
+      const [sec] = await redis.time();
+      await redis.hset(s.name, 'ms', Number(sec) * 1000 - ((Number(sec) * 1000) % MINUTE_MS), 'mc', 975);
+      const got: string[] = [];
+      for (let i = 0; i < 26; i++) {
+        got.push((await store.consume(s)).outcome);
+        await new Promise((r) => setTimeout(r, 3)); // room for the call ahead to land
+      }
+      // 25 of room: a lease of 10 (room 15 after it: less than two leases, so nothing ahead),
+      // then one decision per request; exactly the limit, one refusal.
+      expect(got.filter((o) => o === 'allowed')).toHaveLength(25);
+      expect(got.at(-1)).toBe('minute');
+      expect(await counted(s)).toBe(1000);
+      expect(await redis.llen(`${s.name}:rej`)).toBe(1); // the refusal; nothing from the call ahead
     });
   });
 
@@ -327,7 +376,7 @@ describe('redis store with leases', () => {
       const s = subject(1000, 100000, false); // leases of 10
       const results = await Promise.all(Array.from({ length: 95 }, () => one.consume(s)));
       expect(results.every((d) => d.outcome === 'allowed')).toBe(true);
-      expect(await counted(s)).toBe(100); // ten leases for 95 requests, not 95 leases
+      expect(await counted(s)).toBe(110); // ten leases for 95 requests and the next taken ahead, not 95 leases
       // Without the one-at-a-time rule it would be as if each request were its own instance:
       const apart = subject(1000, 100000, false);
       await Promise.all(Array.from({ length: 95 }, () => leased().consume(apart)));
@@ -335,7 +384,7 @@ describe('redis store with leases', () => {
     });
   });
 
-  it('never admits past the limit across instances, and leaves at most lease - 1 per instance unused', async () => {
+  it('never admits past the limit across instances; what one holds is under-admission, not a loss', async () => {
     await inOneMinute(async () => {
       const clients = [0, 1].map(() => new Redis(inject('redisUrl')));
       try {
