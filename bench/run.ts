@@ -99,6 +99,7 @@ async function saturate(v: Variant, redis: Redis, scriptOnly: Set<string>): Prom
  */
 async function fixedRate(v: Variant, rate: number): Promise<{ p50: number; p99: number; rps: number; cpuUs: number }> {
   const meanMs = (CONNECTIONS * 1000) / rate;
+  await wrk(v, 1); // warm up, as before a saturation run: the process may have served other paths since
   const cpu0 = v.pids.reduce((s, p) => s + cpuUs(p), 0);
   const r = await wrk(v, SECONDS, `function delay() return math.random(0, ${Math.round(2 * meanMs)}) end\n`);
   // CPU per request again, below saturation: the cores are not fought over, so it is steadier.
@@ -191,6 +192,8 @@ async function main() {
     const cheap = await startCheapBackend(dir, await (await fetch(`${backendUrl}/v1/pets`)).text());
     stops.push(cheap.stop);
     const withRedis = await gateway('gateway-redis', { REDIS_URL: redisServer.url });
+    // The 429 and banned paths on a process of their own: the one measured admitting sees only that.
+    const refusing = await gateway('gateway-refusing', { REDIS_URL: redisServer.url });
     const inMemory = await gateway('gateway-memory', {});
     const workers = await gateway('gateway-workers', { REDIS_URL: redisServer.url, GATEWAY_WORKERS: '2' });
     const cheapOne = await gateway('gateway-cheap-1', { REDIS_URL: redisServer.url, BACKEND_URL: cheap.url });
@@ -201,7 +204,7 @@ async function main() {
     if (nginx) stops.push(nginx.stop);
 
     // The 429 path: the day of `refused` is spent by one request. The banned path: a ban in Redis.
-    await fetch(`${withRedis.url}/v1/pets`, { headers: { authorization: `Bearer ${refused.key}` } });
+    await fetch(`${refusing.url}/v1/pets`, { headers: { authorization: `Bearer ${refused.key}` } });
     await redis.hset(`gw:production:{k:${banned.id}}`, 'ban', Date.now() + 3_600_000);
 
     const auth = (k: { key: string }) => ({ authorization: `Bearer ${k.key}` });
@@ -217,8 +220,8 @@ async function main() {
       { name: `cheap backend (${cheap.kind}) direct`, url: `${cheap.url}${path}`, pids: cheap.pid ? [cheap.pid] : [], status: 200, redis: false },
       { name: 'gateway, Redis, cheap backend', url: `${cheapOne.url}${path}`, headers: auth(ok), pids: [cheapOne.pid], status: 200, redis: true },
       { name: 'gateway, Redis, cheap backend, 2 workers', url: `${cheapTwo.url}${path}`, headers: auth(ok), pids: [cheapTwo.pid], status: 200, redis: true },
-      { name: 'gateway, Redis, 429 path', url: `${withRedis.url}${path}`, headers: auth(refused), pids: [withRedis.pid], status: 429, redis: true },
-      { name: 'gateway, Redis, banned path', url: `${withRedis.url}${path}`, headers: auth(banned), pids: [withRedis.pid], status: 429, redis: true },
+      { name: 'gateway, Redis, 429 path', url: `${refusing.url}${path}`, headers: auth(refused), pids: [refusing.pid], status: 429, redis: true },
+      { name: 'gateway, Redis, banned path', url: `${refusing.url}${path}`, headers: auth(banned), pids: [refusing.pid], status: 429, redis: true },
     ];
 
     const scriptOnly = scriptCommands();
