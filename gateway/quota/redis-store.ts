@@ -237,36 +237,42 @@ export class RedisQuotaStore implements QuotaStore {
    * call marks Redis as failing, like any other.
    */
   private refill(subject: QuotaSubject, size: number): void {
-    const { name, limits, bans } = subject;
+    const { name } = subject;
     if (this.pending.has(name) || this.next.has(name)) return;
     const back = this.unused.get(name);
     this.unused.delete(name);
     const started = performance.now();
     const sentAt = Date.now();
-    const call = this.redis
-      .quota(name, `${name}:rej`, limits.perMinute, limits.perDay, bans?.afterRejected ?? 0, bans?.withinMs ?? 0, bans?.durationMs ?? 0, size,
-        back?.left ?? 0, back ? back.windowEndMs - MINUTE_MS : 0, back?.dayStartMs ?? 0, 0, 1, 1)
-      .then(
-        ([index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = 0]) => {
-          this.observe((performance.now() - started) / 1000);
-          this.recovered();
-          this.learnOffset(nowMs - sentAt);
-          if (OUTCOMES[index] === 'banned') {
-            this.bans.set(name, { ms: windowStart(nowMs, MINUTE_MS), mc: minuteUsed, ds: windowStart(nowMs, DAY_MS), dc: dayUsed, ban: banUntilMs });
-          } else if (taken > 0) {
-            this.next.set(name, this.leaseOf(taken, size, started, nowMs, minuteUsed, dayUsed));
-          }
-        },
-        (err: unknown) => {
-          this.observe((performance.now() - started) / 1000);
-          this.failed(err, Date.now());
-        },
-      );
+    const call = this.call(subject, size, back, 0, 1, true).then(
+      ([index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = 0]) => {
+        this.observe((performance.now() - started) / 1000);
+        this.recovered();
+        this.learnOffset(nowMs - sentAt);
+        if (OUTCOMES[index] === 'banned') this.rememberBan(name, minuteUsed, dayUsed, nowMs, banUntilMs);
+        else if (taken > 0) this.next.set(name, this.leaseOf(taken, size, started, nowMs, minuteUsed, dayUsed));
+      },
+      (err: unknown) => {
+        this.observe((performance.now() - started) / 1000);
+        this.failed(err, Date.now());
+      },
+    );
     // Requests that run out of the current lease meanwhile wait for this one rather than ask
     // Redis beside it: one lease request per subject in flight, as for any lease.
     const done = call.then(() => this.next.has(name));
     this.pending.set(name, done);
     void done.then(() => this.pending.delete(name));
+  }
+
+  /** One run of quota.lua (ARGV in its order): `back` is a lease's unused units to give back, `refill` a lease taken ahead. */
+  private call(subject: QuotaSubject, lease: number, back: Lease | undefined, deadline: number, cost: number, refill: boolean): Promise<Reply> {
+    const { name, limits, bans } = subject;
+    return this.redis.quota(name, `${name}:rej`, limits.perMinute, limits.perDay, bans?.afterRejected ?? 0, bans?.withinMs ?? 0, bans?.durationMs ?? 0,
+      lease, back?.left ?? 0, back ? back.windowEndMs - MINUTE_MS : 0, back?.dayStartMs ?? 0, deadline, cost, refill ? 1 : 0);
+  }
+
+  /** A ban seen in a reply: answered from memory, without a round trip, until it ends. */
+  private rememberBan(name: string, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number): void {
+    this.bans.set(name, { ms: windowStart(nowMs, MINUTE_MS), mc: minuteUsed, ds: windowStart(nowMs, DAY_MS), dc: dayUsed, ban: banUntilMs });
   }
 
   /** A lease of `units` from a reply at Redis time `nowMs`, timed from `started` (before the call), so it ends no later than its Redis minute. */
@@ -282,7 +288,7 @@ export class RedisQuotaStore implements QuotaStore {
    * as failing.
    */
   private async ask(subject: QuotaSubject, lease: number, local: number, giveUpAt: number, cost = 1): Promise<Decision> {
-    const { limits, bans } = subject;
+    const { limits } = subject;
     let reply: Reply | typeof LATE;
     const started = performance.now();
     const budget = Math.min(giveUpAt - started, this.timeoutMs > 0 ? this.timeoutMs : Number.POSITIVE_INFINITY);
@@ -292,22 +298,7 @@ export class RedisQuotaStore implements QuotaStore {
     const sentAt = Date.now();
     const deadline = Number.isFinite(budget) && Number.isFinite(this.deadlineOffset) ? sentAt + this.deadlineOffset + budget : 0;
     try {
-      const call = this.redis.quota(
-        subject.name,
-        `${subject.name}:rej`,
-        limits.perMinute,
-        limits.perDay,
-        bans?.afterRejected ?? 0,
-        bans?.withinMs ?? 0,
-        bans?.durationMs ?? 0,
-        lease,
-        back?.left ?? 0,
-        back ? back.windowEndMs - MINUTE_MS : 0,
-        back?.dayStartMs ?? 0,
-        deadline,
-        cost,
-        0,
-      );
+      const call = this.call(subject, lease, back, deadline, cost, false);
       // commandTimeout bounds the wait at timeoutMs; a shorter budget needs a timer of its own.
       if (Number.isFinite(budget) && (this.timeoutMs === 0 || budget < this.timeoutMs)) {
         let timer: NodeJS.Timeout | undefined;
@@ -333,9 +324,7 @@ export class RedisQuotaStore implements QuotaStore {
     const outcome = OUTCOMES[index]!;
     this.learnOffset(nowMs - sentAt);
     if (taken > cost) this.leases.set(subject.name, this.leaseOf(taken - 1, taken, started, nowMs, minuteUsed, dayUsed));
-    if (outcome === 'banned') {
-      this.bans.set(subject.name, { ms: windowStart(nowMs, MINUTE_MS), mc: minuteUsed, ds: windowStart(nowMs, DAY_MS), dc: dayUsed, ban: banUntilMs });
-    }
+    if (outcome === 'banned') this.rememberBan(subject.name, minuteUsed, dayUsed, nowMs, banUntilMs);
     return decision(limits, { outcome, minuteUsed, dayUsed, nowMs, banUntilMs });
   }
 
