@@ -59,6 +59,19 @@ describe('graceful shutdown', () => {
     expect(gateway.logs[closed]).toMatchObject({ cut: false });
   });
 
+  it('writes the access lines still in the log batch when it stops', async () => {
+    const { k, gateway, exited } = await heldStack();
+    for (let i = 0; i < 3; i++) expect((await call(`${gateway.url}/v1/pets`, k.key, { headers: { 'x-request-id': `last-${i}` } })).status).toBe(200);
+    // Two signals at once: when both are seen, the second exits on the spot, well before the
+    // batch's 100 ms are up (the exit code is not the rule here: the lines are).
+    gateway.proc.kill('SIGTERM');
+    gateway.proc.kill('SIGINT');
+    await exited;
+    const lines = () => gateway.logs.filter((l) => l.msg === 'request' && String(l.reqId).startsWith('last-'));
+    await eventually(() => lines().length === 3, 2000, 'three access lines read from the pipe').catch(() => {}); // read what the exit wrote
+    expect(lines().map((l) => l.reqId)).toEqual(['last-0', 'last-1', 'last-2']);
+  });
+
   it('exits at once on a second signal', async () => {
     const { k, echo, gateway, exited } = await heldStack();
     const { arrived, release } = echo.hold();
