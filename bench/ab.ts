@@ -1,0 +1,106 @@
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
+import { hashKey } from '../gateway/auth/keys.js';
+import { testConfig } from '../test/helpers/config.js';
+import { freePort } from '../test/helpers/net.js';
+import { spawnRedis } from '../test/helpers/redis.js';
+import { hasCommand, ROOT, start, wrk } from './lib.js';
+
+// `npm run bench:ab`: gateway builds or settings side by side against the bare proxy, with
+// more rounds than `npm run bench` and nothing else measured, for a change whose effect is
+// smaller than this machine's noise between runs. Loopback only; about two minutes by default.
+//   BENCH_AB="name|path/to/gateway/server.js|ENV=value|...,name|..." (default: this build,
+//     with Redis and with the in-process store). A variant's ENV may say REDIS_URL=redis to
+//     get the Redis this run starts.
+//   BENCH_AB_ROUNDS (7), BENCH_AB_SECONDS (4): rounds and seconds per variant and round.
+//   BENCH_AB_RATE: requests per second to hold (wrk with think time) instead of saturating;
+//     CPU per request below saturation, where the processes do not fight over the cores.
+// Prints per variant the median req/s and CPU us per request, and both against the bare proxy.
+
+const ROUNDS = Number(process.env.BENCH_AB_ROUNDS ?? 7);
+const SECONDS = Number(process.env.BENCH_AB_SECONDS ?? 4);
+const RATE = Number(process.env.BENCH_AB_RATE ?? 0);
+const CONNECTIONS = 50;
+const SPECS = process.env.BENCH_AB ?? 'redis|dist/gateway/server.js|REDIS_URL=redis,memory|dist/gateway/server.js';
+const TICK_US = 1e6 / 100; // USER_HZ
+
+const cpuUs = (pid: number) => {
+  const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+  const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+  return (Number(fields[11]) + Number(fields[12])) * TICK_US;
+};
+const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
+
+async function main() {
+  if (!hasCommand('wrk')) throw new Error('wrk is needed: apt-get install wrk');
+  const dir = mkdtempSync(join(tmpdir(), 'bench-ab-'));
+  const stops: Array<() => unknown> = [];
+  const node = process.execPath;
+  try {
+    const redis = await spawnRedis();
+    stops.push(() => redis.stop());
+    const backendPort = await freePort();
+    const backend = await start('backend', [node, 'dist/backend/server.js'], { BACKEND_PORT: String(backendPort), PETS_DB: ':memory:', LOG_LEVEL: 'warn' }, backendPort, dir);
+    stops.push(() => backend.kill('SIGTERM'));
+    const backendUrl = `http://127.0.0.1:${backendPort}`;
+    for (let i = 0; i < 20; i++) {
+      await fetch(`${backendUrl}/v1/pets`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ name: `pet${i}`, categoryId: 1 }) });
+    }
+    // A key of the format every build accepts, never refused.
+    const key = `psk_live_${randomBytes(24).toString('base64url')}`;
+    const file = join(dir, 'gateway.json');
+    writeFileSync(file, JSON.stringify(testConfig([{ id: 'bench', key, hash: hashKey(key), plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } }])));
+
+    const variants: Array<{ name: string; url: string; pid: number }> = [];
+    const barePort = await freePort();
+    const bare = await start('bare', [node, '--import', 'tsx', 'bench/reference-proxy.ts'], { BACKEND_URL: backendUrl, PORT: String(barePort), KEY_HASHES: hashKey(key).slice('sha256:'.length) }, barePort, dir);
+    stops.push(() => bare.kill('SIGTERM'));
+    variants.push({ name: 'bare proxy', url: `http://127.0.0.1:${barePort}/v1/pets`, pid: bare.pid! });
+    for (const spec of SPECS.split(',')) {
+      const [name, entry, ...settings] = spec.split('|');
+      const env = Object.fromEntries(settings.map((s) => [s.slice(0, s.indexOf('=')), s.slice(s.indexOf('=') + 1)]));
+      if (env.REDIS_URL === 'redis') env.REDIS_URL = redis.url;
+      const [port, adminPort] = [await freePort(), await freePort()];
+      const proc = await start(`gateway-${name}`, [node, resolve(ROOT, entry!)], {
+        BACKEND_URL: backendUrl, GATEWAY_CONFIG: file, LOG_LEVEL: 'info', GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), ...env,
+      }, adminPort, dir);
+      stops.push(() => proc.kill('SIGTERM'));
+      for (let i = 0; i < 100 && (await fetch(`http://127.0.0.1:${adminPort}/readyz`).catch(() => undefined))?.status !== 200; i++) {
+        await new Promise((r) => setTimeout(r, 50));
+      }
+      variants.push({ name: name!, url: `http://127.0.0.1:${port}/v1/pets`, pid: proc.pid! });
+    }
+
+    const headers = { authorization: `Bearer ${key}` };
+    const think = RATE > 0 ? `function delay() return math.random(0, ${Math.round((2 * CONNECTIONS * 1000) / RATE)}) end\n` : '';
+    const samples = new Map(variants.map((v) => [v.name, { rps: [] as number[], cpu: [] as number[], p99: [] as number[] }]));
+    for (const v of variants) await wrk(v.url, headers, 200, CONNECTIONS, 1); // warm up
+    for (let round = 1; round <= ROUNDS; round++) {
+      for (const v of variants) {
+        const before = cpuUs(v.pid);
+        const r = await wrk(v.url, headers, 200, CONNECTIONS, SECONDS, think);
+        if (r.wrong) throw new Error(`${v.name}: ${r.wrong} answers were not 200`);
+        const s = samples.get(v.name)!;
+        s.rps.push(r.rps);
+        s.p99.push(r.p99);
+        s.cpu.push((cpuUs(v.pid) - before) / r.requests);
+      }
+      process.stderr.write(`round ${round}/${ROUNDS} done\n`);
+    }
+    const bareRps = median(samples.get('bare proxy')!.rps);
+    const bareCpu = median(samples.get('bare proxy')!.cpu);
+    console.log(`\nGET /v1/pets, wrk -t1 -c${CONNECTIONS} -d${SECONDS}s${RATE > 0 ? ` at about ${RATE}/s` : ''}, ${ROUNDS} rounds interleaved, medians`);
+    console.log(`${'variant'.padEnd(16)} ${'req/s'.padStart(7)} ${'x bare'.padStart(7)} ${'CPU us/req'.padStart(11)} ${'vs bare'.padStart(8)} ${'p99 ms'.padStart(7)}`);
+    for (const [name, s] of samples) {
+      const cpu = median(s.cpu);
+      console.log(`${name.padEnd(16)} ${median(s.rps).toFixed(0).padStart(7)} ${(median(s.rps) / bareRps).toFixed(2).padStart(7)} ${cpu.toFixed(0).padStart(11)} ${`${cpu >= bareCpu ? '+' : ''}${(cpu - bareCpu).toFixed(0)}`.padStart(8)} ${median(s.p99).toFixed(2).padStart(7)}`);
+    }
+  } finally {
+    for (const stop of stops.reverse()) await stop();
+    rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+await main();
