@@ -27,7 +27,8 @@ describe('GATEWAY_WORKERS', () => {
   });
 
   it('never admits more than the limit across two workers and another instance, leases on, and sums their metrics', async () => {
-    // 600 a minute: each instance takes leases of 6 units (1%), and may leave at most 5 unused.
+    // 600 a minute: each instance takes leases of 6 units (1%), and may leave at most a lease
+    // and a half unused (the rest of one, 3 at most, and the one taken ahead): 9.
     const keys = [0, 1, 2].map(() => ({ ...makeKey('enterprise'), limits: { perMinute: 600, perDay: 100000 } }));
     // A Redis that answers, whatever the load on this machine: a call slower than
     // REDIS_TIMEOUT_MS (or, for one request, QUOTA_WAIT_MS) would hand the decision to the
@@ -48,13 +49,14 @@ describe('GATEWAY_WORKERS', () => {
         const admitted = all.filter((s) => s === 200).length;
         admittedInAll += admitted;
         expect(admitted).toBeLessThanOrEqual(600);
-        expect(admitted).toBeGreaterThanOrEqual(600 - 3 * 5);
+        expect(admitted).toBeGreaterThanOrEqual(600 - 3 * 9);
         expect(all.filter((s) => s !== 200 && s !== 429)).toEqual([]);
       },
       () => void attempt++,
     );
     for (const g of [gateway, other]) expect(g.logs.filter((l) => String(l.msg).startsWith('quota store: Redis failed'))).toEqual([]);
-    expect(servedBy(gateway.logs).size).toBe(2); // both workers took requests
+    // Both workers took requests (their access lines may still be in a batch for up to 100 ms).
+    await eventually(() => servedBy(gateway.logs).size === 2, 2000, 'access lines from both workers');
     // The admin port answers once for the cluster: every worker's counts, summed.
     const count = (text: string, status: number) =>
       Number(new RegExp(`^gateway_requests_total\\{route="listPets",status="${status}",plan="enterprise"\\} (\\d+)$`, 'm').exec(text)?.[1] ?? 0);
@@ -77,7 +79,7 @@ describe('GATEWAY_WORKERS', () => {
     await eventually(() => gateway.logs.filter((l) => l.msg === 'config reloaded').length >= 3, 5000, 'three reloads');
     const statuses = await Promise.all(Array.from({ length: 20 }, () => call(`${gateway.url}/v1/pets`, added.key).then((r) => r.status)));
     expect(statuses).toEqual(Array(20).fill(200));
-    expect(servedBy(gateway.logs).size).toBe(2);
+    await eventually(() => servedBy(gateway.logs).size === 2, 2000, 'access lines from both workers');
     gateway.proc.kill('SIGHUP'); // on the primary: it reloads, and every worker with it
     await eventually(() => gateway.logs.filter((l) => l.msg === 'config reloaded' && l.reason === 'SIGHUP').length >= 3, 5000, 'SIGHUP reloads');
     expect(gateway.proc.exitCode).toBeNull();
