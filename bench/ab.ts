@@ -1,12 +1,12 @@
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { hashKey } from '../gateway/auth/keys.js';
 import { testConfig } from '../test/helpers/config.js';
 import { freePort } from '../test/helpers/net.js';
 import { spawnRedis } from '../test/helpers/redis.js';
-import { hasCommand, ROOT, start, wrk } from './lib.js';
+import { cpuUs, hasCommand, median, ROOT, start, startPetBackend, wrk } from './lib.js';
 
 // `npm run bench:ab`: gateway builds or settings side by side against the bare proxy, with
 // more rounds than `npm run bench` and nothing else measured, for a change whose effect is
@@ -24,15 +24,6 @@ const SECONDS = Number(process.env.BENCH_AB_SECONDS ?? 4);
 const RATE = Number(process.env.BENCH_AB_RATE ?? 0);
 const CONNECTIONS = 50;
 const SPECS = process.env.BENCH_AB ?? 'redis|dist/gateway/server.js|REDIS_URL=redis,memory|dist/gateway/server.js';
-const TICK_US = 1e6 / 100; // USER_HZ
-
-const cpuUs = (pid: number) => {
-  const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-  const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
-  return (Number(fields[11]) + Number(fields[12])) * TICK_US;
-};
-const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
-
 async function main() {
   if (!hasCommand('wrk')) throw new Error('wrk is needed: apt-get install wrk');
   const dir = mkdtempSync(join(tmpdir(), 'bench-ab-'));
@@ -41,13 +32,8 @@ async function main() {
   try {
     const redis = await spawnRedis();
     stops.push(() => redis.stop());
-    const backendPort = await freePort();
-    const backend = await start('backend', [node, 'dist/backend/server.js'], { BACKEND_PORT: String(backendPort), PETS_DB: ':memory:', LOG_LEVEL: 'warn' }, backendPort, dir);
+    const { url: backendUrl, proc: backend } = await startPetBackend(dir);
     stops.push(() => backend.kill('SIGTERM'));
-    const backendUrl = `http://127.0.0.1:${backendPort}`;
-    for (let i = 0; i < 20; i++) {
-      await fetch(`${backendUrl}/v1/pets`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ name: `pet${i}`, categoryId: 1 }) });
-    }
     // A key of the format every build accepts, never refused.
     const key = `psk_live_${randomBytes(24).toString('base64url')}`;
     const file = join(dir, 'gateway.json');

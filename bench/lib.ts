@@ -1,9 +1,9 @@
 import { execFile, execFileSync, spawn, type ChildProcess } from 'node:child_process';
-import { openSync, writeFileSync } from 'node:fs';
+import { openSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
-import { waitForPort } from '../test/helpers/net.js';
+import { freePort, waitForPort } from '../test/helpers/net.js';
 
 // What the benchmarks share: starting our processes, and driving wrk.
 
@@ -59,3 +59,41 @@ export async function wrk(url: string, headers: Record<string, string>, status: 
     wrong: Number(/wrong statuses: (\d+)/.exec(stdout)?.[1] ?? Number.NaN),
   };
 }
+
+/** The pet backend as a process, in memory, with `pets` pets in it: what every benchmark proxies to. */
+export async function startPetBackend(dir: string, pets = 20): Promise<{ url: string; proc: ChildProcess }> {
+  const port = await freePort();
+  const proc = await start('backend', [process.execPath, 'dist/backend/server.js'], { BACKEND_PORT: String(port), PETS_DB: ':memory:', LOG_LEVEL: 'warn' }, port, dir);
+  const url = `http://127.0.0.1:${port}`;
+  for (let i = 0; i < pets; i++) {
+    await fetch(`${url}/v1/pets`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ name: `pet${i}`, categoryId: 1 }) });
+  }
+  return { url, proc };
+}
+
+const TICK_US = 1e6 / Number(execFileSync('getconf', ['CLK_TCK']).toString().trim() || 100);
+
+/** utime + stime of a process and all its descendants, in microseconds. */
+export function cpuUs(pid: number): number {
+  let total = 0;
+  const walk = (p: number) => {
+    try {
+      const stat = readFileSync(`/proc/${p}/stat`, 'utf8');
+      const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+      total += (Number(fields[11]) + Number(fields[12])) * TICK_US;
+      for (const task of readdirSync(`/proc/${p}/task`)) {
+        const children = readFileSync(`/proc/${p}/task/${task}/children`, 'utf8').trim();
+        for (const c of children ? children.split(' ') : []) walk(Number(c));
+      }
+    } catch {
+      // gone: nothing to add
+    }
+  };
+  walk(pid);
+  return total;
+}
+
+export const median = (xs: number[]) => {
+  const s = [...xs].sort((a, b) => a - b);
+  return s.length % 2 ? s[(s.length - 1) / 2]! : (s[s.length / 2 - 1]! + s[s.length / 2]!) / 2;
+};

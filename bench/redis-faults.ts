@@ -5,7 +5,7 @@ import { join } from 'node:path';
 import { generateKey } from '../gateway/auth/keys.js';
 import { testConfig } from '../test/helpers/config.js';
 import { freePort, waitForPort } from '../test/helpers/net.js';
-import { hasCommand, ROOT, start, wrk } from './lib.js';
+import { hasCommand, ROOT, start, startPetBackend, wrk } from './lib.js';
 
 // `npm run bench:faults`: what Redis failing costs a request, on loopback, about 90 s.
 //   1. The store's healthy latency at full load (wrk -c50, default settings, then with a
@@ -45,10 +45,8 @@ async function main() {
     let redis = redisServer(redisPort);
     stops.push(() => redis.kill('SIGCONT') && redis.kill('SIGKILL'));
     await waitForPort(redisPort, 5000);
-    const backendPort = await freePort();
-    const backend = await start('backend', [node, 'dist/backend/server.js'], { BACKEND_PORT: String(backendPort), PETS_DB: ':memory:', LOG_LEVEL: 'warn' }, backendPort, dir);
+    const { url: backendUrl, proc: backend } = await startPetBackend(dir, 0);
     stops.push(() => backend.kill('SIGTERM'));
-    const backendUrl = `http://127.0.0.1:${backendPort}`;
 
     const key = { id: 'bench', ...generateKey('production') };
     const file = join(dir, 'gateway.json');

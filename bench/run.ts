@@ -1,6 +1,6 @@
 import { execFileSync, spawn } from 'node:child_process';
 import { createServer } from 'node:http';
-import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { cpus, tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { Redis } from 'ioredis';
@@ -9,7 +9,7 @@ import { hashKey } from '../gateway/auth/keys.js';
 import { testConfig } from '../test/helpers/config.js';
 import { freePort, waitForPort } from '../test/helpers/net.js';
 import { spawnRedis } from '../test/helpers/redis.js';
-import { hasCommand, ROOT, start, wrk as runWrk } from './lib.js';
+import { cpuUs, hasCommand, median, ROOT, start, startPetBackend, wrk as runWrk } from './lib.js';
 
 // `npm run bench`: loopback only, bounded (about five minutes by default), every variant
 // measured in the same run, interleaved and repeated, and reported as medians and as ratios
@@ -28,7 +28,6 @@ const CONNECTIONS = 50;
 // Another build of the gateway to measure, e.g. an earlier commit's dist/ in a git worktree,
 // so that before and after are measured in one sitting against the same references.
 const GATEWAY_ENTRY = resolve(ROOT, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js');
-const TICK_US = 1e6 / Number(execFileSync('getconf', ['CLK_TCK']).toString().trim() || 100);
 
 interface Variant {
   name: string;
@@ -49,26 +48,6 @@ interface Sample {
   cpuUs: number;
   redisCmds: number;
   wrong: number;
-}
-
-/** utime + stime of a process and all its descendants, in microseconds. */
-function cpuUs(pid: number): number {
-  let total = 0;
-  const walk = (p: number) => {
-    try {
-      const stat = readFileSync(`/proc/${p}/stat`, 'utf8');
-      const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
-      total += (Number(fields[11]) + Number(fields[12])) * TICK_US;
-      for (const task of readdirSync(`/proc/${p}/task`)) {
-        const children = readFileSync(`/proc/${p}/task/${task}/children`, 'utf8').trim();
-        for (const c of children ? children.split(' ') : []) walk(Number(c));
-      }
-    } catch {
-      // gone: nothing to add
-    }
-  };
-  walk(pid);
-  return total;
 }
 
 /** Commands clients sent (a script's own calls excluded), from INFO commandstats. */
@@ -107,11 +86,6 @@ async function fixedRate(v: Variant, rate: number): Promise<{ p50: number; p99: 
   return { p50: r.p50, p99: r.p99, rps: r.rps, cpuUs: cpu };
 }
 
-const median = (xs: number[]) => {
-  const s = [...xs].sort((a, b) => a - b);
-  return s.length % 2 ? s[(s.length - 1) / 2]! : (s[s.length / 2 - 1]! + s[s.length / 2]!) / 2;
-};
-
 /** Every command a Lua script of these setups calls: counted by Redis, but not sent by a client. */
 function scriptCommands(): Set<string> {
   const sources = [readFileSync(join(ROOT, 'gateway/quota/quota.lua'), 'utf8')];
@@ -136,13 +110,8 @@ async function main() {
     const redis = new Redis(redisServer.url);
     stops.push(() => redis.quit());
 
-    const backendPort = await freePort();
-    const backend = await start('backend', [node, 'dist/backend/server.js'], { BACKEND_PORT: String(backendPort), PETS_DB: ':memory:', LOG_LEVEL: 'warn' }, backendPort, dir);
+    const { url: backendUrl, proc: backend } = await startPetBackend(dir);
     stops.push(() => backend.kill('SIGTERM'));
-    const backendUrl = `http://127.0.0.1:${backendPort}`;
-    for (let i = 0; i < 20; i++) {
-      await fetch(`${backendUrl}/v1/pets`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ name: `pet${i}`, categoryId: 1 }) });
-    }
 
     // Keys of the format every build accepts (the checksum format came later), so BENCH_GATEWAY
     // can measure an earlier build against the same keys.
