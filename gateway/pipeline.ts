@@ -105,7 +105,7 @@ export function requestPipeline(
     const bad = malformed(request);
     if (!bad && isDocumentPath(request.url)) return publicDocument(request, reply);
     // Authentication first, for every other path: a caller without a valid key learns nothing of routes.
-    const who = bad ?? authenticate(request.headers.authorization, ctx.config);
+    const who = bad ?? authenticate(request.headers.authorization, ctx.config, request.raw.socket);
     if (who instanceof GatewayError) return admitByAddress(request, reply, who);
     ctx.consumer = who;
     const route = matchRoute(request.method, request.url);

@@ -1,13 +1,35 @@
 import type { Consumer, GatewayConfig } from '../config.js';
 import { GatewayError } from '../errors.js';
-import { readCredential } from './keys.js';
+import { type Credential, readCredential } from './keys.js';
 
 const REALM = 'Bearer realm="pet-store"';
 const INVALID = `${REALM}, error="invalid_token"`;
 
-/** Bearer key -> consumer, or the 401 that refuses it (with WWW-Authenticate, RFC 6750). */
-export function authenticate(header: string | undefined, config: GatewayConfig): Consumer | GatewayError {
+/**
+ * The last key read on each connection, with its digest: a keep-alive client sends the same
+ * Authorization again and again, and its format check and SHA-256 are done once per
+ * connection instead of once per request. Only the read is kept: which consumer the digest
+ * names, and whether it is revoked or expired, is looked up in the current config every
+ * time. The header lives as long as its connection (a WeakMap entry), never longer.
+ */
+const lastRead = new WeakMap<object, { header: string; environment: string; credential: Credential }>();
+
+function credentialOf(header: string | undefined, config: GatewayConfig, connection?: object): Credential {
+  const last = connection && lastRead.get(connection);
+  if (last && last.header === header && last.environment === config.environment) return last.credential;
   const credential = readCredential(header, config.environment);
+  if (connection && header !== undefined && credential.kind === 'key') {
+    lastRead.set(connection, { header, environment: config.environment, credential });
+  }
+  return credential;
+}
+
+/**
+ * Bearer key -> consumer, or the 401 that refuses it (with WWW-Authenticate, RFC 6750).
+ * `connection` (the request's socket) lets a key sent again on it skip the digest.
+ */
+export function authenticate(header: string | undefined, config: GatewayConfig, connection?: object): Consumer | GatewayError {
+  const credential = credentialOf(header, config, connection);
   switch (credential.kind) {
     case 'missing':
       return new GatewayError('unauthorized', 'Missing API key: send Authorization: Bearer <key>', {
