@@ -16,9 +16,12 @@ export class GatewayMetrics {
   // The per-request series are tallied in plain numbers and handed to prom-client when
   // scraped: its own inc() and observe() validate and hash their labels on every call, even
   // on a bound child, which cost more than the rest of the access line. Bounded like the
-  // labels: routes x statuses x plans (x key ids when configured).
-  private readonly requests = new Map<string, Tally>();
-  private readonly rejections = new Map<string, Tally>();
+  // labels: routes x statuses x plans (x key ids when configured). Found by route, then
+  // status, then plan (or key id): no label string is built per request.
+  private readonly requests: Tally[] = [];
+  private readonly requestIndex = new Map<string, Map<number, Map<string, Tally>>>();
+  private readonly rejections: Tally[] = [];
+  private readonly rejectionIndex = new Map<string, Tally>();
   private readonly upstreamSeconds: TallyHistogram;
 
   constructor(private readonly keyLabels: boolean) {
@@ -105,14 +108,18 @@ export class GatewayMetrics {
 
   /** Counts one answered request. */
   request(route: string, status: number, plan: string, key: string | undefined, rejected?: RejectionReason): void {
-    const id = this.keyLabels ? `${route} ${status} ${plan} ${key ?? 'none'}` : `${route} ${status} ${plan}`;
-    const tally = this.requests.get(id);
-    if (tally) tally.n++;
-    else this.requests.set(id, { labels: this.keyLabels ? { route, status, plan, key: key ?? 'none' } : { route, status, plan }, n: 1 });
+    let byStatus = this.requestIndex.get(route);
+    if (!byStatus) this.requestIndex.set(route, (byStatus = new Map()));
+    let byPlan = byStatus.get(status);
+    if (!byPlan) byStatus.set(status, (byPlan = new Map()));
+    const last = this.keyLabels ? `${plan} ${key ?? 'none'}` : plan;
+    let t = byPlan.get(last);
+    if (!t) byPlan.set(last, (t = tally(this.requests, this.keyLabels ? { route, status, plan, key: key ?? 'none' } : { route, status, plan })));
+    t.n++;
     if (rejected) {
-      const r = this.rejections.get(rejected);
-      if (r) r.n++;
-      else this.rejections.set(rejected, { labels: { reason: rejected }, n: 1 });
+      let r = this.rejectionIndex.get(rejected);
+      if (!r) this.rejectionIndex.set(rejected, (r = tally(this.rejections, { reason: rejected })));
+      r.n++;
     }
   }
 
@@ -128,11 +135,18 @@ interface Tally {
   n: number;
 }
 
+/** A new series at 0, listed in `tallies`. */
+function tally(tallies: Tally[], labels: Tally['labels']): Tally {
+  const t = { labels, n: 0 };
+  tallies.push(t);
+  return t;
+}
+
 /** A counter's collect(): its series read from `tallies` when scraped. */
-function collectFrom(tallies: Map<string, Tally>) {
+function collectFrom(tallies: Tally[]) {
   return function collect(this: Counter<string>) {
     this.reset();
-    for (const t of tallies.values()) this.inc(t.labels, t.n);
+    for (const t of tallies) this.inc(t.labels, t.n);
   };
 }
 

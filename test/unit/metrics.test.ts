@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { AggregatorRegistry, Histogram, type Metric, Registry } from 'prom-client';
+import { AggregatorRegistry, Counter, Histogram, type Metric, Registry } from 'prom-client';
 import { GatewayMetrics, TallyHistogram } from '../../gateway/metrics.js';
 
 const store = { degraded: false, activeBans: () => 2 };
@@ -22,6 +22,29 @@ describe('metrics labels', () => {
     const text = await m.registry.metrics();
     expect(text).toContain('gateway_requests_total{route="listPets",status="429",plan="free",key="acme"} 1');
     expect(text).toContain('gateway_rejections_total{reason="minute"} 1');
+  });
+
+  it('count each series apart, as prom-client would for the same requests', async () => {
+    const requests: Array<[string, number, string, string | undefined, 'minute' | 'unauthenticated' | undefined]> = [
+      ['listPets', 200, 'free', 'a', undefined], ['listPets', 200, 'pro', 'b', undefined], ['listPets', 429, 'free', 'a', 'minute'],
+      ['getPet', 200, 'free', 'a', undefined], ['none', 401, 'none', undefined, 'unauthenticated'], ['listPets', 200, 'free', 'c', undefined],
+      ['listPets', 200, 'pro', 'b', undefined], ['listPets', 429, 'free', 'a', 'minute'], ['listPets', 200, 'free', 'a', undefined],
+    ];
+    for (const keyLabels of [false, true]) {
+      const m = new GatewayMetrics(keyLabels);
+      const reference = new Registry();
+      const total = new Counter({ name: 'gateway_requests_total', help: 'h', labelNames: keyLabels ? ['route', 'status', 'plan', 'key'] : ['route', 'status', 'plan'], registers: [reference] });
+      const refused = new Counter({ name: 'gateway_rejections_total', help: 'h', labelNames: ['reason'], registers: [reference] });
+      for (const [route, status, plan, key, rejected] of requests) {
+        m.request(route, status, plan, key, rejected);
+        total.inc(keyLabels ? { route, status, plan, key: key ?? 'none' } : { route, status, plan });
+        if (rejected) refused.inc({ reason: rejected });
+      }
+      const series = async (r: Registry, name: string) => ((await r.getSingleMetric(name)!.get()).values as Array<{ labels: object; value: number }>).map((v) => JSON.stringify([v.labels, v.value])).sort();
+      for (const name of ['gateway_requests_total', 'gateway_rejections_total']) {
+        expect(await series(m.registry, name)).toEqual(await series(reference, name));
+      }
+    }
   });
 });
 
