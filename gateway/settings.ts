@@ -43,7 +43,7 @@ export const GatewaySettingsSchema = Type.Object({
   quotaWaitMs: Ms('QUOTA_WAIT_MS', 40),
   // While Redis fails: decide in-process (open) or answer 503 quota_store_unavailable (closed).
   quotaStoreFailure: oneOf('QUOTA_STORE_FAILURE', ['open', 'closed'], 'open'),
-  quotaLeaseMax: Type.Integer({ env: 'QUOTA_LEASE_MAX', minimum: 1, maximum: 1000, default: 20 }),
+  quotaLeaseMax: Type.Integer({ env: 'QUOTA_LEASE_MAX', minimum: 1, maximum: 1000, default: 100 }),
   redisKeyPrefix: Type.String({ env: 'REDIS_KEY_PREFIX', pattern: '^[A-Za-z0-9_.-]{1,32}$', default: 'gw' }),
   // Never a plain "true": that would trust any X-Forwarded-For a client writes.
   trustProxy: Type.Transform(Type.String({ env: 'TRUST_PROXY', minLength: 1, default: 'false' }))

@@ -34,7 +34,7 @@ describe('settings from their schema', () => {
       redisTimeoutMs: 250,
       quotaWaitMs: 40,
       quotaStoreFailure: 'open',
-      quotaLeaseMax: 20,
+      quotaLeaseMax: 100,
       redisKeyPrefix: 'gw',
       trustProxy: false,
       adminPort: 9000,
