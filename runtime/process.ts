@@ -24,7 +24,7 @@ export function loggerOptions(level: string, pretty = false) {
 const LOG_BUFFER_BYTES = 16 * 1024 * 1024;
 
 /** Lines leave in writes of at least this many bytes, or after LOG_FLUSH_MS, whichever comes first. */
-const LOG_BATCH_BYTES = 4096;
+const LOG_BATCH_BYTES = 12 * 1024; // below sonic-boom's maxWrite (16 KiB), which it requires
 const LOG_FLUSH_MS = 100;
 
 /**
