@@ -1,0 +1,151 @@
+import { spawn } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
+import { createInterface } from 'node:readline';
+import { hashKey } from '../gateway/auth/keys.js';
+import { testConfig } from '../test/helpers/config.js';
+import { freePort } from '../test/helpers/net.js';
+import { spawnRedis } from '../test/helpers/redis.js';
+import { cpuUs, hasCommand, ROOT, start, startPetBackend, wrk } from './lib.js';
+
+// `npm run bench:profile`: where the gateway's CPU goes, against the bare proxy, per request.
+// Both run at the same held rate (wrk with think time, BENCH_PROFILE_RATE, default 1400/s,
+// about half saturation here) for BENCH_PROFILE_SECONDS (12) while `perf record` samples
+// their on-CPU time (Linux perf: apt-get install linux-perf). node's --cpu-prof would not do:
+// it samples wall time, so a process waiting for a core on this crowded machine looks busy.
+// Prints microseconds per request by kind of code (self time), then the gateway's own entry
+// points with what they call (inclusive). Loopback only.
+
+const RATE = Number(process.env.BENCH_PROFILE_RATE ?? 1400);
+const SECONDS = Number(process.env.BENCH_PROFILE_SECONDS ?? 12);
+const HZ = 1999;
+const CONNECTIONS = 50;
+
+/** The kind of code a frame is, for the self-time table. */
+function kind(frame: string): string {
+  if (frame.includes('[kernel.kallsyms]')) return 'kernel (syscalls, TCP, scheduling)';
+  if (/compiler::|Compile|Turbofan|Maglev/.test(frame)) return 'V8 compiler';
+  if (/Heap|Scavenge|Mark|Sweep|Evacuat|GC/.test(frame) && !frame.includes('JS:')) return 'V8 garbage collector';
+  const js = /JS:\S*?\s(?:file:\/\/)?(\S+?):\d+:\d+/.exec(frame)?.[1];
+  if (js) {
+    const pkg = /node_modules\/((?:@[^/]+\/)?[^/]+)/.exec(js)?.[1];
+    if (pkg) return `JS ${pkg}`;
+    if (js.startsWith('node:')) return 'JS node core';
+    if (js.includes('/dist/gateway/') || js.includes('/bench/')) return 'JS ours';
+    return 'JS other';
+  }
+  if (frame.includes('JS:')) return 'JS other';
+  if (/Builtins_\w*IC/.test(frame)) return 'V8 inline caches (property access)';
+  if (frame.includes('Builtins_')) return 'V8 builtins (strings, calls, promises)';
+  return 'native (node, V8 runtime, libc, OpenSSL)';
+}
+
+/**
+ * The gateway's entry points and what they reach: inclusive time, per request. A function V8
+ * inlines into its caller has no frame of its own (authenticate, genReqId): it counts there.
+ */
+const ROOTS: Array<[string, RegExp]> = [
+  ['onRequest (auth, route, quota, headers)', /JS:\S*onRequest \S*dist\/gateway\/pipeline/],
+  ['  quota: consume (leases, Redis)', /JS:\S*consume \S*dist\/gateway\/quota/],
+  ['  rateLimitHeaders', /JS:\S*rateLimitHeaders /],
+  ['access line + metrics (record)', /JS:\S*record \S*dist\/gateway\/access-log/],
+  ['  pino write', /JS:\S*write \S*pino\/lib\/proto/],
+  ['proxy header rewrites', /JS:\S*rewrite(Request)?Headers \S*dist\/gateway\/proxy/],
+  ['ioredis (replies included)', /ioredis\//],
+];
+
+interface Profile {
+  requests: number;
+  cpuUs: number;
+  self: Map<string, number>;
+  roots: Map<string, number>;
+}
+
+/** `perf record` on `pid` while `load` runs, then its samples folded into a Profile. */
+async function profile(pid: number, load: () => Promise<number>, dir: string, name: string): Promise<Profile> {
+  const data = join(dir, `${name}.perf`);
+  const perf = spawn('perf', ['record', '-q', '-e', 'cpu-clock', '-F', String(HZ), '-g', '-p', String(pid), '-o', data], { stdio: 'ignore' });
+  await new Promise((r) => setTimeout(r, 300));
+  const cpu0 = cpuUs(pid);
+  const requests = await load();
+  const cpu = (cpuUs(pid) - cpu0) / requests;
+  perf.kill('SIGINT');
+  await new Promise((r) => perf.once('exit', r));
+  const self = new Map<string, number>();
+  const roots = new Map<string, number>();
+  const script = spawn('perf', ['script', '-i', data], { stdio: ['ignore', 'pipe', 'ignore'] });
+  let frames: string[] = [];
+  const fold = () => {
+    if (frames.length === 0) return;
+    const k = kind(frames[0]!);
+    self.set(k, (self.get(k) ?? 0) + 1);
+    for (const [label, re] of ROOTS) if (frames.some((f) => re.test(f))) roots.set(label, (roots.get(label) ?? 0) + 1);
+    frames = [];
+  };
+  for await (const line of createInterface({ input: script.stdout })) {
+    if (line.trim() === '') fold();
+    else if (/^\s/.test(line)) frames.push(line.trim());
+  }
+  fold();
+  const perRequest = (m: Map<string, number>) => new Map([...m].map(([k, n]) => [k, (n * 1e6) / HZ / requests]));
+  return { requests, cpuUs: cpu, self: perRequest(self), roots: perRequest(roots) };
+}
+
+async function main() {
+  for (const cmd of ['wrk', 'perf']) if (!hasCommand(cmd)) throw new Error(`${cmd} is needed: apt-get install ${cmd === 'perf' ? 'linux-perf' : cmd}`);
+  const dir = mkdtempSync(join(tmpdir(), 'bench-profile-'));
+  const stops: Array<() => unknown> = [];
+  const pids: number[] = [];
+  const node = process.execPath;
+  try {
+    const redis = await spawnRedis();
+    stops.push(() => redis.stop());
+    const { url: backendUrl, proc: backend } = await startPetBackend(dir);
+    stops.push(() => backend.kill('SIGTERM'));
+    const key = `psk_live_${randomBytes(24).toString('base64url')}`;
+    const file = join(dir, 'gateway.json');
+    writeFileSync(file, JSON.stringify(testConfig([{ id: 'bench', key, hash: hashKey(key), plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } }])));
+    const [barePort, port, adminPort] = [await freePort(), await freePort(), await freePort()];
+    // --perf-basic-prof: JIT-compiled functions get their names in perf's samples.
+    const bare = await start('bare', [node, '--perf-basic-prof', '--import', 'tsx', 'bench/reference-proxy.ts'], { BACKEND_URL: backendUrl, PORT: String(barePort), KEY_HASHES: hashKey(key).slice('sha256:'.length) }, barePort, dir);
+    stops.push(() => bare.kill('SIGTERM'));
+    const gateway = await start('gateway', [node, '--perf-basic-prof', resolve(ROOT, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js')], {
+      BACKEND_URL: backendUrl, GATEWAY_CONFIG: file, LOG_LEVEL: 'info', GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), REDIS_URL: redis.url,
+    }, adminPort, dir);
+    stops.push(() => gateway.kill('SIGTERM'));
+    pids.push(bare.pid!, gateway.pid!);
+
+    const headers = { authorization: `Bearer ${key}` };
+    const think = `function delay() return math.random(0, ${Math.round((2 * CONNECTIONS * 1000) / RATE)}) end\n`;
+    const results: Profile[] = [];
+    for (const [name, proc, p] of [['bare', bare, barePort], ['gateway', gateway, port]] as const) {
+      const url = `http://127.0.0.1:${p}/v1/pets`;
+      await wrk(url, headers, 200, CONNECTIONS, 3, think); // warm up at the same rate
+      results.push(await profile(proc.pid!, async () => {
+        const r = await wrk(url, headers, 200, CONNECTIONS, SECONDS, think);
+        if (r.wrong) throw new Error(`${name}: ${r.wrong} answers were not 200`);
+        return r.requests;
+      }, dir, name));
+    }
+    const [b, g] = results as [Profile, Profile];
+    const fmt = (n: number | undefined) => (n ?? 0).toFixed(1).padStart(8);
+    console.log(`\nGET /v1/pets at about ${RATE}/s for ${SECONDS} s, perf at ${HZ} Hz: CPU microseconds per request`);
+    console.log(`${'self time, by kind of code'.padEnd(44)}${'bare'.padStart(8)}${'gateway'.padStart(8)}${'more'.padStart(8)}`);
+    const kinds = [...new Set([...b.self.keys(), ...g.self.keys()])].sort((x, y) => (g.self.get(y) ?? 0) - (b.self.get(y) ?? 0) - ((g.self.get(x) ?? 0) - (b.self.get(x) ?? 0)));
+    for (const k of kinds) console.log(`${k.padEnd(44)}${fmt(b.self.get(k))}${fmt(g.self.get(k))}${fmt((g.self.get(k) ?? 0) - (b.self.get(k) ?? 0))}`);
+    const sum = (m: Map<string, number>) => [...m.values()].reduce((s, x) => s + x, 0);
+    console.log(`${'total sampled'.padEnd(44)}${fmt(sum(b.self))}${fmt(sum(g.self))}${fmt(sum(g.self) - sum(b.self))}`);
+    console.log(`${'total from /proc (utime + stime)'.padEnd(44)}${fmt(b.cpuUs)}${fmt(g.cpuUs)}${fmt(g.cpuUs - b.cpuUs)}`);
+    console.log(`\n${'the gateway\'s own entry points, inclusive'.padEnd(44)}${'gateway'.padStart(8)}`);
+    for (const [label] of ROOTS) console.log(`${label.padEnd(44)}${fmt(g.roots.get(label))}`);
+    console.log('(a function V8 inlined has no frame of its own: it counts in its caller)');
+  } finally {
+    for (const stop of stops.reverse()) await stop();
+    rmSync(dir, { recursive: true, force: true });
+    for (const pid of pids) rmSync(`/tmp/perf-${pid}.map`, { force: true }); // --perf-basic-prof's symbol maps
+  }
+}
+
+await main();
