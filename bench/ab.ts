@@ -1,12 +1,9 @@
-import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
-import { hashKey } from '../gateway/auth/keys.js';
-import { testConfig } from '../test/helpers/config.js';
 import { freePort } from '../test/helpers/net.js';
 import { spawnRedis } from '../test/helpers/redis.js';
-import { cpuUs, hasCommand, median, ROOT, start, startPetBackend, wrk } from './lib.js';
+import { cpuUs, hasCommand, median, roomyKeyConfig, ROOT, start, startPetBackend, wrk } from './lib.js';
 
 // `npm run bench:ab`: gateway builds or settings side by side against the bare proxy, with
 // more rounds than `npm run bench` and nothing else measured, for a change whose effect is
@@ -34,14 +31,11 @@ async function main() {
     stops.push(() => redis.stop());
     const { url: backendUrl, proc: backend } = await startPetBackend(dir);
     stops.push(() => backend.kill('SIGTERM'));
-    // A key of the format every build accepts, never refused.
-    const key = `psk_live_${randomBytes(24).toString('base64url')}`;
-    const file = join(dir, 'gateway.json');
-    writeFileSync(file, JSON.stringify(testConfig([{ id: 'bench', key, hash: hashKey(key), plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } }])));
+    const { key, file, digest } = roomyKeyConfig(dir);
 
     const variants: Array<{ name: string; url: string; pid: number }> = [];
     const barePort = await freePort();
-    const bare = await start('bare', [node, '--import', 'tsx', 'bench/reference-proxy.ts'], { BACKEND_URL: backendUrl, PORT: String(barePort), KEY_HASHES: hashKey(key).slice('sha256:'.length) }, barePort, dir);
+    const bare = await start('bare', [node, '--import', 'tsx', 'bench/reference-proxy.ts'], { BACKEND_URL: backendUrl, PORT: String(barePort), KEY_HASHES: digest }, barePort, dir);
     stops.push(() => bare.kill('SIGTERM'));
     variants.push({ name: 'bare proxy', url: `http://127.0.0.1:${barePort}/v1/pets`, pid: bare.pid! });
     for (const spec of SPECS.split(',')) {

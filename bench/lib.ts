@@ -1,8 +1,11 @@
 import { execFile, execFileSync, spawn, type ChildProcess } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
 import { openSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
+import { hashKey } from '../gateway/auth/keys.js';
+import { testConfig } from '../test/helpers/config.js';
 import { freePort, waitForPort } from '../test/helpers/net.js';
 
 // What the benchmarks share: starting our processes, and driving wrk.
@@ -69,6 +72,17 @@ export async function startPetBackend(dir: string, pets = 20): Promise<{ url: st
     await fetch(`${url}/v1/pets`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ name: `pet${i}`, categoryId: 1 }) });
   }
   return { url, proc };
+}
+
+/**
+ * A gateway config in `dir` with one key that is never refused (limits of 1e9), in the key
+ * format every build accepts: the key, its file, and its bare digest for the bare proxy's KEY_HASHES.
+ */
+export function roomyKeyConfig(dir: string): { key: string; file: string; digest: string } {
+  const key = `psk_live_${randomBytes(24).toString('base64url')}`;
+  const file = join(dir, 'gateway.json');
+  writeFileSync(file, JSON.stringify(testConfig([{ id: 'bench', key, hash: hashKey(key), plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } }])));
+  return { key, file, digest: hashKey(key).slice('sha256:'.length) };
 }
 
 const TICK_US = 1e6 / Number(execFileSync('getconf', ['CLK_TCK']).toString().trim() || 100);

@@ -1,14 +1,11 @@
 import { spawn } from 'node:child_process';
-import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { createInterface } from 'node:readline';
-import { hashKey } from '../gateway/auth/keys.js';
-import { testConfig } from '../test/helpers/config.js';
 import { freePort } from '../test/helpers/net.js';
 import { spawnRedis } from '../test/helpers/redis.js';
-import { cpuUs, hasCommand, ROOT, start, startPetBackend, wrk } from './lib.js';
+import { cpuUs, hasCommand, roomyKeyConfig, ROOT, start, startPetBackend, wrk } from './lib.js';
 
 // `npm run bench:profile`: where the gateway's CPU goes, against the bare proxy, per request.
 // Both run at the same held rate (wrk with think time, BENCH_PROFILE_RATE, default 1400/s,
@@ -104,12 +101,10 @@ async function main() {
     stops.push(() => redis.stop());
     const { url: backendUrl, proc: backend } = await startPetBackend(dir);
     stops.push(() => backend.kill('SIGTERM'));
-    const key = `psk_live_${randomBytes(24).toString('base64url')}`;
-    const file = join(dir, 'gateway.json');
-    writeFileSync(file, JSON.stringify(testConfig([{ id: 'bench', key, hash: hashKey(key), plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } }])));
+    const { key, file, digest } = roomyKeyConfig(dir);
     const [barePort, port, adminPort] = [await freePort(), await freePort(), await freePort()];
     // --perf-basic-prof: JIT-compiled functions get their names in perf's samples.
-    const bare = await start('bare', [node, '--perf-basic-prof', '--import', 'tsx', 'bench/reference-proxy.ts'], { BACKEND_URL: backendUrl, PORT: String(barePort), KEY_HASHES: hashKey(key).slice('sha256:'.length) }, barePort, dir);
+    const bare = await start('bare', [node, '--perf-basic-prof', '--import', 'tsx', 'bench/reference-proxy.ts'], { BACKEND_URL: backendUrl, PORT: String(barePort), KEY_HASHES: digest }, barePort, dir);
     stops.push(() => bare.kill('SIGTERM'));
     const gateway = await start('gateway', [node, '--perf-basic-prof', resolve(ROOT, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js')], {
       BACKEND_URL: backendUrl, GATEWAY_CONFIG: file, LOG_LEVEL: 'info', GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), REDIS_URL: redis.url,
