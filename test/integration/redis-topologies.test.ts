@@ -169,7 +169,7 @@ describe('Redis Sentinel', () => {
     await eventually(
       async () => {
         // The replica drops its clients while it turns master: a probe refused then means "not yet".
-        let replicaRole: string;
+        let replicaRole: string | undefined;
         try {
           replicaRole = role(group.replica.port);
         } catch {
