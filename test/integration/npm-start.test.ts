@@ -116,7 +116,8 @@ describe('secrets in Redis', () => {
     const k = makeKey('free');
     const gw = await buildTestGateway({ config: testConfig([k]) });
     for (let i = 0; i < 7; i++) await gw.call('/v1/pets', k.key); // counters, and 429s to record
-    expect((await gw.call('/v1/pets', `${k.key.slice(0, -1)}Z`)).status).toBe(401); // a near miss, counted by address
+    const nearMiss = `${k.key.slice(0, -1)}${k.key.endsWith('Z') ? 'Y' : 'Z'}`; // never the key itself
+    expect((await gw.call('/v1/pets', nearMiss)).status).toBe(401); // a near miss, counted by address
     const redis = new Redis(inject('redisUrl'));
     try {
       const prefix = gw.gateway.config().redisPrefix;
