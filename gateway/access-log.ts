@@ -1,4 +1,5 @@
 import type { FastifyBaseLogger, FastifyReply, FastifyRequest } from 'fastify';
+import { type Logger, symbols } from 'pino';
 import type { Consumer } from './config.js';
 import type { GatewayMetrics, RejectionReason } from './metrics.js';
 import type { AdmissionOutcome } from './quota/decision.js';
@@ -22,26 +23,37 @@ function rejection(e: AccessEntry): RejectionReason | undefined {
 }
 
 /**
+ * The access line, built from its fixed fields: the line `log.info(fields, 'request')` writes
+ * (pino's level, time and bindings, then the fields in this order, undefined ones left out, then
+ * msg; a test compares the two), handed to the logger's destination as pino would. pino's own
+ * path serializes any object, key by key, which costs twice as much per request.
+ */
+export function accessLine(log: FastifyBaseLogger): (reqId: string, e: AccessEntry) => void {
+  const pinoLog = log as unknown as Logger & Record<symbol, unknown>;
+  const stream = pinoLog[symbols.streamSym] as { write(line: string): unknown };
+  const time = pinoLog[symbols.timeSym] as () => string;
+  const bindings = pinoLog[symbols.chindingsSym] as string;
+  return (reqId, e) => {
+    if (!pinoLog.isLevelEnabled('info')) return;
+    let line = `{"level":30${time()}${bindings},"reqId":${JSON.stringify(reqId)}`;
+    if (e.consumer) line += `,"keyId":${JSON.stringify(e.consumer.id)},"plan":${JSON.stringify(e.consumer.plan)}`;
+    const ms = Math.round(e.ms * 10) / 10;
+    line += `,"route":${e.route === undefined ? 'null' : JSON.stringify(e.route)},"method":${JSON.stringify(e.method)},"status":${e.status},"ms":${Number.isFinite(ms) ? ms : 'null'}`;
+    if (e.outcome !== undefined) line += `,"outcome":"${e.outcome}"`;
+    stream.write(`${line},"msg":"request"}\n`);
+  };
+}
+
+/**
  * The access line and the request metrics: one of each for every answer. The line is written
- * by the root logger with the request id as its first field (the same line a request's child
+ * for the root logger with the request id as its first field (the same line a request's child
  * logger would write), so no child logger is made for it.
  */
 export function accessLog(metrics: GatewayMetrics, log: FastifyBaseLogger) {
+  const line = accessLine(log);
   function record(reqId: string, e: AccessEntry): void {
     metrics.request(e.route ?? 'none', e.status, e.consumer?.plan ?? 'none', e.consumer?.id, rejection(e));
-    log.info(
-      {
-        reqId,
-        keyId: e.consumer?.id,
-        plan: e.consumer?.plan,
-        route: e.route ?? null,
-        method: e.method,
-        status: e.status,
-        ms: Math.round(e.ms * 10) / 10,
-        outcome: e.outcome,
-      },
-      'request',
-    );
+    line(reqId, e);
   }
   /** fastify's onResponse hook (callback style: no promise per request): the request's context as the pipeline left it. */
   function onResponse(request: FastifyRequest, reply: FastifyReply, done: () => void): void {

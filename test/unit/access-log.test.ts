@@ -1,0 +1,50 @@
+import { Writable } from 'node:stream';
+import { describe, expect, it } from 'vitest';
+import { type AccessEntry, accessLine } from '../../gateway/access-log.js';
+import type { Consumer } from '../../gateway/config.js';
+import { createLogger } from '../../runtime/process.js';
+
+/** The gateway's own logger (runtime/process.ts options) writing into an array. */
+function capture(level = 'info') {
+  const lines: string[] = [];
+  const stream = new Writable({ write: (chunk, _enc, done) => (lines.push(String(chunk)), done()) });
+  return { log: createLogger(level, false, () => {}, stream), lines };
+}
+
+const consumer = { id: 'k_"quoted"\\', plan: 'pro' } as Consumer;
+const ENTRIES: Array<[string, AccessEntry]> = [
+  ['r-1', { method: 'GET', status: 200, ms: 1.234, consumer, route: 'listPets', outcome: 'allowed' }],
+  ['r-2', { method: 'POST', status: 401, ms: 0.05 }], // no key, no route, no decision
+  ['r-3', { method: 'GET', status: 429, ms: 12.96, consumer, route: 'getPet', outcome: 'banned' }],
+  ['r-"4"\n', { method: 'DELETE', status: 404, ms: Number.NaN, consumer, outcome: 'unavailable' }],
+];
+
+/** Lines with the time taken out: the only field that moves between two writes. */
+const timeless = (lines: string[]) => lines.map((l) => l.replace(/"time":\d+/, '"time":0'));
+
+describe('the access line', () => {
+  it('is the line pino writes for the same fields, byte for byte', async () => {
+    const byHand = capture();
+    const byPino = capture();
+    const line = accessLine(byHand.log);
+    for (const [reqId, e] of ENTRIES) {
+      line(reqId, e);
+      const { consumer: c, route, outcome } = e;
+      byPino.log.info(
+        { reqId, keyId: c?.id, plan: c?.plan, route: route ?? null, method: e.method, status: e.status, ms: Math.round(e.ms * 10) / 10, outcome },
+        'request',
+      );
+    }
+    await new Promise((r) => setImmediate(r));
+    expect(byHand.lines.length).toBe(ENTRIES.length);
+    expect(timeless(byHand.lines)).toEqual(timeless(byPino.lines));
+    expect(JSON.parse(byHand.lines[0]!)).toMatchObject({ level: 30, reqId: 'r-1', keyId: consumer.id, ms: 1.2, msg: 'request' });
+  });
+
+  it('writes nothing below its level', async () => {
+    const { log, lines } = capture('warn');
+    accessLine(log)('r-1', ENTRIES[0]![1]);
+    await new Promise((r) => setImmediate(r));
+    expect(lines).toEqual([]);
+  });
+});
