@@ -29,6 +29,27 @@ function refusal(d: Decision): GatewayError | undefined {
   return new GatewayError(REFUSAL_CODES[d.outcome], `${why}; retry after ${wait} s`);
 }
 
+/** Per subject, the last admission's headers and what they were built from. */
+const lastHeaders = new WeakMap<QuotaSubject, { second: number; minuteUsed: number; dayUsed: number; headers: Record<string, string> }>();
+
+/**
+ * The rate-limit headers of a decision. An admission's headers depend only on its subject, the
+ * windows' counts and the whole second of its time (resets fall on whole seconds), so
+ * admissions served from one lease within one second share the same headers, built once. The
+ * headers object is handed out, never changed: `reply.headers()` copies its values.
+ */
+export function headersOf(d: Decision, subject: QuotaSubject): Record<string, string> {
+  if (d.outcome !== 'allowed') return rateLimitHeaders(d, subject.policy);
+  const second = Math.floor(d.nowMs / 1000);
+  const minuteUsed = d.windows[0]!.used;
+  const dayUsed = d.windows[1]?.used ?? 0;
+  const last = lastHeaders.get(subject);
+  if (last && last.second === second && last.minuteUsed === minuteUsed && last.dayUsed === dayUsed) return last.headers;
+  const headers = rateLimitHeaders(d, subject.policy);
+  lastHeaders.set(subject, { second, minuteUsed, dayUsed, headers });
+  return headers;
+}
+
 /**
  * The one place that asks the store for a decision: the request hook, framework errors and
  * answers written to raw sockets all come here. It returns the refusal rather than throwing
@@ -45,7 +66,7 @@ export async function admit(store: QuotaStore, subject: QuotaSubject, cost = 1):
   return {
     outcome: decision.outcome,
     countedAtMs: decision.outcome === 'allowed' ? decision.nowMs : undefined,
-    headers: rateLimitHeaders(decision, subject.policy),
+    headers: headersOf(decision, subject),
     refusal: refusal(decision),
   };
 }

@@ -1,5 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { type Decision, type Outcome, windows } from '../../gateway/quota/decision.js';
+import { headersOf } from '../../gateway/quota/admit.js';
 import { policyHeader, rateLimitHeaders } from '../../gateway/quota/headers.js';
 
 const free = { perMinute: 60, perDay: 1000 };
@@ -87,5 +88,30 @@ describe('rate-limit headers', () => {
     // Never 0 while still blocked: 1 ms before the boundary is still 1 s.
     const h = rateLimitHeaders({ outcome: 'minute', nowMs: lastMs, banUntilMs: 0, windows: [m1!, d1!] }, policy);
     expect(h['retry-after']).toBe('1');
+  });
+});
+
+describe('headers shared within a second', () => {
+  const subject = { name: 'gw:{k:k_1}', limits: free, bans: null, policy };
+  const within = (m: number, d: number, nowMs: number) => headersOf(at('allowed', m, d, 0, nowMs), subject);
+
+  it('builds them again when the second or a count changes, and not otherwise', () => {
+    const first = within(5, 50, now);
+    expect(within(5, 50, now + 700)).toBe(first); // same second (…17.950), same counts: the same object
+    // Each of these is exactly what rateLimitHeaders gives, never the shared object's stale values.
+    const cases: Array<[number, number, number]> = [
+      [5, 50, now + 750], // the next second: t= moves
+      [6, 50, now + 750], // the minute count
+      [6, 51, now + 750], // the day count
+      [6, 51, now + 60_000], // the next minute
+    ];
+    for (const [m, d, t] of cases) expect(within(m, d, t)).toEqual(rateLimitHeaders(at('allowed', m, d, 0, t), policy));
+    expect(within(5, 50, now + 750).ratelimit).toBe('"minute";r=55;t=42, "day";r=950;t=49482');
+  });
+
+  it('never shares a refusal\'s headers', () => {
+    const refused = headersOf(at('minute', 60, 60), subject);
+    expect(refused['retry-after']).toBe('43');
+    expect(within(60, 60, now)['retry-after']).toBeUndefined();
   });
 });
