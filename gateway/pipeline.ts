@@ -32,10 +32,14 @@ export interface RequestContext {
   sentAt?: number;
 }
 
-/** Starts a request's context; the request id goes on every answer, errors included. */
+/**
+ * Starts a request's context; the request id goes on every answer, errors included. Every
+ * field is there from the start, in one order, so that every context has the same shape and
+ * V8's property lookups on it stay monomorphic.
+ */
 function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConfig): RequestContext {
   reply.header('x-request-id', request.id);
-  request.ctx = { config };
+  request.ctx = { config, consumer: undefined, route: undefined, outcome: undefined, countedAtMs: undefined, cost: undefined, sentAt: undefined };
   return request.ctx;
 }
 
