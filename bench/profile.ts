@@ -47,8 +47,8 @@ const ROOTS: Array<[string, RegExp]> = [
   ['onRequest (auth, route, quota, headers)', /JS:\S*onRequest \S*dist\/gateway\/pipeline/],
   ['  quota: consume (leases, Redis)', /JS:\S*consume \S*dist\/gateway\/quota/],
   ['  rateLimitHeaders', /JS:\S*rateLimitHeaders /],
-  ['access line + metrics (record)', /JS:\S*record \S*dist\/gateway\/access-log/],
-  ['  pino write', /JS:\S*write \S*pino\/lib\/proto/],
+  ['access line + metrics (onResponse)', /JS:\S*onResponse \S*dist\/gateway\/access-log/],
+  ['  the line', /JS:\S*writeAccessLine /],
   ['proxy header rewrites', /JS:\S*rewrite(Request)?Headers \S*dist\/gateway\/proxy/],
   ['ioredis (replies included)', /ioredis\//],
 ];

@@ -33,7 +33,7 @@ export function accessLine(log: FastifyBaseLogger): (reqId: string, e: AccessEnt
   const stream = pinoLog[symbols.streamSym] as { write(line: string): unknown };
   const time = pinoLog[symbols.timeSym] as () => string;
   const bindings = pinoLog[symbols.chindingsSym] as string;
-  return (reqId, e) => {
+  return function writeAccessLine(reqId: string, e: AccessEntry): void {
     if (!pinoLog.isLevelEnabled('info')) return;
     let line = `{"level":30${time()}${bindings},"reqId":${JSON.stringify(reqId)}`;
     if (e.consumer) line += `,"keyId":${JSON.stringify(e.consumer.id)},"plan":${JSON.stringify(e.consumer.plan)}`;
