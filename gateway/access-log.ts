@@ -23,6 +23,18 @@ function rejection(e: AccessEntry): RejectionReason | undefined {
 }
 
 /**
+ * `ms` rounded to a tenth, as JSON writes that number: "12.3", "12", "null" when not finite.
+ * Whole tenths are written from two integers, which V8 turns into text from a cache, instead
+ * of converting a fraction (the costliest step of the line under perf).
+ */
+export function tenths(ms: number): string {
+  const t = Math.round(ms * 10);
+  if (!(t >= 0 && t <= 0x3fffffff)) return JSON.stringify(t / 10); // negative, huge or NaN: the general path
+  const digit = t % 10;
+  return digit === 0 ? `${t / 10}` : `${(t - digit) / 10}.${digit}`;
+}
+
+/**
  * The access line, built from its fixed fields: the line `log.info(fields, 'request')` writes
  * (pino's level, time and bindings, then the fields in this order, undefined ones left out, then
  * msg; a test compares the two), handed to the logger's destination as pino would. pino's own
@@ -37,8 +49,7 @@ export function accessLine(log: FastifyBaseLogger): (reqId: string, e: AccessEnt
     if (!pinoLog.isLevelEnabled('info')) return;
     let line = `{"level":30${time()}${bindings},"reqId":${JSON.stringify(reqId)}`;
     if (e.consumer) line += `,"keyId":${JSON.stringify(e.consumer.id)},"plan":${JSON.stringify(e.consumer.plan)}`;
-    const ms = Math.round(e.ms * 10) / 10;
-    line += `,"route":${e.route === undefined ? 'null' : JSON.stringify(e.route)},"method":${JSON.stringify(e.method)},"status":${e.status},"ms":${Number.isFinite(ms) ? ms : 'null'}`;
+    line += `,"route":${e.route === undefined ? 'null' : JSON.stringify(e.route)},"method":${JSON.stringify(e.method)},"status":${e.status},"ms":${tenths(e.ms)}`;
     if (e.outcome !== undefined) line += `,"outcome":"${e.outcome}"`;
     stream.write(`${line},"msg":"request"}\n`);
   };

@@ -1,6 +1,6 @@
 import { Writable } from 'node:stream';
 import { describe, expect, it } from 'vitest';
-import { type AccessEntry, accessLine } from '../../gateway/access-log.js';
+import { type AccessEntry, accessLine, tenths } from '../../gateway/access-log.js';
 import type { Consumer } from '../../gateway/config.js';
 import { createLogger } from '../../runtime/process.js';
 
@@ -39,6 +39,12 @@ describe('the access line', () => {
     expect(byHand.lines.length).toBe(ENTRIES.length);
     expect(timeless(byHand.lines)).toEqual(timeless(byPino.lines));
     expect(JSON.parse(byHand.lines[0]!)).toMatchObject({ level: 30, reqId: 'r-1', keyId: consumer.id, ms: 1.2, msg: 'request' });
+  });
+
+  it('writes milliseconds to the tenth exactly as JSON does', () => {
+    const samples = [0, 0.04, 0.05, 0.96, 1, 9.95, 12.34, 99.99, 1234.5, 107_374_182.3, 2e9, -0.5, -3, Number.NaN, Infinity];
+    for (let t = 0; t < 20_000; t++) samples.push(t / 10 + 0.01);
+    for (const ms of samples) expect(tenths(ms), String(ms)).toBe(JSON.stringify(Math.round(ms * 10) / 10));
   });
 
   it('writes nothing below its level', async () => {
