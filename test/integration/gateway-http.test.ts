@@ -269,8 +269,12 @@ describe('route costs', () => {
 describe('key expiry', () => {
   const roomy = { free: { perMinute: 1000, perDay: 100000 } };
   const expired = { ...makeKey('free'), expiresAt: '2026-01-01T00:00:00Z' };
-  const soon = { ...makeKey('free'), expiresAt: new Date(Date.now() + 3000).toISOString() };
-  const g = useTestGateway(() => ({ config: testConfig([expired, soon], { plans: roomy }), backend: 'echo' }));
+  const soon = makeKey('free');
+  // Its 3 s start when the gateway is built for this test, not when the file is loaded.
+  const g = useTestGateway(() => ({
+    config: testConfig([expired, { ...soon, expiresAt: new Date(Date.now() + 3000).toISOString() }], { plans: roomy }),
+    backend: 'echo',
+  }));
 
   it('an expired key gets 401 saying so; one that expires later works until then, with no reload', async () => {
     const res = await g.call('/v1/pets', expired.key);
