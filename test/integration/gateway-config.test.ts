@@ -1,5 +1,5 @@
 import { execFile } from 'node:child_process';
-import { copyFileSync, readFileSync, writeFileSync } from 'node:fs';
+import { readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
 import { Redis } from 'ioredis';
@@ -34,9 +34,14 @@ describe('the keys command and hot reload', () => {
   let stack: Awaited<ReturnType<typeof startStack>>;
   beforeAll(async () => {
     echo = await echoBackend();
-    stack = await startStack(testConfig([]), {}, echo.url);
-    // Start from the shipped file, comments and all, as an operator would.
-    copyFileSync('config/gateway.yaml', stack.configFile);
+    // A Redis that answers, whatever the load on this machine: the counts below are exact only
+    // while Redis decides (past QUOTA_WAIT_MS or REDIS_TIMEOUT_MS a request is decided in-process).
+    stack = await startStack(testConfig([]), { REDIS_TIMEOUT_MS: '5000', QUOTA_WAIT_MS: '5000' }, echo.url);
+    // Start from the shipped file, comments and all, as an operator would; with room for the
+    // requests with a key not loaded yet (401s, counted per address) that the waits below send.
+    const shipped = readFileSync('config/gateway.yaml', 'utf8');
+    expect(shipped).toContain('unauthenticated: { perMinute: 30 }');
+    writeFileSync(stack.configFile, shipped.replace('unauthenticated: { perMinute: 30 }', 'unauthenticated: { perMinute: 1000 }'));
     stack.gateway.proc.kill('SIGHUP');
     await stack.gateway.waitForLog((l) => l.msg === 'config reloaded' && l.reason === 'SIGHUP');
   });
@@ -97,7 +102,7 @@ describe('the keys command and hot reload', () => {
     const created = await keys('create', '--plan', 'enterprise', '--per-minute', '1000', '--per-day', '100000', '--id', 'solo', '--config', stack.configFile);
     const old = lastLine(created);
     await eventually(async () => (await status(old)) === 200, 5000, 'the key accepted');
-    const rotated = await keys('rotate', '--id', 'solo', '--grace', '4s', '--config', stack.configFile);
+    const rotated = await keys('rotate', '--id', 'solo', '--grace', '6s', '--config', stack.configFile);
     expect(rotated.code).toBe(0);
     expect(rotated.stderr).toMatch(/new key "solo-2" \(account solo, plan enterprise\)/);
     const fresh = lastLine(rotated);
@@ -110,10 +115,10 @@ describe('the keys command and hot reload', () => {
     } finally {
       redis.disconnect();
     }
-    await eventually(async () => (await status(old)) === 401, 8000, 'the old key expired');
+    await eventually(async () => (await status(old)) === 401, 10_000, 'the old key expired');
     expect((await (await call(`${stack.gateway.url}/v1/pets`, old)).json()).message).toMatch(/^This API key expired at /);
     expect(await status(fresh)).toBe(200);
-  });
+  }, 30_000);
 
   it('revokes a key: 401 from the running gateway, no request dropped meanwhile', async () => {
     const created = await keys('create', '--plan', 'enterprise', '--id', 'bigco', '--per-minute', '5000', '--per-day', '90000', '--config', stack.configFile);
