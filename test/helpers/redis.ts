@@ -32,7 +32,7 @@ const canListen = (port: number) =>
 /** A port free together with port + 10000 (a Cluster node's bus port), below the ephemeral range. */
 async function clusterPort(taken: Set<number>): Promise<number> {
   for (;;) {
-    const port = 20_000 + Math.floor(Math.random() * 10_000);
+    const port = 20_000 + Math.floor(Math.random() * 2_768); // its bus port stays below the ephemeral range (32768-60999 on Linux)
     if (taken.has(port)) continue;
     if ((await canListen(port)) && (await canListen(port + 10_000))) {
       taken.add(port);

@@ -26,7 +26,7 @@ describe('GATEWAY_WORKERS', () => {
     await expect(started).rejects.toThrow(/GATEWAY_WORKERS=2 needs Redis \(REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS\): without Redis each worker keeps its own quotas/);
   });
 
-  it('never admits more than the limit across two workers and another instance, leases on, and sums their metrics', async () => {
+  it('never admits more than the limit across two workers and another instance, leases on, and sums their metrics', { timeout: 60_000 }, async () => {
     // 600 a minute: each instance takes leases of 6 units (1%), and may leave at most a lease
     // and a half unused (the rest of one, 3 at most, and the one taken ahead): 9.
     const keys = [0, 1, 2].map(() => ({ ...makeKey('enterprise'), limits: { perMinute: 600, perDay: 100000 } }));
