@@ -8,7 +8,7 @@ export interface Admission {
   outcome: AdmissionOutcome;
   /** When an admitted request was counted (the decision's time): what a refund gives back to. */
   countedAtMs?: number;
-  headers: Record<string, string>;
+  headers: Readonly<Record<string, string>>;
   refusal?: GatewayError;
 }
 
@@ -30,22 +30,22 @@ function refusal(d: Decision): GatewayError | undefined {
 }
 
 /** Per subject, the last admission's headers and what they were built from. */
-const lastHeaders = new WeakMap<QuotaSubject, { second: number; minuteUsed: number; dayUsed: number; headers: Record<string, string> }>();
+const lastHeaders = new WeakMap<QuotaSubject, { second: number; minuteUsed: number; dayUsed: number; headers: Readonly<Record<string, string>> }>();
 
 /**
  * The rate-limit headers of a decision. An admission's headers depend only on its subject, the
  * windows' counts and the whole second of its time (resets fall on whole seconds), so
  * admissions served from one lease within one second share the same headers, built once. The
- * headers object is handed out, never changed: `reply.headers()` copies its values.
+ * shared object is frozen: `reply.headers()` and the raw answers copy its values.
  */
-export function headersOf(d: Decision, subject: QuotaSubject): Record<string, string> {
+export function headersOf(d: Decision, subject: QuotaSubject): Readonly<Record<string, string>> {
   if (d.outcome !== 'allowed') return rateLimitHeaders(d, subject.policy);
   const second = Math.floor(d.nowMs / 1000);
   const minuteUsed = d.windows[0]!.used;
   const dayUsed = d.windows[1]?.used ?? 0;
   const last = lastHeaders.get(subject);
   if (last && last.second === second && last.minuteUsed === minuteUsed && last.dayUsed === dayUsed) return last.headers;
-  const headers = rateLimitHeaders(d, subject.policy);
+  const headers = Object.freeze(rateLimitHeaders(d, subject.policy));
   lastHeaders.set(subject, { second, minuteUsed, dayUsed, headers });
   return headers;
 }
