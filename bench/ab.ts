@@ -1,9 +1,4 @@
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join, resolve } from 'node:path';
-import { freePort } from '../test/helpers/net.js';
-import { spawnRedis } from '../test/helpers/redis.js';
-import { cpuUs, hasCommand, median, roomyKeyConfig, ROOT, start, startPetBackend, wrk } from './lib.js';
+import { benchBed, cpuUs, hasCommand, median, type Proxy, startBare, startGatewayBuild, wrk } from './lib.js';
 
 // `npm run bench:ab`: gateway builds or settings side by side against the bare proxy, with
 // more rounds than `npm run bench` and nothing else measured, for a change whose effect is
@@ -24,56 +19,25 @@ const CONNECTIONS = 50;
 const SPECS = process.env.BENCH_AB ?? 'redis|dist/gateway/server.js|REDIS_URL=redis,memory|dist/gateway/server.js';
 async function main() {
   if (!hasCommand('wrk')) throw new Error('wrk is needed: apt-get install wrk');
-  const dir = mkdtempSync(join(tmpdir(), 'bench-ab-'));
-  const stops: Array<() => unknown> = [];
-  const node = process.execPath;
+  const bed = await benchBed('ab');
   try {
-    const redis = await spawnRedis();
-    stops.push(() => redis.stop());
-    const { url: backendUrl, proc: backend } = await startPetBackend(dir);
-    stops.push(() => backend.kill('SIGTERM'));
-    const { key, file, digest } = roomyKeyConfig(dir);
-
     // Each round starts every variant's process afresh and stops it after: one process is one
     // draw of V8's JIT state, which moves CPU per request by tens of microseconds on this
     // machine (see README Performance), so the medians are over processes as well as rounds.
-    interface Variant { name: string; launch: () => Promise<{ url: string; pid: number; stop: () => void }> }
-    const variants: Variant[] = [
-      {
-        name: 'bare proxy',
-        launch: async () => {
-          const port = await freePort();
-          const proc = await start('bare', [node, '--import', 'tsx', 'bench/reference-proxy.ts'], { BACKEND_URL: backendUrl, PORT: String(port), KEY_HASHES: digest }, port, dir);
-          return { url: `http://127.0.0.1:${port}/v1/pets`, pid: proc.pid!, stop: () => proc.kill('SIGTERM') };
-        },
-      },
-    ];
+    const variants: Array<{ name: string; launch: () => Promise<Proxy> }> = [{ name: 'bare proxy', launch: () => startBare(bed) }];
     for (const spec of SPECS.split(',')) {
       const [name, entry, ...settings] = spec.split('|');
       const env = Object.fromEntries(settings.map((s) => [s.slice(0, s.indexOf('=')), s.slice(s.indexOf('=') + 1)]));
-      if (env.REDIS_URL === 'redis') env.REDIS_URL = redis.url;
-      variants.push({
-        name: name!,
-        launch: async () => {
-          const [port, adminPort] = [await freePort(), await freePort()];
-          const proc = await start(`gateway-${name}`, [node, resolve(ROOT, entry!)], {
-            BACKEND_URL: backendUrl, GATEWAY_CONFIG: file, LOG_LEVEL: 'info', GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), ...env,
-          }, adminPort, dir);
-          for (let i = 0; i < 100 && (await fetch(`http://127.0.0.1:${adminPort}/readyz`).catch(() => undefined))?.status !== 200; i++) {
-            await new Promise((r) => setTimeout(r, 50));
-          }
-          return { url: `http://127.0.0.1:${port}/v1/pets`, pid: proc.pid!, stop: () => proc.kill('SIGTERM') };
-        },
-      });
+      if (env.REDIS_URL === 'redis') env.REDIS_URL = bed.redisUrl;
+      variants.push({ name: name!, launch: () => startGatewayBuild(bed, entry!, env, [], `gateway-${name}`) });
     }
 
-    const headers = { authorization: `Bearer ${key}` };
+    const headers = { authorization: `Bearer ${bed.key}` };
     const think = RATE > 0 ? `function delay() return math.random(0, ${Math.round((2 * CONNECTIONS * 1000) / RATE)}) end\n` : '';
     const samples = new Map(variants.map((v) => [v.name, { rps: [] as number[], cpu: [] as number[], p99: [] as number[] }]));
     for (let round = 1; round <= ROUNDS; round++) {
       for (const v of variants) {
         const running = await v.launch();
-        stops.push(running.stop);
         await wrk(running.url, headers, 200, CONNECTIONS, WARMUP_SECONDS, think); // warm up as measured
         const before = cpuUs(running.pid);
         const r = await wrk(running.url, headers, 200, CONNECTIONS, SECONDS, think);
@@ -95,8 +59,7 @@ async function main() {
       console.log(`${name.padEnd(16)} ${median(s.rps).toFixed(0).padStart(7)} ${(median(s.rps) / bareRps).toFixed(2).padStart(7)} ${cpu.toFixed(0).padStart(11)} ${`${cpu >= bareCpu ? '+' : ''}${(cpu - bareCpu).toFixed(0)}`.padStart(8)} ${median(s.p99).toFixed(2).padStart(7)}  ${s.cpu.map((c) => c.toFixed(0)).join(' ')}`);
     }
   } finally {
-    for (const stop of stops.reverse()) await stop();
-    rmSync(dir, { recursive: true, force: true });
+    await bed.close();
   }
 }
 

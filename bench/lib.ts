@@ -1,12 +1,13 @@
 import { execFile, execFileSync, spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { openSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
 import { hashKey } from '../gateway/auth/keys.js';
 import { testConfig } from '../test/helpers/config.js';
 import { freePort, waitForPort } from '../test/helpers/net.js';
+import { spawnRedis } from '../test/helpers/redis.js';
 
 // What the benchmarks share: starting our processes, and driving wrk.
 
@@ -33,6 +34,8 @@ export async function start(name: string, args: string[], env: Record<string, st
   return proc;
 }
 
+let scripts = 0;
+
 /**
  * wrk -t1 against `url`: req/s, p50, p99 and max latency (ms), and how many answers had
  * another status than `status` (wrk itself counts only non-2xx/3xx, so a Lua hook counts).
@@ -40,13 +43,13 @@ export async function start(name: string, args: string[], env: Record<string, st
 export async function wrk(url: string, headers: Record<string, string>, status: number, connections: number, seconds: number, extraLua = '') {
   const args = ['-t1', `-c${connections}`, `-d${seconds}s`, '--latency'];
   for (const [k, val] of Object.entries(headers)) args.push('-H', `${k}: ${val}`);
-  const script = join(tmpdir(), `bench-${process.pid}-${status}-${extraLua.length}.lua`);
+  const script = join(tmpdir(), `bench-${process.pid}-${++scripts}.lua`); // one per run, removed after it
   // Each wrk thread has its own Lua state, and done() runs in yet another: it must read every
   // thread's count (thread:get), or it always prints 0.
   writeFileSync(script, `local threads = {}\nsetup = function(thread) table.insert(threads, thread) end\n` +
     `wrong = 0\nresponse = function(status) if status ~= ${status} then wrong = wrong + 1 end end\n` +
     `done = function() local w = 0 for _, t in ipairs(threads) do w = w + t:get("wrong") end io.write("wrong statuses: " .. w .. "\\n") end\n${extraLua}`);
-  const { stdout } = await run('wrk', [...args, '-s', script, url]);
+  const { stdout } = await run('wrk', [...args, '-s', script, url]).finally(() => rmSync(script, { force: true }));
   const toMs = (n: string, unit: string) => Number(n) * (unit === 'us' ? 0.001 : unit === 's' ? 1000 : 1);
   const ms = (label: string) => {
     const m = new RegExp(`^\\s+${label}%\\s+([\\d.]+)(us|ms|s)`, 'm').exec(stdout);
@@ -83,6 +86,64 @@ export function roomyKeyConfig(dir: string): { key: string; file: string; digest
   const file = join(dir, 'gateway.json');
   writeFileSync(file, JSON.stringify(testConfig([{ id: 'bench', key, hash: hashKey(key), plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } }])));
   return { key, file, digest: hashKey(key).slice('sha256:'.length) };
+}
+
+/**
+ * What bench:ab and bench:profile measure against: a Redis, the pet backend and the
+ * never-refused key, in a temporary folder. `onClose` adds a step to `close`, which runs them
+ * in reverse, stops Redis and the backend, and removes the folder.
+ */
+export async function benchBed(name: string) {
+  const dir = mkdtempSync(join(tmpdir(), `bench-${name}-`));
+  const stops: Array<() => unknown> = [];
+  const close = async () => {
+    for (const stop of stops.reverse()) await stop();
+    rmSync(dir, { recursive: true, force: true });
+  };
+  try {
+    const redis = await spawnRedis();
+    stops.push(() => redis.stop());
+    const { url: backendUrl, proc: backend } = await startPetBackend(dir);
+    stops.push(() => backend.kill('SIGTERM'));
+    return { dir, redisUrl: redis.url, backendUrl, ...roomyKeyConfig(dir), onClose: (stop: () => unknown) => void stops.push(stop), close };
+  } catch (err) {
+    await close();
+    throw err;
+  }
+}
+type Bed = Awaited<ReturnType<typeof benchBed>>;
+
+/** A proxy under test, started on a free port; stopped by the bed's `close` if not before. */
+export interface Proxy {
+  url: string;
+  pid: number;
+  stop: () => void;
+}
+
+function running(bed: Bed, proc: ChildProcess, port: number): Proxy {
+  const stop = () => void proc.kill('SIGTERM');
+  bed.onClose(stop);
+  return { url: `http://127.0.0.1:${port}/v1/pets`, pid: proc.pid!, stop };
+}
+
+/** The bare proxy (bench/reference-proxy.ts: Fastify + @fastify/http-proxy + the key check) in front of the bed's backend. */
+export async function startBare(bed: Bed, nodeArgs: string[] = [], name = 'bare'): Promise<Proxy> {
+  const port = await freePort();
+  const env = { BACKEND_URL: bed.backendUrl, PORT: String(port), KEY_HASHES: bed.digest };
+  return running(bed, await start(name, [process.execPath, ...nodeArgs, '--import', 'tsx', 'bench/reference-proxy.ts'], env, port, bed.dir), port);
+}
+
+/** A gateway build (its server.js) with the bed's key, access line at info, ready once /readyz says so. */
+export async function startGatewayBuild(bed: Bed, entry: string, env: Record<string, string> = {}, nodeArgs: string[] = [], name = 'gateway'): Promise<Proxy> {
+  const [port, adminPort] = [await freePort(), await freePort()];
+  const proc = await start(name, [process.execPath, ...nodeArgs, resolve(ROOT, entry)], {
+    BACKEND_URL: bed.backendUrl, GATEWAY_CONFIG: bed.file, LOG_LEVEL: 'info', GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), ...env,
+  }, adminPort, bed.dir);
+  const gateway = running(bed, proc, port);
+  for (let i = 0; i < 100 && (await fetch(`http://127.0.0.1:${adminPort}/readyz`).catch(() => undefined))?.status !== 200; i++) {
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  return gateway;
 }
 
 const TICK_US = 1e6 / Number(execFileSync('getconf', ['CLK_TCK']).toString().trim() || 100);

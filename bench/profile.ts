@@ -1,11 +1,8 @@
 import { spawn } from 'node:child_process';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join, resolve } from 'node:path';
+import { rmSync } from 'node:fs';
+import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { freePort } from '../test/helpers/net.js';
-import { spawnRedis } from '../test/helpers/redis.js';
-import { cpuUs, hasCommand, roomyKeyConfig, ROOT, start, startPetBackend, wrk } from './lib.js';
+import { benchBed, cpuUs, hasCommand, startBare, startGatewayBuild, wrk } from './lib.js';
 
 // `npm run bench:profile`: where the gateway's CPU goes, against the bare proxy, per request.
 // Both run at the same held rate (wrk with think time, BENCH_PROFILE_RATE, default 1400/s,
@@ -92,37 +89,24 @@ async function profile(pid: number, load: () => Promise<number>, dir: string, na
 
 async function main() {
   for (const cmd of ['wrk', 'perf']) if (!hasCommand(cmd)) throw new Error(`${cmd} is needed: apt-get install ${cmd === 'perf' ? 'linux-perf' : cmd}`);
-  const dir = mkdtempSync(join(tmpdir(), 'bench-profile-'));
-  const stops: Array<() => unknown> = [];
+  const bed = await benchBed('profile');
   const pids: number[] = [];
-  const node = process.execPath;
   try {
-    const redis = await spawnRedis();
-    stops.push(() => redis.stop());
-    const { url: backendUrl, proc: backend } = await startPetBackend(dir);
-    stops.push(() => backend.kill('SIGTERM'));
-    const { key, file, digest } = roomyKeyConfig(dir);
-    const [barePort, port, adminPort] = [await freePort(), await freePort(), await freePort()];
     // --perf-basic-prof: JIT-compiled functions get their names in perf's samples.
-    const bare = await start('bare', [node, '--perf-basic-prof', '--import', 'tsx', 'bench/reference-proxy.ts'], { BACKEND_URL: backendUrl, PORT: String(barePort), KEY_HASHES: digest }, barePort, dir);
-    stops.push(() => bare.kill('SIGTERM'));
-    const gateway = await start('gateway', [node, '--perf-basic-prof', resolve(ROOT, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js')], {
-      BACKEND_URL: backendUrl, GATEWAY_CONFIG: file, LOG_LEVEL: 'info', GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), REDIS_URL: redis.url,
-    }, adminPort, dir);
-    stops.push(() => gateway.kill('SIGTERM'));
-    pids.push(bare.pid!, gateway.pid!);
+    const bare = await startBare(bed, ['--perf-basic-prof']);
+    const gateway = await startGatewayBuild(bed, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js', { REDIS_URL: bed.redisUrl }, ['--perf-basic-prof']);
+    pids.push(bare.pid, gateway.pid);
 
-    const headers = { authorization: `Bearer ${key}` };
+    const headers = { authorization: `Bearer ${bed.key}` };
     const think = `function delay() return math.random(0, ${Math.round((2 * CONNECTIONS * 1000) / RATE)}) end\n`;
     const results: Profile[] = [];
-    for (const [name, proc, p] of [['bare', bare, barePort], ['gateway', gateway, port]] as const) {
-      const url = `http://127.0.0.1:${p}/v1/pets`;
-      await wrk(url, headers, 200, CONNECTIONS, 3, think); // warm up at the same rate
-      results.push(await profile(proc.pid!, async () => {
-        const r = await wrk(url, headers, 200, CONNECTIONS, SECONDS, think);
+    for (const [name, proxy] of [['bare', bare], ['gateway', gateway]] as const) {
+      await wrk(proxy.url, headers, 200, CONNECTIONS, 3, think); // warm up at the same rate
+      results.push(await profile(proxy.pid, async () => {
+        const r = await wrk(proxy.url, headers, 200, CONNECTIONS, SECONDS, think);
         if (r.wrong) throw new Error(`${name}: ${r.wrong} answers were not 200`);
         return r.requests;
-      }, dir, name));
+      }, bed.dir, name));
     }
     const [b, g] = results as [Profile, Profile];
     const fmt = (n: number | undefined) => (n ?? 0).toFixed(1).padStart(8);
@@ -137,8 +121,7 @@ async function main() {
     for (const [label] of ROOTS) console.log(`${label.padEnd(44)}${fmt(g.roots.get(label))}`);
     console.log('(a function V8 inlined has no frame of its own: it counts in its caller)');
   } finally {
-    for (const stop of stops.reverse()) await stop();
-    rmSync(dir, { recursive: true, force: true });
+    await bed.close();
     for (const pid of pids) rmSync(`/tmp/perf-${pid}.map`, { force: true }); // --perf-basic-prof's symbol maps
   }
 }
