@@ -35,7 +35,7 @@ export interface Gateway {
 
 type AppSettings = Pick<
   GatewaySettings,
-  'backendUrl' | 'bodyLimit' | 'requestTimeoutMs' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds' | 'quotaLeaseMax' | 'redisTimeoutMs' | 'quotaWaitMs' | 'quotaStoreFailure'
+  'backendUrl' | 'bodyLimit' | 'requestTimeoutMs' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds' | 'quotaLeaseMax' | 'redisTimeoutMs' | 'quotaStoreFailure'
 >;
 
 /** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */
@@ -49,8 +49,9 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
         observe: (s) => metrics.redisSeconds.observe(s),
         leaseMax: settings.quotaLeaseMax,
         timeoutMs: settings.redisTimeoutMs,
-        waitMs: settings.quotaWaitMs,
         failClosed: settings.quotaStoreFailure === 'closed',
+        // This deployment's live instances, for each one's share while Redis fails.
+        registry: () => `${config.redisPrefix}:{gateways}`,
       })
     : new MemoryQuotaStore();
   metrics.watch(store);
@@ -89,6 +90,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   app.setErrorHandler(handleError);
   app.addHook('onRequest', pipeline.onRequest);
   app.addHook('onResponse', access.onResponse);
+  app.addHook('onClose', async () => store.close?.());
   const document = documentServer(settings.backendUrl, settings.upstreamTimeoutMs);
   app.get(OPENAPI_PATH, async (request) => document(request.ctx.config));
   await registerProxy(app, {

@@ -25,13 +25,17 @@ export function connectRedis(settings: RedisSettings): RedisClient | undefined {
   if (!target) return undefined;
   const node = {
     maxRetriesPerRequest: 1,
-    // The only guard against a Redis that accepts connections but never answers.
-    commandTimeout: settings.redisTimeoutMs,
+    // A backstop that empties the queue of a Redis that never answers. The quota store gives
+    // up on its own calls at REDIS_TIMEOUT_MS, after reading the sockets; this one comes
+    // later, so a stall of this process cannot turn a reply already in into a timeout.
+    commandTimeout: Math.max(1000, 4 * settings.redisTimeoutMs),
     connectTimeout: 2000,
   };
-  // The commands of requests decided in the same tick leave in one write: on loopback a
-  // write per command cost more gateway CPU than all of our own per-request work.
-  const common = { enableOfflineQueue: false, enableAutoPipelining: true };
+  // No auto-pipelining: it holds a command back until the event loop's check phase, after
+  // every request of a busy poll, and a call held there for REDIS_TIMEOUT_MS would look like a
+  // Redis that does not answer (measured: a false failure under CPU contention). A command
+  // leaves when it is made; with leases, that is about once per hundred requests of a busy key.
+  const common = { enableOfflineQueue: false, enableAutoPipelining: false };
   const backoff = (times: number) => Math.min(times * 100, 2000);
   const redis: RedisClient =
     target.kind === 'cluster'

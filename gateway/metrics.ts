@@ -1,6 +1,6 @@
 import { Counter, collectDefaultMetrics, Gauge, Histogram, type Metric, Registry } from 'prom-client';
 import type { Refusal } from './quota/decision.js';
-import type { QuotaStore } from './quota/store.js';
+import type { QuotaStore, StoreCounts } from './quota/store.js';
 
 /** Why a request was refused: its quota's outcome, no valid key, or a quota store failing closed. */
 export type RejectionReason = Refusal | 'unauthenticated' | 'unavailable';
@@ -71,21 +71,38 @@ export class GatewayMetrics {
   }
 
   /** The store's state, read when metrics are scraped. */
-  watch(store: Pick<QuotaStore, 'degraded' | 'activeBans' | 'localDecisions'>): void {
+  watch(store: Pick<QuotaStore, 'degraded' | 'activeBans' | 'counts'>): void {
     const registers = [this.registry];
-    new Counter({
-      name: 'gateway_quota_local_decisions_total',
-      help: 'Quota decisions made in-process instead of in Redis: reason="late" (no answer within QUOTA_WAIT_MS for that request), "failing" (Redis failing)',
-      labelNames: ['reason'],
+    const counter = (name: string, help: string, read: (c: StoreCounts) => number, labels: Record<string, string> = {}) =>
+      new Counter({
+        name,
+        help,
+        labelNames: Object.keys(labels),
+        registers,
+        collect() {
+          const counts = store.counts;
+          if (!counts) return;
+          this.reset();
+          this.inc(labels, read(counts));
+        },
+      });
+    counter(
+      'gateway_quota_local_decisions_total',
+      'Quota decisions made by this instance from its degraded budget because Redis was declared failing',
+      (c) => c.degraded,
+      { reason: 'failing' },
+    );
+    counter('gateway_quota_refunds_failed_total', 'Refunds (of 502/504 answers) Redis did not take: those requests stay counted', (c) => c.refundsFailed);
+    new Gauge({
+      name: 'gateway_quota_instances',
+      help: 'Live gateway instances (workers included) Redis knew of at the last heartbeat: the degraded budget divides by it',
       registers,
+      aggregator: 'max',
       collect() {
-      const counts = store.localDecisions;
-      if (!counts) return;
-      this.reset();
-      this.inc({ reason: 'late' }, counts.late);
-      this.inc({ reason: 'failing' }, counts.failing);
+        if (store.counts) this.set(store.counts.instances);
       },
     });
+    counter('gateway_quota_written_back_total', 'Units admitted while Redis failed, added to its windows once it answered again', (c) => c.writtenBack);
     new Gauge({
       name: 'gateway_bans_active',
       help: 'Keys this instance knows to be banned now',

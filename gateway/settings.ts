@@ -38,10 +38,9 @@ export const GatewaySettingsSchema = Type.Object({
   // A client's whole request (headers and body) must arrive within this; then 408 (slow clients).
   requestTimeoutMs: Ms('GATEWAY_REQUEST_TIMEOUT_MS', 30_000),
   upstreamTimeoutMs: Ms('UPSTREAM_TIMEOUT_MS', 10_000),
+  // A Redis call unanswered this long declares Redis failing; until then requests wait for it.
   redisTimeoutMs: Ms('REDIS_TIMEOUT_MS', 250),
-  // The longest a request waits for its quota decision; past it, decided in-process (bench:faults).
-  quotaWaitMs: Ms('QUOTA_WAIT_MS', 40),
-  // While Redis fails: decide in-process (open) or answer 503 quota_store_unavailable (closed).
+  // While Redis fails: decide from each instance's degraded budget (open) or answer 503 (closed).
   quotaStoreFailure: oneOf('QUOTA_STORE_FAILURE', ['open', 'closed'], 'open'),
   quotaLeaseMax: Type.Integer({ env: 'QUOTA_LEASE_MAX', minimum: 1, maximum: 1000, default: 100 }),
   redisKeyPrefix: Type.String({ env: 'REDIS_KEY_PREFIX', pattern: '^[A-Za-z0-9_.-]{1,32}$', default: 'gw' }),

@@ -91,3 +91,14 @@ export function leaseSize(limits: Limits, max: number): number {
   const smallest = limits.perDay > 0 ? Math.min(limits.perMinute, limits.perDay) : limits.perMinute;
   return Math.max(1, Math.min(max, Math.floor(smallest / 100)));
 }
+
+/**
+ * An instance's share of `left` units while Redis fails: an equal part for each of the
+ * `instances` Redis knew of, the remainder to the lowest ranks, so the shares of instances
+ * that knew the same count add up to exactly `left`. Pure, like the rest of this file.
+ */
+export function degradedShare(left: number, instances: number, rank: number): number {
+  if (left <= 0) return 0;
+  const n = Math.max(1, instances);
+  return Math.floor(left / n) + (rank < left % n ? 1 : 0);
+}

@@ -11,12 +11,25 @@ export interface QuotaStore {
    * client is not charged. Best effort: a refund that cannot be made leaves the unit counted.
    */
   refund(subject: QuotaSubject, countedAtMs: number, cost?: number): Promise<void>;
-  /** True while decisions come from the in-process fallback because Redis failed. */
+  /** True while Redis is declared failing: decisions come from the degraded budget. */
   readonly degraded: boolean;
   /** Bans this instance knows to be in force now. */
   activeBans(): number;
-  /** A shared store's decisions made in-process instead: Redis late for that request, or failing. */
-  readonly localDecisions?: Readonly<{ late: number; failing: number }>;
+  /** A shared store's counts of what Redis failing cost (for the metrics). */
+  readonly counts?: Readonly<StoreCounts>;
+  /** Stops its timers (the heartbeat) and leaves what it registered. */
+  close?(): Promise<void>;
+}
+
+export interface StoreCounts {
+  /** Decisions made from the degraded budget while Redis failed. */
+  degraded: number;
+  /** Refunds Redis did not take: those requests stay counted. */
+  refundsFailed: number;
+  /** Units admitted while Redis failed and written back to it since. */
+  writtenBack: number;
+  /** Live instances Redis knew of at the last heartbeat: what the degraded budget divides by. */
+  instances: number;
 }
 
 /** Thrown by a store that fails closed (QUOTA_STORE_FAILURE=closed) when it cannot decide. */

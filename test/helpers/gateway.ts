@@ -6,7 +6,7 @@ import { buildAdmin } from '../../gateway/admin.js';
 import { buildGateway, type Gateway } from '../../gateway/app.js';
 import { compileConfig, type ConfigFile, validateConfigFile } from '../../gateway/config.js';
 import { closeRedis, connectRedis, type RedisClient } from '../../gateway/lifecycle.js';
-import type { GatewaySettings } from '../../gateway/settings.js';
+import { type GatewaySettings, loadSettings } from '../../gateway/settings.js';
 import { type EchoBackend, echoBackend, petsBackend } from './backends.js';
 import { call, uniquePrefix } from './config.js';
 import { eventually } from './time.js';
@@ -56,12 +56,9 @@ const SETTINGS = {
   logLevel: 'info' as const,
   logPretty: false,
   metricsKeyIds: false,
-  // Exact per-request headers for the tests' large limits; lease tests set their own.
-  quotaLeaseMax: 1,
-  quotaStoreFailure: 'open' as const,
-  // Not the default 40 ms: several in-process instances share this busy event loop (see below).
-  quotaWaitMs: 1000,
 };
+// The shipped quota settings, read from the settings' own defaults: a test that changes one says why.
+const { quotaLeaseMax, quotaStoreFailure, redisTimeoutMs: shippedTimeout } = loadSettings({});
 
 /**
  * The gateway in this process, on a real port, with real Redis and a real backend on port 0.
@@ -94,9 +91,7 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   // A Cluster or Sentinel group given in the settings replaces the run's single Redis.
   const redisUrl = redisClusterNodes || redisSentinels ? undefined : opts.redis === undefined ? inject('redisUrl') : opts.redis || undefined;
   // The production client and its options (lifecycle.ts), so the tests exercise them.
-  // A second, not 250 ms: several in-process instances share this busy event loop, and a
-  // slow call would hand decisions to the per-process fallback (tests of that set their own).
-  const redisTimeoutMs = opts.settings?.redisTimeoutMs ?? 1000;
+  const redisTimeoutMs = opts.settings?.redisTimeoutMs ?? shippedTimeout;
   const redis = connectRedis({ redisUrl, redisClusterNodes, redisSentinels, redisSentinelName, redisTimeoutMs });
   if (redis) {
     closers.push(() => closeRedis(redis, 'now'));
@@ -114,7 +109,7 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   let file = opts.config;
   let prefix = opts.redisKeyPrefix ?? uniquePrefix();
   const compile = () => compileConfig(validateConfigFile(file, 'test config'), prefix);
-  const gateway = await buildGateway({ ...SETTINGS, backendUrl, ...opts.settings, redisTimeoutMs }, { config: compile(), redis, logStream });
+  const gateway = await buildGateway({ ...SETTINGS, quotaLeaseMax, quotaStoreFailure, backendUrl, ...opts.settings, redisTimeoutMs }, { config: compile(), redis, logStream });
   await gateway.app.listen({ port: 0, host: '127.0.0.1' });
   closers.push(() => gateway.app.close());
   const port = (gateway.app.server.address() as AddressInfo).port;

@@ -69,11 +69,10 @@ describe('Redis Cluster', () => {
   it('three instances on the Cluster, leases on, under concurrent load: exactly the limit, the ban shared', { timeout: 60_000 }, async () => {
     const cluster = await spawnCluster();
     onTestFinished(() => cluster.stop());
-    // 400 a minute: leases of 4 (1%); never over, and under by at most 3 per instance.
+    // 400 a minute: leases of 4 (1%), taken and handed out by each instance.
     const crowd = { ...makeKey('enterprise'), limits: { perMinute: 400, perDay: 100_000 } };
     const config = testConfig([crowd], { bans: { afterRejected: 3, withinSeconds: 60, durationSeconds: 900 } });
-    // Timeouts for a Redis that answers, whatever the load: exact while Redis decides.
-    const settings = { redisClusterNodes: cluster.nodes, quotaLeaseMax: 20, redisTimeoutMs: 5000, quotaWaitMs: 5000 };
+    const settings = { redisClusterNodes: cluster.nodes };
     const first = await buildTestGateway({ config, settings });
     const others = await Promise.all([0, 1].map(() => buildTestGateway({ config, backend: first.backendUrl, settings })));
     const instances = [first, ...others];
@@ -85,8 +84,7 @@ describe('Redis Cluster', () => {
     await inOneMinute(async () => {
       const all = await Promise.all(Array.from({ length: 600 }, (_, i) => instances[i % 3]!.call('/v1/pets', crowd.key).then((r) => r.status)));
       const admitted = all.filter((s) => s === 200).length;
-      expect(admitted).toBeLessThanOrEqual(400);
-      expect(admitted).toBeGreaterThanOrEqual(400 - 3 * 3);
+      expect(admitted).toBe(400); // every unit leased is handed out: the burst reaches each instance to its end
       expect(all.filter((s) => s !== 200 && s !== 429)).toEqual([]);
       // Past the ban threshold: every instance answers key_banned.
       for (const g of instances) expect((await (await g.call('/v1/pets', crowd.key)).json()).code).toBe('key_banned');

@@ -32,7 +32,6 @@ describe('settings from their schema', () => {
       requestTimeoutMs: 30000,
       upstreamTimeoutMs: 10000,
       redisTimeoutMs: 250,
-      quotaWaitMs: 40,
       quotaStoreFailure: 'open',
       quotaLeaseMax: 100,
       redisKeyPrefix: 'gw',

@@ -1,0 +1,140 @@
+import { DAY_MS, degradedShare, MINUTE_MS, type QuotaSubject, type Tally, windowStart } from './decision.js';
+import { type Counters, countsAt } from './store.js';
+
+/** Units admitted while Redis failed and not yet written back, for one subject and window pair. */
+export interface WriteBack {
+  name: string;
+  /** Unique per instance and batch: Redis applies each write-back once, however often it is sent. */
+  id: string;
+  minuteStart: number;
+  minuteUnits: number;
+  dayStart: number;
+  dayUnits: number;
+  hasDay: boolean;
+}
+
+/** What a subject spent of its degraded budget in the current windows, and how much of it is written back. */
+interface Spent {
+  ms: number;
+  mc: number;
+  ds: number;
+  dc: number;
+  writtenM: number;
+  writtenD: number;
+  hasDay: boolean;
+}
+
+/**
+ * The degraded budget: while Redis is declared failing, an instance admits in each window at
+ * most its share (degradedShare) of what it last knew was left: the window's limit less the
+ * count in Redis's last reply for that subject (0 once the window has changed), divided among
+ * the live instances Redis knew of at the last heartbeat. Instances that knew the same count
+ * admit at most what was left, together; a window that starts during the failure admits at
+ * most its limit. What was admitted is written back to Redis when it answers again.
+ */
+export class DegradedBudget {
+  /** Per subject, the counters of Redis's last reply: what was left when Redis failed. */
+  private readonly seen = new Map<string, Counters>();
+  private readonly spent = new Map<string, Spent>();
+  private fleet = { instances: 1, rank: 0 };
+  private batch = 0;
+  /** Write-backs made and not yet confirmed by Redis: sent again, with the same id, until they are. */
+  private readonly unconfirmed = new Map<string, WriteBack>();
+  private lastSweep = 0;
+
+  constructor(private readonly instanceId: string) {}
+
+  /** The live instances and this one's rank among them, from the last heartbeat. */
+  setFleet(instances: number, rank: number): void {
+    this.fleet = { instances, rank };
+  }
+
+  get instances(): number {
+    return this.fleet.instances;
+  }
+
+  /** A reply's counts: the latest Redis knows. A subject whose budget is all written back starts afresh. */
+  see(name: string, nowMs: number, minuteUsed: number, dayUsed: number): void {
+    this.seen.set(name, { ms: windowStart(nowMs, MINUTE_MS), mc: minuteUsed, ds: windowStart(nowMs, DAY_MS), dc: dayUsed, ban: 0 });
+    const s = this.spent.get(name);
+    if (s && s.mc === s.writtenM && s.dc === s.writtenD) this.spent.delete(name);
+    this.sweep(nowMs);
+  }
+
+  /** One decision from the budget at Redis time `nowMs` (as this instance knows it). */
+  consume({ name, limits }: QuotaSubject, cost: number, nowMs: number): Tally {
+    const s = this.current(name, nowMs, limits.perDay > 0);
+    const known = this.seen.get(name);
+    const { minuteUsed: knownM, dayUsed: knownD } = known ? countsAt(known, nowMs) : { minuteUsed: 0, dayUsed: 0 };
+    const { instances, rank } = this.fleet;
+    const shareM = degradedShare(limits.perMinute - knownM, instances, rank);
+    const shareD = limits.perDay > 0 ? degradedShare(limits.perDay - knownD, instances, rank) : Number.POSITIVE_INFINITY;
+    // Reported as used: all but this instance's share, then what it admitted of it.
+    const minuteUsed = limits.perMinute - shareM + s.mc;
+    const dayUsed = limits.perDay > 0 ? limits.perDay - shareD + s.dc : 0;
+    const violated = s.dc + cost > shareD ? 'day' : s.mc + cost > shareM ? 'minute' : undefined;
+    if (violated) return { outcome: violated, minuteUsed, dayUsed, nowMs, banUntilMs: 0 };
+    s.mc += cost;
+    s.dc += cost;
+    return { outcome: 'allowed', minuteUsed: minuteUsed + cost, dayUsed: limits.perDay > 0 ? dayUsed + cost : 0, nowMs, banUntilMs: 0 };
+  }
+
+  /** A refund of a request admitted from the budget, if its windows are current (what is written back stays). */
+  refund(name: string, countedAtMs: number, cost: number): void {
+    const s = this.spent.get(name);
+    if (!s) return;
+    if (s.ms === windowStart(countedAtMs, MINUTE_MS)) s.mc = Math.max(s.writtenM, s.mc - cost);
+    if (s.ds === windowStart(countedAtMs, DAY_MS)) s.dc = Math.max(s.writtenD, s.dc - cost);
+  }
+
+  /** The counts as this instance sees them while Redis fails: Redis's last, plus its own admissions. */
+  usage(name: string, nowMs: number): { minuteUsed: number; dayUsed: number } {
+    const known = this.seen.get(name);
+    const k = known ? countsAt(known, nowMs) : { minuteUsed: 0, dayUsed: 0 };
+    const s = this.spent.get(name);
+    const own = s ? countsAt({ ms: s.ms, mc: s.mc, ds: s.ds, dc: s.dc, ban: 0 }, nowMs) : { minuteUsed: 0, dayUsed: 0 };
+    return { minuteUsed: k.minuteUsed + own.minuteUsed, dayUsed: k.dayUsed + own.dayUsed };
+  }
+
+  /** What is to be written back: new admissions as a new batch, and every earlier batch Redis has not confirmed. */
+  drain(): WriteBack[] {
+    const id = `${this.instanceId}:${++this.batch}`;
+    for (const [name, s] of this.spent) {
+      const minuteUnits = s.mc - s.writtenM;
+      const dayUnits = s.dc - s.writtenD;
+      if (minuteUnits === 0 && dayUnits === 0) continue;
+      this.unconfirmed.set(`${id}:${name}`, { name, id, minuteStart: s.ms, minuteUnits, dayStart: s.ds, dayUnits, hasDay: s.hasDay });
+      s.writtenM = s.mc;
+      s.writtenD = s.dc;
+    }
+    return [...this.unconfirmed.values()];
+  }
+
+  /** Redis applied this write-back (or had already). */
+  confirmed(w: WriteBack): void {
+    this.unconfirmed.delete(`${w.id}:${w.name}`);
+  }
+
+  /** The subject's spending in the windows current at `nowMs`. */
+  private current(name: string, nowMs: number, hasDay: boolean): Spent {
+    const ms = windowStart(nowMs, MINUTE_MS);
+    const ds = windowStart(nowMs, DAY_MS);
+    let s = this.spent.get(name);
+    if (!s) {
+      s = { ms, mc: 0, ds, dc: 0, writtenM: 0, writtenD: 0, hasDay };
+      this.spent.set(name, s);
+    }
+    if (s.ms !== ms) Object.assign(s, { ms, mc: 0, writtenM: 0 });
+    if (s.ds !== ds) Object.assign(s, { ds, dc: 0, writtenD: 0 });
+    return s;
+  }
+
+  /** Forgets, at most once a minute, what belongs to an earlier day. */
+  private sweep(nowMs: number): void {
+    if (nowMs - this.lastSweep < MINUTE_MS) return;
+    this.lastSweep = nowMs;
+    const today = windowStart(nowMs, DAY_MS);
+    for (const [name, c] of this.seen) if (c.ds < today) this.seen.delete(name);
+    for (const [name, s] of this.spent) if (s.ds < today && s.mc === s.writtenM && s.dc === s.writtenD) this.spent.delete(name);
+  }
+}

@@ -1,0 +1,121 @@
+import { DAY_MS, MINUTE_MS, windowStart } from './decision.js';
+import type { Clock } from './redis-clock.js';
+
+/** Units Redis granted this instance in one admission and not handed out yet (see leaseSize). */
+export interface Lease {
+  left: number;
+  /** Monotonic time before which the lease is surely still in its Redis minute. */
+  until: number;
+  /** The Redis minute's end, and the counts Redis held after the lease: what headers report. */
+  windowEndMs: number;
+  /** The lease's day start, so unused units can be given back to that day. */
+  dayStartMs: number;
+  minuteUsed: number;
+  dayUsed: number;
+  /** The lease's size when taken: the next one is asked for once half of it is handed out. */
+  size: number;
+}
+
+/**
+ * A lease of `units` from a reply at Redis time `nowMs` to a call sent at monotonic `sentMono`:
+ * timed from the sending, so it ends no later than its Redis minute.
+ */
+export function leaseOf(units: number, size: number, sentMono: number, nowMs: number, minuteUsed: number, dayUsed: number): Lease {
+  const windowEndMs = windowStart(nowMs, MINUTE_MS) + MINUTE_MS;
+  return { left: units, until: sentMono + windowEndMs - nowMs, windowEndMs, dayStartMs: windowStart(nowMs, DAY_MS), minuteUsed, dayUsed, size };
+}
+
+/**
+ * The leases of one instance, per subject: the one being handed out, the one taken ahead of
+ * need, the units of expired ones to give back to Redis with the next call, and the lease
+ * request in flight (one per subject: concurrent requests wait for the lease it brings
+ * instead of each taking one, which would reserve many times what they use).
+ */
+export class LeaseBook {
+  private readonly current = new Map<string, Lease>();
+  private readonly ahead = new Map<string, Lease>();
+  private readonly unused = new Map<string, Lease>();
+  private readonly pending = new Map<string, Promise<boolean>>();
+  private lastSweep = 0;
+
+  constructor(private readonly clock: Clock) {}
+
+  /**
+   * Hands out one unit of the subject's lease, if it has one left within its minute, the lease
+   * taken ahead once the current one is spent; returns that lease, or undefined.
+   */
+  take(name: string): Lease | undefined {
+    const mono = this.clock.mono();
+    for (;;) {
+      const lease = this.current.get(name);
+      if (lease) {
+        if (lease.left > 0 && mono < lease.until) {
+          lease.left--;
+          return lease;
+        }
+        this.current.delete(name);
+        if (lease.left > 0) this.keepUnused(name, lease);
+      }
+      const next = this.ahead.get(name);
+      if (!next) return undefined;
+      this.ahead.delete(name);
+      this.current.set(name, next);
+    }
+  }
+
+  grant(name: string, lease: Lease): void {
+    this.current.set(name, lease);
+  }
+
+  grantAhead(name: string, lease: Lease): void {
+    this.ahead.set(name, lease);
+  }
+
+  hasCurrent(name: string): boolean {
+    return this.current.has(name);
+  }
+
+  hasAhead(name: string): boolean {
+    return this.ahead.has(name);
+  }
+
+  /** The unused units to give back with the subject's next call, taken out of the book. */
+  takeUnused(name: string): Lease | undefined {
+    const back = this.unused.get(name);
+    if (back) this.unused.delete(name);
+    return back;
+  }
+
+  inFlight(name: string): Promise<boolean> | undefined {
+    return this.pending.get(name);
+  }
+
+  /** A lease request in flight until `done` settles (with whether it brought a lease). */
+  track(name: string, done: Promise<boolean>): void {
+    this.pending.set(name, done);
+    void done.then(() => this.pending.delete(name)); // before the waiters resume
+  }
+
+  /**
+   * Keeps a lease's unused units to give back. Two leases to give back at once (the current
+   * one and the one taken ahead, both expired) merge when they counted in the same windows;
+   * otherwise the older stays counted: under-admission, never over.
+   */
+  private keepUnused(name: string, lease: Lease): void {
+    const held = this.unused.get(name);
+    if (held && held.windowEndMs === lease.windowEndMs && held.dayStartMs === lease.dayStartMs) held.left += lease.left;
+    else this.unused.set(name, { ...lease });
+  }
+
+  /** Forgets leases over for a minute, at most once a minute: subjects that stopped sending. */
+  sweep(): void {
+    const now = this.clock.mono();
+    if (now - this.lastSweep < MINUTE_MS) return;
+    this.lastSweep = now;
+    // A minute's grace, so a subject that sends every minute or two still gives its units back;
+    // one that stopped sending keeps them counted: at most what it held, once.
+    for (const held of [this.current, this.ahead]) {
+      for (const [name, lease] of held) if (lease.until <= now - MINUTE_MS) held.delete(name);
+    }
+  }
+}

@@ -1,0 +1,116 @@
+import type { FastifyBaseLogger } from 'fastify';
+
+// Failure detection: whether Redis is declared failing, decided for the connection, never per
+// request. Declared when a call fails (a killed Redis refuses at once) or has no answer within
+// REDIS_TIMEOUT_MS (a frozen one); a heartbeat finds the same while no request is asking.
+// A Redis that answers, however slowly within that time, is not failing: requests wait for it.
+
+export const LATE = Symbol('late');
+
+/**
+ * What `promise` settles to, or LATE if it is still pending `ms` after the call. The check
+ * runs after the event loop has read the sockets (setImmediate follows the poll phase), so a
+ * stall of this process (GC, a busy core) is never taken for Redis's silence: a reply that
+ * arrived meanwhile wins.
+ */
+export function within<T>(promise: Promise<T>, ms: number): Promise<T | typeof LATE> {
+  return new Promise((resolve, reject) => {
+    let settled = false;
+    const timer = setTimeout(
+      () =>
+        setImmediate(() => {
+          if (settled) return;
+          settled = true;
+          resolve(LATE);
+        }),
+      ms,
+    );
+    promise.then(
+      (value) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        resolve(value);
+      },
+      (err: unknown) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        reject(err);
+      },
+    );
+  });
+}
+
+export interface HealthOptions {
+  /** One heartbeat: rejects when Redis fails. */
+  beat: () => Promise<void>;
+  /** Runs once Redis answers again, before it is trusted: calls `healthy` when done, or rejects. */
+  recover: (healthy: () => void) => Promise<void>;
+  log: FastifyBaseLogger;
+  /** Between heartbeats while Redis answers; 0: none (a store that only reads probes only while Redis fails). */
+  heartbeatMs: number;
+  /** Between probes while it fails. */
+  probeMs: number;
+}
+
+export class RedisHealth {
+  /** Since when Redis has been failing (Date.now()); 0 while it answers. */
+  private failingSince = 0;
+  private timer: NodeJS.Timeout | undefined;
+  private ticking = false;
+  private closed = false;
+
+  constructor(private readonly o: HealthOptions) {}
+
+  get failing(): boolean {
+    return this.failingSince !== 0;
+  }
+
+  /** Starts the heartbeat now (on connecting), then every heartbeatMs. */
+  start(): void {
+    this.schedule(0);
+  }
+
+  /** Redis failed a call or left it unanswered: declared once, then probed until it answers. */
+  failed(err: unknown): void {
+    if (this.failingSince !== 0 || this.closed) return;
+    this.failingSince = Date.now();
+    const reason = err instanceof Error ? err.message : String(err);
+    this.o.log.warn({ reason }, "quota store: Redis failed; each instance decides from its share of what was left until Redis answers");
+    this.schedule(this.o.probeMs);
+  }
+
+  close(): void {
+    this.closed = true;
+    clearTimeout(this.timer);
+  }
+
+  private schedule(ms: number): void {
+    if (this.closed) return;
+    clearTimeout(this.timer);
+    this.timer = setTimeout(() => void this.tick(), ms);
+    this.timer.unref(); // never what keeps a stopping process alive
+  }
+
+  private async tick(): Promise<void> {
+    if (this.ticking) return; // the one in flight schedules the next
+    this.ticking = true;
+    try {
+      await this.o.beat();
+      if (this.failing) await this.o.recover(() => this.healthy());
+    } catch (err) {
+      this.failed(err);
+    } finally {
+      this.ticking = false;
+    }
+    if (this.failing) this.schedule(this.o.probeMs);
+    else if (this.o.heartbeatMs > 0) this.schedule(this.o.heartbeatMs);
+  }
+
+  private healthy(): void {
+    if (this.failingSince === 0) return;
+    this.failingSince = 0;
+    this.o.log.info('quota store: Redis answers again');
+  }
+}

@@ -1,0 +1,139 @@
+import { describe, expect, it } from 'vitest';
+import { degradedShare, MINUTE_MS, type QuotaSubject } from '../../gateway/quota/decision.js';
+import { DegradedBudget } from '../../gateway/quota/degraded-budget.js';
+import { LeaseBook, leaseOf } from '../../gateway/quota/lease-book.js';
+import { RedisClock } from '../../gateway/quota/redis-clock.js';
+
+// The pieces of the Redis store that need no Redis: the degraded budget's share, the budget
+// itself, the lease book and the Redis clock, each on an injected clock.
+
+const subject = (perMinute: number, perDay: number): QuotaSubject => ({ name: 's', limits: { perMinute, perDay }, bans: null, policy: '' });
+const T0 = Date.UTC(2026, 10, 25, 10, 0, 0); // a minute's start
+const admitted = (b: DegradedBudget, s: QuotaSubject, n: number, now = T0) =>
+  Array.from({ length: n }, () => b.consume(s, 1, now).outcome).filter((o) => o === 'allowed').length;
+
+describe('degradedShare', () => {
+  it.each([
+    // left, instances: each rank's share, adding up to what was left
+    [10, 3, [4, 3, 3]],
+    [6, 3, [2, 2, 2]],
+    [2, 3, [1, 1, 0]],
+    [0, 3, [0, 0, 0]],
+    [-4, 2, [0, 0]],
+    [7, 1, [7]],
+  ])('%i left among %i instances: %j', (left, n, shares) => {
+    const got = Array.from({ length: n }, (_, rank) => degradedShare(left, n, rank));
+    expect(got).toEqual(shares);
+    expect(got.reduce((a, b) => a + b, 0)).toBe(Math.max(0, left));
+  });
+
+  it('takes no fleet as a fleet of one', () => {
+    expect(degradedShare(5, 0, 0)).toBe(5);
+  });
+});
+
+describe('the degraded budget', () => {
+  it('admits this instance\'s share of what Redis last said was left, in each window', () => {
+    const b = new DegradedBudget('me');
+    b.setFleet(3, 2);
+    const s = subject(10, 1000);
+    b.see('s', T0 + 5, 4, 100); // 6 left this minute: 2 each
+    expect(admitted(b, s, 5, T0 + 10)).toBe(2);
+    const refused = b.consume(s, 1, T0 + 10);
+    expect(refused.outcome).toBe('minute');
+    expect(refused.minuteUsed).toBe(10); // its share is spent: no room claimed
+  });
+
+  it('in a minute that starts while Redis fails, the shares add up to the limit', () => {
+    const s = subject(10, 1000);
+    const total = [0, 1, 2].reduce((sum, rank) => {
+      const b = new DegradedBudget(`i${rank}`);
+      b.setFleet(3, rank);
+      b.see('s', T0 - 1, 9, 500); // last minute's count says nothing of this one
+      return sum + admitted(b, s, 20);
+    }, 0);
+    expect(total).toBe(10);
+  });
+
+  it('refuses for the day once its share of the day is spent, whatever the minute has left', () => {
+    const b = new DegradedBudget('me');
+    b.setFleet(2, 0);
+    const s = subject(100, 1000);
+    b.see('s', T0, 0, 996); // 4 left today: 2 for each of two instances
+    expect(admitted(b, s, 3)).toBe(2);
+    expect(b.consume(s, 1, T0 + MINUTE_MS).outcome).toBe('day'); // a new minute, the same day
+  });
+
+  it('writes back each admission once: a batch is sent again until confirmed, under its own id', () => {
+    const b = new DegradedBudget('me');
+    const s = subject(10, 1000);
+    admitted(b, s, 3);
+    const first = b.drain();
+    expect(first.map((w) => [w.id, w.minuteUnits, w.dayUnits])).toEqual([['me:1', 3, 3]]);
+    admitted(b, s, 1);
+    const second = b.drain(); // not confirmed: the first again, and the new unit in a batch of its own
+    expect(second.map((w) => [w.id, w.minuteUnits, w.dayUnits])).toEqual([
+      ['me:1', 3, 3],
+      ['me:2', 1, 1],
+    ]);
+    for (const w of second) b.confirmed(w);
+    expect(b.drain()).toEqual([]);
+    expect(admitted(b, s, 10)).toBe(6); // what was written back is still spent: 10 in all
+  });
+
+  it('gives a refunded unit back to the budget, unless it was written back', () => {
+    const b = new DegradedBudget('me');
+    const s = subject(2, 1000);
+    expect(admitted(b, s, 2)).toBe(2);
+    b.refund('s', T0, 1);
+    expect(admitted(b, s, 2)).toBe(1);
+    for (const w of b.drain()) b.confirmed(w);
+    b.refund('s', T0, 1);
+    expect(admitted(b, s, 1)).toBe(0);
+  });
+});
+
+describe('the lease book', () => {
+  it('hands out a lease within its minute, then the one taken ahead, and keeps expired units to give back', () => {
+    let mono = 0;
+    const book = new LeaseBook({ wall: () => T0, mono: () => mono });
+    book.grant('s', leaseOf(2, 3, 0, T0 + 30_000, 3, 3)); // 30 s left in its minute
+    book.grantAhead('s', leaseOf(3, 3, 0, T0 + 30_000, 6, 6));
+    expect([book.take('s')?.left, book.take('s')?.left]).toEqual([1, 0]);
+    expect(book.take('s')?.minuteUsed).toBe(6); // the lease taken ahead
+    mono = 30_000; // its minute is over
+    expect(book.take('s')).toBeUndefined();
+    expect(book.takeUnused('s')?.left).toBe(2);
+    expect(book.takeUnused('s')).toBeUndefined();
+  });
+
+  it('forgets the leases of subjects that stopped sending, a minute after theirs is over', () => {
+    let mono = 120_000;
+    const book = new LeaseBook({ wall: () => T0, mono: () => mono });
+    book.sweep(); // the first sweep of the book
+    book.grant('s', leaseOf(5, 6, mono, T0 + 30_000, 6, 6));
+    mono += 60_000;
+    book.sweep(); // its minute is over, the minute of grace not yet
+    expect(book.hasCurrent('s')).toBe(true);
+    mono += 60_000; // a sweep at most once a minute
+    book.sweep();
+    expect(book.hasCurrent('s')).toBe(false);
+  });
+});
+
+describe('the Redis clock', () => {
+  it('puts a deadline no later than the moment this instance gives up, in Redis time', () => {
+    let wall = 1_000_000;
+    const clock = new RedisClock({ wall: () => wall, mono: () => wall });
+    expect(clock.deadline(wall, 250)).toBe(0); // no reply yet: no deadline
+    // Redis runs 5 s ahead; the reply took 40 ms, so its time was read somewhere within them.
+    clock.learn(1_005_030, 1_000_000, 1_000_040);
+    wall = 1_000_100;
+    expect(clock.now()).toBe(1_005_130); // from the latest sample
+    // Given up at 1_000_350 local = Redis 1_005_350 at the most: the deadline is at or before it.
+    expect(clock.deadline(1_000_100, 250)).toBeLessThanOrEqual(1_005_350);
+    expect(clock.deadline(1_000_100, 250)).toBe(1_005_340);
+    clock.learn(1_005_210, 1_000_200, 1_000_201); // a quicker round trip: a tighter bound
+    expect(clock.deadline(1_000_300, 250)).toBe(1_005_559);
+  });
+});
