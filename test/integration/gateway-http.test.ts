@@ -16,7 +16,8 @@ const plans = { free: { perMinute: 1000, perDay: 100000 } };
 const gw = useTestGateway({
   config: testConfig([active, revoked], { plans, unauthenticated: { perMinute: 500 } }),
   backend: 'pets',
-  settings: { bodyLimit: 2048 },
+  // No leases (QUOTA_LEASE_MAX=1): the headers then step by one per request, so each status is seen to count.
+  settings: { bodyLimit: 2048, quotaLeaseMax: 1 },
 });
 
 /** Sends raw bytes and returns the raw answer, for what fetch will not send. */
