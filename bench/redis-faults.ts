@@ -1,133 +1,381 @@
 import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { once } from 'node:events';
+import { closeSync, copyFileSync, cpSync, existsSync, mkdirSync, mkdtempSync, openSync, readFileSync, readSync, rmSync, statSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { generateKey } from '../gateway/auth/keys.js';
-import { testConfig } from '../test/helpers/config.js';
+import { Redis } from 'ioredis';
 import { freePort, waitForPort } from '../test/helpers/net.js';
-import { hasCommand, ROOT, start, startPetBackend, wrk } from './lib.js';
+import { hasCommand, ROOT, roomyKeyConfig, start, startPetBackend, wrk } from './lib.js';
 
-// `npm run bench:faults`: what Redis failing costs a request, on loopback, about 90 s.
+// `npm run bench:faults`: what Redis failing costs a request, on loopback, about 2 minutes.
 //   1. The store's healthy latency at full load (wrk -c50, default settings, then with a
 //      Redis call on every request, QUOTA_LEASE_MAX=1): the gateway's own histogram of its
 //      Redis calls, and whether it ever believed Redis failed (it must not).
-//   2. At a fixed rate (wrk with think time), one phase per fault: healthy, Redis frozen
-//      (SIGSTOP), thawed, its packets dropped (an iptables DROP on its loopback port, as root),
-//      killed (SIGKILL), restarted on its port. Per phase: p50, p99, max and
-//      statuses other than 200 (a 5xx or a 429 caused by Redis must not happen), against the
-//      backend direct at the same rate, measured in the same run.
+//   2. At default settings, once at saturation (wrk -c50, no think time) and once at a fixed
+//      rate (wrk with think time), one phase per Redis condition: healthy; slow and slower
+//      (another client keeps Redis busy with DEBUG SLEEP 0.05 or 0.15, 2 ms apart, so every
+//      gateway call waits tens of ms, or up to 150, within REDIS_TIMEOUT_MS); frozen (SIGSTOP),
+//      thawed; its packets dropped (an iptables DROP on its loopback port, as root only);
+//      killed (SIGKILL), restarted on its port. Per phase: req/s, p50, p99, max, statuses
+//      other than 200 (the key is never refused, so a 5xx or a 429 is Redis's doing and must
+//      not happen), decisions made from the degraded budget, and how many times the gateway
+//      declared Redis failed; against the backend direct under the same load, in the same run.
 
 const PHASE_SECONDS = Number(process.env.BENCH_PHASE_SECONDS ?? 4);
 const CONNECTIONS = 50;
 const RATE = Number(process.env.BENCH_RATE ?? 500);
+const FAILED_LINE = 'quota store: Redis failed';
+const FAILING = 'gateway_quota_local_decisions_total{reason="failing"}';
+const DEGRADED = 'gateway_quota_store_degraded';
+const REDIS_HISTOGRAM = 'gateway_redis_duration_seconds';
 
-function redisServer(port: number): ChildProcess {
-  return spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'], { stdio: 'ignore' });
+const MODES = [
+  { name: 'saturated', title: `Saturation: wrk -t1 -c${CONNECTIONS}, no think time`, lua: '' },
+  {
+    name: 'fixed rate',
+    title: `About ${RATE} req/s: wrk -t1 -c${CONNECTIONS} with think time`,
+    lua: `function delay() return math.random(0, ${Math.round((2 * CONNECTIONS * 1000) / RATE)}) end\n`,
+  },
+] as const;
+type Mode = (typeof MODES)[number];
+
+/** The Redis under test, on one port for the whole run: frozen, thawed, killed and restarted there. */
+class RedisUnderTest {
+  private proc?: ChildProcess;
+  constructor(readonly port: number) {}
+
+  async start(): Promise<void> {
+    // Redis 7 refuses DEBUG (the slow phases' DEBUG SLEEP) unless told; older ones know no such flag.
+    const major = Number(/v=(\d+)/.exec(execFileSync('redis-server', ['--version'], { encoding: 'utf8' }))?.[1] ?? 0);
+    const debug = major >= 7 ? ['--enable-debug-command', 'yes'] : [];
+    const args = ['--port', String(this.port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', ...debug];
+    this.proc = spawn('redis-server', args, { stdio: 'ignore' });
+    await waitForPort(this.port, 5000);
+  }
+
+  signal(sig: 'SIGSTOP' | 'SIGCONT'): void {
+    this.proc?.kill(sig);
+  }
+
+  /** SIGKILL, and wait until it is gone, so its port is free for the restart. */
+  async kill(): Promise<void> {
+    const proc = this.proc;
+    if (!proc || proc.exitCode !== null || proc.signalCode !== null) return;
+    const gone = once(proc, 'exit');
+    proc.kill('SIGCONT');
+    proc.kill('SIGKILL');
+    await gone;
+  }
 }
 
-/** Upper bounds of the histogram's buckets that hold the 99th percentile and the largest call. */
-function histogram(metrics: string, name: string): { count: number; p99: string; max: string } {
-  const buckets = [...metrics.matchAll(new RegExp(`^${name}_bucket\\{le="([^"]+)"\\} (\\d+)`, 'gm'))].map((m) => ({ le: m[1]!, n: Number(m[2]) }));
-  const count = buckets.at(-1)?.n ?? 0;
-  const p99 = buckets.find((b) => b.n >= count * 0.99)?.le ?? '-';
-  const max = buckets.find((b) => b.n === count)?.le ?? '-';
-  const ms = (le: string) => (le === '+Inf' ? '+Inf' : `${Number(le) * 1000} ms`);
-  return { count, p99: `<= ${ms(p99)}`, max: `<= ${ms(max)}` };
+/**
+ * Another client keeping Redis busy: DEBUG SLEEP `seconds` until stopped, each 2 ms after the
+ * last (back to back, a call that came during one sleep was now and then kept waiting through
+ * the next: 3 sleeps of 50 ms, idle machine), and a third client timing a PING every 5 ms
+ * meanwhile: what any one call waits. Stop answers both; it throws if the loop failed, so a
+ * phase meant to be slow can never pass as a healthy one.
+ */
+async function keepBusy(port: number, seconds: number): Promise<() => Promise<string>> {
+  const client = () => new Redis({ host: '127.0.0.1', port, lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null });
+  const [busy, prober] = [client(), client()];
+  for (const c of [busy, prober]) {
+    c.on('error', () => {}); // a failure shows as the loop's own
+    await c.connect();
+  }
+  await busy.call('DEBUG', 'SLEEP', '0'); // DEBUG refused: fail here, loudly
+  const started = Date.now();
+  let running = true;
+  let sleeps = 0;
+  const pings: number[] = [];
+  const loop = (async () => {
+    while (running) {
+      await busy.call('DEBUG', 'SLEEP', String(seconds));
+      sleeps++;
+      await new Promise((r) => setTimeout(r, 2));
+    }
+  })();
+  const probe = (async () => {
+    while (running) {
+      const t0 = performance.now();
+      await prober.ping();
+      pings.push(performance.now() - t0);
+      await new Promise((r) => setTimeout(r, 5));
+    }
+  })();
+  return async () => {
+    running = false;
+    try {
+      await Promise.all([loop, probe]);
+    } finally {
+      busy.disconnect();
+      prober.disconnect();
+    }
+    pings.sort((a, b) => a - b);
+    const at = (q: number) => pings[Math.min(pings.length - 1, Math.floor(q * pings.length))]!.toFixed(1);
+    return `Redis asleep ${Math.round((100 * sleeps * seconds * 1000) / (Date.now() - started))}% of the phase (${sleeps} sleeps of ${seconds * 1000} ms);` +
+      ` a PING from another client: p50 ${at(0.5)} ms, p99 ${at(0.99)} ms, max ${at(1)} ms (${pings.length} pings)`;
+  };
+}
+
+/**
+ * The gateway build as it is now, copied into the run's folder (with the repo's node_modules
+ * linked beside it): the gateways this bench starts all along are that build, even if dist/ is
+ * rebuilt meanwhile (a build removes dist/ first, and would stop the next one from starting).
+ */
+async function snapshotBuild(dir: string): Promise<string> {
+  const app = join(dir, 'app');
+  for (let attempt = 1; ; attempt++) {
+    try {
+      rmSync(app, { recursive: true, force: true });
+      mkdirSync(app);
+      cpSync(join(ROOT, 'dist'), join(app, 'dist'), { recursive: true });
+      if (!existsSync(join(app, 'dist/.built'))) throw new Error('dist/ is being built');
+      break;
+    } catch (err) {
+      if (attempt === 10) throw new Error(`no complete build in dist/ to copy: ${String(err)}`, { cause: err });
+      await new Promise((r) => setTimeout(r, 3000));
+    }
+  }
+  copyFileSync(join(ROOT, 'package.json'), join(app, 'package.json')); // "type": "module"
+  symlinkSync(join(ROOT, 'node_modules'), join(app, 'node_modules'));
+  return join(app, 'dist/gateway/server.js');
+}
+
+/** What the run shares: its folder, the Redis under test, the backend, the key, and what to stop. */
+async function setUp() {
+  if (!hasCommand('wrk')) throw new Error('wrk is needed: apt-get install wrk');
+  if (!hasCommand('redis-server')) throw new Error('redis-server is needed: apt-get install redis-server');
+  const dir = mkdtempSync(join(tmpdir(), 'bench-faults-'));
+  const stops: Array<() => unknown> = [];
+  const tearDown = async () => {
+    for (const stop of stops.reverse()) await stop();
+    rmSync(dir, { recursive: true, force: true });
+  };
+  try {
+    const entry = await snapshotBuild(dir);
+    const redis = new RedisUnderTest(await freePort());
+    stops.push(() => redis.kill());
+    await redis.start();
+    const { url: backendUrl, proc: backend } = await startPetBackend(dir, 0);
+    stops.push(() => backend.kill('SIGTERM'));
+    const { key, file } = roomyKeyConfig(dir);
+    return { dir, entry, redis, backendUrl, file, headers: { authorization: `Bearer ${key}` }, stops, tearDown };
+  } catch (err) {
+    await tearDown();
+    throw err;
+  }
+}
+type Bed = Awaited<ReturnType<typeof setUp>>;
+
+interface Gateway {
+  url: string;
+  admin: string;
+  log: string;
+  stop: () => void;
+}
+
+/** The gateway (the bed's copy of dist/gateway/server.js) against the bed's Redis, default settings but `env`, once /readyz says so. */
+async function startGateway(bed: Bed, name: string, env: Record<string, string> = {}): Promise<Gateway> {
+  const [port, adminPort] = [await freePort(), await freePort()];
+  const proc = await start(name, [process.execPath, bed.entry], {
+    BACKEND_URL: bed.backendUrl, GATEWAY_CONFIG: bed.file, REDIS_URL: `redis://127.0.0.1:${bed.redis.port}`,
+    GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), ...env,
+  }, adminPort, bed.dir);
+  const stop = () => void proc.kill('SIGTERM');
+  bed.stops.push(stop);
+  const admin = `http://127.0.0.1:${adminPort}`;
+  for (let i = 0; i < 100 && (await fetch(`${admin}/readyz`).catch(() => undefined))?.status !== 200; i++) {
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  return { url: `http://127.0.0.1:${port}/v1/pets`, admin, log: join(bed.dir, `${name}.log`), stop };
+}
+
+/** The value of one series in a /metrics text; a series not there (never counted) is 0. */
+function series(metrics: string, name: string): number {
+  const escaped = name.replace(/[{}"]/g, (c) => `\\${c}`);
+  return Number(new RegExp(`^${escaped} ([\\d.e+-]+)$`, 'm').exec(metrics)?.[1] ?? 0);
+}
+
+/** A histogram's cumulative bucket counts, by upper bound. */
+function buckets(metrics: string, name: string): Array<{ le: string; n: number }> {
+  return [...metrics.matchAll(new RegExp(`^${name}_bucket\\{le="([^"]+)"\\} (\\d+)`, 'gm'))].map((m) => ({ le: m[1]!, n: Number(m[2]) }));
+}
+
+/** Calls between two readings of a histogram, and the upper bounds of the buckets that hold their 99th percentile and the largest. */
+function histogramDelta(before: Array<{ le: string; n: number }>, after: Array<{ le: string; n: number }>) {
+  const delta = after.map((b) => ({ le: b.le, n: b.n - (before.find((a) => a.le === b.le)?.n ?? 0) }));
+  const count = delta.at(-1)?.n ?? 0;
+  const ms = (le: string | undefined) => (le === undefined || count === 0 ? '-' : le === '+Inf' ? '> 250 ms' : `<= ${Number(le) * 1000} ms`);
+  return { count, p99: ms(delta.find((b) => b.n >= count * 0.99)?.le), max: ms(delta.find((b) => b.n === count)?.le) };
+}
+
+/** Occurrences of `text` in a file from byte `from` on (the access log can be tens of MB a phase: read once, as bytes). */
+function countFrom(file: string, from: number, text: string): number {
+  const buf = Buffer.alloc(Math.max(0, statSync(file).size - from));
+  const fd = openSync(file, 'r');
+  let read = 0;
+  try {
+    for (let n = -1; n !== 0 && read < buf.length; read += n) n = readSync(fd, buf, read, buf.length - read, from + read);
+  } finally {
+    closeSync(fd);
+  }
+  let count = 0;
+  for (let i = buf.indexOf(text); i !== -1 && i < read; i = buf.indexOf(text, i + text.length)) count++;
+  return count;
+}
+
+/** One reading of the gateway's metrics and the length of its log. */
+async function reading(gw: Gateway) {
+  const metrics = await fetch(`${gw.admin}/metrics`, { signal: AbortSignal.timeout(5000) }).then((r) => r.text()).catch(() => '');
+  return { ok: metrics !== '', failing: series(metrics, FAILING), degraded: series(metrics, DEGRADED), redis: buckets(metrics, REDIS_HISTOGRAM), logAt: statSync(gw.log).size };
+}
+type Reading = Awaited<ReturnType<typeof reading>>;
+
+/** What the gateway did between two readings: degraded-budget decisions, failures declared, its Redis calls. */
+function between(gw: Gateway, a: Reading, b: Reading) {
+  const redis = histogramDelta(a.redis, b.redis);
+  return {
+    degradedDecisions: a.ok && b.ok ? b.failing - a.failing : Number.NaN,
+    failuresDeclared: countFrom(gw.log, a.logAt, FAILED_LINE),
+    degradedAtEnd: b.ok ? b.degraded : Number.NaN,
+    redisCalls: redis.count,
+    redisP99: redis.p99,
+    redisMax: redis.max,
+  };
+}
+
+/** 1. Healthy Redis, saturated, 10 s: the gateway's Redis call histogram, and no failure believed. */
+async function healthySaturated(bed: Bed) {
+  const rows = [];
+  for (const [settings, env] of [['defaults', {}], ['QUOTA_LEASE_MAX=1', { QUOTA_LEASE_MAX: '1' }]] as const) {
+    const gw = await startGateway(bed, `gateway-healthy-${rows.length}`, env);
+    await wrk(gw.url, bed.headers, 200, CONNECTIONS, 1);
+    const before = await reading(gw);
+    const r = await wrk(gw.url, bed.headers, 200, CONNECTIONS, 10);
+    const d = between(gw, before, await reading(gw));
+    gw.stop();
+    // Failures declared since the start, warm-up included: there must be none.
+    rows.push({ settings, rps: Math.round(r.rps), p99ms: r.p99, requests: r.requests, not200: r.wrong, ...d, failuresDeclared: countFrom(gw.log, 0, FAILED_LINE) });
+  }
+  return rows;
+}
+
+interface Condition {
+  phase: string;
+  /** Starts from a gateway that believes Redis well (all but the phases that measure a recovery). */
+  fromHealthy?: boolean;
+  before?: () => unknown;
+  /** Undoes `before`; what it answers is printed under the table. */
+  after?: () => Promise<string | void> | void;
+}
+
+/** The Redis conditions, in order: each phase's `before` makes it, its `after` undoes it where the next phase needs that. */
+function conditions(bed: Bed): Condition[] {
+  const { redis } = bed;
+  let stopBusy: (() => Promise<string>) | undefined;
+  const busy = (seconds: number) => ({
+    before: async () => void (stopBusy = await keepBusy(redis.port, seconds)),
+    after: () => stopBusy?.(),
+  });
+  // Packets to Redis's port dropped on loopback (root and iptables only): the rule names only
+  // this run's Redis port, and is taken out again whatever happens.
+  const dropping = hasCommand('iptables') && process.getuid?.() === 0;
+  const rule = ['INPUT', '-i', 'lo', '-p', 'tcp', '--dport', String(redis.port), '-j', 'DROP'];
+  const firewall = (op: '-I' | '-D') => execFileSync('iptables', [op, ...rule], { stdio: 'ignore' });
+  let dropped = false;
+  bed.stops.push(() => dropped && firewall('-D'));
+  return [
+    { phase: 'Redis healthy', fromHealthy: true },
+    { phase: 'Redis slow (DEBUG SLEEP 0.05 looped)', fromHealthy: true, ...busy(0.05) },
+    { phase: 'Redis slower (DEBUG SLEEP 0.15 looped)', fromHealthy: true, ...busy(0.15) },
+    { phase: 'Redis frozen (SIGSTOP)', fromHealthy: true, before: () => redis.signal('SIGSTOP'), after: () => redis.signal('SIGCONT') },
+    { phase: 'Redis thawed (SIGCONT)' },
+    ...(dropping
+      ? [{ phase: 'Redis packets dropped (iptables)', fromHealthy: true, before: () => (firewall('-I'), (dropped = true)), after: () => void (firewall('-D'), (dropped = false)) }]
+      : []),
+    { phase: 'Redis killed (SIGKILL)', fromHealthy: true, before: () => redis.kill() },
+    { phase: 'Redis restarted on its port', before: () => redis.start() },
+  ];
+}
+
+/**
+ * Until the gateway no longer says it is degraded (it probes Redis about every second), at
+ * most 5 s: how long that took. So a fault's phase is not spent in the previous one's failure.
+ */
+async function recovered(gw: Gateway): Promise<number> {
+  const t0 = Date.now();
+  while ((await reading(gw)).degraded !== 0 && Date.now() - t0 < 5000) await new Promise((r) => setTimeout(r, 100));
+  return Date.now() - t0;
+}
+
+/** One phase: its condition made, wrk for PHASE_SECONDS, the gateway read before and after (none for the backend direct). */
+async function phase(mode: Mode, url: string, headers: Record<string, string>, c: Condition, gw?: Gateway) {
+  const waited = gw && c.fromHealthy ? await recovered(gw) : 0;
+  const before = gw && (await reading(gw));
+  await c.before?.();
+  const r = await wrk(url, headers, 200, CONNECTIONS, PHASE_SECONDS, mode.lua);
+  const gateway = gw && before ? between(gw, before, await reading(gw)) : undefined;
+  const notes = [waited >= 100 && `started ${waited} ms later, once the gateway had left its degraded state${before?.degraded ? ' (still degraded after 5 s)' : ''}`, await c.after?.()];
+  const note = notes.filter(Boolean).join('; ') || undefined;
+  return { mode: mode.name, phase: c.phase, rps: Math.round(r.rps), requests: r.requests, p50ms: r.p50, p99ms: r.p99, maxMs: r.max, not200: r.wrong, ...gateway, note };
+}
+type Phase = Awaited<ReturnType<typeof phase>>;
+
+/** 2. Every condition under one load, on a gateway of its own at default settings, after the backend direct under the same load. */
+async function faults(bed: Bed, mode: Mode): Promise<Phase[]> {
+  const gw = await startGateway(bed, `gateway-${mode.name.replace(/\W/g, '-')}`);
+  await wrk(gw.url, bed.headers, 200, CONNECTIONS, 1, mode.lua);
+  const phases = [await phase(mode, `${bed.backendUrl}/v1/pets`, {}, { phase: 'backend direct (reference)' })];
+  for (const c of conditions(bed)) phases.push(await phase(mode, gw.url, bed.headers, c, gw));
+  gw.stop();
+  return phases;
+}
+
+const f = (n: number | undefined, d = 1) => (n !== undefined && Number.isFinite(n) ? n.toFixed(d) : '-');
+
+function printHealthy(rows: Awaited<ReturnType<typeof healthySaturated>>): void {
+  console.log(`\n1. Healthy Redis, wrk -t1 -c${CONNECTIONS} -d10s (saturation): the gateway's own Redis call histogram`);
+  for (const h of rows) {
+    console.log(`   ${h.settings.padEnd(18)} ${String(h.rps).padStart(6)} req/s  p99 ${f(h.p99ms, 2)} ms  Redis calls ${h.redisCalls}: p99 ${h.redisP99}, max ${h.redisMax}` +
+      `  failures declared ${h.failuresDeclared}  degraded-budget decisions ${f(h.degradedDecisions, 0)} of ${h.requests}  not 200: ${h.not200}`);
+  }
+}
+
+function printFaults(mode: Mode, phases: Phase[]): void {
+  console.log(`\n2${mode === MODES[0] ? 'a' : 'b'}. ${mode.title}, ${PHASE_SECONDS} s per phase, default settings`);
+  console.log(`   ${'phase'.padEnd(40)} ${'req/s'.padStart(6)} ${'p50 ms'.padStart(7)} ${'p99 ms'.padStart(8)} ${'x direct'.padStart(8)} ${'max ms'.padStart(7)}` +
+    ` ${'not 200'.padStart(7)} ${'degraded budget'.padStart(17)} ${'failed'.padStart(6)} ${'deg. at end'.padStart(11)}  Redis calls (p99)`);
+  const ref = phases[0]!;
+  for (const p of phases) {
+    const budget = p.degradedDecisions === undefined ? '-' : `${f(p.degradedDecisions, 0)}/${p.requests}`;
+    const calls = p.redisCalls === undefined ? '-' : `${p.redisCalls} (${p.redisP99})`;
+    console.log(`   ${p.phase.padEnd(40)} ${String(p.rps).padStart(6)} ${f(p.p50ms, 2).padStart(7)} ${f(p.p99ms, 2).padStart(8)} ${`x${f(p.p99ms / ref.p99ms, 1)}`.padStart(8)}` +
+      ` ${f(p.maxMs, 1).padStart(7)} ${String(p.not200).padStart(7)} ${budget.padStart(17)} ${(p.failuresDeclared ?? '-').toString().padStart(6)} ${f(p.degradedAtEnd, 0).padStart(11)}  ${calls}`);
+  }
+  for (const p of phases.filter((x) => x.note)) console.log(`   ${p.phase}: ${p.note}`);
 }
 
 async function main() {
-  if (!hasCommand('wrk')) throw new Error('wrk is needed: apt-get install wrk');
-  const dir = mkdtempSync(join(tmpdir(), 'bench-faults-'));
-  const stops: Array<() => unknown> = [];
-  const node = process.execPath;
+  const bed = await setUp();
   try {
-    const redisPort = await freePort();
-    let redis = redisServer(redisPort);
-    stops.push(() => redis.kill('SIGCONT') && redis.kill('SIGKILL'));
-    await waitForPort(redisPort, 5000);
-    const { url: backendUrl, proc: backend } = await startPetBackend(dir, 0);
-    stops.push(() => backend.kill('SIGTERM'));
-
-    const key = { id: 'bench', ...generateKey('production') };
-    const file = join(dir, 'gateway.json');
-    writeFileSync(file, JSON.stringify(testConfig([{ ...key, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } }])));
-    const gateway = async (name: string, env: Record<string, string>) => {
-      const [port, adminPort] = [await freePort(), await freePort()];
-      const proc = await start(name, [node, 'dist/gateway/server.js'], {
-        BACKEND_URL: backendUrl, GATEWAY_CONFIG: file, REDIS_URL: `redis://127.0.0.1:${redisPort}`, GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), ...env,
-      }, adminPort, dir);
-      stops.push(() => proc.kill('SIGTERM'));
-      return { name, url: `http://127.0.0.1:${port}/v1/pets`, admin: `http://127.0.0.1:${adminPort}`, log: join(dir, `${name}.log`) };
-    };
-    const headers = { authorization: `Bearer ${key.key}` };
-    const degradations = (log: string) => readFileSync(log, 'utf8').split('\n').filter((l) => l.includes('quota store: Redis failed')).length;
-
-    // 1. Healthy, saturated.
-    const healthy = [];
-    for (const [name, env] of [['defaults', {}], ['QUOTA_LEASE_MAX=1', { QUOTA_LEASE_MAX: '1' }]] as const) {
-      const gw = await gateway(`gateway-${healthy.length}`, env);
-      await wrk(gw.url, headers, 200, CONNECTIONS, 1);
-      const r = await wrk(gw.url, headers, 200, CONNECTIONS, 10);
-      const metrics = await (await fetch(`${gw.admin}/metrics`)).text();
-      const h = histogram(metrics, 'gateway_redis_duration_seconds');
-      const late = Number(/^gateway_quota_local_decisions_total\{reason="late"\} (\d+)/m.exec(metrics)?.[1] ?? 0);
-      healthy.push({ settings: name, rps: Math.round(r.rps), p99ms: r.p99, requests: r.requests, redisCalls: h.count, redisP99: h.p99, redisMax: h.max, late, falseDegradations: degradations(gw.log), wrong: r.wrong });
-    }
-
-    // 2. Faults at a fixed rate, default settings.
-    const gw = await gateway('gateway-faults', {});
-    const think = `function delay() return math.random(0, ${Math.round((2 * CONNECTIONS * 1000) / RATE)}) end\n`;
-    const phase = async (label: string, url: string, h: Record<string, string>, before?: () => unknown, after?: () => unknown) => {
-      await before?.();
-      const r = await wrk(url, h, 200, CONNECTIONS, PHASE_SECONDS, think);
-      await after?.();
-      return { phase: label, rps: Math.round(r.rps), p50ms: r.p50, p99ms: r.p99, maxMs: r.max, not200: r.wrong };
-    };
-    await wrk(gw.url, headers, 200, CONNECTIONS, 1, think);
-    // Packets to Redis's port dropped on loopback (root and iptables only): the rule names only
-    // this run's Redis port, and is taken out again whatever happens.
-    const dropping = hasCommand('iptables') && process.getuid?.() === 0;
-    const rule = ['INPUT', '-i', 'lo', '-p', 'tcp', '--dport', String(redisPort), '-j', 'DROP'];
-    const firewall = (op: '-I' | '-D') => execFileSync('iptables', [op, ...rule], { stdio: 'ignore' });
-    stops.push(() => {
-      try {
-        if (dropping) firewall('-D');
-      } catch {
-        // not there: already taken out
-      }
-    });
-    const phases = [
-      await phase('backend direct (reference)', `${backendUrl}/v1/pets`, {}),
-      await phase('gateway, Redis healthy', gw.url, headers),
-      await phase('Redis frozen (SIGSTOP)', gw.url, headers, () => redis.kill('SIGSTOP'), () => redis.kill('SIGCONT')),
-      await phase('Redis thawed', gw.url, headers),
-      ...(dropping
-        ? [await phase('Redis packets dropped (iptables)', gw.url, headers, () => firewall('-I'), () => firewall('-D'))]
-        : []),
-      await phase('Redis killed (SIGKILL)', gw.url, headers, () => redis.kill('SIGKILL')),
-      await phase('Redis restarted', gw.url, headers, async () => {
-        redis = redisServer(redisPort);
-        await waitForPort(redisPort, 5000);
-      }),
-    ];
-
-    const f = (n: number, d = 1) => (Number.isFinite(n) ? n.toFixed(d) : '-');
-    console.log(`\n1. Healthy Redis, wrk -t1 -c${CONNECTIONS} -d10s (saturation): the gateway's own Redis call histogram`);
-    for (const h of healthy) {
-      console.log(`   ${h.settings.padEnd(18)} ${String(h.rps).padStart(6)} req/s  p99 ${f(h.p99ms, 2)} ms  Redis calls ${h.redisCalls}: p99 ${h.redisP99}, max ${h.redisMax}  decided late (QUOTA_WAIT_MS) ${h.late} of ${h.requests}  false degradations ${h.falseDegradations}  not 200: ${h.wrong}`);
-    }
-    console.log(`\n2. Faults at about ${RATE} req/s (wrk think time), ${PHASE_SECONDS} s per phase, default settings`);
-    const ref = phases[0]!;
-    for (const p of phases) {
-      console.log(`   ${p.phase.padEnd(34)} ${String(p.rps).padStart(5)}/s  p50 ${f(p.p50ms, 2).padStart(6)} ms  p99 ${f(p.p99ms, 2).padStart(7)} ms (x${f(p.p99ms / ref.p99ms, 1)} direct)  max ${f(p.maxMs, 1).padStart(6)} ms  not 200: ${p.not200}`);
-    }
-    mkdirSync(join(ROOT, 'bench/results'), { recursive: true });
-    const out = join(ROOT, 'bench/results', `faults-${new Date().toISOString().replace(/[:.]/g, '-')}.json`);
-    writeFileSync(out, `${JSON.stringify({ at: new Date().toISOString(), rate: RATE, phaseSeconds: PHASE_SECONDS, healthy, phases }, null, 2)}\n`);
+    const healthy = await healthySaturated(bed);
+    const modes = [];
+    for (const mode of MODES) modes.push({ mode, phases: await faults(bed, mode) });
+    printHealthy(healthy);
+    for (const { mode, phases } of modes) printFaults(mode, phases);
+    const unexpected = modes.flatMap((m) => m.phases).filter((p) => p.not200 !== 0).length + healthy.filter((h) => h.not200 !== 0).length;
+    console.log(`\nphases with a status other than 200: ${unexpected}${unexpected ? ' (a Redis condition reached the client)' : ''}`);
+    const out = join(tmpdir(), `bench-faults-${new Date().toISOString().replace(/[:.]/g, '-')}.json`);
+    const phases = modes.flatMap((m) => m.phases);
+    writeFileSync(out, `${JSON.stringify({ at: new Date().toISOString(), rate: RATE, connections: CONNECTIONS, phaseSeconds: PHASE_SECONDS, healthy, phases }, null, 2)}\n`);
     console.log(`results: ${out}`);
+  } catch (err) {
+    // A process that would not start names its log, which is in the folder about to be removed.
+    const log = /see (\S+\.log)/.exec(String(err))?.[1];
+    if (log) console.error(`${log}, its end:\n${readFileSync(log, 'utf8').slice(-3000)}`);
+    throw err;
   } finally {
-    for (const stop of stops.reverse()) await stop();
-    rmSync(dir, { recursive: true, force: true });
+    await bed.tearDown();
   }
 }
 
