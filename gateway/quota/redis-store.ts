@@ -73,7 +73,7 @@ export class RedisQuotaStore implements QuotaStore {
   ) {
     this.observe = options.observe ?? (() => {});
     this.leaseMax = options.leaseMax ?? 1;
-    this.timeoutMs = options.timeoutMs ?? 250;
+    this.timeoutMs = options.timeoutMs ?? 1000;
     this.failClosed = options.failClosed ?? false;
     this.registry = options.registry;
     this.clock = options.clock ?? SYSTEM_CLOCK;

@@ -31,7 +31,7 @@ describe('settings from their schema', () => {
       bodyLimit: 1048576,
       requestTimeoutMs: 30000,
       upstreamTimeoutMs: 10000,
-      redisTimeoutMs: 250,
+      redisTimeoutMs: 1000,
       quotaStoreFailure: 'open',
       quotaLeaseMax: 100,
       redisKeyPrefix: 'gw',
