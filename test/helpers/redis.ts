@@ -64,9 +64,11 @@ export interface RedisNode {
 
 /**
  * A real Redis Cluster on loopback: 3 masters with a replica each, made by
- * `redis-cli --cluster create`, failing over after 1 s without its master.
+ * `redis-cli --cluster create`, failing over after `nodeTimeoutMs` (1 s) without its master.
+ * Redis's own default is 15 s; a node writes and fsyncs its cluster file on every change of
+ * the others' state, so a short timeout on a loaded machine also brings stalls of its own.
  */
-export async function spawnCluster(): Promise<{ nodes: string; all: RedisNode[]; masterOf(key: string): RedisNode; stop(): void }> {
+export async function spawnCluster(nodeTimeoutMs = 1000): Promise<{ nodes: string; all: RedisNode[]; masterOf(key: string): RedisNode; stop(): void }> {
   const dir = mkdtempSync(join(tmpdir(), 'redis-cluster-'));
   const taken = new Set<number>();
   const all: RedisNode[] = [];
@@ -83,7 +85,7 @@ export async function spawnCluster(): Promise<{ nodes: string; all: RedisNode[];
       const proc = spawn(
         'redis-server',
         ['--port', String(port), '--bind', '127.0.0.1', '--cluster-enabled', 'yes', '--cluster-config-file', `nodes-${port}.conf`,
-          '--cluster-node-timeout', '1000', '--dir', dir, '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0'],
+          '--cluster-node-timeout', String(nodeTimeoutMs), '--dir', dir, '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0'],
         { stdio: 'ignore' },
       );
       all.push({ port, proc });
