@@ -286,6 +286,21 @@ describe('redis store', () => {
     broken.disconnect();
   });
 
+  it('logs and counts a refund Redis does not take: the request stays counted', async () => {
+    const own = new Redis(inject('redisUrl'), { enableOfflineQueue: false });
+    await eventually(() => own.status === 'ready');
+    const warnings: unknown[][] = [];
+    const log = { ...silent, warn: (...a: unknown[]) => warnings.push(a) } as unknown as FastifyBaseLogger;
+    const store = new RedisQuotaStore(own, log);
+    const s = subject(5, 10, false);
+    const d = await store.consume(s);
+    own.disconnect(); // gone before the refund, and no call has told the store yet
+    await store.refund(s, d.nowMs);
+    expect(store.counts.refundsFailed).toBe(1);
+    expect(warnings.map((w) => w[1])).toEqual(['quota store: a refund failed; the request stays counted']);
+    expect(await redis.hget(s.name, 'mc')).toBe('1');
+  });
+
   it('writes back what an instance admitted while Redis failed once per batch, into the windows still current', async () => {
     const store = new RedisQuotaStore(redis, silent); // defines the script on the client
     const client = redis as unknown as { writeback(...a: unknown[]): Promise<number> };
