@@ -35,9 +35,11 @@ function redisName(redis: RedisClient): string {
 }
 
 /** Why Redis is not usable, in an operator's words rather than the client library's. */
-async function redisProblems(redis: RedisClient): Promise<string[]> {
+async function redisProblems(redis: RedisClient, store: QuotaStore): Promise<string[]> {
   const what = redisName(redis);
   if (redis.status !== 'ready') return [`${what}: not connected (${redis.status}); the gateway keeps trying`];
+  // Declared failing by the quota store: no need to wait for a PING's own timeout to say so.
+  if (store.degraded) return [`${what}: connected but not answering in time`];
   return redis.ping().then(
     () => [],
     (err: Error) => [/timed out/i.test(err.message) ? `${what}: connected but not answering in time` : `${what}: ${err.message}`],
@@ -75,7 +77,7 @@ export async function buildAdmin(deps: AdminDeps): Promise<FastifyInstance> {
     if (deps.closing()) problems.push('shutting down');
     problems.push(...(deps.problems?.() ?? []));
     if (deps.redis) {
-      problems.push(...(await redisProblems(deps.redis)));
+      problems.push(...(await redisProblems(deps.redis, deps.store)));
     }
     await fetch(`${deps.backendUrl}/healthz`, { signal: AbortSignal.timeout(1000) }).then(
       (res) => {
