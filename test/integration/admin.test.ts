@@ -367,6 +367,7 @@ describe('a frozen Redis', () => {
     const redis = await spawnRedis();
     onTestFinished(() => redis.stop());
     const k = { ...makeKey('enterprise'), limits: { perMinute: 100, perDay: 100_000 } }; // no lease: a leased unit is served even then
+    // 300 ms, not the shipped 1 s: only to keep the test short.
     const gw = await build([k], { redis: redis.url, settings: { redisTimeoutMs: 300, quotaStoreFailure: 'closed' } });
     expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
     redis.proc.kill('SIGSTOP');

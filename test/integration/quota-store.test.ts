@@ -341,6 +341,7 @@ function watchQuotaCalls(client: Redis) {
 }
 
 describe('redis store with leases', () => {
+  // The store alone (no gateway settings): leases of up to 20, so a key of 1,000 a minute takes 10.
   const leased = (client: Redis = redis, max = 20) => new RedisQuotaStore(client, silent, { leaseMax: max });
   const counted = async (s: QuotaSubject) => Number(await redis.hget(s.name, 'mc'));
 
