@@ -1,11 +1,12 @@
 import cluster from 'node:cluster';
 import { announceReady, listenOrExit, stopOnSignals } from '../runtime/process.js';
-import { buildAdmin } from './admin.js';
-import { buildGateway } from './app.js';
-import { runPrimary, runWorker } from './cluster.js';
-import { type GatewayConfig, loadConfigFile } from './config.js';
-import { awaitRedis, closeRedis, connectRedis, reloader, watchConfig } from './lifecycle.js';
-import { type GatewaySettings, loadSettings, redisTarget } from './settings.js';
+import { buildAdmin } from './admin/app.js';
+import { buildGateway } from './http/app.js';
+import { runPrimary, runWorker } from './process/cluster.js';
+import { type GatewayConfig, loadConfigFile } from './config/config.js';
+import { awaitRedis, closeRedis, connectRedis } from './process/redis-client.js';
+import { reloader, watchConfig } from './process/config-watch.js';
+import { type GatewaySettings, loadSettings, redisTarget } from './config/settings.js';
 
 // Entry: settings and config (fail fast), then one gateway process with its admin port, or
 // with GATEWAY_WORKERS > 1 a cluster (cluster.ts).

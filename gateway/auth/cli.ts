@@ -1,6 +1,6 @@
 import { parseArgs } from 'node:util';
-import { ConfigError } from '../config.js';
-import { configFilePath } from '../settings.js';
+import { ConfigError } from '../config/config.js';
+import { configFilePath } from '../config/settings.js';
 import { createKey, duration, listKeys, revokeKey, rotateKey } from './key-file.js';
 
 // `npm run keys -- create|list|revoke|rotate`: the keys in the config file (key-file.ts does

@@ -1,7 +1,7 @@
 import { randomBytes } from 'node:crypto';
 import { closeSync, openSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { type Document, isMap, isSeq, parseDocument, type YAMLSeq } from 'yaml';
-import { type ConfigFile, parseConfigText } from '../config.js';
+import { type ConfigFile, parseConfigText } from '../config/config.js';
 import { generateKey } from './keys.js';
 
 // Keys in the config file, for the keys command and the admin API alike: each change edits

@@ -1,7 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { FastifyBaseLogger } from 'fastify';
-import type { RedisClient } from '../lifecycle.js';
+import type { RedisClient } from '../process/redis-client.js';
 import { BanCache } from './ban-cache.js';
 import { DAY_MS, type Decision, decision, leaseSize, MINUTE_MS, OUTCOMES, type QuotaSubject, windowStart } from './decision.js';
 import { DegradedBudget, type WriteBack } from './degraded-budget.js';

@@ -2,7 +2,7 @@ import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { generateKey } from '../../gateway/auth/keys.js';
-import type { ConfigFile } from '../../gateway/config.js';
+import type { ConfigFile } from '../../gateway/config/config.js';
 
 export interface TestKey {
   id: string;

@@ -1,6 +1,6 @@
 import { join } from 'node:path';
 import { inject } from 'vitest';
-import type { ConfigFile } from '../../gateway/config.js';
+import type { ConfigFile } from '../../gateway/config/config.js';
 import { tempDir, uniquePrefix, writeConfig } from './config.js';
 import { type Started, startBackend, startProcess } from './processes.js';
 

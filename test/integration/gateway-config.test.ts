@@ -27,7 +27,7 @@ async function keys(...args: string[]): Promise<{ stdout: string; stderr: string
 }
 const lastLine = (out: { stdout: string }) => out.stdout.trim().split('\n').pop()!;
 
-// Hot reload (the file watch and SIGHUP) lives in gateway/server.ts: a gateway process, in
+// Hot reload (the file watch and SIGHUP) lives in gateway/process/config-watch.ts: a gateway process, in
 // front of an in-test backend. Each test creates the keys it uses.
 describe('the keys command and hot reload', () => {
   let echo: EchoBackend;

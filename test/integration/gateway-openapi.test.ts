@@ -2,7 +2,7 @@ import { Validator } from '@seriousme/openapi-schema-validator';
 import { Ajv2020 } from 'ajv/dist/2020.js';
 import formats from 'ajv-formats';
 import { beforeAll, describe, expect, it, onTestFinished } from 'vitest';
-import type { OpenApiDocument } from '../../gateway/openapi.js';
+import type { OpenApiDocument } from '../../gateway/http/openapi.js';
 import { petsBackend } from '../helpers/backends.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';

@@ -92,9 +92,9 @@ describe('npm start compiles only when needed (runtime/build-if-stale.mjs)', () 
     const { dir, cleanup } = tempDir();
     try {
       // A stand-in project whose build only leaves a mark, with the real prestart script.
-      for (const d of ['backend', 'gateway', 'runtime', 'dist']) mkdirSync(join(dir, d));
+      for (const d of ['backend', 'gateway/http', 'runtime', 'dist']) mkdirSync(join(dir, d), { recursive: true });
       writeFileSync(join(dir, 'package.json'), JSON.stringify({ scripts: { build: 'node -e "require(\'fs\').appendFileSync(\'built\', \'x\'); require(\'fs\').writeFileSync(\'dist/.built\', \'\')"' } }));
-      for (const f of ['stack.ts', 'package-lock.json', 'tsconfig.json', 'tsconfig.build.json', 'gateway/app.ts']) writeFileSync(join(dir, f), '');
+      for (const f of ['stack.ts', 'package-lock.json', 'tsconfig.json', 'tsconfig.build.json', 'gateway/http/app.ts']) writeFileSync(join(dir, f), '');
       const prestart = () => execFileSync(process.execPath, [resolve(ROOT, 'runtime/build-if-stale.mjs')], { cwd: dir, stdio: 'ignore' });
       const builds = () => (existsSync(join(dir, 'built')) ? readFileSync(join(dir, 'built'), 'utf8').length : 0);
       prestart();
@@ -102,7 +102,7 @@ describe('npm start compiles only when needed (runtime/build-if-stale.mjs)', () 
       prestart();
       expect(builds()).toBe(1); // nothing changed: not again
       const later = new Date(Date.now() + 5000);
-      utimesSync(join(dir, 'gateway/app.ts'), later, later);
+      utimesSync(join(dir, 'gateway/http/app.ts'), later, later);
       prestart();
       expect(builds()).toBe(2); // a source changed
     } finally {

@@ -3,7 +3,7 @@ import { Redis } from 'ioredis';
 import calculateSlot from 'cluster-key-slot';
 import { afterAll, beforeAll, describe, expect, inject, it, vi } from 'vitest';
 import type { FastifyBaseLogger } from 'fastify';
-import { compileConfig, validateConfigFile } from '../../gateway/config.js';
+import { compileConfig, validateConfigFile } from '../../gateway/config/config.js';
 import { DAY_MS, MINUTE_MS, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';

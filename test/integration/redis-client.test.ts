@@ -1,5 +1,5 @@
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
-import { closeRedis, connectRedis } from '../../gateway/lifecycle.js';
+import { closeRedis, connectRedis } from '../../gateway/process/redis-client.js';
 import { eventually, sleep } from '../helpers/time.js';
 
 describe('the gateway\'s Redis client', () => {

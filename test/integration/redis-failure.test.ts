@@ -1,6 +1,6 @@
 import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
-import type { ConfigFile } from '../../gateway/config.js';
+import type { ConfigFile } from '../../gateway/config/config.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';

@@ -1,7 +1,7 @@
 import { Writable } from 'node:stream';
 import { describe, expect, it } from 'vitest';
-import { type AccessEntry, accessLine, tenths } from '../../gateway/access-log.js';
-import type { Consumer } from '../../gateway/config.js';
+import { type AccessEntry, accessLine, tenths } from '../../gateway/observability/access-log.js';
+import type { Consumer } from '../../gateway/config/config.js';
 import { createLogger } from '../../runtime/process.js';
 
 /** The gateway's own logger (runtime/process.ts options) writing into an array. */

@@ -1,7 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
 import { generateKey, hashKey } from '../../gateway/auth/keys.js';
-import { ConfigError, compileConfig, loadConfigFile, parseConfigText, validateConfigFile } from '../../gateway/config.js';
+import { ConfigError, compileConfig, loadConfigFile, parseConfigText, validateConfigFile } from '../../gateway/config/config.js';
 import { testConfig } from '../helpers/config.js';
 
 const problems = (raw: unknown): string[] => {

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { AggregatorRegistry, Counter, Histogram, type Metric, Registry } from 'prom-client';
-import { GatewayMetrics, TallyHistogram } from '../../gateway/metrics.js';
+import { GatewayMetrics, TallyHistogram } from '../../gateway/observability/metrics.js';
 
 const store = { degraded: false, activeBans: () => 2 };
 

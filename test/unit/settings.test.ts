@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { loadBackendSettings } from '../../backend/settings.js';
-import { configFilePath, loadSettings, redisTarget } from '../../gateway/settings.js';
+import { configFilePath, loadSettings, redisTarget } from '../../gateway/config/settings.js';
 
 describe('settings', () => {
   it.each([
@@ -88,7 +88,7 @@ describe('settings from their schema', () => {
 describe('README settings table', () => {
   it('lists every variable of both services with its default, and no other', async () => {
     const { readFileSync } = await import('node:fs');
-    const { GatewaySettingsSchema } = await import('../../gateway/settings.js');
+    const { GatewaySettingsSchema } = await import('../../gateway/config/settings.js');
     const { BackendSettingsSchema } = await import('../../backend/settings.js');
     const text = readFileSync('README.md', 'utf8');
     const start = text.indexOf('## Settings (environment)');

@@ -1,13 +1,14 @@
 import cluster, { type Worker } from 'node:cluster';
 import type { FastifyBaseLogger } from 'fastify';
 import { AggregatorRegistry } from 'prom-client';
-import { announceReady, createLogger, listenOrExit, stopOnSignals } from '../runtime/process.js';
-import { buildAdmin } from './admin.js';
-import { buildGateway } from './app.js';
-import type { GatewayConfig } from './config.js';
-import { awaitRedis, closeRedis, connectRedis, reloader, watchConfig } from './lifecycle.js';
-import { RedisQuotaStore } from './quota/redis-store.js';
-import type { GatewaySettings } from './settings.js';
+import { announceReady, createLogger, listenOrExit, stopOnSignals } from '../../runtime/process.js';
+import { buildAdmin } from '../admin/app.js';
+import { buildGateway } from '../http/app.js';
+import type { GatewayConfig } from '../config/config.js';
+import { awaitRedis, closeRedis, connectRedis } from './redis-client.js';
+import { reloader, watchConfig } from './config-watch.js';
+import { RedisQuotaStore } from '../quota/redis-store.js';
+import type { GatewaySettings } from '../config/settings.js';
 
 // GATEWAY_WORKERS=N: N gateway processes on one port (node:cluster; the primary hands each
 // connection to a worker in turn). Limits stay exact because they live in Redis, which is

@@ -1,9 +1,9 @@
 import type { FastifyBaseLogger, FastifyReply, FastifyRequest } from 'fastify';
 import { type Logger, symbols } from 'pino';
-import type { Consumer } from './config.js';
+import type { Consumer } from '../config/config.js';
 import type { GatewayMetrics, RejectionReason } from './metrics.js';
-import type { AdmissionOutcome } from './quota/decision.js';
-import type { RouteId } from './routes.js';
+import type { AdmissionOutcome } from '../quota/decision.js';
+import type { RouteId } from '../http/routes.js';
 
 /** One answered request, whichever path answered it (proxy, hook, framework error, raw socket). */
 export interface AccessEntry {

@@ -1,6 +1,6 @@
 import { Counter, collectDefaultMetrics, Gauge, Histogram, type Metric, Registry } from 'prom-client';
-import type { Refusal } from './quota/decision.js';
-import type { QuotaStore, StoreCounts } from './quota/store.js';
+import type { Refusal } from '../quota/decision.js';
+import type { QuotaStore, StoreCounts } from '../quota/store.js';
 
 /** Why a request was refused: its quota's outcome, no valid key, or a quota store failing closed. */
 export type RejectionReason = Refusal | 'unauthenticated' | 'unavailable';

@@ -1,12 +1,12 @@
 import { createHash, timingSafeEqual } from 'node:crypto';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyRequest, LogController } from 'fastify';
-import type { RedisClient } from './lifecycle.js';
-import { ADMIN_DOCUMENT } from './admin-openapi.js';
-import { registerKeyApi } from './admin-keys.js';
-import type { Consumer, GatewayConfig } from './config.js';
-import { GatewayError, handleError } from './errors.js';
-import { windows } from './quota/decision.js';
-import type { QuotaStore } from './quota/store.js';
+import type { RedisClient } from '../process/redis-client.js';
+import { ADMIN_DOCUMENT } from './document.js';
+import { registerKeyApi } from './keys.js';
+import type { Consumer, GatewayConfig } from '../config/config.js';
+import { GatewayError, handleError } from '../http/errors.js';
+import { windows } from '../quota/decision.js';
+import type { QuotaStore } from '../quota/store.js';
 
 export interface AdminDeps {
   config: () => GatewayConfig;

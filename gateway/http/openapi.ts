@@ -1,5 +1,5 @@
-import { ErrorBody } from '../backend/errors.js';
-import type { GatewayConfig } from './config.js';
+import { ErrorBody } from '../../backend/errors.js';
+import type { GatewayConfig } from '../config/config.js';
 import type { Deprecation } from './deprecation.js';
 import { GatewayError } from './errors.js';
 import { DOCUMENT_ROUTE, ROUTES, type RouteId } from './routes.js';

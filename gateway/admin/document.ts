@@ -1,4 +1,4 @@
-import { ErrorBody } from '../backend/errors.js';
+import { ErrorBody } from '../../backend/errors.js';
 
 // The admin port's own OpenAPI document, served at GET /openapi.json on the admin port (never
 // the public one). A test checks that every operation it lists is routed, and every route listed.

@@ -2,11 +2,11 @@ import { readFileSync } from 'node:fs';
 import { type Static, Type } from '@sinclair/typebox';
 import { Value } from '@sinclair/typebox/value';
 import { parse as parseYaml } from 'yaml';
-import type { Environment } from './auth/keys.js';
-import { compileDeprecation, type Deprecation } from './deprecation.js';
-import type { QuotaSubject } from './quota/decision.js';
-import { policyHeader } from './quota/headers.js';
-import { ROUTES, type RouteId } from './routes.js';
+import type { Environment } from '../auth/keys.js';
+import { compileDeprecation, type Deprecation } from '../http/deprecation.js';
+import type { QuotaSubject } from '../quota/decision.js';
+import { policyHeader } from '../quota/headers.js';
+import { ROUTES, type RouteId } from '../http/routes.js';
 
 // The config file the operator edits (plans, keys, bans, deprecations): read, validated with
 // every problem named by its path, and compiled into the frozen structures the hot path reads.

@@ -1,13 +1,13 @@
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
-import type { AccessEntry } from './access-log.js';
-import { authenticate } from './auth/authenticate.js';
-import type { Consumer, GatewayConfig } from './config.js';
+import type { AccessEntry } from '../observability/access-log.js';
+import { authenticate } from '../auth/authenticate.js';
+import type { Consumer, GatewayConfig } from '../config/config.js';
 import { corsHeaders, preflight } from './cors.js';
 import { sunsetRefusal } from './deprecation.js';
 import { GatewayError, handleError } from './errors.js';
-import { admit } from './quota/admit.js';
-import type { AdmissionOutcome, QuotaSubject } from './quota/decision.js';
-import type { QuotaStore } from './quota/store.js';
+import { admit } from '../quota/admit.js';
+import type { AdmissionOutcome, QuotaSubject } from '../quota/decision.js';
+import type { QuotaStore } from '../quota/store.js';
 import { DOCUMENT_ROUTE, isDocumentPath, matchRoute, type RouteId } from './routes.js';
 
 declare module 'fastify' {

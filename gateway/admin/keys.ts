@@ -1,7 +1,7 @@
 import type { FastifyInstance, FastifyRequest } from 'fastify';
-import { createKey, duration, KeyFileError, listKeys, revokeKey, rotateKey } from './auth/key-file.js';
-import { ConfigError } from './config.js';
-import { GatewayError } from './errors.js';
+import { createKey, duration, KeyFileError, listKeys, revokeKey, rotateKey } from '../auth/key-file.js';
+import { ConfigError } from '../config/config.js';
+import { GatewayError } from '../http/errors.js';
 
 /**
  * The key API on the admin port: the keys command over HTTP (create, list, rotate, revoke),

@@ -1,13 +1,9 @@
-import { watch } from 'node:fs';
-import { basename, dirname } from 'node:path';
 import type { FastifyBaseLogger } from 'fastify';
 import { Cluster, Redis } from 'ioredis';
-import { ConfigError, type GatewayConfig, loadConfigFile } from './config.js';
-import { type GatewaySettings, redisTarget } from './settings.js';
+import { type GatewaySettings, redisTarget } from '../config/settings.js';
 
-// What a gateway process needs around its app: the Redis connection, and config reloads
-// on a change of the file or SIGHUP. Shared by the single process, the cluster's primary
-// and its workers.
+// The Redis client a gateway process uses: which Redis the settings name, its fail-fast
+// options, its reconnects, and the wait for it at start.
 
 /** The client of whichever Redis the settings name: one node, a Cluster, or a Sentinel group's master. */
 export type RedisClient = Redis | Cluster;
@@ -95,38 +91,4 @@ export async function awaitRedis(redis: RedisClient | undefined, log: FastifyBas
     redis.once('error', done);
   });
   if ((redis.status as string) !== 'ready') log.warn('Redis is not ready yet; quotas are per process until it is');
-}
-
-/** Loads the file again; a broken edit is refused with a log line and the old config stays. */
-export function reloader(settings: GatewaySettings, apply: (config: GatewayConfig) => void, log: FastifyBaseLogger) {
-  return (reason: string): void => {
-    try {
-      apply(loadConfigFile(settings.configFile, settings.redisKeyPrefix));
-      log.info({ reason, file: settings.configFile }, 'config reloaded');
-    } catch (err) {
-      const problems = err instanceof ConfigError ? err.problems : [(err as Error).message];
-      log.error({ reason, file: settings.configFile, problems }, 'config reload refused; the previous config stays in force');
-    }
-  };
-}
-
-/**
- * Calls `reload` when the config file changes (debounced) and on SIGHUP; returns the stop.
- * The directory is watched, not the file: editors and the keys command replace the file by
- * rename, which a watch on the old inode would miss.
- */
-export function watchConfig(file: string, reload: (reason: string) => void): () => void {
-  let debounce: NodeJS.Timeout | undefined;
-  const watcher = watch(dirname(file), (_event, name) => {
-    if (name !== basename(file)) return;
-    clearTimeout(debounce);
-    debounce = setTimeout(() => reload('file changed'), 100);
-  });
-  const onHup = () => reload('SIGHUP');
-  process.on('SIGHUP', onHup);
-  return () => {
-    watcher.close();
-    clearTimeout(debounce);
-    process.off('SIGHUP', onHup);
-  };
 }

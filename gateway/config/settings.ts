@@ -1,6 +1,6 @@
 import { isIP } from 'node:net';
 import { Type } from '@sinclair/typebox';
-import { flag, logLevel, oneOf, readSettings } from '../runtime/settings.js';
+import { flag, logLevel, oneOf, readSettings } from '../../runtime/settings.js';
 
 // The gateway's process settings: each one's variable, default and rule side by side.
 

@@ -1,20 +1,20 @@
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, LogController } from 'fastify';
-import type { RedisClient } from './lifecycle.js';
+import type { RedisClient } from '../process/redis-client.js';
 import type { DestinationStream, Logger } from 'pino';
-import { createLogger, LazyRequestLogger } from '../runtime/process.js';
-import { accessLog } from './access-log.js';
-import type { GatewayConfig } from './config.js';
+import { createLogger, LazyRequestLogger } from '../../runtime/process.js';
+import { accessLog } from '../observability/access-log.js';
+import type { GatewayConfig } from '../config/config.js';
 import { handleError } from './errors.js';
-import { clientErrorHandler, installRawHandlers, type RawDeps, requestId } from './http-errors.js';
-import { GatewayMetrics } from './metrics.js';
+import { clientErrorHandler, installRawHandlers, type RawDeps, requestId } from './raw-answers.js';
+import { GatewayMetrics } from '../observability/metrics.js';
 import { documentServer, OPENAPI_PATH } from './openapi.js';
 import { requestPipeline } from './pipeline.js';
 import { registerProxy } from './proxy.js';
-import { admit } from './quota/admit.js';
-import { MemoryQuotaStore } from './quota/memory-store.js';
-import { RedisQuotaStore } from './quota/redis-store.js';
-import type { QuotaStore } from './quota/store.js';
-import { fastifyTrustProxy, type GatewaySettings } from './settings.js';
+import { admit } from '../quota/admit.js';
+import { MemoryQuotaStore } from '../quota/memory-store.js';
+import { RedisQuotaStore } from '../quota/redis-store.js';
+import type { QuotaStore } from '../quota/store.js';
+import { fastifyTrustProxy, type GatewaySettings } from '../config/settings.js';
 
 export interface GatewayDeps {
   config: GatewayConfig;

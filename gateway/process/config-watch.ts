@@ -1,0 +1,41 @@
+import { watch } from 'node:fs';
+import { basename, dirname } from 'node:path';
+import type { FastifyBaseLogger } from 'fastify';
+import { ConfigError, type GatewayConfig, loadConfigFile } from '../config/config.js';
+import type { GatewaySettings } from '../config/settings.js';
+
+// Config reloads: on a change of the file, or SIGHUP. A broken edit keeps the config in force.
+
+/** Loads the file again; a broken edit is refused with a log line and the old config stays. */
+export function reloader(settings: GatewaySettings, apply: (config: GatewayConfig) => void, log: FastifyBaseLogger) {
+  return (reason: string): void => {
+    try {
+      apply(loadConfigFile(settings.configFile, settings.redisKeyPrefix));
+      log.info({ reason, file: settings.configFile }, 'config reloaded');
+    } catch (err) {
+      const problems = err instanceof ConfigError ? err.problems : [(err as Error).message];
+      log.error({ reason, file: settings.configFile, problems }, 'config reload refused; the previous config stays in force');
+    }
+  };
+}
+
+/**
+ * Calls `reload` when the config file changes (debounced) and on SIGHUP; returns the stop.
+ * The directory is watched, not the file: editors and the keys command replace the file by
+ * rename, which a watch on the old inode would miss.
+ */
+export function watchConfig(file: string, reload: (reason: string) => void): () => void {
+  let debounce: NodeJS.Timeout | undefined;
+  const watcher = watch(dirname(file), (_event, name) => {
+    if (name !== basename(file)) return;
+    clearTimeout(debounce);
+    debounce = setTimeout(() => reload('file changed'), 100);
+  });
+  const onHup = () => reload('SIGHUP');
+  process.on('SIGHUP', onHup);
+  return () => {
+    watcher.close();
+    clearTimeout(debounce);
+    process.off('SIGHUP', onHup);
+  };
+}
