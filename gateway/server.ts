@@ -35,14 +35,11 @@ async function runSingle(settings: GatewaySettings, initial: GatewayConfig): Pro
   const gateway = await buildGateway(settings, { config: initial, redis });
   const { app } = gateway;
   let closing = false;
-  const admin = await buildAdmin({
+  const admin = await buildAdmin(settings, {
     config: gateway.config,
     store: gateway.store,
     metrics: gateway.metrics,
     redis,
-    backendUrl: settings.backendUrl,
-    adminToken: settings.adminToken,
-    configFile: settings.configFile,
     closing: () => closing,
     log: app.log,
   });

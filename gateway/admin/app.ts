@@ -8,22 +8,29 @@ import { GatewayError, handleError } from '../http/errors.js';
 import { windows } from '../quota/decision.js';
 import type { QuotaStore } from '../quota/store.js';
 
-export interface AdminDeps {
+/** What the admin port takes from the settings. */
+export interface AdminSettings {
+  backendUrl: string;
+  adminToken?: string;
+  /** The config file the key API edits (the same locked, validated edit as the keys command). */
+  configFile?: string;
+}
+
+/** What the admin port reads from the running instance. */
+export interface AdminParts {
   config: () => GatewayConfig;
   store: QuotaStore;
   /** The Prometheus text: this process's registry, or every worker's, aggregated. */
   metrics: { contentType: string; text(): Promise<string> };
-  /** The config file the key API edits (the same locked, validated edit as the keys command). */
-  configFile?: string;
   /** Problems that make this instance unready beyond Redis and the backend (a worker down). */
   problems?: () => string[];
   redis?: RedisClient;
-  backendUrl: string;
-  adminToken?: string;
   /** True once shutdown has begun: /readyz then answers 503 so load balancers stop sending. */
   closing: () => boolean;
   log: FastifyBaseLogger;
 }
+
+type AdminDeps = AdminSettings & AdminParts;
 
 const digest = (s: string) => createHash('sha256').update(s).digest();
 
@@ -50,7 +57,8 @@ async function redisProblems(redis: RedisClient, store: QuotaStore): Promise<str
  * The admin surface, on its own port and never on the public one: health, readiness,
  * Prometheus metrics, and a key's usage (behind ADMIN_TOKEN).
  */
-export async function buildAdmin(deps: AdminDeps): Promise<FastifyInstance> {
+export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Promise<FastifyInstance> {
+  const deps: AdminDeps = { ...settings, ...parts };
   const app = Fastify({
     loggerInstance: deps.log,
     // One line per request, as on the public port, instead of fastify's two.

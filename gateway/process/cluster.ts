@@ -27,15 +27,12 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
   const listening = new Set<number>();
 
   const aggregator = new AggregatorRegistry();
-  const admin = await buildAdmin({
+  const admin = await buildAdmin(settings, {
     config: () => config,
     store: new RedisQuotaStore(redis, log), // for the usage lookup: it only reads
     metrics: { contentType: aggregator.contentType, text: () => aggregator.clusterMetrics() },
     problems: () => (listening.size < settings.workers ? [`workers: ${listening.size} of ${settings.workers} listening`] : []),
     redis,
-    backendUrl: settings.backendUrl,
-    adminToken: settings.adminToken,
-    configFile: settings.configFile,
     closing: () => closing,
     log,
   });

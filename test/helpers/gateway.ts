@@ -118,13 +118,11 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   let admin: FastifyInstance | undefined;
   let adminUrl = '';
   if (opts.admin) {
-    admin = await buildAdmin({
+    admin = await buildAdmin({ backendUrl, adminToken: opts.admin.token }, {
       config: gateway.config,
       store: gateway.store,
       metrics: gateway.metrics,
       redis,
-      backendUrl,
-      adminToken: opts.admin.token,
       closing: () => false,
       log: gateway.app.log,
     });
