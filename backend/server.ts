@@ -1,5 +1,5 @@
 import { buildBackend } from './app.js';
-import { announceReady, listenOrExit, stopOnSignals } from '../runtime/process.js';
+import { announceReady, closeServer, exitOnSignals, listenOrExit } from '../runtime/process.js';
 import { loadBackendSettings } from './settings.js';
 import { PetStore } from './store.js';
 
@@ -15,7 +15,7 @@ const store = new PetStore(settings.dbFile);
 const app = await buildBackend(settings, store);
 app.log.info({ file: settings.dbFile, ...store.durability() }, 'pet store open');
 app.addHook('onClose', async () => store.close());
-stopOnSignals(app, settings.shutdownGraceMs);
+exitOnSignals(app.log, settings.shutdownGraceMs + 5000, () => closeServer(app, settings.shutdownGraceMs));
 
 await listenOrExit(app, settings.port, settings.host, { port: 'BACKEND_PORT', host: 'BACKEND_HOST' });
 announceReady();

@@ -1,5 +1,6 @@
 import cluster from 'node:cluster';
-import type { FastifyInstance } from 'fastify';
+import closeWithGrace from 'close-with-grace';
+import type { FastifyBaseLogger, FastifyInstance } from 'fastify';
 import { type DestinationStream, destination, type Logger, pino } from 'pino';
 
 // How a service process runs, the same for the backend and the gateway: its logger and its
@@ -139,45 +140,56 @@ export function announceReady(): void {
 }
 
 /**
- * SIGTERM/SIGINT: `beforeClose` runs (stop watchers, turn readiness off), the listener closes
- * and in-flight requests finish; connections still busy after `graceMs` are cut. Then
- * `afterClose` releases the rest and the process exits: 0, or 1 if connections were cut. A
- * second signal exits at once with 1. Install before listening, so no signal finds no handler.
+ * Closes a server gracefully: the listener closes and in-flight requests finish; connections
+ * still busy after `graceMs` are cut. Resolves with whether any were cut.
  */
-export function stopOnSignals(
-  app: FastifyInstance,
-  graceMs: number,
-  hooks: { beforeClose?: () => void; afterClose?: () => Promise<unknown> } = {},
-  signals: readonly NodeJS.Signals[] = ['SIGTERM', 'SIGINT'],
-): void {
-  let closing = false;
-  for (const signal of signals) {
-    process.on(signal, () => {
-      if (closing) process.exit(1);
-      closing = true;
-      app.log.info({ signal }, 'closing: finishing in-flight requests');
-      hooks.beforeClose?.();
-      let forced = false;
-      const grace = setTimeout(() => {
-        forced = true;
-        app.log.warn('grace period over: closing the remaining connections');
-        app.server.closeAllConnections();
-      }, graceMs);
-      // A keep-alive connection whose last request finishes during the close would otherwise
-      // hold the exit for Node's keepAliveTimeout (5 s): close each one as soon as it is idle.
-      const idle = setInterval(() => app.server.closeIdleConnections(), 50);
-      app
-        .close()
-        .then(() => hooks.afterClose?.())
-        .then(
-          () => {
-            clearTimeout(grace);
-            clearInterval(idle);
-            app.log.info({ cut: forced }, forced ? 'closed; busy connections were cut' : 'closed');
-            process.exit(forced ? 1 : 0);
-          },
-          () => process.exit(1),
-        );
-    });
+export async function closeServer(app: FastifyInstance, graceMs: number): Promise<boolean> {
+  let cut = false;
+  const grace = setTimeout(() => {
+    cut = true;
+    app.log.warn('grace period over: closing the remaining connections');
+    app.server.closeAllConnections();
+  }, graceMs);
+  // A keep-alive connection whose last request finishes during the close would otherwise
+  // hold the exit for Node's keepAliveTimeout (5 s): close each one as soon as it is idle.
+  const idle = setInterval(() => app.server.closeIdleConnections(), 50);
+  try {
+    await app.close();
+  } finally {
+    clearTimeout(grace);
+    clearInterval(idle);
   }
+  return cut;
+}
+
+/** Signals close-with-grace must leave alone by default: SIGHUP reloads the gateway's config. */
+const NOT_A_STOP: readonly closeWithGrace.AllEvents[] = ['SIGHUP'];
+
+/**
+ * SIGTERM, SIGINT (and an uncaught error) run `close` once, then the process exits: 0, or 1 if
+ * `close` cut busy connections, failed, or the error was one. A second signal exits at once
+ * with 1; `backstopMs` after the first, the process exits 1 whatever `close` is waiting for.
+ * Install before listening, so no signal finds no handler.
+ */
+export function exitOnSignals(
+  log: FastifyBaseLogger,
+  backstopMs: number,
+  close: () => Promise<boolean>,
+  ignore: readonly closeWithGrace.AllEvents[] = NOT_A_STOP,
+): void {
+  closeWithGrace(
+    {
+      delay: backstopMs,
+      skip: [...ignore],
+      logger: { error: (err: unknown) => log.error({ err }, 'closing failed') },
+      onSecondSignal: (signal: string) => log.warn({ signal }, 'second signal: exiting now'),
+    },
+    async ({ signal, err }) => {
+      if (err) log.error({ err }, 'uncaught error: closing');
+      else log.info({ signal }, 'closing: finishing in-flight requests');
+      const cut = await close();
+      log.info({ cut }, cut ? 'closed; busy connections were cut' : 'closed');
+      if (cut) process.exit(1);
+    },
+  );
 }

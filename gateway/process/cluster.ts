@@ -1,49 +1,39 @@
 import cluster, { type Worker } from 'node:cluster';
-import type { FastifyBaseLogger } from 'fastify';
 import { AggregatorRegistry } from 'prom-client';
-import { announceReady, createLogger, listenOrExit, stopOnSignals } from '../../runtime/process.js';
-import { buildAdmin } from '../admin/app.js';
-import { buildGateway } from '../http/app.js';
+import { announceReady } from '../../runtime/process.js';
 import type { GatewayConfig } from '../config/config.js';
-import { awaitRedis, closeRedis, connectRedis } from './redis-client.js';
-import { reloader, watchConfig } from './config-watch.js';
-import { RedisQuotaStore } from '../quota/redis-store.js';
 import type { GatewaySettings } from '../config/settings.js';
+import { RELOAD, run } from './runner.js';
 
 // GATEWAY_WORKERS=N: N gateway processes on one port (node:cluster; the primary hands each
 // connection to a worker in turn). Limits stay exact because they live in Redis, which is
 // why more than one worker needs REDIS_URL. The primary serves the admin port once (metrics
-// of every worker, aggregated), watches the config and tells every worker to reload, and
-// on SIGTERM/SIGINT drains every worker before it exits.
+// of every worker, aggregated), watches the config and tells every worker to reload once it
+// has taken the new config itself, and on SIGTERM/SIGINT drains every worker before it exits.
 
-const RELOAD = 'gateway:reload';
 const RESTART_AFTER_MS = 1000;
 
 export async function runPrimary(settings: GatewaySettings, initial: GatewayConfig): Promise<void> {
-  const log: FastifyBaseLogger = createLogger(settings.logLevel, settings.logPretty, () => {});
-  const redis = connectRedis(settings)!;
-  let config = initial;
-  let closing = false;
   const listening = new Set<number>();
-
   const aggregator = new AggregatorRegistry();
-  const admin = await buildAdmin(settings, {
-    config: () => config,
-    store: new RedisQuotaStore(redis, log), // for the usage lookup: it only reads
-    metrics: { contentType: aggregator.contentType, text: () => aggregator.clusterMetrics() },
-    problems: () => (listening.size < settings.workers ? [`workers: ${listening.size} of ${settings.workers} listening`] : []),
-    redis,
-    closing: () => closing,
-    log,
+  let closing = false;
+  const running = await run(settings, initial, {
+    serve: false,
+    admin: {
+      metrics: { contentType: aggregator.contentType, text: () => aggregator.clusterMetrics() },
+      problems: () => (listening.size < settings.workers ? [`workers: ${listening.size} of ${settings.workers} listening`] : []),
+    },
+    reloads: 'file',
+    // A config the primary refused is not sent on: every worker keeps the one in force.
+    onReload: (reason) => workers().forEach((worker) => worker.send({ type: RELOAD, reason })),
+    drain: () => {
+      closing = true;
+      running.log.info({ workers: listening.size }, 'draining every worker');
+      return drain(workers(), settings.shutdownGraceMs + 2000).then((worst) => worst !== 0);
+    },
+    ownProcess: { announce: false },
   });
-  await awaitRedis(redis, log);
-  const adminAddress = await listenOrExit(admin, settings.adminPort, settings.adminHost, { port: 'ADMIN_PORT', host: 'ADMIN_HOST' });
-
-  const reload = reloader(settings, (next) => (config = next), log);
-  const stopWatching = watchConfig(settings.configFile, (reason) => {
-    reload(reason);
-    for (const worker of workers()) worker.send({ type: RELOAD, reason });
-  });
+  const { log } = running;
 
   let announced = false;
   cluster.on('listening', (worker, a) => {
@@ -52,7 +42,7 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
     announced = true;
     const address = `http://${a.address ?? settings.host}:${a.port}`;
     const { environment } = initial;
-    log.info({ address, admin: adminAddress, workers: settings.workers, environment, backend: settings.backendUrl, store: 'redis' }, 'gateway ready');
+    log.info({ address, admin: running.adminAddress, workers: settings.workers, environment, backend: settings.backendUrl, store: 'redis' }, 'gateway ready');
     announceReady();
   });
   cluster.on('exit', (worker: Worker, code, signal) => {
@@ -66,21 +56,6 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
     log.error({ worker: worker.process.pid, code, signal }, `gateway worker exited; starting another in ${RESTART_AFTER_MS} ms`);
     setTimeout(() => !closing && cluster.fork(), RESTART_AFTER_MS);
   });
-
-  for (const signal of ['SIGTERM', 'SIGINT'] as const) {
-    process.on(signal, () => {
-      if (closing) process.exit(1);
-      closing = true;
-      stopWatching();
-      log.info({ signal, workers: listening.size }, 'closing: draining every worker');
-      void drain(workers(), settings.shutdownGraceMs + 2000).then(async (worst) => {
-        await admin.close();
-        await closeRedis(redis);
-        log.info({ cut: worst !== 0 }, worst === 0 ? 'closed' : 'closed; a worker cut busy connections');
-        process.exit(worst);
-      });
-    });
-  }
   for (let i = 0; i < settings.workers; i++) cluster.fork();
 }
 
@@ -111,24 +86,20 @@ function drain(list: Worker[], deadlineMs: number): Promise<number> {
 }
 
 export async function runWorker(settings: GatewaySettings, initial: GatewayConfig): Promise<void> {
-  const redis = connectRedis(settings)!;
-  const gateway = await buildGateway(settings, { config: initial, redis });
-  const { app } = gateway;
-  // The primary asks each worker for its registry and sums them (prom-client's cluster support).
-  new AggregatorRegistry();
-  AggregatorRegistry.setRegistries([gateway.metrics.registry]);
-  const reload = reloader(settings, gateway.setConfig, app.log);
-  process.on('message', (m: { type?: string; reason?: string }) => {
-    if (m?.type === RELOAD) reload(m.reason ?? 'primary');
-  });
   // The primary decides: it reloads every worker, and passes a stop on as SIGTERM. A Ctrl-C
   // reaches the whole process group; taken here too, it would count as a second signal.
-  process.on('SIGHUP', () => {});
-  process.on('SIGINT', () => {});
+  const primaryDecides = ['SIGHUP', 'SIGINT'] as const;
+  for (const signal of primaryDecides) process.on(signal, () => {});
   // A primary that has already stopped (another worker could not start) makes talking to it
   // fail with EPIPE: this worker has nothing left to serve, and the primary said why.
   cluster.worker?.on('error', () => process.exit(1));
-  stopOnSignals(app, settings.shutdownGraceMs, { afterClose: () => closeRedis(redis) }, ['SIGTERM']);
-  await awaitRedis(redis, app.log);
-  await listenOrExit(app, settings.port, settings.host, { port: 'GATEWAY_PORT', host: 'GATEWAY_HOST' });
+  const { gateway } = await run(settings, initial, {
+    serve: true,
+    admin: false,
+    reloads: 'primary',
+    ownProcess: { ignoreSignals: primaryDecides, announce: false },
+  });
+  // The primary asks each worker for its registry and sums them (prom-client's cluster support).
+  new AggregatorRegistry();
+  AggregatorRegistry.setRegistries([gateway!.metrics.registry]);
 }

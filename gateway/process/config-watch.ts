@@ -6,15 +6,20 @@ import type { GatewaySettings } from '../config/settings.js';
 
 // Config reloads: on a change of the file, or SIGHUP. A broken edit keeps the config in force.
 
-/** Loads the file again; a broken edit is refused with a log line and the old config stays. */
+/**
+ * Loads the file again; a broken edit is refused with a log line and the old config stays.
+ * The reload returns whether the new config was taken.
+ */
 export function reloader(settings: GatewaySettings, apply: (config: GatewayConfig) => void, log: FastifyBaseLogger) {
-  return (reason: string): void => {
+  return (reason: string): boolean => {
     try {
       apply(loadConfigFile(settings.configFile, settings.redisKeyPrefix));
       log.info({ reason, file: settings.configFile }, 'config reloaded');
+      return true;
     } catch (err) {
       const problems = err instanceof ConfigError ? err.problems : [(err as Error).message];
       log.error({ reason, file: settings.configFile, problems }, 'config reload refused; the previous config stays in force');
+      return false;
     }
   };
 }

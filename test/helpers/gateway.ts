@@ -1,14 +1,14 @@
-import type { AddressInfo } from 'node:net';
 import { Writable } from 'node:stream';
 import type { FastifyInstance } from 'fastify';
 import { afterAll, beforeAll, inject, onTestFinished } from 'vitest';
-import { buildAdmin } from '../../gateway/admin/app.js';
-import { buildGateway, type Gateway } from '../../gateway/http/app.js';
 import { compileConfig, type ConfigFile, validateConfigFile } from '../../gateway/config/config.js';
-import { closeRedis, connectRedis, type RedisClient } from '../../gateway/process/redis-client.js';
 import { type GatewaySettings, loadSettings } from '../../gateway/config/settings.js';
+import type { Gateway } from '../../gateway/http/app.js';
+import type { RedisClient } from '../../gateway/process/redis-client.js';
+import { run } from '../../gateway/process/runner.js';
 import { type EchoBackend, echoBackend, petsBackend } from './backends.js';
 import { call, uniquePrefix } from './config.js';
+import { type LogLine, logLines } from './logs.js';
 import { eventually } from './time.js';
 
 export interface TestGatewayOptions {
@@ -37,8 +37,8 @@ export interface TestGateway {
   backendUrl: string;
   redis?: RedisClient;
   /** Every JSON log line the gateway has written. */
-  logs: Array<Record<string, unknown>>;
-  waitForLog(match: (line: Record<string, unknown>) => boolean, ms?: number): Promise<Record<string, unknown>>;
+  logs: LogLine[];
+  waitForLog(match: (line: LogLine) => boolean, ms?: number): Promise<LogLine>;
   /** A call to the public port with a bearer key. */
   call(path: string, key?: string, init?: RequestInit): Promise<Response>;
   /** Loads another config file, as a reload would. */
@@ -48,21 +48,13 @@ export interface TestGateway {
   close(): Promise<void>;
 }
 
-const SETTINGS = {
-  bodyLimit: 1024 * 1024,
-  requestTimeoutMs: 30_000,
-  upstreamTimeoutMs: 5000,
-  trustProxy: false as const,
-  logLevel: 'info' as const,
-  logPretty: false,
-  metricsKeyIds: false,
-};
-// The shipped quota settings, read from the settings' own defaults: a test that changes one says why.
-const { quotaLeaseMax, quotaStoreFailure, redisTimeoutMs: shippedTimeout } = loadSettings({});
+// The shipped settings, read from their own defaults: a test that changes one says why.
+const SHIPPED = loadSettings({});
 
 /**
- * The gateway in this process, on a real port, with real Redis and a real backend on port 0.
- * Called inside a test it closes itself when the test ends; elsewhere, call `close`.
+ * The gateway in this process, started by the production runner (process/runner.ts) on real
+ * ports, with real Redis and a real backend on port 0. Called inside a test it closes itself
+ * when the test ends; elsewhere, call `close`.
  */
 export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGateway> {
   const closers: Array<() => Promise<unknown> | unknown> = [];
@@ -74,92 +66,46 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   } catch {
     // not inside a test: the caller closes it
   }
-  let echo: EchoBackend | undefined;
-  let backendUrl: string;
-  if (opts.backend === undefined || opts.backend === 'echo') {
-    echo = await echoBackend();
-    closers.push(() => echo!.close());
-    backendUrl = echo.url;
-  } else if (opts.backend === 'pets') {
-    const pets = await petsBackend();
-    closers.push(pets.close);
-    backendUrl = pets.url;
-  } else {
-    backendUrl = opts.backend;
-  }
-  const { redisClusterNodes, redisSentinels, redisSentinelName } = opts.settings ?? {};
+  const { backendUrl, echo } = await startBackend(opts.backend, closers);
+  const { redisClusterNodes, redisSentinels } = opts.settings ?? {};
   // A Cluster or Sentinel group given in the settings replaces the run's single Redis.
   const redisUrl = redisClusterNodes || redisSentinels ? undefined : opts.redis === undefined ? inject('redisUrl') : opts.redis || undefined;
-  // The production client and its options (lifecycle.ts), so the tests exercise them.
-  const redisTimeoutMs = opts.settings?.redisTimeoutMs ?? shippedTimeout;
-  const redis = connectRedis({ redisUrl, redisClusterNodes, redisSentinels, redisSentinelName, redisTimeoutMs });
-  if (redis) {
-    closers.push(() => closeRedis(redis, 'now'));
-    await eventually(() => redis.status === 'ready', 5000, 'Redis ready');
-  }
-  const logs: Array<Record<string, unknown>> = [];
-  const waiters = new Set<() => void>();
+  const settings: GatewaySettings = {
+    ...SHIPPED,
+    ...{ port: 0, host: '127.0.0.1', adminPort: 0, adminHost: '127.0.0.1', backendUrl, redisUrl, adminToken: opts.admin?.token },
+    ...opts.settings,
+  };
+  const { logs, add, waitForLog } = logLines(() => logs.map((l) => JSON.stringify(l)).join('\n'), 5000);
   const logStream = new Writable({
     write(chunk, _enc, done) {
-      for (const line of String(chunk).split('\n')) if (line) logs.push(JSON.parse(line));
-      for (const w of waiters) w();
+      for (const line of String(chunk).split('\n')) if (line) add(JSON.parse(line));
       done();
     },
   });
   let file = opts.config;
   let prefix = opts.redisKeyPrefix ?? uniquePrefix();
   const compile = () => compileConfig(validateConfigFile(file, 'test config'), prefix);
-  const gateway = await buildGateway({ ...SETTINGS, quotaLeaseMax, quotaStoreFailure, backendUrl, ...opts.settings, redisTimeoutMs }, { config: compile(), redis, logStream });
-  await gateway.app.listen({ port: 0, host: '127.0.0.1' });
-  closers.push(() => gateway.app.close());
-  const port = (gateway.app.server.address() as AddressInfo).port;
-  const url = `http://127.0.0.1:${port}`;
-
-  let admin: FastifyInstance | undefined;
-  let adminUrl = '';
-  if (opts.admin) {
-    admin = await buildAdmin({ backendUrl, adminToken: opts.admin.token }, {
-      config: gateway.config,
-      store: gateway.store,
-      metrics: gateway.metrics,
-      redis,
-      closing: () => false,
-      log: gateway.app.log,
-    });
-    adminUrl = await admin.listen({ port: 0, host: '127.0.0.1' });
-    closers.push(() => admin!.close());
-  }
-
-  const waitForLog: TestGateway['waitForLog'] = (match, ms = 5000) =>
-    new Promise((resolve, reject) => {
-      const check = () => {
-        const found = logs.find(match);
-        if (!found) return;
-        clearTimeout(timer);
-        waiters.delete(check);
-        resolve(found);
-      };
-      const timer = setTimeout(() => {
-        waiters.delete(check);
-        reject(new Error(`log line not seen within ${ms} ms; lines:\n${logs.map((l) => JSON.stringify(l)).join('\n')}`));
-      }, ms);
-      waiters.add(check);
-      check();
-    });
+  const running = await run(settings, compile(), { serve: true, admin: opts.admin ? {} : false, reloads: 'none', ownProcess: false, logStream });
+  // The quick close: a test's Redis may be frozen or gone by now.
+  closers.push(() => running.close('now'));
+  const { redis, admin } = running;
+  const gateway = running.gateway!;
+  // The runner waits at most 1 s for Redis; a test's first request must find it ready.
+  if (redis) await eventually(() => redis.status === 'ready' && !gateway.store.degraded, 5000, 'Redis ready');
 
   return {
     gateway,
     app: gateway.app,
-    url,
-    port,
-    adminUrl,
+    url: running.address!,
+    port: Number(new URL(running.address!).port),
+    adminUrl: running.adminAddress ?? '',
     admin,
     echo,
     backendUrl,
     redis,
     logs,
     waitForLog,
-    call: (path, key, init) => call(`${url}${path}`, key, init),
+    call: (path, key, init) => call(`${running.address}${path}`, key, init),
     load: (config) => {
       file = config;
       gateway.setConfig(compile());
@@ -170,6 +116,21 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
     },
     close,
   };
+}
+
+/** The backend a test gateway proxies to: a recording echo on port 0, the pet backend in-process, or a URL. */
+async function startBackend(backend: TestGatewayOptions['backend'], closers: Array<() => unknown>) {
+  if (backend === undefined || backend === 'echo') {
+    const echo = await echoBackend();
+    closers.push(() => echo.close());
+    return { backendUrl: echo.url, echo };
+  }
+  if (backend === 'pets') {
+    const pets = await petsBackend();
+    closers.push(pets.close);
+    return { backendUrl: pets.url };
+  }
+  return { backendUrl: backend };
 }
 
 /** A test gateway for a whole file or describe block: built before its tests, closed after them. */

@@ -1,6 +1,7 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import { resolve } from 'node:path';
 import { createInterface } from 'node:readline';
+import { type LogLine, logLines } from './logs.js';
 import { waitForPort } from './net.js';
 
 const ROOT = resolve(import.meta.dirname, '../..');
@@ -8,67 +9,40 @@ const ROOT = resolve(import.meta.dirname, '../..');
 export interface Started {
   proc: ChildProcess;
   /** Every JSON log line the process has written so far. */
-  logs: Array<Record<string, unknown>>;
+  logs: LogLine[];
   /** The raw stdout and stderr text, for grepping. */
   output: () => string;
   /** SIGTERM and wait for exit; SIGKILL after 5 s. */
   stop: () => Promise<number | null>;
-  waitForLog: (match: (line: Record<string, unknown>) => boolean, timeoutMs?: number) => Promise<Record<string, unknown>>;
+  waitForLog: (match: (line: LogLine) => boolean, timeoutMs?: number) => Promise<LogLine>;
 }
 
 /** Spawns a compiled entry (dist/…) as a real process, logging JSON to stdout. */
 export async function startProcess(
   entry: string,
   env: Record<string, string>,
-  ready: ((line: Record<string, unknown>) => boolean) | { port: number },
+  ready: ((line: LogLine) => boolean) | { port: number },
 ): Promise<Started> {
   const proc = spawn(process.execPath, [resolve(ROOT, entry)], {
     cwd: ROOT,
     env: { PATH: process.env.PATH ?? '', LOG_LEVEL: 'info', ...env },
     stdio: ['ignore', 'pipe', 'pipe'],
   });
-  const logs: Array<Record<string, unknown>> = [];
   let text = '';
-  const waiters = new Set<() => void>();
+  const exited = new Promise<number | null>((r) => proc.once('exit', (code) => r(code)));
+  // 'close' comes after the last output is read, where 'exit' may come before it.
+  const closed = new Promise((r) => proc.once('close', r));
+  const { logs, add, waitForLog } = logLines(() => `${entry}:\n${text}`, 10_000, closed);
   const onLine = (line: string) => {
     text += `${line}\n`;
     try {
-      logs.push(JSON.parse(line));
+      add(JSON.parse(line));
     } catch {
       // not JSON: kept in text only
     }
-    for (const w of waiters) w();
   };
   createInterface({ input: proc.stdout! }).on('line', onLine);
   createInterface({ input: proc.stderr! }).on('line', onLine);
-  const exited = new Promise<number | null>((r) => proc.once('exit', (code) => r(code)));
-
-  const waitForLog: Started['waitForLog'] = (match, timeoutMs = 10_000) =>
-    new Promise((resolveWait, reject) => {
-      const check = () => {
-        const found = logs.find(match);
-        if (found) {
-          cleanup();
-          resolveWait(found);
-        }
-      };
-      const timer = setTimeout(() => {
-        cleanup();
-        reject(new Error(`${entry}: expected log line not seen within ${timeoutMs} ms. Output:\n${text}`));
-      }, timeoutMs);
-      const onExit = () => {
-        cleanup();
-        reject(new Error(`${entry} exited early. Output:\n${text}`));
-      };
-      const cleanup = () => {
-        clearTimeout(timer);
-        waiters.delete(check);
-        proc.off('exit', onExit);
-      };
-      waiters.add(check);
-      proc.once('exit', onExit);
-      check();
-    });
 
   const stop = async () => {
     if (proc.exitCode !== null || proc.signalCode !== null) return proc.exitCode;

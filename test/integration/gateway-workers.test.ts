@@ -82,6 +82,21 @@ describe('GATEWAY_WORKERS', () => {
     expect((await usage.json()).windows.day.used).toBe(20); // the day: a minute boundary may fall in between
   });
 
+  it('tells no worker to reload a config the primary refused', async () => {
+    const { stack, gateway } = await workersStack([makeKey('free')]);
+    const good = readFileSync(stack.configFile, 'utf8');
+    writeFileSync(stack.configFile, '{ "plans": ');
+    await gateway.waitForLog((l) => l.msg === 'config reload refused; the previous config stays in force');
+    gateway.proc.kill('SIGHUP'); // the broken file again, by the other way in
+    await eventually(() => gateway.logs.filter((l) => String(l.msg).startsWith('config reload refused')).length >= 2, 5000, 'two refusals');
+    writeFileSync(stack.configFile, good);
+    // Messages to a worker arrive in order: once each has reloaded the good file, a reload
+    // sent for a broken one would have been refused (and logged) before it.
+    await eventually(() => gateway.logs.filter((l) => l.msg === 'config reloaded' && l.pid !== gateway.proc.pid).length >= 2, 5000, 'workers reloaded');
+    const refusedBy = new Set(gateway.logs.filter((l) => String(l.msg).startsWith('config reload refused')).map((l) => l.pid));
+    expect([...refusedBy]).toEqual([gateway.proc.pid]);
+  });
+
   it('drains every worker on SIGTERM: a request in flight finishes, then the primary exits 0', async () => {
     const k = makeKey('free');
     const { echo, gateway } = await workersStack([k]);
@@ -98,7 +113,7 @@ describe('GATEWAY_WORKERS', () => {
     });
     await arrived;
     gateway.proc.kill('SIGTERM');
-    await gateway.waitForLog((l) => l.msg === 'closing: draining every worker');
+    await gateway.waitForLog((l) => l.msg === 'draining every worker');
     const ready = await fetch(`${gateway.adminUrl}/readyz`);
     expect(ready.status).toBe(503);
     release();

@@ -1,0 +1,139 @@
+import type closeWithGrace from 'close-with-grace';
+import type { FastifyBaseLogger, FastifyInstance } from 'fastify';
+import type { DestinationStream } from 'pino';
+import { announceReady, closeServer, createLogger, exitOnSignals, listenOrExit } from '../../runtime/process.js';
+import { type AdminParts, buildAdmin } from '../admin/app.js';
+import type { GatewayConfig } from '../config/config.js';
+import type { GatewaySettings } from '../config/settings.js';
+import { buildGateway, type Gateway } from '../http/app.js';
+import { RedisQuotaStore } from '../quota/redis-store.js';
+import { reloader, watchConfig } from './config-watch.js';
+import { awaitRedis, closeRedis, connectRedis, type RedisClient } from './redis-client.js';
+
+// The one start sequence of a gateway process, as envoy's runner.go: connect Redis, build the
+// gateway and its admin port, wait for Redis, take reloads, stop on signals, listen. A single
+// process, a cluster worker, the cluster primary and the test helper all start through it;
+// what differs is which ports a process serves and where its reloads come from.
+
+export interface RunOptions {
+  /** Serves the public port: a single process or a cluster worker; not the cluster primary. */
+  serve: boolean;
+  /** Serves the admin port, with these parts in place of this process's own (the primary's aggregated metrics). */
+  admin: Partial<Pick<AdminParts, 'metrics' | 'problems'>> | false;
+  /**
+   * Where new configs come from: the config file and SIGHUP (`onReload` is told of each
+   * accepted one), the cluster primary, or nowhere (a test swaps configs itself).
+   */
+  reloads: 'file' | 'primary' | 'none';
+  onReload?: (reason: string) => void;
+  /** The primary's own close: drain its workers; resolves with whether one cut connections. */
+  drain?: () => Promise<boolean>;
+  /**
+   * Takes the process over: exits on signals (these left alone) and tells a supervising
+   * parent when it is ready. A test's gateway leaves its process alone.
+   */
+  ownProcess: false | { ignoreSignals?: readonly closeWithGrace.AllEvents[]; announce: boolean };
+  /** Where log lines go (tests read them); stdout when unset. */
+  logStream?: DestinationStream;
+}
+
+export interface Running {
+  gateway?: Gateway;
+  admin?: FastifyInstance;
+  redis?: RedisClient;
+  log: FastifyBaseLogger;
+  /** Where each port listens, e.g. http://127.0.0.1:3000. */
+  address?: string;
+  adminAddress?: string;
+  /**
+   * /readyz answers 503 from now on, reloads stop, in-flight requests finish, then the rest
+   * closes; Redis by QUIT, or at once. Resolves with whether connections were cut.
+   */
+  close(redisClose?: 'quit' | 'now'): Promise<boolean>;
+}
+
+const PUBLIC = { port: 'GATEWAY_PORT', host: 'GATEWAY_HOST' };
+const ADMIN = { port: 'ADMIN_PORT', host: 'ADMIN_HOST' };
+/** Past the grace period: the time admin, Redis and the workers' own margins may take to close. */
+const CLOSE_MARGIN_MS = 5000;
+
+export async function run(settings: GatewaySettings, initial: GatewayConfig, options: RunOptions): Promise<Running> {
+  const redis = connectRedis(settings);
+  const gateway = options.serve ? await buildGateway(settings, { config: initial, redis, logStream: options.logStream }) : undefined;
+  const log = gateway?.app.log ?? createLogger(settings.logLevel, settings.logPretty, () => {}, options.logStream);
+  // The gateway holds the config in force; the primary, which serves none, holds its own.
+  let primaryConfig = initial;
+  const config = gateway?.config ?? (() => primaryConfig);
+  const setConfig = gateway?.setConfig ?? ((next: GatewayConfig) => void (primaryConfig = next));
+  let closing = false;
+  const admin = options.admin ? await adminOf(settings, options, { gateway, redis, log, config, closing: () => closing }) : undefined;
+  if (!redis) log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
+  await awaitRedis(redis, log);
+  const stopReloads = takeReloads(settings, options, setConfig, log);
+
+  const close = async (redisClose: 'quit' | 'now' = 'quit') => {
+    closing = true;
+    stopReloads();
+    let cut = false;
+    if (gateway) cut = await closeServer(gateway.app, settings.shutdownGraceMs);
+    if (options.drain) cut = (await options.drain()) || cut;
+    await admin?.close();
+    if (redis) await closeRedis(redis, redisClose);
+    return cut;
+  };
+  if (options.ownProcess) exitOnSignals(log, settings.shutdownGraceMs + CLOSE_MARGIN_MS, () => close(), options.ownProcess.ignoreSignals);
+
+  const address = gateway ? await listenOrExit(gateway.app, settings.port, settings.host, PUBLIC) : undefined;
+  const adminAddress = admin ? await listenOrExit(admin, settings.adminPort, settings.adminHost, ADMIN) : undefined;
+  if (options.ownProcess && options.ownProcess.announce) {
+    const store = redis ? 'redis' : 'memory';
+    log.info({ address, admin: adminAddress, environment: initial.environment, backend: settings.backendUrl, store }, 'gateway ready');
+    announceReady();
+  }
+  return { gateway, admin, redis, log, address, adminAddress, close };
+}
+
+interface AdminSources {
+  gateway?: Gateway;
+  redis?: RedisClient;
+  log: FastifyBaseLogger;
+  config: () => GatewayConfig;
+  closing: () => boolean;
+}
+
+/**
+ * The admin port, reading this process's gateway; the primary, which has none, reads Redis and
+ * its workers. The key API edits the config file only where this process watches it: an edit
+ * of a file nobody reloads would change nothing.
+ */
+function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSources) {
+  const own = options.admin || {};
+  const store = from.gateway?.store ?? new RedisQuotaStore(from.redis!, from.log); // the primary's only reads usage
+  const metrics = own.metrics ?? from.gateway!.metrics;
+  const configFile = options.reloads === 'file' ? settings.configFile : undefined;
+  return buildAdmin(
+    { ...settings, configFile },
+    { config: from.config, store, metrics, problems: own.problems, redis: from.redis, closing: from.closing, log: from.log },
+  );
+}
+
+/** Starts taking new configs the way `options.reloads` says; returns the stop. */
+function takeReloads(settings: GatewaySettings, options: RunOptions, apply: (c: GatewayConfig) => void, log: FastifyBaseLogger): () => void {
+  const reload = reloader(settings, apply, log);
+  if (options.reloads === 'file') {
+    return watchConfig(settings.configFile, (reason) => {
+      if (reload(reason)) options.onReload?.(reason);
+    });
+  }
+  if (options.reloads === 'primary') {
+    const onMessage = (m: { type?: string; reason?: string }) => {
+      if (m?.type === RELOAD) reload(m.reason ?? 'primary');
+    };
+    process.on('message', onMessage);
+    return () => process.off('message', onMessage);
+  }
+  return () => {};
+}
+
+/** The message a cluster primary sends its workers once it has accepted a new config. */
+export const RELOAD = 'gateway:reload';
