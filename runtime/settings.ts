@@ -43,15 +43,17 @@ export function readSettings<T extends TObject>(schema: T, env: NodeJS.ProcessEn
     const name = e.path.split('/')[1] ?? '';
     if (!problems.has(name)) problems.set(name, `${props[name]?.env ?? name}: ${describe(e.schema, e.message)}`);
   }
+  // Each setting is decoded once, on its own, so a failing transform names its variable.
+  const settings: Record<string, unknown> = {};
   for (const [name, s] of Object.entries(props)) {
     const given = (value as Record<string, unknown>)[name];
     if (given === undefined || problems.has(name)) continue;
     try {
-      Value.Decode(s, given);
+      settings[name] = Value.Decode(s, given);
     } catch (err) {
       problems.set(name, `${s.env}: ${((err as { error?: Error }).error ?? (err as Error)).message}`);
     }
   }
   if (problems.size > 0) throw new Error(`Invalid ${what} settings:\n  ${[...problems.values()].join('\n  ')}`);
-  return Object.freeze(Value.Decode(schema, value));
+  return Object.freeze(settings) as Readonly<StaticDecode<T>>;
 }

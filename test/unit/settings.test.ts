@@ -1,5 +1,7 @@
+import { Type } from '@sinclair/typebox';
 import { describe, expect, it } from 'vitest';
 import { loadBackendSettings } from '../../backend/settings.js';
+import { readSettings } from '../../runtime/settings.js';
 import { configFilePath, loadSettings, redisTarget } from '../../gateway/config/settings.js';
 
 describe('settings', () => {
@@ -72,6 +74,15 @@ describe('settings from their schema', () => {
     expect(() => loadSettings({ REDIS_SENTINELS: 's1:26379' })).toThrow(/REDIS_SENTINEL_NAME: required with REDIS_SENTINELS/);
     expect(() => loadSettings({ REDIS_SENTINEL_NAME: 'mymaster' })).toThrow(/REDIS_SENTINEL_NAME: only means something with REDIS_SENTINELS/);
     expect(() => loadSettings({ REDIS_CLUSTER_NODES: 'a:1;b:2' })).toThrow(/REDIS_CLUSTER_NODES/);
+  });
+
+  it('decodes each variable once', () => {
+    let decodes = 0;
+    const counted = Type.Transform(Type.String({ env: 'COUNTED' }))
+      .Decode((v) => (decodes++, v.length))
+      .Encode(String);
+    expect(readSettings(Type.Object({ counted }), { COUNTED: 'four' }, 'test')).toEqual({ counted: 4 });
+    expect(decodes).toBe(1);
   });
 
   it('reads only GATEWAY_CONFIG for the keys command', () => {
