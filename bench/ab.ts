@@ -1,4 +1,4 @@
-import { benchBed, cpuUs, hasCommand, median, type Proxy, startBare, startGatewayBuild, wrk } from './lib.js';
+import { benchBed, CONNECTIONS, cpuUs, median, need, type Proxy, startGatewayBuild, startReference, thinkTime, wrk } from './lib.js';
 
 // `npm run bench:ab`: gateway builds or settings side by side against the bare proxy, with
 // more rounds than `npm run bench` and nothing else measured, for a change whose effect is
@@ -15,16 +15,15 @@ const ROUNDS = Number(process.env.BENCH_AB_ROUNDS ?? 7);
 const SECONDS = Number(process.env.BENCH_AB_SECONDS ?? 4);
 const RATE = Number(process.env.BENCH_AB_RATE ?? 0);
 const WARMUP_SECONDS = 2;
-const CONNECTIONS = 50;
 const SPECS = process.env.BENCH_AB ?? 'redis|dist/gateway/server.js|REDIS_URL=redis,memory|dist/gateway/server.js';
 async function main() {
-  if (!hasCommand('wrk')) throw new Error('wrk is needed: apt-get install wrk');
+  need('wrk');
   const bed = await benchBed('ab');
   try {
     // Each round starts every variant's process afresh and stops it after: one process is one
     // draw of V8's JIT state, which moves CPU per request by tens of microseconds on this
     // machine (see README Performance), so the medians are over processes as well as rounds.
-    const variants: Array<{ name: string; launch: () => Promise<Proxy> }> = [{ name: 'bare proxy', launch: () => startBare(bed) }];
+    const variants: Array<{ name: string; launch: () => Promise<Proxy> }> = [{ name: 'bare proxy', launch: () => startReference(bed) }];
     for (const spec of SPECS.split(',')) {
       const [name, entry, ...settings] = spec.split('|');
       const env = Object.fromEntries(settings.map((s) => [s.slice(0, s.indexOf('=')), s.slice(s.indexOf('=') + 1)]));
@@ -33,14 +32,14 @@ async function main() {
     }
 
     const headers = { authorization: `Bearer ${bed.key}` };
-    const think = RATE > 0 ? `function delay() return math.random(0, ${Math.round((2 * CONNECTIONS * 1000) / RATE)}) end\n` : '';
+    const think = RATE > 0 ? thinkTime(RATE) : '';
     const samples = new Map(variants.map((v) => [v.name, { rps: [] as number[], cpu: [] as number[], p99: [] as number[] }]));
     for (let round = 1; round <= ROUNDS; round++) {
       for (const v of variants) {
         const running = await v.launch();
-        await wrk(running.url, headers, 200, CONNECTIONS, WARMUP_SECONDS, think); // warm up as measured
+        await wrk(running.url, headers, 200, WARMUP_SECONDS, think); // warm up as measured
         const before = cpuUs(running.pid);
-        const r = await wrk(running.url, headers, 200, CONNECTIONS, SECONDS, think);
+        const r = await wrk(running.url, headers, 200, SECONDS, think);
         if (r.wrong) throw new Error(`${v.name}: ${r.wrong} answers were not 200`);
         const s = samples.get(v.name)!;
         s.rps.push(r.rps);

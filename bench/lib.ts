@@ -1,6 +1,6 @@
 import { execFile, execFileSync, spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
@@ -9,10 +9,12 @@ import { testConfig } from '../test/helpers/config.js';
 import { freePort, waitForPort } from '../test/helpers/net.js';
 import { spawnRedis } from '../test/helpers/redis.js';
 
-// What the benchmarks share: starting our processes, and driving wrk.
+// What the benchmarks share: starting our processes, driving wrk, and keeping the results.
 
 const run = promisify(execFile);
 export const ROOT = resolve(import.meta.dirname, '..');
+// Every benchmark loads with the same number of connections, so their figures compare.
+export const CONNECTIONS = 50;
 
 export function hasCommand(cmd: string): boolean {
   try {
@@ -21,6 +23,38 @@ export function hasCommand(cmd: string): boolean {
   } catch {
     return false;
   }
+}
+
+/** Stops before anything starts when `cmd` is missing, saying what to install. */
+export function need(cmd: string, pkg = cmd): void {
+  if (!hasCommand(cmd)) throw new Error(`${cmd} is needed: apt-get install ${pkg}`);
+}
+
+/**
+ * A temporary folder for a run, and the steps that undo it: `close` runs them in reverse,
+ * then removes the folder.
+ */
+export function scratch(name: string) {
+  const dir = mkdtempSync(join(tmpdir(), `bench-${name}-`));
+  const stops: Array<() => unknown> = [];
+  const close = async () => {
+    for (const stop of stops.reverse()) await stop();
+    rmSync(dir, { recursive: true, force: true });
+  };
+  return { dir, onClose: (stop: () => unknown) => void stops.push(stop), close };
+}
+
+/**
+ * A run's results as JSON in the OS temp folder (kept out of the repo: a run describes one
+ * machine at one moment), named by time first so a listing reads oldest to newest; prints the path.
+ */
+export function writeResults(name: string, results: object): string {
+  const dir = join(tmpdir(), 'pet-store-bench');
+  mkdirSync(dir, { recursive: true });
+  const out = join(dir, `${new Date().toISOString().replace(/[:.]/g, '-')}-${name}.json`);
+  writeFileSync(out, `${JSON.stringify(results, null, 2)}\n`);
+  console.log(`results: ${out}`);
+  return out;
 }
 
 /** A process of ours, its output to a file (as a container's log would be), ready when its port opens. */
@@ -37,11 +71,11 @@ export async function start(name: string, args: string[], env: Record<string, st
 let scripts = 0;
 
 /**
- * wrk -t1 against `url`: req/s, p50, p99 and max latency (ms), and how many answers had
- * another status than `status` (wrk itself counts only non-2xx/3xx, so a Lua hook counts).
+ * wrk -t1, CONNECTIONS connections, against `url`: req/s, p50, p99 and max latency (ms), and how
+ * many answers had another status than `status` (wrk itself counts only non-2xx/3xx, so a Lua hook counts).
  */
-export async function wrk(url: string, headers: Record<string, string>, status: number, connections: number, seconds: number, extraLua = '') {
-  const args = ['-t1', `-c${connections}`, `-d${seconds}s`, '--latency'];
+export async function wrk(url: string, headers: Record<string, string>, status: number, seconds: number, extraLua = '') {
+  const args = ['-t1', `-c${CONNECTIONS}`, `-d${seconds}s`, '--latency'];
   for (const [k, val] of Object.entries(headers)) args.push('-H', `${k}: ${val}`);
   const script = join(tmpdir(), `bench-${process.pid}-${++scripts}.lua`); // one per run, removed after it
   // Each wrk thread has its own Lua state, and done() runs in yet another: it must read every
@@ -66,6 +100,12 @@ export async function wrk(url: string, headers: Record<string, string>, status: 
   };
 }
 
+/**
+ * wrk's Lua for about `rate` requests a second: each connection waits a random think time
+ * before each request (mean CONNECTIONS/rate); latency is still timed from each request's send.
+ */
+export const thinkTime = (rate: number) => `function delay() return math.random(0, ${Math.round((2 * CONNECTIONS * 1000) / rate)}) end\n`;
+
 /** The pet backend as a process, in memory, with `pets` pets in it: what every benchmark proxies to. */
 export async function startPetBackend(dir: string, pets = 20): Promise<{ url: string; proc: ChildProcess }> {
   const port = await freePort();
@@ -78,40 +118,46 @@ export async function startPetBackend(dir: string, pets = 20): Promise<{ url: st
 }
 
 /**
- * A gateway config in `dir` with one key that is never refused (limits of 1e9), in the key
- * format every build accepts: the key, its file, and its bare digest for the bare proxy's KEY_HASHES.
+ * A key in the format every build accepts (the checksum format came later), so BENCH_GATEWAY
+ * can measure an earlier build against the same keys.
  */
-export function roomyKeyConfig(dir: string): { key: string; file: string; digest: string } {
+export function legacyKey(id: string): { id: string; key: string; hash: string } {
   const key = `psk_live_${randomBytes(24).toString('base64url')}`;
-  const file = join(dir, 'gateway.json');
-  writeFileSync(file, JSON.stringify(testConfig([{ id: 'bench', key, hash: hashKey(key), plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } }])));
-  return { key, file, digest: hashKey(key).slice('sha256:'.length) };
+  return { id, key, hash: hashKey(key) };
 }
 
 /**
- * What bench:ab and bench:profile measure against: a Redis, the pet backend and the
- * never-refused key, in a temporary folder. `onClose` adds a step to `close`, which runs them
+ * A gateway config in `dir` with one key that is never refused (limits of 1e9): the key, its
+ * file, and its bare digest for the bare proxy's KEY_HASHES.
+ */
+export function roomyKeyConfig(dir: string): { key: string; file: string; digest: string } {
+  const bench = legacyKey('bench');
+  const file = join(dir, 'gateway.json');
+  writeFileSync(file, JSON.stringify(testConfig([{ ...bench, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } }])));
+  return { key: bench.key, file, digest: bench.hash.slice('sha256:'.length) };
+}
+
+/**
+ * What bench, bench:ab and bench:profile measure against: a Redis, the pet backend and the
+ * never-refused key, in a scratch folder. `onClose` adds a step to `close`, which runs them
  * in reverse, stops Redis and the backend, and removes the folder.
  */
 export async function benchBed(name: string) {
-  const dir = mkdtempSync(join(tmpdir(), `bench-${name}-`));
-  const stops: Array<() => unknown> = [];
-  const close = async () => {
-    for (const stop of stops.reverse()) await stop();
-    rmSync(dir, { recursive: true, force: true });
-  };
+  const { dir, onClose, close } = scratch(name);
   try {
     const redis = await spawnRedis();
-    stops.push(() => redis.stop());
+    onClose(() => redis.stop());
     const { url: backendUrl, proc: backend } = await startPetBackend(dir);
-    stops.push(() => backend.kill('SIGTERM'));
-    return { dir, redisUrl: redis.url, backendUrl, ...roomyKeyConfig(dir), onClose: (stop: () => unknown) => void stops.push(stop), close };
+    onClose(() => backend.kill('SIGTERM'));
+    return { dir, redisUrl: redis.url, backendUrl, backendPid: backend.pid!, ...roomyKeyConfig(dir), onClose, close };
   } catch (err) {
     await close();
     throw err;
   }
 }
-type Bed = Awaited<ReturnType<typeof benchBed>>;
+
+/** What starting a proxy needs of a bed: its folder, the backend, the key and its config, and where to leave its stop. */
+type Bed = Pick<Awaited<ReturnType<typeof benchBed>>, 'dir' | 'backendUrl' | 'file' | 'digest' | 'onClose'>;
 
 /** A proxy under test, started on a free port; stopped by the bed's `close` if not before. */
 export interface Proxy {
@@ -126,21 +172,32 @@ function running(bed: Bed, proc: ChildProcess, port: number): Proxy {
   return { url: `http://127.0.0.1:${port}/v1/pets`, pid: proc.pid!, stop };
 }
 
-/** The bare proxy (bench/reference-proxy.ts: Fastify + @fastify/http-proxy + the key check) in front of the bed's backend. */
-export async function startBare(bed: Bed, nodeArgs: string[] = [], name = 'bare'): Promise<Proxy> {
+/**
+ * A reference proxy (bench/reference-proxy.ts: Fastify + @fastify/http-proxy + the key check)
+ * in front of the bed's backend: the bare one, or with `env` RATE_LIMIT_REDIS the peer.
+ */
+export async function startReference(bed: Bed, name = 'bare', env: Record<string, string> = {}, nodeArgs: string[] = []): Promise<Proxy> {
   const port = await freePort();
-  const env = { BACKEND_URL: bed.backendUrl, PORT: String(port), KEY_HASHES: bed.digest };
-  return running(bed, await start(name, [process.execPath, ...nodeArgs, '--import', 'tsx', 'bench/reference-proxy.ts'], env, port, bed.dir), port);
+  const all = { BACKEND_URL: bed.backendUrl, PORT: String(port), KEY_HASHES: bed.digest, ...env };
+  return running(bed, await start(name, [process.execPath, ...nodeArgs, '--import', 'tsx', 'bench/reference-proxy.ts'], all, port, bed.dir), port);
+}
+
+/** A gateway process: its admin port's base URL and its log as well. */
+export interface Gateway extends Proxy {
+  admin: string;
+  log: string;
 }
 
 /** A gateway build (its server.js) with the bed's key, access line at info, ready once /readyz says so. */
-export async function startGatewayBuild(bed: Bed, entry: string, env: Record<string, string> = {}, nodeArgs: string[] = [], name = 'gateway'): Promise<Proxy> {
+export async function startGatewayBuild(bed: Bed, entry: string, env: Record<string, string> = {}, nodeArgs: string[] = [], name = 'gateway'): Promise<Gateway> {
   const [port, adminPort] = [await freePort(), await freePort()];
   const proc = await start(name, [process.execPath, ...nodeArgs, resolve(ROOT, entry)], {
     BACKEND_URL: bed.backendUrl, GATEWAY_CONFIG: bed.file, LOG_LEVEL: 'info', GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), ...env,
   }, adminPort, bed.dir);
-  const gateway = running(bed, proc, port);
-  for (let i = 0; i < 100 && (await fetch(`http://127.0.0.1:${adminPort}/readyz`).catch(() => undefined))?.status !== 200; i++) {
+  const admin = `http://127.0.0.1:${adminPort}`;
+  const gateway = { ...running(bed, proc, port), admin, log: join(bed.dir, `${name}.log`) };
+  // With workers the admin port opens first: ready once every worker listens (up to 10 s).
+  for (let i = 0; i < 200 && (await fetch(`${admin}/readyz`).catch(() => undefined))?.status !== 200; i++) {
     await new Promise((r) => setTimeout(r, 50));
   }
   return gateway;

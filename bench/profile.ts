@@ -2,7 +2,7 @@ import { spawn } from 'node:child_process';
 import { rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { benchBed, cpuUs, hasCommand, startBare, startGatewayBuild, wrk } from './lib.js';
+import { benchBed, cpuUs, need, startGatewayBuild, startReference, thinkTime, wrk } from './lib.js';
 
 // `npm run bench:profile`: where the gateway's CPU goes, against the bare proxy, per request.
 // Both run at the same held rate (wrk with think time, BENCH_PROFILE_RATE, default 1400/s,
@@ -15,7 +15,6 @@ import { benchBed, cpuUs, hasCommand, startBare, startGatewayBuild, wrk } from '
 const RATE = Number(process.env.BENCH_PROFILE_RATE ?? 1400);
 const SECONDS = Number(process.env.BENCH_PROFILE_SECONDS ?? 12);
 const HZ = 1999;
-const CONNECTIONS = 50;
 
 /** The kind of code a frame is, for the self-time table. */
 function kind(frame: string): string {
@@ -88,22 +87,23 @@ async function profile(pid: number, load: () => Promise<number>, dir: string, na
 }
 
 async function main() {
-  for (const cmd of ['wrk', 'perf']) if (!hasCommand(cmd)) throw new Error(`${cmd} is needed: apt-get install ${cmd === 'perf' ? 'linux-perf' : cmd}`);
+  need('wrk');
+  need('perf', 'linux-perf');
   const bed = await benchBed('profile');
   const pids: number[] = [];
   try {
     // --perf-basic-prof: JIT-compiled functions get their names in perf's samples.
-    const bare = await startBare(bed, ['--perf-basic-prof']);
+    const bare = await startReference(bed, 'bare', {}, ['--perf-basic-prof']);
     const gateway = await startGatewayBuild(bed, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js', { REDIS_URL: bed.redisUrl }, ['--perf-basic-prof']);
     pids.push(bare.pid, gateway.pid);
 
     const headers = { authorization: `Bearer ${bed.key}` };
-    const think = `function delay() return math.random(0, ${Math.round((2 * CONNECTIONS * 1000) / RATE)}) end\n`;
+    const think = thinkTime(RATE);
     const results: Profile[] = [];
     for (const [name, proxy] of [['bare', bare], ['gateway', gateway]] as const) {
-      await wrk(proxy.url, headers, 200, CONNECTIONS, 3, think); // warm up at the same rate
+      await wrk(proxy.url, headers, 200, 3, think); // warm up at the same rate
       results.push(await profile(proxy.pid, async () => {
-        const r = await wrk(proxy.url, headers, 200, CONNECTIONS, SECONDS, think);
+        const r = await wrk(proxy.url, headers, 200, SECONDS, think);
         if (r.wrong) throw new Error(`${name}: ${r.wrong} answers were not 200`);
         return r.requests;
       }, bed.dir, name));

@@ -1,11 +1,10 @@
 import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
 import { once } from 'node:events';
-import { closeSync, copyFileSync, cpSync, existsSync, mkdirSync, mkdtempSync, openSync, readFileSync, readSync, rmSync, statSync, symlinkSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { closeSync, copyFileSync, cpSync, existsSync, mkdirSync, openSync, readFileSync, readSync, rmSync, statSync, symlinkSync } from 'node:fs';
 import { join } from 'node:path';
 import { Redis } from 'ioredis';
 import { freePort, waitForPort } from '../test/helpers/net.js';
-import { hasCommand, ROOT, roomyKeyConfig, start, startPetBackend, wrk } from './lib.js';
+import { CONNECTIONS, type Gateway, hasCommand, need, ROOT, roomyKeyConfig, scratch, startGatewayBuild, startPetBackend, thinkTime, wrk, writeResults } from './lib.js';
 
 // `npm run bench:faults`: what Redis failing costs a request, on loopback, about 2 minutes.
 //   1. The store's healthy latency at full load (wrk -c50, default settings, then with a
@@ -22,7 +21,6 @@ import { hasCommand, ROOT, roomyKeyConfig, start, startPetBackend, wrk } from '.
 //      declared Redis failed; against the backend direct under the same load, in the same run.
 
 const PHASE_SECONDS = Number(process.env.BENCH_PHASE_SECONDS ?? 4);
-const CONNECTIONS = 50;
 const RATE = Number(process.env.BENCH_RATE ?? 500);
 const FAILED_LINE = 'quota store: Redis failed';
 const FAILING = 'gateway_quota_local_decisions_total{reason="failing"}';
@@ -34,7 +32,7 @@ const MODES = [
   {
     name: 'fixed rate',
     title: `About ${RATE} req/s: wrk -t1 -c${CONNECTIONS} with think time`,
-    lua: `function delay() return math.random(0, ${Math.round((2 * CONNECTIONS * 1000) / RATE)}) end\n`,
+    lua: thinkTime(RATE),
   },
 ] as const;
 type Mode = (typeof MODES)[number];
@@ -143,51 +141,28 @@ async function snapshotBuild(dir: string): Promise<string> {
 
 /** What the run shares: its folder, the Redis under test, the backend, the key, and what to stop. */
 async function setUp() {
-  if (!hasCommand('wrk')) throw new Error('wrk is needed: apt-get install wrk');
-  if (!hasCommand('redis-server')) throw new Error('redis-server is needed: apt-get install redis-server');
-  const dir = mkdtempSync(join(tmpdir(), 'bench-faults-'));
-  const stops: Array<() => unknown> = [];
-  const tearDown = async () => {
-    for (const stop of stops.reverse()) await stop();
-    rmSync(dir, { recursive: true, force: true });
-  };
+  need('wrk');
+  need('redis-server');
+  const { dir, onClose, close } = scratch('faults');
   try {
     const entry = await snapshotBuild(dir);
     const redis = new RedisUnderTest(await freePort());
-    stops.push(() => redis.kill());
+    onClose(() => redis.kill());
     await redis.start();
     const { url: backendUrl, proc: backend } = await startPetBackend(dir, 0);
-    stops.push(() => backend.kill('SIGTERM'));
-    const { key, file } = roomyKeyConfig(dir);
-    return { dir, entry, redis, backendUrl, file, headers: { authorization: `Bearer ${key}` }, stops, tearDown };
+    onClose(() => backend.kill('SIGTERM'));
+    const config = roomyKeyConfig(dir);
+    return { dir, entry, redis, backendUrl, ...config, headers: { authorization: `Bearer ${config.key}` }, onClose, close };
   } catch (err) {
-    await tearDown();
+    await close();
     throw err;
   }
 }
 type Bed = Awaited<ReturnType<typeof setUp>>;
 
-interface Gateway {
-  url: string;
-  admin: string;
-  log: string;
-  stop: () => void;
-}
-
 /** The gateway (the bed's copy of dist/gateway/server.js) against the bed's Redis, default settings but `env`, once /readyz says so. */
-async function startGateway(bed: Bed, name: string, env: Record<string, string> = {}): Promise<Gateway> {
-  const [port, adminPort] = [await freePort(), await freePort()];
-  const proc = await start(name, [process.execPath, bed.entry], {
-    BACKEND_URL: bed.backendUrl, GATEWAY_CONFIG: bed.file, REDIS_URL: `redis://127.0.0.1:${bed.redis.port}`,
-    GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), ...env,
-  }, adminPort, bed.dir);
-  const stop = () => void proc.kill('SIGTERM');
-  bed.stops.push(stop);
-  const admin = `http://127.0.0.1:${adminPort}`;
-  for (let i = 0; i < 100 && (await fetch(`${admin}/readyz`).catch(() => undefined))?.status !== 200; i++) {
-    await new Promise((r) => setTimeout(r, 50));
-  }
-  return { url: `http://127.0.0.1:${port}/v1/pets`, admin, log: join(bed.dir, `${name}.log`), stop };
+function startGateway(bed: Bed, name: string, env: Record<string, string> = {}): Promise<Gateway> {
+  return startGatewayBuild(bed, bed.entry, { REDIS_URL: `redis://127.0.0.1:${bed.redis.port}`, ...env }, [], name);
 }
 
 /** The value of one series in a /metrics text; a series not there (never counted) is 0. */
@@ -249,9 +224,9 @@ async function healthySaturated(bed: Bed) {
   const rows = [];
   for (const [settings, env] of [['defaults', {}], ['QUOTA_LEASE_MAX=1', { QUOTA_LEASE_MAX: '1' }]] as const) {
     const gw = await startGateway(bed, `gateway-healthy-${rows.length}`, env);
-    await wrk(gw.url, bed.headers, 200, CONNECTIONS, 1);
+    await wrk(gw.url, bed.headers, 200, 1);
     const before = await reading(gw);
-    const r = await wrk(gw.url, bed.headers, 200, CONNECTIONS, 10);
+    const r = await wrk(gw.url, bed.headers, 200, 10);
     const d = between(gw, before, await reading(gw));
     gw.stop();
     // Failures declared since the start, warm-up included: there must be none.
@@ -283,7 +258,7 @@ function conditions(bed: Bed): Condition[] {
   const rule = ['INPUT', '-i', 'lo', '-p', 'tcp', '--dport', String(redis.port), '-j', 'DROP'];
   const firewall = (op: '-I' | '-D') => execFileSync('iptables', [op, ...rule], { stdio: 'ignore' });
   let dropped = false;
-  bed.stops.push(() => dropped && firewall('-D'));
+  bed.onClose(() => dropped && firewall('-D'));
   return [
     { phase: 'Redis healthy', fromHealthy: true },
     { phase: 'Redis slow (DEBUG SLEEP 0.05 looped)', fromHealthy: true, ...busy(0.05) },
@@ -313,7 +288,7 @@ async function phase(mode: Mode, url: string, headers: Record<string, string>, c
   const waited = gw && c.fromHealthy ? await recovered(gw) : 0;
   const before = gw && (await reading(gw));
   await c.before?.();
-  const r = await wrk(url, headers, 200, CONNECTIONS, PHASE_SECONDS, mode.lua);
+  const r = await wrk(url, headers, 200, PHASE_SECONDS, mode.lua);
   const gateway = gw && before ? between(gw, before, await reading(gw)) : undefined;
   const notes = [waited >= 100 && `started ${waited} ms later, once the gateway had left its degraded state${before?.degraded ? ' (still degraded after 5 s)' : ''}`, await c.after?.()];
   const note = notes.filter(Boolean).join('; ') || undefined;
@@ -324,7 +299,7 @@ type Phase = Awaited<ReturnType<typeof phase>>;
 /** 2. Every condition under one load, on a gateway of its own at default settings, after the backend direct under the same load. */
 async function faults(bed: Bed, mode: Mode): Promise<Phase[]> {
   const gw = await startGateway(bed, `gateway-${mode.name.replace(/\W/g, '-')}`);
-  await wrk(gw.url, bed.headers, 200, CONNECTIONS, 1, mode.lua);
+  await wrk(gw.url, bed.headers, 200, 1, mode.lua);
   const phases = [await phase(mode, `${bed.backendUrl}/v1/pets`, {}, { phase: 'backend direct (reference)' })];
   for (const c of conditions(bed)) phases.push(await phase(mode, gw.url, bed.headers, c, gw));
   gw.stop();
@@ -365,17 +340,15 @@ async function main() {
     for (const { mode, phases } of modes) printFaults(mode, phases);
     const unexpected = modes.flatMap((m) => m.phases).filter((p) => p.not200 !== 0).length + healthy.filter((h) => h.not200 !== 0).length;
     console.log(`\nphases with a status other than 200: ${unexpected}${unexpected ? ' (a Redis condition reached the client)' : ''}`);
-    const out = join(tmpdir(), `bench-faults-${new Date().toISOString().replace(/[:.]/g, '-')}.json`);
     const phases = modes.flatMap((m) => m.phases);
-    writeFileSync(out, `${JSON.stringify({ at: new Date().toISOString(), rate: RATE, connections: CONNECTIONS, phaseSeconds: PHASE_SECONDS, healthy, phases }, null, 2)}\n`);
-    console.log(`results: ${out}`);
+    writeResults('faults', { at: new Date().toISOString(), rate: RATE, connections: CONNECTIONS, phaseSeconds: PHASE_SECONDS, healthy, phases });
   } catch (err) {
     // A process that would not start names its log, which is in the folder about to be removed.
     const log = /see (\S+\.log)/.exec(String(err))?.[1];
     if (log) console.error(`${log}, its end:\n${readFileSync(log, 'utf8').slice(-3000)}`);
     throw err;
   } finally {
-    await bed.tearDown();
+    await bed.close();
   }
 }
 
