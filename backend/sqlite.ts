@@ -19,16 +19,20 @@ export interface Database {
 }
 
 type Driver = { name: string; open: (file: string) => Database };
+type Open = new (file: string) => Database;
 
-function driver(): Driver {
-  const builtin = process.getBuiltinModule?.('node:sqlite') as { DatabaseSync: new (file: string) => Database } | undefined;
+/** The rule, given the runtime's node:sqlite (if any) and a loader of better-sqlite3, so a test can give it either runtime. */
+export function chooseDriver(builtin: { DatabaseSync: Open } | undefined, loadBetterSqlite: () => Open): Driver {
   if (builtin) return { name: 'node:sqlite', open: (file) => new builtin.DatabaseSync(file) };
   try {
-    const BetterSqlite = createRequire(import.meta.url)('better-sqlite3') as new (file: string) => Database;
+    const BetterSqlite = loadBetterSqlite();
     return { name: 'better-sqlite3', open: (file) => new BetterSqlite(file) };
   } catch {
     throw new Error(`no SQLite driver: Node ${process.version} has no node:sqlite (22.13 and later do), and better-sqlite3 is not installed`);
   }
 }
 
-export const SQLITE = driver();
+export const SQLITE = chooseDriver(
+  process.getBuiltinModule?.('node:sqlite') as { DatabaseSync: Open } | undefined,
+  () => createRequire(import.meta.url)('better-sqlite3') as Open,
+);
