@@ -96,8 +96,8 @@ export interface Consumer {
 /** The config as the hot path reads it: frozen, indexed, headers prebuilt. */
 export interface GatewayConfig {
   environment: Environment;
-  /** Start of every Redis key: `<REDIS_KEY_PREFIX>:<environment>`. */
-  redisPrefix: string;
+  /** The Redis key of this deployment's live instances (`<REDIS_KEY_PREFIX>:<environment>:{gateways}`). */
+  registryKey: string;
   /** Keys by the SHA-256 of the key: the only index, so the plain key is never kept. */
   consumers: ReadonlyMap<string, Consumer>;
   /** The quota of requests without a valid key, per client address. */
@@ -201,7 +201,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       expiresAtMs: k.expiresAt ? Date.parse(k.expiresAt) : Number.POSITIVE_INFINITY,
       costs: routeCosts({ ...plan.costs, ...k.costs }),
       // Named by the account: a key without one keeps the name (and the counters) it always had.
-      subject: { name: `${redisPrefix}:{k:${account}}`, limits, bans, policy: policyHeader(limits) },
+      subject: { name: `${redisPrefix}:{k:${account}}`, limits, bans, policy: policyHeader(limits), lasting: true },
       upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-account': account, 'x-consumer-plan': k.plan }),
     });
   }
@@ -222,9 +222,9 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
   const anonymousPolicy = policyHeader(anonymous);
   return Object.freeze({
     environment: file.environment,
-    redisPrefix,
+    registryKey: `${redisPrefix}:{gateways}`,
     consumers,
-    addressSubject: (address: string) => ({ name: `${redisPrefix}:{a:${address}}`, limits: anonymous, bans: null, policy: anonymousPolicy }),
+    addressSubject: (address: string) => ({ name: `${redisPrefix}:{a:${address}}`, limits: anonymous, bans: null, policy: anonymousPolicy, lasting: false }),
     deprecations,
     corsOrigins: new Set(file.cors?.origins ?? []),
   });

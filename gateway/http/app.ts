@@ -51,7 +51,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
         timeoutMs: settings.redisTimeoutMs,
         failClosed: settings.quotaStoreFailure === 'closed',
         // This deployment's live instances, for each one's share while Redis fails.
-        registry: () => `${config.redisPrefix}:{gateways}`,
+        registry: () => config.registryKey,
       })
     : new MemoryQuotaStore();
   metrics.watch(store);

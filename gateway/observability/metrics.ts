@@ -18,10 +18,10 @@ export class GatewayMetrics {
   // on a bound child, which cost more than the rest of the access line. Bounded like the
   // labels: routes x statuses x plans (x key ids when configured). Found by route, then
   // status, then plan (or key id): no label string is built per request.
-  private readonly requests: Tally[] = [];
-  private readonly requestIndex = new Map<string, Map<number, Map<string, Tally>>>();
-  private readonly rejections: Tally[] = [];
-  private readonly rejectionIndex = new Map<string, Tally>();
+  private readonly requests: Series[] = [];
+  private readonly requestIndex = new Map<string, Map<number, Map<string, Series>>>();
+  private readonly rejections: Series[] = [];
+  private readonly rejectionIndex = new Map<string, Series>();
   private readonly upstreamSeconds: TallyHistogram;
 
   constructor(private readonly keyLabels: boolean) {
@@ -131,11 +131,11 @@ export class GatewayMetrics {
     if (!byPlan) byStatus.set(status, (byPlan = new Map()));
     const last = this.keyLabels ? `${plan} ${key ?? 'none'}` : plan;
     let t = byPlan.get(last);
-    if (!t) byPlan.set(last, (t = tally(this.requests, this.keyLabels ? { route, status, plan, key: key ?? 'none' } : { route, status, plan })));
+    if (!t) byPlan.set(last, (t = newSeries(this.requests, this.keyLabels ? { route, status, plan, key: key ?? 'none' } : { route, status, plan })));
     t.n++;
     if (rejected) {
       let r = this.rejectionIndex.get(rejected);
-      if (!r) this.rejectionIndex.set(rejected, (r = tally(this.rejections, { reason: rejected })));
+      if (!r) this.rejectionIndex.set(rejected, (r = newSeries(this.rejections, { reason: rejected })));
       r.n++;
     }
   }
@@ -147,23 +147,23 @@ export class GatewayMetrics {
 }
 
 /** A counter's series as plain numbers: its labels and its count. */
-interface Tally {
+interface Series {
   labels: Record<string, string | number>;
   n: number;
 }
 
-/** A new series at 0, listed in `tallies`. */
-function tally(tallies: Tally[], labels: Tally['labels']): Tally {
-  const t = { labels, n: 0 };
-  tallies.push(t);
-  return t;
+/** A new series at 0, listed in `all`. */
+function newSeries(all: Series[], labels: Series['labels']): Series {
+  const s = { labels, n: 0 };
+  all.push(s);
+  return s;
 }
 
-/** A counter's collect(): its series read from `tallies` when scraped. */
-function collectFrom(tallies: Tally[]) {
+/** A counter's collect(): its series read from `all` when scraped. */
+function collectFrom(all: Series[]) {
   return function collect(this: Counter<string>) {
     this.reset();
-    for (const t of tallies) this.inc(t.labels, t.n);
+    for (const s of all) this.inc(s.labels, s.n);
   };
 }
 

@@ -29,17 +29,18 @@ function refusal(d: Decision): GatewayError | undefined {
   return new GatewayError(REFUSAL_CODES[d.outcome], `${why}; retry after ${wait} s`);
 }
 
-/** Per subject, the last admission's headers and what they were built from. */
+/** Per lasting subject (a key's), the last admission's headers and what they were built from. */
 const lastHeaders = new WeakMap<QuotaSubject, { second: number; minuteUsed: number; dayUsed: number; headers: Readonly<Record<string, string>> }>();
 
 /**
  * The rate-limit headers of a decision. An admission's headers depend only on its subject, the
  * windows' counts and the whole second of its time (resets fall on whole seconds), so
  * admissions served from one lease within one second share the same headers, built once. The
- * shared object is frozen: `reply.headers()` and the raw answers copy its values.
+ * shared object is frozen: `reply.headers()` and the raw answers copy its values. An address's
+ * subject is built per request, so no later admission could find its entry: it has none.
  */
 export function headersOf(d: Decision, subject: QuotaSubject): Readonly<Record<string, string>> {
-  if (d.outcome !== 'allowed') return rateLimitHeaders(d, subject.policy);
+  if (d.outcome !== 'allowed' || !subject.lasting) return rateLimitHeaders(d, subject.policy);
   const second = Math.floor(d.nowMs / 1000);
   const minuteUsed = d.windows[0]!.used;
   const dayUsed = d.windows[1]?.used ?? 0;

@@ -34,6 +34,8 @@ export interface QuotaSubject {
   bans: BanPolicy | null;
   /** Its `RateLimit-Policy` header value, constant per limits. */
   policy: string;
+  /** Built once at config load (a key's), not per request (an address's): only then can admissions share headers. */
+  lasting: boolean;
 }
 
 /** One window's state after the decision. `used` counts admitted requests only. */
@@ -53,7 +55,7 @@ export interface Decision {
 }
 
 /** What a store counted: the outcome and the admitted counts of the current windows. */
-export interface Tally {
+export interface WindowCounts {
   outcome: Outcome;
   minuteUsed: number;
   dayUsed: number;
@@ -77,8 +79,8 @@ export function windows(limits: Limits, nowMs: number, minuteUsed: number, dayUs
   return list;
 }
 
-export function decision(limits: Limits, t: Tally): Decision {
-  return { outcome: t.outcome, nowMs: t.nowMs, banUntilMs: t.banUntilMs, windows: windows(limits, t.nowMs, t.minuteUsed, t.dayUsed) };
+export function decision(limits: Limits, c: WindowCounts): Decision {
+  return { outcome: c.outcome, nowMs: c.nowMs, banUntilMs: c.banUntilMs, windows: windows(limits, c.nowMs, c.minuteUsed, c.dayUsed) };
 }
 
 /**

@@ -1,4 +1,4 @@
-import { DAY_MS, degradedShare, MINUTE_MS, type QuotaSubject, type Tally, windowStart } from './decision.js';
+import { DAY_MS, degradedShare, MINUTE_MS, type QuotaSubject, type WindowCounts, windowStart } from './decision.js';
 import { type Counters, countsAt } from './store.js';
 
 /** Units admitted while Redis failed and not yet written back, for one subject and window pair. */
@@ -15,12 +15,12 @@ export interface WriteBack {
 
 /** What a subject spent of its degraded budget in the current windows, and how much of it is written back. */
 interface Spent {
-  ms: number;
-  mc: number;
-  ds: number;
-  dc: number;
-  writtenM: number;
-  writtenD: number;
+  minuteStart: number;
+  minuteCount: number;
+  dayStart: number;
+  dayCount: number;
+  minuteWritten: number;
+  dayWritten: number;
   hasDay: boolean;
 }
 
@@ -55,14 +55,14 @@ export class DegradedBudget {
 
   /** A reply's counts: the latest Redis knows. A subject whose budget is all written back starts afresh. */
   see(name: string, nowMs: number, minuteUsed: number, dayUsed: number): void {
-    this.seen.set(name, { ms: windowStart(nowMs, MINUTE_MS), mc: minuteUsed, ds: windowStart(nowMs, DAY_MS), dc: dayUsed, ban: 0 });
+    this.seen.set(name, { minuteStart: windowStart(nowMs, MINUTE_MS), minuteCount: minuteUsed, dayStart: windowStart(nowMs, DAY_MS), dayCount: dayUsed, ban: 0 });
     const s = this.spent.get(name);
-    if (s && s.mc === s.writtenM && s.dc === s.writtenD) this.spent.delete(name);
+    if (s && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten) this.spent.delete(name);
     this.sweep(nowMs);
   }
 
   /** One decision from the budget at Redis time `nowMs` (as this instance knows it). */
-  consume({ name, limits }: QuotaSubject, cost: number, nowMs: number): Tally {
+  consume({ name, limits }: QuotaSubject, cost: number, nowMs: number): WindowCounts {
     const s = this.current(name, nowMs, limits.perDay > 0);
     const known = this.seen.get(name);
     const { minuteUsed: knownM, dayUsed: knownD } = known ? countsAt(known, nowMs) : { minuteUsed: 0, dayUsed: 0 };
@@ -70,12 +70,12 @@ export class DegradedBudget {
     const shareM = degradedShare(limits.perMinute - knownM, instances, rank);
     const shareD = limits.perDay > 0 ? degradedShare(limits.perDay - knownD, instances, rank) : Number.POSITIVE_INFINITY;
     // Reported as used: all but this instance's share, then what it admitted of it.
-    const minuteUsed = limits.perMinute - shareM + s.mc;
-    const dayUsed = limits.perDay > 0 ? limits.perDay - shareD + s.dc : 0;
-    const violated = s.dc + cost > shareD ? 'day' : s.mc + cost > shareM ? 'minute' : undefined;
+    const minuteUsed = limits.perMinute - shareM + s.minuteCount;
+    const dayUsed = limits.perDay > 0 ? limits.perDay - shareD + s.dayCount : 0;
+    const violated = s.dayCount + cost > shareD ? 'day' : s.minuteCount + cost > shareM ? 'minute' : undefined;
     if (violated) return { outcome: violated, minuteUsed, dayUsed, nowMs, banUntilMs: 0 };
-    s.mc += cost;
-    s.dc += cost;
+    s.minuteCount += cost;
+    s.dayCount += cost;
     return { outcome: 'allowed', minuteUsed: minuteUsed + cost, dayUsed: limits.perDay > 0 ? dayUsed + cost : 0, nowMs, banUntilMs: 0 };
   }
 
@@ -83,8 +83,8 @@ export class DegradedBudget {
   refund(name: string, countedAtMs: number, cost: number): void {
     const s = this.spent.get(name);
     if (!s) return;
-    if (s.ms === windowStart(countedAtMs, MINUTE_MS)) s.mc = Math.max(s.writtenM, s.mc - cost);
-    if (s.ds === windowStart(countedAtMs, DAY_MS)) s.dc = Math.max(s.writtenD, s.dc - cost);
+    if (s.minuteStart === windowStart(countedAtMs, MINUTE_MS)) s.minuteCount = Math.max(s.minuteWritten, s.minuteCount - cost);
+    if (s.dayStart === windowStart(countedAtMs, DAY_MS)) s.dayCount = Math.max(s.dayWritten, s.dayCount - cost);
   }
 
   /** The counts as this instance sees them while Redis fails: Redis's last, plus its own admissions. */
@@ -92,7 +92,7 @@ export class DegradedBudget {
     const known = this.seen.get(name);
     const k = known ? countsAt(known, nowMs) : { minuteUsed: 0, dayUsed: 0 };
     const s = this.spent.get(name);
-    const own = s ? countsAt({ ms: s.ms, mc: s.mc, ds: s.ds, dc: s.dc, ban: 0 }, nowMs) : { minuteUsed: 0, dayUsed: 0 };
+    const own = s ? countsAt(s, nowMs) : { minuteUsed: 0, dayUsed: 0 };
     return { minuteUsed: k.minuteUsed + own.minuteUsed, dayUsed: k.dayUsed + own.dayUsed };
   }
 
@@ -100,12 +100,12 @@ export class DegradedBudget {
   drain(): WriteBack[] {
     const id = `${this.instanceId}:${++this.batch}`;
     for (const [name, s] of this.spent) {
-      const minuteUnits = s.mc - s.writtenM;
-      const dayUnits = s.dc - s.writtenD;
+      const minuteUnits = s.minuteCount - s.minuteWritten;
+      const dayUnits = s.dayCount - s.dayWritten;
       if (minuteUnits === 0 && dayUnits === 0) continue;
-      this.unconfirmed.set(`${id}:${name}`, { name, id, minuteStart: s.ms, minuteUnits, dayStart: s.ds, dayUnits, hasDay: s.hasDay });
-      s.writtenM = s.mc;
-      s.writtenD = s.dc;
+      this.unconfirmed.set(`${id}:${name}`, { name, id, minuteStart: s.minuteStart, minuteUnits, dayStart: s.dayStart, dayUnits, hasDay: s.hasDay });
+      s.minuteWritten = s.minuteCount;
+      s.dayWritten = s.dayCount;
     }
     return [...this.unconfirmed.values()];
   }
@@ -117,15 +117,15 @@ export class DegradedBudget {
 
   /** The subject's spending in the windows current at `nowMs`. */
   private current(name: string, nowMs: number, hasDay: boolean): Spent {
-    const ms = windowStart(nowMs, MINUTE_MS);
-    const ds = windowStart(nowMs, DAY_MS);
+    const minuteStart = windowStart(nowMs, MINUTE_MS);
+    const dayStart = windowStart(nowMs, DAY_MS);
     let s = this.spent.get(name);
     if (!s) {
-      s = { ms, mc: 0, ds, dc: 0, writtenM: 0, writtenD: 0, hasDay };
+      s = { minuteStart, minuteCount: 0, dayStart, dayCount: 0, minuteWritten: 0, dayWritten: 0, hasDay };
       this.spent.set(name, s);
     }
-    if (s.ms !== ms) Object.assign(s, { ms, mc: 0, writtenM: 0 });
-    if (s.ds !== ds) Object.assign(s, { ds, dc: 0, writtenD: 0 });
+    if (s.minuteStart !== minuteStart) Object.assign(s, { minuteStart, minuteCount: 0, minuteWritten: 0 });
+    if (s.dayStart !== dayStart) Object.assign(s, { dayStart, dayCount: 0, dayWritten: 0 });
     return s;
   }
 
@@ -134,7 +134,7 @@ export class DegradedBudget {
     if (nowMs - this.lastSweep < MINUTE_MS) return;
     this.lastSweep = nowMs;
     const today = windowStart(nowMs, DAY_MS);
-    for (const [name, c] of this.seen) if (c.ds < today) this.seen.delete(name);
-    for (const [name, s] of this.spent) if (s.ds < today && s.mc === s.writtenM && s.dc === s.writtenD) this.spent.delete(name);
+    for (const [name, c] of this.seen) if (c.dayStart < today) this.seen.delete(name);
+    for (const [name, s] of this.spent) if (s.dayStart < today && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten) this.spent.delete(name);
   }
 }

@@ -1,4 +1,4 @@
-import { DAY_MS, type Decision, decision, MINUTE_MS, type QuotaSubject, type Tally, windowStart } from './decision.js';
+import { DAY_MS, type Decision, decision, MINUTE_MS, type QuotaSubject, type WindowCounts, windowStart } from './decision.js';
 import { type Counters, countsAt, type QuotaStore, type Usage } from './store.js';
 
 interface MemoryState extends Counters {
@@ -37,8 +37,8 @@ export class MemoryQuotaStore implements QuotaStore {
   async refund({ name }: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
     const s = this.states.get(name);
     if (!s) return;
-    if (s.ms === windowStart(countedAtMs, MINUTE_MS)) s.mc = Math.max(0, s.mc - cost);
-    if (s.ds === windowStart(countedAtMs, DAY_MS)) s.dc = Math.max(0, s.dc - cost);
+    if (s.minuteStart === windowStart(countedAtMs, MINUTE_MS)) s.minuteCount = Math.max(0, s.minuteCount - cost);
+    if (s.dayStart === windowStart(countedAtMs, DAY_MS)) s.dayCount = Math.max(0, s.dayCount - cost);
   }
 
   activeBans(): number {
@@ -48,19 +48,19 @@ export class MemoryQuotaStore implements QuotaStore {
     return n;
   }
 
-  private step({ name, limits, bans }: QuotaSubject, now: number, cost: number): Tally {
+  private step({ name, limits, bans }: QuotaSubject, now: number, cost: number): WindowCounts {
     this.sweep(now);
     let s = this.states.get(name);
     if (!s) {
-      s = { ms: 0, mc: 0, ds: 0, dc: 0, ban: 0, rejections: [], expiresAt: 0 };
+      s = { minuteStart: 0, minuteCount: 0, dayStart: 0, dayCount: 0, ban: 0, rejections: [], expiresAt: 0 };
       this.states.set(name, s);
     }
     const { minuteUsed, dayUsed } = countsAt(s, now);
-    const tally = (outcome: Tally['outcome'], banUntilMs = 0): Tally => ({ outcome, minuteUsed, dayUsed, nowMs: now, banUntilMs });
-    if (s.ban > now) return tally('banned', s.ban);
-    const ms = windowStart(now, MINUTE_MS);
-    const ds = windowStart(now, DAY_MS);
-    const expireAt = limits.perDay > 0 ? ds + DAY_MS : ms + MINUTE_MS;
+    const refused = (outcome: WindowCounts['outcome'], banUntilMs = 0): WindowCounts => ({ outcome, minuteUsed, dayUsed, nowMs: now, banUntilMs });
+    if (s.ban > now) return refused('banned', s.ban);
+    const minuteStart = windowStart(now, MINUTE_MS);
+    const dayStart = windowStart(now, DAY_MS);
+    const expireAt = limits.perDay > 0 ? dayStart + DAY_MS : minuteStart + MINUTE_MS;
     const violated = limits.perDay > 0 && dayUsed + cost > limits.perDay ? 'day' : minuteUsed + cost > limits.perMinute ? 'minute' : undefined;
     if (violated) {
       if (bans) {
@@ -70,12 +70,12 @@ export class MemoryQuotaStore implements QuotaStore {
           s.ban = now + bans.durationMs;
           s.rejections = [];
           s.expiresAt = Math.max(s.expiresAt, expireAt, s.ban);
-          return tally('banned', s.ban);
+          return refused('banned', s.ban);
         }
       }
-      return tally(violated);
+      return refused(violated);
     }
-    Object.assign(s, { ms, mc: minuteUsed + cost, ds, dc: dayUsed + cost, expiresAt: Math.max(s.expiresAt, expireAt, s.ban) });
+    Object.assign(s, { minuteStart, minuteCount: minuteUsed + cost, dayStart, dayCount: dayUsed + cost, expiresAt: Math.max(s.expiresAt, expireAt, s.ban) });
     return { outcome: 'allowed', minuteUsed: minuteUsed + cost, dayUsed: dayUsed + cost, nowMs: now, banUntilMs: 0 };
   }
 
@@ -84,10 +84,5 @@ export class MemoryQuotaStore implements QuotaStore {
     if (now - this.lastSweep < MINUTE_MS) return;
     this.lastSweep = now;
     for (const [k, s] of this.states) if (s.expiresAt <= now) this.states.delete(k);
-  }
-
-  /** How many subjects it holds (for tests of the sweep). */
-  get size(): number {
-    return this.states.size;
   }
 }

@@ -273,11 +273,11 @@ export class RedisQuotaStore implements QuotaStore {
     });
     const [time, fields, rejections] = values as [[string, string], Array<string | null>, string[]];
     const now = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
-    const [ms, mc, ds, dc, ban] = fields.map(Number) as [number, number, number, number, number];
+    const [minuteStart, minuteCount, dayStart, dayCount, ban] = fields.map(Number) as [number, number, number, number, number];
     const withinMs = subject.bans?.withinMs ?? 0;
     return {
       nowMs: now,
-      ...countsAt({ ms, mc, ds, dc, ban }, now),
+      ...countsAt({ minuteStart, minuteCount, dayStart, dayCount }, now),
       banUntilMs: ban > now ? ban : 0,
       recentRejections: rejections.filter((t) => Number(t) > now - withinMs).length,
     };

@@ -50,19 +50,22 @@ export interface Usage {
   recentRejections: number;
 }
 
-/** A subject's stored counters: window starts, admitted counts, ban end (quota.lua's hash fields). */
+/**
+ * A subject's stored counters: window starts, admitted counts, ban end. In Redis they are
+ * quota.lua's hash fields ms, mc, ds, dc and ban, in this order, kept short there: stored data and tests read them.
+ */
 export interface Counters {
-  ms: number;
-  mc: number;
-  ds: number;
-  dc: number;
+  minuteStart: number;
+  minuteCount: number;
+  dayStart: number;
+  dayCount: number;
   ban: number;
 }
 
 /** Admitted counts of the windows current at `now`: a stored count of an older window is 0. */
-export function countsAt(c: Counters, now: number): { minuteUsed: number; dayUsed: number } {
+export function countsAt(c: Omit<Counters, 'ban'>, now: number): { minuteUsed: number; dayUsed: number } {
   return {
-    minuteUsed: c.ms === windowStart(now, MINUTE_MS) ? c.mc : 0,
-    dayUsed: c.ds === windowStart(now, DAY_MS) ? c.dc : 0,
+    minuteUsed: c.minuteStart === windowStart(now, MINUTE_MS) ? c.minuteCount : 0,
+    dayUsed: c.dayStart === windowStart(now, DAY_MS) ? c.dayCount : 0,
   };
 }

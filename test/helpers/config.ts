@@ -2,7 +2,7 @@ import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { generateKey } from '../../gateway/auth/keys.js';
-import type { ConfigFile } from '../../gateway/config/config.js';
+import type { ConfigFile, GatewayConfig } from '../../gateway/config/config.js';
 
 export interface TestKey {
   id: string;
@@ -41,6 +41,13 @@ let serial = 0;
 export function makeKey(plan = 'free', env: 'production' | 'staging' = 'production'): TestKey {
   serial += 1;
   return { id: `t${process.pid}-${Date.now().toString(36)}-${serial}`, plan, ...generateKey(env) };
+}
+
+/** The Redis key of the counters of the key with this id, as the gateway names it: its consumer's quota subject. */
+export function redisKeyOf(config: GatewayConfig, id: string): string {
+  const consumer = [...config.consumers.values()].find((c) => c.id === id);
+  if (!consumer) throw new Error(`no key with id ${id} in the config`);
+  return consumer.subject.name;
 }
 
 /** A Redis key prefix no other gateway of this run uses: test files share one Redis. */

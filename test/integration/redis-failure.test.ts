@@ -1,7 +1,7 @@
 import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
-import { makeKey, testConfig } from '../helpers/config.js';
+import { makeKey, redisKeyOf, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
@@ -30,7 +30,7 @@ async function fleet(config: ConfigFile) {
   const counted = async (id: string, field: 'mc' | 'dc') => {
     const check = new Redis(redis.url);
     try {
-      return Number(await check.hget(`${first.gateway.config().redisPrefix}:{k:${id}}`, field));
+      return Number(await check.hget(redisKeyOf(first.gateway.config(), id), field));
     } finally {
       check.disconnect();
     }

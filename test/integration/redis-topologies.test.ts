@@ -1,6 +1,6 @@
 import { Cluster, Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
-import { makeKey, testConfig } from '../helpers/config.js';
+import { makeKey, redisKeyOf, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { role, spawnCluster, spawnSentinels } from '../helpers/redis.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
@@ -52,7 +52,7 @@ describe('Redis Cluster', () => {
       },
       () => run++,
     );
-    const name = `${gw.gateway.config().redisPrefix}:{k:${keys[run]!.id}}`;
+    const name = redisKeyOf(gw.gateway.config(), keys[run]!.id);
     const owner = cluster.masterOf(name);
     expect(cluster.masterOf(`${name}:rej`)).toBe(owner); // the hash tag: one slot, one node
     const direct = new Redis({ port: owner.port, host: '127.0.0.1' }).on('error', () => {});
@@ -97,7 +97,7 @@ describe('Redis Cluster', () => {
     const roomy = { ...makeKey('enterprise'), limits: { perMinute: 1_000_000, perDay: 10_000_000 } };
     // 250 ms, not the shipped 1 s: the failover time measured here is Redis's, not the gateway's detection.
     const gw = await buildTestGateway({ config: testConfig([roomy]), settings: { redisClusterNodes: cluster.nodes, redisTimeoutMs: 250 } });
-    const name = `${gw.gateway.config().redisPrefix}:{k:${roomy.id}}`;
+    const name = redisKeyOf(gw.gateway.config(), roomy.id);
     expect((await gw.call('/v1/pets', roomy.key)).status).toBe(200);
     const master = cluster.masterOf(name);
 
@@ -151,7 +151,7 @@ describe('Redis Sentinel', () => {
       // 250 ms, not the shipped 1 s: the failover time measured here is Redis's, not the gateway's detection.
       settings: { redisSentinels: group.sentinels, redisSentinelName: group.name, redisTimeoutMs: 250 },
     });
-    const name = (id: string) => `${gw.gateway.config().redisPrefix}:{k:${id}}`;
+    const name = (id: string) => redisKeyOf(gw.gateway.config(), id);
     await inOneMinute(
       async () => {
         const got = [];

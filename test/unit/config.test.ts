@@ -74,6 +74,7 @@ describe('config file', () => {
     const consumer = config.consumers.get(k.hash)!;
     expect(consumer.subject.limits).toEqual({ perMinute: 9, perDay: 99 });
     expect(consumer.subject.name).toBe('px:production:{k:big}');
+    expect(config.registryKey).toBe('px:production:{gateways}');
     expect(consumer.subject.policy).toBe('"minute";q=9;w=60, "day";q=99;w=86400');
     expect([...config.consumers.keys()]).toEqual([k.hash]);
   });
@@ -85,6 +86,7 @@ describe('config file', () => {
       limits: { perMinute: 7, perDay: 0 },
       bans: null,
       policy: '"minute";q=7;w=60',
+      lasting: false,
     });
   });
 

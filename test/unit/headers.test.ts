@@ -1,7 +1,9 @@
 import { describe, expect, it } from 'vitest';
-import { type Decision, type Outcome, windows } from '../../gateway/quota/decision.js';
+import { compileConfig, validateConfigFile } from '../../gateway/config/config.js';
+import { type Decision, type Outcome, type QuotaSubject, windows } from '../../gateway/quota/decision.js';
 import { headersOf } from '../../gateway/quota/admit.js';
 import { policyHeader, rateLimitHeaders } from '../../gateway/quota/headers.js';
+import { makeKey, testConfig } from '../helpers/config.js';
 
 const free = { perMinute: 60, perDay: 1000 };
 const policy = policyHeader(free);
@@ -92,7 +94,7 @@ describe('rate-limit headers', () => {
 });
 
 describe('headers shared within a second', () => {
-  const subject = { name: 'gw:{k:k_1}', limits: free, bans: null, policy };
+  const subject = { name: 'gw:{k:k_1}', limits: free, bans: null, policy, lasting: true };
   const within = (m: number, d: number, nowMs: number) => headersOf(at('allowed', m, d, 0, nowMs), subject);
 
   it('builds them again when the second or a count changes, and not otherwise', () => {
@@ -113,5 +115,17 @@ describe('headers shared within a second', () => {
     const refused = headersOf(at('minute', 60, 60), subject);
     expect(refused['retry-after']).toBe('43');
     expect(within(60, 60, now)['retry-after']).toBeUndefined();
+  });
+
+  it('shares them for a key, and keeps nothing for an address, whose subject is built per request', () => {
+    const k = makeKey();
+    const config = compileConfig(validateConfigFile(testConfig([k]), 't'));
+    const admitted = (s: QuotaSubject): Decision => ({ outcome: 'allowed', nowMs: now, banUntilMs: 0, windows: windows(s.limits, now, 1, 1) });
+    const key = config.consumers.get(k.hash)!.subject;
+    expect(headersOf(admitted(key), key)).toBe(headersOf(admitted(key), key));
+    const address = config.addressSubject('10.0.0.1');
+    const first = headersOf(admitted(address), address);
+    expect(first).toEqual(rateLimitHeaders(admitted(address), address.policy));
+    expect(headersOf(admitted(address), address)).not.toBe(first); // built again: no entry was kept for it
   });
 });
