@@ -14,7 +14,7 @@ const USAGE = `usage:
 
 class UsageError extends Error {}
 
-function run(argv: string[]): void {
+async function run(argv: string[]): Promise<void> {
   const { values, positionals } = parseArgs({
     args: argv,
     allowPositionals: true,
@@ -46,21 +46,21 @@ function run(argv: string[]): void {
     const [perMinute, perDay] = [values['per-minute'], values['per-day']];
     if ((perMinute === undefined) !== (perDay === undefined)) throw new UsageError('give both --per-minute and --per-day, or neither');
     const limits = perMinute !== undefined ? { perMinute: Number(perMinute), perDay: Number(perDay) } : undefined;
-    const { id, key } = createKey(file, { plan: values.plan, id: values.id, account: values.account, limits, expiresAt: values['expires-at'] });
+    const { id, key } = await createKey(file, { plan: values.plan, id: values.id, account: values.account, limits, expiresAt: values['expires-at'] });
     console.error(`created key "${id}" (plan ${values.plan}) in ${file}; it is shown only now:`);
     console.log(key);
     return;
   }
   if (command === 'rotate') {
     if (!values.id) throw new UsageError('rotate needs --id');
-    const r = rotateKey(file, values.id, duration(values.grace ?? '24h'));
+    const r = await rotateKey(file, values.id, duration(values.grace ?? '24h'));
     console.error(`rotated "${values.id}": new key "${r.id}" (account ${r.account}, plan ${r.plan}); "${values.id}" works until ${r.oldExpiresAt}. The new key, shown only now:`);
     console.log(r.key);
     return;
   }
   if (command === 'revoke') {
     if (!values.id) throw new UsageError('revoke needs --id');
-    revokeKey(file, values.id);
+    await revokeKey(file, values.id);
     console.error(`revoked key "${values.id}" in ${file}`);
     return;
   }
@@ -68,7 +68,7 @@ function run(argv: string[]): void {
 }
 
 try {
-  run(process.argv.slice(2));
+  await run(process.argv.slice(2));
 } catch (err) {
   if (err instanceof UsageError || (err as { code?: string }).code?.startsWith('ERR_PARSE_ARGS')) {
     console.error(`${(err as Error).message}\n${USAGE}`);

@@ -1,13 +1,18 @@
 import { randomBytes } from 'node:crypto';
-import { closeSync, openSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { readFileSync } from 'node:fs';
+import ms from 'ms';
+import lockfile from 'proper-lockfile';
+import writeFileAtomic from 'write-file-atomic';
 import { type Document, isMap, isSeq, parseDocument, type YAMLSeq } from 'yaml';
 import { type ConfigFile, parseConfigText } from '../config/config.js';
 import { generateKey } from './keys.js';
 
 // Keys in the config file, for the keys command and the admin API alike: each change edits
 // the file in place (comments kept), is checked with the gateway's own validator before it is
-// written, and is written by rename under a lock file, so concurrent editors lose nothing and
-// a running gateway only ever reads a whole, valid file. The plain key is returned once.
+// written, and is written atomically (write-file-atomic: a temporary file renamed over it)
+// under a lock (proper-lockfile, which also takes over a lock its holder left behind when it
+// crashed), so concurrent editors lose nothing and a running gateway only ever reads a whole,
+// valid file. The plain key is returned once.
 
 /** Why a change was refused, in terms both the command and the admin API can answer with. */
 export class KeyFileError extends Error {
@@ -40,11 +45,11 @@ export interface KeyRow {
 
 const iso = (ms: number) => new Date(ms).toISOString().replace(/\.\d+Z$/, 'Z');
 
-/** `90s`, `15m`, `24h`, `7d` in milliseconds. */
+/** `90s`, `15m`, `24h`, `7d` (or `2 days`, as `ms` reads them) in milliseconds; a unit is required. */
 export function duration(text: string): number {
-  const m = /^(\d+)(s|m|h|d)$/.exec(text);
-  if (!m) throw new KeyFileError(`grace: expected a number and s, m, h or d (24h), got "${text}"`, 'invalid');
-  return Number(m[1]) * { s: 1000, m: 60_000, h: 3_600_000, d: 86_400_000 }[m[2] as 's' | 'm' | 'h' | 'd'];
+  const value = /[a-z]\s*$/i.test(text) ? ms(text as ms.StringValue) : undefined;
+  if (value === undefined || !(value > 0)) throw new KeyFileError(`grace: expected a number and s, m, h or d (24h), got "${text}"`, 'invalid');
+  return value;
 }
 
 /** Every key, without secrets (the file holds none), with its state now. */
@@ -62,7 +67,7 @@ export function listKeys(file: string): KeyRow[] {
   }));
 }
 
-export function createKey(file: string, request: NewKey): { id: string; key: string } {
+export function createKey(file: string, request: NewKey): Promise<{ id: string; key: string }> {
   return edit(file, (current, keys, doc) => {
     const id = request.id ?? `${request.plan}-${randomBytes(3).toString('hex')}`;
     // Said plainly: through the validator it would read as if the file were broken.
@@ -79,7 +84,11 @@ export function createKey(file: string, request: NewKey): { id: string; key: str
 }
 
 /** A new key in the same account, plan and limits; the old one works for `graceMs`, then expires. */
-export function rotateKey(file: string, oldId: string, graceMs: number): { id: string; key: string; account: string; plan: string; oldExpiresAt: string } {
+export function rotateKey(
+  file: string,
+  oldId: string,
+  graceMs: number,
+): Promise<{ id: string; key: string; account: string; plan: string; oldExpiresAt: string }> {
   return edit(file, (current, keys, doc) => {
     const item = keys.items.find((k) => isMap(k) && k.get('id') === oldId);
     const old = current.keys.find((k) => k.id === oldId);
@@ -100,7 +109,7 @@ export function rotateKey(file: string, oldId: string, graceMs: number): { id: s
   });
 }
 
-export function revokeKey(file: string, id: string): { revokedAt: string } {
+export function revokeKey(file: string, id: string): Promise<{ revokedAt: string }> {
   return edit(file, (_current, keys) => {
     const item = keys.items.find((k) => isMap(k) && k.get('id') === id);
     if (!isMap(item)) throw new KeyFileError(`no key with id "${id}" in ${file}`, 'not_found');
@@ -112,8 +121,9 @@ export function revokeKey(file: string, id: string): { revokedAt: string } {
 }
 
 /** One locked, validated edit of the file's `keys` list. */
-function edit<T>(file: string, change: (current: ConfigFile, keys: YAMLSeq, doc: Document) => T): T {
-  return withLock(file, () => {
+async function edit<T>(file: string, change: (current: ConfigFile, keys: YAMLSeq, doc: Document) => T): Promise<T> {
+  const release = await lock(file);
+  try {
     const text = readFileSync(file, 'utf8');
     const current = parseConfigText(text, file);
     const doc = parseDocument(text);
@@ -125,41 +135,33 @@ function edit<T>(file: string, change: (current: ConfigFile, keys: YAMLSeq, doc:
     if (!isSeq(keys)) throw new Error('keys is not a list');
     keys.flow = false; // `keys: []` would otherwise grow as one long flow line
     const result = change(current, keys, doc);
-    save(file, text, doc);
+    await save(file, text, doc);
     return result;
-  });
+  } finally {
+    await release();
+  }
 }
 
 /** Writes the edited document in the file's own format (JSON stays JSON), keeping its mode. */
-function save(file: string, before: string, doc: Document): void {
+async function save(file: string, before: string, doc: Document): Promise<void> {
   const text = before.trimStart().startsWith('{') ? `${JSON.stringify(doc.toJS(), null, 2)}\n` : doc.toString({ lineWidth: 0 });
   parseConfigText(text, file); // refuse to write what the gateway would refuse to load
-  const tmp = `${file}.${process.pid}.tmp`;
-  writeFileSync(tmp, text, { mode: statSync(file).mode });
-  renameSync(tmp, file);
+  await writeFileAtomic(file, text); // keeps the file's mode and owner
 }
 
-/** One editor at a time: two concurrent creates must not drop a key. */
-function withLock<T>(file: string, work: () => T): T {
-  const lock = `${file}.lock`;
-  const deadline = Date.now() + 5000;
-  for (;;) {
-    try {
-      closeSync(openSync(lock, 'wx'));
-      break;
-    } catch (err) {
-      const code = (err as NodeJS.ErrnoException).code;
-      if (code === 'EROFS' || code === 'EACCES' || code === 'EPERM') {
-        throw new KeyFileError(`${file} cannot be written here (${code}): mount its folder writable to manage keys, or use the keys command where it can be`, 'read_only');
-      }
-      if (code !== 'EEXIST') throw err;
-      if (Date.now() > deadline) throw new Error(`cannot lock ${lock} (another keys command running? remove the file if not)`, { cause: err });
-      Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 50);
-    }
-  }
+/**
+ * One editor at a time: two concurrent creates must not drop a key. Waits up to about 5 s for
+ * another editor; a lock untouched for 10 s is a crashed editor's, and is taken over.
+ */
+async function lock(file: string): Promise<() => Promise<void>> {
   try {
-    return work();
-  } finally {
-    rmSync(lock, { force: true });
+    return await lockfile.lock(file, { stale: 10_000, retries: { retries: 100, minTimeout: 20, maxTimeout: 50, factor: 1.2 } });
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code;
+    if (code === 'EROFS' || code === 'EACCES' || code === 'EPERM') {
+      throw new KeyFileError(`${file} cannot be written here (${code}): mount its folder writable to manage keys, or use the keys command where it can be`, 'read_only');
+    }
+    if (code === 'ELOCKED') throw new Error(`cannot lock ${file}: another keys command or admin call is editing it; try again`, { cause: err });
+    throw err;
   }
 }
