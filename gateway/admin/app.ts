@@ -1,12 +1,15 @@
 import { createHash, timingSafeEqual } from 'node:crypto';
-import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyRequest, LogController } from 'fastify';
+import swagger, { type SwaggerOptions } from '@fastify/swagger';
+import { type FastifyPluginAsyncTypebox, type TypeBoxTypeProvider, TypeBoxValidatorCompiler } from '@fastify/type-provider-typebox';
+import { Type } from '@sinclair/typebox';
+import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifySchemaValidationError, LogController } from 'fastify';
 import type { RedisClient } from '../process/redis-client.js';
-import { ADMIN_DOCUMENT } from './document.js';
-import { registerKeyApi } from './keys.js';
-import type { Consumer, GatewayConfig } from '../config/config.js';
+import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../http/errors.js';
-import { windows } from '../quota/decision.js';
 import type { QuotaStore } from '../quota/store.js';
+import { keyApi } from './keys.js';
+import { failure, Health, Ready, SharedError } from './schemas.js';
+import { usageRoutes } from './usage.js';
 
 /** What the admin port takes from the settings. */
 export interface AdminSettings {
@@ -53,19 +56,60 @@ async function redisProblems(redis: RedisClient, store: QuotaStore): Promise<str
   );
 }
 
-/**
- * The admin surface, on its own port and never on the public one: health, readiness,
- * Prometheus metrics, and a key's usage (behind ADMIN_TOKEN).
- */
-export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Promise<FastifyInstance> {
-  const deps: AdminDeps = { ...settings, ...parts };
+/** Everything that keeps this instance from taking traffic; none when it is ready. */
+async function readinessProblems(deps: AdminDeps): Promise<string[]> {
+  const problems: string[] = [];
+  if (deps.closing()) problems.push('shutting down');
+  problems.push(...(deps.problems?.() ?? []));
+  if (deps.redis) problems.push(...(await redisProblems(deps.redis, deps.store)));
+  await fetch(`${deps.backendUrl}/healthz`, { signal: AbortSignal.timeout(1000) }).then(
+    (res) => {
+      if (!res.ok) problems.push(`backend: status ${res.status}`);
+    },
+    (err: Error) => problems.push(`backend: ${err.cause ? String((err.cause as Error).message) : err.message}`),
+  );
+  return problems;
+}
+
+/** A schema's refusal as the catalogue's bad_request, naming the first field at fault: `body.limits.perMinute: Expected integer`. */
+function schemaError(errors: FastifySchemaValidationError[], part: string): GatewayError {
+  const [first] = errors;
+  const field = [part, ...(first?.instancePath.split('/').filter(Boolean) ?? [])].join('.');
+  return new GatewayError('bad_request', `${field}: ${first?.message ?? 'invalid'}`);
+}
+
+const DOCUMENT: SwaggerOptions = {
+  openapi: {
+    openapi: '3.1.0',
+    info: {
+      title: 'Pet Store gateway: admin port',
+      version: '1.0.0',
+      description: 'Health, readiness, metrics, usage and the key API. Served on ADMIN_HOST:ADMIN_PORT only, never on the public port.',
+    },
+    tags: [
+      { name: 'operations', description: 'For load balancers, Prometheus and tooling: no token' },
+      { name: 'usage', description: 'What a key or an account has used, from the store the gateway enforces with' },
+      { name: 'keys', description: 'The keys command over HTTP: create, list, rotate, revoke' },
+    ],
+    components: { securitySchemes: { adminToken: { type: 'http', scheme: 'bearer', description: 'ADMIN_TOKEN' } } },
+  },
+  // Shared schemas under their own names (Error), not def-0.
+  refResolver: { buildLocalReference: (json, _base, _fragment, i) => String(json.$id ?? `def-${i}`) },
+};
+
+/** The server itself: TypeBox validation, the one error renderer, one access line per request. */
+function adminServer(log: FastifyBaseLogger) {
   const app = Fastify({
-    loggerInstance: deps.log,
+    loggerInstance: log,
     // One line per request, as on the public port, instead of fastify's two.
     logController: new LogController({ disableRequestLogging: true }),
     return503OnClosing: false,
     frameworkErrors: (err, request, reply) => handleError(err, request, reply),
-  });
+    schemaErrorFormatter: schemaError,
+  }).withTypeProvider<TypeBoxTypeProvider>();
+  // TypeBox's own checker: a body is never coerced ("5" is not an integer), unlike fastify's default Ajv.
+  app.setValidatorCompiler(TypeBoxValidatorCompiler);
+  app.addSchema(SharedError);
   app.setErrorHandler(handleError);
   app.addHook('onResponse', async (request, reply) => {
     const ms = Math.round(reply.elapsedTime * 10) / 10;
@@ -74,79 +118,74 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
   app.setNotFoundHandler(() => {
     throw new GatewayError('route_not_found', 'No such admin route');
   });
-  const token = deps.adminToken ? digest(deps.adminToken) : undefined;
-  if (!token) app.log.warn('ADMIN_TOKEN is not set: /admin/* answers 401 to everyone');
+  return app;
+}
 
-  app.get('/healthz', async () => ({ status: 'ok' }));
-  app.get('/openapi.json', async () => ADMIN_DOCUMENT);
+/** Health, readiness, metrics and this document: open to anyone who reaches the admin port. */
+const operations: FastifyPluginAsyncTypebox<AdminDeps> = async (app, deps) => {
+  const tags = ['operations'];
+  app.get('/healthz', { schema: { operationId: 'health', tags, response: { 200: Health } } }, async () => ({ status: 'ok' as const }));
 
-  app.get('/readyz', async (_request, reply) => {
-    const problems: string[] = [];
-    if (deps.closing()) problems.push('shutting down');
-    problems.push(...(deps.problems?.() ?? []));
-    if (deps.redis) {
-      problems.push(...(await redisProblems(deps.redis, deps.store)));
-    }
-    await fetch(`${deps.backendUrl}/healthz`, { signal: AbortSignal.timeout(1000) }).then(
-      (res) => {
-        if (!res.ok) problems.push(`backend: status ${res.status}`);
-      },
-      (err: Error) => problems.push(`backend: ${err.cause ? String((err.cause as Error).message) : err.message}`),
-    );
-    if (problems.length > 0) throw new GatewayError('not_ready', `Not ready: ${problems.join('; ')}`);
-    reply.header('cache-control', 'no-store');
-    return { status: 'ready', store: deps.redis ? 'redis' : 'memory' };
-  });
+  app.get(
+    '/readyz',
+    { schema: { operationId: 'ready', tags, response: { 200: Ready, 503: failure('not_ready, with the reasons') } } },
+    async (_request, reply) => {
+      const problems = await readinessProblems(deps);
+      if (problems.length > 0) throw new GatewayError('not_ready', `Not ready: ${problems.join('; ')}`);
+      reply.header('cache-control', 'no-store');
+      return { status: 'ready' as const, store: deps.redis ? ('redis' as const) : ('memory' as const) };
+    },
+  );
 
-  app.get('/metrics', async (_request, reply) => {
+  const prometheus = { description: 'Prometheus text format', content: { 'text/plain': { schema: Type.String() } } };
+  app.get('/metrics', { schema: { operationId: 'metrics', tags, response: { 200: prometheus } } }, async (_request, reply) => {
     reply.type(deps.metrics.contentType);
     return deps.metrics.text();
   });
 
-  const authorize = (request: FastifyRequest) => {
+  const document = Type.Object({}, { additionalProperties: true, description: 'This document' });
+  app.get('/openapi.json', { schema: { operationId: 'adminDocument', tags, response: { 200: document } } }, async () => app.swagger());
+};
+
+/**
+ * /admin/*: every route registered in this scope answers 401 without the admin token, in
+ * onRequest (so before its body is parsed or validated), and is documented as guarded.
+ */
+function guard(scope: FastifyInstance, adminToken: string | undefined): void {
+  const token = adminToken ? digest(adminToken) : undefined;
+  if (!token) scope.log.warn('ADMIN_TOKEN is not set: /admin/* answers 401 to everyone');
+  const unauthorized = failure('unauthorized: the admin token is missing or wrong, or ADMIN_TOKEN is not set');
+  scope.addHook('onRoute', (route) => {
+    route.schema = {
+      ...route.schema,
+      security: [{ adminToken: [] }],
+      response: { ...(route.schema?.response as object), 401: unauthorized },
+    };
+  });
+  scope.addHook('onRequest', async (request) => {
     const given = /^Bearer (\S+)$/i.exec(request.headers.authorization ?? '')?.[1];
     if (!token || !given || !timingSafeEqual(digest(given), token)) {
       throw new GatewayError('unauthorized', token ? 'Admin token missing or wrong' : 'ADMIN_TOKEN is not configured', {
         'www-authenticate': 'Bearer realm="pet-store-admin"',
       });
     }
-  };
-
-  /** An account's windows, ban and recent 429s, read from the store the gateway enforces with. */
-  async function usageOf(consumer: Consumer) {
-    const usage = await deps.store.peek(consumer.subject);
-    const iso = (ms: number) => new Date(ms).toISOString();
-    const { limits } = consumer.subject;
-    const state = windows(limits, usage.nowMs, usage.minuteUsed, usage.dayUsed);
-    return {
-      account: consumer.account,
-      plan: consumer.plan,
-      limits,
-      windows: Object.fromEntries(
-        state.map((w) => [w.name, { used: w.used, remaining: Math.max(0, w.limit - w.used), resetAt: iso(w.resetMs) }]),
-      ),
-      ban: { active: usage.banUntilMs > 0, until: usage.banUntilMs > 0 ? iso(usage.banUntilMs) : null },
-      recentRejections: usage.recentRejections,
-      store: deps.redis ? (deps.store.degraded ? 'memory (Redis failing)' : 'redis') : 'memory',
-      at: iso(usage.nowMs),
-    };
-  }
-
-  // A key's usage is its account's: the keys of one account share one quota.
-  app.get<{ Params: { id: string } }>('/admin/keys/:id/usage', async (request) => {
-    authorize(request);
-    const consumer = [...deps.config().consumers.values()].find((c) => c.id === request.params.id);
-    if (!consumer) throw new GatewayError('key_not_found', `No key with id "${request.params.id}"`);
-    return { id: consumer.id, revoked: consumer.revoked, ...(await usageOf(consumer)) };
   });
+}
 
-  registerKeyApi(app, authorize, deps.configFile);
-
-  app.get<{ Params: { account: string } }>('/admin/accounts/:account/usage', async (request) => {
-    authorize(request);
-    const members = [...deps.config().consumers.values()].filter((c) => c.account === request.params.account);
-    if (members.length === 0) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
-    return { keys: members.map((c) => c.id).sort(), ...(await usageOf(members[0]!)) };
+/**
+ * The admin surface, on its own port and never on the public one: health, readiness,
+ * Prometheus metrics, and behind ADMIN_TOKEN a key's usage and the key API. Its OpenAPI
+ * document is generated from the routes' schemas.
+ */
+export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Promise<FastifyInstance> {
+  const deps: AdminDeps = { ...settings, ...parts };
+  const app = adminServer(deps.log);
+  await app.register(swagger, DOCUMENT);
+  await app.register(operations, deps);
+  await app.register(async (scope) => {
+    guard(scope, deps.adminToken);
+    await scope.register(usageRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined });
+    await scope.register(keyApi, { configFile: deps.configFile });
   });
   return app;
 }

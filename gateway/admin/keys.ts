@@ -1,72 +1,107 @@
-import type { FastifyInstance, FastifyRequest } from 'fastify';
+import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import { createKey, duration, KeyFileError, listKeys, revokeKey, rotateKey } from '../auth/key-file.js';
 import { ConfigError } from '../config/config.js';
 import { GatewayError } from '../http/errors.js';
+import { failure, IssuedKey, KeyList, KeyParams, NewKey, Revoked, RotatedKey, Rotation } from './schemas.js';
+
+const KEY_FILE_ERRORS = {
+  invalid: 'bad_request',
+  taken: 'key_id_taken',
+  not_found: 'key_not_found',
+  read_only: 'config_read_only',
+} as const;
+
+/** The key file's refusals as the catalogue's codes; anything else is a 500. */
+async function keyCall<T>(work: () => T | Promise<T>): Promise<T> {
+  try {
+    return await work();
+  } catch (err) {
+    if (err instanceof KeyFileError) throw new GatewayError(KEY_FILE_ERRORS[err.kind], err.message);
+    if (err instanceof ConfigError)
+      throw new GatewayError('bad_request', `The change would make the config invalid: ${err.problems.join('; ')}`);
+    throw err;
+  }
+}
+
+const noFile = failure('route_not_found: this instance has no config file to manage keys in');
+const notFound = failure('key_not_found');
+const readOnly = failure('config_read_only: the config file cannot be written here');
+const tags = ['keys'];
+const NOTE = 'The key is shown only now; the gateway accepts it once it has reloaded the file (about a second).';
+
+/** The key API's operations, as validated and documented. */
+const SCHEMAS = {
+  list: { operationId: 'listKeys', tags, response: { 200: KeyList, 404: noFile } },
+  create: {
+    operationId: 'createKey',
+    tags,
+    description: 'Adds a key to the config file; the gateway accepts it once it has reloaded the file (about a second).',
+    body: NewKey,
+    response: {
+      201: IssuedKey,
+      400: failure('bad_request: the body breaks the schema, or the config validator refuses the change (an unknown plan, a bad date)'),
+      404: noFile,
+      409: failure('key_id_taken, or config_read_only where the config file cannot be written'),
+    },
+  },
+  revoke: {
+    operationId: 'revokeKey',
+    tags,
+    params: KeyParams,
+    response: { 200: Revoked, 400: failure('bad_request: a malformed id, or the key is already revoked'), 404: notFound, 409: readOnly },
+  },
+  rotate: {
+    operationId: 'rotateKey',
+    tags,
+    description: 'A new key in the same account, plan and limits. The body may be left out: the grace is then 24h.',
+    params: KeyParams,
+    body: Rotation,
+    response: {
+      201: RotatedKey,
+      400: failure('bad_request: a malformed id or grace, or the key is revoked'),
+      404: notFound,
+      409: readOnly,
+    },
+  },
+};
 
 /**
  * The key API on the admin port: the keys command over HTTP (create, list, rotate, revoke),
  * through the same locked, validated edit of the config file (auth/key-file.ts), which every
- * instance then reloads. `authorize` throws the 401 unless the admin token was sent.
+ * instance then reloads. Registered behind the admin token.
  */
-export function registerKeyApi(app: FastifyInstance, authorize: (request: FastifyRequest) => void, configFile: string | undefined): void {
+export const keyApi: FastifyPluginAsyncTypebox<{ configFile: string | undefined }> = async (app, { configFile }) => {
   const keyFile = () => {
     if (!configFile) throw new GatewayError('route_not_found', 'No config file to manage keys in');
     return configFile;
   };
-  const keyCall = <T>(work: () => T): T => {
-    try {
-      return work();
-    } catch (err) {
-      if (err instanceof KeyFileError) {
-        const code = ({ invalid: 'bad_request', taken: 'key_id_taken', not_found: 'key_not_found', read_only: 'config_read_only' } as const)[err.kind];
-        throw new GatewayError(code, err.message);
-      }
-      if (err instanceof ConfigError) throw new GatewayError('bad_request', `The change would make the config invalid: ${err.problems.join('; ')}`);
-      throw err;
-    }
-  };
-  const text = (v: unknown, name: string) => {
-    if (v !== undefined && typeof v !== 'string') throw new GatewayError('bad_request', `${name} must be a string`);
-    return v as string | undefined;
-  };
 
-  app.get('/admin/keys', async (request) => {
-    authorize(request);
-    return { keys: keyCall(() => listKeys(keyFile())) };
-  });
+  app.get('/admin/keys', { schema: SCHEMAS.list }, async () => ({ keys: await keyCall(() => listKeys(keyFile())) }));
 
-  app.post<{ Body: Record<string, unknown> | null }>('/admin/keys', async (request, reply) => {
-    authorize(request);
-    const body = request.body ?? {};
-    const plan = text(body.plan, 'plan');
-    if (!plan) throw new GatewayError('bad_request', 'plan is required');
-    const limits = body.limits as { perMinute?: unknown; perDay?: unknown } | undefined;
-    if (limits !== undefined && !(Number.isInteger(limits?.perMinute) && Number.isInteger(limits?.perDay))) {
-      throw new GatewayError('bad_request', 'limits must be { perMinute, perDay }, both integers');
-    }
-    const created = keyCall(() =>
-      createKey(keyFile(), {
-        plan,
-        id: text(body.id, 'id'),
-        account: text(body.account, 'account'),
-        limits: limits as { perMinute: number; perDay: number } | undefined,
-        expiresAt: text(body.expiresAt, 'expiresAt'),
-      }),
-    );
+  app.post('/admin/keys', { schema: SCHEMAS.create }, async (request, reply) => {
+    const created = await keyCall(() => createKey(keyFile(), request.body));
     reply.code(201).header('cache-control', 'no-store');
-    return { ...created, note: 'The key is shown only now; the gateway accepts it once it has reloaded the file (about a second).' };
+    return { ...created, note: NOTE };
   });
 
-  app.post<{ Params: { id: string } }>('/admin/keys/:id/revoke', async (request) => {
-    authorize(request);
-    return { id: request.params.id, ...keyCall(() => revokeKey(keyFile(), request.params.id)) };
-  });
+  app.post('/admin/keys/:id/revoke', { schema: SCHEMAS.revoke }, async (request) => ({
+    id: request.params.id,
+    ...(await keyCall(() => revokeKey(keyFile(), request.params.id))),
+  }));
 
-  app.post<{ Params: { id: string }; Body: Record<string, unknown> | null }>('/admin/keys/:id/rotate', async (request, reply) => {
-    authorize(request);
-    const grace = text(request.body?.grace, 'grace') ?? '24h';
-    const rotated = keyCall(() => rotateKey(keyFile(), request.params.id, duration(grace)));
-    reply.code(201).header('cache-control', 'no-store');
-    return rotated;
-  });
-}
+  app.post(
+    '/admin/keys/:id/rotate',
+    {
+      schema: SCHEMAS.rotate,
+      // `curl -X POST .../rotate` with no body has always meant the default grace.
+      preValidation: async (request) => {
+        request.body ??= {};
+      },
+    },
+    async (request, reply) => {
+      const rotated = await keyCall(() => rotateKey(keyFile(), request.params.id, duration(request.body.grace ?? '24h')));
+      reply.code(201).header('cache-control', 'no-store');
+      return rotated;
+    },
+  );
+};

@@ -1,3 +1,4 @@
+import { type Static, Type } from '@sinclair/typebox';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 
 /**
@@ -28,6 +29,20 @@ export const GATEWAY_ERRORS = {
   gateway_timeout: 504,
 } as const;
 export type GatewayErrorCode = keyof typeof GATEWAY_ERRORS;
+
+/**
+ * The Error body, as both OpenAPI documents give it. `code` is a plain string: through the
+ * public port a client also meets the backend's codes (validation_failed, pet_not_found).
+ */
+export const ErrorBody = Type.Object(
+  {
+    code: Type.String({ description: 'Machine-readable error code (see README)' }),
+    message: Type.String({ description: 'Human-readable description' }),
+    status: Type.Integer({ description: 'The HTTP status code' }),
+  },
+  { title: 'Error' },
+);
+export type ErrorBody = Static<typeof ErrorBody>;
 
 export class GatewayError extends Error {
   readonly status: number;

@@ -1,7 +1,6 @@
-import { ErrorBody } from '../../backend/errors.js';
 import type { GatewayConfig } from '../config/config.js';
 import type { Deprecation } from './deprecation.js';
-import { GatewayError } from './errors.js';
+import { ErrorBody, GatewayError } from './errors.js';
 import { DOCUMENT_ROUTE, ROUTES, type RouteId } from './routes.js';
 
 // The API's OpenAPI document as clients see it through the gateway, served to anyone at

@@ -1,0 +1,115 @@
+import { type Static, type TSchema, Type } from '@sinclair/typebox';
+import { ErrorBody } from '../http/errors.js';
+
+// The admin port's request and response shapes: route validation, handler types and the
+// admin OpenAPI document all come from these. Request bodies refuse unknown fields, so a
+// misspelled one ("limit", "expires") is a 400 naming it, not a key made without it.
+
+/** Key ids, account and plan names: the config file's own rule for them. */
+const Name = Type.String({ pattern: '^[a-z0-9_-]{1,64}$' });
+const Instant = Type.String({ format: 'date-time' });
+
+export const KeyParams = Type.Object({ id: Type.String({ ...Name, description: 'The key id' }) });
+export const AccountParams = Type.Object({ account: Type.String({ ...Name, description: 'The account name' }) });
+
+/** The gateway's Error body, shared by id so the document holds it once (components/schemas/Error). */
+export const SharedError = { ...ErrorBody, $id: 'Error' };
+
+/** An error answer, described for one status: the codes it can carry and when. */
+export const failure = (description: string) => Type.Unsafe<ErrorBody>({ $ref: SharedError.$id, description });
+
+/** A 200/201 answer's schema with the description the document gives it. */
+const described = <T extends TSchema>(schema: T, description: string): T => ({ ...schema, description });
+
+export const Health = described(Type.Object({ status: Type.Literal('ok') }), 'The process is up');
+export const Ready = described(
+  Type.Object({ status: Type.Literal('ready'), store: Type.Union([Type.Literal('redis'), Type.Literal('memory')]) }),
+  'Redis (if configured) and the backend answer',
+);
+
+const Limits = Type.Object(
+  { perMinute: Type.Integer({ minimum: 1 }), perDay: Type.Integer({ minimum: 1 }) },
+  { additionalProperties: false, description: "The key's own limits instead of its plan's" },
+);
+
+export const NewKey = Type.Object(
+  {
+    plan: Type.String({ ...Name, description: 'A plan of the config file' }),
+    id: Type.Optional(Type.String({ ...Name, description: 'Default: the plan and 6 random hex digits' })),
+    account: Type.Optional(Type.String({ ...Name, description: 'The account whose quota it shares; default: its own id' })),
+    limits: Type.Optional(Limits),
+    // No format here: the config validator checks the date, with the same message as the keys command.
+    expiresAt: Type.Optional(Type.String({ description: 'When the key stops working, ISO 8601 (2030-01-01T00:00:00Z)' })),
+  },
+  { title: 'NewKey', additionalProperties: false },
+);
+export type NewKey = Static<typeof NewKey>;
+
+export const Rotation = Type.Object(
+  {
+    // Its text is read by the keys command's own parser (auth/key-file.ts), which names it when it refuses.
+    grace: Type.Optional(
+      Type.String({ default: '24h', description: 'How long the old key keeps working: a number and a unit, as 90s, 15m, 24h or 7d' }),
+    ),
+  },
+  { title: 'Rotation', additionalProperties: false },
+);
+
+const Key = Type.String({ pattern: '^psk_(live|test)_[A-Za-z0-9]{36}$', description: 'The key itself, shown only in this answer' });
+
+export const IssuedKey = Type.Object(
+  { id: Type.String(), key: Key, note: Type.String() },
+  { title: 'IssuedKey', description: 'The key, shown only now' },
+);
+
+export const RotatedKey = Type.Object(
+  { id: Type.String(), key: Key, account: Type.String(), plan: Type.String(), oldExpiresAt: Instant },
+  { title: 'RotatedKey', description: 'The new key, shown only now; the old one expires after the grace' },
+);
+
+export const Revoked = described(
+  Type.Object({ id: Type.String(), revokedAt: Instant }),
+  'Revoked: the key answers 401 once the file is reloaded',
+);
+
+const KeyRow = Type.Object(
+  {
+    id: Type.String(),
+    account: Type.String(),
+    plan: Type.String(),
+    limits: Type.Object({ perMinute: Type.Optional(Type.Integer()), perDay: Type.Optional(Type.Integer()) }),
+    status: Type.Union([Type.Literal('active'), Type.Literal('expired'), Type.Literal('revoked')]),
+    // As written in the file, where seconds may be left out: not always RFC 3339's date-time.
+    createdAt: Type.Optional(Type.String()),
+    expiresAt: Type.Optional(Type.String()),
+    revokedAt: Type.Optional(Type.String()),
+  },
+  { title: 'KeyRow' },
+);
+
+export const KeyList = described(Type.Object({ keys: Type.Array(KeyRow) }), 'Every key, never a secret or a digest');
+
+const Window = Type.Object({ used: Type.Integer(), remaining: Type.Integer(), resetAt: Instant });
+
+/** An account's windows, ban and recent 429s, from the store the gateway enforces with. */
+const Usage = Type.Object({
+  account: Type.String(),
+  plan: Type.String(),
+  limits: Type.Object({ perMinute: Type.Integer(), perDay: Type.Integer() }),
+  windows: Type.Object({ minute: Window, day: Type.Optional(Window) }),
+  ban: Type.Object({ active: Type.Boolean(), until: Type.Union([Instant, Type.Null()]) }),
+  recentRejections: Type.Integer({ description: '429s within the ban window so far' }),
+  store: Type.Union([Type.Literal('redis'), Type.Literal('memory'), Type.Literal('memory (Redis failing)')]),
+  at: Instant,
+});
+export type Usage = Static<typeof Usage>;
+
+export const KeyUsage = Type.Composite([Type.Object({ id: Type.String(), revoked: Type.Boolean() }), Usage], {
+  title: 'KeyUsage',
+  description: "The key's account's usage: the keys of one account share one quota",
+});
+
+export const AccountUsage = Type.Composite([Type.Object({ keys: Type.Array(Type.String()) }), Usage], {
+  title: 'AccountUsage',
+  description: 'The account and its keys',
+});

@@ -1,0 +1,76 @@
+import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
+import type { Consumer, GatewayConfig } from '../config/config.js';
+import { GatewayError } from '../http/errors.js';
+import { windows, type WindowState } from '../quota/decision.js';
+import type { QuotaStore } from '../quota/store.js';
+import { AccountParams, AccountUsage, failure, KeyParams, KeyUsage, type Usage } from './schemas.js';
+
+export interface UsageParts {
+  config: () => GatewayConfig;
+  store: QuotaStore;
+  /** Whether the gateway enforces with Redis; else with its in-process store. */
+  redis: boolean;
+}
+
+const iso = (ms: number) => new Date(ms).toISOString();
+const view = (w: WindowState) => ({ used: w.used, remaining: Math.max(0, w.limit - w.used), resetAt: iso(w.resetMs) });
+
+/** An account's windows, ban and recent 429s, read from the store the gateway enforces with. */
+async function usageOf(consumer: Consumer, { store, redis }: UsageParts): Promise<Usage> {
+  const usage = await store.peek(consumer.subject);
+  const { limits } = consumer.subject;
+  const [minute, day] = windows(limits, usage.nowMs, usage.minuteUsed, usage.dayUsed);
+  return {
+    account: consumer.account,
+    plan: consumer.plan,
+    limits,
+    windows: { minute: view(minute!), ...(day && { day: view(day) }) },
+    ban: { active: usage.banUntilMs > 0, until: usage.banUntilMs > 0 ? iso(usage.banUntilMs) : null },
+    recentRejections: usage.recentRejections,
+    store: redis ? (store.degraded ? 'memory (Redis failing)' : 'redis') : 'memory',
+    at: iso(usage.nowMs),
+  };
+}
+
+/** The usage lookups, by key and by account. A key's usage is its account's: the keys of one account share one quota. */
+export const usageRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, parts) => {
+  const consumers = () => [...parts.config().consumers.values()];
+
+  app.get(
+    '/admin/keys/:id/usage',
+    {
+      schema: {
+        operationId: 'keyUsage',
+        tags: ['usage'],
+        params: KeyParams,
+        response: { 200: KeyUsage, 400: failure('bad_request: a malformed id'), 404: failure('key_not_found') },
+      },
+    },
+    async (request) => {
+      const consumer = consumers().find((c) => c.id === request.params.id);
+      if (!consumer) throw new GatewayError('key_not_found', `No key with id "${request.params.id}"`);
+      return { id: consumer.id, revoked: consumer.revoked, ...(await usageOf(consumer, parts)) };
+    },
+  );
+
+  app.get(
+    '/admin/accounts/:account/usage',
+    {
+      schema: {
+        operationId: 'accountUsage',
+        tags: ['usage'],
+        params: AccountParams,
+        response: {
+          200: AccountUsage,
+          400: failure('bad_request: a malformed account name'),
+          404: failure('key_not_found: no key in that account'),
+        },
+      },
+    },
+    async (request) => {
+      const members = consumers().filter((c) => c.account === request.params.account);
+      if (members.length === 0) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
+      return { keys: members.map((c) => c.id).sort(), ...(await usageOf(members[0]!, parts)) };
+    },
+  );
+};
