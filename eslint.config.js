@@ -7,5 +7,8 @@ export default tseslint.config(
   ...tseslint.configs.recommended,
   // A function a newcomer reads in one piece: wiring plus named steps. Tests are exempt, since
   // a describe block is one function the length of its file. Line length is Biome's (biome.json).
-  { files: ['gateway/**', 'backend/**', 'runtime/**', 'bench/**', 'ops/**', '*.ts'], rules: { 'max-lines-per-function': ['error', { max: 80 }] } },
+  {
+    files: ['gateway/**', 'backend/**', 'runtime/**', 'bench/**', 'ops/**', '*.ts'],
+    rules: { 'max-lines-per-function': ['error', { max: 80 }] },
+  },
 );

@@ -16,7 +16,11 @@ const root = import.meta.dirname.endsWith('dist') ? resolve(import.meta.dirname,
 // Bad values are the children's to report, each naming its variable; here they fall back.
 let logSettings: { logLevel: string; logPretty: boolean };
 try {
-  logSettings = readSettings(Type.Object({ logLevel: logLevel(), logPretty: flag('LOG_PRETTY', '1', '0', false) }), process.env, 'npm start');
+  logSettings = readSettings(
+    Type.Object({ logLevel: logLevel(), logPretty: flag('LOG_PRETTY', '1', '0', false) }),
+    process.env,
+    'npm start',
+  );
 } catch {
   logSettings = { logLevel: 'info', logPretty: false };
 }
@@ -71,7 +75,10 @@ function exited(service: Service, status: number, signal: NodeJS.Signals | null)
     if (Date.now() - service.startedAt >= STABLE_MS) service.restarts = 0;
     const delay = Math.min(FIRST_DELAY_MS * 2 ** service.restarts, MAX_DELAY_MS);
     service.restarts += 1;
-    log.error({ exitCode: signal ? null : status, signal, restartInMs: delay, restarts: service.restarts }, `${service.name} exited; restarting it`);
+    log.error(
+      { exitCode: signal ? null : status, signal, restartInMs: delay, restarts: service.restarts },
+      `${service.name} exited; restarting it`,
+    );
     service.timer = setTimeout(() => {
       service.timer = undefined;
       if (!stopping) start(service);

@@ -35,7 +35,9 @@ function fingerprint(value: unknown): string {
             .map((k) => [k, canonical((v as Record<string, unknown>)[k])]),
         )
       : v;
-  return createHash('sha256').update(JSON.stringify(canonical(value))).digest('hex');
+  return createHash('sha256')
+    .update(JSON.stringify(canonical(value)))
+    .digest('hex');
 }
 
 const errors = { 400: ErrorBody };

@@ -28,7 +28,9 @@ export function chooseDriver(builtin: { DatabaseSync: Open } | undefined, loadBe
     const BetterSqlite = loadBetterSqlite();
     return { name: 'better-sqlite3', open: (file) => new BetterSqlite(file) };
   } catch {
-    throw new Error(`no SQLite driver: Node ${process.version} has no node:sqlite (22.13 and later do), and better-sqlite3 is not installed`);
+    throw new Error(
+      `no SQLite driver: Node ${process.version} has no node:sqlite (22.13 and later do), and better-sqlite3 is not installed`,
+    );
   }
 }
 

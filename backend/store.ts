@@ -10,9 +10,7 @@ export interface IdempotentAnswer {
   location: string | null;
 }
 
-export type IdempotencyOutcome =
-  | { kind: 'created' | 'replay'; answer: IdempotentAnswer }
-  | { kind: 'conflict' };
+export type IdempotencyOutcome = { kind: 'created' | 'replay'; answer: IdempotentAnswer } | { kind: 'conflict' };
 
 export const IDEMPOTENCY_TTL_MS = 24 * 60 * 60 * 1000;
 
@@ -66,9 +64,7 @@ export class PetStore {
       orders: this.db.prepare(
         'SELECT id, pet_id AS petId, quantity, ship_date AS shipDate, status, complete FROM orders WHERE id > ? ORDER BY id LIMIT ?',
       ),
-      insertOrder: this.db.prepare(
-        'INSERT INTO orders (pet_id, quantity, ship_date, status, complete) VALUES (?, ?, ?, ?, ?)',
-      ),
+      insertOrder: this.db.prepare('INSERT INTO orders (pet_id, quantity, ship_date, status, complete) VALUES (?, ?, ?, ?, ?)'),
       idemGet: this.db.prepare(
         'SELECT fingerprint, status, body, location FROM idempotency WHERE scope = ? AND key = ? AND created_at > ?',
       ),
@@ -108,17 +104,9 @@ export class PetStore {
    * Runs `create` at most once per (scope, key) within the TTL, in one transaction with
    * the record of its answer: a retry replays the first answer, another body is a conflict.
    */
-  idempotent(
-    scope: string,
-    key: string,
-    fingerprint: string,
-    now: number,
-    create: () => IdempotentAnswer,
-  ): IdempotencyOutcome {
+  idempotent(scope: string, key: string, fingerprint: string, now: number, create: () => IdempotentAnswer): IdempotencyOutcome {
     return this.transaction(() => {
-      const row = this.stmts.idemGet.get(scope, key, now - IDEMPOTENCY_TTL_MS) as
-        | (IdempotentAnswer & { fingerprint: string })
-        | undefined;
+      const row = this.stmts.idemGet.get(scope, key, now - IDEMPOTENCY_TTL_MS) as (IdempotentAnswer & { fingerprint: string }) | undefined;
       if (row) {
         if (row.fingerprint !== fingerprint) return { kind: 'conflict' as const };
         return { kind: 'replay' as const, answer: { status: row.status, body: row.body, location: row.location } };

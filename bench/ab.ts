@@ -51,11 +51,17 @@ async function main() {
     }
     const bareRps = median(samples.get('bare proxy')!.rps);
     const bareCpu = median(samples.get('bare proxy')!.cpu);
-    console.log(`\nGET /v1/pets, wrk -t1 -c${CONNECTIONS} -d${SECONDS}s${RATE > 0 ? ` at about ${RATE}/s` : ''}, ${ROUNDS} rounds interleaved, a fresh process per variant and round, medians`);
-    console.log(`${'variant'.padEnd(16)} ${'req/s'.padStart(7)} ${'x bare'.padStart(7)} ${'CPU us/req'.padStart(11)} ${'vs bare'.padStart(8)} ${'p99 ms'.padStart(7)}  CPU us/req of each round`);
+    console.log(
+      `\nGET /v1/pets, wrk -t1 -c${CONNECTIONS} -d${SECONDS}s${RATE > 0 ? ` at about ${RATE}/s` : ''}, ${ROUNDS} rounds interleaved, a fresh process per variant and round, medians`,
+    );
+    console.log(
+      `${'variant'.padEnd(16)} ${'req/s'.padStart(7)} ${'x bare'.padStart(7)} ${'CPU us/req'.padStart(11)} ${'vs bare'.padStart(8)} ${'p99 ms'.padStart(7)}  CPU us/req of each round`,
+    );
     for (const [name, s] of samples) {
       const cpu = median(s.cpu);
-      console.log(`${name.padEnd(16)} ${median(s.rps).toFixed(0).padStart(7)} ${(median(s.rps) / bareRps).toFixed(2).padStart(7)} ${cpu.toFixed(0).padStart(11)} ${`${cpu >= bareCpu ? '+' : ''}${(cpu - bareCpu).toFixed(0)}`.padStart(8)} ${median(s.p99).toFixed(2).padStart(7)}  ${s.cpu.map((c) => c.toFixed(0)).join(' ')}`);
+      console.log(
+        `${name.padEnd(16)} ${median(s.rps).toFixed(0).padStart(7)} ${(median(s.rps) / bareRps).toFixed(2).padStart(7)} ${cpu.toFixed(0).padStart(11)} ${`${cpu >= bareCpu ? '+' : ''}${(cpu - bareCpu).toFixed(0)}`.padStart(8)} ${median(s.p99).toFixed(2).padStart(7)}  ${s.cpu.map((c) => c.toFixed(0)).join(' ')}`,
+      );
     }
   } finally {
     await bed.close();

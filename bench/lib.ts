@@ -80,9 +80,12 @@ export async function wrk(url: string, headers: Record<string, string>, status: 
   const script = join(tmpdir(), `bench-${process.pid}-${++scripts}.lua`); // one per run, removed after it
   // Each wrk thread has its own Lua state, and done() runs in yet another: it must read every
   // thread's count (thread:get), or it always prints 0.
-  writeFileSync(script, `local threads = {}\nsetup = function(thread) table.insert(threads, thread) end\n` +
-    `wrong = 0\nresponse = function(status) if status ~= ${status} then wrong = wrong + 1 end end\n` +
-    `done = function() local w = 0 for _, t in ipairs(threads) do w = w + t:get("wrong") end io.write("wrong statuses: " .. w .. "\\n") end\n${extraLua}`);
+  writeFileSync(
+    script,
+    `local threads = {}\nsetup = function(thread) table.insert(threads, thread) end\n` +
+      `wrong = 0\nresponse = function(status) if status ~= ${status} then wrong = wrong + 1 end end\n` +
+      `done = function() local w = 0 for _, t in ipairs(threads) do w = w + t:get("wrong") end io.write("wrong statuses: " .. w .. "\\n") end\n${extraLua}`,
+  );
   const { stdout } = await run('wrk', [...args, '-s', script, url]).finally(() => rmSync(script, { force: true }));
   const toMs = (n: string, unit: string) => Number(n) * (unit === 'us' ? 0.001 : unit === 's' ? 1000 : 1);
   const ms = (label: string) => {
@@ -109,10 +112,20 @@ export const thinkTime = (rate: number) => `function delay() return math.random(
 /** The pet backend as a process, in memory, with `pets` pets in it: what every benchmark proxies to. */
 export async function startPetBackend(dir: string, pets = 20): Promise<{ url: string; proc: ChildProcess }> {
   const port = await freePort();
-  const proc = await start('backend', [process.execPath, 'dist/backend/server.js'], { BACKEND_PORT: String(port), PETS_DB: ':memory:', LOG_LEVEL: 'warn' }, port, dir);
+  const proc = await start(
+    'backend',
+    [process.execPath, 'dist/backend/server.js'],
+    { BACKEND_PORT: String(port), PETS_DB: ':memory:', LOG_LEVEL: 'warn' },
+    port,
+    dir,
+  );
   const url = `http://127.0.0.1:${port}`;
   for (let i = 0; i < pets; i++) {
-    await fetch(`${url}/v1/pets`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ name: `pet${i}`, categoryId: 1 }) });
+    await fetch(`${url}/v1/pets`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ name: `pet${i}`, categoryId: 1 }),
+    });
   }
   return { url, proc };
 }
@@ -179,7 +192,11 @@ function running(bed: Bed, proc: ChildProcess, port: number): Proxy {
 export async function startReference(bed: Bed, name = 'bare', env: Record<string, string> = {}, nodeArgs: string[] = []): Promise<Proxy> {
   const port = await freePort();
   const all = { BACKEND_URL: bed.backendUrl, PORT: String(port), KEY_HASHES: bed.digest, ...env };
-  return running(bed, await start(name, [process.execPath, ...nodeArgs, '--import', 'tsx', 'bench/reference-proxy.ts'], all, port, bed.dir), port);
+  return running(
+    bed,
+    await start(name, [process.execPath, ...nodeArgs, '--import', 'tsx', 'bench/reference-proxy.ts'], all, port, bed.dir),
+    port,
+  );
 }
 
 /** A gateway process: its admin port's base URL and its log as well. */
@@ -189,11 +206,28 @@ export interface Gateway extends Proxy {
 }
 
 /** A gateway build (its server.js) with the bed's key, access line at info, ready once /readyz says so. */
-export async function startGatewayBuild(bed: Bed, entry: string, env: Record<string, string> = {}, nodeArgs: string[] = [], name = 'gateway'): Promise<Gateway> {
+export async function startGatewayBuild(
+  bed: Bed,
+  entry: string,
+  env: Record<string, string> = {},
+  nodeArgs: string[] = [],
+  name = 'gateway',
+): Promise<Gateway> {
   const [port, adminPort] = [await freePort(), await freePort()];
-  const proc = await start(name, [process.execPath, ...nodeArgs, resolve(ROOT, entry)], {
-    BACKEND_URL: bed.backendUrl, GATEWAY_CONFIG: bed.file, LOG_LEVEL: 'info', GATEWAY_PORT: String(port), ADMIN_PORT: String(adminPort), ...env,
-  }, adminPort, bed.dir);
+  const proc = await start(
+    name,
+    [process.execPath, ...nodeArgs, resolve(ROOT, entry)],
+    {
+      BACKEND_URL: bed.backendUrl,
+      GATEWAY_CONFIG: bed.file,
+      LOG_LEVEL: 'info',
+      GATEWAY_PORT: String(port),
+      ADMIN_PORT: String(adminPort),
+      ...env,
+    },
+    adminPort,
+    bed.dir,
+  );
   const admin = `http://127.0.0.1:${adminPort}`;
   const gateway = { ...running(bed, proc, port), admin, log: join(bed.dir, `${name}.log`) };
   // With workers the admin port opens first: ready once every worker listens (up to 10 s).

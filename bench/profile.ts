@@ -59,7 +59,9 @@ interface Profile {
 /** `perf record` on `pid` while `load` runs, then its samples folded into a Profile. */
 async function profile(pid: number, load: () => Promise<number>, dir: string, name: string): Promise<Profile> {
   const data = join(dir, `${name}.perf`);
-  const perf = spawn('perf', ['record', '-q', '-e', 'cpu-clock', '-F', String(HZ), '-g', '-p', String(pid), '-o', data], { stdio: 'ignore' });
+  const perf = spawn('perf', ['record', '-q', '-e', 'cpu-clock', '-F', String(HZ), '-g', '-p', String(pid), '-o', data], {
+    stdio: 'ignore',
+  });
   await new Promise((r) => setTimeout(r, 300));
   const cpu0 = cpuUs(pid);
   const requests = await load();
@@ -94,30 +96,45 @@ async function main() {
   try {
     // --perf-basic-prof: JIT-compiled functions get their names in perf's samples.
     const bare = await startReference(bed, 'bare', {}, ['--perf-basic-prof']);
-    const gateway = await startGatewayBuild(bed, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js', { REDIS_URL: bed.redisUrl }, ['--perf-basic-prof']);
+    const gateway = await startGatewayBuild(bed, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js', { REDIS_URL: bed.redisUrl }, [
+      '--perf-basic-prof',
+    ]);
     pids.push(bare.pid, gateway.pid);
 
     const headers = { authorization: `Bearer ${bed.key}` };
     const think = thinkTime(RATE);
     const results: Profile[] = [];
-    for (const [name, proxy] of [['bare', bare], ['gateway', gateway]] as const) {
+    for (const [name, proxy] of [
+      ['bare', bare],
+      ['gateway', gateway],
+    ] as const) {
       await wrk(proxy.url, headers, 200, 3, think); // warm up at the same rate
-      results.push(await profile(proxy.pid, async () => {
-        const r = await wrk(proxy.url, headers, 200, SECONDS, think);
-        if (r.wrong) throw new Error(`${name}: ${r.wrong} answers were not 200`);
-        return r.requests;
-      }, bed.dir, name));
+      results.push(
+        await profile(
+          proxy.pid,
+          async () => {
+            const r = await wrk(proxy.url, headers, 200, SECONDS, think);
+            if (r.wrong) throw new Error(`${name}: ${r.wrong} answers were not 200`);
+            return r.requests;
+          },
+          bed.dir,
+          name,
+        ),
+      );
     }
     const [b, g] = results as [Profile, Profile];
     const fmt = (n: number | undefined) => (n ?? 0).toFixed(1).padStart(8);
     console.log(`\nGET /v1/pets at about ${RATE}/s for ${SECONDS} s, perf at ${HZ} Hz: CPU microseconds per request`);
     console.log(`${'self time, by kind of code'.padEnd(44)}${'bare'.padStart(8)}${'gateway'.padStart(8)}${'more'.padStart(8)}`);
-    const kinds = [...new Set([...b.self.keys(), ...g.self.keys()])].sort((x, y) => (g.self.get(y) ?? 0) - (b.self.get(y) ?? 0) - ((g.self.get(x) ?? 0) - (b.self.get(x) ?? 0)));
-    for (const k of kinds) console.log(`${k.padEnd(44)}${fmt(b.self.get(k))}${fmt(g.self.get(k))}${fmt((g.self.get(k) ?? 0) - (b.self.get(k) ?? 0))}`);
+    const kinds = [...new Set([...b.self.keys(), ...g.self.keys()])].sort(
+      (x, y) => (g.self.get(y) ?? 0) - (b.self.get(y) ?? 0) - ((g.self.get(x) ?? 0) - (b.self.get(x) ?? 0)),
+    );
+    for (const k of kinds)
+      console.log(`${k.padEnd(44)}${fmt(b.self.get(k))}${fmt(g.self.get(k))}${fmt((g.self.get(k) ?? 0) - (b.self.get(k) ?? 0))}`);
     const sum = (m: Map<string, number>) => [...m.values()].reduce((s, x) => s + x, 0);
     console.log(`${'total sampled'.padEnd(44)}${fmt(sum(b.self))}${fmt(sum(g.self))}${fmt(sum(g.self) - sum(b.self))}`);
     console.log(`${'total from /proc (utime + stime)'.padEnd(44)}${fmt(b.cpuUs)}${fmt(g.cpuUs)}${fmt(g.cpuUs - b.cpuUs)}`);
-    console.log(`\n${'the gateway\'s own entry points, inclusive'.padEnd(44)}${'gateway'.padStart(8)}`);
+    console.log(`\n${"the gateway's own entry points, inclusive".padEnd(44)}${'gateway'.padStart(8)}`);
     for (const [label] of ROOTS) console.log(`${label.padEnd(44)}${fmt(g.roots.get(label))}`);
     console.log('(a function V8 inlined has no frame of its own: it counts in its caller)');
   } finally {

@@ -1,10 +1,35 @@
 import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
 import { once } from 'node:events';
-import { closeSync, copyFileSync, cpSync, existsSync, mkdirSync, openSync, readFileSync, readSync, rmSync, statSync, symlinkSync } from 'node:fs';
+import {
+  closeSync,
+  copyFileSync,
+  cpSync,
+  existsSync,
+  mkdirSync,
+  openSync,
+  readFileSync,
+  readSync,
+  rmSync,
+  statSync,
+  symlinkSync,
+} from 'node:fs';
 import { join } from 'node:path';
 import { Redis } from 'ioredis';
 import { freePort, waitForPort } from '../test/helpers/net.js';
-import { CONNECTIONS, type Gateway, hasCommand, need, ROOT, roomyKeyConfig, scratch, startGatewayBuild, startPetBackend, thinkTime, wrk, writeResults } from './lib.js';
+import {
+  CONNECTIONS,
+  type Gateway,
+  hasCommand,
+  need,
+  ROOT,
+  roomyKeyConfig,
+  scratch,
+  startGatewayBuild,
+  startPetBackend,
+  thinkTime,
+  wrk,
+  writeResults,
+} from './lib.js';
 
 // `npm run bench:faults`: what Redis failing costs a request, on loopback, about 2 minutes.
 //   1. The store's healthy latency at full load (wrk -c50, default settings, then with a
@@ -110,8 +135,10 @@ async function keepBusy(port: number, seconds: number): Promise<() => Promise<st
     }
     pings.sort((a, b) => a - b);
     const at = (q: number) => pings[Math.min(pings.length - 1, Math.floor(q * pings.length))]!.toFixed(1);
-    return `Redis asleep ${Math.round((100 * sleeps * seconds * 1000) / (Date.now() - started))}% of the phase (${sleeps} sleeps of ${seconds * 1000} ms);` +
-      ` a PING from another client: p50 ${at(0.5)} ms, p99 ${at(0.99)} ms, max ${at(1)} ms (${pings.length} pings)`;
+    return (
+      `Redis asleep ${Math.round((100 * sleeps * seconds * 1000) / (Date.now() - started))}% of the phase (${sleeps} sleeps of ${seconds * 1000} ms);` +
+      ` a PING from another client: p50 ${at(0.5)} ms, p99 ${at(0.99)} ms, max ${at(1)} ms (${pings.length} pings)`
+    );
   };
 }
 
@@ -180,7 +207,8 @@ function buckets(metrics: string, name: string): Array<{ le: string; n: number }
 function histogramDelta(before: Array<{ le: string; n: number }>, after: Array<{ le: string; n: number }>) {
   const delta = after.map((b) => ({ le: b.le, n: b.n - (before.find((a) => a.le === b.le)?.n ?? 0) }));
   const count = delta.at(-1)?.n ?? 0;
-  const ms = (le: string | undefined) => (le === undefined || count === 0 ? '-' : le === '+Inf' ? '> 250 ms' : `<= ${Number(le) * 1000} ms`);
+  const ms = (le: string | undefined) =>
+    le === undefined || count === 0 ? '-' : le === '+Inf' ? '> 250 ms' : `<= ${Number(le) * 1000} ms`;
   return { count, p99: ms(delta.find((b) => b.n >= count * 0.99)?.le), max: ms(delta.find((b) => b.n === count)?.le) };
 }
 
@@ -201,8 +229,16 @@ function countFrom(file: string, from: number, text: string): number {
 
 /** One reading of the gateway's metrics and the length of its log. */
 async function reading(gw: Gateway) {
-  const metrics = await fetch(`${gw.admin}/metrics`, { signal: AbortSignal.timeout(5000) }).then((r) => r.text()).catch(() => '');
-  return { ok: metrics !== '', failing: series(metrics, FAILING), degraded: series(metrics, DEGRADED), redis: buckets(metrics, REDIS_HISTOGRAM), logAt: statSync(gw.log).size };
+  const metrics = await fetch(`${gw.admin}/metrics`, { signal: AbortSignal.timeout(5000) })
+    .then((r) => r.text())
+    .catch(() => '');
+  return {
+    ok: metrics !== '',
+    failing: series(metrics, FAILING),
+    degraded: series(metrics, DEGRADED),
+    redis: buckets(metrics, REDIS_HISTOGRAM),
+    logAt: statSync(gw.log).size,
+  };
 }
 type Reading = Awaited<ReturnType<typeof reading>>;
 
@@ -222,7 +258,10 @@ function between(gw: Gateway, a: Reading, b: Reading) {
 /** 1. Healthy Redis, saturated, 10 s: the gateway's Redis call histogram, and no failure believed. */
 async function healthySaturated(bed: Bed) {
   const rows = [];
-  for (const [settings, env] of [['defaults', {}], ['QUOTA_LEASE_MAX=1', { QUOTA_LEASE_MAX: '1' }]] as const) {
+  for (const [settings, env] of [
+    ['defaults', {}],
+    ['QUOTA_LEASE_MAX=1', { QUOTA_LEASE_MAX: '1' }],
+  ] as const) {
     const gw = await startGateway(bed, `gateway-healthy-${rows.length}`, env);
     await wrk(gw.url, bed.headers, 200, 1);
     const before = await reading(gw);
@@ -230,7 +269,15 @@ async function healthySaturated(bed: Bed) {
     const d = between(gw, before, await reading(gw));
     gw.stop();
     // Failures declared since the start, warm-up included: there must be none.
-    rows.push({ settings, rps: Math.round(r.rps), p99ms: r.p99, requests: r.requests, not200: r.wrong, ...d, failuresDeclared: countFrom(gw.log, 0, FAILED_LINE) });
+    rows.push({
+      settings,
+      rps: Math.round(r.rps),
+      p99ms: r.p99,
+      requests: r.requests,
+      not200: r.wrong,
+      ...d,
+      failuresDeclared: countFrom(gw.log, 0, FAILED_LINE),
+    });
   }
   return rows;
 }
@@ -266,7 +313,14 @@ function conditions(bed: Bed): Condition[] {
     { phase: 'Redis frozen (SIGSTOP)', fromHealthy: true, before: () => redis.signal('SIGSTOP'), after: () => redis.signal('SIGCONT') },
     { phase: 'Redis thawed (SIGCONT)' },
     ...(dropping
-      ? [{ phase: 'Redis packets dropped (iptables)', fromHealthy: true, before: () => (firewall('-I'), (dropped = true)), after: () => void (firewall('-D'), (dropped = false)) }]
+      ? [
+          {
+            phase: 'Redis packets dropped (iptables)',
+            fromHealthy: true,
+            before: () => (firewall('-I'), (dropped = true)),
+            after: () => void (firewall('-D'), (dropped = false)),
+          },
+        ]
       : []),
     { phase: 'Redis killed (SIGKILL)', fromHealthy: true, before: () => redis.kill() },
     { phase: 'Redis restarted on its port', before: () => redis.start() },
@@ -290,9 +344,24 @@ async function phase(mode: Mode, url: string, headers: Record<string, string>, c
   await c.before?.();
   const r = await wrk(url, headers, 200, PHASE_SECONDS, mode.lua);
   const gateway = gw && before ? between(gw, before, await reading(gw)) : undefined;
-  const notes = [waited >= 100 && `started ${waited} ms later, once the gateway had left its degraded state${before?.degraded ? ' (still degraded after 5 s)' : ''}`, await c.after?.()];
+  const notes = [
+    waited >= 100 &&
+      `started ${waited} ms later, once the gateway had left its degraded state${before?.degraded ? ' (still degraded after 5 s)' : ''}`,
+    await c.after?.(),
+  ];
   const note = notes.filter(Boolean).join('; ') || undefined;
-  return { mode: mode.name, phase: c.phase, rps: Math.round(r.rps), requests: r.requests, p50ms: r.p50, p99ms: r.p99, maxMs: r.max, not200: r.wrong, ...gateway, note };
+  return {
+    mode: mode.name,
+    phase: c.phase,
+    rps: Math.round(r.rps),
+    requests: r.requests,
+    p50ms: r.p50,
+    p99ms: r.p99,
+    maxMs: r.max,
+    not200: r.wrong,
+    ...gateway,
+    note,
+  };
 }
 type Phase = Awaited<ReturnType<typeof phase>>;
 
@@ -311,21 +380,27 @@ const f = (n: number | undefined, d = 1) => (n !== undefined && Number.isFinite(
 function printHealthy(rows: Awaited<ReturnType<typeof healthySaturated>>): void {
   console.log(`\n1. Healthy Redis, wrk -t1 -c${CONNECTIONS} -d10s (saturation): the gateway's own Redis call histogram`);
   for (const h of rows) {
-    console.log(`   ${h.settings.padEnd(18)} ${String(h.rps).padStart(6)} req/s  p99 ${f(h.p99ms, 2)} ms  Redis calls ${h.redisCalls}: p99 ${h.redisP99}, max ${h.redisMax}` +
-      `  failures declared ${h.failuresDeclared}  degraded-budget decisions ${f(h.degradedDecisions, 0)} of ${h.requests}  not 200: ${h.not200}`);
+    console.log(
+      `   ${h.settings.padEnd(18)} ${String(h.rps).padStart(6)} req/s  p99 ${f(h.p99ms, 2)} ms  Redis calls ${h.redisCalls}: p99 ${h.redisP99}, max ${h.redisMax}` +
+        `  failures declared ${h.failuresDeclared}  degraded-budget decisions ${f(h.degradedDecisions, 0)} of ${h.requests}  not 200: ${h.not200}`,
+    );
   }
 }
 
 function printFaults(mode: Mode, phases: Phase[]): void {
   console.log(`\n2${mode === MODES[0] ? 'a' : 'b'}. ${mode.title}, ${PHASE_SECONDS} s per phase, default settings`);
-  console.log(`   ${'phase'.padEnd(40)} ${'req/s'.padStart(6)} ${'p50 ms'.padStart(7)} ${'p99 ms'.padStart(8)} ${'x direct'.padStart(8)} ${'max ms'.padStart(7)}` +
-    ` ${'not 200'.padStart(7)} ${'degraded budget'.padStart(17)} ${'failed'.padStart(6)} ${'deg. at end'.padStart(11)}  Redis calls (p99)`);
+  console.log(
+    `   ${'phase'.padEnd(40)} ${'req/s'.padStart(6)} ${'p50 ms'.padStart(7)} ${'p99 ms'.padStart(8)} ${'x direct'.padStart(8)} ${'max ms'.padStart(7)}` +
+      ` ${'not 200'.padStart(7)} ${'degraded budget'.padStart(17)} ${'failed'.padStart(6)} ${'deg. at end'.padStart(11)}  Redis calls (p99)`,
+  );
   const ref = phases[0]!;
   for (const p of phases) {
     const budget = p.degradedDecisions === undefined ? '-' : `${f(p.degradedDecisions, 0)}/${p.requests}`;
     const calls = p.redisCalls === undefined ? '-' : `${p.redisCalls} (${p.redisP99})`;
-    console.log(`   ${p.phase.padEnd(40)} ${String(p.rps).padStart(6)} ${f(p.p50ms, 2).padStart(7)} ${f(p.p99ms, 2).padStart(8)} ${`x${f(p.p99ms / ref.p99ms, 1)}`.padStart(8)}` +
-      ` ${f(p.maxMs, 1).padStart(7)} ${String(p.not200).padStart(7)} ${budget.padStart(17)} ${(p.failuresDeclared ?? '-').toString().padStart(6)} ${f(p.degradedAtEnd, 0).padStart(11)}  ${calls}`);
+    console.log(
+      `   ${p.phase.padEnd(40)} ${String(p.rps).padStart(6)} ${f(p.p50ms, 2).padStart(7)} ${f(p.p99ms, 2).padStart(8)} ${`x${f(p.p99ms / ref.p99ms, 1)}`.padStart(8)}` +
+        ` ${f(p.maxMs, 1).padStart(7)} ${String(p.not200).padStart(7)} ${budget.padStart(17)} ${(p.failuresDeclared ?? '-').toString().padStart(6)} ${f(p.degradedAtEnd, 0).padStart(11)}  ${calls}`,
+    );
   }
   for (const p of phases.filter((x) => x.note)) console.log(`   ${p.phase}: ${p.note}`);
 }
@@ -341,7 +416,14 @@ async function main() {
     const unexpected = modes.flatMap((m) => m.phases).filter((p) => p.not200 !== 0).length + healthy.filter((h) => h.not200 !== 0).length;
     console.log(`\nphases with a status other than 200: ${unexpected}${unexpected ? ' (a Redis condition reached the client)' : ''}`);
     const phases = modes.flatMap((m) => m.phases);
-    writeResults('faults', { at: new Date().toISOString(), rate: RATE, connections: CONNECTIONS, phaseSeconds: PHASE_SECONDS, healthy, phases });
+    writeResults('faults', {
+      at: new Date().toISOString(),
+      rate: RATE,
+      connections: CONNECTIONS,
+      phaseSeconds: PHASE_SECONDS,
+      healthy,
+      phases,
+    });
   } catch (err) {
     // A process that would not start names its log, which is in the folder about to be removed.
     const log = /see (\S+\.log)/.exec(String(err))?.[1];

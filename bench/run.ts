@@ -8,7 +8,19 @@ import { hashKey } from '../gateway/auth/keys.js';
 import { testConfig } from '../test/helpers/config.js';
 import { freePort, waitForPort } from '../test/helpers/net.js';
 import {
-  benchBed, CONNECTIONS, cpuUs, hasCommand, legacyKey, median, need, ROOT, startGatewayBuild, startReference, thinkTime, wrk as runWrk, writeResults,
+  benchBed,
+  CONNECTIONS,
+  cpuUs,
+  hasCommand,
+  legacyKey,
+  median,
+  need,
+  ROOT,
+  startGatewayBuild,
+  startReference,
+  thinkTime,
+  wrk as runWrk,
+  writeResults,
 } from './lib.js';
 
 // `npm run bench`: loopback only, bounded (about five minutes by default), every variant
@@ -79,7 +91,14 @@ async function saturate(v: Variant, redis: Redis, scriptOnly: Set<string>): Prom
   const [cpu0, cmd0] = [cpuOf(v), v.redis ? await redisCommands(redis, scriptOnly) : 0];
   const r = await wrk(v, SECONDS);
   const [cpu1, cmd1] = [cpuOf(v), v.redis ? await redisCommands(redis, scriptOnly) : 0];
-  return { rps: r.rps, p50: r.p50, p99: r.p99, cpuUs: (cpu1 - cpu0) / r.requests, redisCmds: v.redis ? (cmd1 - cmd0) / r.requests : Number.NaN, wrong: r.wrong };
+  return {
+    rps: r.rps,
+    p50: r.p50,
+    p99: r.p99,
+    cpuUs: (cpu1 - cpu0) / r.requests,
+    redisCmds: v.redis ? (cmd1 - cmd0) / r.requests : Number.NaN,
+    wrong: r.wrong,
+  };
 }
 
 /**
@@ -159,11 +178,38 @@ function variantsOf(bed: Bed, p: Started, keys: ReturnType<typeof writeKeys>): V
     { name: 'gateway, Redis', url: p.withRedis.url, headers: ok, pids: [p.withRedis.pid], status: 200, redis: true },
     { name: 'gateway, in-process store', url: p.inMemory.url, headers: ok, pids: [p.inMemory.pid], status: 200, redis: false },
     { name: 'gateway, Redis, 2 workers', url: p.workers.url, headers: ok, pids: [p.workers.pid], status: 200, redis: true },
-    { name: `cheap backend (${p.cheap.kind}) direct`, url: `${p.cheap.url}${PATH}`, pids: p.cheap.pid ? [p.cheap.pid] : [], status: 200, redis: false },
+    {
+      name: `cheap backend (${p.cheap.kind}) direct`,
+      url: `${p.cheap.url}${PATH}`,
+      pids: p.cheap.pid ? [p.cheap.pid] : [],
+      status: 200,
+      redis: false,
+    },
     { name: 'gateway, Redis, cheap backend', url: p.cheapOne.url, headers: ok, pids: [p.cheapOne.pid], status: 200, redis: true },
-    { name: 'gateway, Redis, cheap backend, 2 workers', url: p.cheapTwo.url, headers: ok, pids: [p.cheapTwo.pid], status: 200, redis: true },
-    { name: 'gateway, Redis, 429 path', url: p.refusing.url, headers: auth(keys.refused.key), pids: [p.refusing.pid], status: 429, redis: true },
-    { name: 'gateway, Redis, banned path', url: p.refusing.url, headers: auth(keys.banned.key), pids: [p.refusing.pid], status: 429, redis: true },
+    {
+      name: 'gateway, Redis, cheap backend, 2 workers',
+      url: p.cheapTwo.url,
+      headers: ok,
+      pids: [p.cheapTwo.pid],
+      status: 200,
+      redis: true,
+    },
+    {
+      name: 'gateway, Redis, 429 path',
+      url: p.refusing.url,
+      headers: auth(keys.refused.key),
+      pids: [p.refusing.pid],
+      status: 429,
+      redis: true,
+    },
+    {
+      name: 'gateway, Redis, banned path',
+      url: p.refusing.url,
+      headers: auth(keys.banned.key),
+      pids: [p.refusing.pid],
+      status: 429,
+      redis: true,
+    },
   ];
 }
 
@@ -181,7 +227,8 @@ async function saturationRounds(variants: Variant[], redis: Redis): Promise<Map<
 /** The fixed-rate run of each variant that answers 200, but those that compare stores, workers or backends. */
 async function fixedRates(variants: Variant[], rate: number): Promise<Map<string, AtRate>> {
   const atRate = new Map<string, AtRate>();
-  for (const v of variants.filter((x) => x.status === 200 && !/in-process|workers|cheap/.test(x.name))) atRate.set(v.name, await fixedRate(v, rate));
+  for (const v of variants.filter((x) => x.status === 200 && !/in-process|workers|cheap/.test(x.name)))
+    atRate.set(v.name, await fixedRate(v, rate));
   return atRate;
 }
 
@@ -214,14 +261,40 @@ type Row = ReturnType<typeof tabulate>[number];
 const f = (n: number, d = 0) => (Number.isFinite(n) ? n.toFixed(d) : '-');
 
 function printTable(rows: Row[], rate: number): void {
-  console.log(`\nGET ${PATH} (20 pets), wrk -t1 -c${CONNECTIONS} -d${SECONDS}s, ${ROUNDS} rounds interleaved, medians; ${cpus().length} cores shared with wrk, Redis and the backend`);
-  const head = ['variant', 'req/s', 'x bare', 'p50 ms', 'p99 ms', 'CPU us/req', 'vs bare', 'Redis cmd/req', `p50@${rate}/s`, `p99@${rate}/s`, `CPU us@${rate}/s`, 'wrong'];
+  console.log(
+    `\nGET ${PATH} (20 pets), wrk -t1 -c${CONNECTIONS} -d${SECONDS}s, ${ROUNDS} rounds interleaved, medians; ${cpus().length} cores shared with wrk, Redis and the backend`,
+  );
+  const head = [
+    'variant',
+    'req/s',
+    'x bare',
+    'p50 ms',
+    'p99 ms',
+    'CPU us/req',
+    'vs bare',
+    'Redis cmd/req',
+    `p50@${rate}/s`,
+    `p99@${rate}/s`,
+    `CPU us@${rate}/s`,
+    'wrong',
+  ];
   const table = rows.map((r) => [
-    r.variant, String(r.rps), f(r.xBare, 2), f(r.p50ms, 2), f(r.p99ms, 2), f(r.cpuUsPerReq), (r.cpuUsOverBare >= 0 ? '+' : '') + f(r.cpuUsOverBare),
-    f(r.redisCmdsPerReq, 2), r.atRate ? f(r.atRate.p50, 2) : '-', r.atRate ? f(r.atRate.p99, 2) : '-', r.atRate ? f(r.atRate.cpuUs) : '-', String(r.wrongStatuses),
+    r.variant,
+    String(r.rps),
+    f(r.xBare, 2),
+    f(r.p50ms, 2),
+    f(r.p99ms, 2),
+    f(r.cpuUsPerReq),
+    (r.cpuUsOverBare >= 0 ? '+' : '') + f(r.cpuUsOverBare),
+    f(r.redisCmdsPerReq, 2),
+    r.atRate ? f(r.atRate.p50, 2) : '-',
+    r.atRate ? f(r.atRate.p99, 2) : '-',
+    r.atRate ? f(r.atRate.cpuUs) : '-',
+    String(r.wrongStatuses),
   ]);
   const widths = head.map((h, i) => Math.max(h.length, ...table.map((t) => t[i]!.length)));
-  for (const line of [head, ...table]) console.log(line.map((c, i) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!))).join('  '));
+  for (const line of [head, ...table])
+    console.log(line.map((c, i) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!))).join('  '));
 }
 
 /** The comparisons the table is for, in a sentence each. */
@@ -229,9 +302,13 @@ function printSummary(rows: Row[], rate: number, atRate: Map<string, AtRate>, ha
   const row = (name: string) => rows.find((r) => r.variant === name)!;
   const gw = row('gateway, Redis');
   const peerRow = rows.find((r) => r.variant.startsWith('peer'))!;
-  console.log(`\ngateway vs peer: ${(gw.rps / peerRow.rps).toFixed(2)}x req/s; at ${rate}/s the gateway adds ${f(gw.atRate!.p99AddedMs, 2)} ms p99 over the backend direct and spends ${f(gw.atRate!.cpuUsOverBare)} us of CPU per request over the bare proxy`);
+  console.log(
+    `\ngateway vs peer: ${(gw.rps / peerRow.rps).toFixed(2)}x req/s; at ${rate}/s the gateway adds ${f(gw.atRate!.p99AddedMs, 2)} ms p99 over the backend direct and spends ${f(gw.atRate!.cpuUsOverBare)} us of CPU per request over the bare proxy`,
+  );
   const [one, two] = [row('gateway, Redis, cheap backend'), row('gateway, Redis, cheap backend, 2 workers')];
-  console.log(`GATEWAY_WORKERS=2 against 1, in front of a backend that answers cheaply: ${(two.rps / one.rps).toFixed(2)}x req/s, ${f(two.cpuUsPerReq)} against ${f(one.cpuUsPerReq)} us of gateway CPU per request`);
+  console.log(
+    `GATEWAY_WORKERS=2 against 1, in front of a backend that answers cheaply: ${(two.rps / one.rps).toFixed(2)}x req/s, ${f(two.cpuUsPerReq)} against ${f(one.cpuUsPerReq)} us of gateway CPU per request`,
+  );
   console.log(`fixed-rate runs achieved: ${[...atRate].map(([name, a]) => `${name} ${f(a.rps)}/s`).join(', ')}`);
   if (!hasNginx) console.log('(nginx not installed: apt-get install nginx for the C proxy reference)');
 }
@@ -259,7 +336,18 @@ async function main() {
 
     const commit = execFileSync('git', ['rev-parse', '--short', 'HEAD'], { cwd: ROOT }).toString().trim();
     const at = new Date().toISOString();
-    writeResults(`bench-${commit}`, { commit, gateway: GATEWAY_ENTRY, at, seconds: SECONDS, rounds: ROUNDS, connections: CONNECTIONS, cores: cpus().length, fixedRate: rate, rows, samples: Object.fromEntries(samples) });
+    writeResults(`bench-${commit}`, {
+      commit,
+      gateway: GATEWAY_ENTRY,
+      at,
+      seconds: SECONDS,
+      rounds: ROUNDS,
+      connections: CONNECTIONS,
+      cores: cpus().length,
+      fixedRate: rate,
+      rows,
+      samples: Object.fromEntries(samples),
+    });
   } finally {
     await bed.close();
   }
@@ -289,9 +377,14 @@ async function startCheapBackend(bed: Bed, body: string): Promise<{ url: string;
   const port = await freePort();
   const url = `http://127.0.0.1:${port}`;
   if (hasCommand('nginx')) {
-    const pid = await runNginx(bed, 'nginx-cheap', port, ` keepalive_requests 1000000;
+    const pid = await runNginx(
+      bed,
+      'nginx-cheap',
+      port,
+      ` keepalive_requests 1000000;
   server { listen 127.0.0.1:${port};
-    location / { default_type application/json; return 200 '${body.replace(/'/g, "\\'")}'; } }`);
+    location / { default_type application/json; return 200 '${body.replace(/'/g, "\\'")}'; } }`,
+    );
     return { url, pid, kind: 'nginx' };
   }
   const server = createServer((_req, res) => res.writeHead(200, { 'content-type': 'application/json' }).end(body));
@@ -304,10 +397,15 @@ async function startCheapBackend(bed: Bed, body: string): Promise<{ url: string;
 /** nginx proxying to the bed's backend: the C proxy reference. */
 async function startNginx(bed: Bed): Promise<{ url: string; pid: number }> {
   const port = await freePort();
-  const pid = await runNginx(bed, 'nginx', port, `
+  const pid = await runNginx(
+    bed,
+    'nginx',
+    port,
+    `
   upstream be { server ${bed.backendUrl.replace('http://', '')}; keepalive 32; }
   server { listen 127.0.0.1:${port};
-    location / { proxy_pass http://be; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_set_header Authorization ""; } }`);
+    location / { proxy_pass http://be; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_set_header Authorization ""; } }`,
+  );
   return { url: `http://127.0.0.1:${port}`, pid };
 }
 

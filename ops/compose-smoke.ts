@@ -103,7 +103,10 @@ function expectThat(ok: boolean, message: string): void {
 }
 
 function expect409(res: { status: number; body: string }): void {
-  expectThat(res.status === 409 && JSON.parse(res.body).code === 'config_read_only', `expected 409 config_read_only, got ${res.status} ${res.body}`);
+  expectThat(
+    res.status === 409 && JSON.parse(res.body).code === 'config_read_only',
+    `expected 409 config_read_only, got ${res.status} ${res.body}`,
+  );
 }
 
 function findShim(): string | undefined {
@@ -166,7 +169,9 @@ interface Stack {
 function scratchCopy(work: string): string {
   const app = join(work, 'app');
   mkdirSync(app);
-  for (const file of mustRun(['git', 'ls-files', '-z', '--cached', '--others', '--exclude-standard'], process.env).split('\0').filter(Boolean)) {
+  for (const file of mustRun(['git', 'ls-files', '-z', '--cached', '--others', '--exclude-standard'], process.env)
+    .split('\0')
+    .filter(Boolean)) {
     if (existsSync(join(ROOT, file))) cpSync(join(ROOT, file), join(app, file), { recursive: true });
   }
   return app;
@@ -191,9 +196,18 @@ async function setUpStack(work: string, log: string, engineEnv: Env): Promise<St
   };
   const url = (port: number) => `http://127.0.0.1:${port}`;
   return {
-    app, env, compose, client, log, adminToken,
-    gw: url(ports.gw), admin: url(ports.admin), sgw: url(ports.sgw), sadmin: url(ports.sadmin),
-    down: () => void sh([...compose, '--profile', 'staging', 'down', '-v', '--remove-orphans'], env, { cwd: app, log, timeoutMs: 2 * MINUTES }),
+    app,
+    env,
+    compose,
+    client,
+    log,
+    adminToken,
+    gw: url(ports.gw),
+    admin: url(ports.admin),
+    sgw: url(ports.sgw),
+    sadmin: url(ports.sadmin),
+    down: () =>
+      void sh([...compose, '--profile', 'staging', 'down', '-v', '--remove-orphans'], env, { cwd: app, log, timeoutMs: 2 * MINUTES }),
   };
 }
 
@@ -207,10 +221,27 @@ const bearer = (key: string) => ({ headers: { authorization: `Bearer ${key}` } }
 function makeKey(s: Stack, id: string, configFile = 'gateway.yaml'): string {
   const user = `${process.getuid?.() ?? 1000}:${process.getgid?.() ?? 1000}`;
   const out = mustRun(
-    [s.client, 'run', '--rm', '--user', user, '-v', `${join(s.app, 'config')}:/app/config`,
-      '-e', `GATEWAY_CONFIG=/app/config/${configFile}`,
-      'pet-store-gateway', 'node', 'dist/gateway/auth/cli.js', 'create', '--plan', 'free', '--id', id],
-    s.env, { log: s.log },
+    [
+      s.client,
+      'run',
+      '--rm',
+      '--user',
+      user,
+      '-v',
+      `${join(s.app, 'config')}:/app/config`,
+      '-e',
+      `GATEWAY_CONFIG=/app/config/${configFile}`,
+      'pet-store-gateway',
+      'node',
+      'dist/gateway/auth/cli.js',
+      'create',
+      '--plan',
+      'free',
+      '--id',
+      id,
+    ],
+    s.env,
+    { log: s.log },
   );
   return out.trim(); // the key alone on stdout, as `KEY=$(docker run ...)` in the README needs
 }
@@ -230,116 +261,170 @@ type Found = { key: string; petName: string };
 function startChecks(s: Stack, found: Found): Check[] {
   return [
     ['both images build (compose build)', async () => void composeRun(s, ['build'], 20 * MINUTES)],
-    ['the stack starts: /healthz and /readyz answer 200 on the admin port', async () => {
-      composeRun(s, ['up', '-d']);
-      await ready(s.admin);
-      expectThat((await http(`${s.admin}/healthz`)).status === 200, '/healthz did not answer 200');
-    }],
-    ["the image's keys command makes a key, as the caller, in the mounted config/", async () => {
-      const key = (found.key = makeKey(s, 'smoke'));
-      expectThat(/^psk_live_\S+$/.test(key), `expected one psk_live_ key alone on stdout, got ${key.split("\n").length} line(s)`);
-      expectThat(!readFileSync(join(s.app, 'config/gateway.yaml'), 'utf8').includes(key), 'the plain key is in the config file');
-    }],
-    ['the new key works without a restart, with the rate-limit headers', async () => {
-      const res = await until('the new key is accepted', 30_000, async () => {
-        const r = await http(`${s.gw}/v1/pets`, bearer(found.key));
-        return r.status === 200 ? r : undefined;
-      });
-      const policy = res.headers.get('ratelimit-policy');
-      expectThat(policy === '"minute";q=60;w=60, "day";q=1000;w=86400', `ratelimit-policy: ${policy}`);
-      expectThat(/^"minute";r=\d+;t=\d+, "day";r=\d+;t=\d+$/.test(res.headers.get('ratelimit') ?? ''), `ratelimit: ${res.headers.get('ratelimit')}`);
-      expectThat(res.headers.get('x-ratelimit-limit') === '60', `x-ratelimit-limit: ${res.headers.get('x-ratelimit-limit')}`);
-      expectThat(!!res.headers.get('x-request-id'), 'no x-request-id');
-    }],
-    ['a pet is added through the gateway', async () => {
-      found.petName = `Smoke ${process.pid}`;
-      const res = await http(`${s.gw}/v1/pets`, {
-        method: 'POST',
-        headers: { authorization: `Bearer ${found.key}`, 'content-type': 'application/json', 'idempotency-key': `"smoke-${process.pid}"` },
-        body: JSON.stringify({ name: found.petName, categoryId: 1 }),
-      });
-      expectThat(res.status === 201, `POST /v1/pets answered ${res.status}: ${res.body}`);
-    }],
+    [
+      'the stack starts: /healthz and /readyz answer 200 on the admin port',
+      async () => {
+        composeRun(s, ['up', '-d']);
+        await ready(s.admin);
+        expectThat((await http(`${s.admin}/healthz`)).status === 200, '/healthz did not answer 200');
+      },
+    ],
+    [
+      "the image's keys command makes a key, as the caller, in the mounted config/",
+      async () => {
+        const key = (found.key = makeKey(s, 'smoke'));
+        expectThat(/^psk_live_\S+$/.test(key), `expected one psk_live_ key alone on stdout, got ${key.split('\n').length} line(s)`);
+        expectThat(!readFileSync(join(s.app, 'config/gateway.yaml'), 'utf8').includes(key), 'the plain key is in the config file');
+      },
+    ],
+    [
+      'the new key works without a restart, with the rate-limit headers',
+      async () => {
+        const res = await until('the new key is accepted', 30_000, async () => {
+          const r = await http(`${s.gw}/v1/pets`, bearer(found.key));
+          return r.status === 200 ? r : undefined;
+        });
+        const policy = res.headers.get('ratelimit-policy');
+        expectThat(policy === '"minute";q=60;w=60, "day";q=1000;w=86400', `ratelimit-policy: ${policy}`);
+        expectThat(
+          /^"minute";r=\d+;t=\d+, "day";r=\d+;t=\d+$/.test(res.headers.get('ratelimit') ?? ''),
+          `ratelimit: ${res.headers.get('ratelimit')}`,
+        );
+        expectThat(res.headers.get('x-ratelimit-limit') === '60', `x-ratelimit-limit: ${res.headers.get('x-ratelimit-limit')}`);
+        expectThat(!!res.headers.get('x-request-id'), 'no x-request-id');
+      },
+    ],
+    [
+      'a pet is added through the gateway',
+      async () => {
+        found.petName = `Smoke ${process.pid}`;
+        const res = await http(`${s.gw}/v1/pets`, {
+          method: 'POST',
+          headers: {
+            authorization: `Bearer ${found.key}`,
+            'content-type': 'application/json',
+            'idempotency-key': `"smoke-${process.pid}"`,
+          },
+          body: JSON.stringify({ name: found.petName, categoryId: 1 }),
+        });
+        expectThat(res.status === 201, `POST /v1/pets answered ${res.status}: ${res.body}`);
+      },
+    ],
   ];
 }
 
 /** What an operator relies on: the limits, the counts, the read-only key API, the config reload. */
 function operatorChecks(s: Stack, found: Found): Check[] {
   return [
-    ['past the minute limit: 429 rate_limited with Retry-After', async () => {
-      for (let i = 0; i < 130; i++) {
-        const res = await http(`${s.gw}/v1/pets`, bearer(found.key));
-        if (res.status === 200) continue;
-        expectThat(res.status === 429, `expected 200 or 429, got ${res.status}: ${res.body}`);
-        const retry = Number(res.headers.get('retry-after'));
-        expectThat(Number.isInteger(retry) && retry >= 1 && retry <= 60, `retry-after: ${res.headers.get('retry-after')}`);
-        expectThat(JSON.parse(res.body).code === 'rate_limited', `body: ${res.body}`);
-        return;
-      }
-      throw new Failed('no 429 in 130 requests');
-    }],
-    ['/metrics counts the requests and the refusal; the usage lookup shows the day', async () => {
-      const metrics = await http(`${s.admin}/metrics`);
-      expectThat(metrics.status === 200, `/metrics answered ${metrics.status}`);
-      expectThat(/^gateway_requests_total\{.*status="200".*\} \d+/m.test(metrics.body), 'no gateway_requests_total for 200');
-      expectThat(/^gateway_rejections_total\{reason="minute"\} [1-9]/m.test(metrics.body), 'no minute rejection counted');
-      const used = (await usage(s, 'smoke')).windows.day.used;
-      expectThat(used >= 60, `day used ${used}, expected 60 or more`);
-    }],
-    ['the key API answers 409 config_read_only: config/ is mounted read-only', async () => {
-      const res = await http(`${s.admin}/admin/keys`, { method: 'POST', headers: { ...bearer(s.adminToken).headers, 'content-type': 'application/json' }, body: '{"plan":"free"}' });
-      expect409(res);
-    }],
-    ['a config edit on the host reloads; a broken one is refused and the last good one stays', async () => {
-      const file = join(s.app, 'config/gateway.yaml');
-      const good = readFileSync(file, 'utf8');
-      const edited = good.replace('free: { perMinute: 60, perDay: 1000 }', 'free: { perMinute: 61, perDay: 1000 }');
-      expectThat(edited !== good, 'the free plan line is not in config/gateway.yaml');
-      writeFileSync(file, edited);
-      const policy = async () => (await http(`${s.gw}/v1/pets`, bearer(found.key))).headers.get('ratelimit-policy') ?? '';
-      await until('the edited limit shows in RateLimit-Policy', 30_000, async () => ((await policy()).includes('q=61;w=60') ? true : undefined));
-      writeFileSync(file, edited.replace('plans:', 'plans: [broken'));
-      await new Promise((r) => setTimeout(r, 3000));
-      expectThat((await policy()).includes('q=61;w=60'), 'the broken edit replaced the config in force');
-      const logs = mustRun([...s.compose, 'logs', '--no-color', 'gateway'], s.env, { cwd: s.app });
-      expectThat(/config reload refused/.test(logs), 'no log line says the broken edit was refused');
-      writeFileSync(file, good);
-    }],
+    [
+      'past the minute limit: 429 rate_limited with Retry-After',
+      async () => {
+        for (let i = 0; i < 130; i++) {
+          const res = await http(`${s.gw}/v1/pets`, bearer(found.key));
+          if (res.status === 200) continue;
+          expectThat(res.status === 429, `expected 200 or 429, got ${res.status}: ${res.body}`);
+          const retry = Number(res.headers.get('retry-after'));
+          expectThat(Number.isInteger(retry) && retry >= 1 && retry <= 60, `retry-after: ${res.headers.get('retry-after')}`);
+          expectThat(JSON.parse(res.body).code === 'rate_limited', `body: ${res.body}`);
+          return;
+        }
+        throw new Failed('no 429 in 130 requests');
+      },
+    ],
+    [
+      '/metrics counts the requests and the refusal; the usage lookup shows the day',
+      async () => {
+        const metrics = await http(`${s.admin}/metrics`);
+        expectThat(metrics.status === 200, `/metrics answered ${metrics.status}`);
+        expectThat(/^gateway_requests_total\{.*status="200".*\} \d+/m.test(metrics.body), 'no gateway_requests_total for 200');
+        expectThat(/^gateway_rejections_total\{reason="minute"\} [1-9]/m.test(metrics.body), 'no minute rejection counted');
+        const used = (await usage(s, 'smoke')).windows.day.used;
+        expectThat(used >= 60, `day used ${used}, expected 60 or more`);
+      },
+    ],
+    [
+      'the key API answers 409 config_read_only: config/ is mounted read-only',
+      async () => {
+        const res = await http(`${s.admin}/admin/keys`, {
+          method: 'POST',
+          headers: { ...bearer(s.adminToken).headers, 'content-type': 'application/json' },
+          body: '{"plan":"free"}',
+        });
+        expect409(res);
+      },
+    ],
+    [
+      'a config edit on the host reloads; a broken one is refused and the last good one stays',
+      async () => {
+        const file = join(s.app, 'config/gateway.yaml');
+        const good = readFileSync(file, 'utf8');
+        const edited = good.replace('free: { perMinute: 60, perDay: 1000 }', 'free: { perMinute: 61, perDay: 1000 }');
+        expectThat(edited !== good, 'the free plan line is not in config/gateway.yaml');
+        writeFileSync(file, edited);
+        const policy = async () => (await http(`${s.gw}/v1/pets`, bearer(found.key))).headers.get('ratelimit-policy') ?? '';
+        await until('the edited limit shows in RateLimit-Policy', 30_000, async () =>
+          (await policy()).includes('q=61;w=60') ? true : undefined,
+        );
+        writeFileSync(file, edited.replace('plans:', 'plans: [broken'));
+        await new Promise((r) => setTimeout(r, 3000));
+        expectThat((await policy()).includes('q=61;w=60'), 'the broken edit replaced the config in force');
+        const logs = mustRun([...s.compose, 'logs', '--no-color', 'gateway'], s.env, { cwd: s.app });
+        expectThat(/config reload refused/.test(logs), 'no log line says the broken edit was refused');
+        writeFileSync(file, good);
+      },
+    ],
   ];
 }
 
 /** Environments kept apart, state kept across a restart, and nothing left behind. */
 function lifecycleChecks(s: Stack, found: Found): Check[] {
   return [
-    ['the staging profile starts and keys never cross environments', async () => {
-      composeRun(s, ['--profile', 'staging', 'up', '-d']);
-      await ready(s.sadmin);
-      expectThat((await http(`${s.sgw}/v1/pets`, bearer(found.key))).status === 401, 'a production key was not refused by staging');
-      const testKey = makeKey(s, 'smoke-staging', 'staging.yaml');
-      expectThat(/^psk_test_\S+$/.test(testKey), 'the staging key is not one psk_test_ key alone on stdout');
-      await until('the staging key is accepted by staging', 30_000, async () => ((await http(`${s.sgw}/v1/pets`, bearer(testKey))).status === 200 ? true : undefined));
-      expectThat((await http(`${s.gw}/v1/pets`, bearer(testKey))).status === 401, 'a staging key was not refused by production');
-    }],
-    ["down and up: the pets and the day's count are kept", async () => {
-      const dayUsed = (await usage(s, 'smoke')).windows.day.used;
-      composeRun(s, ['--profile', 'staging', 'down']);
-      composeRun(s, ['up', '-d']);
-      await ready(s.admin);
-      const after = (await usage(s, 'smoke')).windows.day.used;
-      expectThat(after === dayUsed, `day used was ${dayUsed} before down, ${after} after up`);
-      const reader = makeKey(s, 'smoke-reader');
-      const pets = await until('the pets are listed', 30_000, async () => {
-        const r = await http(`${s.gw}/v1/pets?limit=100`, bearer(reader));
-        return r.status === 200 ? (JSON.parse(r.body) as { name: string }[]) : undefined;
-      });
-      expectThat(pets.some((p) => p.name === found.petName), `${found.petName} is not among the pets after down/up`);
-    }],
-    ['everything comes down, volumes included', async () => {
-      composeRun(s, ['--profile', 'staging', 'down', '-v', '--remove-orphans']);
-      s.down = () => {}; // down already: the end has nothing left to take down
-      const left = mustRun([s.client, 'volume', 'ls', '-q', '--filter', `label=com.docker.compose.project=${s.env.COMPOSE_PROJECT_NAME}`], s.env);
-      expectThat(left.trim() === '', `volumes left: ${left.trim()}`);
-    }],
+    [
+      'the staging profile starts and keys never cross environments',
+      async () => {
+        composeRun(s, ['--profile', 'staging', 'up', '-d']);
+        await ready(s.sadmin);
+        expectThat((await http(`${s.sgw}/v1/pets`, bearer(found.key))).status === 401, 'a production key was not refused by staging');
+        const testKey = makeKey(s, 'smoke-staging', 'staging.yaml');
+        expectThat(/^psk_test_\S+$/.test(testKey), 'the staging key is not one psk_test_ key alone on stdout');
+        await until('the staging key is accepted by staging', 30_000, async () =>
+          (await http(`${s.sgw}/v1/pets`, bearer(testKey))).status === 200 ? true : undefined,
+        );
+        expectThat((await http(`${s.gw}/v1/pets`, bearer(testKey))).status === 401, 'a staging key was not refused by production');
+      },
+    ],
+    [
+      "down and up: the pets and the day's count are kept",
+      async () => {
+        const dayUsed = (await usage(s, 'smoke')).windows.day.used;
+        composeRun(s, ['--profile', 'staging', 'down']);
+        composeRun(s, ['up', '-d']);
+        await ready(s.admin);
+        const after = (await usage(s, 'smoke')).windows.day.used;
+        expectThat(after === dayUsed, `day used was ${dayUsed} before down, ${after} after up`);
+        const reader = makeKey(s, 'smoke-reader');
+        const pets = await until('the pets are listed', 30_000, async () => {
+          const r = await http(`${s.gw}/v1/pets?limit=100`, bearer(reader));
+          return r.status === 200 ? (JSON.parse(r.body) as { name: string }[]) : undefined;
+        });
+        expectThat(
+          pets.some((p) => p.name === found.petName),
+          `${found.petName} is not among the pets after down/up`,
+        );
+      },
+    ],
+    [
+      'everything comes down, volumes included',
+      async () => {
+        composeRun(s, ['--profile', 'staging', 'down', '-v', '--remove-orphans']);
+        s.down = () => {}; // down already: the end has nothing left to take down
+        const left = mustRun(
+          [s.client, 'volume', 'ls', '-q', '--filter', `label=com.docker.compose.project=${s.env.COMPOSE_PROJECT_NAME}`],
+          s.env,
+        );
+        expectThat(left.trim() === '', `volumes left: ${left.trim()}`);
+      },
+    ],
   ];
 }
 

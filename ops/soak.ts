@@ -34,11 +34,21 @@ async function startBed(dir: string, procs: Procs) {
   const node = process.execPath;
   const [redisPort, backendPort, gatewayPort, adminPort] = [await freePort(), await freePort(), await freePort(), await freePort()];
   const startRedis = async () => {
-    procs.redis = spawn('redis-server', ['--port', String(redisPort), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'yes', '--dir', dir], { stdio: 'ignore' });
+    procs.redis = spawn(
+      'redis-server',
+      ['--port', String(redisPort), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'yes', '--dir', dir],
+      { stdio: 'ignore' },
+    );
     await waitForPort(redisPort, 5000);
   };
   const startBackend = async () => {
-    procs.backend = await start('backend', [node, 'dist/backend/server.js'], { BACKEND_PORT: String(backendPort), PETS_DB: join(dir, 'pets.db'), LOG_LEVEL: 'warn' }, backendPort, dir);
+    procs.backend = await start(
+      'backend',
+      [node, 'dist/backend/server.js'],
+      { BACKEND_PORT: String(backendPort), PETS_DB: join(dir, 'pets.db'), LOG_LEVEL: 'warn' },
+      backendPort,
+      dir,
+    );
   };
   await startRedis();
   await startBackend();
@@ -53,13 +63,27 @@ async function startBed(dir: string, procs: Procs) {
       { ...keys.free, plan: 'free' },
       { ...keys.abuser, plan: 'tiny' },
     ],
-    { plans: { free: { perMinute: 60, perDay: 100_000 }, tiny: { perMinute: 5, perDay: 100_000 }, enterprise: { custom: true } }, unauthenticated: { perMinute: 1e6 }, bans: { afterRejected: 10, withinSeconds: 60, durationSeconds: 60 } },
+    {
+      plans: { free: { perMinute: 60, perDay: 100_000 }, tiny: { perMinute: 5, perDay: 100_000 }, enterprise: { custom: true } },
+      unauthenticated: { perMinute: 1e6 },
+      bans: { afterRejected: 10, withinSeconds: 60, durationSeconds: 60 },
+    },
   );
   writeFileSync(join(dir, 'gateway.json'), JSON.stringify(config));
-  procs.gateway = await start('gateway', [node, 'dist/gateway/server.js'], {
-    REDIS_URL: `redis://127.0.0.1:${redisPort}`, BACKEND_URL: `http://127.0.0.1:${backendPort}`, GATEWAY_CONFIG: join(dir, 'gateway.json'),
-    GATEWAY_PORT: String(gatewayPort), ADMIN_PORT: String(adminPort), LOG_LEVEL: 'warn',
-  }, gatewayPort, dir);
+  procs.gateway = await start(
+    'gateway',
+    [node, 'dist/gateway/server.js'],
+    {
+      REDIS_URL: `redis://127.0.0.1:${redisPort}`,
+      BACKEND_URL: `http://127.0.0.1:${backendPort}`,
+      GATEWAY_CONFIG: join(dir, 'gateway.json'),
+      GATEWAY_PORT: String(gatewayPort),
+      ADMIN_PORT: String(adminPort),
+      LOG_LEVEL: 'warn',
+    },
+    gatewayPort,
+    dir,
+  );
   return { gateway: `http://127.0.0.1:${gatewayPort}`, backend: `http://127.0.0.1:${backendPort}`, keys, startRedis, startBackend };
 }
 type Bed = Awaited<ReturnType<typeof startBed>>;
@@ -94,7 +118,8 @@ async function call(gateway: string, seen: Seen, path: string, init: RequestInit
     const body = await res.text();
     seen.byStatus.set(res.status, (seen.byStatus.get(res.status) ?? 0) + 1);
     const shaped = res.status < 400 || errorShaped(res.status, body, seen.byCode);
-    if (!DOCUMENTED.has(res.status) || !shaped || !res.headers.has('ratelimit-policy')) seen.outside.push(`${init.method ?? 'GET'} ${path}: ${res.status} ${body.slice(0, 120)}`);
+    if (!DOCUMENTED.has(res.status) || !shaped || !res.headers.has('ratelimit-policy'))
+      seen.outside.push(`${init.method ?? 'GET'} ${path}: ${res.status} ${body.slice(0, 120)}`);
     return res.status;
   } catch {
     seen.refused++;
@@ -144,7 +169,7 @@ async function injectFaults(bed: Bed, procs: Procs, end: number): Promise<string
   await sleep(1000);
   await bed.startRedis();
   events.push(at('Redis restarted'));
-  await sleep(Math.max(0, end - Date.now() - SECONDS * 1000 / 3));
+  await sleep(Math.max(0, end - Date.now() - (SECONDS * 1000) / 3));
   procs.backend!.kill('SIGKILL');
   events.push(at('backend killed'));
   await sleep(500);
@@ -161,16 +186,37 @@ async function petsCheck(backend: string, acked: Map<string, number>): Promise<{
 }
 
 /** The report; whether any "must" failed. */
-function report(seen: Seen, events: string[], rssStart: Record<string, number>, rssEnd: Record<string, number>, pets: { lost: number; doubled: number }): boolean {
+function report(
+  seen: Seen,
+  events: string[],
+  rssStart: Record<string, number>,
+  rssEnd: Record<string, number>,
+  pets: { lost: number; doubled: number },
+): boolean {
   const { byStatus, byCode, outside, refused, acked } = seen;
   const total = [...byStatus.values()].reduce((a, b) => a + b, 0);
   console.log(`soak: ${SECONDS} s, ${CLIENTS} clients, ${total} requests (${Math.round(total / SECONDS)}/s)`);
   for (const e of events) console.log(`  ${e}`);
-  console.log(`  by status: ${[...byStatus].sort(([a], [b]) => a - b).map(([s, n]) => `${s}: ${n}`).join(', ')}`);
-  console.log(`  errors by code: ${[...byCode].sort().map(([c, n]) => `${c}: ${n}`).join(', ')}`);
-  console.log(`  outside the documented set (status, Error shape, rate-limit headers): ${outside.length}${outside.length ? `, e.g. ${outside.slice(0, 3).join(' | ')}` : ''}`);
+  console.log(
+    `  by status: ${[...byStatus]
+      .sort(([a], [b]) => a - b)
+      .map(([s, n]) => `${s}: ${n}`)
+      .join(', ')}`,
+  );
+  console.log(
+    `  errors by code: ${[...byCode]
+      .sort()
+      .map(([c, n]) => `${c}: ${n}`)
+      .join(', ')}`,
+  );
+  console.log(
+    `  outside the documented set (status, Error shape, rate-limit headers): ${outside.length}${outside.length ? `, e.g. ${outside.slice(0, 3).join(' | ')}` : ''}`,
+  );
   console.log(`  connections refused by the gateway: ${refused}`);
-  for (const name of Object.keys(rssStart)) console.log(`  RSS ${name}: ${rssStart[name]!.toFixed(1)} MB after warm-up, ${rssEnd[name]!.toFixed(1)} MB at the end${name === 'gateway' ? '' : ' (restarted in between)'}`);
+  for (const name of Object.keys(rssStart))
+    console.log(
+      `  RSS ${name}: ${rssStart[name]!.toFixed(1)} MB after warm-up, ${rssEnd[name]!.toFixed(1)} MB at the end${name === 'gateway' ? '' : ' (restarted in between)'}`,
+    );
   console.log(`  pets acknowledged: ${acked.size}, lost: ${pets.lost}, stored twice: ${pets.doubled}`);
   const failed = outside.length > 0 || refused > 0 || pets.lost > 0 || pets.doubled > 0;
   console.log(failed ? 'soak: FAILED' : 'soak: passed');

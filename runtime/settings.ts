@@ -10,7 +10,12 @@ type EnvSchema = TSchema & { env: string };
 
 /** One of a closed list of words; the error names them all. */
 export function oneOf<const T extends string>(env: string, values: readonly T[], fallback: T) {
-  return Type.Unsafe<T>(Type.Union(values.map((v) => Type.Literal(v)), { env, default: fallback }));
+  return Type.Unsafe<T>(
+    Type.Union(
+      values.map((v) => Type.Literal(v)),
+      { env, default: fallback },
+    ),
+  );
 }
 
 /** A two-valued variable (`on`/`off` as the README writes them), decoded to a boolean. */
@@ -20,8 +25,7 @@ export function flag(env: string, on: string, off: string, fallback: boolean) {
     .Encode((b) => (b ? on : off));
 }
 
-export const logLevel = () =>
-  oneOf('LOG_LEVEL', ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'], 'info');
+export const logLevel = () => oneOf('LOG_LEVEL', ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'], 'info');
 
 function describe(schema: TSchema, message: string): string {
   const words = (schema.anyOf as TSchema[] | undefined)?.map((s) => s.const);
@@ -34,9 +38,7 @@ function describe(schema: TSchema, message: string): string {
  */
 export function readSettings<T extends TObject>(schema: T, env: NodeJS.ProcessEnv, what: string): Readonly<StaticDecode<T>> {
   const props = schema.properties as Record<string, EnvSchema>;
-  const raw = Object.fromEntries(
-    Object.entries(props).flatMap(([name, s]) => (env[s.env] ? [[name, env[s.env]]] : [])),
-  );
+  const raw = Object.fromEntries(Object.entries(props).flatMap(([name, s]) => (env[s.env] ? [[name, env[s.env]]] : [])));
   const value = Value.Default(schema, Value.Convert(schema, raw));
   const problems = new Map<string, string>();
   for (const e of Value.Errors(schema, value)) {

@@ -50,7 +50,9 @@ export function authenticate(header: string | undefined, config: GatewayConfig, 
     return new GatewayError('unauthorized', 'This API key has been revoked', { 'www-authenticate': INVALID });
   }
   if (consumer.expiresAtMs !== Number.POSITIVE_INFINITY && Date.now() >= consumer.expiresAtMs) {
-    return new GatewayError('unauthorized', `This API key expired at ${new Date(consumer.expiresAtMs).toISOString()}`, { 'www-authenticate': INVALID });
+    return new GatewayError('unauthorized', `This API key expired at ${new Date(consumer.expiresAtMs).toISOString()}`, {
+      'www-authenticate': INVALID,
+    });
   }
   return consumer;
 }

@@ -33,12 +33,25 @@ async function run(argv: string[]): Promise<void> {
   const command = positionals[0];
   if (command === 'list') {
     const rows = listKeys(file).map((k) => {
-      const status = k.status === 'revoked' ? `revoked ${k.revokedAt}` : k.status === 'expired' ? `expired ${k.expiresAt}` : k.expiresAt ? `active, expires ${k.expiresAt}` : 'active';
+      const status =
+        k.status === 'revoked'
+          ? `revoked ${k.revokedAt}`
+          : k.status === 'expired'
+            ? `expired ${k.expiresAt}`
+            : k.expiresAt
+              ? `active, expires ${k.expiresAt}`
+              : 'active';
       return [k.id, k.account, k.plan, `${k.limits.perMinute}/min ${k.limits.perDay}/day`, status, k.createdAt ?? ''];
     });
     const all = [['ID', 'ACCOUNT', 'PLAN', 'LIMITS', 'STATUS', 'CREATED'], ...rows];
     const widths = all[0]!.map((_, i) => Math.max(...all.map((r) => r[i]!.length)));
-    for (const r of all) console.log(r.map((c, i) => c.padEnd(widths[i]!)).join('  ').trimEnd());
+    for (const r of all)
+      console.log(
+        r
+          .map((c, i) => c.padEnd(widths[i]!))
+          .join('  ')
+          .trimEnd(),
+      );
     return;
   }
   if (command === 'create') {
@@ -46,7 +59,13 @@ async function run(argv: string[]): Promise<void> {
     const [perMinute, perDay] = [values['per-minute'], values['per-day']];
     if ((perMinute === undefined) !== (perDay === undefined)) throw new UsageError('give both --per-minute and --per-day, or neither');
     const limits = perMinute !== undefined ? { perMinute: Number(perMinute), perDay: Number(perDay) } : undefined;
-    const { id, key } = await createKey(file, { plan: values.plan, id: values.id, account: values.account, limits, expiresAt: values['expires-at'] });
+    const { id, key } = await createKey(file, {
+      plan: values.plan,
+      id: values.id,
+      account: values.account,
+      limits,
+      expiresAt: values['expires-at'],
+    });
     console.error(`created key "${id}" (plan ${values.plan}) in ${file}; it is shown only now:`);
     console.log(key);
     return;
@@ -54,7 +73,9 @@ async function run(argv: string[]): Promise<void> {
   if (command === 'rotate') {
     if (!values.id) throw new UsageError('rotate needs --id');
     const r = await rotateKey(file, values.id, duration(values.grace ?? '24h'));
-    console.error(`rotated "${values.id}": new key "${r.id}" (account ${r.account}, plan ${r.plan}); "${values.id}" works until ${r.oldExpiresAt}. The new key, shown only now:`);
+    console.error(
+      `rotated "${values.id}": new key "${r.id}" (account ${r.account}, plan ${r.plan}); "${values.id}" works until ${r.oldExpiresAt}. The new key, shown only now:`,
+    );
     console.log(r.key);
     return;
   }

@@ -48,7 +48,8 @@ const iso = (ms: number) => new Date(ms).toISOString().replace(/\.\d+Z$/, 'Z');
 /** `90s`, `15m`, `24h`, `7d` (or `2 days`, as `ms` reads them) in milliseconds; a unit is required. */
 export function duration(text: string): number {
   const value = /[a-z]\s*$/i.test(text) ? ms(text as ms.StringValue) : undefined;
-  if (value === undefined || !(value > 0)) throw new KeyFileError(`grace: expected a number and s, m, h or d (24h), got "${text}"`, 'invalid');
+  if (value === undefined || !(value > 0))
+    throw new KeyFileError(`grace: expected a number and s, m, h or d (24h), got "${text}"`, 'invalid');
   return value;
 }
 
@@ -71,7 +72,8 @@ export function createKey(file: string, request: NewKey): Promise<{ id: string; 
   return edit(file, (current, keys, doc) => {
     const id = request.id ?? `${request.plan}-${randomBytes(3).toString('hex')}`;
     // Said plainly: through the validator it would read as if the file were broken.
-    if (current.keys.some((k) => k.id === id)) throw new KeyFileError(`a key with id "${id}" is already in ${file}; choose another id`, 'taken');
+    if (current.keys.some((k) => k.id === id))
+      throw new KeyFileError(`a key with id "${id}" is already in ${file}; choose another id`, 'taken');
     const { key, hash } = generateKey(current.environment);
     const entry: Record<string, unknown> = { id, hash, plan: request.plan };
     if (request.account !== undefined) entry.account = request.account;
@@ -159,9 +161,13 @@ async function lock(file: string): Promise<() => Promise<void>> {
   } catch (err) {
     const code = (err as NodeJS.ErrnoException).code;
     if (code === 'EROFS' || code === 'EACCES' || code === 'EPERM') {
-      throw new KeyFileError(`${file} cannot be written here (${code}): mount its folder writable to manage keys, or use the keys command where it can be`, 'read_only');
+      throw new KeyFileError(
+        `${file} cannot be written here (${code}): mount its folder writable to manage keys, or use the keys command where it can be`,
+        'read_only',
+      );
     }
-    if (code === 'ELOCKED') throw new Error(`cannot lock ${file}: another keys command or admin call is editing it; try again`, { cause: err });
+    if (code === 'ELOCKED')
+      throw new Error(`cannot lock ${file}: another keys command or admin call is editing it; try again`, { cause: err });
     throw err;
   }
 }

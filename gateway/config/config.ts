@@ -23,7 +23,12 @@ export const ConfigFile = Type.Object(
     plans: Type.Record(
       Type.String({ pattern: '^[a-z0-9_-]{1,64}$' }),
       Type.Object(
-        { perMinute: Type.Optional(Count), perDay: Type.Optional(Count), custom: Type.Optional(Type.Boolean()), costs: Type.Optional(Costs) },
+        {
+          perMinute: Type.Optional(Count),
+          perDay: Type.Optional(Count),
+          custom: Type.Optional(Type.Boolean()),
+          costs: Type.Optional(Costs),
+        },
         { additionalProperties: false },
       ),
     ),
@@ -47,10 +52,7 @@ export const ConfigFile = Type.Object(
       ),
       { default: [] },
     ),
-    bans: Type.Object(
-      { afterRejected: Count, withinSeconds: Count, durationSeconds: Count },
-      { additionalProperties: false },
-    ),
+    bans: Type.Object({ afterRejected: Count, withinSeconds: Count, durationSeconds: Count }, { additionalProperties: false }),
     unauthenticated: Type.Object({ perMinute: Count }, { additionalProperties: false }),
     /** Browser origins allowed to call the API and read its headers (CORS); none by default. */
     cors: Type.Optional(
@@ -146,7 +148,9 @@ function crossChecks(file: ConfigFile): string[] {
     const first = accounts.get(account);
     if (!first) accounts.set(account, { index: i, plan: k.plan, limits: JSON.stringify(k.limits ?? null) });
     else if (first.plan !== k.plan || first.limits !== JSON.stringify(k.limits ?? null)) {
-      problems.push(`keys.${i}: account "${account}" is on plan ${first.plan}${first.limits === 'null' ? '' : ` with limits ${first.limits}`} (keys.${first.index}); its keys share one quota, so they must agree`);
+      problems.push(
+        `keys.${i}: account "${account}" is on plan ${first.plan}${first.limits === 'null' ? '' : ` with limits ${first.limits}`} (keys.${first.index}); its keys share one quota, so they must agree`,
+      );
     }
     if (hashes.has(k.hash)) problems.push(`keys.${i}.hash: duplicate hash`);
     ids.add(k.id);
@@ -154,7 +158,8 @@ function crossChecks(file: ConfigFile): string[] {
   });
   const checkCosts = (costs: Record<string, number> | undefined, where: string) => {
     for (const route of Object.keys(costs ?? {})) {
-      if (!ROUTES.some((r) => `${r.method} ${r.path}` === route)) problems.push(`${where}.costs: no route "${route}" (write "METHOD /path", e.g. "POST /v1/pets")`);
+      if (!ROUTES.some((r) => `${r.method} ${r.path}` === route))
+        problems.push(`${where}.costs: no route "${route}" (write "METHOD /path", e.g. "POST /v1/pets")`);
     }
   };
   for (const [name, plan] of Object.entries(file.plans)) checkCosts(plan.costs, `plans.${name}`);
@@ -224,7 +229,13 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
     environment: file.environment,
     registryKey: `${redisPrefix}:{gateways}`,
     consumers,
-    addressSubject: (address: string) => ({ name: `${redisPrefix}:{a:${address}}`, limits: anonymous, bans: null, policy: anonymousPolicy, lasting: false }),
+    addressSubject: (address: string) => ({
+      name: `${redisPrefix}:{a:${address}}`,
+      limits: anonymous,
+      bans: null,
+      policy: anonymousPolicy,
+      lasting: false,
+    }),
     deprecations,
     corsOrigins: new Set(file.cors?.origins ?? []),
   });

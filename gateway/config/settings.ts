@@ -8,12 +8,15 @@ import { flag, logLevel, oneOf, readSettings } from '../../runtime/settings.js';
 function parseTrustProxy(value: string): false | number | string {
   if (value === 'false') return false;
   if (/^[0-9]+$/.test(value)) return Number(value);
-  const bad = value.split(',').map((t) => t.trim()).filter((t) => {
-    if (['loopback', 'linklocal', 'uniquelocal'].includes(t)) return false;
-    const [addr = '', bits, ...rest] = t.split('/');
-    const max = isIP(addr) === 4 ? 32 : 128;
-    return rest.length > 0 || isIP(addr) === 0 || (bits !== undefined && !(/^[0-9]+$/.test(bits) && Number(bits) <= max));
-  });
+  const bad = value
+    .split(',')
+    .map((t) => t.trim())
+    .filter((t) => {
+      if (['loopback', 'linklocal', 'uniquelocal'].includes(t)) return false;
+      const [addr = '', bits, ...rest] = t.split('/');
+      const max = isIP(addr) === 4 ? 32 : 128;
+      return rest.length > 0 || isIP(addr) === 0 || (bits !== undefined && !(/^[0-9]+$/.test(bits) && Number(bits) <= max));
+    });
   if (bad.length > 0) throw new Error(`not an address, CIDR or hop count: ${bad.join(', ')}`);
   return value;
 }
@@ -70,15 +73,18 @@ export function loadSettings(env: NodeJS.ProcessEnv = process.env) {
   ].filter(Boolean);
   const problems = [];
   if (chosen.length > 1) problems.push(`  ${chosen.join(', ')}: set one of them, not ${chosen.length}`);
-  if (settings.redisSentinels && !settings.redisSentinelName) problems.push('  REDIS_SENTINEL_NAME: required with REDIS_SENTINELS (the master group name)');
-  if (settings.redisSentinelName && !settings.redisSentinels) problems.push('  REDIS_SENTINEL_NAME: only means something with REDIS_SENTINELS');
+  if (settings.redisSentinels && !settings.redisSentinelName)
+    problems.push('  REDIS_SENTINEL_NAME: required with REDIS_SENTINELS (the master group name)');
+  if (settings.redisSentinelName && !settings.redisSentinels)
+    problems.push('  REDIS_SENTINEL_NAME: only means something with REDIS_SENTINELS');
   if (problems.length > 0) throw new Error(['Invalid gateway settings:', ...problems].join('\n'));
   return settings;
 }
 
 /** Which Redis the settings name, if any: a single node, a Cluster or a Sentinel group. */
 export function redisTarget(s: Pick<GatewaySettings, 'redisUrl' | 'redisClusterNodes' | 'redisSentinels' | 'redisSentinelName'>) {
-  const nodes = (list: string) => list.split(',').map((n) => ({ host: n.slice(0, n.lastIndexOf(':')), port: Number(n.slice(n.lastIndexOf(':') + 1)) }));
+  const nodes = (list: string) =>
+    list.split(',').map((n) => ({ host: n.slice(0, n.lastIndexOf(':')), port: Number(n.slice(n.lastIndexOf(':') + 1)) }));
   if (s.redisClusterNodes) return { kind: 'cluster' as const, nodes: nodes(s.redisClusterNodes) };
   if (s.redisSentinels) return { kind: 'sentinel' as const, sentinels: nodes(s.redisSentinels), name: s.redisSentinelName! };
   if (s.redisUrl) return { kind: 'single' as const, url: s.redisUrl };

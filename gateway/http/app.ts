@@ -35,7 +35,17 @@ export interface Gateway {
 
 type AppSettings = Pick<
   GatewaySettings,
-  'backendUrl' | 'bodyLimit' | 'requestTimeoutMs' | 'upstreamTimeoutMs' | 'trustProxy' | 'logLevel' | 'logPretty' | 'metricsKeyIds' | 'quotaLeaseMax' | 'redisTimeoutMs' | 'quotaStoreFailure'
+  | 'backendUrl'
+  | 'bodyLimit'
+  | 'requestTimeoutMs'
+  | 'upstreamTimeoutMs'
+  | 'trustProxy'
+  | 'logLevel'
+  | 'logPretty'
+  | 'metricsKeyIds'
+  | 'quotaLeaseMax'
+  | 'redisTimeoutMs'
+  | 'quotaStoreFailure'
 >;
 
 /** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */

@@ -7,8 +7,18 @@ import type { FastifyReply, FastifyRequest } from 'fastify';
 // a key do).
 
 const EXPOSED = [
-  'ratelimit', 'ratelimit-policy', 'x-ratelimit-limit', 'x-ratelimit-remaining', 'x-ratelimit-reset', 'retry-after',
-  'deprecation', 'sunset', 'link', 'location', 'x-request-id', 'idempotent-replayed',
+  'ratelimit',
+  'ratelimit-policy',
+  'x-ratelimit-limit',
+  'x-ratelimit-remaining',
+  'x-ratelimit-reset',
+  'retry-after',
+  'deprecation',
+  'sunset',
+  'link',
+  'location',
+  'x-request-id',
+  'idempotent-replayed',
 ].join(', ');
 const ALLOWED_HEADERS = 'authorization, content-type, idempotency-key, x-request-id';
 
@@ -24,6 +34,10 @@ export function corsHeaders(request: FastifyRequest, reply: FastifyReply, origin
 export function preflight(reply: FastifyReply): FastifyReply {
   return reply
     .code(204)
-    .headers({ 'access-control-allow-methods': 'GET, HEAD, POST', 'access-control-allow-headers': ALLOWED_HEADERS, 'access-control-max-age': '600' })
+    .headers({
+      'access-control-allow-methods': 'GET, HEAD, POST',
+      'access-control-allow-headers': ALLOWED_HEADERS,
+      'access-control-max-age': '600',
+    })
     .send();
 }

@@ -38,28 +38,58 @@ const text = { type: 'string' };
 
 /** Every header the API documents (headers.ts and deprecation.ts write most); `required`: on every such answer. */
 const HEADERS: Record<string, Json> = {
-  'X-Request-Id': { required: true, description: 'The request id: the client\'s when it is 1 to 128 of [A-Za-z0-9._:-], else a new UUID', schema: text },
-  'RateLimit-Policy': { required: true,
+  'X-Request-Id': {
+    required: true,
+    description: "The request id: the client's when it is 1 to 128 of [A-Za-z0-9._:-], else a new UUID",
+    schema: text,
+  },
+  'RateLimit-Policy': {
+    required: true,
     description: 'Both windows of the key (or of the client address without a key), IETF draft-ietf-httpapi-ratelimit-headers-10',
     schema: text,
     example: '"minute";q=60;w=60, "day";q=1000;w=86400',
   },
-  RateLimit: { required: true,
-    description: 'Each window\'s state: r requests left, t seconds until it resets',
+  RateLimit: {
+    required: true,
+    description: "Each window's state: r requests left, t seconds until it resets",
     schema: text,
     example: '"minute";r=59;t=20, "day";r=999;t=76400',
   },
-  'X-RateLimit-Limit': { required: true, description: 'Limit of the window nearest exhaustion (on a 429, the violated one)', schema: integer },
+  'X-RateLimit-Limit': {
+    required: true,
+    description: 'Limit of the window nearest exhaustion (on a 429, the violated one)',
+    schema: integer,
+  },
   'X-RateLimit-Remaining': { required: true, description: 'Requests left in that window (0 during a ban)', schema: integer },
-  'X-RateLimit-Reset': { required: true, description: 'Unix time (seconds) when that window resets, or when the ban ends', schema: integer },
-  'Retry-After': { required: true, description: 'Whole seconds until the blocking window resets or the ban ends', schema: { type: 'integer', minimum: 1 } },
+  'X-RateLimit-Reset': {
+    required: true,
+    description: 'Unix time (seconds) when that window resets, or when the ban ends',
+    schema: integer,
+  },
+  'Retry-After': {
+    required: true,
+    description: 'Whole seconds until the blocking window resets or the ban ends',
+    schema: { type: 'integer', minimum: 1 },
+  },
   'WWW-Authenticate': { required: true, description: 'Bearer', schema: text },
-  Deprecation: { required: true, description: 'RFC 9745: when the operation was deprecated (@ Unix seconds)', schema: text, example: '@1735689600' },
+  Deprecation: {
+    required: true,
+    description: 'RFC 9745: when the operation was deprecated (@ Unix seconds)',
+    schema: text,
+    example: '@1735689600',
+  },
   Sunset: { required: true, description: 'RFC 8594: when the operation stops answering (then 410 route_sunset)', schema: text },
-  'Link-Deprecation': { required: true, description: 'The successor (rel="successor-version"), and the documentation when configured', schema: text },
+  'Link-Deprecation': {
+    required: true,
+    description: 'The successor (rel="successor-version"), and the documentation when configured',
+    schema: text,
+  },
   'Link-Next': { description: 'While more remain: the next page, <...>; rel="next"', schema: text },
-  Location: { required: true, description: 'The new pet\'s URL', schema: text },
-  'Idempotent-Replayed': { description: '"true" when the answer is the replay of an earlier request with the same Idempotency-Key', schema: text },
+  Location: { required: true, description: "The new pet's URL", schema: text },
+  'Idempotent-Replayed': {
+    description: '"true" when the answer is the replay of an earlier request with the same Idempotency-Key',
+    schema: text,
+  },
 };
 
 const EVERY_ANSWER = ['X-Request-Id', 'RateLimit-Policy', 'RateLimit', 'X-RateLimit-Limit', 'X-RateLimit-Remaining', 'X-RateLimit-Reset'];
@@ -74,7 +104,8 @@ const BACKEND_HEADERS: Partial<Record<RouteId, Record<string, Record<string, str
 const DESCRIPTIONS: Record<string, string> = {
   '200': 'OK',
   '201': 'Created',
-  '400': 'The request breaks the schema: validation_failed, malformed_json, invalid_cursor, invalid_idempotency_key, or the gateway\'s bad_request / invalid_path',
+  '400':
+    "The request breaks the schema: validation_failed, malformed_json, invalid_cursor, invalid_idempotency_key, or the gateway's bad_request / invalid_path",
   '401': 'unauthorized: the key is missing, malformed, unknown, revoked or of the other environment',
   '404': 'Not found',
   '410': 'route_sunset: the operation is past its Sunset date',
@@ -100,7 +131,8 @@ function throughGateway(op: Operation, id: RouteId, deprecation: Deprecation | u
     responses[status] = error
       ? errorResponse(status)
       : { ...r, description: r.description === 'Default Response' ? (DESCRIPTIONS[status] ?? r.description) : r.description, headers: {} };
-    for (const [name, component] of Object.entries(BACKEND_HEADERS[id]?.[status] ?? {})) responses[status]!.headers![name] = ref('headers', component);
+    for (const [name, component] of Object.entries(BACKEND_HEADERS[id]?.[status] ?? {}))
+      responses[status]!.headers![name] = ref('headers', component);
   }
   responses['401'] = errorResponse('401', { 'WWW-Authenticate': ref('headers', 'WWW-Authenticate') });
   responses['429'] = errorResponse('429', { 'Retry-After': ref('headers', 'Retry-After') });
@@ -151,7 +183,8 @@ export function gatewayDocument(backend: OpenApiDocument, deprecations: Readonly
     info: {
       title: 'Pet Store API',
       version: backend.info.version,
-      description: 'Every request goes through the gateway: send `Authorization: Bearer <key>`. Every answer carries the rate-limit headers.',
+      description:
+        'Every request goes through the gateway: send `Authorization: Bearer <key>`. Every answer carries the rate-limit headers.',
     },
     servers: [{ url: '/' }],
     security: [{ apiKey: [] }],

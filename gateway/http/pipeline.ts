@@ -39,7 +39,15 @@ export interface RequestContext {
  */
 function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConfig): RequestContext {
   reply.header('x-request-id', request.id);
-  request.ctx = { config, consumer: undefined, route: undefined, outcome: undefined, countedAtMs: undefined, cost: undefined, sentAt: undefined };
+  request.ctx = {
+    config,
+    consumer: undefined,
+    route: undefined,
+    outcome: undefined,
+    countedAtMs: undefined,
+    cost: undefined,
+    sentAt: undefined,
+  };
   return request.ctx;
 }
 
@@ -70,11 +78,7 @@ function authorizationFields(raw: string[]): number {
  * the key's quota (the route's cost), then the refusals. Every step that can refuse returns
  * its GatewayError; this is the one place that throws them.
  */
-export function requestPipeline(
-  store: QuotaStore,
-  config: () => GatewayConfig,
-  record: (reqId: string, entry: AccessEntry) => void,
-) {
+export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, record: (reqId: string, entry: AccessEntry) => void) {
   /** Admission for this request: headers on the reply, the outcome in the context; returns the refusal. */
   async function admitRequest(request: FastifyRequest, reply: FastifyReply, subject: QuotaSubject, cost = 1) {
     const admission = await admit(store, subject, cost);

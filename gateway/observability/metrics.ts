@@ -92,7 +92,11 @@ export class GatewayMetrics {
       (c) => c.degraded,
       { reason: 'failing' },
     );
-    counter('gateway_quota_refunds_failed_total', 'Refunds (of 502/504 answers) Redis did not take: those requests stay counted', (c) => c.refundsFailed);
+    counter(
+      'gateway_quota_refunds_failed_total',
+      'Refunds (of 502/504 answers) Redis did not take: those requests stay counted',
+      (c) => c.refundsFailed,
+    );
     new Gauge({
       name: 'gateway_quota_instances',
       help: 'Live gateway instances (workers included) Redis knew of at the last heartbeat: the degraded budget divides by it',
@@ -102,14 +106,18 @@ export class GatewayMetrics {
         if (store.counts) this.set(store.counts.instances);
       },
     });
-    counter('gateway_quota_written_back_total', 'Units admitted while Redis failed, added to its windows once it answered again', (c) => c.writtenBack);
+    counter(
+      'gateway_quota_written_back_total',
+      'Units admitted while Redis failed, added to its windows once it answered again',
+      (c) => c.writtenBack,
+    );
     new Gauge({
       name: 'gateway_bans_active',
       help: 'Keys this instance knows to be banned now',
       registers,
       aggregator: 'max', // workers share the bans they see through Redis: not a sum
       collect() {
-      this.set(store.activeBans());
+        this.set(store.activeBans());
       },
     });
     new Gauge({
@@ -118,7 +126,7 @@ export class GatewayMetrics {
       registers,
       aggregator: 'max', // 1 if any worker is degraded
       collect() {
-      this.set(store.degraded ? 1 : 0);
+        this.set(store.degraded ? 1 : 0);
       },
     });
   }
@@ -131,7 +139,11 @@ export class GatewayMetrics {
     if (!byPlan) byStatus.set(status, (byPlan = new Map()));
     const last = this.keyLabels ? `${plan} ${key ?? 'none'}` : plan;
     let t = byPlan.get(last);
-    if (!t) byPlan.set(last, (t = newSeries(this.requests, this.keyLabels ? { route, status, plan, key: key ?? 'none' } : { route, status, plan })));
+    if (!t)
+      byPlan.set(
+        last,
+        (t = newSeries(this.requests, this.keyLabels ? { route, status, plan, key: key ?? 'none' } : { route, status, plan })),
+      );
     t.n++;
     if (rejected) {
       let r = this.rejectionIndex.get(rejected);
@@ -199,9 +211,9 @@ export class TallyHistogram {
     for (const [labelValue, s] of this.series) {
       let cumulative = 0;
       this.buckets.forEach((le, i) => {
-      cumulative += s.counts[i]!;
-      values.push({ value: cumulative, labels: { le, [this.label]: labelValue }, metricName: `${this.name}_bucket` });
-    });
+        cumulative += s.counts[i]!;
+        values.push({ value: cumulative, labels: { le, [this.label]: labelValue }, metricName: `${this.name}_bucket` });
+      });
       values.push({ value: s.count, labels: { le: '+Inf', [this.label]: labelValue }, metricName: `${this.name}_bucket` });
       values.push({ value: s.sum, labels: { [this.label]: labelValue }, metricName: `${this.name}_sum` });
       values.push({ value: s.count, labels: { [this.label]: labelValue }, metricName: `${this.name}_count` });

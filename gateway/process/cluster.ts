@@ -42,7 +42,10 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
     announced = true;
     const address = `http://${a.address ?? settings.host}:${a.port}`;
     const { environment } = initial;
-    log.info({ address, admin: running.adminAddress, workers: settings.workers, environment, backend: settings.backendUrl, store: 'redis' }, 'gateway ready');
+    log.info(
+      { address, admin: running.adminAddress, workers: settings.workers, environment, backend: settings.backendUrl, store: 'redis' },
+      'gateway ready',
+    );
     announceReady();
   });
   cluster.on('exit', (worker: Worker, code, signal) => {

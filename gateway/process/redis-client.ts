@@ -37,7 +37,15 @@ export function connectRedis(settings: RedisSettings): RedisClient | undefined {
     target.kind === 'cluster'
       ? new Cluster(target.nodes, { ...common, clusterRetryStrategy: backoff, slotsRefreshTimeout: 2000, redisOptions: node })
       : target.kind === 'sentinel'
-        ? new Redis({ ...common, ...node, sentinels: target.sentinels, name: target.name, sentinelRetryStrategy: backoff, retryStrategy: backoff, failoverDetector: true })
+        ? new Redis({
+            ...common,
+            ...node,
+            sentinels: target.sentinels,
+            name: target.name,
+            sentinelRetryStrategy: backoff,
+            retryStrategy: backoff,
+            failoverDetector: true,
+          })
         : new Redis(target.url, { ...common, ...node, retryStrategy: backoff });
   redis.on('error', () => {}); // reported once through the store's degraded log line instead
   if (redis instanceof Redis) reconnectWhenEnded(redis, backoff);

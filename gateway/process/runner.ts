@@ -118,7 +118,12 @@ function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSour
 }
 
 /** Starts taking new configs the way `options.reloads` says; returns the stop. */
-function takeReloads(settings: GatewaySettings, options: RunOptions, apply: (c: GatewayConfig) => void, log: FastifyBaseLogger): () => void {
+function takeReloads(
+  settings: GatewaySettings,
+  options: RunOptions,
+  apply: (c: GatewayConfig) => void,
+  log: FastifyBaseLogger,
+): () => void {
   const reload = reloader(settings, apply, log);
   if (options.reloads === 'file') {
     return watchConfig(settings.configFile, (reason) => {

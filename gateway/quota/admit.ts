@@ -30,7 +30,10 @@ function refusal(d: Decision): GatewayError | undefined {
 }
 
 /** Per lasting subject (a key's), the last admission's headers and what they were built from. */
-const lastHeaders = new WeakMap<QuotaSubject, { second: number; minuteUsed: number; dayUsed: number; headers: Readonly<Record<string, string>> }>();
+const lastHeaders = new WeakMap<
+  QuotaSubject,
+  { second: number; minuteUsed: number; dayUsed: number; headers: Readonly<Record<string, string>> }
+>();
 
 /**
  * The rate-limit headers of a decision. An admission's headers depend only on its subject, the

@@ -9,7 +9,13 @@ export class BanCache {
   private readonly bans = new Map<string, Counters>();
 
   remember(name: string, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number): void {
-    this.bans.set(name, { minuteStart: windowStart(nowMs, MINUTE_MS), minuteCount: minuteUsed, dayStart: windowStart(nowMs, DAY_MS), dayCount: dayUsed, ban: banUntilMs });
+    this.bans.set(name, {
+      minuteStart: windowStart(nowMs, MINUTE_MS),
+      minuteCount: minuteUsed,
+      dayStart: windowStart(nowMs, DAY_MS),
+      dayCount: dayUsed,
+      ban: banUntilMs,
+    });
   }
 
   /** The subject's ban in force at `nowMs` (Redis time), if any; an ended one is forgotten. */

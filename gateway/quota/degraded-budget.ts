@@ -55,7 +55,13 @@ export class DegradedBudget {
 
   /** A reply's counts: the latest Redis knows. A subject whose budget is all written back starts afresh. */
   see(name: string, nowMs: number, minuteUsed: number, dayUsed: number): void {
-    this.seen.set(name, { minuteStart: windowStart(nowMs, MINUTE_MS), minuteCount: minuteUsed, dayStart: windowStart(nowMs, DAY_MS), dayCount: dayUsed, ban: 0 });
+    this.seen.set(name, {
+      minuteStart: windowStart(nowMs, MINUTE_MS),
+      minuteCount: minuteUsed,
+      dayStart: windowStart(nowMs, DAY_MS),
+      dayCount: dayUsed,
+      ban: 0,
+    });
     const s = this.spent.get(name);
     if (s && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten) this.spent.delete(name);
     this.sweep(nowMs);
@@ -103,7 +109,15 @@ export class DegradedBudget {
       const minuteUnits = s.minuteCount - s.minuteWritten;
       const dayUnits = s.dayCount - s.dayWritten;
       if (minuteUnits === 0 && dayUnits === 0) continue;
-      this.unconfirmed.set(`${id}:${name}`, { name, id, minuteStart: s.minuteStart, minuteUnits, dayStart: s.dayStart, dayUnits, hasDay: s.hasDay });
+      this.unconfirmed.set(`${id}:${name}`, {
+        name,
+        id,
+        minuteStart: s.minuteStart,
+        minuteUnits,
+        dayStart: s.dayStart,
+        dayUnits,
+        hasDay: s.hasDay,
+      });
       s.minuteWritten = s.minuteCount;
       s.dayWritten = s.dayCount;
     }
@@ -135,6 +149,7 @@ export class DegradedBudget {
     this.lastSweep = nowMs;
     const today = windowStart(nowMs, DAY_MS);
     for (const [name, c] of this.seen) if (c.dayStart < today) this.seen.delete(name);
-    for (const [name, s] of this.spent) if (s.dayStart < today && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten) this.spent.delete(name);
+    for (const [name, s] of this.spent)
+      if (s.dayStart < today && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten) this.spent.delete(name);
   }
 }

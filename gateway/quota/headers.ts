@@ -41,9 +41,7 @@ export function rateLimitHeaders(d: Decision, policy: string): Record<string, st
   const w = reportedWindow(d);
   const banned = d.outcome === 'banned';
   const resetMs = banned ? d.banUntilMs : w.resetMs;
-  const state = d.windows
-    .map((x) => `"${x.name}";r=${banned ? 0 : remaining(x)};t=${secondsUntil(reopensAt(d, x), d.nowMs)}`)
-    .join(', ');
+  const state = d.windows.map((x) => `"${x.name}";r=${banned ? 0 : remaining(x)};t=${secondsUntil(reopensAt(d, x), d.nowMs)}`).join(', ');
   const headers: Record<string, string> = {
     'x-ratelimit-limit': String(w.limit),
     'x-ratelimit-remaining': String(banned ? 0 : remaining(w)),

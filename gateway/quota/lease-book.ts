@@ -22,7 +22,15 @@ export interface Lease {
  */
 export function leaseOf(units: number, size: number, sentMono: number, nowMs: number, minuteUsed: number, dayUsed: number): Lease {
   const windowEndMs = windowStart(nowMs, MINUTE_MS) + MINUTE_MS;
-  return { left: units, until: sentMono + windowEndMs - nowMs, windowEndMs, dayStartMs: windowStart(nowMs, DAY_MS), minuteUsed, dayUsed, size };
+  return {
+    left: units,
+    until: sentMono + windowEndMs - nowMs,
+    windowEndMs,
+    dayStartMs: windowStart(nowMs, DAY_MS),
+    minuteUsed,
+    dayUsed,
+    size,
+  };
 }
 
 /**

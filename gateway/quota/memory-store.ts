@@ -56,12 +56,19 @@ export class MemoryQuotaStore implements QuotaStore {
       this.states.set(name, s);
     }
     const { minuteUsed, dayUsed } = countsAt(s, now);
-    const refused = (outcome: WindowCounts['outcome'], banUntilMs = 0): WindowCounts => ({ outcome, minuteUsed, dayUsed, nowMs: now, banUntilMs });
+    const refused = (outcome: WindowCounts['outcome'], banUntilMs = 0): WindowCounts => ({
+      outcome,
+      minuteUsed,
+      dayUsed,
+      nowMs: now,
+      banUntilMs,
+    });
     if (s.ban > now) return refused('banned', s.ban);
     const minuteStart = windowStart(now, MINUTE_MS);
     const dayStart = windowStart(now, DAY_MS);
     const expireAt = limits.perDay > 0 ? dayStart + DAY_MS : minuteStart + MINUTE_MS;
-    const violated = limits.perDay > 0 && dayUsed + cost > limits.perDay ? 'day' : minuteUsed + cost > limits.perMinute ? 'minute' : undefined;
+    const violated =
+      limits.perDay > 0 && dayUsed + cost > limits.perDay ? 'day' : minuteUsed + cost > limits.perMinute ? 'minute' : undefined;
     if (violated) {
       if (bans) {
         s.rejections = [now, ...s.rejections.filter((t) => t > now - bans.withinMs)].slice(0, bans.afterRejected + 1);
@@ -75,7 +82,13 @@ export class MemoryQuotaStore implements QuotaStore {
       }
       return refused(violated);
     }
-    Object.assign(s, { minuteStart, minuteCount: minuteUsed + cost, dayStart, dayCount: dayUsed + cost, expiresAt: Math.max(s.expiresAt, expireAt, s.ban) });
+    Object.assign(s, {
+      minuteStart,
+      minuteCount: minuteUsed + cost,
+      dayStart,
+      dayCount: dayUsed + cost,
+      expiresAt: Math.max(s.expiresAt, expireAt, s.ban),
+    });
     return { outcome: 'allowed', minuteUsed: minuteUsed + cost, dayUsed: dayUsed + cost, nowMs: now, banUntilMs: 0 };
   }
 

@@ -77,7 +77,7 @@ export class RedisHealth {
     if (this.failingSince !== 0 || this.closed) return;
     this.failingSince = Date.now();
     const reason = err instanceof Error ? err.message : String(err);
-    this.o.log.warn({ reason }, "quota store: Redis failed; each instance decides from its share of what was left until Redis answers");
+    this.o.log.warn({ reason }, 'quota store: Redis failed; each instance decides from its share of what was left until Redis answers');
     this.schedule(this.o.probeMs);
   }
 

@@ -85,7 +85,13 @@ export class RedisQuotaStore implements QuotaStore {
     redis.defineCommand('writeback', { numberOfKeys: 2, lua: lua('./writeback.lua') });
     redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: lua('./heartbeat.lua') });
     this.redis = redis as QuotaRedis;
-    this.health = new RedisHealth({ beat: () => this.beat(), recover: (healthy) => this.writeBack(healthy), log, heartbeatMs: this.registry ? HEARTBEAT_MS : 0, probeMs: PROBE_MS });
+    this.health = new RedisHealth({
+      beat: () => this.beat(),
+      recover: (healthy) => this.writeBack(healthy),
+      log,
+      heartbeatMs: this.registry ? HEARTBEAT_MS : 0,
+      probeMs: PROBE_MS,
+    });
     if (this.registry) {
       // A heartbeat on every (re)connection: the clock offset and the fleet before the first decision.
       redis.on('ready', () => this.health.start());
@@ -122,7 +128,13 @@ export class RedisQuotaStore implements QuotaStore {
         continue;
       }
       const call = this.ask(subject, size, cost);
-      this.leases.track(name, call.then(() => this.leases.hasCurrent(name), () => false));
+      this.leases.track(
+        name,
+        call.then(
+          () => this.leases.hasCurrent(name),
+          () => false,
+        ),
+      );
       return call;
     }
   }
@@ -130,14 +142,41 @@ export class RedisQuotaStore implements QuotaStore {
   private fromLease(subject: QuotaSubject, lease: Lease): Decision {
     if (lease.left === lease.size >> 1 && !this.health.failing) this.refill(subject, lease.size);
     const now = Math.min(this.redisClock.now(), lease.windowEndMs - 1);
-    return decision(subject.limits, { outcome: 'allowed', minuteUsed: lease.minuteUsed, dayUsed: lease.dayUsed, nowMs: now, banUntilMs: 0 });
+    return decision(subject.limits, {
+      outcome: 'allowed',
+      minuteUsed: lease.minuteUsed,
+      dayUsed: lease.dayUsed,
+      nowMs: now,
+      banUntilMs: 0,
+    });
   }
 
   /** One run of quota.lua (ARGV in its order): `back` is a lease's unused units to give back, `refill` a lease taken ahead. */
-  private call(subject: QuotaSubject, lease: number, back: Lease | undefined, deadline: number, cost: number, refill: boolean): Promise<Reply> {
+  private call(
+    subject: QuotaSubject,
+    lease: number,
+    back: Lease | undefined,
+    deadline: number,
+    cost: number,
+    refill: boolean,
+  ): Promise<Reply> {
     const { name, limits, bans } = subject;
-    return this.redis.quota(name, `${name}:rej`, limits.perMinute, limits.perDay, bans?.afterRejected ?? 0, bans?.withinMs ?? 0, bans?.durationMs ?? 0,
-      lease, back?.left ?? 0, back ? back.windowEndMs - MINUTE_MS : 0, back?.dayStartMs ?? 0, deadline, cost, refill ? 1 : 0);
+    return this.redis.quota(
+      name,
+      `${name}:rej`,
+      limits.perMinute,
+      limits.perDay,
+      bans?.afterRejected ?? 0,
+      bans?.withinMs ?? 0,
+      bans?.durationMs ?? 0,
+      lease,
+      back?.left ?? 0,
+      back ? back.windowEndMs - MINUTE_MS : 0,
+      back?.dayStartMs ?? 0,
+      deadline,
+      cost,
+      refill ? 1 : 0,
+    );
   }
 
   /**
@@ -145,7 +184,12 @@ export class RedisQuotaStore implements QuotaStore {
    * Redis time, and changes nothing if Redis runs it later, so a request given up on is
    * counted once, from the degraded budget. Undefined: Redis is failing (now declared).
    */
-  private async timedCall(subject: QuotaSubject, lease: number, cost: number, refill: boolean): Promise<{ reply: Reply; sentMono: number } | undefined> {
+  private async timedCall(
+    subject: QuotaSubject,
+    lease: number,
+    cost: number,
+    refill: boolean,
+  ): Promise<{ reply: Reply; sentMono: number } | undefined> {
     const back = this.leases.takeUnused(subject.name); // if the call fails they stay counted: the safe side
     const sentMono = this.clock.mono();
     const sentAt = this.clock.wall();
@@ -248,7 +292,10 @@ export class RedisQuotaStore implements QuotaStore {
       await this.redis.refund(subject.name, windowStart(countedAtMs, MINUTE_MS), windowStart(countedAtMs, DAY_MS), cost);
     } catch (err) {
       this.tally.refundsFailed++;
-      this.log.warn({ subject: subject.name, reason: err instanceof Error ? err.message : String(err) }, 'quota store: a refund failed; the request stays counted');
+      this.log.warn(
+        { subject: subject.name, reason: err instanceof Error ? err.message : String(err) },
+        'quota store: a refund failed; the request stays counted',
+      );
     }
   }
 
@@ -262,11 +309,21 @@ export class RedisQuotaStore implements QuotaStore {
       }
     }
     const now = this.redisClock.now();
-    return { nowMs: now, ...this.budget.usage(subject.name, now), banUntilMs: this.bans.get(subject.name, now)?.ban ?? 0, recentRejections: 0 };
+    return {
+      nowMs: now,
+      ...this.budget.usage(subject.name, now),
+      banUntilMs: this.bans.get(subject.name, now)?.ban ?? 0,
+      recentRejections: 0,
+    };
   }
 
   private async read(subject: QuotaSubject): Promise<Usage> {
-    const results = await this.redis.multi().time().hmget(subject.name, 'ms', 'mc', 'ds', 'dc', 'ban').lrange(`${subject.name}:rej`, 0, -1).exec();
+    const results = await this.redis
+      .multi()
+      .time()
+      .hmget(subject.name, 'ms', 'mc', 'ds', 'dc', 'ban')
+      .lrange(`${subject.name}:rej`, 0, -1)
+      .exec();
     const values = (results ?? []).map(([err, value]) => {
       if (err) throw err;
       return value;

@@ -20,7 +20,15 @@ export function testConfig(keys: TestKey[], over: Partial<ConfigFile> = {}): Con
   return {
     environment: 'production',
     plans: { free: { perMinute: 5, perDay: 1000 }, tiny: { perMinute: 3, perDay: 4 }, enterprise: { custom: true } },
-    keys: keys.map(({ id, plan, hash, limits, revokedAt, expiresAt, account }) => ({ id, account, plan, hash, limits, revokedAt, expiresAt })),
+    keys: keys.map(({ id, plan, hash, limits, revokedAt, expiresAt, account }) => ({
+      id,
+      account,
+      plan,
+      hash,
+      limits,
+      revokedAt,
+      expiresAt,
+    })),
     bans: { afterRejected: 3, withinSeconds: 60, durationSeconds: 900 },
     unauthenticated: { perMinute: 4 },
     deprecations: [

@@ -69,7 +69,8 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   const { backendUrl, echo } = await startBackend(opts.backend, closers);
   const { redisClusterNodes, redisSentinels } = opts.settings ?? {};
   // A Cluster or Sentinel group given in the settings replaces the run's single Redis.
-  const redisUrl = redisClusterNodes || redisSentinels ? undefined : opts.redis === undefined ? inject('redisUrl') : opts.redis || undefined;
+  const redisUrl =
+    redisClusterNodes || redisSentinels ? undefined : opts.redis === undefined ? inject('redisUrl') : opts.redis || undefined;
   const settings: GatewaySettings = {
     ...SHIPPED,
     ...{ port: 0, host: '127.0.0.1', adminPort: 0, adminHost: '127.0.0.1', backendUrl, redisUrl, adminToken: opts.admin?.token },
@@ -85,7 +86,13 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   let file = opts.config;
   let prefix = opts.redisKeyPrefix ?? uniquePrefix();
   const compile = () => compileConfig(validateConfigFile(file, 'test config'), prefix);
-  const running = await run(settings, compile(), { serve: true, admin: opts.admin ? {} : false, reloads: 'none', ownProcess: false, logStream });
+  const running = await run(settings, compile(), {
+    serve: true,
+    admin: opts.admin ? {} : false,
+    reloads: 'none',
+    ownProcess: false,
+    logStream,
+  });
   // The quick close: a test's Redis may be frozen or gone by now.
   closers.push(() => running.close('now'));
   const { redis, admin } = running;

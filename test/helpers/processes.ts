@@ -53,7 +53,8 @@ export async function startProcess(
     return code;
   };
   if (typeof ready === 'function') await waitForLog(ready);
-  else await Promise.race([waitForPort(ready.port, 10_000), exited.then(() => Promise.reject(new Error(`${entry} exited early:\n${text}`)))]);
+  else
+    await Promise.race([waitForPort(ready.port, 10_000), exited.then(() => Promise.reject(new Error(`${entry} exited early:\n${text}`)))]);
   return { proc, logs, output: () => text, stop, waitForLog };
 }
 

@@ -68,7 +68,9 @@ export interface RedisNode {
  * Redis's own default is 15 s; a node writes and fsyncs its cluster file on every change of
  * the others' state, so a short timeout on a loaded machine also brings stalls of its own.
  */
-export async function spawnCluster(nodeTimeoutMs = 1000): Promise<{ nodes: string; all: RedisNode[]; masterOf(key: string): RedisNode; stop(): void }> {
+export async function spawnCluster(
+  nodeTimeoutMs = 1000,
+): Promise<{ nodes: string; all: RedisNode[]; masterOf(key: string): RedisNode; stop(): void }> {
   const dir = mkdtempSync(join(tmpdir(), 'redis-cluster-'));
   const taken = new Set<number>();
   const all: RedisNode[] = [];
@@ -84,18 +86,42 @@ export async function spawnCluster(nodeTimeoutMs = 1000): Promise<{ nodes: strin
       const port = await clusterPort(taken);
       const proc = spawn(
         'redis-server',
-        ['--port', String(port), '--bind', '127.0.0.1', '--cluster-enabled', 'yes', '--cluster-config-file', `nodes-${port}.conf`,
-          '--cluster-node-timeout', String(nodeTimeoutMs), '--dir', dir, '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0'],
+        [
+          '--port',
+          String(port),
+          '--bind',
+          '127.0.0.1',
+          '--cluster-enabled',
+          'yes',
+          '--cluster-config-file',
+          `nodes-${port}.conf`,
+          '--cluster-node-timeout',
+          String(nodeTimeoutMs),
+          '--dir',
+          dir,
+          '--save',
+          '',
+          '--appendonly',
+          'no',
+          '--repl-diskless-sync-delay',
+          '0',
+        ],
         { stdio: 'ignore' },
       );
       all.push({ port, proc });
     }
     for (const n of all) await waitForPort(n.port, 5000);
-    execFileSync('redis-cli', ['--cluster', 'create', ...all.map((n) => `127.0.0.1:${n.port}`), '--cluster-replicas', '1', '--cluster-yes'], {
-      stdio: 'ignore',
-      timeout: 30_000,
-    });
-    await until('cluster state ok on every node', 20_000, () => all.every((n) => cli(n.port, 'cluster', 'info').includes('cluster_state:ok')));
+    execFileSync(
+      'redis-cli',
+      ['--cluster', 'create', ...all.map((n) => `127.0.0.1:${n.port}`), '--cluster-replicas', '1', '--cluster-yes'],
+      {
+        stdio: 'ignore',
+        timeout: 30_000,
+      },
+    );
+    await until('cluster state ok on every node', 20_000, () =>
+      all.every((n) => cli(n.port, 'cluster', 'info').includes('cluster_state:ok')),
+    );
     // A replica that never synced is too stale to be promoted: wait for every link.
     await until('every replica in sync', 20_000, () =>
       all.every((n) => {
@@ -128,14 +154,29 @@ export async function spawnCluster(nodeTimeoutMs = 1000): Promise<{ nodes: strin
     }
     throw new Error(`no live master serves slot ${slot}`);
   };
-  return { nodes: all.slice(0, 2).map((n) => `127.0.0.1:${n.port}`).join(','), all, masterOf, stop };
+  return {
+    nodes: all
+      .slice(0, 2)
+      .map((n) => `127.0.0.1:${n.port}`)
+      .join(','),
+    all,
+    masterOf,
+    stop,
+  };
 }
 
 /**
  * A real Sentinel group on loopback: a master, a replica and three sentinels (quorum 2) that
  * fail over one second after the master stops answering.
  */
-export async function spawnSentinels(): Promise<{ sentinels: string; name: string; master: RedisNode; replica: RedisNode; stop(): void; log(): string }> {
+export async function spawnSentinels(): Promise<{
+  sentinels: string;
+  name: string;
+  master: RedisNode;
+  replica: RedisNode;
+  stop(): void;
+  log(): string;
+}> {
   const dir = mkdtempSync(join(tmpdir(), 'redis-sentinel-'));
   const procs: ChildProcess[] = [];
   const stop = () => {
@@ -151,9 +192,27 @@ export async function spawnSentinels(): Promise<{ sentinels: string; name: strin
     const server = (port: number, ...extra: string[]) => {
       const own = join(dir, `node-${port}`); // each its own folder: a replica writes its sync file there
       mkdirSync(own);
-      const proc = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', '--repl-diskless-sync-delay', '0', '--dir', own, ...extra], {
-        stdio: 'ignore',
-      });
+      const proc = spawn(
+        'redis-server',
+        [
+          '--port',
+          String(port),
+          '--bind',
+          '127.0.0.1',
+          '--save',
+          '',
+          '--appendonly',
+          'no',
+          '--repl-diskless-sync-delay',
+          '0',
+          '--dir',
+          own,
+          ...extra,
+        ],
+        {
+          stdio: 'ignore',
+        },
+      );
       procs.push(proc);
       return { port, proc };
     };
@@ -168,8 +227,16 @@ export async function spawnSentinels(): Promise<{ sentinels: string; name: strin
       const conf = join(dir, `sentinel-${port}.conf`);
       writeFileSync(
         conf,
-        [`port ${port}`, 'bind 127.0.0.1', `dir ${dir}`, `logfile ${join(dir, `sentinel-${port}.log`)}`, `sentinel monitor ${name} 127.0.0.1 ${mPort} 2`,
-          `sentinel down-after-milliseconds ${name} 1000`, `sentinel failover-timeout ${name} 2000`, ''].join('\n'),
+        [
+          `port ${port}`,
+          'bind 127.0.0.1',
+          `dir ${dir}`,
+          `logfile ${join(dir, `sentinel-${port}.log`)}`,
+          `sentinel monitor ${name} 127.0.0.1 ${mPort} 2`,
+          `sentinel down-after-milliseconds ${name} 1000`,
+          `sentinel failover-timeout ${name} 2000`,
+          '',
+        ].join('\n'),
       );
       procs.push(spawn('redis-server', [conf, '--sentinel'], { stdio: 'ignore' }));
       ports.push(port);
@@ -177,11 +244,24 @@ export async function spawnSentinels(): Promise<{ sentinels: string; name: strin
     for (const p of ports) await waitForPort(p, 5000);
     // Failover needs the sentinels to know the replica and each other.
     await until('sentinels see the replica and each other', 20_000, () =>
-      ports.every((p) => cli(p, 'sentinel', 'replicas', name).includes(String(rPort)) && Number(cli(p, 'sentinel', 'ckquorum', name).match(/(\d+) usable/)?.[1]) >= 3),
+      ports.every(
+        (p) =>
+          cli(p, 'sentinel', 'replicas', name).includes(String(rPort)) &&
+          Number(cli(p, 'sentinel', 'ckquorum', name).match(/(\d+) usable/)?.[1]) >= 3,
+      ),
     );
     // What the sentinels did (their +sdown, +odown, +vote, +failover... lines), for a failure message.
     const log = () =>
-      ports.map((p) => readFileSync(join(dir, `sentinel-${p}.log`), 'utf8').split('\n').filter((l) => / [+-][a-z-]+ /.test(l)).slice(-12).map((l) => l.replace(/^\d+:X /, '')).join(' | ')).join(' || ');
+      ports
+        .map((p) =>
+          readFileSync(join(dir, `sentinel-${p}.log`), 'utf8')
+            .split('\n')
+            .filter((l) => / [+-][a-z-]+ /.test(l))
+            .slice(-12)
+            .map((l) => l.replace(/^\d+:X /, ''))
+            .join(' | '),
+        )
+        .join(' || ');
     return { sentinels: ports.map((p) => `127.0.0.1:${p}`).join(','), name, master, replica, stop, log };
   } catch (err) {
     stop();

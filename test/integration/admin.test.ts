@@ -204,7 +204,9 @@ describe("the admin port's OpenAPI document", () => {
     const doc = (await (await admin(gw, '/openapi.json')).json()) as { paths: Record<string, Record<string, unknown>> };
     const result = await new Validator().validate(doc as never);
     expect(result.errors ?? []).toEqual([]);
-    const documented = Object.entries(doc.paths).flatMap(([path, ops]) => Object.keys(ops).map((m) => `${m.toUpperCase()} ${path.replace(/\{(\w+)\}/g, ':$1')}`));
+    const documented = Object.entries(doc.paths).flatMap(([path, ops]) =>
+      Object.keys(ops).map((m) => `${m.toUpperCase()} ${path.replace(/\{(\w+)\}/g, ':$1')}`),
+    );
     for (const op of documented) {
       const [method, url] = op.split(' ') as [string, string];
       expect(gw.admin!.hasRoute({ method: method as 'GET', url }), op).toBe(true);
@@ -227,7 +229,7 @@ describe("the admin port's OpenAPI document", () => {
 });
 
 describe('accounts in the usage lookup', () => {
-  it('a key answers with its account\'s shared windows; the account answers with its keys', async () => {
+  it("a key answers with its account's shared windows; the account answers with its keys", async () => {
     const web = { ...makeKey('free'), account: 'acme' };
     const app = { ...makeKey('free'), account: 'acme' };
     const gw = await build([web, app]);

@@ -42,7 +42,9 @@ describe('backend process', () => {
         }
       };
       await Promise.all([0, 1, 2, 3].map(client));
-      await new Promise((r) => (backend.proc.exitCode === null && backend.proc.signalCode === null ? backend.proc.once('exit', r) : r(null)));
+      await new Promise((r) =>
+        backend.proc.exitCode === null && backend.proc.signalCode === null ? backend.proc.once('exit', r) : r(null),
+      );
     }
     const backend = await startBackend({ PETS_DB: db });
     try {

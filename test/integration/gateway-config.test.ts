@@ -77,10 +77,24 @@ describe('the keys command and hot reload', () => {
     expect(listed.stdout).not.toContain(key);
   });
 
-  it('an account: two keys share one quota (the day, here), and the usage is the account\'s', async () => {
+  it("an account: two keys share one quota (the day, here), and the usage is the account's", async () => {
     const made = [];
     for (const id of ['shop-web', 'shop-app']) {
-      const out = await keys('create', '--plan', 'enterprise', '--per-minute', '100', '--per-day', '4', '--account', 'shop', '--id', id, '--config', stack.configFile);
+      const out = await keys(
+        'create',
+        '--plan',
+        'enterprise',
+        '--per-minute',
+        '100',
+        '--per-day',
+        '4',
+        '--account',
+        'shop',
+        '--id',
+        id,
+        '--config',
+        stack.configFile,
+      );
       expect(out.code).toBe(0);
       made.push(lastLine(out));
     }
@@ -97,7 +111,19 @@ describe('the keys command and hot reload', () => {
   });
 
   it('rotate: a new key for the same quota; the old one works during the grace, then answers 401 "expired"', async () => {
-    const created = await keys('create', '--plan', 'enterprise', '--per-minute', '1000', '--per-day', '100000', '--id', 'solo', '--config', stack.configFile);
+    const created = await keys(
+      'create',
+      '--plan',
+      'enterprise',
+      '--per-minute',
+      '1000',
+      '--per-day',
+      '100000',
+      '--id',
+      'solo',
+      '--config',
+      stack.configFile,
+    );
     const old = lastLine(created);
     await eventually(async () => (await status(old)) === 200, 5000, 'the key accepted');
     const rotated = await keys('rotate', '--id', 'solo', '--grace', '6s', '--config', stack.configFile);
@@ -119,7 +145,19 @@ describe('the keys command and hot reload', () => {
   }, 30_000);
 
   it('revokes a key: 401 from the running gateway, no request dropped meanwhile', async () => {
-    const created = await keys('create', '--plan', 'enterprise', '--id', 'bigco', '--per-minute', '5000', '--per-day', '90000', '--config', stack.configFile);
+    const created = await keys(
+      'create',
+      '--plan',
+      'enterprise',
+      '--id',
+      'bigco',
+      '--per-minute',
+      '5000',
+      '--per-day',
+      '90000',
+      '--config',
+      stack.configFile,
+    );
     const key = lastLine(created);
     const other = lastLine(await keys('create', '--plan', 'business', '--config', stack.configFile));
     await eventually(async () => (await status(other)) === 200, 5000, 'the new keys accepted');
@@ -248,7 +286,13 @@ describe('deprecation and environment', () => {
     const k = makeKey('free');
     const past = testConfig([k], {
       deprecations: [
-        { method: 'GET', path: '/v1/pets/{petId}', deprecatedAt: '2020-01-01T00:00:00Z', sunset: '2021-06-01T00:00:00Z', successor: '/v1/pets' },
+        {
+          method: 'GET',
+          path: '/v1/pets/{petId}',
+          deprecatedAt: '2020-01-01T00:00:00Z',
+          sunset: '2021-06-01T00:00:00Z',
+          successor: '/v1/pets',
+        },
       ],
     });
     const gw = await buildTestGateway({ config: past });
@@ -285,7 +329,8 @@ describe('client address behind a proxy', () => {
       config: testConfig([], { unauthenticated: { perMinute: 2 } }),
       settings: { trustProxy },
     });
-    const spoofed = async (forwarded: string) => (await gw.call('/v1/pets', undefined, { headers: { 'x-forwarded-for': forwarded } })).status;
+    const spoofed = async (forwarded: string) =>
+      (await gw.call('/v1/pets', undefined, { headers: { 'x-forwarded-for': forwarded } })).status;
     await inOneMinute(async () => {
       // A client writing its own entries; the proxy (this test) appends the address it saw.
       const got = [];

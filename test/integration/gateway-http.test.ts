@@ -93,7 +93,8 @@ describe('authentication', () => {
 
 describe('headers on every status', () => {
   it('carries the key limit headers on 200, 201, 400, 404, 405 and 413, and each of them counts', async () => {
-    const post = (body: string) => gw.call('/v1/pets', active.key, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
+    const post = (body: string) =>
+      gw.call('/v1/pets', active.key, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
     gw.freshCounters(); // the key's minute starts at zero here, whatever ran before
     await inOneMinute(async () => {
       const answers = [
@@ -163,9 +164,19 @@ describe('headers on every status', () => {
 
   it.each([
     ['a request without Host', 'GET /v1/pets HTTP/1.1\r\nConnection: close\r\n\r\n', 400, 'bad_request'],
-    ['an Expect other than 100-continue', 'GET /v1/pets HTTP/1.1\r\nHost: x\r\nExpect: foo\r\nConnection: close\r\n\r\n', 417, 'expectation_failed'],
+    [
+      'an Expect other than 100-continue',
+      'GET /v1/pets HTTP/1.1\r\nHost: x\r\nExpect: foo\r\nConnection: close\r\n\r\n',
+      417,
+      'expectation_failed',
+    ],
     ['CONNECT', 'CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n', 405, 'method_not_allowed'],
-    ['Content-Length with Transfer-Encoding', 'POST /v1/pets HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n', 400, 'bad_request'],
+    [
+      'Content-Length with Transfer-Encoding',
+      'POST /v1/pets HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n',
+      400,
+      'bad_request',
+    ],
     ['oversized headers', `GET /v1/pets HTTP/1.1\r\nHost: x\r\nX-Big: ${'a'.repeat(20_000)}\r\n\r\n`, 431, 'headers_too_large'],
     ['a request line that is not HTTP', 'HELLO\r\n\r\n', 400, 'bad_request'],
     [
@@ -185,17 +196,13 @@ describe('headers on every status', () => {
   });
 
   it.each(['/v1/pets/..', '/v1/pets/%2e%2e/admin', '/v1/../etc/passwd'])('refuses the path %s without leaving /v1', async (path) => {
-    const res = parseRaw(
-      await raw(`GET ${path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${active.key}\r\nConnection: close\r\n\r\n`),
-    );
+    const res = parseRaw(await raw(`GET ${path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${active.key}\r\nConnection: close\r\n\r\n`));
     expect(res.status).toBe(400);
     expect(res.body.code).toBe('invalid_path');
   });
 
   it('answers a URL it cannot decode in the Error shape, and records it', async () => {
-    const res = parseRaw(
-      await raw(`GET /%zz HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${active.key}\r\nConnection: close\r\n\r\n`),
-    );
+    const res = parseRaw(await raw(`GET /%zz HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${active.key}\r\nConnection: close\r\n\r\n`));
     expect(res.status).toBe(400);
     expect(res.body).toEqual({ code: 'invalid_path', message: expect.any(String), status: 400 });
     expect(res.headers['x-ratelimit-limit']).toBe('500');
@@ -207,15 +214,15 @@ describe('headers on every status', () => {
   });
 
   it('finishes a good pipelined request before refusing the bad one after it', async () => {
-    const text = await raw(
-      `GET /v1/pets HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${active.key}\r\n\r\n` + 'HELLO\r\n\r\n',
-    );
+    const text = await raw(`GET /v1/pets HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${active.key}\r\n\r\n` + 'HELLO\r\n\r\n');
     const answers = text.match(/HTTP\/1\.1 \d{3}/g); // the 400 follows the 200's body directly
     expect(answers).toEqual(['HTTP/1.1 200', 'HTTP/1.1 400']);
   });
 
   it('keeps a well-formed client request id on answers made outside fastify', async () => {
-    const res = parseRaw(await raw('GET /v1/pets HTTP/1.1\r\nHost: x\r\nExpect: foo\r\nX-Request-Id: trace-417\r\nConnection: close\r\n\r\n'));
+    const res = parseRaw(
+      await raw('GET /v1/pets HTTP/1.1\r\nHost: x\r\nExpect: foo\r\nX-Request-Id: trace-417\r\nConnection: close\r\n\r\n'),
+    );
     expect(res.status).toBe(417);
     expect(res.headers['x-request-id']).toBe('trace-417');
   });
@@ -252,13 +259,18 @@ describe('route costs', () => {
   it('a route that costs 5 takes 5 units from every window, and the headers count units', async () => {
     await inOneMinute(async () => {
       g.freshCounters();
-      const post = await g.call('/v1/pets', k.key, { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{"name":"Rex","categoryId":1}' });
+      const post = await g.call('/v1/pets', k.key, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: '{"name":"Rex","categoryId":1}',
+      });
       expect(post.status).toBe(200); // the echo backend
       expect(post.headers.get('x-ratelimit-remaining')).toBe('15');
       expect(post.headers.get('ratelimit')).toMatch(/^"minute";r=15;t=\d+, "day";r=995;t=\d+$/);
       const get = await g.call('/v1/pets', k.key);
       expect(get.headers.get('x-ratelimit-remaining')).toBe('14');
-      for (let i = 0; i < 2; i++) await g.call('/v1/pets', k.key, { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{}' });
+      for (let i = 0; i < 2; i++)
+        await g.call('/v1/pets', k.key, { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{}' });
       // 14 - 10 = 4 left: a GET still fits, a POST (5) does not.
       const refused = await g.call('/v1/pets', k.key, { method: 'POST', headers: { 'content-type': 'application/json' }, body: '{}' });
       expect(refused.status).toBe(429);
@@ -290,7 +302,11 @@ describe('CORS', () => {
   const k = makeKey('free');
   const app = 'https://app.example';
   const g = useTestGateway({
-    config: testConfig([k], { plans: { free: { perMinute: 1000, perDay: 100000 } }, unauthenticated: { perMinute: 1000 }, cors: { origins: [app] } }),
+    config: testConfig([k], {
+      plans: { free: { perMinute: 1000, perDay: 100000 } },
+      unauthenticated: { perMinute: 1000 },
+      cors: { origins: [app] },
+    }),
     backend: 'echo',
   });
 
@@ -314,13 +330,25 @@ describe('CORS', () => {
       expect(res.headers.get('access-control-allow-origin')).toBe(app);
       expect(res.headers.get('vary')).toMatch(/Origin/i);
       const exposed = res.headers.get('access-control-expose-headers')!.split(', ');
-      for (const h of ['ratelimit', 'ratelimit-policy', 'x-ratelimit-remaining', 'retry-after', 'deprecation', 'sunset', 'link', 'x-request-id']) {
+      for (const h of [
+        'ratelimit',
+        'ratelimit-policy',
+        'x-ratelimit-remaining',
+        'retry-after',
+        'deprecation',
+        'sunset',
+        'link',
+        'x-request-id',
+      ]) {
         expect(exposed).toContain(h);
       }
     }
     const other = await g.call('/v1/pets', k.key, { headers: { origin: 'https://evil.example' } });
     expect(other.headers.get('access-control-allow-origin')).toBeNull();
-    const preflight = await fetch(`${g.url}/v1/pets`, { method: 'OPTIONS', headers: { origin: 'https://evil.example', 'access-control-request-method': 'GET' } });
+    const preflight = await fetch(`${g.url}/v1/pets`, {
+      method: 'OPTIONS',
+      headers: { origin: 'https://evil.example', 'access-control-request-method': 'GET' },
+    });
     expect(preflight.status).toBe(401); // not answered as a preflight: an unauthenticated request
     expect(preflight.headers.get('access-control-allow-origin')).toBeNull();
   });

@@ -58,12 +58,21 @@ describe('GET /v1/openapi.json through the gateway', () => {
         const errors = path === '/v1/openapi.json' ? ['429', '502', '504'] : ['401', '429', '502', '504'];
         expect(statuses, `${method} ${path}`).toEqual(expect.arrayContaining(errors));
         for (const status of errors) {
-          expect(op.responses[status]!.content, `${method} ${path} ${status}`).toEqual({ 'application/json': { schema: { $ref: '#/components/schemas/Error' } } });
+          expect(op.responses[status]!.content, `${method} ${path} ${status}`).toEqual({
+            'application/json': { schema: { $ref: '#/components/schemas/Error' } },
+          });
         }
         expect(Object.keys(op.responses['429']!.headers as Json)).toContain('Retry-After');
         for (const [status, r] of Object.entries(op.responses)) {
           expect(Object.keys(r.headers as Json), `${method} ${path} ${status}`).toEqual(
-            expect.arrayContaining(['X-Request-Id', 'RateLimit-Policy', 'RateLimit', 'X-RateLimit-Limit', 'X-RateLimit-Remaining', 'X-RateLimit-Reset']),
+            expect.arrayContaining([
+              'X-Request-Id',
+              'RateLimit-Policy',
+              'RateLimit',
+              'X-RateLimit-Limit',
+              'X-RateLimit-Remaining',
+              'X-RateLimit-Reset',
+            ]),
           );
         }
       }
@@ -161,7 +170,9 @@ describe('GET /v1/openapi.json through the gateway', () => {
           const res = await run();
           const body = await res.json();
           expect(res.status, `${name} ${status}: ${JSON.stringify(body)}`).toBe(Number(status));
-          const check = ajv.getSchema(`api#/${pointer('paths', path, method, 'responses', status, 'content', 'application/json', 'schema')}`);
+          const check = ajv.getSchema(
+            `api#/${pointer('paths', path, method, 'responses', status, 'content', 'application/json', 'schema')}`,
+          );
           expect(check, `${name} ${status}: no schema`).toBeDefined();
           expect(check!(body), `${name} ${status}: ${JSON.stringify(check!.errors)} for ${JSON.stringify(body)}`).toBe(true);
           for (const [header, ref] of Object.entries((documented.headers ?? {}) as Record<string, Json>)) {
@@ -169,7 +180,10 @@ describe('GET /v1/openapi.json through the gateway', () => {
           }
         }
         // Nothing the gateway documents answers 405.
-        const res = await gw.call(path.replace('{petId}', '1'), key.key, { method: method.toUpperCase(), ...(method === 'post' ? json({ name: 'X', categoryId: 1 }) : {}) });
+        const res = await gw.call(path.replace('{petId}', '1'), key.key, {
+          method: method.toUpperCase(),
+          ...(method === 'post' ? json({ name: 'X', categoryId: 1 }) : {}),
+        });
         expect(res.status, name).not.toBe(405);
       }
     }
@@ -191,11 +205,14 @@ describe('GET /v1/openapi.json through the gateway', () => {
 describe('GET /v1/openapi.json limits and faults', () => {
   it('counts against the per-address limit like any request without a key, whatever key it carries', async () => {
     const gw = await buildTestGateway({ config: testConfig([key], { unauthenticated: { perMinute: 2 } }), backend: 'pets' });
-    const answers = await inOneMinute(async () => {
-      const out: Response[] = [];
-      for (let i = 0; i < 3; i++) out.push(await gw.call('/v1/openapi.json', key.key));
-      return out;
-    }, () => gw.freshCounters());
+    const answers = await inOneMinute(
+      async () => {
+        const out: Response[] = [];
+        for (let i = 0; i < 3; i++) out.push(await gw.call('/v1/openapi.json', key.key));
+        return out;
+      },
+      () => gw.freshCounters(),
+    );
     expect(answers.map((r) => r.status)).toEqual([200, 200, 429]);
     expect(answers[2]!.headers.get('retry-after')).toMatch(/^[1-9][0-9]?$/);
     expect((await answers[2]!.json()).code).toBe('rate_limited');

@@ -21,8 +21,7 @@ async function heldStack() {
   return { k, echo, stack, gateway: stack.gateway, exited };
 }
 
-const logIndex = (logs: Array<Record<string, unknown>>, match: (msg: string) => boolean) =>
-  logs.findIndex((l) => match(String(l.msg)));
+const logIndex = (logs: Array<Record<string, unknown>>, match: (msg: string) => boolean) => logs.findIndex((l) => match(String(l.msg)));
 
 describe('graceful shutdown', () => {
   it('finishes a request in flight when SIGTERM arrives, then logs closed and exits 0', async () => {
@@ -61,7 +60,8 @@ describe('graceful shutdown', () => {
 
   it('writes the access lines still in the log batch when it stops', async () => {
     const { k, gateway, exited } = await heldStack();
-    for (let i = 0; i < 3; i++) expect((await call(`${gateway.url}/v1/pets`, k.key, { headers: { 'x-request-id': `last-${i}` } })).status).toBe(200);
+    for (let i = 0; i < 3; i++)
+      expect((await call(`${gateway.url}/v1/pets`, k.key, { headers: { 'x-request-id': `last-${i}` } })).status).toBe(200);
     // Two signals at once: when both are seen, the second exits on the spot, well before the
     // batch's 100 ms are up (the exit code is not the rule here: the lines are).
     gateway.proc.kill('SIGTERM');

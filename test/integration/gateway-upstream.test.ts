@@ -57,24 +57,27 @@ describe('backend faults', () => {
   });
 });
 
-describe('no charge for the gateway\'s own failures', () => {
+describe("no charge for the gateway's own failures", () => {
   it.each([
     ['Redis', undefined],
     ['the in-process store', false as const],
-  ])('a 502 for an unreachable backend is given back to the key\'s windows (%s)', async (_, redis) => {
+  ])("a 502 for an unreachable backend is given back to the key's windows (%s)", async (_, redis) => {
     const tiny = makeKey('tiny'); // 3 a minute, 4 a day
     const closed = await freePort();
     const gw = await buildTestGateway({ config: testConfig([tiny]), backend: `http://127.0.0.1:${closed}`, redis, admin: {} });
-    const statuses = await inOneMinute(async () => {
-      const got = [];
-      for (let i = 0; i < 6; i++) {
-        const res = await gw.call('/v1/pets', tiny.key);
-        await res.arrayBuffer();
-        got.push(res.status);
-        await new Promise((r) => setTimeout(r, 20)); // the refund is sent after the answer
-      }
-      return got;
-    }, () => gw.freshCounters());
+    const statuses = await inOneMinute(
+      async () => {
+        const got = [];
+        for (let i = 0; i < 6; i++) {
+          const res = await gw.call('/v1/pets', tiny.key);
+          await res.arrayBuffer();
+          got.push(res.status);
+          await new Promise((r) => setTimeout(r, 20)); // the refund is sent after the answer
+        }
+        return got;
+      },
+      () => gw.freshCounters(),
+    );
     // Six 502s, past both the minute (3) and the day (4): none of them was charged.
     expect(statuses).toEqual([502, 502, 502, 502, 502, 502]);
     const usage = (await gw.call('/v1/pets', tiny.key)).headers.get('ratelimit');

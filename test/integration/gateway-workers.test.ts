@@ -23,10 +23,14 @@ const servedBy = (logs: Array<Record<string, unknown>>) => new Set(logs.filter((
 describe('GATEWAY_WORKERS', () => {
   it('refuses more than one worker without REDIS_URL, saying why', async () => {
     const started = startProcess('dist/gateway/server.js', { GATEWAY_WORKERS: '2', GATEWAY_PORT: '0', ADMIN_PORT: '0' }, { port: 1 });
-    await expect(started).rejects.toThrow(/GATEWAY_WORKERS=2 needs Redis \(REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS\): without Redis each worker keeps its own quotas/);
+    await expect(started).rejects.toThrow(
+      /GATEWAY_WORKERS=2 needs Redis \(REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS\): without Redis each worker keeps its own quotas/,
+    );
   });
 
-  it('never admits more than the limit across two workers and another instance, leases on, and sums their metrics', { timeout: 60_000 }, async () => {
+  it('never admits more than the limit across two workers and another instance, leases on, and sums their metrics', {
+    timeout: 60_000,
+  }, async () => {
     // 600 a minute: each instance takes leases of 6 units (1%) and hands out every one of them,
     // since the burst reaches each instance to its end.
     const keys = [0, 1, 2].map(() => ({ ...makeKey('enterprise'), limits: { perMinute: 600, perDay: 100000 } }));
@@ -54,7 +58,9 @@ describe('GATEWAY_WORKERS', () => {
     await eventually(() => servedBy(gateway.logs).size === 2, 2000, 'access lines from both workers');
     // The admin port answers once for the cluster: every worker's counts, summed.
     const count = (text: string, status: number) =>
-      Number(new RegExp(`^gateway_requests_total\\{route="listPets",status="${status}",plan="enterprise"\\} (\\d+)$`, 'm').exec(text)?.[1] ?? 0);
+      Number(
+        new RegExp(`^gateway_requests_total\\{route="listPets",status="${status}",plan="enterprise"\\} (\\d+)$`, 'm').exec(text)?.[1] ?? 0,
+      );
     const cluster = await (await fetch(`${gateway.adminUrl}/metrics`)).text();
     const own = await (await fetch(`${other.adminUrl}/metrics`)).text();
     // Two of every three requests went to the workers.
@@ -75,9 +81,15 @@ describe('GATEWAY_WORKERS', () => {
     expect(statuses).toEqual(Array(20).fill(200));
     await eventually(() => servedBy(gateway.logs).size === 2, 2000, 'access lines from both workers');
     gateway.proc.kill('SIGHUP'); // on the primary: it reloads, and every worker with it
-    await eventually(() => gateway.logs.filter((l) => l.msg === 'config reloaded' && l.reason === 'SIGHUP').length >= 3, 5000, 'SIGHUP reloads');
+    await eventually(
+      () => gateway.logs.filter((l) => l.msg === 'config reloaded' && l.reason === 'SIGHUP').length >= 3,
+      5000,
+      'SIGHUP reloads',
+    );
     expect(gateway.proc.exitCode).toBeNull();
-    const usage = await fetch(`${gateway.adminUrl}/admin/keys/${added.id}/usage`, { headers: { authorization: 'Bearer admin-token-0123456789' } });
+    const usage = await fetch(`${gateway.adminUrl}/admin/keys/${added.id}/usage`, {
+      headers: { authorization: 'Bearer admin-token-0123456789' },
+    });
     expect(usage.status).toBe(200);
     expect((await usage.json()).windows.day.used).toBe(20); // the day: a minute boundary may fall in between
   });
@@ -92,7 +104,11 @@ describe('GATEWAY_WORKERS', () => {
     writeFileSync(stack.configFile, good);
     // Messages to a worker arrive in order: once each has reloaded the good file, a reload
     // sent for a broken one would have been refused (and logged) before it.
-    await eventually(() => gateway.logs.filter((l) => l.msg === 'config reloaded' && l.pid !== gateway.proc.pid).length >= 2, 5000, 'workers reloaded');
+    await eventually(
+      () => gateway.logs.filter((l) => l.msg === 'config reloaded' && l.pid !== gateway.proc.pid).length >= 2,
+      5000,
+      'workers reloaded',
+    );
     const refusedBy = new Set(gateway.logs.filter((l) => String(l.msg).startsWith('config reload refused')).map((l) => l.pid));
     expect([...refusedBy]).toEqual([gateway.proc.pid]);
   });

@@ -19,15 +19,45 @@ const gw = useTestGateway({ config: testConfig([key], { unauthenticated: { perMi
 const GATEWAY_STATUSES = new Set([200, 400, 401, 404, 405, 408, 410, 413, 417, 429, 431, 502, 504]);
 const BACKEND_STATUSES = new Set([200, 201, 400, 404, 405, 413, 414, 415, 422, 431]);
 
-const method = fc.oneof(fc.constantFrom('GET', 'POST', 'PUT', 'DELETE', 'PATCH', 'OPTIONS', 'HEAD', 'TRACE'), fc.stringMatching(/^[A-Z]{1,10}$/));
+const method = fc.oneof(
+  fc.constantFrom('GET', 'POST', 'PUT', 'DELETE', 'PATCH', 'OPTIONS', 'HEAD', 'TRACE'),
+  fc.stringMatching(/^[A-Z]{1,10}$/),
+);
 const segment = fc.oneof(
-  fc.constantFrom('v1', 'pets', 'store', 'orders', 'openapi.json', '..', '.', '%2e%2e', '%2F', '%5c', 'admin', '1', '0', '-1', '1.5', '99999999999999999999', '%zz', '%00', '%C3%A9', 'x'.repeat(150)),
+  fc.constantFrom(
+    'v1',
+    'pets',
+    'store',
+    'orders',
+    'openapi.json',
+    '..',
+    '.',
+    '%2e%2e',
+    '%2F',
+    '%5c',
+    'admin',
+    '1',
+    '0',
+    '-1',
+    '1.5',
+    '99999999999999999999',
+    '%zz',
+    '%00',
+    '%C3%A9',
+    'x'.repeat(150),
+  ),
   fc.string({ maxLength: 12 }).map(encodeURIComponent),
 );
 const path = fc.array(segment, { maxLength: 5 }).map((s) => `/${s.join('/')}`);
 const query = fc.option(
   fc
-    .array(fc.tuple(fc.constantFrom('limit', 'status', 'cursor', 'x'), fc.oneof(fc.constantFrom('0', '1', '100', '101', 'abc', '', 'sold', '%zz'), fc.string({ maxLength: 8 }).map(encodeURIComponent))), { maxLength: 3 })
+    .array(
+      fc.tuple(
+        fc.constantFrom('limit', 'status', 'cursor', 'x'),
+        fc.oneof(fc.constantFrom('0', '1', '100', '101', 'abc', '', 'sold', '%zz'), fc.string({ maxLength: 8 }).map(encodeURIComponent)),
+      ),
+      { maxLength: 3 },
+    )
     .map((kv) => `?${kv.map(([k, v]) => `${k}=${v}`).join('&')}`),
   { nil: '' },
 );
@@ -39,10 +69,20 @@ const headerValue = fc.oneof(
   fc.constant('x'.repeat(20_000)), // over the header size limit
 );
 const headers = fc.array(fc.tuple(fc.stringMatching(/^[A-Za-z][A-Za-z0-9-]{0,15}$/), headerValue), { maxLength: 4 });
-const body = fc.option(fc.oneof(fc.constant('{"name":"Rex","categoryId":1}'), fc.json({ maxDepth: 2 }), fc.string({ maxLength: 60 })), { nil: undefined });
+const body = fc.option(fc.oneof(fc.constant('{"name":"Rex","categoryId":1}'), fc.json({ maxDepth: 2 }), fc.string({ maxLength: 60 })), {
+  nil: undefined,
+});
 const contentType = fc.constantFrom('application/json', 'text/plain', 'application/x-www-form-urlencoded', '');
 const request = fc.record({ method, path, query, auth, headers, body, contentType });
-type Request = { method: string; path: string; query: string; auth: string; headers: Array<[string, string]>; body: string | undefined; contentType: string };
+type Request = {
+  method: string;
+  path: string;
+  query: string;
+  auth: string;
+  headers: Array<[string, string]>;
+  body: string | undefined;
+  contentType: string;
+};
 
 function rawRequest(r: Request, apiKey: string): string {
   const lines = [`${r.method} ${r.path}${r.query} HTTP/1.1`, 'Host: x'];
@@ -131,7 +171,9 @@ describe('hostile input, generated (fast-check)', () => {
       await fc.assert(
         fc.asyncProperty(request, async (r) => {
           const a = await send(port, rawRequest(r, key.key));
-          expect(BACKEND_STATUSES.has(a.status), `status ${a.status} for ${r.method} ${r.path}${r.query}: ${a.body.slice(0, 200)}`).toBe(true);
+          expect(BACKEND_STATUSES.has(a.status), `status ${a.status} for ${r.method} ${r.path}${r.query}: ${a.body.slice(0, 200)}`).toBe(
+            true,
+          );
           if (a.status >= 400) expectErrorShape(r.method, a);
         }),
         { numRuns: Number(process.env.FC_RUNS ?? 300) },

@@ -93,8 +93,14 @@ describe('npm start compiles only when needed (runtime/build-if-stale.mjs)', () 
     try {
       // A stand-in project whose build only leaves a mark, with the real prestart script.
       for (const d of ['backend', 'gateway/http', 'runtime', 'dist']) mkdirSync(join(dir, d), { recursive: true });
-      writeFileSync(join(dir, 'package.json'), JSON.stringify({ scripts: { build: 'node -e "require(\'fs\').appendFileSync(\'built\', \'x\'); require(\'fs\').writeFileSync(\'dist/.built\', \'\')"' } }));
-      for (const f of ['stack.ts', 'package-lock.json', 'tsconfig.json', 'tsconfig.build.json', 'gateway/http/app.ts']) writeFileSync(join(dir, f), '');
+      writeFileSync(
+        join(dir, 'package.json'),
+        JSON.stringify({
+          scripts: { build: "node -e \"require('fs').appendFileSync('built', 'x'); require('fs').writeFileSync('dist/.built', '')\"" },
+        }),
+      );
+      for (const f of ['stack.ts', 'package-lock.json', 'tsconfig.json', 'tsconfig.build.json', 'gateway/http/app.ts'])
+        writeFileSync(join(dir, f), '');
       const prestart = () => execFileSync(process.execPath, [resolve(ROOT, 'runtime/build-if-stale.mjs')], { cwd: dir, stdio: 'ignore' });
       const builds = () => (existsSync(join(dir, 'built')) ? readFileSync(join(dir, 'built'), 'utf8').length : 0);
       prestart();

@@ -2,7 +2,7 @@ import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import { closeRedis, connectRedis } from '../../gateway/process/redis-client.js';
 import { eventually, sleep } from '../helpers/time.js';
 
-describe('the gateway\'s Redis client', () => {
+describe("the gateway's Redis client", () => {
   it('connects again when ioredis ends it on its own; stays closed after closeRedis', async () => {
     const redis = connectRedis({ redisUrl: inject('redisUrl'), redisTimeoutMs: 500 })!;
     onTestFinished(() => closeRedis(redis, 'now'));

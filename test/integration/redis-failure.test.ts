@@ -45,29 +45,32 @@ describe('Redis failing under three instances', () => {
     const keys = [tenAMinute(), tenAMinute(), tenAMinute()];
     const { redis, all, share, counted } = await fleet(testConfig(keys));
     let run = 0;
-    await inOneMinute(async () => {
-      const k = keys[run]!;
-      // Four decided in Redis, one after another on A, B, C, A: A last saw 4, B 2, C 3.
-      for (let i = 0; i < 4; i++) expect((await all[i % 3]!.call('/v1/pets', k.key)).status).toBe(200);
-      const statuses: number[] = [];
-      redis.proc.kill('SIGSTOP');
-      try {
-        for (let i = 0; i < 30; i++) statuses.push((await all[i % 3]!.call('/v1/pets', k.key)).status);
-      } finally {
-        redis.proc.kill('SIGCONT');
-      }
-      expect(statuses.filter((s) => s !== 200 && s !== 429)).toEqual([]);
-      const admitted = statuses.filter((s) => s === 200).length;
-      // Shares of 6, 8 and 7 left among three (2 each, and one more by rank where it divides
-      // unevenly): 6 to 8, so 10 to 12 in all: the limit, plus the 2 counts B had not seen.
-      expect(admitted).toBeGreaterThanOrEqual(6);
-      expect(admitted).toBeLessThanOrEqual(8);
-      await eventually(() => all.every((g) => !g.gateway.store.degraded), 5000, 'back on Redis');
-      expect(await counted(k.id, 'mc')).toBe(4 + admitted);
-    }, async () => {
-      run++;
-      await share();
-    });
+    await inOneMinute(
+      async () => {
+        const k = keys[run]!;
+        // Four decided in Redis, one after another on A, B, C, A: A last saw 4, B 2, C 3.
+        for (let i = 0; i < 4; i++) expect((await all[i % 3]!.call('/v1/pets', k.key)).status).toBe(200);
+        const statuses: number[] = [];
+        redis.proc.kill('SIGSTOP');
+        try {
+          for (let i = 0; i < 30; i++) statuses.push((await all[i % 3]!.call('/v1/pets', k.key)).status);
+        } finally {
+          redis.proc.kill('SIGCONT');
+        }
+        expect(statuses.filter((s) => s !== 200 && s !== 429)).toEqual([]);
+        const admitted = statuses.filter((s) => s === 200).length;
+        // Shares of 6, 8 and 7 left among three (2 each, and one more by rank where it divides
+        // unevenly): 6 to 8, so 10 to 12 in all: the limit, plus the 2 counts B had not seen.
+        expect(admitted).toBeGreaterThanOrEqual(6);
+        expect(admitted).toBeLessThanOrEqual(8);
+        await eventually(() => all.every((g) => !g.gateway.store.degraded), 5000, 'back on Redis');
+        expect(await counted(k.id, 'mc')).toBe(4 + admitted);
+      },
+      async () => {
+        run++;
+        await share();
+      },
+    );
   });
 
   for (const fault of ['frozen', 'killed'] as const) {
@@ -75,32 +78,35 @@ describe('Redis failing under three instances', () => {
       const keys = [tenAMinute(), tenAMinute(), tenAMinute()];
       const { redis, all, share, counted, echo } = await fleet(testConfig(keys));
       let run = 0;
-      await inOneMinute(async () => {
-        const k = keys[run]!;
-        const before = echo.seen.length;
-        const burst = Promise.all(Array.from({ length: 60 }, (_, i) => all[i % 3]!.call('/v1/pets', k.key).then((r) => r.status)));
-        // The fault strikes once the first admissions reach the backend: mid-burst.
-        await eventually(() => echo.seen.length >= before + 3, 5000, 'the burst under way');
-        redis.proc.kill(fault === 'frozen' ? 'SIGSTOP' : 'SIGKILL');
-        let statuses: number[];
-        try {
-          statuses = await burst;
-        } finally {
-          if (fault === 'frozen') redis.proc.kill('SIGCONT');
-        }
-        expect(statuses.filter((s) => s !== 200 && s !== 429)).toEqual([]);
-        const admitted = statuses.filter((s) => s === 200).length;
-        expect(admitted).toBeGreaterThanOrEqual(3);
-        expect(admitted).toBeLessThanOrEqual(20);
-        if (fault === 'frozen') {
-          // Every admission is in Redis once it answers: decided there, or written back.
-          await eventually(() => all.every((g) => !g.gateway.store.degraded), 5000, 'back on Redis');
-          expect(await counted(k.id, 'mc')).toBe(admitted);
-        }
-      }, async () => {
-        run++;
-        await share();
-      });
+      await inOneMinute(
+        async () => {
+          const k = keys[run]!;
+          const before = echo.seen.length;
+          const burst = Promise.all(Array.from({ length: 60 }, (_, i) => all[i % 3]!.call('/v1/pets', k.key).then((r) => r.status)));
+          // The fault strikes once the first admissions reach the backend: mid-burst.
+          await eventually(() => echo.seen.length >= before + 3, 5000, 'the burst under way');
+          redis.proc.kill(fault === 'frozen' ? 'SIGSTOP' : 'SIGKILL');
+          let statuses: number[];
+          try {
+            statuses = await burst;
+          } finally {
+            if (fault === 'frozen') redis.proc.kill('SIGCONT');
+          }
+          expect(statuses.filter((s) => s !== 200 && s !== 429)).toEqual([]);
+          const admitted = statuses.filter((s) => s === 200).length;
+          expect(admitted).toBeGreaterThanOrEqual(3);
+          expect(admitted).toBeLessThanOrEqual(20);
+          if (fault === 'frozen') {
+            // Every admission is in Redis once it answers: decided there, or written back.
+            await eventually(() => all.every((g) => !g.gateway.store.degraded), 5000, 'back on Redis');
+            expect(await counted(k.id, 'mc')).toBe(admitted);
+          }
+        },
+        async () => {
+          run++;
+          await share();
+        },
+      );
     });
   }
 });

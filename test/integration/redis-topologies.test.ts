@@ -66,7 +66,9 @@ describe('Redis Cluster', () => {
     expect((await (await fetch(`${gw.adminUrl}/readyz`)).json()).message).toMatch(/^Not ready: redis \(REDIS_CLUSTER_NODES\): /);
   });
 
-  it('three instances on the Cluster, leases on, under concurrent load: exactly the limit, the ban shared', { timeout: 60_000 }, async () => {
+  it('three instances on the Cluster, leases on, under concurrent load: exactly the limit, the ban shared', {
+    timeout: 60_000,
+  }, async () => {
     const cluster = await spawnCluster();
     onTestFinished(() => cluster.stop());
     // 400 a minute: leases of 4 (1%), taken and handed out by each instance.
@@ -82,7 +84,9 @@ describe('Redis Cluster', () => {
     };
     share();
     await inOneMinute(async () => {
-      const all = await Promise.all(Array.from({ length: 600 }, (_, i) => instances[i % 3]!.call('/v1/pets', crowd.key).then((r) => r.status)));
+      const all = await Promise.all(
+        Array.from({ length: 600 }, (_, i) => instances[i % 3]!.call('/v1/pets', crowd.key).then((r) => r.status)),
+      );
       const admitted = all.filter((s) => s === 200).length;
       expect(admitted).toBe(400); // every unit leased is handed out: the burst reaches each instance to its end
       expect(all.filter((s) => s !== 200 && s !== 429)).toEqual([]);
@@ -107,7 +111,10 @@ describe('Redis Cluster', () => {
     const killedAt = Date.now();
     master.proc.kill('SIGKILL');
     // Enforcement is back when the replica has been promoted and counts this key's requests.
-    const client = new Cluster(cluster.all.filter((n) => n !== master).map((n) => ({ host: '127.0.0.1', port: n.port }))).on('error', () => {});
+    const client = new Cluster(cluster.all.filter((n) => n !== master).map((n) => ({ host: '127.0.0.1', port: n.port }))).on(
+      'error',
+      () => {},
+    );
     onTestFinished(() => client.disconnect());
     let counted = -1;
     await eventually(

@@ -36,7 +36,11 @@ function trickle(head: string, drip: string): Promise<{ text: string; ms: number
 describe('slow clients', () => {
   it.each([
     ['headers trickled', 'GET /v1/pets HTTP/1.1\r\nHost: x\r\n', 'X-Slow: 1\r\n'],
-    ['a body trickled', `POST /v1/pets HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${k.key}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n`, ' '],
+    [
+      'a body trickled',
+      `POST /v1/pets HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${k.key}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n`,
+      ' ',
+    ],
   ])('%s: 408 request_timeout in the Error shape, connection closed, within the timeout and a check', async (_, head, drip) => {
     const lines408 = () => gw.logs.filter((l) => l.msg === 'request' && l.status === 408).length;
     const before = lines408();

@@ -22,9 +22,24 @@ function start(entry: string, env: Record<string, string>) {
 
 describe('startup errors', () => {
   it.each([
-    ['the gateway port', 'dist/gateway/server.js', () => ({ GATEWAY_PORT: String(port), ADMIN_PORT: '0' }), () => `GATEWAY_PORT=${port}: 127.0.0.1:${port} is already in use`],
-    ['the admin port', 'dist/gateway/server.js', () => ({ GATEWAY_PORT: '0', ADMIN_PORT: String(port) }), () => `ADMIN_PORT=${port}: 127.0.0.1:${port} is already in use`],
-    ['the backend port', 'dist/backend/server.js', () => ({ BACKEND_PORT: String(port), PETS_DB: ':memory:' }), () => `BACKEND_PORT=${port}: 127.0.0.1:${port} is already in use`],
+    [
+      'the gateway port',
+      'dist/gateway/server.js',
+      () => ({ GATEWAY_PORT: String(port), ADMIN_PORT: '0' }),
+      () => `GATEWAY_PORT=${port}: 127.0.0.1:${port} is already in use`,
+    ],
+    [
+      'the admin port',
+      'dist/gateway/server.js',
+      () => ({ GATEWAY_PORT: '0', ADMIN_PORT: String(port) }),
+      () => `ADMIN_PORT=${port}: 127.0.0.1:${port} is already in use`,
+    ],
+    [
+      'the backend port',
+      'dist/backend/server.js',
+      () => ({ BACKEND_PORT: String(port), PETS_DB: ':memory:' }),
+      () => `BACKEND_PORT=${port}: 127.0.0.1:${port} is already in use`,
+    ],
   ])('%s in use: one line naming the setting and its value', (_, entry, env, want) => {
     const { status, lines } = start(entry, env());
     expect(status).toBe(1);
@@ -33,7 +48,12 @@ describe('startup errors', () => {
   });
 
   it('npm start with the backend port in use: that one line, and the whole stack stops (no restart)', () => {
-    const { status, lines } = start('dist/stack.js', { BACKEND_PORT: String(port), GATEWAY_PORT: '0', ADMIN_PORT: '0', PETS_DB: ':memory:' });
+    const { status, lines } = start('dist/stack.js', {
+      BACKEND_PORT: String(port),
+      GATEWAY_PORT: '0',
+      ADMIN_PORT: '0',
+      PETS_DB: ':memory:',
+    });
     expect(status).toBe(1);
     expect(lines).toEqual([`BACKEND_PORT=${port}: 127.0.0.1:${port} is already in use (is another one running?)`]);
   });

@@ -31,7 +31,16 @@ describe('the access line', () => {
       line(reqId, e);
       const { consumer: c, route, outcome } = e;
       byPino.log.info(
-        { reqId, keyId: c?.id, plan: c?.plan, route: route ?? null, method: e.method, status: e.status, ms: Math.round(e.ms * 10) / 10, outcome },
+        {
+          reqId,
+          keyId: c?.id,
+          plan: c?.plan,
+          route: route ?? null,
+          method: e.method,
+          status: e.status,
+          ms: Math.round(e.ms * 10) / 10,
+          outcome,
+        },
         'request',
       );
     }

@@ -29,7 +29,11 @@ describe('config file', () => {
 
   it.each([
     ['an unknown environment', { environment: 'dev' }, /^environment: /],
-    ['a misspelled field', { bans: { afterRejected: 1, withinSeconds: 1, durationSeconds: 1, extra: 1 } }, /^bans\.extra: Unexpected property/],
+    [
+      'a misspelled field',
+      { bans: { afterRejected: 1, withinSeconds: 1, durationSeconds: 1, extra: 1 } },
+      /^bans\.extra: Unexpected property/,
+    ],
     ['a zero limit', { plans: { free: { perMinute: 0, perDay: 1 } } }, /^plans\.free\.perMinute: /],
     ['a plan with one limit', { plans: { free: { perMinute: 5 } } }, /^plans\.free: give either/],
     ['a key of an unknown plan', { keys: [{ ...key, plan: 'gold' }] }, /^keys\.0\.plan: unknown plan "gold"/],
@@ -37,22 +41,52 @@ describe('config file', () => {
     ['a bad key id', { keys: [{ ...key, id: 'Has Space' }] }, /^keys\.0\.id: /],
     ['a plain key instead of a hash', { keys: [{ ...key, hash: 'psk_live_abc' }] }, /^keys\.0\.hash: /],
     ['duplicate ids', { keys: [key, { ...key, hash: hashKey('y') }] }, /^keys\.1\.id: duplicate/],
-    ['a cost for a route that does not exist', { plans: { free: { perMinute: 5, perDay: 10, costs: { 'PUT /v1/pets': 5 } } } }, /^plans\.free\.costs: no route "PUT \/v1\/pets"/],
+    [
+      'a cost for a route that does not exist',
+      { plans: { free: { perMinute: 5, perDay: 10, costs: { 'PUT /v1/pets': 5 } } } },
+      /^plans\.free\.costs: no route "PUT \/v1\/pets"/,
+    ],
     ['a cost of 0', { keys: [{ ...key, costs: { 'POST /v1/pets': 0 } }] }, /^keys\.0\.costs\./],
-    ['two keys of one account on different plans', { keys: [{ ...key, account: 'a' }, { ...key, id: 'k2', hash: hashKey('z'), account: 'a', plan: 'enterprise', limits: { perMinute: 1, perDay: 1 } }] }, /^keys\.1: account "a" is on plan/],
+    [
+      'two keys of one account on different plans',
+      {
+        keys: [
+          { ...key, account: 'a' },
+          { ...key, id: 'k2', hash: hashKey('z'), account: 'a', plan: 'enterprise', limits: { perMinute: 1, perDay: 1 } },
+        ],
+      },
+      /^keys\.1: account "a" is on plan/,
+    ],
     [
       'a deprecation of an unknown route',
-      { deprecations: [{ method: 'GET', path: '/v1/x', deprecatedAt: '2025-01-01T00:00:00Z', sunset: '2030-12-05T00:00:00Z', successor: '/v1/pets' }] },
+      {
+        deprecations: [
+          { method: 'GET', path: '/v1/x', deprecatedAt: '2025-01-01T00:00:00Z', sunset: '2030-12-05T00:00:00Z', successor: '/v1/pets' },
+        ],
+      },
       /^deprecations\.0: no route GET \/v1\/x/,
     ],
     [
       'a sunset before the deprecation',
-      { deprecations: [{ method: 'GET', path: '/v1/pets/{petId}', deprecatedAt: '2031-01-01T00:00:00Z', sunset: '2030-12-05T00:00:00Z', successor: '/v1/pets' }] },
+      {
+        deprecations: [
+          {
+            method: 'GET',
+            path: '/v1/pets/{petId}',
+            deprecatedAt: '2031-01-01T00:00:00Z',
+            sunset: '2030-12-05T00:00:00Z',
+            successor: '/v1/pets',
+          },
+        ],
+      },
       /^deprecations\.0\.sunset: earlier/,
     ],
   ])('refuses %s, naming the field', (_, over, want) => {
     const found = problems({ ...testConfig([]), ...over });
-    expect(found.some((p) => want.test(p)), found.join('\n')).toBe(true);
+    expect(
+      found.some((p) => want.test(p)),
+      found.join('\n'),
+    ).toBe(true);
   });
 
   it('lists every problem at once', () => {
@@ -68,7 +102,10 @@ describe('config file', () => {
   it('takes a key override over its plan, and keeps the hash as the only index', () => {
     const k = generateKey('production');
     const config = compileConfig(
-      validateConfigFile({ ...testConfig([]), keys: [{ id: 'big', hash: k.hash, plan: 'free', limits: { perMinute: 9, perDay: 99 } }] }, 't'),
+      validateConfigFile(
+        { ...testConfig([]), keys: [{ id: 'big', hash: k.hash, plan: 'free', limits: { perMinute: 9, perDay: 99 } }] },
+        't',
+      ),
       'px',
     );
     const consumer = config.consumers.get(k.hash)!;

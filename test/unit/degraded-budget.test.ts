@@ -7,7 +7,13 @@ import { RedisClock } from '../../gateway/quota/redis-clock.js';
 // The pieces of the Redis store that need no Redis: the degraded budget's share, the budget
 // itself, the lease book and the Redis clock, each on an injected clock.
 
-const subject = (perMinute: number, perDay: number): QuotaSubject => ({ name: 's', limits: { perMinute, perDay }, bans: null, policy: '', lasting: true });
+const subject = (perMinute: number, perDay: number): QuotaSubject => ({
+  name: 's',
+  limits: { perMinute, perDay },
+  bans: null,
+  policy: '',
+  lasting: true,
+});
 const T0 = Date.UTC(2026, 10, 25, 10, 0, 0); // a minute's start
 const admitted = (b: DegradedBudget, s: QuotaSubject, n: number, now = T0) =>
   Array.from({ length: n }, () => b.consume(s, 1, now).outcome).filter((o) => o === 'allowed').length;
@@ -33,7 +39,7 @@ describe('degradedShare', () => {
 });
 
 describe('the degraded budget', () => {
-  it('admits this instance\'s share of what Redis last said was left, in each window', () => {
+  it("admits this instance's share of what Redis last said was left, in each window", () => {
     const b = new DegradedBudget('me');
     b.setFleet(3, 2);
     const s = subject(10, 1000);

@@ -111,7 +111,7 @@ describe('headers shared within a second', () => {
     expect(within(5, 50, now + 750).ratelimit).toBe('"minute";r=55;t=42, "day";r=950;t=49482');
   });
 
-  it('never shares a refusal\'s headers', () => {
+  it("never shares a refusal's headers", () => {
     const refused = headersOf(at('minute', 60, 60), subject);
     expect(refused['retry-after']).toBe('43');
     expect(within(60, 60, now)['retry-after']).toBeUndefined();
@@ -120,7 +120,12 @@ describe('headers shared within a second', () => {
   it('shares them for a key, and keeps nothing for an address, whose subject is built per request', () => {
     const k = makeKey();
     const config = compileConfig(validateConfigFile(testConfig([k]), 't'));
-    const admitted = (s: QuotaSubject): Decision => ({ outcome: 'allowed', nowMs: now, banUntilMs: 0, windows: windows(s.limits, now, 1, 1) });
+    const admitted = (s: QuotaSubject): Decision => ({
+      outcome: 'allowed',
+      nowMs: now,
+      banUntilMs: 0,
+      windows: windows(s.limits, now, 1, 1),
+    });
     const key = config.consumers.get(k.hash)!.subject;
     expect(headersOf(admitted(key), key)).toBe(headersOf(admitted(key), key));
     const address = config.addressSubject('10.0.0.1');

@@ -35,7 +35,7 @@ describe('the key file', () => {
     expect(ids(file)).toEqual(['after']);
   });
 
-  it("takes over a lock left by an editor that crashed, instead of refusing every edit until it is removed by hand", async () => {
+  it('takes over a lock left by an editor that crashed, instead of refusing every edit until it is removed by hand', async () => {
     const file = configFile();
     mkdirSync(`${file}.lock`); // what proper-lockfile leaves when its process dies holding it
     const longAgo = new Date(Date.now() - 60_000);

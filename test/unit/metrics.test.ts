@@ -26,21 +26,35 @@ describe('metrics labels', () => {
 
   it('count each series apart, as prom-client would for the same requests', async () => {
     const requests: Array<[string, number, string, string | undefined, 'minute' | 'unauthenticated' | undefined]> = [
-      ['listPets', 200, 'free', 'a', undefined], ['listPets', 200, 'pro', 'b', undefined], ['listPets', 429, 'free', 'a', 'minute'],
-      ['getPet', 200, 'free', 'a', undefined], ['none', 401, 'none', undefined, 'unauthenticated'], ['listPets', 200, 'free', 'c', undefined],
-      ['listPets', 200, 'pro', 'b', undefined], ['listPets', 429, 'free', 'a', 'minute'], ['listPets', 200, 'free', 'a', undefined],
+      ['listPets', 200, 'free', 'a', undefined],
+      ['listPets', 200, 'pro', 'b', undefined],
+      ['listPets', 429, 'free', 'a', 'minute'],
+      ['getPet', 200, 'free', 'a', undefined],
+      ['none', 401, 'none', undefined, 'unauthenticated'],
+      ['listPets', 200, 'free', 'c', undefined],
+      ['listPets', 200, 'pro', 'b', undefined],
+      ['listPets', 429, 'free', 'a', 'minute'],
+      ['listPets', 200, 'free', 'a', undefined],
     ];
     for (const keyLabels of [false, true]) {
       const m = new GatewayMetrics(keyLabels);
       const reference = new Registry();
-      const total = new Counter({ name: 'gateway_requests_total', help: 'h', labelNames: keyLabels ? ['route', 'status', 'plan', 'key'] : ['route', 'status', 'plan'], registers: [reference] });
+      const total = new Counter({
+        name: 'gateway_requests_total',
+        help: 'h',
+        labelNames: keyLabels ? ['route', 'status', 'plan', 'key'] : ['route', 'status', 'plan'],
+        registers: [reference],
+      });
       const refused = new Counter({ name: 'gateway_rejections_total', help: 'h', labelNames: ['reason'], registers: [reference] });
       for (const [route, status, plan, key, rejected] of requests) {
         m.request(route, status, plan, key, rejected);
         total.inc(keyLabels ? { route, status, plan, key: key ?? 'none' } : { route, status, plan });
         if (rejected) refused.inc({ reason: rejected });
       }
-      const series = async (r: Registry, name: string) => ((await r.getSingleMetric(name)!.get()).values as Array<{ labels: object; value: number }>).map((v) => JSON.stringify([v.labels, v.value])).sort();
+      const series = async (r: Registry, name: string) =>
+        ((await r.getSingleMetric(name)!.get()).values as Array<{ labels: object; value: number }>)
+          .map((v) => JSON.stringify([v.labels, v.value]))
+          .sort();
       for (const name of ['gateway_requests_total', 'gateway_rejections_total']) {
         expect(await series(m.registry, name)).toEqual(await series(reference, name));
       }
@@ -50,7 +64,14 @@ describe('metrics labels', () => {
 
 describe('the tallied histogram', () => {
   const buckets = [0.001, 0.01, 0.1, 1];
-  const observations: Array<[string, number]> = [['a', 0.0005], ['a', 0.001], ['a', 0.05], ['b', 3], ['a', 0.5], ['b', 0.002]];
+  const observations: Array<[string, number]> = [
+    ['a', 0.0005],
+    ['a', 0.001],
+    ['a', 0.05],
+    ['b', 3],
+    ['a', 0.5],
+    ['b', 0.002],
+  ];
   const both = () => {
     const ours = new Registry();
     const tally = new TallyHistogram('h_seconds', 'help', 'route', buckets);
@@ -64,7 +85,7 @@ describe('the tallied histogram', () => {
     return { ours, theirs };
   };
 
-  it('exposes what prom-client\'s Histogram exposes for the same observations', async () => {
+  it("exposes what prom-client's Histogram exposes for the same observations", async () => {
     const { ours, theirs } = both();
     const text = await ours.metrics();
     expect(text).toBe(await theirs.metrics());

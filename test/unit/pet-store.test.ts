@@ -57,6 +57,8 @@ describe('SQLite driver choice', () => {
     const chosen = chooseDriver(undefined, () => standIn('better'));
     expect(chosen.name).toBe('better-sqlite3');
     expect(opened(chosen.open('b.db'))).toMatchObject({ driver: 'better', file: 'b.db' });
-    expect(() => chooseDriver(undefined, missing)).toThrow(/no SQLite driver: Node .* has no node:sqlite .* better-sqlite3 is not installed/);
+    expect(() => chooseDriver(undefined, missing)).toThrow(
+      /no SQLite driver: Node .* has no node:sqlite .* better-sqlite3 is not installed/,
+    );
   });
 });

@@ -12,7 +12,7 @@ function capture(level = 'info') {
 }
 
 describe('the lazy request logger', () => {
-  it('writes the same lines as pino\'s child with the request id bound', () => {
+  it("writes the same lines as pino's child with the request id bound", () => {
     const a = capture();
     const b = capture();
     const lazy = new LazyRequestLogger(a.logger, { reqId: 'r-1' });

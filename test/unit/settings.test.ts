@@ -19,7 +19,9 @@ describe('settings', () => {
   });
 
   it('lists every bad variable', () => {
-    expect(() => loadSettings({ GATEWAY_PORT: 'x', ADMIN_TOKEN: 'short' })).toThrow(/GATEWAY_PORT[\s\S]*ADMIN_TOKEN|ADMIN_TOKEN[\s\S]*GATEWAY_PORT/);
+    expect(() => loadSettings({ GATEWAY_PORT: 'x', ADMIN_TOKEN: 'short' })).toThrow(
+      /GATEWAY_PORT[\s\S]*ADMIN_TOKEN|ADMIN_TOKEN[\s\S]*GATEWAY_PORT/,
+    );
   });
 });
 
@@ -50,19 +52,30 @@ describe('settings from their schema', () => {
   });
 
   it('reads each variable into its setting, converted', () => {
-    const s = loadSettings({ GATEWAY_PORT: '8080', REDIS_URL: 'redis://r:6379', METRICS_KEY_IDS: 'true', LOG_PRETTY: '1', LOG_LEVEL: 'warn' });
+    const s = loadSettings({
+      GATEWAY_PORT: '8080',
+      REDIS_URL: 'redis://r:6379',
+      METRICS_KEY_IDS: 'true',
+      LOG_PRETTY: '1',
+      LOG_LEVEL: 'warn',
+    });
     expect(s).toMatchObject({ port: 8080, redisUrl: 'redis://r:6379', metricsKeyIds: true, logPretty: true, logLevel: 'warn' });
   });
 
   it('names the allowed values of a closed list', () => {
-    expect(() => loadSettings({ LOG_LEVEL: 'verbose' })).toThrow(/LOG_LEVEL: expected one of fatal, error, warn, info, debug, trace, silent/);
+    expect(() => loadSettings({ LOG_LEVEL: 'verbose' })).toThrow(
+      /LOG_LEVEL: expected one of fatal, error, warn, info, debug, trace, silent/,
+    );
     expect(() => loadSettings({ LOG_PRETTY: 'true' })).toThrow(/LOG_PRETTY: expected one of 1, 0/);
   });
 
   it('takes one Redis: a URL, a Cluster or a Sentinel group, each well formed', () => {
     expect(redisTarget(loadSettings({ REDIS_CLUSTER_NODES: '10.0.0.1:7000,redis-b:7001' }))).toEqual({
       kind: 'cluster',
-      nodes: [{ host: '10.0.0.1', port: 7000 }, { host: 'redis-b', port: 7001 }],
+      nodes: [
+        { host: '10.0.0.1', port: 7000 },
+        { host: 'redis-b', port: 7001 },
+      ],
     });
     expect(redisTarget(loadSettings({ REDIS_SENTINELS: 's1:26379', REDIS_SENTINEL_NAME: 'mymaster' }))).toEqual({
       kind: 'sentinel',
@@ -70,9 +83,13 @@ describe('settings from their schema', () => {
       name: 'mymaster',
     });
     expect(redisTarget(loadSettings({}))).toBeUndefined();
-    expect(() => loadSettings({ REDIS_URL: 'redis://r:6379', REDIS_CLUSTER_NODES: 'a:1' })).toThrow(/REDIS_URL, REDIS_CLUSTER_NODES: set one of them, not 2/);
+    expect(() => loadSettings({ REDIS_URL: 'redis://r:6379', REDIS_CLUSTER_NODES: 'a:1' })).toThrow(
+      /REDIS_URL, REDIS_CLUSTER_NODES: set one of them, not 2/,
+    );
     expect(() => loadSettings({ REDIS_SENTINELS: 's1:26379' })).toThrow(/REDIS_SENTINEL_NAME: required with REDIS_SENTINELS/);
-    expect(() => loadSettings({ REDIS_SENTINEL_NAME: 'mymaster' })).toThrow(/REDIS_SENTINEL_NAME: only means something with REDIS_SENTINELS/);
+    expect(() => loadSettings({ REDIS_SENTINEL_NAME: 'mymaster' })).toThrow(
+      /REDIS_SENTINEL_NAME: only means something with REDIS_SENTINELS/,
+    );
     expect(() => loadSettings({ REDIS_CLUSTER_NODES: 'a:1;b:2' })).toThrow(/REDIS_CLUSTER_NODES/);
   });
 
@@ -105,7 +122,9 @@ describe('README settings table', () => {
     const start = text.indexOf('## Settings (environment)');
     const section = text.slice(start, text.indexOf('\n## ', start + 1));
     const rows = new Map([...section.matchAll(/^\| `([A-Z_]+)` \| ([^|]+) \|/gm)].map((m) => [m[1]!, m[2]!.trim()]));
-    const schemas = [GatewaySettingsSchema, BackendSettingsSchema].flatMap((s) => Object.values(s.properties) as unknown as Array<{ env: string; default?: unknown }>);
+    const schemas = [GatewaySettingsSchema, BackendSettingsSchema].flatMap(
+      (s) => Object.values(s.properties) as unknown as Array<{ env: string; default?: unknown }>,
+    );
     const want = new Map(schemas.map((s) => [s.env, s.default === undefined ? 'unset' : `\`${String(s.default)}\``]));
     expect(Object.fromEntries(rows)).toEqual(Object.fromEntries(want));
   });
