@@ -1,7 +1,8 @@
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, LogController } from 'fastify';
 import type { RedisClient } from '../process/redis-client.js';
 import type { DestinationStream, Logger } from 'pino';
-import { createLogger, LazyRequestLogger } from '../../runtime/process.js';
+import { createLogger } from '../../runtime/process.js';
+import { LazyRequestLogger } from '../observability/request-logger.js';
 import { accessLog } from '../observability/access-log.js';
 import type { GatewayConfig } from '../config/config.js';
 import { handleError } from './errors.js';

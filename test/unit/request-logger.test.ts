@@ -1,7 +1,7 @@
 import { Writable } from 'node:stream';
 import { pino } from 'pino';
 import { describe, expect, it } from 'vitest';
-import { LazyRequestLogger } from '../../runtime/process.js';
+import { LazyRequestLogger } from '../../gateway/observability/request-logger.js';
 
 /** A pino logger writing into an array, with a fixed time so that lines compare. */
 function capture(level = 'info') {
