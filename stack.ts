@@ -1,7 +1,10 @@
 import { type ChildProcess, spawn } from 'node:child_process';
+import { createServer, isIPv6 } from 'node:net';
 import { resolve } from 'node:path';
 import { Type } from '@sinclair/typebox';
-import { createLogger } from './runtime/process.js';
+import { loadBackendSettings } from './backend/settings.js';
+import { loadSettings } from './gateway/config/settings.js';
+import { createLogger, type ListenSettings, listenProblem } from './runtime/process.js';
 import { SERVICES } from './runtime/services.js';
 import { flag, logLevel, readSettings } from './runtime/settings.js';
 
@@ -54,7 +57,7 @@ function start(service: Service): void {
     cwd: root,
     // fd 3 is the channel on which the service says it is ready (runtime/process.ts announceReady).
     stdio: ['inherit', 'inherit', 'inherit', 'ipc'],
-    env: process.env,
+    env: service.name === 'gateway' ? gatewayEnv : process.env,
     detached: true,
   });
   service.child = child;
@@ -97,6 +100,57 @@ function stopAll(status: number, signal: NodeJS.Signals = 'SIGTERM'): void {
   if (running().length === 0) process.exit(verdict);
 }
 
+/** Where the two services will listen, as their own settings read it; none if a setting is bad (the service says which). */
+function listeners(): Array<{ port: number; host: string; names: ListenSettings }> {
+  try {
+    const backend = loadBackendSettings();
+    const gateway = loadSettings();
+    return [
+      { port: backend.port, host: backend.host, names: { port: 'BACKEND_PORT', host: 'BACKEND_HOST' } },
+      { port: gateway.port, host: gateway.host, names: { port: 'GATEWAY_PORT', host: 'GATEWAY_HOST' } },
+      { port: gateway.adminPort, host: gateway.adminHost, names: { port: 'ADMIN_PORT', host: 'ADMIN_HOST' } },
+    ];
+  } catch {
+    return [];
+  }
+}
+
+/** Every listener that could not listen now, each in listenOrExit's words: all at once, not one per start. */
+async function clashes(): Promise<string[]> {
+  const found = await Promise.all(
+    listeners()
+      .filter((l) => l.port !== 0)
+      .map(
+        (l) =>
+          new Promise<string | undefined>((done) => {
+            const probe = createServer();
+            probe.once('error', (err) => done(listenProblem(err, l.port, l.host, l.names)));
+            probe.listen(l.port, l.host, () => probe.close(() => done(undefined)));
+          }),
+      ),
+  );
+  return found.filter((p) => p !== undefined);
+}
+
+/**
+ * The gateway follows the backend: with BACKEND_URL unset, moving BACKEND_PORT (or
+ * BACKEND_HOST) alone moves both ends, instead of the gateway proxying to the default port.
+ */
+function backendUrl(): string | undefined {
+  if (process.env.BACKEND_URL) return process.env.BACKEND_URL;
+  const backend = listeners()[0];
+  if (!backend || backend.port === 0) return undefined; // a port chosen at listen time cannot be known here
+  const host = ['0.0.0.0', '::'].includes(backend.host) ? '127.0.0.1' : isIPv6(backend.host) ? `[${backend.host}]` : backend.host;
+  return `http://${host}:${backend.port}`;
+}
+const derived = backendUrl();
+const gatewayEnv = derived ? { ...process.env, BACKEND_URL: derived } : process.env;
+
+const inUse = await clashes();
+if (inUse.length > 0) {
+  for (const line of inUse) console.error(line);
+  process.exit(1);
+}
 for (const service of services) start(service);
 // SIGHUP is a closed terminal here, so it stops both; reload the gateway with `kill -HUP` on
 // its own pid, or by editing the config file. The exit code is the worst of the children's.

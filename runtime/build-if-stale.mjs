@@ -11,5 +11,7 @@ const newest = (path) => {
   return s.isDirectory() ? Math.max(0, ...readdirSync(path).map((name) => newest(join(path, name)))) : s.mtimeMs;
 };
 if (!existsSync(STAMP) || Math.max(...SOURCES.map(newest)) > statSync(STAMP).mtimeMs) {
+  // The first start compiles for several seconds: say so, rather than look stuck.
+  console.error(existsSync(STAMP) ? 'building: a source changed since the last build...' : 'building (first start)...');
   execSync('npm run build --silent', { stdio: 'inherit' });
 }

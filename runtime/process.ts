@@ -50,29 +50,32 @@ export function createLogger(level: string, pretty: boolean, onDrop: () => void,
   return options.transport ? pino(options) : pino(options, stream ?? asyncStdout(onDrop));
 }
 
-/**
- * Listens, or exits 1 with one line naming the setting to change: a port already in use or
- * not allowed, an address this machine does not have. Never a stack.
- */
-export async function listenOrExit(
-  app: FastifyInstance,
-  port: number,
-  host: string,
-  names: { port: string; host: string },
-): Promise<string> {
+/** The names of the settings that place a listener, for messages that say which one to change. */
+export interface ListenSettings {
+  port: string;
+  host: string;
+}
+
+/** Why a listen failed, in one line naming the setting to change: never a stack. */
+export function listenProblem(err: unknown, port: number, host: string, names: ListenSettings): string {
+  const code = (err as NodeJS.ErrnoException).code;
+  const [setting, why] =
+    code === 'EADDRINUSE'
+      ? [`${names.port}=${port}`, `${host}:${port} is already in use (is another one running?)`]
+      : code === 'EACCES'
+        ? [`${names.port}=${port}`, `not allowed to listen on port ${port} (ports below 1024 need privileges)`]
+        : code === 'EADDRNOTAVAIL' || code === 'ENOTFOUND'
+          ? [`${names.host}=${host}`, `not an address of this machine`]
+          : [`${names.host}:${names.port}=${host}:${port}`, (err as Error).message];
+  return `${setting}: ${why}`;
+}
+
+/** Listens, or exits 1 with the one line of listenProblem. */
+export async function listenOrExit(app: FastifyInstance, port: number, host: string, names: ListenSettings): Promise<string> {
   try {
     return await app.listen({ port, host });
   } catch (err) {
-    const code = (err as NodeJS.ErrnoException).code;
-    const [setting, why] =
-      code === 'EADDRINUSE'
-        ? [`${names.port}=${port}`, `${host}:${port} is already in use (is another one running?)`]
-        : code === 'EACCES'
-          ? [`${names.port}=${port}`, `not allowed to listen on port ${port} (ports below 1024 need privileges)`]
-          : code === 'EADDRNOTAVAIL' || code === 'ENOTFOUND'
-            ? [`${names.host}=${host}`, `not an address of this machine`]
-            : [`${names.host}:${names.port}=${host}:${port}`, (err as Error).message];
-    console.error(`${setting}: ${why}`);
+    console.error(listenProblem(err, port, host, names));
     process.exit(1);
   }
 }

@@ -1,12 +1,14 @@
-import { execFileSync } from 'node:child_process';
-import { existsSync, mkdirSync, readFileSync, utimesSync, writeFileSync } from 'node:fs';
+import { execFileSync, spawn, spawnSync } from 'node:child_process';
+import { existsSync, mkdirSync, readFileSync, realpathSync, utimesSync, writeFileSync } from 'node:fs';
+import { createInterface } from 'node:readline';
 import { join, resolve } from 'node:path';
 import { Redis } from 'ioredis';
 import { describe, expect, inject, it } from 'vitest';
 import { SERVICES } from '../../runtime/services.js';
 import { call, makeKey, redisKeyOf, tempDir, testConfig, writeConfig } from '../helpers/config.js';
 import { buildTestGateway } from '../helpers/gateway.js';
-import { freePort } from '../helpers/net.js';
+import { logLines } from '../helpers/logs.js';
+import { freePort, waitForPort } from '../helpers/net.js';
 import { startProcess } from '../helpers/processes.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
 
@@ -101,15 +103,17 @@ describe('npm start compiles only when needed (runtime/build-if-stale.mjs)', () 
       );
       for (const f of ['stack.ts', 'package-lock.json', 'tsconfig.json', 'tsconfig.build.json', 'gateway/http/app.ts'])
         writeFileSync(join(dir, f), '');
-      const prestart = () => execFileSync(process.execPath, [resolve(ROOT, 'runtime/build-if-stale.mjs')], { cwd: dir, stdio: 'ignore' });
+      // What the user sees on stderr: a line before each compile, so a first start does not look stuck.
+      const prestart = () =>
+        spawnSync(process.execPath, [resolve(ROOT, 'runtime/build-if-stale.mjs')], { cwd: dir, encoding: 'utf8' }).stderr;
       const builds = () => (existsSync(join(dir, 'built')) ? readFileSync(join(dir, 'built'), 'utf8').length : 0);
-      prestart();
+      expect(prestart()).toBe('building (first start)...\n');
       expect(builds()).toBe(1); // no build yet: compiled
-      prestart();
+      expect(prestart()).toBe('');
       expect(builds()).toBe(1); // nothing changed: not again
       const later = new Date(Date.now() + 5000);
       utimesSync(join(dir, 'gateway/http/app.ts'), later, later);
-      prestart();
+      expect(prestart()).toBe('building: a source changed since the last build...\n');
       expect(builds()).toBe(2); // a source changed
     } finally {
       cleanup();
@@ -173,7 +177,7 @@ function dockerStages(text: string): Map<string, { from: string; cmd?: unknown }
 describe('images', () => {
   it('run the same entries that npm start runs', () => {
     const pkg = JSON.parse(readFileSync(join(ROOT, 'package.json'), 'utf8'));
-    expect(pkg.scripts.start).toBe('node dist/stack.js');
+    expect(pkg.scripts.start).toBe('exec node dist/stack.js'); // exec: npm's SIGTERM reaches stack.js, not a shell that ignores it
     const stages = dockerStages(readFileSync(join(ROOT, 'Dockerfile'), 'utf8'));
     expect(SERVICES.map((s) => s.name)).toEqual(['backend', 'gateway']);
     for (const { name, entry } of SERVICES) {
@@ -198,5 +202,65 @@ describe('images', () => {
     expect(stages.get('a')?.cmd).toEqual(['node', 'base.js']); // inherited; HEALTHCHECK's CMD is not the stage's
     expect(stages.get('b')?.cmd).toEqual(['node', 'b.js']);
     expect(() => dockerStages('FROM node:20 AS x\nCMD node x.js')).toThrow();
+  });
+});
+
+describe('npm start as a new user runs it', () => {
+  it('follows BACKEND_PORT alone, and a SIGTERM to the npm process stops both services', async () => {
+    // npm runs scripts with /bin/sh; Debian's is dash, which does not hand its pid to the command.
+    expect(realpathSync('/bin/sh')).toMatch(/dash$/);
+    const { dir, cleanup } = tempDir();
+    const file = join(dir, 'gateway.yaml');
+    const k = makeKey('free');
+    writeConfig(file, testConfig([k]));
+    const [backendPort, gatewayPort, adminPort] = [await freePort(), await freePort(), await freePort()];
+    const env = { PATH: process.env.PATH ?? '', HOME: process.env.HOME ?? dir, PETS_DB: join(dir, 'pets.db'), GATEWAY_CONFIG: file };
+    const npm = spawn('npm', ['start'], {
+      cwd: ROOT,
+      // Only BACKEND_PORT moves the backend: no BACKEND_URL.
+      env: { ...env, BACKEND_PORT: String(backendPort), GATEWAY_PORT: String(gatewayPort), ADMIN_PORT: String(adminPort) },
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
+    let text = '';
+    const closed = new Promise((r) => npm.once('close', r));
+    const { add, waitForLog } = logLines(() => text, 30_000, closed);
+    for (const stream of [npm.stdout!, npm.stderr!])
+      createInterface({ input: stream }).on('line', (line) => {
+        text += `${line}\n`;
+        if (line.startsWith('{')) add(JSON.parse(line));
+      });
+    const pids: number[] = [];
+    try {
+      const ready = await waitForLog((l) => l.msg === 'gateway ready');
+      const backend = await waitForLog((l) => String(l.msg).endsWith(`127.0.0.1:${backendPort}`));
+      const stack = Number(execFileSync('ps', ['-o', 'ppid=', '-p', String(ready.pid)], { encoding: 'utf8' }).trim());
+      pids.push(Number(ready.pid), Number(backend.pid), stack);
+      expect(ready.backend).toBe(`http://127.0.0.1:${backendPort}`);
+      expect((await call(`http://127.0.0.1:${gatewayPort}/v1/pets`, k.key)).status).toBe(200); // reached the moved backend
+
+      npm.kill('SIGTERM');
+      await closed;
+      const alive = (pid: number) => {
+        try {
+          process.kill(pid, 0);
+          return true;
+        } catch {
+          return false;
+        }
+      };
+      // Each service finishes its requests (none here) and exits; the ports are free for the next start.
+      await eventually(() => pids.every((pid) => !alive(pid)), 10_000, 'stack, gateway and backend gone');
+      for (const port of [backendPort, gatewayPort, adminPort]) await expect(waitForPort(port, 100)).rejects.toThrow();
+    } finally {
+      // Only what this test started, by pid: a stack that did not stop must not outlive the test.
+      for (const pid of pids.filter((p) => p > 1))
+        try {
+          process.kill(pid, 'SIGKILL');
+        } catch {
+          // already gone
+        }
+      npm.kill('SIGKILL');
+      cleanup();
+    }
   });
 });

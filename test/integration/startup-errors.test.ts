@@ -47,6 +47,28 @@ describe('startup errors', () => {
     expect(lines[0]).toContain(want());
   });
 
+  it('npm start with all three ports in use: a line for each, at once, instead of one per start', async () => {
+    const more = [createServer(), createServer()];
+    await Promise.all(more.map((s) => new Promise<void>((r) => s.listen(0, '127.0.0.1', r))));
+    try {
+      const [gateway, admin] = more.map((s) => (s.address() as { port: number }).port);
+      const { status, lines } = start('dist/stack.js', {
+        BACKEND_PORT: String(port),
+        GATEWAY_PORT: String(gateway),
+        ADMIN_PORT: String(admin),
+        PETS_DB: ':memory:',
+      });
+      expect(status).toBe(1);
+      expect(lines).toEqual(
+        [`BACKEND_PORT=${port}`, `GATEWAY_PORT=${gateway}`, `ADMIN_PORT=${admin}`].map(
+          (setting) => `${setting}: 127.0.0.1:${setting.split('=')[1]} is already in use (is another one running?)`,
+        ),
+      );
+    } finally {
+      await Promise.all(more.map((s) => new Promise((r) => s.close(r))));
+    }
+  });
+
   it('npm start with the backend port in use: that one line, and the whole stack stops (no restart)', () => {
     const { status, lines } = start('dist/stack.js', {
       BACKEND_PORT: String(port),
