@@ -47,9 +47,31 @@ export function connectRedis(settings: RedisSettings): RedisClient | undefined {
             failoverDetector: true,
           })
         : new Redis(target.url, { ...common, ...node, retryStrategy: backoff });
-  redis.on('error', () => {}); // reported once through the store's degraded log line instead
+  // Reported through the store's degraded line and the start's line (redisProblem), not per event.
+  redis.on('error', (err: Error) => lastErrors.set(redis, err.message));
+  redis.on('ready', () => lastErrors.delete(redis));
   if (redis instanceof Redis) reconnectWhenEnded(redis, backoff);
   return redis;
+}
+
+/** The last connection error of each client, until it is ready again. */
+const lastErrors = new WeakMap<RedisClient, string>();
+
+/** Which Redis, for a log line: its address (never its password), or the settings that chose a Cluster or Sentinel group. */
+export function redisWhere(redis: RedisClient): string {
+  if (redis instanceof Cluster) return 'Redis Cluster (REDIS_CLUSTER_NODES)';
+  const { sentinels, name, host, port } = redis.options;
+  return sentinels?.length ? `Redis Sentinel master ${name} (REDIS_SENTINELS)` : `Redis at ${host}:${port}`;
+}
+
+/**
+ * Why a call to Redis failed, in one line: where, and the connection's own error while it is
+ * not connected (ioredis then answers every call with "Stream isn't writeable", which says
+ * neither where nor why).
+ */
+export function redisProblem(redis: RedisClient, err: unknown): string {
+  const connection = redis.status === 'ready' ? undefined : (lastErrors.get(redis) ?? `not connected (${redis.status})`);
+  return `${redisWhere(redis)}: ${connection ?? (err instanceof Error ? err.message : String(err))}`;
 }
 
 /** Clients closed by closeRedis: the only ones meant to stay closed. */
@@ -98,5 +120,7 @@ export async function awaitRedis(redis: RedisClient | undefined, log: FastifyBas
     redis.once('ready', done);
     redis.once('error', done);
   });
-  if ((redis.status as string) !== 'ready') log.warn('Redis is not ready yet; quotas are per process until it is');
+  if ((redis.status as string) !== 'ready') {
+    log.warn(`${redisProblem(redis, 'not ready yet')}; each instance decides from its share of the quota until Redis answers`);
+  }
 }

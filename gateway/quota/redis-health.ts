@@ -52,6 +52,8 @@ export interface HealthOptions {
   heartbeatMs: number;
   /** Between probes while it fails. */
   probeMs: number;
+  /** A failure in one line: where, and why. */
+  describe: (err: unknown) => string;
 }
 
 export class RedisHealth {
@@ -76,7 +78,7 @@ export class RedisHealth {
   failed(err: unknown): void {
     if (this.failingSince !== 0 || this.closed) return;
     this.failingSince = Date.now();
-    const reason = err instanceof Error ? err.message : String(err);
+    const reason = this.o.describe(err);
     this.o.log.warn({ reason }, 'quota store: Redis failed; each instance decides from its share of what was left until Redis answers');
     this.schedule(this.o.probeMs);
   }

@@ -1,7 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { FastifyBaseLogger } from 'fastify';
-import type { RedisClient } from '../process/redis-client.js';
+import { type RedisClient, redisProblem } from '../process/redis-client.js';
 import { BanCache } from './ban-cache.js';
 import { DAY_MS, type Decision, decision, leaseSize, MINUTE_MS, OUTCOMES, type QuotaSubject, windowStart } from './decision.js';
 import { DegradedBudget, type WriteBack } from './degraded-budget.js';
@@ -91,6 +91,7 @@ export class RedisQuotaStore implements QuotaStore {
       log,
       heartbeatMs: this.registry ? HEARTBEAT_MS : 0,
       probeMs: PROBE_MS,
+      describe: (err) => redisProblem(redis, err),
     });
     if (this.registry) {
       // A heartbeat on every (re)connection: the clock offset and the fleet before the first decision.

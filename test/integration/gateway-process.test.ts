@@ -120,10 +120,15 @@ describe('Redis down at boot', () => {
     const { logs } = stack.gateway;
     const ready = logs.find((l) => l.msg === 'gateway ready')!;
     expect(ready.store).toBe('redis');
-    expect(logs.some((l) => String(l.msg).startsWith('Redis is not ready yet'))).toBe(true);
+    // One line that says where and why, in place of the client library's "Stream isn't writeable".
+    const where = `Redis at 127.0.0.1:${closed}: connect ECONNREFUSED 127.0.0.1:${closed}`;
+    expect(logs.filter((l) => String(l.msg).startsWith(where))).toHaveLength(1);
     // From the process's first line to listening, by the gateway's own clock.
     expect(Number(ready.time) - Number(logs[0]!.time)).toBeLessThan(2000);
     expect((await call(`${stack.gateway.url}/v1/pets`, k.key)).status).toBe(200);
     expect((await fetch(`${stack.gateway.adminUrl}/readyz`)).status).toBe(503);
+    const failed = await stack.gateway.waitForLog((l) => String(l.msg).startsWith('quota store: Redis failed'));
+    expect(failed.reason).toBe(where);
+    expect(stack.gateway.output()).not.toMatch(/\n\s+at |"stack"/); // no stack trace anywhere
   });
 });
