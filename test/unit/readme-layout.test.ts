@@ -1,9 +1,9 @@
-import { readdirSync, readFileSync } from 'node:fs';
-import { join } from 'node:path';
+import { existsSync, readdirSync, readFileSync } from 'node:fs';
+import { dirname, join } from 'node:path';
 import { describe, expect, it } from 'vitest';
 
-// The README's Layout section is the map a newcomer reads first: it must match the tree.
-const text = readFileSync('README.md', 'utf8');
+// The Layout section of docs/design.md is the map a newcomer reads first: it must match the tree.
+const text = readFileSync('docs/design.md', 'utf8');
 const start = text.indexOf('## Layout\n');
 const layout = text.slice(start, text.indexOf('\n## ', start + 1));
 
@@ -13,7 +13,7 @@ function sources(dir: string): string[] {
   );
 }
 
-describe('README layout', () => {
+describe('docs/design.md layout', () => {
   it.each(['backend', 'gateway', 'runtime', 'bench'])('names every source file of %s/ and its subfolders', (top) => {
     expect(start).toBeGreaterThan(0);
     const files = sources(top);
@@ -31,5 +31,48 @@ describe('README layout', () => {
     const named = [...layout.matchAll(/\b([a-z][a-z0-9-]*\.(?:ts|lua))\b/g)].map((m) => m[1]!);
     expect(named.length).toBeGreaterThan(20);
     expect(named.filter((n) => !all.has(n))).toEqual([]);
+  });
+});
+
+// The README is the quick start and links out to docs/, one file per subject: no link may dangle.
+const pages = [
+  'README.md',
+  ...readdirSync('docs')
+    .filter((f) => f.endsWith('.md'))
+    .map((f) => `docs/${f}`),
+];
+
+/** Markdown outside code: fenced blocks and inline code hold examples, not links. */
+const prose = (md: string) => md.replace(/^```[\s\S]*?^```$/gm, '').replace(/`[^`\n]*`/g, '');
+
+/** GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens. */
+const anchors = (md: string) =>
+  new Set(
+    [...prose(md).matchAll(/^#{1,6} (.+)$/gm)].map((m) =>
+      m[1]!
+        .trim()
+        .toLowerCase()
+        .replace(/[^\p{L}\p{N} _-]/gu, '')
+        .replace(/ /g, '-'),
+    ),
+  );
+
+describe('README and docs/ links', () => {
+  it('link every docs/ file from the README', () => {
+    expect(pages.length).toBeGreaterThan(5);
+    const readme = readFileSync('README.md', 'utf8');
+    for (const page of pages.slice(1)) expect(readme, page).toContain(`](${page})`);
+  });
+
+  it.each(pages)('%s: every relative link points to an existing file (and heading, when it names one)', (page) => {
+    const links = [...prose(readFileSync(page, 'utf8')).matchAll(/\]\(([^)\s]+)\)/g)].map((m) => m[1]!);
+    for (const link of links.filter((l) => !/^[a-z]+:/i.test(l))) {
+      const [path, anchor] = link.split('#') as [string, string | undefined];
+      const target = path === '' ? page : join(dirname(page), path);
+      expect(existsSync(target), `${page}: ${link}`).toBe(true);
+      if (anchor !== undefined && target.endsWith('.md')) {
+        expect([...anchors(readFileSync(target, 'utf8'))], `${page}: ${link}`).toContain(anchor);
+      }
+    }
   });
 });

@@ -114,18 +114,32 @@ describe('settings from their schema', () => {
 });
 
 describe('README settings table', () => {
-  it('lists every variable of both services with its default, and no other', async () => {
+  /** The rows of a markdown section's settings table: the whole row, by variable. */
+  async function settingsRows(file: string, heading: string): Promise<Map<string, string>> {
     const { readFileSync } = await import('node:fs');
+    const text = readFileSync(file, 'utf8');
+    const start = text.indexOf(heading);
+    expect(start, `${file}: ${heading}`).toBeGreaterThanOrEqual(0);
+    const section = text.slice(start, text.indexOf('\n## ', start + 1));
+    return new Map([...section.matchAll(/^\| `([A-Z_]+)` \| .+$/gm)].map((m) => [m[1]!, m[0]]));
+  }
+
+  it('docs/configuration.md lists every variable of both services with its default, and no other', async () => {
     const { GatewaySettingsSchema } = await import('../../gateway/config/settings.js');
     const { BackendSettingsSchema } = await import('../../backend/settings.js');
-    const text = readFileSync('README.md', 'utf8');
-    const start = text.indexOf('## Settings (environment)');
-    const section = text.slice(start, text.indexOf('\n## ', start + 1));
-    const rows = new Map([...section.matchAll(/^\| `([A-Z_]+)` \| ([^|]+) \|/gm)].map((m) => [m[1]!, m[2]!.trim()]));
+    const all = await settingsRows('docs/configuration.md', '## Settings (environment)');
+    const rows = new Map([...all].map(([env, row]) => [env, row.split(' | ')[1]!.trim()]));
     const schemas = [GatewaySettingsSchema, BackendSettingsSchema].flatMap(
       (s) => Object.values(s.properties) as unknown as Array<{ env: string; default?: unknown }>,
     );
     const want = new Map(schemas.map((s) => [s.env, s.default === undefined ? 'unset' : `\`${String(s.default)}\``]));
     expect(Object.fromEntries(rows)).toEqual(Object.fromEntries(want));
+  });
+
+  it("the README's short table copies its rows from docs/configuration.md", async () => {
+    const all = await settingsRows('docs/configuration.md', '## Settings (environment)');
+    const short = await settingsRows('README.md', '## Settings a new user changes');
+    expect(short.size).toBeGreaterThan(3);
+    for (const [env, row] of short) expect(row, env).toBe(all.get(env));
   });
 });
