@@ -78,7 +78,8 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     // One access line per request (access-log.ts) instead of fastify's two.
     logController: new LogController({ disableRequestLogging: true }),
     // request.log becomes pino's child only if something logs through it (runtime/process.ts).
-    childLoggerFactory: (logger, bindings) => new LazyRequestLogger(logger as Logger, bindings) as unknown as FastifyBaseLogger,
+    childLoggerFactory: (logger, bindings, opts) =>
+      new LazyRequestLogger(logger as Logger, bindings, opts.level) as unknown as FastifyBaseLogger,
     genReqId: (req) => requestId(req.headers['x-request-id']),
     trustProxy: fastifyTrustProxy(settings.trustProxy),
     bodyLimit: settings.bodyLimit,

@@ -1,6 +1,6 @@
 import type { IncomingHttpHeaders } from 'node:http';
 import { Readable } from 'node:stream';
-import proxy from '@fastify/http-proxy';
+import proxy, { type FastifyHttpProxyOptions } from '@fastify/http-proxy';
 import type { FastifyInstance, FastifyRequest } from 'fastify';
 import { GatewayError } from './errors.js';
 
@@ -87,7 +87,19 @@ export async function registerProxy(app: FastifyInstance, opts: ProxyOptions): P
     // A stream, so reply-from forwards the bytes as they came instead of re-encoding them.
     done(null, Readable.from([body as Buffer]));
   });
-  await app.register(proxy, {
+  // reply-from warns with the whole error, a stack, for each failed call: its routes log at
+  // error only, and the gateway writes one line with the cause itself (onError below).
+  await app.register(async (scope) => {
+    scope.addHook('onRoute', (route) => {
+      route.logLevel = 'error';
+    });
+    await scope.register(proxy, proxyOptions(app, opts));
+  });
+}
+
+/** @fastify/http-proxy's options: the backend, its timeouts, header hygiene, and the gateway's own 502/504. */
+function proxyOptions(app: FastifyInstance, opts: ProxyOptions): FastifyHttpProxyOptions {
+  return {
     upstream: opts.upstream,
     proxyPayloads: false,
     disableRequestLogging: true, // the gateway writes one access line per request itself
@@ -118,8 +130,18 @@ export async function registerProxy(app: FastifyInstance, opts: ProxyOptions): P
       },
       onError: (reply, { error }) => {
         opts.failed(reply.request as FastifyRequest);
-        reply.send(upstreamError(error));
+        const answer = upstreamError(error);
+        const what = answer.status === 504 ? 'backend did not answer in time' : 'backend could not be reached';
+        app.log.warn({ reqId: reply.request.id, status: answer.status, cause: causeOf(error) }, what);
+        reply.send(answer);
       },
     },
-  });
+  };
+}
+
+/** The innermost error's message: undici's "connect ECONNREFUSED 127.0.0.1:3001", not reply-from's wrapper. */
+function causeOf(error: Error): string {
+  let inner: unknown = error;
+  while (inner instanceof Error && inner.cause instanceof Error) inner = inner.cause;
+  return inner instanceof Error ? inner.message : String(inner);
 }

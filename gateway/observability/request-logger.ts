@@ -9,41 +9,52 @@ import type { Logger } from 'pino';
  */
 export class LazyRequestLogger {
   #child?: Logger;
+  /**
+   * `level`: a route's own logLevel, as fastify passes it; pino's child then has that level
+   * in place of the root's.
+   */
   constructor(
     private readonly root: Logger,
     private readonly fields: Record<string, unknown>,
+    private readonly ownLevel?: string,
   ) {}
 
   private get real(): Logger {
-    return (this.#child ??= this.root.child(this.fields));
+    return (this.#child ??=
+      this.ownLevel === undefined ? this.root.child(this.fields) : this.root.child(this.fields, { level: this.ownLevel }));
+  }
+  private on(level: string): boolean {
+    if (this.ownLevel === undefined) return this.root.isLevelEnabled(level);
+    const { values } = this.root.levels;
+    return values[level]! >= values[this.ownLevel]!;
   }
   get level(): string {
-    return this.root.level;
+    return this.ownLevel ?? this.root.level;
   }
   trace(...args: Parameters<Logger['trace']>): void {
-    if (this.root.isLevelEnabled('trace')) this.real.trace(...args);
+    if (this.on('trace')) this.real.trace(...args);
   }
   debug(...args: Parameters<Logger['debug']>): void {
-    if (this.root.isLevelEnabled('debug')) this.real.debug(...args);
+    if (this.on('debug')) this.real.debug(...args);
   }
   info(...args: Parameters<Logger['info']>): void {
-    if (this.root.isLevelEnabled('info')) this.real.info(...args);
+    if (this.on('info')) this.real.info(...args);
   }
   warn(...args: Parameters<Logger['warn']>): void {
-    if (this.root.isLevelEnabled('warn')) this.real.warn(...args);
+    if (this.on('warn')) this.real.warn(...args);
   }
   error(...args: Parameters<Logger['error']>): void {
-    if (this.root.isLevelEnabled('error')) this.real.error(...args);
+    if (this.on('error')) this.real.error(...args);
   }
   fatal(...args: Parameters<Logger['fatal']>): void {
-    if (this.root.isLevelEnabled('fatal')) this.real.fatal(...args);
+    if (this.on('fatal')) this.real.fatal(...args);
   }
   silent(): void {}
   child(bindings: Record<string, unknown>, options?: Parameters<Logger['child']>[1]) {
     return this.real.child(bindings, options);
   }
   isLevelEnabled(level: string): boolean {
-    return this.root.isLevelEnabled(level);
+    return this.on(level);
   }
   bindings(): Record<string, unknown> {
     return { ...this.root.bindings(), ...this.fields };

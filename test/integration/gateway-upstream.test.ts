@@ -85,6 +85,25 @@ describe("no charge for the gateway's own failures", () => {
   });
 });
 
+describe('a failed backend call in the log', () => {
+  it('is one line with its cause, never a stack', async () => {
+    const k = makeKey('free');
+    const closed = await freePort();
+    const gw = await buildTestGateway({ config: testConfig([k]), backend: `http://127.0.0.1:${closed}` });
+    const res = await gw.call('/v1/pets', k.key);
+    expect(res.status).toBe(502);
+    const reqId = res.headers.get('x-request-id');
+    await gw.waitForLog((l) => l.reqId === reqId && l.msg === 'request'); // the access line comes last
+    const lines = gw.logs.filter((l) => l.reqId === reqId);
+    expect(lines.map((l) => [l.level, l.msg])).toEqual([
+      [40, 'backend could not be reached'],
+      [30, 'request'],
+    ]);
+    expect(lines[0]).toMatchObject({ status: 502, cause: `connect ECONNREFUSED 127.0.0.1:${closed}` });
+    expect(JSON.stringify(gw.logs)).not.toContain('"stack"');
+  });
+});
+
 describe('what crosses the gateway', () => {
   // The echo backend in place of the pet backend: it records every request it receives.
   const gw = useTestGateway({ config, backend: 'echo' });

@@ -29,6 +29,21 @@ describe('the lazy request logger', () => {
     expect(JSON.parse(a.lines[0]!)).toMatchObject({ reqId: 'r-1', status: 200, msg: 'request' });
   });
 
+  it("keeps a route's own level, as pino's child with that level does", () => {
+    const a = capture();
+    const b = capture();
+    const lazy = new LazyRequestLogger(a.logger, { reqId: 'r-3' }, 'error');
+    const child = b.logger.child({ reqId: 'r-3' }, { level: 'error' });
+    for (const log of [lazy, child]) {
+      log.warn('dropped at error');
+      log.error('kept');
+      expect(log.isLevelEnabled('warn')).toBe(false);
+      expect(log.level).toBe('error');
+    }
+    expect(a.lines).toEqual(b.lines);
+    expect(a.lines).toHaveLength(1);
+  });
+
   it('makes no child for a request that logs nothing, nor for a line below the level', () => {
     const { logger } = capture('warn');
     let children = 0;
