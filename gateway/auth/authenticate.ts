@@ -1,9 +1,17 @@
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { GatewayError } from '../http/errors.js';
-import { type Credential, readCredential } from './keys.js';
+import { type Credential, type Malformed, readCredential } from './keys.js';
 
 const REALM = 'Bearer realm="pet-store"';
 const INVALID = `${REALM}, error="invalid_token"`;
+
+/** What to fix, by why the credential is no key; never the key itself, which may be a real one mistyped. */
+const MALFORMED: Record<Malformed, string> = {
+  scheme: 'Authorization must be "Bearer <API key>"',
+  empty: 'The bearer token is empty: send Authorization: Bearer <API key>',
+  format: 'Malformed API key: a key is psk_live_ or psk_test_ and 36 letters and digits',
+  checksum: 'API key checksum does not match: check for a typo',
+};
 
 /**
  * The last key read on each connection, with its digest: a keep-alive client sends the same
@@ -36,7 +44,7 @@ export function authenticate(header: string | undefined, config: GatewayConfig, 
         'www-authenticate': REALM,
       });
     case 'malformed':
-      return new GatewayError('unauthorized', 'Malformed API key', { 'www-authenticate': INVALID });
+      return new GatewayError('unauthorized', MALFORMED[credential.why], { 'www-authenticate': INVALID });
     case 'wrong_environment':
       return new GatewayError(
         'unauthorized',

@@ -1,7 +1,8 @@
+import { statSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 import { ConfigError } from '../config/config.js';
 import { configFilePath } from '../config/settings.js';
-import { createKey, duration, listKeys, revokeKey, rotateKey } from './key-file.js';
+import { createKey, duration, KeyFileError, listKeys, revokeKey, rotateKey } from './key-file.js';
 
 // `npm run keys -- create|list|revoke|rotate`: the keys in the config file (key-file.ts does
 // the locked, validated edit; the admin API uses the same). The plain key is printed once.
@@ -10,11 +11,47 @@ const USAGE = `usage:
   keys create --plan PLAN [--id ID] [--account ACCOUNT] [--per-minute N --per-day N] [--expires-at ISO-DATE] [--config FILE]
   keys list [--config FILE]
   keys revoke --id ID [--config FILE]
-  keys rotate --id ID [--grace DURATION (24h; s, m, h, d)] [--config FILE]`;
+  keys rotate --id ID [--grace DURATION (24h; s, m, h, d)] [--config FILE]
+  keys --help`;
+
+const COMMANDS = ['create', 'list', 'revoke', 'rotate'];
 
 class UsageError extends Error {}
 
+/** The options a refused field was given by (key-file.ts names them as the admin API does). */
+const OPTION: Record<NonNullable<KeyFileError['field']>, string> = {
+  plan: '--plan',
+  id: '--id',
+  account: '--account',
+  limits: '--per-minute and --per-day',
+  expiresAt: '--expires-at',
+  grace: '--grace',
+};
+
+/** A refusal said in full: printed as it is, exit 1. */
+class Refusal extends Error {}
+
+/** Checked before the command runs, so a wrong path reads the same whatever the command. */
+function checkFile(file: string): void {
+  const stat = statSync(file, { throwIfNoEntry: false });
+  if (!stat) throw new Refusal(`${file}: no such file (set --config or GATEWAY_CONFIG to the gateway's config file)`);
+  if (stat.isDirectory()) throw new Refusal(`${file}: a directory, not a file`);
+}
+
+/** What to print for a refusal: one plain line, naming the option or the file at fault. */
+function explain(err: unknown): string {
+  if (err instanceof KeyFileError) return err.field ? `${OPTION[err.field]}: ${err.reason}` : err.message;
+  if (err instanceof ConfigError || err instanceof Refusal) return err.message;
+  return `error: ${(err as Error).message}`;
+}
+
 async function run(argv: string[]): Promise<void> {
+  // Before parsing: help is help, whatever else the line holds.
+  const options = argv.includes('--') ? argv.slice(0, argv.indexOf('--')) : argv;
+  if (options.includes('--help') || options.includes('-h')) {
+    console.log(USAGE);
+    return;
+  }
   const { values, positionals } = parseArgs({
     args: argv,
     allowPositionals: true,
@@ -29,8 +66,10 @@ async function run(argv: string[]): Promise<void> {
       grace: { type: 'string' },
     },
   });
-  const file = values.config ?? configFilePath();
   const command = positionals[0];
+  if (!command || !COMMANDS.includes(command)) throw new UsageError(command ? `unknown command "${command}"` : 'missing command');
+  const file = values.config ?? configFilePath();
+  checkFile(file);
   if (command === 'list') {
     const rows = listKeys(file).map((k) => {
       const status =
@@ -83,9 +122,7 @@ async function run(argv: string[]): Promise<void> {
     if (!values.id) throw new UsageError('revoke needs --id');
     await revokeKey(file, values.id);
     console.error(`revoked key "${values.id}" in ${file}`);
-    return;
   }
-  throw new UsageError(command ? `unknown command "${command}"` : 'missing command');
 }
 
 try {
@@ -95,6 +132,6 @@ try {
     console.error(`${(err as Error).message}\n${USAGE}`);
     process.exit(2);
   }
-  console.error(err instanceof ConfigError ? err.message : `error: ${(err as Error).message}`);
+  console.error(explain(err));
   process.exit(1);
 }

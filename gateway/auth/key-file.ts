@@ -1,10 +1,11 @@
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
+import { Value } from '@sinclair/typebox/value';
 import ms from 'ms';
 import lockfile from 'proper-lockfile';
 import writeFileAtomic from 'write-file-atomic';
 import { type Document, isMap, isSeq, parseDocument, type YAMLSeq } from 'yaml';
-import { type ConfigFile, parseConfigText } from '../config/config.js';
+import { ConfigFile, parseConfigText } from '../config/config.js';
 import { generateKey } from './keys.js';
 
 // Keys in the config file, for the keys command and the admin API alike: each change edits
@@ -14,13 +15,18 @@ import { generateKey } from './keys.js';
 // crashed), so concurrent editors lose nothing and a running gateway only ever reads a whole,
 // valid file. The plain key is returned once.
 
-/** Why a change was refused, in terms both the command and the admin API can answer with. */
+/**
+ * Why a change was refused, in terms both the command and the admin API can answer with.
+ * `field` names the request field it is about: the message starts with it as the admin API
+ * names it (`expiresAt: …`), and the command says `reason` after its own option (`--expires-at: …`).
+ */
 export class KeyFileError extends Error {
   constructor(
-    message: string,
+    readonly reason: string,
     readonly kind: 'invalid' | 'taken' | 'not_found' | 'read_only',
+    readonly field?: keyof NewKey | 'grace',
   ) {
-    super(message);
+    super(field ? `${field}: ${reason}` : reason);
   }
 }
 
@@ -49,7 +55,7 @@ const iso = (ms: number) => new Date(ms).toISOString().replace(/\.\d+Z$/, 'Z');
 export function duration(text: string): number {
   const value = /[a-z]\s*$/i.test(text) ? ms(text as ms.StringValue) : undefined;
   if (value === undefined || !(value > 0))
-    throw new KeyFileError(`grace: expected a number and s, m, h or d (24h), got "${text}"`, 'invalid');
+    throw new KeyFileError(`expected a number and s, m, h or d (24h), got "${text}"`, 'invalid', 'grace');
   return value;
 }
 
@@ -70,6 +76,7 @@ export function listKeys(file: string): KeyRow[] {
 
 export function createKey(file: string, request: NewKey): Promise<{ id: string; key: string }> {
   return edit(file, (current, keys, doc) => {
+    checkRequest(request, current);
     const id = request.id ?? `${request.plan}-${randomBytes(3).toString('hex')}`;
     // Said plainly: through the validator it would read as if the file were broken.
     if (current.keys.some((k) => k.id === id))
@@ -79,10 +86,36 @@ export function createKey(file: string, request: NewKey): Promise<{ id: string; 
     if (request.account !== undefined) entry.account = request.account;
     if (request.limits) entry.limits = request.limits;
     entry.createdAt = iso(Date.now());
-    if (request.expiresAt !== undefined) entry.expiresAt = request.expiresAt; // the validator checks the date
+    if (request.expiresAt !== undefined) entry.expiresAt = request.expiresAt;
     keys.add(doc.createNode(entry));
     return { id, key };
   });
+}
+
+const KEY_ENTRY = ConfigFile.properties.keys.items.properties;
+const NAME_RULE = '1 to 64 of a-z, 0-9, _ and -'; // KEY_ENTRY.id's pattern, said plainly (a test holds them together)
+
+/**
+ * The request's fields against the file's rules, each refusal naming its field in a sentence.
+ * The validator would refuse the same entries, but as a broken file (`keys.6.id: Expected
+ * string to match '^[a-z0-9_-]{1,64}$'`), which misleads whoever only typed a bad value.
+ */
+function checkRequest(request: NewKey, current: ConfigFile): void {
+  // Own properties only: `constructor` is no plan, though every object answers to it.
+  const plan = Object.hasOwn(current.plans, request.plan) ? current.plans[request.plan] : undefined;
+  if (!plan) throw new KeyFileError(`unknown plan "${request.plan}"; plans: ${Object.keys(current.plans).join(', ')}`, 'invalid');
+  for (const field of ['id', 'account'] as const) {
+    const value = request[field];
+    if (value !== undefined && !Value.Check(KEY_ENTRY[field], value))
+      throw new KeyFileError(`${NAME_RULE}, got "${value}"`, 'invalid', field);
+  }
+  const { limits, expiresAt } = request;
+  if (limits && !Value.Check(KEY_ENTRY.limits, limits)) throw new KeyFileError('whole numbers, 1 or more', 'invalid', 'limits');
+  if (plan.custom && !limits)
+    throw new KeyFileError(`required for the custom plan "${request.plan}", which has no limits of its own`, 'invalid', 'limits');
+  // The pattern alone lets a 13th month through, and a date that never parses never expires.
+  if (expiresAt !== undefined && !(Value.Check(KEY_ENTRY.expiresAt, expiresAt) && Number.isFinite(Date.parse(expiresAt))))
+    throw new KeyFileError(`an ISO 8601 date-time such as 2027-01-31T00:00:00Z, got "${expiresAt}"`, 'invalid', 'expiresAt');
 }
 
 /** A new key in the same account, plan and limits; the old one works for `graceMs`, then expires. */

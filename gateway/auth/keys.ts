@@ -38,9 +38,12 @@ export function hashKey(key: string): string {
   return `sha256:${hash('sha256', key, 'hex')}`;
 }
 
+/** Why a credential is not a key: no Bearer scheme, an empty token, not a key's format, a failed checksum. */
+export type Malformed = 'scheme' | 'empty' | 'format' | 'checksum';
+
 export type Credential =
   | { kind: 'missing' }
-  | { kind: 'malformed' }
+  | { kind: 'malformed'; why: Malformed }
   | { kind: 'wrong_environment'; environment: Environment }
   | { kind: 'key'; hash: string };
 
@@ -49,9 +52,15 @@ export function readCredential(header: string | undefined, environment: Environm
   if (header === undefined || header === '') return { kind: 'missing' };
   const key = BEARER.exec(header)?.[1];
   const m = key ? KEY_FORMAT.exec(key) : null;
-  if (!key || !m) return { kind: 'malformed' };
-  if (m[3] !== undefined && checksum(key.slice(0, -6)) !== m[3]) return { kind: 'malformed' }; // mistyped
+  if (!key || !m) return { kind: 'malformed', why: key ? 'format' : notBearer(header) };
+  if (m[3] !== undefined && checksum(key.slice(0, -6)) !== m[3]) return { kind: 'malformed', why: 'checksum' }; // mistyped
   const keyEnv: Environment = m[1] === 'live' ? 'production' : 'staging';
   if (keyEnv !== environment) return { kind: 'wrong_environment', environment: keyEnv };
   return { kind: 'key', hash: hashKey(key) };
+}
+
+/** Why a header the bearer pattern refused holds no token; read only then, off the success path. */
+function notBearer(header: string): Malformed {
+  if (/^bearer *$/i.test(header)) return 'empty'; // `Bearer ` arrives as `Bearer`: Node trims header values
+  return /^bearer /i.test(header) ? 'format' : 'scheme';
 }

@@ -139,7 +139,8 @@ function crossChecks(file: ConfigFile): string[] {
   const hashes = new Set<string>();
   const accounts = new Map<string, { index: number; plan: string; limits: string }>();
   file.keys.forEach((k, i) => {
-    const plan = file.plans[k.plan];
+    // Own names only: a key on "constructor" must not find Object's.
+    const plan = Object.hasOwn(file.plans, k.plan) ? file.plans[k.plan] : undefined;
     if (!plan) problems.push(`keys.${i}.plan: unknown plan "${k.plan}"`);
     else if (plan.custom && !k.limits) problems.push(`keys.${i}.limits: required for the custom plan "${k.plan}"`);
     if (ids.has(k.id)) problems.push(`keys.${i}.id: duplicate id "${k.id}"`);

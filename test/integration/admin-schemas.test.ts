@@ -156,7 +156,7 @@ describe('requests the schemas refuse', () => {
     expect(date.status).toBe(400);
     expect(await date.json()).toEqual({
       code: 'bad_request',
-      message: expect.stringMatching(/^The change would make the config invalid: .*expiresAt/),
+      message: expect.stringMatching(/^expiresAt: an ISO 8601 date-time/),
       status: 400,
     });
     const grace = await post(`/admin/keys/${member.id}/rotate`, { grace: 'soon' });

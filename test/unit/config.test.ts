@@ -37,6 +37,7 @@ describe('config file', () => {
     ['a zero limit', { plans: { free: { perMinute: 0, perDay: 1 } } }, /^plans\.free\.perMinute: /],
     ['a plan with one limit', { plans: { free: { perMinute: 5 } } }, /^plans\.free: give either/],
     ['a key of an unknown plan', { keys: [{ ...key, plan: 'gold' }] }, /^keys\.0\.plan: unknown plan "gold"/],
+    ['a key of a plan every object has', { keys: [{ ...key, plan: 'constructor' }] }, /^keys\.0\.plan: unknown plan "constructor"/],
     ['a custom key without limits', { keys: [{ ...key, plan: 'enterprise' }] }, /^keys\.0\.limits: required/],
     ['a bad key id', { keys: [{ ...key, id: 'Has Space' }] }, /^keys\.0\.id: /],
     ['a plain key instead of a hash', { keys: [{ ...key, hash: 'psk_live_abc' }] }, /^keys\.0\.hash: /],

@@ -11,19 +11,19 @@ describe('keys', () => {
     expect(many.size).toBe(1000);
   });
 
-  it('refuses a mistyped or truncated key as malformed before any lookup; keys of the old format still work', () => {
+  it('refuses a mistyped or truncated key as malformed before any lookup, saying which; keys of the old format still work', () => {
     const { key } = generateKey('production');
     const typo = key.slice(0, 20) + (key[20] === 'a' ? 'b' : 'a') + key.slice(21);
-    expect(readCredential(`Bearer ${typo}`, 'production')).toEqual({ kind: 'malformed' });
-    expect(readCredential(`Bearer ${key.slice(0, -1)}`, 'production')).toEqual({ kind: 'malformed' });
+    expect(readCredential(`Bearer ${typo}`, 'production')).toEqual({ kind: 'malformed', why: 'checksum' });
+    expect(readCredential(`Bearer ${key.slice(0, -1)}`, 'production')).toEqual({ kind: 'malformed', why: 'format' });
     const old = `psk_live_${randomBytes(24).toString('base64url')}`; // issued before checksums
     expect(readCredential(`Bearer ${old}`, 'production')).toEqual({ kind: 'key', hash: hashKey(old) });
     expect(hashKey(old)).toBe(`sha256:${createHash('sha256').update(old).digest('hex')}`);
   });
 
-  it("the README's gitleaks rule finds a key, and neither a truncated one nor a longer look-alike", () => {
-    const readme = readFileSync('README.md', 'utf8');
-    const rule = /regex = '''(.+)'''/.exec(readme)?.[1];
+  it("docs/keys.md's gitleaks rule finds a key, and neither a truncated one nor a longer look-alike", () => {
+    const doc = readFileSync('docs/keys.md', 'utf8');
+    const rule = /regex = '''(.+)'''/.exec(doc)?.[1];
     expect(rule).toBeDefined();
     const pattern = new RegExp(rule!);
     const { key } = generateKey('production');
@@ -38,8 +38,12 @@ describe('keys', () => {
     expect(readCredential(`Bearer ${key}`, 'production')).toEqual({ kind: 'key', hash });
     expect(readCredential(`bearer ${key}`, 'production')).toEqual({ kind: 'key', hash });
     expect(readCredential(undefined, 'production')).toEqual({ kind: 'missing' });
-    expect(readCredential(key, 'production')).toEqual({ kind: 'malformed' });
-    expect(readCredential(`Bearer ${key}x`, 'production')).toEqual({ kind: 'malformed' });
+    expect(readCredential(key, 'production')).toEqual({ kind: 'malformed', why: 'scheme' });
+    expect(readCredential(`Basic ${key}`, 'production')).toEqual({ kind: 'malformed', why: 'scheme' });
+    expect(readCredential('Bearer', 'production')).toEqual({ kind: 'malformed', why: 'empty' });
+    expect(readCredential('Bearer  ', 'production')).toEqual({ kind: 'malformed', why: 'empty' });
+    expect(readCredential(`Bearer ${key}x`, 'production')).toEqual({ kind: 'malformed', why: 'format' });
+    expect(readCredential(`Bearer ${key} ${key}`, 'production')).toEqual({ kind: 'malformed', why: 'format' });
     expect(readCredential(`Bearer ${key}`, 'staging')).toEqual({ kind: 'wrong_environment', environment: 'production' });
   });
 });
