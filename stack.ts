@@ -27,7 +27,7 @@ try {
 } catch {
   logSettings = { logLevel: 'info', logPretty: false };
 }
-const log = createLogger(logSettings.logLevel, logSettings.logPretty, () => {}).child({ service: 'stack' });
+const log = createLogger('stack', logSettings.logLevel, logSettings.logPretty, () => {});
 
 /** Restart delays: 100 ms doubling to 5 s; a run of a minute or more starts the count again. */
 const FIRST_DELAY_MS = 100;

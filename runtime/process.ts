@@ -1,4 +1,5 @@
 import cluster from 'node:cluster';
+import { hostname } from 'node:os';
 import closeWithGrace from 'close-with-grace';
 import type { FastifyBaseLogger, FastifyInstance } from 'fastify';
 import { type DestinationStream, destination, type Logger, pino } from 'pino';
@@ -6,13 +7,18 @@ import { type DestinationStream, destination, type Logger, pino } from 'pino';
 // How a service process runs, the same for the backend and the gateway: its logger and its
 // graceful stop on signals. (Settings: runtime/settings.ts.)
 
+/** Which process wrote a line: `npm start` and compose put both services in one stream. */
+export type Service = 'gateway' | 'backend' | 'stack';
+
 /**
- * pino options of both services: credentials and cookies are removed from anything logged
- * under a request's headers; LOG_PRETTY=1 gives human-readable lines through pino-pretty.
+ * pino options of both services: each line names its service; credentials and cookies are
+ * removed from anything logged under a request's headers; LOG_PRETTY=1 gives human-readable
+ * lines through pino-pretty.
  */
-export function loggerOptions(level: string, pretty = false) {
+export function loggerOptions(service: Service, level: string, pretty = false) {
   return {
     level,
+    base: { pid: process.pid, hostname: hostname(), service },
     redact: {
       paths: ['req.headers.authorization', 'req.headers.cookie', 'headers.authorization', 'headers.cookie'],
       remove: true,
@@ -45,8 +51,8 @@ function asyncStdout(onDrop: () => void) {
 }
 
 /** A service's logger: pretty through pino-pretty, else JSON lines to `stream` or to asyncStdout. */
-export function createLogger(level: string, pretty: boolean, onDrop: () => void, stream?: DestinationStream): Logger {
-  const options = loggerOptions(level, pretty && !stream);
+export function createLogger(service: Service, level: string, pretty: boolean, onDrop: () => void, stream?: DestinationStream): Logger {
+  const options = loggerOptions(service, level, pretty && !stream);
   return options.transport ? pino(options) : pino(options, stream ?? asyncStdout(onDrop));
 }
 

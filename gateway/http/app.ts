@@ -54,7 +54,13 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   let config = deps.config;
   const current = () => config;
   const metrics = new GatewayMetrics(settings.metricsKeyIds);
-  const log: FastifyBaseLogger = createLogger(settings.logLevel, settings.logPretty, () => metrics.logLinesDropped.inc(), deps.logStream);
+  const log: FastifyBaseLogger = createLogger(
+    'gateway',
+    settings.logLevel,
+    settings.logPretty,
+    () => metrics.logLinesDropped.inc(),
+    deps.logStream,
+  );
   const store: QuotaStore = deps.redis
     ? new RedisQuotaStore(deps.redis, log, {
         observe: (s) => metrics.redisSeconds.observe(s),

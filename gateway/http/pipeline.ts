@@ -1,12 +1,12 @@
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
-import type { AccessEntry } from '../observability/access-log.js';
+import type { AccessEntry, AccessOutcome } from '../observability/access-log.js';
 import { authenticate } from '../auth/authenticate.js';
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { corsHeaders, preflight } from './cors.js';
 import { sunsetRefusal } from './deprecation.js';
 import { GatewayError, handleError } from './errors.js';
 import { admit } from '../quota/admit.js';
-import type { AdmissionOutcome, QuotaSubject } from '../quota/decision.js';
+import type { QuotaSubject } from '../quota/decision.js';
 import type { QuotaStore } from '../quota/store.js';
 import { DOCUMENT_ROUTE, isDocumentPath, matchRoute, type RouteId } from './routes.js';
 
@@ -22,8 +22,8 @@ export interface RequestContext {
   readonly config: GatewayConfig;
   consumer?: Consumer;
   route?: RouteId;
-  /** The quota decision, once made. */
-  outcome?: AdmissionOutcome;
+  /** The quota decision, once made; "unauthenticated" for a request without a valid key that its address's quota let through. */
+  outcome?: AccessOutcome;
   /** When the key's quota counted this request, if it did: a 502/504 gives it back. */
   countedAtMs?: number;
   /** Units this request cost its key (its route's cost; 1 by default). */
@@ -90,8 +90,13 @@ export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, 
 
   /** The per-address quota of a request without a key: throws its 429, or else `otherwise`. */
   async function admitByAddress(request: FastifyRequest, reply: FastifyReply, otherwise?: GatewayError): Promise<void> {
-    const refused = (await admitRequest(request, reply, request.ctx.config.addressSubject(request.ip))) ?? otherwise;
+    const refused = await admitRequest(request, reply, request.ctx.config.addressSubject(request.ip));
     if (refused) throw refused;
+    if (otherwise) {
+      // Not "allowed" on the access line: the address's quota let it through to its 401.
+      if (otherwise.status === 401) request.ctx.outcome = 'unauthenticated';
+      throw otherwise;
+    }
   }
 
   /** The public document: the per-address quota instead of a key, and GET or HEAD only. */

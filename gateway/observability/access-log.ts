@@ -5,6 +5,9 @@ import type { GatewayMetrics, RejectionReason } from './metrics.js';
 import type { AdmissionOutcome } from '../quota/decision.js';
 import type { RouteId } from '../http/routes.js';
 
+/** What the gateway decided for a request: its quota's outcome, or that it had no valid key (counted by address). */
+export type AccessOutcome = AdmissionOutcome | 'unauthenticated';
+
 /** One answered request, whichever path answered it (proxy, hook, framework error, raw socket). */
 export interface AccessEntry {
   method: string;
@@ -12,14 +15,14 @@ export interface AccessEntry {
   ms: number;
   consumer?: Consumer;
   route?: RouteId;
-  outcome?: AdmissionOutcome;
+  outcome?: AccessOutcome;
 }
 
 /** Why a request was refused, for the metric: a 401, or a 429 without a key, is "unauthenticated". */
 function rejection(e: AccessEntry): RejectionReason | undefined {
   if (e.status === 401 || (e.status === 429 && !e.consumer)) return 'unauthenticated';
   if (e.outcome === 'unavailable') return 'unavailable';
-  return e.status === 429 && e.outcome && e.outcome !== 'allowed' ? e.outcome : undefined;
+  return e.status === 429 && e.outcome && e.outcome !== 'allowed' && e.outcome !== 'unauthenticated' ? e.outcome : undefined;
 }
 
 /**

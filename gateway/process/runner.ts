@@ -60,7 +60,7 @@ const CLOSE_MARGIN_MS = 5000;
 export async function run(settings: GatewaySettings, initial: GatewayConfig, options: RunOptions): Promise<Running> {
   const redis = connectRedis(settings);
   const gateway = options.serve ? await buildGateway(settings, { config: initial, redis, logStream: options.logStream }) : undefined;
-  const log = gateway?.app.log ?? createLogger(settings.logLevel, settings.logPretty, () => {}, options.logStream);
+  const log = gateway?.app.log ?? createLogger('gateway', settings.logLevel, settings.logPretty, () => {}, options.logStream);
   // The gateway holds the config in force; the primary, which serves none, holds its own.
   let primaryConfig = initial;
   const config = gateway?.config ?? (() => primaryConfig);

@@ -223,7 +223,8 @@ describe('npm start as a new user runs it', () => {
     });
     let text = '';
     const closed = new Promise((r) => npm.once('close', r));
-    const { add, waitForLog } = logLines(() => text, 30_000, closed);
+    const { logs: seen, add, waitForLog } = logLines(() => text, 30_000, closed);
+    const linesSeen = () => seen;
     for (const stream of [npm.stdout!, npm.stderr!])
       createInterface({ input: stream }).on('line', (line) => {
         text += `${line}\n`;
@@ -237,6 +238,28 @@ describe('npm start as a new user runs it', () => {
       pids.push(Number(ready.pid), Number(backend.pid), stack);
       expect(ready.backend).toBe(`http://127.0.0.1:${backendPort}`);
       expect((await call(`http://127.0.0.1:${gatewayPort}/v1/pets`, k.key)).status).toBe(200); // reached the moved backend
+
+      // The log a user reads: one line per request from each service, each naming its service.
+      const linesOf = async (res: Response, services: string[]) => {
+        const reqId = res.headers.get('x-request-id');
+        for (const service of services) await waitForLog((l) => l.reqId === reqId && l.service === service && l.msg === 'request');
+        return reqId;
+      };
+      const first = await linesOf(await call(`http://127.0.0.1:${gatewayPort}/v1/pets`, k.key), ['gateway', 'backend']);
+      const refused = await linesOf(await call(`http://127.0.0.1:${gatewayPort}/v1/pets`, `${k.key}x`), ['gateway']);
+      // Each service writes in order: a late line about the first request would be in by now.
+      await linesOf(await call(`http://127.0.0.1:${gatewayPort}/v1/pets`, k.key), ['gateway', 'backend']);
+      const logs = linesSeen();
+      expect(
+        logs
+          .filter((l) => l.reqId === first)
+          .map((l) => `${l.service} ${l.msg}`)
+          .sort(),
+      ).toEqual(['backend request', 'gateway request']);
+      expect(logs.filter((l) => l.reqId === refused)).toEqual([
+        expect.objectContaining({ service: 'gateway', status: 401, outcome: 'unauthenticated' }),
+      ]);
+      expect(logs.every((l) => ['gateway', 'backend', 'stack'].includes(String(l.service)))).toBe(true);
 
       npm.kill('SIGTERM');
       await closed;

@@ -8,7 +8,7 @@ import { createLogger } from '../../runtime/process.js';
 function capture(level = 'info') {
   const lines: string[] = [];
   const stream = new Writable({ write: (chunk, _enc, done) => (lines.push(String(chunk)), done()) });
-  return { log: createLogger(level, false, () => {}, stream), lines };
+  return { log: createLogger('gateway', level, false, () => {}, stream), lines };
 }
 
 const consumer = { id: 'k_"quoted"\\', plan: 'pro' } as Consumer;
