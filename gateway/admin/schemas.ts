@@ -113,3 +113,11 @@ export const AccountUsage = Type.Composite([Type.Object({ keys: Type.Array(Type.
   title: 'AccountUsage',
   description: 'The account and its keys',
 });
+
+export const Unbanned = described(
+  Type.Object({
+    account: Type.String(),
+    lifted: Type.Boolean({ description: 'False when no ban was in force (its recent 429s are forgotten all the same)' }),
+  }),
+  'The ban is lifted; every instance sees it within a second',
+);

@@ -3,7 +3,7 @@ import type { Consumer, GatewayConfig } from '../config/config.js';
 import { GatewayError } from '../http/errors.js';
 import { windows, type WindowState } from '../quota/decision.js';
 import type { QuotaStore } from '../quota/store.js';
-import { AccountParams, AccountUsage, failure, KeyParams, KeyUsage, type Usage } from './schemas.js';
+import { AccountParams, AccountUsage, failure, KeyParams, KeyUsage, Unbanned, type Usage } from './schemas.js';
 
 export interface UsageParts {
   config: () => GatewayConfig;
@@ -71,6 +71,33 @@ export const usageRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, pa
       const members = consumers().filter((c) => c.account === request.params.account);
       if (members.length === 0) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
       return { keys: members.map((c) => c.id).sort(), ...(await usageOf(members[0]!, parts)) };
+    },
+  );
+
+  // A ban is an account's, like its quota: lifting it is a call on the account.
+  app.post(
+    '/admin/accounts/:account/unban',
+    {
+      schema: {
+        operationId: 'unbanAccount',
+        tags: ['usage'],
+        description: "Lifts the account's ban and forgets its recent 429s, so its next request is decided afresh.",
+        params: AccountParams,
+        response: {
+          200: Unbanned,
+          400: failure('bad_request: a malformed account name'),
+          404: failure('key_not_found: no key in that account'),
+          503: failure('quota_store_unavailable: Redis did not answer; the ban stays'),
+        },
+      },
+    },
+    async (request) => {
+      const member = consumers().find((c) => c.account === request.params.account);
+      if (!member) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
+      const lifted = await parts.store.unban(member.subject).catch(() => {
+        throw new GatewayError('quota_store_unavailable', 'Redis did not answer: the ban stays; try again');
+      });
+      return { account: request.params.account, lifted };
     },
   );
 };

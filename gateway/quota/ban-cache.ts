@@ -4,9 +4,13 @@ import type { Counters } from './store.js';
 /**
  * Bans this instance has seen in Redis's replies, with the counters they came with: a banned
  * key is refused from memory, without a round trip, until its ban ends, and while Redis fails.
+ * While Redis answers, a ban seen more than `recheckMs` ago is asked again (one call a second
+ * per banned key at most), so a ban lifted on the admin port, by any instance, ends everywhere.
  */
 export class BanCache {
-  private readonly bans = new Map<string, Counters>();
+  private readonly bans = new Map<string, Counters & { seenAt: number }>();
+
+  constructor(private readonly recheckMs = 1000) {}
 
   remember(name: string, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number): void {
     this.bans.set(name, {
@@ -15,16 +19,27 @@ export class BanCache {
       dayStart: windowStart(nowMs, DAY_MS),
       dayCount: dayUsed,
       ban: banUntilMs,
+      seenAt: nowMs,
     });
   }
 
-  /** The subject's ban in force at `nowMs` (Redis time), if any; an ended one is forgotten. */
-  get(name: string, nowMs: number): Counters | undefined {
+  /** Redis said this subject is not banned (any more). */
+  forget(name: string): void {
+    this.bans.delete(name);
+  }
+
+  /**
+   * The subject's ban in force at `nowMs` (Redis time), if any; an ended one is forgotten. With
+   * `fresh`, one seen longer ago than the recheck interval is not returned (Redis is to be asked).
+   */
+  get(name: string, nowMs: number, fresh = false): Counters | undefined {
     const known = this.bans.get(name);
     if (!known) return undefined;
-    if (known.ban > nowMs) return known;
-    this.bans.delete(name);
-    return undefined;
+    if (known.ban <= nowMs) {
+      this.bans.delete(name);
+      return undefined;
+    }
+    return fresh && nowMs - known.seenAt >= this.recheckMs ? undefined : known;
   }
 
   active(nowMs: number): number {

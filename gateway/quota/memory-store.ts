@@ -41,6 +41,15 @@ export class MemoryQuotaStore implements QuotaStore {
     if (s.dayStart === windowStart(countedAtMs, DAY_MS)) s.dayCount = Math.max(0, s.dayCount - cost);
   }
 
+  async unban({ name }: QuotaSubject): Promise<boolean> {
+    const s = this.states.get(name);
+    if (!s) return false;
+    const lifted = s.ban > this.clock();
+    s.ban = 0;
+    s.rejections = [];
+    return lifted;
+  }
+
   activeBans(): number {
     const now = this.clock();
     let n = 0;

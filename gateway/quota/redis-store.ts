@@ -22,6 +22,7 @@ type QuotaRedis = RedisClient & {
   refund(counters: string, minuteStart: number, dayStart: number, units: number): Promise<number>;
   writeback(counters: string, applied: string, id: string, ...args: number[]): Promise<number>;
   heartbeat(registry: string, id: string, ttlMs?: number): Promise<[live: number, rank: number, nowMs: number]>;
+  unban(counters: string, rejections: string): Promise<number>;
 };
 
 export interface RedisStoreOptions {
@@ -84,6 +85,7 @@ export class RedisQuotaStore implements QuotaStore {
     redis.defineCommand('refund', { numberOfKeys: 1, lua: lua('./refund.lua') });
     redis.defineCommand('writeback', { numberOfKeys: 2, lua: lua('./writeback.lua') });
     redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: lua('./heartbeat.lua') });
+    redis.defineCommand('unban', { numberOfKeys: 2, lua: lua('./unban.lua') });
     this.redis = redis as QuotaRedis;
     this.health = new RedisHealth({
       beat: () => this.beat(),
@@ -117,7 +119,8 @@ export class RedisQuotaStore implements QuotaStore {
       const lease = cost === 1 ? this.leases.take(name) : undefined;
       if (lease) return this.fromLease(subject, lease);
       const now = this.redisClock.now();
-      const ban = this.bans.get(name, now);
+      // While Redis answers, a ban is asked again once a second: it may have been lifted.
+      const ban = this.bans.get(name, now, !this.health.failing);
       if (ban) return decision(limits, { outcome: 'banned', ...countsAt(ban, now), nowMs: now, banUntilMs: ban.ban });
       if (this.health.failing) return this.degradedDecision(subject, cost);
       this.leases.sweep();
@@ -221,6 +224,7 @@ export class RedisQuotaStore implements QuotaStore {
     const outcome = OUTCOMES[index]!;
     if (taken > cost) this.leases.grant(subject.name, leaseOf(taken - 1, taken, answer.sentMono, nowMs, minuteUsed, dayUsed));
     if (outcome === 'banned') this.bans.remember(subject.name, minuteUsed, dayUsed, nowMs, banUntilMs);
+    else this.bans.forget(subject.name);
     return decision(subject.limits, { outcome, minuteUsed, dayUsed, nowMs, banUntilMs });
   }
 
@@ -236,7 +240,10 @@ export class RedisQuotaStore implements QuotaStore {
       if (!answer) return false;
       const [index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = 0] = answer.reply;
       if (OUTCOMES[index] === 'banned') this.bans.remember(name, minuteUsed, dayUsed, nowMs, banUntilMs);
-      else if (taken > 0) this.leases.grantAhead(name, leaseOf(taken, size, answer.sentMono, nowMs, minuteUsed, dayUsed));
+      else {
+        this.bans.forget(name);
+        if (taken > 0) this.leases.grantAhead(name, leaseOf(taken, size, answer.sentMono, nowMs, minuteUsed, dayUsed));
+      }
       return taken > 0;
     });
     this.leases.track(name, done);
@@ -298,6 +305,13 @@ export class RedisQuotaStore implements QuotaStore {
         'quota store: a refund failed; the request stays counted',
       );
     }
+  }
+
+  /** Lifts the subject's ban in Redis (every instance sees it within a second); false when none was in force. */
+  async unban(subject: QuotaSubject): Promise<boolean> {
+    const until = await this.redis.unban(subject.name, `${subject.name}:rej`);
+    this.bans.forget(subject.name);
+    return Number(until) > 0;
   }
 
   /** One MULTI: Redis time, the counters and the recent 429s, read together. */

@@ -11,6 +11,8 @@ export interface QuotaStore {
    * client is not charged. Best effort: a refund that cannot be made leaves the unit counted.
    */
   refund(subject: QuotaSubject, countedAtMs: number, cost?: number): Promise<void>;
+  /** Lifts the subject's ban and forgets its recent 429s (an operator's call); false when no ban was in force. */
+  unban(subject: QuotaSubject): Promise<boolean>;
   /** True while Redis is declared failing: decisions come from the degraded budget. */
   readonly degraded: boolean;
   /** Bans this instance knows to be in force now. */

@@ -1,7 +1,7 @@
 import { Validator } from '@seriousme/openapi-schema-validator';
 import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
-import { makeKey, type TestKey, testConfig } from '../helpers/config.js';
+import { makeKey, type TestKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway, type TestGatewayOptions } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
@@ -117,6 +117,26 @@ describe('admin port', () => {
     expect(text).toMatch(/^gateway_bans_active 1$/m);
     expect(text).toMatch(/^gateway_rejections_total\{reason="banned"\} 1$/m);
     expect(text).toMatch(/^gateway_rejections_total\{reason="minute"\} 3$/m);
+  });
+
+  it('lifts a ban on the admin port, and every instance sees it within a second', async () => {
+    const k = makeKey('free'); // 5 a minute; banned after 4 refusals within 60 s
+    const prefix = uniquePrefix(); // two instances on one Redis: one deployment
+    const [a, b] = [await build([k], { redisKeyPrefix: prefix }), await build([k], { redisKeyPrefix: prefix })];
+    // At most 10 of 30 fit two minute windows, so refusals pile up within 60 s whatever the clock.
+    let last = '';
+    for (let i = 0; i < 30 && last !== 'key_banned'; i++) last = (await codes(a, k.key, 1))[0]!;
+    expect(last).toBe('key_banned');
+    expect(await codes(b, k.key, 1)).toEqual(['key_banned']); // b has seen it from Redis and keeps it
+    const unban = await fetch(`${a.adminUrl}/admin/accounts/${k.id}/unban`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${ADMIN_TOKEN}` },
+    });
+    expect(await unban.json()).toEqual({ account: k.id, lifted: true });
+    expect((await usage(a, k.id)).ban).toEqual({ active: false, until: null });
+    expect(await codes(a, k.key, 1)).not.toEqual(['key_banned']);
+    // b asks Redis again once its copy of the ban is a second old.
+    await eventually(async () => (await codes(b, k.key, 1))[0] !== 'key_banned', 3000, 'the ban lifted on b');
   });
 
   it('answers 401 to everyone when no admin token is set, and logs why', async () => {

@@ -177,6 +177,18 @@ describe('memory store upkeep', () => {
     expect(await store.peek(key)).toMatchObject({ minuteUsed: 0, dayUsed: 0 });
   });
 
+  it('lifts a ban and forgets the recent 429s when asked', async () => {
+    const store = new MemoryQuotaStore(() => Date.UTC(2026, 10, 22, 10, 0, 0));
+    const s = subject(1, 0, true); // 1 a minute; banned after the 429s its ban policy allows
+    let outcome = '';
+    for (let i = 0; i < 10 && outcome !== 'banned'; i++) outcome = (await store.consume(s)).outcome;
+    expect(outcome).toBe('banned');
+    expect(await store.unban(s)).toBe(true);
+    expect(await store.peek(s)).toMatchObject({ banUntilMs: 0, recentRejections: 0 });
+    expect((await store.consume(s)).outcome).toBe('minute'); // the minute stays used: only the ban is lifted
+    expect(await store.unban(s)).toBe(false);
+  });
+
   it('gives back the memory of addresses whose minute is over: a client chooses its addresses', async () => {
     // Measured after a full collection: what the store holds has no other observable size.
     setFlagsFromString('--expose-gc');
