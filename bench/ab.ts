@@ -22,7 +22,7 @@ async function main() {
   try {
     // Each round starts every variant's process afresh and stops it after: one process is one
     // draw of V8's JIT state, which moves CPU per request by tens of microseconds on this
-    // machine (see README Performance), so the medians are over processes as well as rounds.
+    // machine (see docs/performance.md), so the medians are over processes as well as rounds.
     const variants: Array<{ name: string; launch: () => Promise<Proxy> }> = [{ name: 'bare proxy', launch: () => startReference(bed) }];
     for (const spec of SPECS.split(',')) {
       const [name, entry, ...settings] = spec.split('|');

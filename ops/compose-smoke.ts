@@ -1,5 +1,5 @@
 // `npm run compose:smoke`: build both images, start the stack with compose, and do what the
-// README's operator section does, against whatever engine DOCKER_HOST (else
+// operators' docs (docs/operators.md, the README's compose section) do, against whatever engine DOCKER_HOST (else
 // /var/run/docker.sock) reaches, through `docker compose` or `docker-compose`.
 //
 // Where no engine answers, it brings one up with the container shim (CONTAINERS_SHIM, else

@@ -3,7 +3,7 @@ import { Value } from '@sinclair/typebox/value';
 
 // Process settings from the environment, the same way for the backend and the gateway: one
 // schema whose properties carry their variable name (`env`) beside their default, so the
-// settings type, the validation and the README table all come from one object.
+// settings type, the validation and the docs/configuration.md table all come from one object.
 
 /** A setting read from the environment variable `env`. */
 type EnvSchema = TSchema & { env: string };
@@ -18,7 +18,7 @@ export function oneOf<const T extends string>(env: string, values: readonly T[],
   );
 }
 
-/** A two-valued variable (`on`/`off` as the README writes them), decoded to a boolean. */
+/** A two-valued variable (`on`/`off` as the docs write them), decoded to a boolean. */
 export function flag(env: string, on: string, off: string, fallback: boolean) {
   return Type.Transform(Type.Union([Type.Literal(on), Type.Literal(off)], { env, default: fallback ? on : off }))
     .Decode((v) => v === on)

@@ -7,7 +7,7 @@ export type Environment = 'production' | 'staging';
 export const API_KEY_PREFIX: Record<Environment, string> = { production: 'psk_live_', staging: 'psk_test_' };
 // Today's keys: the prefix, 30 random base62 characters (178 bits), and the CRC32 of all that
 // in 6 base62 characters, so a mistyped or truncated key is refused before any lookup and a
-// secret scanner can tell a real key from a look-alike (README: Keys). Keys issued before
+// secret scanner can tell a real key from a look-alike (docs/keys.md). Keys issued before
 // (32 base64url characters, no checksum) keep working.
 const KEY_FORMAT = /^psk_(live|test)_(?:([A-Za-z0-9]{30})([A-Za-z0-9]{6})|[A-Za-z0-9_-]{32})$/;
 const BEARER = /^bearer +(\S+) *$/i;

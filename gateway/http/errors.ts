@@ -3,7 +3,7 @@ import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 
 /**
  * The closed catalogue of the gateway's error codes. Every error the gateway makes, the
- * HTTP layer's included, is rendered from here as {code, message, status}. README lists each.
+ * HTTP layer's included, is rendered from here as {code, message, status}. docs/reference.md lists each.
  */
 export const GATEWAY_ERRORS = {
   bad_request: 400,
@@ -36,7 +36,7 @@ export type GatewayErrorCode = keyof typeof GATEWAY_ERRORS;
  */
 export const ErrorBody = Type.Object(
   {
-    code: Type.String({ description: 'Machine-readable error code (see README)' }),
+    code: Type.String({ description: 'Machine-readable error code (see docs/reference.md)' }),
     message: Type.String({ description: 'Human-readable description' }),
     status: Type.Integer({ description: 'The HTTP status code' }),
   },
