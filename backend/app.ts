@@ -6,6 +6,7 @@ import type { BackendSettings } from './settings.js';
 import { clientErrorHandler, handleError, registerErrorHandling } from './errors.js';
 import { orderRoutes } from './orders.js';
 import { petRoutes } from './pets.js';
+import { namedSchemas, referToNamed } from './schemas.js';
 import type { PetStore } from './store.js';
 import { validatorCompiler } from './validation.js';
 
@@ -44,9 +45,12 @@ export async function buildBackend(
         { name: 'pets', description: 'Animals: browse, add, and fetch one (deprecated)' },
         { name: 'store', description: 'Store orders' },
       ],
+      components: { schemas: namedSchemas() },
     },
-    // Schemas with a $id (Pet, NewPet, PetStatus, Order, Error) under their own names, not def-0.
+    // The shapes with a $id (Pet, NewPet, PetStatus, Order, Error) under their own names, not def-0,
+    // and referred to by name wherever an operation uses one, so generated clients name them too.
     refResolver: { buildLocalReference: (json, _base, _fragment, i) => String(json.$id ?? `def-${i}`) },
+    transform: ({ schema, url }) => ({ schema: referToNamed(schema), url }),
   });
   await app.register(petRoutes, { store });
   await app.register(orderRoutes, { store });

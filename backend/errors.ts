@@ -10,7 +10,8 @@ export const ErrorBody = Type.Object(
     message: Type.String({ description: 'Human-readable description' }),
     status: Type.Integer({ description: 'The HTTP status code' }),
   },
-  { title: 'Error' },
+  // Named, so the document holds it once (components/schemas/Error).
+  { $id: 'Error', title: 'Error' },
 );
 export type ErrorBody = Static<typeof ErrorBody>;
 

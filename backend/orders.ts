@@ -12,7 +12,9 @@ export const orderRoutes: FastifyPluginAsyncTypebox<{ store: PetStore }> = async
     {
       schema: {
         operationId: 'listOrders',
+        tags: ['store'],
         summary: 'List store orders',
+        description: 'Orders in id order. While more remain, a `Link: <...>; rel="next"` header gives the next page.',
         querystring: ListOrdersQuery,
         response: { 200: Type.Array(Order), 400: ErrorBody },
       },

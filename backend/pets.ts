@@ -41,6 +41,7 @@ function fingerprint(value: unknown): string {
 }
 
 const errors = { 400: ErrorBody };
+const tags = ['pets'];
 
 /**
  * Adds the pet; with an Idempotency-Key (scoped per consumer), a retry with the same body
@@ -75,6 +76,7 @@ export const petRoutes: FastifyPluginAsyncTypebox<{ store: PetStore }> = async (
     {
       schema: {
         operationId: 'listPets',
+        tags,
         summary: 'List animals',
         description: 'Pets in id order. While more remain, a `Link: <...>; rel="next"` header gives the next page.',
         querystring: ListPetsQuery,
@@ -95,11 +97,12 @@ export const petRoutes: FastifyPluginAsyncTypebox<{ store: PetStore }> = async (
     {
       schema: {
         operationId: 'createPet',
+        tags,
         summary: 'Add an animal',
         description: 'status defaults to `available`. With an Idempotency-Key, a retry replays the first answer.',
         headers: Type.Object({ 'idempotency-key': Type.Optional(IdempotencyKey) }),
         body: NewPet,
-        response: { 201: Pet, ...errors, 422: ErrorBody },
+        response: { 201: Pet, ...errors, 413: ErrorBody, 415: ErrorBody, 422: ErrorBody },
       },
     },
     async (request, reply) => {
@@ -116,10 +119,12 @@ export const petRoutes: FastifyPluginAsyncTypebox<{ store: PetStore }> = async (
     {
       schema: {
         operationId: 'getPet',
-        summary: 'Get an animal (deprecated: removed on 2030-12-05; use GET /v1/pets with the status filter)',
+        tags,
+        summary: 'Get an animal (deprecated)',
+        description: 'Deprecated: removed on 2030-12-05. Use GET /v1/pets with the status filter instead.',
         deprecated: true,
         params: PetParams,
-        response: { 200: Pet, ...errors, 404: ErrorBody },
+        response: { 200: Pet, ...errors, 404: ErrorBody, 414: ErrorBody },
       },
     },
     async (request) => {

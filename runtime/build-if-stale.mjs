@@ -3,6 +3,7 @@
 import { execSync } from 'node:child_process';
 import { existsSync, readdirSync, statSync } from 'node:fs';
 import { join } from 'node:path';
+import { stderr } from 'node:process';
 
 const STAMP = 'dist/.built';
 const SOURCES = ['backend', 'gateway', 'runtime', 'stack.ts', 'package.json', 'package-lock.json', 'tsconfig.json', 'tsconfig.build.json'];
@@ -12,6 +13,6 @@ const newest = (path) => {
 };
 if (!existsSync(STAMP) || Math.max(...SOURCES.map(newest)) > statSync(STAMP).mtimeMs) {
   // The first start compiles for several seconds: say so, rather than look stuck.
-  console.error(existsSync(STAMP) ? 'building: a source changed since the last build...' : 'building (first start)...');
+  stderr.write(existsSync(STAMP) ? 'building: a source changed since the last build...\n' : 'building (first start)...\n');
   execSync('npm run build --silent', { stdio: 'inherit' });
 }

@@ -5,10 +5,11 @@ import { DOCUMENT_ROUTE, ROUTES, type RouteId } from './routes.js';
 
 // The API's OpenAPI document as clients see it through the gateway, served to anyone at
 // GET /v1/openapi.json (it counts against the per-address limit). The backend's document stays
-// the single source of truth for operations, parameters and bodies; this adds what the gateway
-// does: only the operations it proxies, the bearer scheme, 401/429/502/504 with the Error body on
-// every operation, the rate-limit headers on every answer, Retry-After on a 429, and from the
-// config the deprecated operations' headers and their 410.
+// the single source of truth for operations, parameters and shapes (named, under
+// components/schemas); this adds what the gateway does: only the operations it proxies, HEAD
+// beside each GET, the bearer scheme, 401/429/502/503/504 and a default with the Error body on
+// every operation, the headers each answer carries (errors.ts, quota/headers.ts, quota/admit.ts),
+// and from the config the deprecated operations' headers and their 410.
 
 export const OPENAPI_PATH = DOCUMENT_ROUTE.path;
 
@@ -26,7 +27,8 @@ interface Operation {
 }
 export interface OpenApiDocument {
   openapi: string;
-  info: { title: string; version: string; description?: string };
+  info: { title: string; version: string; description?: string; [field: string]: unknown };
+  tags?: Array<{ name: string; description?: string }>;
   paths?: Record<string, Record<string, Operation>>;
   components?: { schemas?: Json; [part: string]: unknown };
   [field: string]: unknown;
@@ -68,9 +70,11 @@ const HEADERS: Record<string, Json> = {
   },
   'Retry-After': {
     required: true,
-    description: 'Whole seconds until the blocking window resets or the ban ends',
+    description:
+      'Whole seconds to wait: until the blocking window resets or the ban ends (429), 1 while the quota store is unavailable (503)',
     schema: { type: 'integer', minimum: 1 },
   },
+  Allow: { description: 'On a 405 method_not_allowed: the methods the path serves', schema: text, example: 'GET, HEAD, POST' },
   'WWW-Authenticate': { required: true, description: 'Bearer', schema: text },
   Deprecation: {
     required: true,
@@ -93,6 +97,10 @@ const HEADERS: Record<string, Json> = {
 };
 
 const EVERY_ANSWER = ['X-Request-Id', 'RateLimit-Policy', 'RateLimit', 'X-RateLimit-Limit', 'X-RateLimit-Remaining', 'X-RateLimit-Reset'];
+/** Failing closed, the quota store's 503 knows the policy but not the windows' state (quota/admit.ts). */
+const STORE_UNAVAILABLE = ['X-Request-Id', 'RateLimit-Policy', 'Retry-After'];
+/** Headers of one status beyond EVERY_ANSWER, whatever the operation. */
+const STATUS_HEADERS: Record<string, string[]> = { '401': ['WWW-Authenticate'], '429': ['Retry-After'], default: ['Allow'] };
 
 /** Headers the backend adds to one operation's answers, by status. */
 const BACKEND_HEADERS: Partial<Record<RouteId, Record<string, Record<string, string>>>> = {
@@ -109,40 +117,51 @@ const DESCRIPTIONS: Record<string, string> = {
   '401': 'unauthorized: the key is missing, malformed, unknown, revoked or of the other environment',
   '404': 'Not found',
   '410': 'route_sunset: the operation is past its Sunset date',
+  '413': 'payload_too_large: the body is larger than the limit',
+  '414': 'uri_too_long: a path segment is longer than the service accepts',
+  '415': 'unsupported_media_type: the body is not application/json',
   '422': 'idempotency_key_reused: the same Idempotency-Key with another body',
   '429': 'rate_limited (the minute is used up), daily_quota_exceeded (the day), or key_banned (the key kept sending after 429s)',
   '502': 'bad_gateway: the backend could not be reached',
+  '503':
+    'quota_store_unavailable: the quota store is not answering and the gateway is set to fail closed (QUOTA_STORE_FAILURE=closed); retry after Retry-After',
   '504': 'gateway_timeout: the backend did not answer in time',
+  default:
+    'Another error, in the Error shape: 405 method_not_allowed (with Allow), 408 request_timeout, 413 payload_too_large, 417 expectation_failed, 431 headers_too_large, 500 internal_error',
 };
 
-function errorResponse(status: string, extra: Record<string, Json> = {}): Response {
+/** An error answer: the Error body, and the headers this status carries on every operation. */
+function errorResponse(status: string): Response {
+  const names = status === '503' ? STORE_UNAVAILABLE : [...EVERY_ANSWER, ...(STATUS_HEADERS[status] ?? [])];
   return {
     description: DESCRIPTIONS[status] ?? 'Error',
-    headers: { ...extra },
+    headers: Object.fromEntries(names.map((name) => [name, ref('headers', name)])),
     content: { 'application/json': { schema: ref('schemas', 'Error') } },
   };
 }
+
+/** The errors the gateway itself may answer on any operation, beyond the backend's. */
+const GATEWAY_ANSWERS = ['401', '429', '502', '503', '504', 'default'];
 
 /** One operation as the gateway serves it: the backend's, with the gateway's answers and headers. */
 function throughGateway(op: Operation, id: RouteId, deprecation: Deprecation | undefined): Operation {
   const responses: Record<string, Response> = {};
   for (const [status, r] of Object.entries(op.responses ?? {})) {
-    const error = Number(status) >= 400;
-    responses[status] = error
-      ? errorResponse(status)
-      : { ...r, description: r.description === 'Default Response' ? (DESCRIPTIONS[status] ?? r.description) : r.description, headers: {} };
-    for (const [name, component] of Object.entries(BACKEND_HEADERS[id]?.[status] ?? {}))
-      responses[status]!.headers![name] = ref('headers', component);
+    if (Number(status) >= 400) {
+      responses[status] = errorResponse(status);
+      continue;
+    }
+    const description = r.description === 'Default Response' ? (DESCRIPTIONS[status] ?? r.description) : r.description;
+    const headers = Object.fromEntries(EVERY_ANSWER.map((name) => [name, ref('headers', name)]));
+    for (const [name, component] of Object.entries(BACKEND_HEADERS[id]?.[status] ?? {})) headers[name] = ref('headers', component);
+    responses[status] = { ...r, description, headers };
   }
-  responses['401'] = errorResponse('401', { 'WWW-Authenticate': ref('headers', 'WWW-Authenticate') });
-  responses['429'] = errorResponse('429', { 'Retry-After': ref('headers', 'Retry-After') });
-  responses['502'] = errorResponse('502');
-  responses['504'] = errorResponse('504');
+  for (const status of GATEWAY_ANSWERS) responses[status] = errorResponse(status);
   if (deprecation) responses['410'] = errorResponse('410');
   for (const [status, r] of Object.entries(responses)) {
-    for (const name of EVERY_ANSWER) r.headers![name] = ref('headers', name);
-    // A 401 says nothing of routes, their deprecation included.
-    if (deprecation && status !== '401') {
+    // Set once a request with a valid key has its route: not on a 401 (it says nothing of routes)
+    // nor on the rare answers the default covers (a 405 has no route; a 417 or 431 never reaches routing).
+    if (deprecation && status !== '401' && status !== 'default') {
       r.headers!.Deprecation = ref('headers', 'Deprecation');
       r.headers!.Sunset = ref('headers', 'Sunset');
       r.headers!.Link ??= ref('headers', 'Link-Deprecation');
@@ -151,17 +170,32 @@ function throughGateway(op: Operation, id: RouteId, deprecation: Deprecation | u
   return { ...op, ...(deprecation ? { deprecated: true } : {}), responses: Object.fromEntries(Object.entries(responses).sort()) };
 }
 
+/** HEAD, which the gateway answers wherever it answers GET: the same answers and headers, no body. */
+function headOf(get: Operation): Operation {
+  const responses: Record<string, Response> = {};
+  for (const [status, { description, headers }] of Object.entries(get.responses ?? {})) responses[status] = { description, headers };
+  return {
+    ...get,
+    operationId: `${get.operationId}Head`,
+    summary: `${String(get.summary)}: headers only`,
+    description: `As GET, without the body. ${String(get.description ?? '')}`.trim(),
+    responses,
+  };
+}
+
 /** The document operation itself: public, limited per client address. */
 function documentOperation(): Operation {
   const responses: Record<string, Response> = {
-    '200': { description: 'This document', content: { 'application/json': { schema: { type: 'object' } } } },
-    '429': errorResponse('429', { 'Retry-After': ref('headers', 'Retry-After') }),
-    '502': errorResponse('502'),
-    '504': errorResponse('504'),
+    '200': {
+      description: 'This document',
+      headers: Object.fromEntries(EVERY_ANSWER.map((name) => [name, ref('headers', name)])),
+      content: { 'application/json': { schema: { type: 'object' } } },
+    },
   };
-  for (const r of Object.values(responses)) for (const name of EVERY_ANSWER) (r.headers ??= {})[name] = ref('headers', name);
+  for (const status of ['429', '502', '503', '504', 'default']) responses[status] = errorResponse(status);
   return {
     operationId: 'getOpenApiDocument',
+    tags: ['document'],
     summary: 'This OpenAPI document',
     description: 'Public: no key needed. It counts against the per-address limit for requests without a key.',
     security: [],
@@ -169,25 +203,44 @@ function documentOperation(): Operation {
   };
 }
 
+const DESCRIPTION = [
+  'The Pet Store API, served by its gateway. Every operation but this document needs `Authorization: Bearer <API key>`.',
+  'Every answer carries X-Request-Id. Every answer but a 503 also carries the rate-limit headers (RateLimit-Policy, RateLimit,',
+  "X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset) of the quota it was counted against: the key's, or without a",
+  "valid key the client address's. A 429 adds Retry-After; a key that keeps sending after 429s is banned for a while (key_banned).",
+  'A gateway set to fail closed (QUOTA_STORE_FAILURE=closed) answers 503 quota_store_unavailable while its quota store does not',
+  'answer, with only X-Request-Id, RateLimit-Policy and Retry-After.',
+].join(' ');
+
 /** The gateway's document from the backend's: pure, so a test can check it against the running service. */
 export function gatewayDocument(backend: OpenApiDocument, deprecations: ReadonlyMap<RouteId, Deprecation>): OpenApiDocument {
   const paths: Record<string, Record<string, Operation>> = {};
   for (const route of ROUTES) {
     const op = backend.paths?.[route.path]?.[route.method.toLowerCase()];
     if (!op) continue; // not served by the backend: not documented
-    (paths[route.path] ??= {})[route.method.toLowerCase()] = throughGateway(op, route.id, deprecations.get(route.id));
+    const path = (paths[route.path] ??= {});
+    path[route.method.toLowerCase()] = throughGateway(op, route.id, deprecations.get(route.id));
+    if (route.method === 'GET') path.head = headOf(path.get!);
   }
-  paths[OPENAPI_PATH] = { get: documentOperation() };
+  const document = documentOperation();
+  paths[OPENAPI_PATH] = { get: document, head: headOf(document) };
+  const used = new Set(Object.values(paths).flatMap((ops) => Object.values(ops).flatMap((op) => (op.tags as string[] | undefined) ?? [])));
   return {
     openapi: backend.openapi,
     info: {
       title: 'Pet Store API',
       version: backend.info.version,
-      description:
-        'Every request goes through the gateway: send `Authorization: Bearer <key>`. Every answer carries the rate-limit headers.',
+      description: DESCRIPTION,
+      contact: { name: 'Pet Store API team' },
+      // package.json is private and names no license: the API is proprietary.
+      license: { name: 'Proprietary', identifier: 'LicenseRef-Proprietary' },
     },
     servers: [{ url: '/' }],
     security: [{ apiKey: [] }],
+    tags: [
+      ...(backend.tags ?? []).filter((t) => used.has(t.name)),
+      { name: 'document', description: 'This OpenAPI document: public, no key needed' },
+    ],
     paths,
     components: {
       ...backend.components,

@@ -48,22 +48,39 @@ describe('GET /v1/openapi.json through the gateway', () => {
 
   it('lists exactly the operations the gateway serves, each behind the bearer scheme but the document itself', () => {
     const ops = Object.entries(doc.paths).flatMap(([path, methods]) => Object.keys(methods).map((m) => `${m.toUpperCase()} ${path}`));
-    expect(ops.sort()).toEqual(['GET /v1/openapi.json', 'GET /v1/pets', 'GET /v1/pets/{petId}', 'GET /v1/store/orders', 'POST /v1/pets']);
+    expect(ops.sort()).toEqual([
+      'GET /v1/openapi.json',
+      'GET /v1/pets',
+      'GET /v1/pets/{petId}',
+      'GET /v1/store/orders',
+      'HEAD /v1/openapi.json',
+      'HEAD /v1/pets',
+      'HEAD /v1/pets/{petId}',
+      'HEAD /v1/store/orders',
+      'POST /v1/pets',
+    ]);
     expect(doc.security).toEqual([{ apiKey: [] }]);
     expect((doc.components as Json).securitySchemes).toEqual({ apiKey: expect.objectContaining({ type: 'http', scheme: 'bearer' }) });
     expect(doc.paths['/v1/openapi.json']!.get!.security).toEqual([]);
+    expect(doc.paths['/v1/openapi.json']!.head!.security).toEqual([]);
     for (const [path, methods] of Object.entries(doc.paths)) {
       for (const [method, op] of Object.entries(methods)) {
         const statuses = Object.keys(op.responses);
-        const errors = path === '/v1/openapi.json' ? ['429', '502', '504'] : ['401', '429', '502', '504'];
+        const errors = ['429', '502', '503', '504', 'default', ...(path === '/v1/openapi.json' ? [] : ['401'])];
         expect(statuses, `${method} ${path}`).toEqual(expect.arrayContaining(errors));
         for (const status of errors) {
-          expect(op.responses[status]!.content, `${method} ${path} ${status}`).toEqual({
-            'application/json': { schema: { $ref: '#/components/schemas/Error' } },
-          });
+          // HEAD: the same answers and headers as GET, without a body.
+          const content = method === 'head' ? undefined : { 'application/json': { schema: { $ref: '#/components/schemas/Error' } } };
+          expect(op.responses[status]!.content, `${method} ${path} ${status}`).toEqual(content);
         }
         expect(Object.keys(op.responses['429']!.headers as Json)).toContain('Retry-After');
+        // Failing closed, the quota store's 503 knows the policy, not the windows' state.
+        expect(Object.keys(op.responses['503']!.headers as Json)).toEqual(
+          expect.arrayContaining(['RateLimit-Policy', 'Retry-After', 'X-Request-Id']),
+        );
+        expect(Object.keys(op.responses['503']!.headers as Json)).not.toContain('X-RateLimit-Remaining');
         for (const [status, r] of Object.entries(op.responses)) {
+          if (status === '503') continue;
           expect(Object.keys(r.headers as Json), `${method} ${path} ${status}`).toEqual(
             expect.arrayContaining([
               'X-Request-Id',
@@ -120,41 +137,57 @@ describe('GET /v1/openapi.json through the gateway', () => {
     const petPath = new URL(created.headers.get('location')!, gw.url).pathname;
     await gw.call('/v1/pets', key.key, json({ name: 'Odie', categoryId: 1 }, { 'idempotency-key': '"conformance"' }));
 
-    const drive: Record<string, Record<string, () => Promise<Response>>> = {
+    // Headers larger than Node accepts: 431 headers_too_large, an answer only the default covers.
+    const huge = { 'x-padding': 'a'.repeat(20_000) };
+    /** Each documented answer, driven; GET's are driven again as HEAD (`method`) for the HEAD operation. */
+    const drive: Record<string, Record<string, (method?: string) => Promise<Response>>> = {
       'GET /v1/pets': {
-        200: () => gw.call('/v1/pets?limit=1', key.key),
-        400: () => gw.call('/v1/pets?limit=0', key.key),
-        401: () => gw.call('/v1/pets'),
-        429: () => refused('/v1/pets'),
+        200: (method) => gw.call('/v1/pets?limit=1', key.key, { method }),
+        400: (method) => gw.call('/v1/pets?limit=0', key.key, { method }),
+        401: (method) => gw.call('/v1/pets', undefined, { method }),
+        429: (method) => refused('/v1/pets', { method }),
+        default: (method) => gw.call('/v1/pets', key.key, { method, headers: huge }),
       },
       'POST /v1/pets': {
         201: () => gw.call('/v1/pets', key.key, json({ name: 'Garfield', categoryId: 1 })),
         400: () => gw.call('/v1/pets', key.key, json({ name: 'Garfield', categoryId: 'one' })),
         401: () => gw.call('/v1/pets', undefined, json({ name: 'Garfield', categoryId: 1 })),
+        413: () => gw.call('/v1/pets', key.key, json({ name: 'x'.repeat(1_100_000), categoryId: 1 })),
+        415: () => gw.call('/v1/pets', key.key, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: 'Garfield' }),
         422: () => gw.call('/v1/pets', key.key, json({ name: 'Other', categoryId: 1 }, { 'idempotency-key': '"conformance"' })),
         429: () => refused('/v1/pets', json({ name: 'Garfield', categoryId: 1 })),
+        default: () => gw.call('/v1/pets', key.key, json({ name: 'Garfield', categoryId: 1 }, huge)),
       },
       'GET /v1/pets/{petId}': {
-        200: () => gw.call(petPath, key.key),
-        400: () => gw.call('/v1/pets/abc', key.key),
-        401: () => gw.call(petPath),
-        404: () => gw.call('/v1/pets/987654321', key.key),
-        429: () => refused(petPath),
+        200: (method) => gw.call(petPath, key.key, { method }),
+        400: (method) => gw.call('/v1/pets/abc', key.key, { method }),
+        401: (method) => gw.call(petPath, undefined, { method }),
+        404: (method) => gw.call('/v1/pets/987654321', key.key, { method }),
+        414: (method) => gw.call(`/v1/pets/${'1'.repeat(150)}`, key.key, { method }),
+        429: (method) => refused(petPath, { method }),
+        default: (method) => gw.call(petPath, key.key, { method, headers: huge }),
       },
       'GET /v1/store/orders': {
-        200: () => gw.call('/v1/store/orders', key.key),
-        400: () => gw.call('/v1/store/orders?limit=0', key.key),
-        401: () => gw.call('/v1/store/orders'),
-        429: () => refused('/v1/store/orders'),
+        200: (method) => gw.call('/v1/store/orders', key.key, { method }),
+        400: (method) => gw.call('/v1/store/orders?limit=0', key.key, { method }),
+        401: (method) => gw.call('/v1/store/orders', undefined, { method }),
+        429: (method) => refused('/v1/store/orders', { method }),
+        default: (method) => gw.call('/v1/store/orders', key.key, { method, headers: huge }),
       },
-      'GET /v1/openapi.json': { 200: () => gw.call('/v1/openapi.json') },
+      'GET /v1/openapi.json': {
+        200: (method) => gw.call('/v1/openapi.json', undefined, { method }),
+        default: (method) => gw.call('/v1/openapi.json', undefined, { method, headers: huge }),
+      },
     };
     // Answers this test cannot drive on this gateway, and where each is driven instead.
     const explained: Record<string, string> = {
       'GET /v1/openapi.json 429': 'the per-address limit: the next test, on a gateway with 2 a minute',
+      'HEAD /v1/openapi.json 429': 'as GET',
       'GET /v1/openapi.json 502': 'backend unreachable: the test after it',
       'GET /v1/pets/{petId} 410': 'after the sunset only: gateway-config.test.ts drives the 410 with a past sunset',
+      'HEAD /v1/pets/{petId} 410': 'as GET',
       502: 'backend unreachable: gateway-upstream.test.ts (backend killed)',
+      503: 'the quota store failing closed: openapi-client.test.ts (Redis frozen, QUOTA_STORE_FAILURE=closed)',
       504: 'backend too slow: gateway-upstream.test.ts (UPSTREAM_TIMEOUT_MS)',
     };
 
@@ -162,19 +195,29 @@ describe('GET /v1/openapi.json through the gateway', () => {
       for (const [method, op] of Object.entries(methods)) {
         const name = `${method.toUpperCase()} ${path}`;
         for (const [status, documented] of Object.entries(op.responses)) {
-          const run = drive[name]?.[status];
+          const run = drive[name.replace(/^HEAD/, 'GET')]?.[status];
           if (!run) {
             expect(explained[`${name} ${status}`] ?? explained[status], `${name} ${status}: neither driven nor explained`).toBeTruthy();
             continue;
           }
-          const res = await run();
-          const body = await res.json();
-          expect(res.status, `${name} ${status}: ${JSON.stringify(body)}`).toBe(Number(status));
-          const check = ajv.getSchema(
-            `api#/${pointer('paths', path, method, 'responses', status, 'content', 'application/json', 'schema')}`,
-          );
-          expect(check, `${name} ${status}: no schema`).toBeDefined();
-          expect(check!(body), `${name} ${status}: ${JSON.stringify(check!.errors)} for ${JSON.stringify(body)}`).toBe(true);
+          const res = await run(method.toUpperCase());
+          const text = await res.text();
+          if (status === 'default') {
+            expect(Object.keys(op.responses), `${name} ${res.status}: ${text}`).not.toContain(String(res.status));
+            expect(res.status, name).toBeGreaterThanOrEqual(400);
+          } else {
+            expect(res.status, `${name} ${status}: ${text}`).toBe(Number(status));
+          }
+          if (method === 'head') {
+            expect(text, `${name} ${status}`).toBe('');
+          } else {
+            const body = JSON.parse(text);
+            const check = ajv.getSchema(
+              `api#/${pointer('paths', path, method, 'responses', status, 'content', 'application/json', 'schema')}`,
+            );
+            expect(check, `${name} ${status}: no schema`).toBeDefined();
+            expect(check!(body), `${name} ${status}: ${JSON.stringify(check!.errors)} for ${text}`).toBe(true);
+          }
           for (const [header, ref] of Object.entries((documented.headers ?? {}) as Record<string, Json>)) {
             if (headerDef(ref).required) expect(res.headers.get(header), `${name} ${status}: ${header}`).not.toBeNull();
           }
