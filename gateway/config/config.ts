@@ -28,6 +28,8 @@ export const ConfigFile = Type.Object(
           perDay: Type.Optional(Count),
           custom: Type.Optional(Type.Boolean()),
           costs: Type.Optional(Costs),
+          /** false: shadow mode, counted and reported as if enforced but never refused for quota. */
+          enforce: Type.Optional(Type.Boolean()),
         },
         { additionalProperties: false },
       ),
@@ -43,6 +45,8 @@ export const ConfigFile = Type.Object(
           limits: Type.Optional(LimitsSchema),
           /** Units a route costs this key, over its plan's (`"POST /v1/pets": 5`). */
           costs: Type.Optional(Costs),
+          /** Shadow mode for this key alone (over its plan's `enforce`). */
+          enforce: Type.Optional(Type.Boolean()),
           createdAt: Type.Optional(IsoDate),
           revokedAt: Type.Optional(IsoDate),
           /** From this moment the key answers 401 "expired", as a revoked one does. */
@@ -207,7 +211,14 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       expiresAtMs: k.expiresAt ? Date.parse(k.expiresAt) : Number.POSITIVE_INFINITY,
       costs: routeCosts({ ...plan.costs, ...k.costs }),
       // Named by the account: a key without one keeps the name (and the counters) it always had.
-      subject: { name: `${redisPrefix}:{k:${account}}`, limits, bans, policy: policyHeader(limits), lasting: true },
+      subject: {
+        name: `${redisPrefix}:{k:${account}}`,
+        limits,
+        bans,
+        policy: policyHeader(limits),
+        lasting: true,
+        enforce: k.enforce ?? plan.enforce ?? true,
+      },
       upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-account': account, 'x-consumer-plan': k.plan }),
     });
   }
@@ -236,6 +247,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       bans: null,
       policy: anonymousPolicy,
       lasting: false,
+      enforce: true,
     }),
     deprecations,
     corsOrigins: new Set(file.cors?.origins ?? []),

@@ -22,7 +22,8 @@ export interface AccessEntry {
 function rejection(e: AccessEntry): RejectionReason | undefined {
   if (e.status === 401 || (e.status === 429 && !e.consumer)) return 'unauthenticated';
   if (e.outcome === 'unavailable') return 'unavailable';
-  return e.status === 429 && e.outcome && e.outcome !== 'allowed' && e.outcome !== 'unauthenticated' ? e.outcome : undefined;
+  const { outcome } = e;
+  return e.status === 429 && (outcome === 'minute' || outcome === 'day' || outcome === 'banned') ? outcome : undefined;
 }
 
 /**
@@ -67,6 +68,7 @@ export function accessLog(metrics: GatewayMetrics, log: FastifyBaseLogger) {
   const line = accessLine(log);
   function record(reqId: string, e: AccessEntry): void {
     metrics.request(e.route ?? 'none', e.status, e.consumer?.plan ?? 'none', e.consumer?.id, rejection(e));
+    if (e.consumer && e.outcome?.startsWith('would_')) metrics.wouldReject.inc({ reason: e.outcome.slice(6), plan: e.consumer.plan });
     line(reqId, e);
   }
   /** fastify's onResponse hook (callback style: no promise per request): the request's context as the pipeline left it. */

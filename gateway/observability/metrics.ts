@@ -13,6 +13,8 @@ export class GatewayMetrics {
   readonly registry = new Registry();
   readonly redisSeconds: Histogram<never>;
   readonly logLinesDropped: Counter<never>;
+  /** Shadow mode's refusals not made; only keys on a plan or key with `enforce: false` add to it, so labels stay few. */
+  readonly wouldReject: Counter<'reason' | 'plan'>;
   // The per-request series are tallied in plain numbers and handed to prom-client when
   // scraped: its own inc() and observe() validate and hash their labels on every call, even
   // on a bound child, which cost more than the rest of the access line. Bounded like the
@@ -40,6 +42,12 @@ export class GatewayMetrics {
       labelNames: ['reason'],
       registers,
       collect: collectFrom(this.rejections),
+    });
+    this.wouldReject = new Counter({
+      name: 'gateway_would_reject_total',
+      help: 'Requests admitted in shadow mode (enforce: false) that an enforced plan would have refused, by reason and plan',
+      labelNames: ['reason', 'plan'],
+      registers,
     });
     this.logLinesDropped = new Counter({
       name: 'gateway_log_lines_dropped_total',

@@ -67,12 +67,24 @@ export async function admit(store: QuotaStore, subject: QuotaSubject, cost = 1):
     if (err instanceof QuotaStoreUnavailable) return UNAVAILABLE(subject);
     throw err;
   }
+  if (decision.outcome !== 'allowed' && !subject.enforce) return shadow(decision, decision.outcome, subject);
   return {
     outcome: decision.outcome,
     countedAtMs: decision.outcome === 'allowed' ? decision.nowMs : undefined,
     headers: headersOf(decision, subject),
     refusal: refusal(decision),
   };
+}
+
+/**
+ * Shadow mode: the refusal the decision calls for is not made. The request was counted as an
+ * enforced one would be (a refusal counts nowhere, so nothing to refund); its headers report
+ * the windows as they stand, without the Retry-After that only a refusal carries.
+ */
+function shadow(decision: Decision, refused: Refusal, subject: QuotaSubject): Admission {
+  const headers = rateLimitHeaders(decision, subject.policy);
+  delete headers['retry-after'];
+  return { outcome: `would_${refused}`, headers };
 }
 
 /**

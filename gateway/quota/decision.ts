@@ -11,8 +11,10 @@ export const DAY_MS = 86_400_000;
 export const OUTCOMES = ['allowed', 'minute', 'day', 'banned'] as const;
 export type Outcome = (typeof OUTCOMES)[number];
 export type Refusal = Exclude<Outcome, 'allowed'>;
-/** What admission ends with: a decision's outcome, or `unavailable` when a store failing closed could not decide. */
-export type AdmissionOutcome = Outcome | 'unavailable';
+/** A refusal a subject in shadow mode (`enforce: false`) would have had: counted and reported, but admitted. */
+export type ShadowOutcome = `would_${Refusal}`;
+/** What admission ends with: a decision's outcome, a shadow refusal, or `unavailable` when a store failing closed could not decide. */
+export type AdmissionOutcome = Outcome | ShadowOutcome | 'unavailable';
 
 export interface Limits {
   perMinute: number;
@@ -36,6 +38,8 @@ export interface QuotaSubject {
   policy: string;
   /** Built once at config load (a key's), not per request (an address's): only then can admissions share headers. */
   lasting: boolean;
+  /** False in shadow mode: decided and counted as if enforced, but never refused for quota. */
+  enforce: boolean;
 }
 
 /** One window's state after the decision. `used` counts admitted requests only. */

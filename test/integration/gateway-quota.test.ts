@@ -116,3 +116,46 @@ describe('several gateway instances on one Redis', () => {
     }, share);
   });
 });
+
+describe('shadow mode (enforce: false) across instances', () => {
+  it('admits every request, counts exactly what an enforced plan would, and reports each refusal it did not make', async () => {
+    const trial = { ...makeKey('trial'), limits: { perMinute: 30, perDay: 100000 } };
+    const shadowConfig = testConfig([trial], {
+      plans: { free: { perMinute: 5, perDay: 1000 }, trial: { perMinute: 5, perDay: 1000, enforce: false } },
+    });
+    const instances = await Promise.all([0, 1, 2].map(() => buildTestGateway({ config: shadowConfig, backend: gw.backendUrl, admin: {} })));
+    const share = () => {
+      instances[0]!.freshCounters();
+      for (const g of instances.slice(1)) g.gateway.setConfig(instances[0]!.gateway.config());
+    };
+    share();
+    await inOneMinute(async () => {
+      const all = await Promise.all(
+        Array.from({ length: 90 }, (_, i) => call(`${instances[i % 3]!.url}/v1/pets`, trial.key).then((r) => r.status)),
+      );
+      expect(all).toEqual(Array(90).fill(200));
+      // Counted as the enforced plan counts: exactly its 30, at the shipped leases and Redis timeout.
+      const usage = await instances[2]!.call('/v1/pets', trial.key);
+      expect(usage.headers.get('ratelimit')).toMatch(/^"minute";r=0;/);
+      expect(usage.headers.get('retry-after')).toBeNull();
+    }, share);
+    // The refusals not made, as an enforced plan would have made them: 3 over the minute, then
+    // the ban (afterRejected 3) for the other 58, in the metric and in the access lines.
+    const scraped = await Promise.all(instances.map((g) => fetch(`${g.adminUrl}/metrics`).then((r) => r.text())));
+    const counted = (reason: string) =>
+      scraped.map((t) =>
+        Number(new RegExp(`^gateway_would_reject_total\\{reason="${reason}",plan="trial"\\} (\\d+)$`, 'm').exec(t)?.[1] ?? 0),
+      );
+    const sum = (xs: number[]) => xs.reduce((a, b) => a + b);
+    expect([sum(counted('minute')), sum(counted('banned'))]).toEqual([3, 58]);
+    await Promise.all(
+      instances.map((g, i) =>
+        g.waitForLog(
+          () =>
+            g.logs.filter((l) => l.outcome === 'would_minute' || l.outcome === 'would_banned').length ===
+            counted('minute')[i]! + counted('banned')[i]!,
+        ),
+      ),
+    );
+  });
+});

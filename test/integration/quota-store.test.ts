@@ -21,6 +21,7 @@ const subject = (perMinute: number, perDay: number, withBans = true): QuotaSubje
   bans: withBans ? bans : null,
   policy: '',
   lasting: true,
+  enforce: true,
 });
 
 async function outcomes(store: QuotaStore, s: QuotaSubject, n: number): Promise<string[]> {

@@ -125,6 +125,7 @@ describe('config file', () => {
       bans: null,
       policy: '"minute";q=7;w=60',
       lasting: false,
+      enforce: true,
     });
   });
 

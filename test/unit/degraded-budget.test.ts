@@ -13,6 +13,7 @@ const subject = (perMinute: number, perDay: number): QuotaSubject => ({
   bans: null,
   policy: '',
   lasting: true,
+  enforce: true,
 });
 const T0 = Date.UTC(2026, 10, 25, 10, 0, 0); // a minute's start
 const admitted = (b: DegradedBudget, s: QuotaSubject, n: number, now = T0) =>
