@@ -1,6 +1,6 @@
 import swagger from '@fastify/swagger';
 import type { TypeBoxTypeProvider } from '@fastify/type-provider-typebox';
-import Fastify, { type FastifyInstance } from 'fastify';
+import Fastify, { type FastifyInstance, LogController } from 'fastify';
 import { loggerOptions } from '../runtime/process.js';
 import type { BackendSettings } from './settings.js';
 import { clientErrorHandler, handleError, registerErrorHandling } from './errors.js';
@@ -21,7 +21,7 @@ export async function buildBackend(
     // The gateway's request id, so one id follows a request through both logs.
     requestIdHeader: 'x-request-id',
     // One line per request (the onResponse hook below) instead of fastify's two.
-    disableRequestLogging: true,
+    logController: new LogController({ disableRequestLogging: true }),
     // Errors raised before routing (bad URL, over-long path parameter) get the Error shape too.
     frameworkErrors: (err, request, reply) => handleError(err, request, reply),
     clientErrorHandler,
