@@ -30,16 +30,20 @@ export class BanCache {
 
   /**
    * The subject's ban in force at `nowMs` (Redis time), if any; an ended one is forgotten. With
-   * `fresh`, one seen longer ago than the recheck interval is not returned (Redis is to be asked).
+   * `recheck`, one seen longer ago than the recheck interval is not returned to this one caller,
+   * which is to ask Redis; it counts as seen now, so the requests beside it keep being refused
+   * from memory until Redis answers (one recheck at a time, at most one a second).
    */
-  get(name: string, nowMs: number, fresh = false): Counters | undefined {
+  get(name: string, nowMs: number, recheck = false): Counters | undefined {
     const known = this.bans.get(name);
     if (!known) return undefined;
     if (known.ban <= nowMs) {
       this.bans.delete(name);
       return undefined;
     }
-    return fresh && nowMs - known.seenAt >= this.recheckMs ? undefined : known;
+    if (!recheck || nowMs - known.seenAt < this.recheckMs) return known;
+    known.seenAt = nowMs;
+    return undefined;
   }
 
   active(nowMs: number): number {

@@ -251,9 +251,13 @@ export class RedisQuotaStore implements QuotaStore {
 
   /** The decision while Redis fails: this instance's share of what was left, or none when failing closed. */
   private degradedDecision(subject: QuotaSubject, cost: number): Decision {
+    const now = this.redisClock.now();
+    // A ban this instance knows holds while Redis fails, one being rechecked included.
+    const ban = this.bans.get(subject.name, now);
+    if (ban) return decision(subject.limits, { outcome: 'banned', ...countsAt(ban, now), nowMs: now, banUntilMs: ban.ban });
     if (this.failClosed) throw new QuotaStoreUnavailable();
     this.tally.degraded++;
-    return decision(subject.limits, this.budget.consume(subject, cost, this.redisClock.now()));
+    return decision(subject.limits, this.budget.consume(subject, cost, now));
   }
 
   /** A heartbeat: this instance is alive (if it decides), how many are, and Redis's time. */

@@ -304,6 +304,25 @@ describe('redis store', () => {
     });
   });
 
+  it('asks Redis again about a ban once a second, one request at a time, and keeps it if Redis fails meanwhile', async () => {
+    await inOneMinute(async () => {
+      const own = new Redis(inject('redisUrl'), { enableOfflineQueue: false });
+      await eventually(() => own.status === 'ready');
+      let skew = 0; // this instance's clock, moved on instead of waiting a second
+      const clock = { wall: () => Date.now() + skew, mono: () => performance.now() + skew };
+      const store = new RedisQuotaStore(own, silent, { clock });
+      const s = subject(1, 100);
+      expect(await outcomes(store, s, 5)).toContain('banned');
+      skew = 2000; // the copy of the ban is now 2 s old
+      own.disconnect(); // and the recheck finds Redis gone
+      const [first, beside] = await Promise.all([store.consume(s), store.consume(s)]);
+      // The one that rechecked met a failing Redis: the ban it knew holds, not the degraded budget.
+      expect([first.outcome, beside.outcome]).toEqual(['banned', 'banned']);
+      expect(store.degraded).toBe(true);
+      expect(store.counts.degraded).toBe(0);
+    });
+  });
+
   it('falls back to the in-process store when Redis fails, and says so', async () => {
     const broken = new Redis('redis://127.0.0.1:1', {
       enableOfflineQueue: false,
