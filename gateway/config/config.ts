@@ -141,20 +141,26 @@ function crossChecks(file: ConfigFile): string[] {
   }
   const ids = new Set<string>();
   const hashes = new Set<string>();
-  const accounts = new Map<string, { index: number; plan: string; limits: string }>();
+  const accounts = new Map<string, { index: number; plan: string; limits: string; enforce: boolean }>();
   file.keys.forEach((k, i) => {
     // Own names only: a key on "constructor" must not find Object's.
     const plan = Object.hasOwn(file.plans, k.plan) ? file.plans[k.plan] : undefined;
     if (!plan) problems.push(`keys.${i}.plan: unknown plan "${k.plan}"`);
     else if (plan.custom && !k.limits) problems.push(`keys.${i}.limits: required for the custom plan "${k.plan}"`);
     if (ids.has(k.id)) problems.push(`keys.${i}.id: duplicate id "${k.id}"`);
-    // One account, one quota: its keys must agree on the plan and limits it is measured by.
+    // One account, one quota: its keys must agree on the plan and limits it is measured by, and
+    // on enforcing it (a shadow key's would-be refusals would ban its enforced siblings).
     const account = k.account ?? k.id;
     const first = accounts.get(account);
-    if (!first) accounts.set(account, { index: i, plan: k.plan, limits: JSON.stringify(k.limits ?? null) });
+    const enforce = k.enforce ?? plan?.enforce ?? true;
+    if (!first) accounts.set(account, { index: i, plan: k.plan, limits: JSON.stringify(k.limits ?? null), enforce });
     else if (first.plan !== k.plan || first.limits !== JSON.stringify(k.limits ?? null)) {
       problems.push(
         `keys.${i}: account "${account}" is on plan ${first.plan}${first.limits === 'null' ? '' : ` with limits ${first.limits}`} (keys.${first.index}); its keys share one quota, so they must agree`,
+      );
+    } else if (first.enforce !== enforce) {
+      problems.push(
+        `keys.${i}.enforce: account "${account}" is ${first.enforce ? 'enforced' : 'in shadow mode'} (keys.${first.index}); its keys share one quota and one ban, so they must agree`,
       );
     }
     if (hashes.has(k.hash)) problems.push(`keys.${i}.hash: duplicate hash`);

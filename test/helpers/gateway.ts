@@ -140,6 +140,20 @@ async function startBackend(backend: TestGatewayOptions['backend'], closers: Arr
   return { backendUrl: backend };
 }
 
+/**
+ * `n` instances of one deployment on the run's Redis: one config and one Redis prefix.
+ * `share()` moves them all to fresh counters at once (a test redone after a minute boundary).
+ */
+export async function buildInstances(n: number, opts: TestGatewayOptions) {
+  const instances = await Promise.all(Array.from({ length: n }, () => buildTestGateway(opts)));
+  const share = () => {
+    instances[0]!.freshCounters();
+    for (const g of instances.slice(1)) g.gateway.setConfig(instances[0]!.gateway.config());
+  };
+  share();
+  return { instances, share };
+}
+
 /** A test gateway for a whole file or describe block: built before its tests, closed after them. */
 export function useTestGateway(opts: TestGatewayOptions | (() => TestGatewayOptions)): TestGateway {
   const handle = {} as TestGateway;

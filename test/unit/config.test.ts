@@ -38,6 +38,16 @@ describe('config file', () => {
     ['a plan with one limit', { plans: { free: { perMinute: 5 } } }, /^plans\.free: give either/],
     ['a key of an unknown plan', { keys: [{ ...key, plan: 'gold' }] }, /^keys\.0\.plan: unknown plan "gold"/],
     ['a key of a plan every object has', { keys: [{ ...key, plan: 'constructor' }] }, /^keys\.0\.plan: unknown plan "constructor"/],
+    [
+      'one account in shadow mode and enforced at once',
+      {
+        keys: [
+          { ...key, account: 'shop' },
+          { ...key, id: 'other', hash: `sha256:${'1'.repeat(64)}`, account: 'shop', enforce: false },
+        ],
+      },
+      /^keys\.1\.enforce: account "shop" is enforced \(keys\.0\)/,
+    ],
     ['a custom key without limits', { keys: [{ ...key, plan: 'enterprise' }] }, /^keys\.0\.limits: required/],
     ['a bad key id', { keys: [{ ...key, id: 'Has Space' }] }, /^keys\.0\.id: /],
     ['a plain key instead of a hash', { keys: [{ ...key, hash: 'psk_live_abc' }] }, /^keys\.0\.hash: /],
