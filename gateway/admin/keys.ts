@@ -9,6 +9,7 @@ const KEY_FILE_ERRORS = {
   taken: 'key_id_taken',
   not_found: 'key_not_found',
   read_only: 'config_read_only',
+  busy: 'config_busy',
 } as const;
 
 /** The key file's refusals as the catalogue's codes; anything else is a 500. */
@@ -25,7 +26,7 @@ async function keyCall<T>(work: () => T | Promise<T>): Promise<T> {
 
 const noFile = failure('route_not_found: this instance has no config file to manage keys in');
 const notFound = failure('key_not_found');
-const readOnly = failure('config_read_only: the config file cannot be written here');
+const readOnly = failure('config_read_only: the config file cannot be written here; config_busy: another editor holds it');
 const tags = ['keys'];
 const NOTE = 'The key is shown only now; the gateway accepts it once it has reloaded the file (about a second).';
 
@@ -41,7 +42,7 @@ const SCHEMAS = {
       201: IssuedKey,
       400: failure('bad_request: the body breaks the schema, or the config validator refuses the change (an unknown plan, a bad date)'),
       404: noFile,
-      409: failure('key_id_taken, or config_read_only where the config file cannot be written'),
+      409: failure('key_id_taken; config_read_only where the config file cannot be written; config_busy while another editor holds it'),
     },
   },
   revoke: {

@@ -23,7 +23,7 @@ import { generateKey } from './keys.js';
 export class KeyFileError extends Error {
   constructor(
     readonly reason: string,
-    readonly kind: 'invalid' | 'taken' | 'not_found' | 'read_only',
+    readonly kind: 'invalid' | 'taken' | 'not_found' | 'read_only' | 'busy',
     readonly field?: keyof NewKey | 'grace',
   ) {
     super(field ? `${field}: ${reason}` : reason);
@@ -157,7 +157,7 @@ export function revokeKey(file: string, id: string): Promise<{ revokedAt: string
 
 /** One locked, validated edit of the file's `keys` list. */
 async function edit<T>(file: string, change: (current: ConfigFile, keys: YAMLSeq, doc: Document) => T): Promise<T> {
-  const release = await lock(file);
+  const { release, lost } = await lock(file);
   try {
     const text = readFileSync(file, 'utf8');
     const current = parseConfigText(text, file);
@@ -170,10 +170,12 @@ async function edit<T>(file: string, change: (current: ConfigFile, keys: YAMLSeq
     if (!isSeq(keys)) throw new Error('keys is not a list');
     keys.flow = false; // `keys: []` would otherwise grow as one long flow line
     const result = change(current, keys, doc);
+    // Another editor may hold the lock by now (ours went stale in a stall): its edit wins.
+    if (lost()) throw new KeyFileError(`the lock on ${file} was lost while editing; nothing was written: try again`, 'busy');
     await save(file, text, doc);
     return result;
   } finally {
-    await release();
+    await release().catch(() => {}); // a lock lost is released already
   }
 }
 
@@ -188,9 +190,18 @@ async function save(file: string, before: string, doc: Document): Promise<void> 
  * One editor at a time: two concurrent creates must not drop a key. Waits up to about 5 s for
  * another editor; a lock untouched for 10 s is a crashed editor's, and is taken over.
  */
-async function lock(file: string): Promise<() => Promise<void>> {
+async function lock(file: string): Promise<{ release: () => Promise<void>; lost: () => boolean }> {
+  let compromised = false;
   try {
-    return await lockfile.lock(file, { stale: 10_000, retries: { retries: 100, minTimeout: 20, maxTimeout: 50, factor: 1.2 } });
+    const release = await lockfile.lock(file, {
+      stale: 10_000,
+      retries: { retries: 100, minTimeout: 20, maxTimeout: 50, factor: 1.2 },
+      // proper-lockfile's default throws from a timer: in the gateway that would stop the process.
+      onCompromised: () => {
+        compromised = true;
+      },
+    });
+    return { release, lost: () => compromised };
   } catch (err) {
     const code = (err as NodeJS.ErrnoException).code;
     if (code === 'EROFS' || code === 'EACCES' || code === 'EPERM') {
@@ -199,8 +210,7 @@ async function lock(file: string): Promise<() => Promise<void>> {
         'read_only',
       );
     }
-    if (code === 'ELOCKED')
-      throw new Error(`cannot lock ${file}: another keys command or admin call is editing it; try again`, { cause: err });
+    if (code === 'ELOCKED') throw new KeyFileError(`${file} is being edited by another keys command or admin call; try again`, 'busy');
     throw err;
   }
 }

@@ -15,6 +15,7 @@ export const GATEWAY_ERRORS = {
   request_timeout: 408,
   key_id_taken: 409,
   config_read_only: 409,
+  config_busy: 409,
   route_sunset: 410,
   payload_too_large: 413,
   expectation_failed: 417,

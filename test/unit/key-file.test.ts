@@ -107,4 +107,18 @@ describe('the key file refuses a bad request plainly, naming the field and not t
     for (const expiresAt of good) await createKey(file, { plan: 'free', expiresAt });
     expect(JSON.parse(readFileSync(file, 'utf8')).keys.map((k: { expiresAt: string }) => k.expiresAt)).toEqual(good);
   });
+
+  it('gives up on a lock another editor keeps, with a refusal that says to try again, and writes nothing', async () => {
+    const file = configFile();
+    const release = await lockfile.lock(file);
+    try {
+      const before = readFileSync(file, 'utf8');
+      const refused = await createKey(file, { plan: 'free', id: 'blocked' }).catch((err: unknown) => err);
+      expect(refused).toBeInstanceOf(KeyFileError);
+      expect((refused as KeyFileError).kind).toBe('busy');
+      expect(readFileSync(file, 'utf8')).toBe(before);
+    } finally {
+      await release();
+    }
+  });
 });
