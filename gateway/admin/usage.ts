@@ -87,15 +87,19 @@ export const usageRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, pa
           200: Unbanned,
           400: failure('bad_request: a malformed account name'),
           404: failure('key_not_found: no key in that account'),
-          503: failure('quota_store_unavailable: Redis did not answer; the ban stays'),
+          503: failure('quota_store_unavailable: Redis did not confirm the unban; ask again'),
         },
       },
     },
     async (request) => {
       const member = consumers().find((c) => c.account === request.params.account);
       if (!member) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
-      const lifted = await parts.store.unban(member.subject).catch(() => {
-        throw new GatewayError('quota_store_unavailable', 'Redis did not answer: the ban stays; try again');
+      const lifted = await parts.store.unban(member.subject).catch((err: Error) => {
+        request.log.warn({ account: request.params.account, cause: err.message }, 'unban: the quota store did not answer');
+        throw new GatewayError(
+          'quota_store_unavailable',
+          'The quota store did not confirm the unban; ask again (lifting a ban twice is harmless)',
+        );
       });
       return { account: request.params.account, lifted };
     },

@@ -83,7 +83,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     loggerInstance: log,
     // One access line per request (access-log.ts) instead of fastify's two.
     logController: new LogController({ disableRequestLogging: true }),
-    // request.log becomes pino's child only if something logs through it (runtime/process.ts).
+    // request.log becomes pino's child only if something logs through it (observability/request-logger.ts).
     childLoggerFactory: (logger, bindings, opts) =>
       new LazyRequestLogger(logger as Logger, bindings, opts.level) as unknown as FastifyBaseLogger,
     genReqId: (req) => requestId(req.headers['x-request-id']),

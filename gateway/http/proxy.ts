@@ -90,8 +90,10 @@ export async function registerProxy(app: FastifyInstance, opts: ProxyOptions): P
   // reply-from warns with the whole error, a stack, for each failed call: its routes log at
   // error only, and the gateway writes one line with the cause itself (onError below).
   await app.register(async (scope) => {
+    // Never looser than LOG_LEVEL: silent or fatal stay so.
+    const level = app.log.level === 'silent' || app.log.level === 'fatal' ? (app.log.level as 'silent' | 'fatal') : 'error';
     scope.addHook('onRoute', (route) => {
-      route.logLevel = 'error';
+      route.logLevel = level;
     });
     await scope.register(proxy, proxyOptions(app, opts));
   });

@@ -26,9 +26,9 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
     reloads: 'file',
     // A config the primary refused is not sent on: every worker keeps the one in force.
     onReload: (reason) => workers().forEach((worker) => worker.send({ type: RELOAD, reason })),
-    drain: () => {
+    drain: (log) => {
       closing = true;
-      running.log.info({ workers: listening.size }, 'draining every worker');
+      log.info({ workers: listening.size }, 'draining every worker');
       return drain(workers(), settings.shutdownGraceMs + 2000).then((worst) => worst !== 0);
     },
     ownProcess: { announce: false },
@@ -74,7 +74,7 @@ function drain(list: Worker[], deadlineMs: number): Promise<number> {
   return new Promise((resolve) => {
     let worst = 0;
     let left = alive.length;
-    if (left === 0) resolve(0);
+    if (left === 0) return resolve(0);
     const deadline = setTimeout(() => alive.forEach((w) => !w.isDead() && w.process.kill('SIGKILL')), deadlineMs);
     for (const w of alive) {
       w.once('exit', (code) => {

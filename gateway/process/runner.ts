@@ -27,7 +27,7 @@ export interface RunOptions {
   reloads: 'file' | 'primary' | 'none';
   onReload?: (reason: string) => void;
   /** The primary's own close: drain its workers; resolves with whether one cut connections. */
-  drain?: () => Promise<boolean>;
+  drain?: (log: FastifyBaseLogger) => Promise<boolean>;
   /**
    * Takes the process over: exits on signals (these left alone) and tells a supervising
    * parent when it is ready. A test's gateway leaves its process alone.
@@ -76,7 +76,7 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
     stopReloads();
     let cut = false;
     if (gateway) cut = await closeServer(gateway.app, settings.shutdownGraceMs);
-    if (options.drain) cut = (await options.drain()) || cut;
+    if (options.drain) cut = (await options.drain(log)) || cut;
     await admin?.close();
     if (redis) await closeRedis(redis, redisClose);
     return cut;

@@ -275,7 +275,15 @@ describe('npm start as a new user runs it', () => {
       await eventually(() => pids.every((pid) => !alive(pid)), 10_000, 'stack, gateway and backend gone');
       for (const port of [backendPort, gatewayPort, adminPort]) await expect(waitForPort(port, 100)).rejects.toThrow();
     } finally {
-      // Only what this test started, by pid: a stack that did not stop must not outlive the test.
+      // Only what this test started, by pid: a stack that did not stop must not outlive the test,
+      // even one that never said it was ready (npm's child, and that child's children).
+      const children = (pid: number): number[] =>
+        spawnSync('pgrep', ['-P', String(pid)], { encoding: 'utf8' })
+          .stdout.split('\n')
+          .filter(Boolean)
+          .map(Number)
+          .flatMap((child) => [child, ...children(child)]);
+      if (npm.pid) pids.push(...children(npm.pid));
       for (const pid of pids.filter((p) => p > 1))
         try {
           process.kill(pid, 'SIGKILL');
