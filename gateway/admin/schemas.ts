@@ -89,13 +89,14 @@ const KeyRow = Type.Object(
 
 export const KeyList = described(Type.Object({ keys: Type.Array(KeyRow) }), 'Every key, never a secret or a digest');
 
-const Window = Type.Object({ used: Type.Integer(), remaining: Type.Integer(), resetAt: Instant });
+const Window = Type.Object({ limit: Type.Integer(), used: Type.Integer(), remaining: Type.Integer(), resetAt: Instant });
 
 /** An account's windows, ban and recent 429s, from the store the gateway enforces with. */
 const Usage = Type.Object({
   account: Type.String(),
   plan: Type.String(),
   limits: Type.Object({ perMinute: Type.Integer(), perDay: Type.Integer() }),
+  enforced: Type.Boolean({ description: 'False in shadow mode: refusals are counted and reported, not made' }),
   windows: Type.Object({ minute: Window, day: Type.Optional(Window) }),
   ban: Type.Object({ active: Type.Boolean(), until: Type.Union([Instant, Type.Null()]) }),
   recentRejections: Type.Integer({ description: '429s within the ban window so far' }),

@@ -1,8 +1,8 @@
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { GatewayError } from '../http/errors.js';
-import { windows, type WindowState } from '../quota/decision.js';
 import type { QuotaStore } from '../quota/store.js';
+import { usageView } from '../quota/usage-view.js';
 import { AccountParams, AccountUsage, failure, KeyParams, KeyUsage, Unbanned, type Usage } from './schemas.js';
 
 export interface UsageParts {
@@ -12,24 +12,10 @@ export interface UsageParts {
   redis: boolean;
 }
 
-const iso = (ms: number) => new Date(ms).toISOString();
-const view = (w: WindowState) => ({ used: w.used, remaining: Math.max(0, w.limit - w.used), resetAt: iso(w.resetMs) });
-
 /** An account's windows, ban and recent 429s, read from the store the gateway enforces with. */
 async function usageOf(consumer: Consumer, { store, redis }: UsageParts): Promise<Usage> {
   const usage = await store.peek(consumer.subject);
-  const { limits } = consumer.subject;
-  const [minute, day] = windows(limits, usage.nowMs, usage.minuteUsed, usage.dayUsed);
-  return {
-    account: consumer.account,
-    plan: consumer.plan,
-    limits,
-    windows: { minute: view(minute!), ...(day && { day: view(day) }) },
-    ban: { active: usage.banUntilMs > 0, until: usage.banUntilMs > 0 ? iso(usage.banUntilMs) : null },
-    recentRejections: usage.recentRejections,
-    store: redis ? (store.degraded ? 'memory (Redis failing)' : 'redis') : 'memory',
-    at: iso(usage.nowMs),
-  };
+  return { ...usageView(consumer, usage), store: redis ? (store.degraded ? 'memory (Redis failing)' : 'redis') : 'memory' };
 }
 
 /** The usage lookups, by key and by account. A key's usage is its account's: the keys of one account share one quota. */

@@ -9,6 +9,8 @@ import { handleError } from './errors.js';
 import { clientErrorHandler, installRawHandlers, type RawDeps, requestId } from './raw-answers.js';
 import { GatewayMetrics } from '../observability/metrics.js';
 import { documentServer, OPENAPI_PATH } from './openapi.js';
+import { USAGE_ROUTE } from './routes.js';
+import { usageView } from '../quota/usage-view.js';
 import { requestPipeline } from './pipeline.js';
 import { registerProxy } from './proxy.js';
 import { admit } from '../quota/admit.js';
@@ -111,6 +113,11 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   app.addHook('onClose', async () => store.close?.());
   const document = documentServer(settings.backendUrl, settings.upstreamTimeoutMs);
   app.get(OPENAPI_PATH, async (request) => document(request.ctx.config));
+  // The pipeline has authenticated the key and counted the request per address.
+  app.get(USAGE_ROUTE.path, async ({ ctx }, reply) => {
+    reply.header('cache-control', 'no-store');
+    return usageView(ctx.consumer!, await store.peek(ctx.consumer!.subject));
+  });
   await registerProxy(app, {
     upstream: settings.backendUrl,
     bodyLimit: settings.bodyLimit,

@@ -1,7 +1,7 @@
 import type { GatewayConfig } from '../config/config.js';
 import type { Deprecation } from './deprecation.js';
 import { ErrorBody, GatewayError } from './errors.js';
-import { DOCUMENT_ROUTE, ROUTES, type RouteId } from './routes.js';
+import { DOCUMENT_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from './routes.js';
 
 // The API's OpenAPI document as clients see it through the gateway, served to anyone at
 // GET /v1/openapi.json (it counts against the per-address limit). The backend's document stays
@@ -183,6 +183,62 @@ function headOf(get: Operation): Operation {
   };
 }
 
+const WINDOW: Json = {
+  type: 'object',
+  required: ['limit', 'used', 'remaining', 'resetAt'],
+  properties: {
+    limit: { type: 'integer', description: 'Units the window admits' },
+    used: { type: 'integer', description: 'Units admitted in it so far' },
+    remaining: { type: 'integer', minimum: 0 },
+    resetAt: { type: 'string', format: 'date-time', description: 'When it starts again (UTC-aligned)' },
+  },
+};
+
+/** A key's own usage (quota/usage-view.ts), as the document names it. */
+const USAGE_SCHEMA: Json = {
+  type: 'object',
+  description: "The account's quota as the gateway holds it: the keys of one account share it",
+  required: ['account', 'plan', 'limits', 'enforced', 'windows', 'ban', 'recentRejections', 'at'],
+  properties: {
+    account: { type: 'string' },
+    plan: { type: 'string' },
+    limits: {
+      type: 'object',
+      required: ['perMinute', 'perDay'],
+      properties: { perMinute: { type: 'integer' }, perDay: { type: 'integer' } },
+    },
+    enforced: { type: 'boolean', description: 'False in shadow mode: refusals are counted and reported, not made' },
+    windows: { type: 'object', required: ['minute'], properties: { minute: WINDOW, day: WINDOW } },
+    ban: {
+      type: 'object',
+      required: ['active', 'until'],
+      properties: { active: { type: 'boolean' }, until: { type: ['string', 'null'], format: 'date-time' } },
+    },
+    recentRejections: { type: 'integer', description: '429s within the ban window so far: a ban follows past the limit' },
+    at: { type: 'string', format: 'date-time', description: "The quota store's time of this reading" },
+  },
+};
+
+/** GET /v1/me/usage: the key's own quota, counted per client address so that it answers past the key's limit. */
+function usageOperation(): Operation {
+  const responses: Record<string, Response> = {
+    '200': {
+      description: "The key's account's windows, ban and recent 429s",
+      headers: Object.fromEntries(EVERY_ANSWER.map((name) => [name, ref('headers', name)])),
+      content: { 'application/json': { schema: ref('schemas', 'Usage') } },
+    },
+  };
+  for (const status of ['401', '429', '503', 'default']) responses[status] = errorResponse(status);
+  return {
+    operationId: 'getMyUsage',
+    tags: ['usage'],
+    summary: "This key's usage",
+    description:
+      "The quota of the key's account as the gateway enforces it. It costs the key nothing: it counts against the per-address limit for requests without a key, so it answers even when the key is over its limit or banned (the rate-limit headers are then the address's).",
+    responses,
+  };
+}
+
 /** The document operation itself: public, limited per client address. */
 function documentOperation(): Operation {
   const responses: Record<string, Response> = {
@@ -224,6 +280,8 @@ export function gatewayDocument(backend: OpenApiDocument, deprecations: Readonly
   }
   const document = documentOperation();
   paths[OPENAPI_PATH] = { get: document, head: headOf(document) };
+  const usage = usageOperation();
+  paths[USAGE_ROUTE.path] = { get: usage, head: headOf(usage) };
   const used = new Set(Object.values(paths).flatMap((ops) => Object.values(ops).flatMap((op) => (op.tags as string[] | undefined) ?? [])));
   return {
     openapi: backend.openapi,
@@ -239,12 +297,13 @@ export function gatewayDocument(backend: OpenApiDocument, deprecations: Readonly
     security: [{ apiKey: [] }],
     tags: [
       ...(backend.tags ?? []).filter((t) => used.has(t.name)),
+      { name: 'usage', description: "A key's own quota, as the gateway holds it" },
       { name: 'document', description: 'This OpenAPI document: public, no key needed' },
     ],
     paths,
     components: {
       ...backend.components,
-      schemas: { ...backend.components?.schemas, Error: ErrorBody },
+      schemas: { ...backend.components?.schemas, Error: ErrorBody, Usage: USAGE_SCHEMA },
       securitySchemes: {
         apiKey: { type: 'http', scheme: 'bearer', description: 'An API key: psk_live_… (production) or psk_test_… (staging)' },
       },

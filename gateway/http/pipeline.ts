@@ -8,7 +8,7 @@ import { GatewayError, handleError } from './errors.js';
 import { admit } from '../quota/admit.js';
 import type { QuotaSubject } from '../quota/decision.js';
 import type { QuotaStore } from '../quota/store.js';
-import { DOCUMENT_ROUTE, isDocumentPath, matchRoute, type RouteId } from './routes.js';
+import { DOCUMENT_ROUTE, isDocumentPath, isUsagePath, matchRoute, type RouteId, USAGE_ROUTE } from './routes.js';
 
 declare module 'fastify' {
   interface FastifyRequest {
@@ -99,9 +99,12 @@ export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, 
     }
   }
 
-  /** The public document: the per-address quota instead of a key, and GET or HEAD only. */
-  async function publicDocument(request: FastifyRequest, reply: FastifyReply): Promise<void> {
-    request.ctx.route = DOCUMENT_ROUTE.id;
+  /**
+   * The gateway's own routes (the public document, a key's own usage): the per-address quota
+   * instead of the key's, so a key over its limit or banned can still read why, and GET or HEAD only.
+   */
+  async function ownRoute(request: FastifyRequest, reply: FastifyReply, route: RouteId): Promise<void> {
+    request.ctx.route = route;
     await admitByAddress(request, reply);
     if (request.method !== 'GET' && request.method !== 'HEAD') {
       throw new GatewayError('method_not_allowed', `Method ${request.method} is not allowed here; use GET, HEAD`, { allow: 'GET, HEAD' });
@@ -116,11 +119,12 @@ export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, 
       return preflight(reply);
     }
     const bad = malformed(request);
-    if (!bad && isDocumentPath(request.url)) return publicDocument(request, reply);
+    if (!bad && isDocumentPath(request.url)) return ownRoute(request, reply, DOCUMENT_ROUTE.id);
     // Authentication first, for every other path: a caller without a valid key learns nothing of routes.
     const who = bad ?? authenticate(request.headers.authorization, ctx.config, request.raw.socket);
     if (who instanceof GatewayError) return admitByAddress(request, reply, who);
     ctx.consumer = who;
+    if (isUsagePath(request.url)) return ownRoute(request, reply, USAGE_ROUTE.id);
     const route = matchRoute(request.method, request.url);
     const deprecation = route instanceof GatewayError ? undefined : ctx.config.deprecations.get(route.id);
     if (!(route instanceof GatewayError)) ctx.route = route.id;

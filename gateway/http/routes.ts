@@ -10,11 +10,21 @@ export const ROUTES = [
 export type Route = (typeof ROUTES)[number];
 /** The gateway's own public route: the API's OpenAPI document (openapi.ts), no key needed. */
 export const DOCUMENT_ROUTE = { id: 'openapi', method: 'GET', path: '/v1/openapi.json' } as const;
-export type RouteId = Route['id'] | typeof DOCUMENT_ROUTE.id;
+/** The gateway's own route for a key's holder: its account's quota, answered by the gateway. */
+export const USAGE_ROUTE = { id: 'myUsage', method: 'GET', path: '/v1/me/usage' } as const;
+export type RouteId = Route['id'] | typeof DOCUMENT_ROUTE.id | typeof USAGE_ROUTE.id;
+
+/** Is `url` this path, with or without a query? */
+const isPath = (url: string, path: string) => url.startsWith(path) && (url.length === path.length || url[path.length] === '?');
 
 /** Is this request for the public document? Then it is served whatever key it carries, per address. */
 export function isDocumentPath(url: string): boolean {
-  return url.startsWith(DOCUMENT_ROUTE.path) && (url.length === DOCUMENT_ROUTE.path.length || url[DOCUMENT_ROUTE.path.length] === '?');
+  return isPath(url, DOCUMENT_ROUTE.path);
+}
+
+/** Is this request for the caller's own usage? */
+export function isUsagePath(url: string): boolean {
+  return isPath(url, USAGE_ROUTE.path);
 }
 
 const PATHS = [...new Set(ROUTES.map((r) => r.path))].map((path) => ({

@@ -221,6 +221,7 @@ describe('what the admin port answers, as documented', () => {
       'account',
       'at',
       'ban',
+      'enforced',
       'id',
       'limits',
       'plan',

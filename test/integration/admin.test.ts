@@ -55,7 +55,7 @@ describe('admin port', () => {
       expect(before.windows.minute.used).toBe(0);
       expect(await codes(gw, k.key, 7)).toEqual(['200', '200', '200', '200', '200', 'rate_limited', 'rate_limited']);
       const after = await usage(gw, k.id);
-      expect(after.windows.minute).toEqual({ used: 5, remaining: 0, resetAt: expect.stringMatching(/:00\.000Z$/) });
+      expect(after.windows.minute).toEqual({ limit: 5, used: 5, remaining: 0, resetAt: expect.stringMatching(/:00\.000Z$/) });
       expect(Date.parse(after.windows.minute.resetAt)).toBe((Math.floor(Date.now() / 60_000) + 1) * 60_000);
       expect(after.windows.day).toMatchObject({ used: before.windows.day.used + 5, remaining: 995 });
       expect(after.recentRejections).toBe(2);
@@ -160,7 +160,8 @@ describe('admin port', () => {
       expect(gw.admin!.hasRoute({ method: 'GET', url }), url).toBe(true); // the list is the admin app's
       expect(gw.app.hasRoute({ method: 'GET', url }), url).toBe(false);
     }
-    for (const segment of ['healthz', 'readyz', 'metrics', 'admin', 'usage']) expect(publicRoutes).not.toContain(segment);
+    // (The public port's own /v1/me/usage is the key holder's view, not this.)
+    for (const segment of ['healthz', 'readyz', 'metrics', 'admin']) expect(publicRoutes).not.toContain(segment);
     expect(new URL(gw.adminUrl).port).not.toBe(String(gw.port));
     // And as a client meets it: the public port does not answer them, with a valid key or without.
     for (const path of ['/healthz', '/metrics', `/admin/keys/${k.id}/usage`]) {

@@ -49,10 +49,12 @@ describe('GET /v1/openapi.json through the gateway', () => {
   it('lists exactly the operations the gateway serves, each behind the bearer scheme but the document itself', () => {
     const ops = Object.entries(doc.paths).flatMap(([path, methods]) => Object.keys(methods).map((m) => `${m.toUpperCase()} ${path}`));
     expect(ops.sort()).toEqual([
+      'GET /v1/me/usage',
       'GET /v1/openapi.json',
       'GET /v1/pets',
       'GET /v1/pets/{petId}',
       'GET /v1/store/orders',
+      'HEAD /v1/me/usage',
       'HEAD /v1/openapi.json',
       'HEAD /v1/pets',
       'HEAD /v1/pets/{petId}',
@@ -66,7 +68,9 @@ describe('GET /v1/openapi.json through the gateway', () => {
     for (const [path, methods] of Object.entries(doc.paths)) {
       for (const [method, op] of Object.entries(methods)) {
         const statuses = Object.keys(op.responses);
-        const errors = ['429', '502', '503', '504', 'default', ...(path === '/v1/openapi.json' ? [] : ['401'])];
+        // The usage route never reaches the backend: no 502 or 504.
+        const backend = path === '/v1/me/usage' ? [] : ['502', '504'];
+        const errors = ['429', ...backend, '503', 'default', ...(path === '/v1/openapi.json' ? [] : ['401'])];
         expect(statuses, `${method} ${path}`).toEqual(expect.arrayContaining(errors));
         for (const status of errors) {
           // HEAD: the same answers and headers as GET, without a body.
@@ -174,6 +178,11 @@ describe('GET /v1/openapi.json through the gateway', () => {
         429: (method) => refused('/v1/store/orders', { method }),
         default: (method) => gw.call('/v1/store/orders', key.key, { method, headers: huge }),
       },
+      'GET /v1/me/usage': {
+        200: (method) => gw.call('/v1/me/usage', key.key, { method }),
+        401: (method) => gw.call('/v1/me/usage', undefined, { method }),
+        default: (method) => gw.call('/v1/me/usage', key.key, { method, headers: huge }),
+      },
       'GET /v1/openapi.json': {
         200: (method) => gw.call('/v1/openapi.json', undefined, { method }),
         default: (method) => gw.call('/v1/openapi.json', undefined, { method, headers: huge }),
@@ -183,6 +192,8 @@ describe('GET /v1/openapi.json through the gateway', () => {
     const explained: Record<string, string> = {
       'GET /v1/openapi.json 429': 'the per-address limit: the next test, on a gateway with 2 a minute',
       'HEAD /v1/openapi.json 429': 'as GET',
+      'GET /v1/me/usage 429': 'the per-address limit: me-usage.test.ts, on a gateway with 4 a minute',
+      'HEAD /v1/me/usage 429': 'as GET',
       'GET /v1/openapi.json 502': 'backend unreachable: the test after it',
       'GET /v1/pets/{petId} 410': 'after the sunset only: gateway-config.test.ts drives the 410 with a past sunset',
       'HEAD /v1/pets/{petId} 410': 'as GET',

@@ -55,7 +55,7 @@ import createClient from 'openapi-fetch';
 import type { components, paths } from './api.js';
 
 type Schemas = components['schemas'];
-export type Named = [Schemas['Pet'], Schemas['NewPet'], Schemas['PetStatus'], Schemas['Order'], Schemas['OrderStatus'], Schemas['Error']];
+export type Named = [Schemas['Pet'], Schemas['NewPet'], Schemas['PetStatus'], Schemas['Order'], Schemas['OrderStatus'], Schemas['Error'], Schemas['Usage']];
 
 export async function everyOperation(baseUrl: string): Promise<Schemas['Pet'][]> {
   const client = createClient<paths>({ baseUrl, headers: { authorization: 'Bearer psk_live_...' } });
@@ -72,6 +72,10 @@ export async function everyOperation(baseUrl: string): Promise<Schemas['Pet'][]>
   await client.HEAD('/v1/pets/{petId}', { params: { path: { petId: id } } });
   await client.HEAD('/v1/store/orders', {});
   await client.HEAD('/v1/openapi.json', {});
+  const usage: Schemas['Usage'] | undefined = (await client.GET('/v1/me/usage', {})).data;
+  const left: number | undefined = usage?.windows.minute.remaining;
+  await client.HEAD('/v1/me/usage', {});
+  void left;
   // @ts-expect-error PetStatus has no "lost"
   await client.GET('/v1/pets', { params: { query: { status: 'lost' } } });
   // @ts-expect-error a NewPet has a name
@@ -149,7 +153,7 @@ describe('a client generated from the public document', () => {
 
   it('openapi-typescript: named types, and a call to every operation type-checks against them', async () => {
     const source = astToString(await openapiTS(doc as never));
-    for (const named of ['Pet', 'NewPet', 'PetStatus', 'Order', 'OrderStatus', 'Error']) {
+    for (const named of ['Pet', 'NewPet', 'PetStatus', 'Order', 'OrderStatus', 'Error', 'Usage']) {
       expect(source).toMatch(new RegExp(`^ {8}${named}: `, 'm'));
     }
     // The operations use them by name rather than repeating them.
@@ -211,6 +215,9 @@ describe('a client generated from the public document', () => {
     await call('head', '/v1/pets/{petId}', client.HEAD('/v1/pets/{petId}', { params: { path: { petId } } }), 200);
     await call('head', '/v1/store/orders', client.HEAD('/v1/store/orders', {}), 200);
     await call('head', '/v1/openapi.json', client.HEAD('/v1/openapi.json', {}), 200);
+    const mine = await call('get', '/v1/me/usage', client.GET('/v1/me/usage', {}), 200);
+    expect(mine.data).toMatchObject({ plan: 'free', windows: { minute: { limit: 1000 } } });
+    await call('head', '/v1/me/usage', client.HEAD('/v1/me/usage', {}), 200);
 
     const operations = Object.entries(doc.paths).flatMap(([path, methods]) =>
       Object.keys(methods).map((m) => `${m.toUpperCase()} ${path}`),
