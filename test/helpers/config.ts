@@ -46,6 +46,20 @@ export function testConfig(keys: TestKey[], over: Partial<ConfigFile> = {}): Con
 
 let serial = 0;
 /** A fresh key with an id unique to this run, so Redis counters never carry across tests. */
+/**
+ * The keys and config the public-document tests drive every answer with: a roomy key, and a
+ * tiny one whose second request in a minute is a 429.
+ */
+export function documentTestConfig() {
+  const key = makeKey('free');
+  const tiny = makeKey('tiny');
+  const config = testConfig([key, tiny], {
+    plans: { free: { perMinute: 1000, perDay: 100000 }, tiny: { perMinute: 1, perDay: 100 }, enterprise: { custom: true } },
+    unauthenticated: { perMinute: 1000 },
+  });
+  return { key, tiny, config };
+}
+
 export function makeKey(plan = 'free', env: 'production' | 'staging' = 'production'): TestKey {
   serial += 1;
   return { id: `t${process.pid}-${Date.now().toString(36)}-${serial}`, plan, ...generateKey(env) };

@@ -4,7 +4,7 @@ import formats from 'ajv-formats';
 import { beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import type { OpenApiDocument } from '../../gateway/http/openapi.js';
 import { petsBackend } from '../helpers/backends.js';
-import { makeKey, testConfig } from '../helpers/config.js';
+import { documentTestConfig, testConfig } from '../helpers/config.js';
 import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
 import { inOneMinute } from '../helpers/time.js';
@@ -13,12 +13,7 @@ import { inOneMinute } from '../helpers/time.js';
 // answer of every operation is driven against the running gateway and pet backend and checked
 // against the document (status, body schema, required headers), or its absence is explained.
 
-const key = makeKey('free');
-const tiny = makeKey('tiny'); // one request a minute: its second is a 429
-const config = testConfig([key, tiny], {
-  plans: { free: { perMinute: 1000, perDay: 100000 }, tiny: { perMinute: 1, perDay: 100 }, enterprise: { custom: true } },
-  unauthenticated: { perMinute: 1000 },
-});
+const { key, tiny, config } = documentTestConfig(); // tiny: one request a minute, its second a 429
 
 type Json = Record<string, unknown>;
 type Doc = OpenApiDocument & { paths: Record<string, Record<string, Json & { responses: Record<string, Json> }>> };

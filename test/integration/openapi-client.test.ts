@@ -9,7 +9,7 @@ import openapiTS, { astToString } from 'openapi-typescript';
 import ts from 'typescript';
 import { beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import type { OpenApiDocument } from '../../gateway/http/openapi.js';
-import { makeKey, testConfig } from '../helpers/config.js';
+import { documentTestConfig, makeKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';
 import { inOneMinute } from '../helpers/time.js';
@@ -21,12 +21,7 @@ import { inOneMinute } from '../helpers/time.js';
 // match what the document says of that status, its errors included: 400, 404, 429, a rare
 // answer under `default`, and the 503 of a quota store that fails closed.
 
-const key = makeKey('free');
-const tiny = makeKey('tiny'); // one request a minute: its second is a 429
-const config = testConfig([key, tiny], {
-  plans: { free: { perMinute: 1000, perDay: 100000 }, tiny: { perMinute: 1, perDay: 100 }, enterprise: { custom: true } },
-  unauthenticated: { perMinute: 1000 },
-});
+const { key, tiny, config } = documentTestConfig(); // tiny: one request a minute, its second a 429
 
 type Json = Record<string, unknown>;
 interface Documented {
