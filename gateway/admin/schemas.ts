@@ -1,3 +1,4 @@
+import { UsageView } from '../quota/usage-view.js';
 import { type Static, type TSchema, Type } from '@sinclair/typebox';
 import { ErrorBody } from '../http/errors.js';
 
@@ -89,20 +90,11 @@ const KeyRow = Type.Object(
 
 export const KeyList = described(Type.Object({ keys: Type.Array(KeyRow) }), 'Every key, never a secret or a digest');
 
-const Window = Type.Object({ limit: Type.Integer(), used: Type.Integer(), remaining: Type.Integer(), resetAt: Instant });
-
-/** An account's windows, ban and recent 429s, from the store the gateway enforces with. */
-const Usage = Type.Object({
-  account: Type.String(),
-  plan: Type.String(),
-  limits: Type.Object({ perMinute: Type.Integer(), perDay: Type.Integer() }),
-  enforced: Type.Boolean({ description: 'False in shadow mode: refusals are counted and reported, not made' }),
-  windows: Type.Object({ minute: Window, day: Type.Optional(Window) }),
-  ban: Type.Object({ active: Type.Boolean(), until: Type.Union([Instant, Type.Null()]) }),
-  recentRejections: Type.Integer({ description: '429s within the ban window so far' }),
-  store: Type.Union([Type.Literal('redis'), Type.Literal('memory'), Type.Literal('memory (Redis failing)')]),
-  at: Instant,
-});
+/** An account's view (quota/usage-view.ts, as GET /v1/me/usage shows it) and which store it was read from. */
+const Usage = Type.Composite([
+  UsageView,
+  Type.Object({ store: Type.Union([Type.Literal('redis'), Type.Literal('memory'), Type.Literal('memory (Redis failing)')]) }),
+]);
 export type Usage = Static<typeof Usage>;
 
 export const KeyUsage = Type.Composite([Type.Object({ id: Type.String(), revoked: Type.Boolean() }), Usage], {

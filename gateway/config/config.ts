@@ -4,7 +4,7 @@ import { Value } from '@sinclair/typebox/value';
 import { parse as parseYaml } from 'yaml';
 import type { Environment } from '../auth/keys.js';
 import { compileDeprecation, type Deprecation } from '../http/deprecation.js';
-import type { QuotaSubject } from '../quota/decision.js';
+import { type Billing, type Limits, NO_BILLING, type QuotaSubject } from '../quota/decision.js';
 import { policyHeader } from '../quota/headers.js';
 import { ROUTES, type RouteId } from '../http/routes.js';
 
@@ -12,7 +12,14 @@ import { ROUTES, type RouteId } from '../http/routes.js';
 // every problem named by its path, and compiled into the frozen structures the hot path reads.
 
 const Count = Type.Integer({ minimum: 1 });
-const LimitsSchema = Type.Object({ perMinute: Count, perDay: Count }, { additionalProperties: false });
+/** A key's own limits (a custom plan's, or over its plan's): perMonth adds the billing period's window. */
+const LimitsSchema = Type.Object({ perMinute: Count, perDay: Count, perMonth: Type.Optional(Count) }, { additionalProperties: false });
+/** Prepaid credits: `grant` units each billing period, added to what is left with `rollover` (else in place of it). */
+const CreditsSchema = Type.Object(
+  { grant: Type.Integer({ minimum: 0 }), every: Type.Literal('month'), rollover: Type.Optional(Type.Boolean()) },
+  { additionalProperties: false },
+);
+const AccountName = Type.String({ pattern: '^[a-z0-9_-]{1,64}$' });
 /** Units a request of a route costs, by `"METHOD /path"` (default 1). */
 const Costs = Type.Record(Type.String(), Type.Integer({ minimum: 1, maximum: 1_000_000 }));
 const IsoDate = Type.String({ pattern: '^\\d{4}-\\d{2}-\\d{2}T\\d{2}:\\d{2}(:\\d{2}(\\.\\d+)?)?(Z|[+-]\\d{2}:\\d{2})$' });
@@ -26,6 +33,11 @@ export const ConfigFile = Type.Object(
         {
           perMinute: Type.Optional(Count),
           perDay: Type.Optional(Count),
+          /** The billing period's window: a month from each account's billingDay. */
+          perMonth: Type.Optional(Count),
+          /** Units admitted past the month's quota (the day's, without perMonth), billed extra. */
+          overage: Type.Optional(Type.Object({ upTo: Count }, { additionalProperties: false })),
+          credits: Type.Optional(CreditsSchema),
           custom: Type.Optional(Type.Boolean()),
           costs: Type.Optional(Costs),
           /** false: shadow mode, counted and reported as if enforced but never refused for quota. */
@@ -39,7 +51,7 @@ export const ConfigFile = Type.Object(
         {
           id: Type.String({ pattern: '^[a-z0-9_-]{1,64}$' }),
           /** Keys of one account share its quota (minute, day, bans); a key without one is its own account. */
-          account: Type.Optional(Type.String({ pattern: '^[a-z0-9_-]{1,64}$' })),
+          account: Type.Optional(AccountName),
           hash: Type.String({ pattern: '^sha256:[0-9a-f]{64}$' }),
           plan: Type.String(),
           limits: Type.Optional(LimitsSchema),
@@ -55,6 +67,16 @@ export const ConfigFile = Type.Object(
         { additionalProperties: false },
       ),
       { default: [] },
+    ),
+    /** Per account (a key's `account`, or its id): its billing day and, over its plan's, its credits. */
+    accounts: Type.Optional(
+      Type.Record(
+        AccountName,
+        Type.Object(
+          { billingDay: Type.Optional(Type.Integer({ minimum: 1, maximum: 31 })), credits: Type.Optional(CreditsSchema) },
+          { additionalProperties: false },
+        ),
+      ),
     ),
     bans: Type.Object({ afterRejected: Count, withinSeconds: Count, durationSeconds: Count }, { additionalProperties: false }),
     unauthenticated: Type.Object({ perMinute: Count }, { additionalProperties: false }),
@@ -135,8 +157,8 @@ function crossChecks(file: ConfigFile): string[] {
   const problems: string[] = [];
   for (const [name, plan] of Object.entries(file.plans)) {
     const fixed = plan.perMinute !== undefined && plan.perDay !== undefined;
-    if (plan.custom ? plan.perMinute !== undefined || plan.perDay !== undefined : !fixed) {
-      problems.push(`plans.${name}: give either perMinute and perDay, or custom: true`);
+    if (plan.custom ? plan.perMinute !== undefined || plan.perDay !== undefined || plan.perMonth !== undefined : !fixed) {
+      problems.push(`plans.${name}: give either perMinute and perDay (and perMonth), or custom: true`);
     }
   }
   const ids = new Set<string>();
@@ -196,6 +218,27 @@ function routeCosts(costs: Record<string, number>): ReadonlyMap<RouteId, number>
   return out;
 }
 
+type PlanEntry = ConfigFile['plans'][string];
+type AccountEntry = NonNullable<ConfigFile['accounts']>[string];
+
+/** What an account is billed by: its billing day, its plan's overage, and its own credits or else its plan's. */
+function billingOf(plan: PlanEntry, account: AccountEntry | undefined): Billing {
+  const credits = account?.credits ?? plan.credits;
+  return Object.freeze({
+    billingDay: account?.billingDay ?? 1,
+    overage: plan.overage?.upTo ?? 0,
+    ...(credits && { credits: { grant: credits.grant, rollover: credits.rollover ?? false } }),
+  });
+}
+
+/** The limits a key is refused at: with overage, the month's quota (the day's, without one) plus the overage. */
+function ceilings(quota: Limits, overage: number): Limits {
+  const limits: Limits = { perMinute: quota.perMinute, perDay: quota.perDay };
+  if (quota.perMonth) limits.perMonth = quota.perMonth + overage;
+  else limits.perDay += overage;
+  return limits;
+}
+
 /** Turns a valid file into the structures the hot path reads. */
 export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayConfig {
   const redisPrefix = `${redisKeyPrefix}:${file.environment}`;
@@ -207,8 +250,9 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
   const consumers = new Map<string, Consumer>();
   for (const k of file.keys) {
     const plan = file.plans[k.plan]!;
-    const limits = k.limits ?? { perMinute: plan.perMinute!, perDay: plan.perDay! };
     const account = k.account ?? k.id;
+    const billing = billingOf(plan, file.accounts && Object.hasOwn(file.accounts, account) ? file.accounts[account] : undefined);
+    const limits = ceilings(k.limits ?? { perMinute: plan.perMinute!, perDay: plan.perDay!, perMonth: plan.perMonth }, billing.overage);
     consumers.set(k.hash, {
       id: k.id,
       account,
@@ -224,6 +268,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
         policy: policyHeader(limits),
         lasting: true,
         enforce: k.enforce ?? plan.enforce ?? true,
+        billing,
       },
       upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-account': account, 'x-consumer-plan': k.plan }),
     });
@@ -254,6 +299,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       policy: anonymousPolicy,
       lasting: false,
       enforce: true,
+      billing: NO_BILLING,
     }),
     deprecations,
     corsOrigins: new Set(file.cors?.origins ?? []),

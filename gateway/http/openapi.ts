@@ -1,6 +1,7 @@
 import type { GatewayConfig } from '../config/config.js';
 import type { Deprecation } from './deprecation.js';
 import { ErrorBody, GatewayError } from './errors.js';
+import { UsageView } from '../quota/usage-view.js';
 import { DOCUMENT_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from './routes.js';
 
 // The API's OpenAPI document as clients see it through the gateway, served to anyone at
@@ -183,42 +184,6 @@ function headOf(get: Operation): Operation {
   };
 }
 
-const WINDOW: Json = {
-  type: 'object',
-  required: ['limit', 'used', 'remaining', 'resetAt'],
-  properties: {
-    limit: { type: 'integer', description: 'Units the window admits' },
-    used: { type: 'integer', description: 'Units admitted in it so far' },
-    remaining: { type: 'integer', minimum: 0 },
-    resetAt: { type: 'string', format: 'date-time', description: 'When it starts again (UTC-aligned)' },
-  },
-};
-
-/** A key's own usage (quota/usage-view.ts), as the document names it. */
-const USAGE_SCHEMA: Json = {
-  type: 'object',
-  description: "The account's quota as the gateway holds it: the keys of one account share it",
-  required: ['account', 'plan', 'limits', 'enforced', 'windows', 'ban', 'recentRejections', 'at'],
-  properties: {
-    account: { type: 'string' },
-    plan: { type: 'string' },
-    limits: {
-      type: 'object',
-      required: ['perMinute', 'perDay'],
-      properties: { perMinute: { type: 'integer' }, perDay: { type: 'integer' } },
-    },
-    enforced: { type: 'boolean', description: 'False in shadow mode: refusals are counted and reported, not made' },
-    windows: { type: 'object', required: ['minute'], properties: { minute: WINDOW, day: WINDOW } },
-    ban: {
-      type: 'object',
-      required: ['active', 'until'],
-      properties: { active: { type: 'boolean' }, until: { type: ['string', 'null'], format: 'date-time' } },
-    },
-    recentRejections: { type: 'integer', description: '429s within the ban window so far: a ban follows past the limit' },
-    at: { type: 'string', format: 'date-time', description: "The quota store's time of this reading" },
-  },
-};
-
 /** GET /v1/me/usage: the key's own quota, counted per client address so that it answers past the key's limit. */
 function usageOperation(): Operation {
   const responses: Record<string, Response> = {
@@ -303,7 +268,7 @@ export function gatewayDocument(backend: OpenApiDocument, deprecations: Readonly
     paths,
     components: {
       ...backend.components,
-      schemas: { ...backend.components?.schemas, Error: ErrorBody, Usage: USAGE_SCHEMA },
+      schemas: { ...backend.components?.schemas, Error: ErrorBody, Usage: UsageView },
       securitySchemes: {
         apiKey: { type: 'http', scheme: 'bearer', description: 'An API key: psk_live_… (production) or psk_test_… (staging)' },
       },

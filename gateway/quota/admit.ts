@@ -10,29 +10,39 @@ export interface Admission {
   countedAtMs?: number;
   headers: Readonly<Record<string, string>>;
   refusal?: GatewayError;
+  /** Units of the overage window past its quota, when this admission is among them: billed extra. */
+  overage?: number;
 }
 
 const REFUSAL_CODES: Record<Refusal, GatewayErrorCode> = {
   minute: 'rate_limited',
   day: 'daily_quota_exceeded',
   banned: 'key_banned',
+  month: 'monthly_quota_exceeded',
+  credits: 'credits_exhausted',
 };
+
+const WINDOW_WORD = { minute: 'Minute', day: 'Daily', month: 'Monthly' } as const;
 
 /** The 429 a decision calls for, if any. */
 function refusal(d: Decision): GatewayError | undefined {
   if (d.outcome === 'allowed') return undefined;
   const wait = retryAfterSeconds(d);
+  if (d.outcome === 'credits') {
+    const then = wait === undefined ? 'top up to continue' : `the next grant comes in ${wait} s, or top up`;
+    return new GatewayError('credits_exhausted', `Prepaid credits exhausted (${d.balance ?? 0} left); ${then}`);
+  }
   const why =
     d.outcome === 'banned'
       ? 'Banned for sending after repeated 429s'
-      : `${d.outcome === 'day' ? 'Daily' : 'Minute'} limit of ${reportedWindow(d).limit} requests reached`;
+      : `${WINDOW_WORD[d.outcome]} limit of ${reportedWindow(d).limit} requests reached`;
   return new GatewayError(REFUSAL_CODES[d.outcome], `${why}; retry after ${wait} s`);
 }
 
 /** Per lasting subject (a key's), the last admission's headers and what they were built from. */
 const lastHeaders = new WeakMap<
   QuotaSubject,
-  { second: number; minuteUsed: number; dayUsed: number; headers: Readonly<Record<string, string>> }
+  { second: number; minuteUsed: number; dayUsed: number; monthUsed: number; headers: Readonly<Record<string, string>> }
 >();
 
 /**
@@ -43,14 +53,18 @@ const lastHeaders = new WeakMap<
  * subject is built per request, so no later admission could find its entry: it has none.
  */
 export function headersOf(d: Decision, subject: QuotaSubject): Readonly<Record<string, string>> {
-  if (d.outcome !== 'allowed' || !subject.lasting) return rateLimitHeaders(d, subject.policy);
+  // A balance changes with every admission (credits are never leased): nothing to share.
+  if (d.outcome !== 'allowed' || !subject.lasting || d.balance !== undefined) return rateLimitHeaders(d, subject.policy);
   const second = Math.floor(d.nowMs / 1000);
   const minuteUsed = d.windows[0]!.used;
   const dayUsed = d.windows[1]?.used ?? 0;
+  const monthUsed = d.windows[2]?.used ?? 0;
   const last = lastHeaders.get(subject);
-  if (last && last.second === second && last.minuteUsed === minuteUsed && last.dayUsed === dayUsed) return last.headers;
+  if (last && last.second === second && last.minuteUsed === minuteUsed && last.dayUsed === dayUsed && last.monthUsed === monthUsed) {
+    return last.headers;
+  }
   const headers = Object.freeze(rateLimitHeaders(d, subject.policy));
-  lastHeaders.set(subject, { second, minuteUsed, dayUsed, headers });
+  lastHeaders.set(subject, { second, minuteUsed, dayUsed, monthUsed, headers });
   return headers;
 }
 
@@ -73,6 +87,7 @@ export async function admit(store: QuotaStore, subject: QuotaSubject, cost = 1):
     countedAtMs: decision.outcome === 'allowed' ? decision.nowMs : undefined,
     headers: headersOf(decision, subject),
     refusal: refusal(decision),
+    overage: decision.outcome === 'allowed' && decision.overage > 0 ? decision.overage : undefined,
   };
 }
 

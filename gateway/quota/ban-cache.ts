@@ -1,5 +1,8 @@
-import { DAY_MS, MINUTE_MS, windowStart } from './decision.js';
+import { DAY_MS, MINUTE_MS, type WindowCounts, windowStart } from './decision.js';
 import type { Counters } from './store.js';
+
+/** What a ban's reply said of the billing period and credits, so a refusal from memory reports them as Redis did. */
+export type BillingCounts = Pick<WindowCounts, 'monthUsed' | 'period' | 'balance'>;
 
 /**
  * Bans this instance has seen in Redis's replies, with the counters they came with: a banned
@@ -8,12 +11,13 @@ import type { Counters } from './store.js';
  * per banned key at most), so a ban lifted on the admin port, by any instance, ends everywhere.
  */
 export class BanCache {
-  private readonly bans = new Map<string, Counters & { seenAt: number }>();
+  private readonly bans = new Map<string, Counters & { seenAt: number; billing: BillingCounts }>();
 
   constructor(private readonly recheckMs = 1000) {}
 
-  remember(name: string, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number): void {
+  remember(name: string, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number, billing: BillingCounts = {}): void {
     this.bans.set(name, {
+      billing,
       minuteStart: windowStart(nowMs, MINUTE_MS),
       minuteCount: minuteUsed,
       dayStart: windowStart(nowMs, DAY_MS),
@@ -34,7 +38,7 @@ export class BanCache {
    * which is to ask Redis; it counts as seen now, so the requests beside it keep being refused
    * from memory until Redis answers (one recheck at a time, at most one a second).
    */
-  get(name: string, nowMs: number, recheck = false): Counters | undefined {
+  get(name: string, nowMs: number, recheck = false): (Counters & { billing: BillingCounts }) | undefined {
     const known = this.bans.get(name);
     if (!known) return undefined;
     if (known.ban <= nowMs) {

@@ -1,6 +1,8 @@
 // The quota model: what is asked (a subject: its limits and ban policy) and what is decided
 // (one Outcome, and the windows as they stand after it). Pure: plain values and `now`.
 
+import { billingPeriod, type Period } from './period.js';
+
 export const MINUTE_MS = 60_000;
 export const DAY_MS = 86_400_000;
 
@@ -8,7 +10,7 @@ export const DAY_MS = 86_400_000;
  * Why a request was admitted or refused: the one vocabulary of quota.lua (which returns the
  * index), the in-process store, the headers, the error codes, the access line and the metrics.
  */
-export const OUTCOMES = ['allowed', 'minute', 'day', 'banned'] as const;
+export const OUTCOMES = ['allowed', 'minute', 'day', 'banned', 'month', 'credits'] as const;
 export type Outcome = (typeof OUTCOMES)[number];
 export type Refusal = Exclude<Outcome, 'allowed'>;
 /** A refusal a subject in shadow mode (`enforce: false`) would have had: counted and reported, but admitted. */
@@ -16,11 +18,30 @@ export type ShadowOutcome = `would_${Refusal}`;
 /** What admission ends with: a decision's outcome, a shadow refusal, or `unavailable` when a store failing closed could not decide. */
 export type AdmissionOutcome = Outcome | ShadowOutcome | 'unavailable';
 
+/** The limits a subject is refused at (with overage, a quota's ceiling: the quota plus its overage). */
 export interface Limits {
   perMinute: number;
   /** 0: no day window (the unauthenticated per-address limit has only a minute). */
   perDay: number;
+  /** The billing period's window (a month from the account's billing day); 0 or absent: none. */
+  perMonth?: number;
 }
+
+/** What an account is billed by, beyond its windows: its period, its overage and its prepaid credits. */
+export interface Billing {
+  /** The day of the month (1-31, UTC) the billing period starts on; past a month's end, its last day. */
+  billingDay: number;
+  /**
+   * Units admitted past the quota of the month window (the day's, without one), billed extra:
+   * the window's limit is its quota plus these. 0: none.
+   */
+  overage: number;
+  /** Prepaid credits: `grant` each period (added to what is left with `rollover`); absent: none. */
+  credits?: { grant: number; rollover: boolean };
+}
+
+/** Billing for a subject that has none beyond its windows (an address's). */
+export const NO_BILLING: Billing = Object.freeze({ billingDay: 1, overage: 0 });
 
 export interface BanPolicy {
   afterRejected: number;
@@ -40,11 +61,26 @@ export interface QuotaSubject {
   lasting: boolean;
   /** False in shadow mode: decided and counted as if enforced, but never refused for quota. */
   enforce: boolean;
+  billing: Billing;
+}
+
+/** The subject's billing period at `nowMs`, if it has a month window or credits. */
+export function periodOf({ limits, billing }: QuotaSubject, nowMs: number): Period | undefined {
+  return limits.perMonth || billing.credits ? billingPeriod(nowMs, billing.billingDay) : undefined;
+}
+
+/** The window that has overage: the month's if the subject has one, else the day's. */
+export const overageWindow = (limits: Limits): 'month' | 'day' => (limits.perMonth ? 'month' : 'day');
+
+/** The quota past which units are overage (0: no overage): the overage window's limit less the overage. */
+export function softQuota({ limits, billing }: QuotaSubject): number {
+  if (billing.overage === 0) return 0;
+  return (limits.perMonth || limits.perDay) - billing.overage;
 }
 
 /** One window's state after the decision. `used` counts admitted requests only. */
 export interface WindowState {
-  name: 'minute' | 'day';
+  name: 'minute' | 'day' | 'month';
   limit: number;
   used: number;
   resetMs: number;
@@ -56,6 +92,14 @@ export interface Decision {
   /** When the ban ends; 0 unless the outcome is `banned`. */
   banUntilMs: number;
   windows: WindowState[];
+  /** The billing period, for a subject with a month window or credits. */
+  period?: Period;
+  /** Credits left after the decision; absent without credits. */
+  balance?: number;
+  /** When the next grant adds credits (the period's end), if one is due: what a 402's Retry-After waits for. */
+  grantAtMs?: number;
+  /** Units of the overage window past its quota after the decision (billed extra); 0 when none. */
+  overage: number;
 }
 
 /** What a store counted: the outcome and the admitted counts of the current windows. */
@@ -65,6 +109,11 @@ export interface WindowCounts {
   dayUsed: number;
   nowMs: number;
   banUntilMs: number;
+  /** The billing period's count and bounds, for a subject with a month window or credits. */
+  monthUsed?: number;
+  period?: Period;
+  /** Credits left; absent without credits. */
+  balance?: number;
 }
 
 /** Window boundaries are aligned to UTC: the minute at second :00, the day at 00:00. */
@@ -72,19 +121,31 @@ export function windowStart(nowMs: number, sizeMs: number): number {
   return nowMs - (nowMs % sizeMs);
 }
 
-/** The windows of a subject from the admitted counts of the current windows. */
-export function windows(limits: Limits, nowMs: number, minuteUsed: number, dayUsed: number): WindowState[] {
+/** The windows of a subject from the admitted counts of the current windows (the month's needs its period). */
+export function windows(limits: Limits, nowMs: number, minuteUsed: number, dayUsed: number, monthUsed = 0, period?: Period): WindowState[] {
   const list: WindowState[] = [
     { name: 'minute', limit: limits.perMinute, used: minuteUsed, resetMs: windowStart(nowMs, MINUTE_MS) + MINUTE_MS },
   ];
   if (limits.perDay > 0) {
     list.push({ name: 'day', limit: limits.perDay, used: dayUsed, resetMs: windowStart(nowMs, DAY_MS) + DAY_MS });
   }
+  if (limits.perMonth && period) list.push({ name: 'month', limit: limits.perMonth, used: monthUsed, resetMs: period.endMs });
   return list;
 }
 
-export function decision(limits: Limits, c: WindowCounts): Decision {
-  return { outcome: c.outcome, nowMs: c.nowMs, banUntilMs: c.banUntilMs, windows: windows(limits, c.nowMs, c.minuteUsed, c.dayUsed) };
+export function decision({ limits, billing }: QuotaSubject, c: WindowCounts): Decision {
+  const list = windows(limits, c.nowMs, c.minuteUsed, c.dayUsed, c.monthUsed, c.period);
+  const d: Decision = { outcome: c.outcome, nowMs: c.nowMs, banUntilMs: c.banUntilMs, windows: list, overage: 0 };
+  if (c.period) d.period = c.period;
+  if (billing.overage > 0) {
+    const w = list.find((x) => x.name === overageWindow(limits));
+    if (w) d.overage = Math.max(0, w.used - (w.limit - billing.overage));
+  }
+  if (billing.credits && c.balance !== undefined) {
+    d.balance = c.balance;
+    if (billing.credits.grant > 0 && c.period) d.grantAtMs = c.period.endMs;
+  }
+  return d;
 }
 
 /**
@@ -94,7 +155,8 @@ export function decision(limits: Limits, c: WindowCounts): Decision {
  * (the rest of the current lease, and the one taken ahead once half of it was handed out).
  */
 export function leaseSize(limits: Limits, max: number): number {
-  const smallest = limits.perDay > 0 ? Math.min(limits.perMinute, limits.perDay) : limits.perMinute;
+  let smallest = limits.perDay > 0 ? Math.min(limits.perMinute, limits.perDay) : limits.perMinute;
+  if (limits.perMonth) smallest = Math.min(smallest, limits.perMonth);
   return Math.max(1, Math.min(max, Math.floor(smallest / 100)));
 }
 

@@ -1,4 +1,4 @@
-import { DAY_MS, degradedShare, MINUTE_MS, type QuotaSubject, type WindowCounts, windowStart } from './decision.js';
+import { DAY_MS, degradedShare, MINUTE_MS, periodOf, type QuotaSubject, type WindowCounts, windowStart } from './decision.js';
 import { type Counters, countsAt } from './store.js';
 
 /** Units admitted while Redis failed and not yet written back, for one subject and window pair. */
@@ -11,6 +11,8 @@ export interface WriteBack {
   dayStart: number;
   dayUnits: number;
   hasDay: boolean;
+  /** The billing period the day's units also count in (a subject with a month window); 0: none. */
+  periodStart: number;
 }
 
 /** What a subject spent of its degraded budget in the current windows, and how much of it is written back. */
@@ -22,6 +24,13 @@ interface Spent {
   minuteWritten: number;
   dayWritten: number;
   hasDay: boolean;
+  periodStart: number;
+}
+
+/** Redis's last counters of a subject, with its billing period's count (a subject with a month window). */
+interface Seen extends Counters {
+  periodStart: number;
+  monthCount: number;
 }
 
 /**
@@ -34,7 +43,7 @@ interface Spent {
  */
 export class DegradedBudget {
   /** Per subject, the counters of Redis's last reply: what was left when Redis failed. */
-  private readonly seen = new Map<string, Counters>();
+  private readonly seen = new Map<string, Seen>();
   private readonly spent = new Map<string, Spent>();
   private fleet = { instances: 1, rank: 0 };
   private batch = 0;
@@ -54,13 +63,15 @@ export class DegradedBudget {
   }
 
   /** A reply's counts: the latest Redis knows. A subject whose budget is all written back starts afresh. */
-  see(name: string, nowMs: number, minuteUsed: number, dayUsed: number): void {
+  see(name: string, { nowMs, minuteUsed, dayUsed, monthUsed, period }: WindowCounts): void {
     this.seen.set(name, {
       minuteStart: windowStart(nowMs, MINUTE_MS),
       minuteCount: minuteUsed,
       dayStart: windowStart(nowMs, DAY_MS),
       dayCount: dayUsed,
       ban: 0,
+      periodStart: period?.startMs ?? 0,
+      monthCount: monthUsed ?? 0,
     });
     const s = this.spent.get(name);
     if (s && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten) this.spent.delete(name);
@@ -68,13 +79,18 @@ export class DegradedBudget {
   }
 
   /** One decision from the budget at Redis time `nowMs` (as this instance knows it). */
-  consume({ name, limits }: QuotaSubject, cost: number, nowMs: number): WindowCounts {
-    const s = this.current(name, nowMs, limits.perDay > 0);
+  consume(subject: QuotaSubject, cost: number, nowMs: number): WindowCounts {
+    const { name, limits } = subject;
+    const period = limits.perMonth ? periodOf(subject, nowMs) : undefined;
+    const s = this.current(name, nowMs, limits.perDay > 0, period?.startMs ?? 0);
     const known = this.seen.get(name);
     const { minuteUsed: knownM, dayUsed: knownD } = known ? countsAt(known, nowMs) : { minuteUsed: 0, dayUsed: 0 };
     const { instances, rank } = this.fleet;
     const shareM = degradedShare(limits.perMinute - knownM, instances, rank);
-    const shareD = limits.perDay > 0 ? degradedShare(limits.perDay - knownD, instances, rank) : Number.POSITIVE_INFINITY;
+    // The day's share is of what the day and the billing period both had left: its units count in both.
+    let dayLeft = limits.perDay - knownD;
+    if (period) dayLeft = Math.min(dayLeft, limits.perMonth! - (known?.periodStart === period.startMs ? known.monthCount : 0));
+    const shareD = limits.perDay > 0 ? degradedShare(dayLeft, instances, rank) : Number.POSITIVE_INFINITY;
     // Reported as used: all but this instance's share, then what it admitted of it.
     const minuteUsed = limits.perMinute - shareM + s.minuteCount;
     const dayUsed = limits.perDay > 0 ? limits.perDay - shareD + s.dayCount : 0;
@@ -117,6 +133,7 @@ export class DegradedBudget {
         dayStart: s.dayStart,
         dayUnits,
         hasDay: s.hasDay,
+        periodStart: s.periodStart,
       });
       s.minuteWritten = s.minuteCount;
       s.dayWritten = s.dayCount;
@@ -130,16 +147,16 @@ export class DegradedBudget {
   }
 
   /** The subject's spending in the windows current at `nowMs`. */
-  private current(name: string, nowMs: number, hasDay: boolean): Spent {
+  private current(name: string, nowMs: number, hasDay: boolean, periodStart: number): Spent {
     const minuteStart = windowStart(nowMs, MINUTE_MS);
     const dayStart = windowStart(nowMs, DAY_MS);
     let s = this.spent.get(name);
     if (!s) {
-      s = { minuteStart, minuteCount: 0, dayStart, dayCount: 0, minuteWritten: 0, dayWritten: 0, hasDay };
+      s = { minuteStart, minuteCount: 0, dayStart, dayCount: 0, minuteWritten: 0, dayWritten: 0, hasDay, periodStart };
       this.spent.set(name, s);
     }
     if (s.minuteStart !== minuteStart) Object.assign(s, { minuteStart, minuteCount: 0, minuteWritten: 0 });
-    if (s.dayStart !== dayStart) Object.assign(s, { dayStart, dayCount: 0, dayWritten: 0 });
+    if (s.dayStart !== dayStart) Object.assign(s, { dayStart, dayCount: 0, dayWritten: 0, periodStart });
     return s;
   }
 

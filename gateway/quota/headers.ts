@@ -2,11 +2,22 @@ import type { Decision, Limits, WindowState } from './decision.js';
 
 // Pure header math: a decision in, header values out. No clock, no I/O.
 
-/** `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers-10); constant per limits, built at load. */
+/**
+ * `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers-10) of the minute and day windows:
+ * constant per limits, built at load. A month window's item depends on the period's length
+ * (28 to 31 days), so rateLimitHeaders appends it per decision.
+ */
 export function policyHeader(limits: Limits): string {
   const parts = [`"minute";q=${limits.perMinute};w=60`];
   if (limits.perDay > 0) parts.push(`"day";q=${limits.perDay};w=86400`);
   return parts.join(', ');
+}
+
+/** The policy with the month's item, if the decision has a month window: its `w` is the period's length in seconds. */
+function fullPolicy(d: Decision, policy: string): string {
+  const month = d.windows[2];
+  if (!month || !d.period) return policy;
+  return `${policy}, "month";q=${month.limit};w=${(d.period.endMs - d.period.startMs) / 1000}`;
 }
 
 const remaining = (w: WindowState) => Math.max(0, w.limit - w.used);
@@ -15,7 +26,8 @@ const secondsUntil = (atMs: number, nowMs: number) => Math.max(1, Math.ceil((atM
 
 /** The window the X- headers describe: the violated one, else the fewest remaining, the shorter on a tie. */
 export function reportedWindow(d: Decision): WindowState {
-  const violated = d.outcome === 'minute' || d.outcome === 'day' ? d.windows.find((w) => w.name === d.outcome) : undefined;
+  const violated =
+    d.outcome === 'minute' || d.outcome === 'day' || d.outcome === 'month' ? d.windows.find((w) => w.name === d.outcome) : undefined;
   return violated ?? d.windows.reduce((best, w) => (remaining(w) < remaining(best) ? w : best));
 }
 
@@ -29,8 +41,12 @@ function reopensAt(d: Decision, w: WindowState): number {
   return remaining(w) === 0 ? Math.max(d.banUntilMs, w.resetMs) : d.banUntilMs;
 }
 
-/** Seconds a refused client should wait: until a request can be admitted again. */
+/**
+ * Seconds a refused client should wait: until a request can be admitted again. Out of credits,
+ * only when a grant is due (then until it); else a top-up, not time, is what helps.
+ */
 export function retryAfterSeconds(d: Decision): number | undefined {
+  if (d.outcome === 'credits') return d.grantAtMs === undefined ? undefined : secondsUntil(d.grantAtMs, d.nowMs);
   if (d.outcome === 'banned') return secondsUntil(Math.max(...d.windows.map((w) => reopensAt(d, w))), d.nowMs);
   if (d.outcome !== 'allowed') return secondsUntil(reportedWindow(d).resetMs, d.nowMs);
   return undefined;
@@ -46,9 +62,11 @@ export function rateLimitHeaders(d: Decision, policy: string): Record<string, st
     'x-ratelimit-limit': String(w.limit),
     'x-ratelimit-remaining': String(banned ? 0 : remaining(w)),
     'x-ratelimit-reset': String(Math.ceil(resetMs / 1000)),
-    'ratelimit-policy': policy,
+    'ratelimit-policy': fullPolicy(d, policy),
     ratelimit: state,
   };
+  if (d.balance !== undefined) headers['x-credits-remaining'] = String(d.balance);
+  if (d.overage > 0 && d.outcome === 'allowed') headers['x-quota-overage'] = String(d.overage);
   const retry = retryAfterSeconds(d);
   if (retry !== undefined) headers['retry-after'] = String(retry);
   return headers;

@@ -1,4 +1,5 @@
 import { DAY_MS, MINUTE_MS, windowStart } from './decision.js';
+import type { Period } from './period.js';
 import type { Clock } from './redis-clock.js';
 
 /** Units Redis granted this instance in one admission and not handed out yet (see leaseSize). */
@@ -12,6 +13,9 @@ export interface Lease {
   dayStartMs: number;
   minuteUsed: number;
   dayUsed: number;
+  /** The billing period's count after the lease, and the period (a subject with a month window). */
+  monthUsed: number;
+  period?: Period;
   /** The lease's size when taken: the next one is asked for once half of it is handed out. */
   size: number;
 }
@@ -20,8 +24,15 @@ export interface Lease {
  * A lease of `units` from a reply at Redis time `nowMs` to a call sent at monotonic `sentMono`:
  * timed from the sending, so it ends no later than its Redis minute.
  */
-export function leaseOf(units: number, size: number, sentMono: number, nowMs: number, minuteUsed: number, dayUsed: number): Lease {
+export function leaseOf(
+  units: number,
+  size: number,
+  sentMono: number,
+  nowMs: number,
+  counts: { minuteUsed: number; dayUsed: number; monthUsed?: number; period?: Period },
+): Lease {
   const windowEndMs = windowStart(nowMs, MINUTE_MS) + MINUTE_MS;
+  const { minuteUsed, dayUsed, monthUsed = 0, period } = counts;
   return {
     left: units,
     until: sentMono + windowEndMs - nowMs,
@@ -29,6 +40,8 @@ export function leaseOf(units: number, size: number, sentMono: number, nowMs: nu
     dayStartMs: windowStart(nowMs, DAY_MS),
     minuteUsed,
     dayUsed,
+    monthUsed,
+    period,
     size,
   };
 }
@@ -111,8 +124,14 @@ export class LeaseBook {
    */
   private keepUnused(name: string, lease: Lease): void {
     const held = this.unused.get(name);
-    if (held && held.windowEndMs === lease.windowEndMs && held.dayStartMs === lease.dayStartMs) held.left += lease.left;
-    else this.unused.set(name, { ...lease });
+    if (
+      held &&
+      held.windowEndMs === lease.windowEndMs &&
+      held.dayStartMs === lease.dayStartMs &&
+      held.period?.startMs === lease.period?.startMs
+    ) {
+      held.left += lease.left;
+    } else this.unused.set(name, { ...lease });
   }
 
   /** Forgets leases over for a minute, at most once a minute: subjects that stopped sending. */

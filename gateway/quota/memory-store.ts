@@ -1,10 +1,30 @@
-import { DAY_MS, type Decision, decision, MINUTE_MS, type QuotaSubject, type WindowCounts, windowStart } from './decision.js';
-import { type Counters, countsAt, type QuotaStore, type Usage } from './store.js';
+import { type CreditState, spend, withGrants } from './credits.js';
+import { DAY_MS, type Decision, decision, MINUTE_MS, periodOf, type QuotaSubject, type WindowCounts, windowStart } from './decision.js';
+import { billingPeriod, type Period } from './period.js';
+import {
+  type Counters,
+  countsAt,
+  type LedgerEntry,
+  type QuotaStore,
+  type TopUp,
+  type TopUpResult,
+  topUpFingerprint,
+  type Usage,
+} from './store.js';
 
 interface MemoryState extends Counters {
+  periodStart: number;
+  periodCount: number;
   rejections: number[];
   /** When the state may be dropped: what PEXPIREAT / PEXPIRE give the script's keys. */
   expiresAt: number;
+}
+
+/** An account's credits, ledger and top-ups: kept for good, as their Redis keys are. */
+interface Account {
+  credits: CreditState;
+  ledger: LedgerEntry[];
+  topUps: Map<string, { fingerprint: string; entryId: string; balance: number }>;
 }
 
 /**
@@ -14,31 +34,51 @@ interface MemoryState extends Counters {
 export class MemoryQuotaStore implements QuotaStore {
   readonly degraded = false;
   private readonly states = new Map<string, MemoryState>();
+  private readonly accounts = new Map<string, Account>();
   private lastSweep = 0;
+  private entries = 0;
 
   constructor(private readonly clock: () => number = Date.now) {}
 
   async consume(subject: QuotaSubject, cost = 1): Promise<Decision> {
-    return decision(subject.limits, this.step(subject, this.clock(), cost));
+    return decision(subject, this.step(subject, this.clock(), cost));
   }
 
-  async peek({ name, bans }: QuotaSubject): Promise<Usage> {
+  async peek(subject: QuotaSubject): Promise<Usage> {
+    const { name, bans } = subject;
     const now = this.clock();
     const s = this.states.get(name);
-    if (!s) return { nowMs: now, minuteUsed: 0, dayUsed: 0, banUntilMs: 0, recentRejections: 0 };
-    return {
-      nowMs: now,
-      ...countsAt(s, now),
-      banUntilMs: s.ban > now ? s.ban : 0,
-      recentRejections: bans ? s.rejections.filter((t) => t > now - bans.withinMs).length : 0,
-    };
+    const period = periodOf(subject, now);
+    const usage: Usage = s
+      ? {
+          nowMs: now,
+          ...countsAt(s, now),
+          banUntilMs: s.ban > now ? s.ban : 0,
+          recentRejections: bans ? s.rejections.filter((t) => t > now - bans.withinMs).length : 0,
+        }
+      : { nowMs: now, minuteUsed: 0, dayUsed: 0, banUntilMs: 0, recentRejections: 0 };
+    if (period) {
+      usage.period = period;
+      usage.monthUsed = s && s.periodStart === period.startMs ? s.periodCount : 0;
+    }
+    const credits = subject.billing.credits;
+    if (credits && period) {
+      const { state } = withGrants(this.account(name).credits, period, credits);
+      usage.credits = { granted: state.granted, purchased: state.purchased };
+    }
+    return usage;
   }
 
-  async refund({ name }: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
-    const s = this.states.get(name);
-    if (!s) return;
-    if (s.minuteStart === windowStart(countedAtMs, MINUTE_MS)) s.minuteCount = Math.max(0, s.minuteCount - cost);
-    if (s.dayStart === windowStart(countedAtMs, DAY_MS)) s.dayCount = Math.max(0, s.dayCount - cost);
+  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
+    const s = this.states.get(subject.name);
+    if (s) {
+      if (s.minuteStart === windowStart(countedAtMs, MINUTE_MS)) s.minuteCount = Math.max(0, s.minuteCount - cost);
+      if (s.dayStart === windowStart(countedAtMs, DAY_MS)) s.dayCount = Math.max(0, s.dayCount - cost);
+      const period = periodOf(subject, countedAtMs);
+      if (period && subject.limits.perMonth && s.periodStart === period.startMs) s.periodCount = Math.max(0, s.periodCount - cost);
+    }
+    // Given back as purchased credits, which never expire (as refund.lua does).
+    if (subject.billing.credits) this.account(subject.name).credits.purchased += cost;
   }
 
   async unban({ name }: QuotaSubject): Promise<boolean> {
@@ -50,6 +90,30 @@ export class MemoryQuotaStore implements QuotaStore {
     return lifted;
   }
 
+  async topUp(subject: QuotaSubject, t: TopUp): Promise<TopUpResult> {
+    const account = this.account(subject.name);
+    const fingerprint = topUpFingerprint(t);
+    const seen = account.topUps.get(t.idempotencyKey);
+    if (seen) return { entryId: seen.entryId, balance: seen.balance, replayed: true, conflict: seen.fingerprint !== fingerprint };
+    const now = this.clock();
+    this.grantDue(subject, account, billingPeriod(now, subject.billing.billingDay), now);
+    account.credits.purchased += t.amount;
+    const balance = account.credits.granted + account.credits.purchased;
+    const entryId = this.append(account, now, {
+      kind: 'topup',
+      amount: t.amount,
+      balance,
+      reason: t.reason,
+      idempotencyKey: t.idempotencyKey,
+    });
+    account.topUps.set(t.idempotencyKey, { fingerprint, entryId, balance });
+    return { entryId, balance, replayed: false, conflict: false };
+  }
+
+  async ledger({ name }: QuotaSubject): Promise<LedgerEntry[]> {
+    return [...(this.accounts.get(name)?.ledger ?? [])];
+  }
+
   activeBans(): number {
     const now = this.clock();
     let n = 0;
@@ -57,27 +121,73 @@ export class MemoryQuotaStore implements QuotaStore {
     return n;
   }
 
-  private step({ name, limits, bans }: QuotaSubject, now: number, cost: number): WindowCounts {
+  private account(name: string): Account {
+    let a = this.accounts.get(name);
+    if (!a) {
+      a = { credits: { granted: 0, purchased: 0 }, ledger: [], topUps: new Map() };
+      this.accounts.set(name, a);
+    }
+    return a;
+  }
+
+  /** An entry at the ledger's end, with an id that orders as Redis's stream ids do (time, then sequence). */
+  private append(account: Account, now: number, entry: Omit<LedgerEntry, 'id' | 'atMs'>): string {
+    const id = `${now}-${this.entries++}`;
+    account.ledger.push({ id, atMs: now, ...entry });
+    return id;
+  }
+
+  /** Applies the grants due by `period`, each with its ledger entry. */
+  private grantDue(subject: QuotaSubject, account: Account, period: Period, now: number): void {
+    const credits = subject.billing.credits;
+    if (!credits) return;
+    const { state, grant } = withGrants(account.credits, period, credits);
+    account.credits = state;
+    if (grant) this.append(account, now, { kind: 'grant', ...grant, balance: state.granted + state.purchased });
+  }
+
+  private step(subject: QuotaSubject, now: number, cost: number): WindowCounts {
+    const { name, limits, bans, billing } = subject;
     this.sweep(now);
     let s = this.states.get(name);
     if (!s) {
-      s = { minuteStart: 0, minuteCount: 0, dayStart: 0, dayCount: 0, ban: 0, rejections: [], expiresAt: 0 };
+      s = {
+        minuteStart: 0,
+        minuteCount: 0,
+        dayStart: 0,
+        dayCount: 0,
+        ban: 0,
+        periodStart: 0,
+        periodCount: 0,
+        rejections: [],
+        expiresAt: 0,
+      };
       this.states.set(name, s);
     }
+    const period = periodOf(subject, now);
     const { minuteUsed, dayUsed } = countsAt(s, now);
-    const refused = (outcome: WindowCounts['outcome'], banUntilMs = 0): WindowCounts => ({
-      outcome,
-      minuteUsed,
-      dayUsed,
-      nowMs: now,
-      banUntilMs,
-    });
-    if (s.ban > now) return refused('banned', s.ban);
+    const monthUsed = period && s.periodStart === period.startMs ? s.periodCount : 0;
+    const account = billing.credits ? this.account(name) : undefined;
+    if (account) this.grantDue(subject, account, period!, now);
+    const counts = (outcome: WindowCounts['outcome'], taken = 0, banUntilMs = 0): WindowCounts => {
+      const c: WindowCounts = { outcome, minuteUsed: minuteUsed + taken, dayUsed: dayUsed + taken, nowMs: now, banUntilMs };
+      if (period) Object.assign(c, { period, monthUsed: limits.perMonth ? monthUsed + taken : 0 });
+      if (account) c.balance = account.credits.granted + account.credits.purchased;
+      return c;
+    };
+    if (s.ban > now) return counts('banned', 0, s.ban);
     const minuteStart = windowStart(now, MINUTE_MS);
     const dayStart = windowStart(now, DAY_MS);
-    const expireAt = limits.perDay > 0 ? dayStart + DAY_MS : minuteStart + MINUTE_MS;
+    let expireAt = limits.perDay > 0 ? dayStart + DAY_MS : minuteStart + MINUTE_MS;
+    if (limits.perMonth && period) expireAt = period.endMs;
     const violated =
-      limits.perDay > 0 && dayUsed + cost > limits.perDay ? 'day' : minuteUsed + cost > limits.perMinute ? 'minute' : undefined;
+      limits.perMonth && monthUsed + cost > limits.perMonth
+        ? 'month'
+        : limits.perDay > 0 && dayUsed + cost > limits.perDay
+          ? 'day'
+          : minuteUsed + cost > limits.perMinute
+            ? 'minute'
+            : undefined;
     if (violated) {
       if (bans) {
         s.rejections = [now, ...s.rejections.filter((t) => t > now - bans.withinMs)].slice(0, bans.afterRejected + 1);
@@ -86,11 +196,14 @@ export class MemoryQuotaStore implements QuotaStore {
           s.ban = now + bans.durationMs;
           s.rejections = [];
           s.expiresAt = Math.max(s.expiresAt, expireAt, s.ban);
-          return refused('banned', s.ban);
+          return counts('banned', 0, s.ban);
         }
       }
-      return refused(violated);
+      return counts(violated);
     }
+    // Every window has room; the balance must cover the cost too (a 402, which bans no one).
+    if (account && account.credits.granted + account.credits.purchased < cost) return counts('credits');
+    if (account) spend(account.credits, cost);
     Object.assign(s, {
       minuteStart,
       minuteCount: minuteUsed + cost,
@@ -98,7 +211,8 @@ export class MemoryQuotaStore implements QuotaStore {
       dayCount: dayUsed + cost,
       expiresAt: Math.max(s.expiresAt, expireAt, s.ban),
     });
-    return { outcome: 'allowed', minuteUsed: minuteUsed + cost, dayUsed: dayUsed + cost, nowMs: now, banUntilMs: 0 };
+    if (limits.perMonth && period) Object.assign(s, { periodStart: period.startMs, periodCount: monthUsed + cost });
+    return counts('allowed', cost);
   }
 
   /** Drops states whose windows, ban and recent 429s are all over, at most once a minute. */

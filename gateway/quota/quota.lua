@@ -1,67 +1,115 @@
--- One atomic decision per request: ban check, then the minute and day windows.
--- KEYS[1]: the subject's counters (hash); KEYS[2]: times of its recent 429s (list).
--- Both share one hash tag, so they live in one Redis Cluster slot.
--- ARGV: perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs,
--- lease (units an admitted request may take at once: 1, or more for a lease), and the unused
--- units of this instance's last lease with that lease's minute and day starts, given back;
--- then the deadline (Redis time, ms; 0: none) after which the gateway has given up waiting,
--- and the request's cost in units (1 unless its route costs more; a costly request takes no lease);
--- then refill (1: no request is admitted, the call only takes a whole lease ahead of need, or
--- nothing, and is never a refusal).
--- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken}; outcome is an index into
--- OUTCOMES in decision.ts: 0 allowed, 1 minute, 2 day, 3 banned. Time is Redis's own, so
--- skewed gateways agree.
+-- One atomic decision per request: ban check, the minute, day and billing-period windows, then
+-- the prepaid credits. billing.lua is prepended (period, credits).
+-- KEYS: the subject's counters (hash), times of its recent 429s (list), its credits (hash) and
+-- their ledger (stream). All share one hash tag, so they live in one Redis Cluster slot.
+-- ARGV, in order:
+--   1-5   perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs;
+--   6     lease: units an admitted request may take at once (1, or more for a lease);
+--   7-9   the unused units of this instance's last lease, with that lease's minute and day starts, given back;
+--   10    the deadline (Redis time, ms; 0: none) after which the gateway has given up waiting;
+--   11    the request's cost in units (1 unless its route costs more; a costly request takes no lease);
+--   12    refill: 1 when no request is admitted, the call only takes a whole lease ahead of need,
+--         or nothing, and is never a refusal;
+--   13-14 perMonth (0: no billing-period window; with overage, the ceiling), billingDay (1-31);
+--   15    soft: the quota of the window that has overage (the month's, else the day's), past which
+--         units are billed as overage (0: none); a lease never straddles it;
+--   16-17 the credits granted each period (-1: no credits), and 1 if what is left rolls over;
+--   18    the period start of the lease given back (7-9).
+-- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken, periodUsed, periodStart,
+-- periodEnd, balance (-1: no credits)}; outcome is an index into OUTCOMES in decision.ts: 0
+-- allowed, 1 minute, 2 day, 3 banned, 4 month, 5 credits. Time is Redis's own, so skewed
+-- gateways agree.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- Run after the gateway stopped waiting (a frozen or stalled Redis): it decided the request
 -- itself, so nothing changes here, and the request is counted once, where it was decided.
 local deadline = tonumber(ARGV[10]) or 0
 if deadline > 0 and now > deadline then return {-1, 0, 0, now, 0} end
-local perMinute, perDay = tonumber(ARGV[1]), tonumber(ARGV[2])
+local perMinute, perDay, perMonth = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[13]) or 0
 local banAfter, banWithin, banFor = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local lease = tonumber(ARGV[6]) or 1
 local cost = tonumber(ARGV[11]) or 1
+local soft = tonumber(ARGV[15]) or 0
+local grant = tonumber(ARGV[16]) or -1
 
-local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban')
+local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc')
 local ms = now - now % 60000
-local ds = now - now % 86400000
+local ds = now - now % DAY
+local ps, pe, pidx = 0, 0, 0
+if perMonth > 0 or grant >= 0 then ps, pe, pidx = period(now, tonumber(ARGV[14]) or 1) end
 local mc = (tonumber(h[1]) == ms) and tonumber(h[2]) or 0
 local dc = (tonumber(h[3]) == ds) and tonumber(h[4]) or 0
+local pc = (perMonth > 0 and tonumber(h[6]) == ps) and tonumber(h[7]) or 0
 local ban = tonumber(h[5]) or 0
+local g, p = 0, 0
+if grant >= 0 then g, p = credits(KEYS[3], KEYS[4], ps, pidx, grant, tonumber(ARGV[17]) == 1) end
+local function reply(outcome, taken, banUntil)
+  local balance = -1
+  if grant >= 0 then balance = g + p end
+  return {outcome, mc, dc, now, banUntil or 0, taken or 0, pc, ps, pe, balance}
+end
+local function save()
+  redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc)
+  if perMonth > 0 then redis.call('HSET', KEYS[1], 'ps', ps, 'pc', pc) end
+end
+local expireAt = ms + 60000
+if perDay > 0 then expireAt = ds + DAY end
+if perMonth > 0 then expireAt = pe end
+local function keep() redis.call('PEXPIREAT', KEYS[1], math.max(expireAt, ban)) end
+
 -- Units leased earlier and never handed out leave the windows they were counted in.
 local back = tonumber(ARGV[7]) or 0
 if back > 0 then
   local changed = false
   if tonumber(ARGV[9]) == ds and dc >= back then dc = dc - back changed = true end
   if tonumber(ARGV[8]) == ms and mc >= back then mc = mc - back changed = true end
-  if changed then redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc) end
+  if perMonth > 0 and tonumber(ARGV[18]) == ps and pc >= back then pc = pc - back changed = true end
+  if changed then save() end
 end
 -- A request during a ban neither counts nor extends it; the counts still tell whether
 -- a window stays closed past the ban's end.
-if ban > now then return {3, mc, dc, now, ban} end
+if ban > now then return reply(3, 0, ban) end
 
-local expireAt = ms + 60000
-if perDay > 0 then expireAt = ds + 86400000 end
-
--- A refill, while the instance still hands out its current lease: a whole lease while both
--- windows keep room for two, else nothing (the requests then ask one by one, as below).
-if tonumber(ARGV[12]) == 1 then
-  local room = perMinute - mc
-  if perDay > 0 then room = math.min(room, perDay - dc) end
-  if room < 2 * lease then return {0, mc, dc, now, 0, 0} end
-  mc = mc + lease
-  dc = dc + lease
-  redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc)
-  redis.call('PEXPIREAT', KEYS[1], math.max(expireAt, ban))
-  return {0, mc, dc, now, 0, lease}
+-- Room for a lease: what every window has left, and never across the overage line.
+local function room()
+  local r = perMinute - mc
+  if perDay > 0 then r = math.min(r, perDay - dc) end
+  if perMonth > 0 then r = math.min(r, perMonth - pc) end
+  local long = dc
+  if perMonth > 0 then long = pc end
+  if soft > 0 and long < soft then r = math.min(r, soft - long) end
+  return r
+end
+local function take(units)
+  mc = mc + units
+  dc = dc + units
+  if perMonth > 0 then pc = pc + units end
+  if grant >= 0 then
+    local fromGrant = math.min(g, units)
+    g = g - fromGrant
+    p = p - (units - fromGrant)
+    redis.call('HSET', KEYS[3], 'g', g, 'p', p)
+  end
+  save()
+  keep()
 end
 
--- The day is checked first: when both are full, the day is what the client must wait for.
+-- A refill, while the instance still hands out its current lease: a whole lease while every
+-- window keeps room for two, else nothing (the requests then ask one by one, as below).
+if tonumber(ARGV[12]) == 1 then
+  if grant >= 0 or room() < 2 * lease then return reply(0, 0) end
+  take(lease)
+  return reply(0, lease)
+end
+
+-- The longest window is checked first: when several are full, it is what the client must wait for.
 local violated = 0
-if perDay > 0 and dc + cost > perDay then violated = 2 elseif mc + cost > perMinute then violated = 1 end
+if perMonth > 0 and pc + cost > perMonth then violated = 4
+elseif perDay > 0 and dc + cost > perDay then violated = 2
+elseif mc + cost > perMinute then violated = 1 end
 
 if violated > 0 then
-  -- Refused: counted in neither window, only in the list of recent 429s.
+  -- Refused: counted in no window, only in the list of recent 429s.
   if banAfter > 0 then
     redis.call('LPUSH', KEYS[2], now)
     redis.call('LTRIM', KEYS[2], 0, banAfter)
@@ -70,24 +118,19 @@ if violated > 0 then
     if oldest and oldest > now - banWithin then
       ban = now + banFor
       redis.call('HSET', KEYS[1], 'ban', ban)
-      redis.call('PEXPIREAT', KEYS[1], math.max(expireAt, ban))
+      keep()
       redis.call('DEL', KEYS[2])
-      return {3, mc, dc, now, ban}
+      return reply(3, 0, ban)
     end
   end
-  return {violated, mc, dc, now, 0}
+  return reply(violated, 0)
 end
+-- Every window has room; the balance must cover the cost too (a 402, which bans no one).
+if grant >= 0 and g + p < cost then return reply(5, 0) end
 
--- A lease takes several units at once, for the instance to hand out itself, only while
--- both windows keep room for two leases: near the limit, one decision per request.
-local take = cost
-if lease > 1 and cost == 1 then
-  local room = perMinute - mc
-  if perDay > 0 then room = math.min(room, perDay - dc) end
-  if room >= 2 * lease then take = lease end
-end
-mc = mc + take
-dc = dc + take
-redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc)
-redis.call('PEXPIREAT', KEYS[1], math.max(expireAt, ban))
-return {0, mc, dc, now, 0, take}
+-- A lease takes several units at once, for the instance to hand out itself, only while every
+-- window keeps room for two leases: near a limit, one decision per request. Credits are never leased.
+local units = cost
+if lease > 1 and cost == 1 and grant < 0 and room() >= 2 * lease then units = lease end
+take(units)
+return reply(0, units)

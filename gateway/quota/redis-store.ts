@@ -2,13 +2,37 @@ import { randomUUID } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { FastifyBaseLogger } from 'fastify';
 import { type RedisClient, redisProblem } from '../process/redis-client.js';
-import { BanCache } from './ban-cache.js';
-import { DAY_MS, type Decision, decision, leaseSize, MINUTE_MS, OUTCOMES, type QuotaSubject, windowStart } from './decision.js';
+import { BanCache, type BillingCounts } from './ban-cache.js';
+import { type CreditState, withGrants } from './credits.js';
+import {
+  DAY_MS,
+  type Decision,
+  decision,
+  leaseSize,
+  MINUTE_MS,
+  OUTCOMES,
+  periodOf,
+  type QuotaSubject,
+  softQuota,
+  type WindowCounts,
+  windowStart,
+} from './decision.js';
 import { DegradedBudget, type WriteBack } from './degraded-budget.js';
 import { type Lease, LeaseBook, leaseOf } from './lease-book.js';
 import { type Clock, RedisClock, SYSTEM_CLOCK } from './redis-clock.js';
 import { LATE, RedisHealth, within } from './redis-health.js';
-import { countsAt, type QuotaStore, QuotaStoreUnavailable, type StoreCounts, type Usage } from './store.js';
+import {
+  type Counters,
+  countsAt,
+  type LedgerEntry,
+  type QuotaStore,
+  QuotaStoreUnavailable,
+  type StoreCounts,
+  type TopUp,
+  type TopUpResult,
+  topUpFingerprint,
+  type Usage,
+} from './store.js';
 
 const lua = (file: string) => readFileSync(new URL(file, import.meta.url), 'utf8');
 /** Between heartbeats while Redis answers; a heartbeat counts for three of them. */
@@ -16,10 +40,30 @@ const HEARTBEAT_MS = 1000;
 /** Between probes while Redis fails: decisions come back to Redis within this of it answering. */
 const PROBE_MS = 250;
 
-type Reply = [outcome: number, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number, taken?: number];
+type Reply = [
+  outcome: number,
+  minuteUsed: number,
+  dayUsed: number,
+  nowMs: number,
+  banUntilMs: number,
+  taken?: number,
+  monthUsed?: number,
+  periodStart?: number,
+  periodEnd?: number,
+  balance?: number,
+];
 type QuotaRedis = RedisClient & {
-  quota(counters: string, rejections: string, ...args: number[]): Promise<Reply>;
-  refund(counters: string, minuteStart: number, dayStart: number, units: number): Promise<number>;
+  quota(counters: string, rejections: string, credits: string, ledger: string, ...args: number[]): Promise<Reply>;
+  refund(
+    counters: string,
+    credits: string,
+    minuteStart: number,
+    dayStart: number,
+    periodStart: number,
+    units: number,
+    credited: number,
+  ): Promise<number>;
+  topup(credits: string, ledger: string, topUps: string, ...args: Array<string | number>): Promise<[made: number, ...rest: string[]]>;
   writeback(counters: string, applied: string, id: string, ...args: number[]): Promise<number>;
   heartbeat(registry: string, id: string, ttlMs?: number): Promise<[live: number, rank: number, nowMs: number]>;
   unban(counters: string, rejections: string): Promise<number>;
@@ -41,6 +85,30 @@ export interface RedisStoreOptions {
    */
   registry?: () => string;
   clock?: Clock;
+}
+
+/** A ledger stream entry as the admin port shows it: numbers as numbers, the time from its id. */
+function ledgerEntry(id: string, fields: string[]): LedgerEntry {
+  const f: Record<string, string> = {};
+  for (let i = 0; i < fields.length; i += 2) f[fields[i]!] = fields[i + 1]!;
+  const entry: LedgerEntry = {
+    id,
+    atMs: Number(id.split('-')[0]),
+    kind: f.kind as LedgerEntry['kind'],
+    amount: Number(f.amount),
+    balance: Number(f.balance),
+  };
+  if (f.kind === 'grant') Object.assign(entry, { periods: Number(f.periods), expired: Number(f.expired) });
+  else Object.assign(entry, { reason: f.reason, idempotencyKey: f.idempotencyKey });
+  return entry;
+}
+
+/** A reply's counts, in the one shape both stores decide from. */
+function countsOf(r: Reply): WindowCounts {
+  const c: WindowCounts = { outcome: OUTCOMES[r[0]]!, minuteUsed: r[1], dayUsed: r[2], nowMs: r[3], banUntilMs: r[4] };
+  if (r[7]) Object.assign(c, { monthUsed: r[6], period: { startMs: r[7], endMs: r[8] } });
+  if (r[9] !== undefined && r[9] >= 0) c.balance = r[9];
+  return c;
 }
 
 /**
@@ -81,8 +149,9 @@ export class RedisQuotaStore implements QuotaStore {
     this.redisClock = new RedisClock(this.clock);
     this.leases = new LeaseBook(this.clock);
     this.budget = new DegradedBudget(this.instanceId);
-    redis.defineCommand('quota', { numberOfKeys: 2, lua: lua('./quota.lua') });
-    redis.defineCommand('refund', { numberOfKeys: 1, lua: lua('./refund.lua') });
+    redis.defineCommand('quota', { numberOfKeys: 4, lua: lua('./billing.lua') + lua('./quota.lua') });
+    redis.defineCommand('refund', { numberOfKeys: 2, lua: lua('./refund.lua') });
+    redis.defineCommand('topup', { numberOfKeys: 3, lua: lua('./billing.lua') + lua('./topup.lua') });
     redis.defineCommand('writeback', { numberOfKeys: 2, lua: lua('./writeback.lua') });
     redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: lua('./heartbeat.lua') });
     redis.defineCommand('unban', { numberOfKeys: 2, lua: lua('./unban.lua') });
@@ -121,10 +190,11 @@ export class RedisQuotaStore implements QuotaStore {
       const now = this.redisClock.now();
       // While Redis answers, a ban is asked again once a second: it may have been lifted.
       const ban = this.bans.get(name, now, !this.health.failing);
-      if (ban) return decision(limits, { outcome: 'banned', ...countsAt(ban, now), nowMs: now, banUntilMs: ban.ban });
+      if (ban) return this.bannedDecision(subject, ban, now);
       if (this.health.failing) return this.degradedDecision(subject, cost);
       this.leases.sweep();
-      const size = cost === 1 && !solo ? leaseSize(limits, this.leaseMax) : 1;
+      // Credits are money: every unit of them is decided by Redis, never leased.
+      const size = cost === 1 && !solo && !subject.billing.credits ? leaseSize(limits, this.leaseMax) : 1;
       if (size === 1) return this.ask(subject, 1, cost);
       const pending = this.leases.inFlight(name);
       if (pending) {
@@ -143,13 +213,19 @@ export class RedisQuotaStore implements QuotaStore {
     }
   }
 
+  private bannedDecision(subject: QuotaSubject, ban: Counters & { billing: BillingCounts }, now: number): Decision {
+    return decision(subject, { outcome: 'banned', ...countsAt(ban, now), nowMs: now, banUntilMs: ban.ban, ...ban.billing });
+  }
+
   private fromLease(subject: QuotaSubject, lease: Lease): Decision {
     if (lease.left === lease.size >> 1 && !this.health.failing) this.refill(subject, lease.size);
     const now = Math.min(this.redisClock.now(), lease.windowEndMs - 1);
-    return decision(subject.limits, {
+    return decision(subject, {
       outcome: 'allowed',
       minuteUsed: lease.minuteUsed,
       dayUsed: lease.dayUsed,
+      monthUsed: lease.monthUsed,
+      period: lease.period,
       nowMs: now,
       banUntilMs: 0,
     });
@@ -164,10 +240,12 @@ export class RedisQuotaStore implements QuotaStore {
     cost: number,
     refill: boolean,
   ): Promise<Reply> {
-    const { name, limits, bans } = subject;
+    const { name, limits, bans, billing } = subject;
     return this.redis.quota(
       name,
       `${name}:rej`,
+      `${name}:credits`,
+      `${name}:ledger`,
       limits.perMinute,
       limits.perDay,
       bans?.afterRejected ?? 0,
@@ -180,6 +258,12 @@ export class RedisQuotaStore implements QuotaStore {
       deadline,
       cost,
       refill ? 1 : 0,
+      limits.perMonth ?? 0,
+      billing.billingDay,
+      softQuota(subject),
+      billing.credits ? billing.credits.grant : -1,
+      billing.credits?.rollover ? 1 : 0,
+      back?.period?.startMs ?? 0,
     );
   }
 
@@ -193,7 +277,7 @@ export class RedisQuotaStore implements QuotaStore {
     lease: number,
     cost: number,
     refill: boolean,
-  ): Promise<{ reply: Reply; sentMono: number } | undefined> {
+  ): Promise<{ counts: WindowCounts; taken: number; sentMono: number } | undefined> {
     const back = this.leases.takeUnused(subject.name); // if the call fails they stay counted: the safe side
     const sentMono = this.clock.mono();
     const sentAt = this.clock.wall();
@@ -212,20 +296,28 @@ export class RedisQuotaStore implements QuotaStore {
       return undefined;
     }
     this.redisClock.learn(reply[3], sentAt);
-    this.budget.see(subject.name, reply[3], reply[1], reply[2]);
-    return { reply, sentMono };
+    const counts = countsOf(reply);
+    this.budget.see(subject.name, counts);
+    return { counts, taken: reply[5] ?? 0, sentMono };
   }
 
   /** The decision from Redis, and the lease or ban it brings; from the degraded budget if Redis fails meanwhile. */
   private async ask(subject: QuotaSubject, lease: number, cost: number): Promise<Decision> {
     const answer = await this.timedCall(subject, lease, cost, false);
     if (!answer) return this.degradedDecision(subject, cost);
-    const [index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = cost] = answer.reply;
-    const outcome = OUTCOMES[index]!;
-    if (taken > cost) this.leases.grant(subject.name, leaseOf(taken - 1, taken, answer.sentMono, nowMs, minuteUsed, dayUsed));
-    if (outcome === 'banned') this.bans.remember(subject.name, minuteUsed, dayUsed, nowMs, banUntilMs);
-    else this.bans.forget(subject.name);
-    return decision(subject.limits, { outcome, minuteUsed, dayUsed, nowMs, banUntilMs });
+    const { counts, taken, sentMono } = answer;
+    if (taken > cost) this.leases.grant(subject.name, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts));
+    this.learnBan(subject.name, counts);
+    return decision(subject, counts);
+  }
+
+  private learnBan(name: string, c: WindowCounts): void {
+    if (c.outcome !== 'banned') return this.bans.forget(name);
+    this.bans.remember(name, c.minuteUsed, c.dayUsed, c.nowMs, c.banUntilMs, {
+      monthUsed: c.monthUsed,
+      period: c.period,
+      balance: c.balance,
+    });
   }
 
   /**
@@ -238,26 +330,26 @@ export class RedisQuotaStore implements QuotaStore {
     if (this.leases.inFlight(name) || this.leases.hasAhead(name)) return;
     const done = this.timedCall(subject, size, 1, true).then((answer) => {
       if (!answer) return false;
-      const [index, minuteUsed, dayUsed, nowMs, banUntilMs, taken = 0] = answer.reply;
-      if (OUTCOMES[index] === 'banned') this.bans.remember(name, minuteUsed, dayUsed, nowMs, banUntilMs);
-      else {
-        this.bans.forget(name);
-        if (taken > 0) this.leases.grantAhead(name, leaseOf(taken, size, answer.sentMono, nowMs, minuteUsed, dayUsed));
-      }
+      const { counts, taken, sentMono } = answer;
+      this.learnBan(name, counts);
+      if (counts.outcome !== 'banned' && taken > 0) this.leases.grantAhead(name, leaseOf(taken, size, sentMono, counts.nowMs, counts));
       return taken > 0;
     });
     this.leases.track(name, done);
   }
 
-  /** The decision while Redis fails: this instance's share of what was left, or none when failing closed. */
+  /**
+   * The decision while Redis fails: this instance's share of what was left, or none when failing
+   * closed. Credits are money and are never spent without Redis: a subject with credits fails closed.
+   */
   private degradedDecision(subject: QuotaSubject, cost: number): Decision {
     const now = this.redisClock.now();
     // A ban this instance knows holds while Redis fails, one being rechecked included.
     const ban = this.bans.get(subject.name, now);
-    if (ban) return decision(subject.limits, { outcome: 'banned', ...countsAt(ban, now), nowMs: now, banUntilMs: ban.ban });
-    if (this.failClosed) throw new QuotaStoreUnavailable();
+    if (ban) return this.bannedDecision(subject, ban, now);
+    if (this.failClosed || subject.billing.credits) throw new QuotaStoreUnavailable();
     this.tally.degraded++;
-    return decision(subject.limits, this.budget.consume(subject, cost, now));
+    return decision(subject, this.budget.consume(subject, cost, now));
   }
 
   /** A heartbeat: this instance is alive (if it decides), how many are, and Redis's time. */
@@ -291,7 +383,17 @@ export class RedisQuotaStore implements QuotaStore {
   }
 
   private async writeOne(w: WriteBack): Promise<void> {
-    const call = this.redis.writeback(w.name, `${w.name}:wb`, w.id, w.minuteStart, w.minuteUnits, w.dayStart, w.dayUnits, w.hasDay ? 1 : 0);
+    const call = this.redis.writeback(
+      w.name,
+      `${w.name}:wb`,
+      w.id,
+      w.minuteStart,
+      w.minuteUnits,
+      w.dayStart,
+      w.dayUnits,
+      w.hasDay ? 1 : 0,
+      w.periodStart,
+    );
     const applied = await within(call, this.timeoutMs);
     if (applied === LATE) throw new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`);
     this.budget.confirmed(w);
@@ -301,7 +403,16 @@ export class RedisQuotaStore implements QuotaStore {
   async refund(subject: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
     if (this.health.failing) return this.budget.refund(subject.name, countedAtMs, cost);
     try {
-      await this.redis.refund(subject.name, windowStart(countedAtMs, MINUTE_MS), windowStart(countedAtMs, DAY_MS), cost);
+      const period = subject.limits.perMonth ? periodOf(subject, countedAtMs) : undefined;
+      await this.redis.refund(
+        subject.name,
+        `${subject.name}:credits`,
+        windowStart(countedAtMs, MINUTE_MS),
+        windowStart(countedAtMs, DAY_MS),
+        period?.startMs ?? 0,
+        cost,
+        subject.billing.credits ? 1 : 0,
+      );
     } catch (err) {
       this.tally.refundsFailed++;
       this.log.warn(
@@ -316,6 +427,34 @@ export class RedisQuotaStore implements QuotaStore {
     const until = await this.redis.unban(subject.name, `${subject.name}:rej`);
     this.bans.forget(subject.name);
     return Number(until) > 0;
+  }
+
+  /** A top-up in one script (topup.lua): applied once per idempotency key, however the retries race. */
+  async topUp(subject: QuotaSubject, t: TopUp): Promise<TopUpResult> {
+    const { name, billing } = subject;
+    const fingerprint = topUpFingerprint(t);
+    const credits = billing.credits ?? { grant: 0, rollover: false };
+    const [made, ...rest] = await this.redis.topup(
+      `${name}:credits`,
+      `${name}:ledger`,
+      `${name}:topups`,
+      t.amount,
+      t.reason,
+      t.idempotencyKey,
+      fingerprint,
+      billing.billingDay,
+      credits.grant,
+      credits.rollover ? 1 : 0,
+    );
+    if (Number(made) === 1) return { entryId: String(rest[0]), balance: Number(rest[1]), replayed: false, conflict: false };
+    const [first, entryId, balance] = String(rest[0]).split(' ') as [string, string, string];
+    return { entryId, balance: Number(balance), replayed: true, conflict: first !== fingerprint };
+  }
+
+  /** The ledger stream, oldest first. */
+  async ledger(subject: QuotaSubject): Promise<LedgerEntry[]> {
+    const entries = await this.redis.xrange(`${subject.name}:ledger`, '-', '+');
+    return entries.map(([id, fields]) => ledgerEntry(id, fields));
   }
 
   /** One MULTI: Redis time, the counters and the recent 429s, read together. */
@@ -340,23 +479,44 @@ export class RedisQuotaStore implements QuotaStore {
     const results = await this.redis
       .multi()
       .time()
-      .hmget(subject.name, 'ms', 'mc', 'ds', 'dc', 'ban')
+      .hmget(subject.name, 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc')
       .lrange(`${subject.name}:rej`, 0, -1)
+      .hmget(`${subject.name}:credits`, 'g', 'p', 'gp')
       .exec();
     const values = (results ?? []).map(([err, value]) => {
       if (err) throw err;
       return value;
     });
-    const [time, fields, rejections] = values as [[string, string], Array<string | null>, string[]];
+    const [time, fields, rejections, credited] = values as [[string, string], Array<string | null>, string[], Array<string | null>];
     const now = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
-    const [minuteStart, minuteCount, dayStart, dayCount, ban] = fields.map(Number) as [number, number, number, number, number];
+    const [minuteStart, minuteCount, dayStart, dayCount, ban, periodStart, periodCount] = fields.map(Number) as number[] as [
+      number,
+      number,
+      number,
+      number,
+      number,
+      number,
+      number,
+    ];
     const withinMs = subject.bans?.withinMs ?? 0;
-    return {
+    const usage: Usage = {
       nowMs: now,
       ...countsAt({ minuteStart, minuteCount, dayStart, dayCount }, now),
       banUntilMs: ban > now ? ban : 0,
       recentRejections: rejections.filter((t) => Number(t) > now - withinMs).length,
     };
+    const period = periodOf(subject, now);
+    if (!period) return usage;
+    usage.period = period;
+    usage.monthUsed = subject.limits.perMonth && periodStart === period.startMs ? periodCount : 0;
+    if (subject.billing.credits) {
+      // As the next decision will find them: with the grants due applied (the read changes nothing).
+      const [g, p, gp] = credited;
+      const stored: CreditState = { granted: Number(g ?? 0), purchased: Number(p ?? 0), grantedFor: gp == null ? undefined : Number(gp) };
+      const { state } = withGrants(stored, period, subject.billing.credits);
+      usage.credits = { granted: state.granted, purchased: state.purchased };
+    }
+    return usage;
   }
 
   activeBans(): number {

@@ -1,4 +1,5 @@
 import { DAY_MS, type Decision, MINUTE_MS, type QuotaSubject, windowStart } from './decision.js';
+import type { Period } from './period.js';
 
 /** The contract both stores keep: one decision per request, and a read that counts nothing. */
 export interface QuotaStore {
@@ -13,6 +14,13 @@ export interface QuotaStore {
   refund(subject: QuotaSubject, countedAtMs: number, cost?: number): Promise<void>;
   /** Lifts the subject's ban and forgets its recent 429s (an operator's call); false when no ban was in force. */
   unban(subject: QuotaSubject): Promise<boolean>;
+  /**
+   * Adds purchased credits to a subject that has credits, once per idempotency key: a retry,
+   * however concurrent, adds nothing and answers what the first one did.
+   */
+  topUp(subject: QuotaSubject, topUp: TopUp): Promise<TopUpResult>;
+  /** The subject's credits ledger, oldest first: every grant and top-up. */
+  ledger(subject: QuotaSubject): Promise<LedgerEntry[]>;
   /** True while Redis is declared failing: decisions come from the degraded budget. */
   readonly degraded: boolean;
   /** Bans this instance knows to be in force now. */
@@ -50,7 +58,44 @@ export interface Usage {
   banUntilMs: number;
   /** 429s within the ban window so far. */
   recentRejections: number;
+  /** The billing period and its count, for a subject with a month window or credits. */
+  period?: Period;
+  monthUsed?: number;
+  /** The credits as they stand (grants due applied), for a subject with credits. */
+  credits?: { granted: number; purchased: number };
 }
+
+export interface TopUp {
+  amount: number;
+  reason: string;
+  idempotencyKey: string;
+}
+
+/** A top-up's answer: its ledger entry and the balance after it; `replayed` for a retry, `conflict` when the key came with another amount or reason. */
+export interface TopUpResult {
+  entryId: string;
+  balance: number;
+  replayed: boolean;
+  conflict: boolean;
+}
+
+/** One entry of the credits ledger (append-only): a period's grant or a top-up, and the balance after it. */
+export interface LedgerEntry {
+  id: string;
+  atMs: number;
+  kind: 'grant' | 'topup';
+  amount: number;
+  balance: number;
+  /** A grant: the periods it covers, and what was left of the last grant and expired (without rollover). */
+  periods?: number;
+  expired?: number;
+  /** A top-up: why, and its idempotency key. */
+  reason?: string;
+  idempotencyKey?: string;
+}
+
+/** What a top-up is, for its idempotency: the same key with another amount or reason is a conflict. */
+export const topUpFingerprint = (t: TopUp) => `${t.amount}:${Buffer.from(t.reason).toString('base64url')}`;
 
 /**
  * A subject's stored counters: window starts, admitted counts, ban end. In Redis they are

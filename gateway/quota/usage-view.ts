@@ -1,9 +1,68 @@
-import { windows, type WindowState } from './decision.js';
-import type { QuotaSubject } from './decision.js';
+import { type Static, Type } from '@sinclair/typebox';
+import { overageWindow, type QuotaSubject, softQuota, windows, type WindowState } from './decision.js';
 import type { Usage } from './store.js';
 
 // An account's quota as a reader sees it: the consumer's own GET /v1/me/usage and the admin
-// usage lookups show the same windows, from the store the gateway enforces with.
+// usage lookups show the same view, from the store the gateway enforces with. Its schema is
+// the one source of both OpenAPI documents' description of it.
+
+const Instant = Type.String({ format: 'date-time' });
+const Window = Type.Object({
+  limit: Type.Integer({ description: 'Units the window admits before refusing (with overage: its quota plus the overage)' }),
+  used: Type.Integer({ description: 'Units admitted in it so far' }),
+  remaining: Type.Integer({ minimum: 0 }),
+  resetAt: Type.String({ format: 'date-time', description: 'When it starts again (UTC-aligned; the month at the billing day)' }),
+});
+
+export const UsageView = Type.Object(
+  {
+    account: Type.String(),
+    plan: Type.String(),
+    limits: Type.Object(
+      { perMinute: Type.Integer(), perDay: Type.Integer(), perMonth: Type.Optional(Type.Integer()) },
+      { description: 'The quotas sold (without overage)' },
+    ),
+    enforced: Type.Boolean({ description: 'False in shadow mode: refusals are counted and reported, not made' }),
+    windows: Type.Object({ minute: Window, day: Type.Optional(Window), month: Type.Optional(Window) }),
+    period: Type.Optional(
+      Type.Object(
+        { start: Instant, end: Instant, billingDay: Type.Integer({ minimum: 1, maximum: 31 }) },
+        { description: 'The billing period: a month from the billing day, 00:00 UTC' },
+      ),
+    ),
+    overage: Type.Optional(
+      Type.Object(
+        {
+          window: Type.Union([Type.Literal('month'), Type.Literal('day')]),
+          quota: Type.Integer({ description: 'Units included in the plan' }),
+          upTo: Type.Integer({ description: 'Units admitted past the quota' }),
+          used: Type.Integer({ description: 'Units admitted past the quota so far in this window: billed extra' }),
+        },
+        { description: 'Units past the quota, admitted and billed extra' },
+      ),
+    ),
+    credits: Type.Optional(
+      Type.Object(
+        {
+          balance: Type.Integer({ description: 'Units left: granted plus purchased' }),
+          granted: Type.Integer({
+            description: "Left of this period's grant (spent first; expires at the period's end unless it rolls over)",
+          }),
+          purchased: Type.Integer({ description: 'Left of top-ups (never expire)' }),
+          grant: Type.Integer({ description: 'Units granted at each period start' }),
+          rollover: Type.Boolean(),
+          nextGrantAt: Type.Union([Instant, Type.Null()], { description: 'When the next grant comes; null when none is due' }),
+        },
+        { description: 'Prepaid credits: every admitted unit is paid from them; none left answers 402' },
+      ),
+    ),
+    ban: Type.Object({ active: Type.Boolean(), until: Type.Union([Instant, Type.Null()]) }),
+    recentRejections: Type.Integer({ description: '429s within the ban window so far: a ban follows past the limit' }),
+    at: Type.String({ format: 'date-time', description: "The quota store's time of this reading" }),
+  },
+  { description: "The account's quota as the gateway holds it: the keys of one account share it" },
+);
+export type UsageView = Static<typeof UsageView>;
 
 const iso = (ms: number) => new Date(ms).toISOString();
 const view = (w: WindowState) => ({ limit: w.limit, used: w.used, remaining: Math.max(0, w.limit - w.used), resetAt: iso(w.resetMs) });
@@ -15,16 +74,40 @@ interface Reader {
   subject: QuotaSubject;
 }
 
-export function usageView({ account, plan, subject }: Reader, usage: Usage) {
-  const [minute, day] = windows(subject.limits, usage.nowMs, usage.minuteUsed, usage.dayUsed);
-  return {
+export function usageView({ account, plan, subject }: Reader, usage: Usage): UsageView {
+  const { limits, billing } = subject;
+  const list = windows(limits, usage.nowMs, usage.minuteUsed, usage.dayUsed, usage.monthUsed, usage.period);
+  const byName = Object.fromEntries(list.map((w) => [w.name, view(w)]));
+  const soft = softQuota(subject);
+  const long = overageWindow(limits);
+  const quotas = { perMinute: limits.perMinute, perDay: limits.perDay, ...(limits.perMonth && { perMonth: limits.perMonth }) };
+  if (soft > 0) quotas[long === 'month' ? 'perMonth' : 'perDay'] = soft;
+  const out: UsageView = {
     account,
     plan,
-    limits: subject.limits,
+    limits: quotas,
     enforced: subject.enforce,
-    windows: { minute: view(minute!), ...(day && { day: view(day) }) },
+    windows: { minute: byName.minute!, ...(byName.day && { day: byName.day }), ...(byName.month && { month: byName.month }) },
     ban: { active: usage.banUntilMs > 0, until: usage.banUntilMs > 0 ? iso(usage.banUntilMs) : null },
     recentRejections: usage.recentRejections,
     at: iso(usage.nowMs),
   };
+  if (usage.period) out.period = { start: iso(usage.period.startMs), end: iso(usage.period.endMs), billingDay: billing.billingDay };
+  if (soft > 0) {
+    const used = byName[long]?.used ?? 0;
+    out.overage = { window: long, quota: soft, upTo: billing.overage, used: Math.max(0, used - soft) };
+  }
+  if (billing.credits && usage.credits) {
+    const { granted, purchased } = usage.credits;
+    const due = billing.credits.grant > 0 && usage.period;
+    out.credits = {
+      balance: granted + purchased,
+      granted,
+      purchased,
+      grant: billing.credits.grant,
+      rollover: billing.credits.rollover,
+      nextGrantAt: due ? iso(usage.period!.endMs) : null,
+    };
+  }
+  return out;
 }

@@ -9,7 +9,7 @@ export interface TestKey {
   plan: string;
   key: string;
   hash: string;
-  limits?: { perMinute: number; perDay: number };
+  limits?: { perMinute: number; perDay: number; perMonth?: number };
   revokedAt?: string;
   expiresAt?: string;
   account?: string;

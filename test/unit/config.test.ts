@@ -136,6 +136,7 @@ describe('config file', () => {
       policy: '"minute";q=7;w=60',
       lasting: false,
       enforce: true,
+      billing: { billingDay: 1, overage: 0 },
     });
   });
 

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { degradedShare, MINUTE_MS, type QuotaSubject } from '../../gateway/quota/decision.js';
+import { degradedShare, MINUTE_MS, NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { DegradedBudget } from '../../gateway/quota/degraded-budget.js';
 import { LeaseBook, leaseOf } from '../../gateway/quota/lease-book.js';
 import { RedisClock } from '../../gateway/quota/redis-clock.js';
@@ -13,6 +13,7 @@ const subject = (perMinute: number, perDay: number): QuotaSubject => ({
   bans: null,
   policy: '',
   lasting: true,
+  billing: NO_BILLING,
   enforce: true,
 });
 const T0 = Date.UTC(2026, 10, 25, 10, 0, 0); // a minute's start
@@ -44,7 +45,7 @@ describe('the degraded budget', () => {
     const b = new DegradedBudget('me');
     b.setFleet(3, 2);
     const s = subject(10, 1000);
-    b.see('s', T0 + 5, 4, 100); // 6 left this minute: 2 each
+    b.see('s', { outcome: 'allowed', nowMs: T0 + 5, minuteUsed: 4, dayUsed: 100, banUntilMs: 0 }); // 6 left this minute: 2 each
     expect(admitted(b, s, 5, T0 + 10)).toBe(2);
     const refused = b.consume(s, 1, T0 + 10);
     expect(refused.outcome).toBe('minute');
@@ -56,7 +57,7 @@ describe('the degraded budget', () => {
     const total = [0, 1, 2].reduce((sum, rank) => {
       const b = new DegradedBudget(`i${rank}`);
       b.setFleet(3, rank);
-      b.see('s', T0 - 1, 9, 500); // last minute's count says nothing of this one
+      b.see('s', { outcome: 'allowed', nowMs: T0 - 1, minuteUsed: 9, dayUsed: 500, banUntilMs: 0 }); // last minute's count says nothing of this one
       return sum + admitted(b, s, 20);
     }, 0);
     expect(total).toBe(10);
@@ -66,7 +67,7 @@ describe('the degraded budget', () => {
     const b = new DegradedBudget('me');
     b.setFleet(2, 0);
     const s = subject(100, 1000);
-    b.see('s', T0, 0, 996); // 4 left today: 2 for each of two instances
+    b.see('s', { outcome: 'allowed', nowMs: T0, minuteUsed: 0, dayUsed: 996, banUntilMs: 0 }); // 4 left today: 2 for each of two instances
     expect(admitted(b, s, 3)).toBe(2);
     expect(b.consume(s, 1, T0 + MINUTE_MS).outcome).toBe('day'); // a new minute, the same day
   });
@@ -104,8 +105,8 @@ describe('the lease book', () => {
   it('hands out a lease within its minute, then the one taken ahead, and keeps expired units to give back', () => {
     let mono = 0;
     const book = new LeaseBook({ wall: () => T0, mono: () => mono });
-    book.grant('s', leaseOf(2, 3, 0, T0 + 30_000, 3, 3)); // 30 s left in its minute
-    book.grantAhead('s', leaseOf(3, 3, 0, T0 + 30_000, 6, 6));
+    book.grant('s', leaseOf(2, 3, 0, T0 + 30_000, { minuteUsed: 3, dayUsed: 3 })); // 30 s left in its minute
+    book.grantAhead('s', leaseOf(3, 3, 0, T0 + 30_000, { minuteUsed: 6, dayUsed: 6 }));
     expect([book.take('s')?.left, book.take('s')?.left]).toEqual([1, 0]);
     expect(book.take('s')?.minuteUsed).toBe(6); // the lease taken ahead
     mono = 30_000; // its minute is over
@@ -118,7 +119,7 @@ describe('the lease book', () => {
     let mono = 120_000;
     const book = new LeaseBook({ wall: () => T0, mono: () => mono });
     book.sweep(); // the first sweep of the book
-    book.grant('s', leaseOf(5, 6, mono, T0 + 30_000, 6, 6));
+    book.grant('s', leaseOf(5, 6, mono, T0 + 30_000, { minuteUsed: 6, dayUsed: 6 }));
     mono += 60_000;
     book.sweep(); // its minute is over, the minute of grace not yet
     expect(book.hasCurrent('s')).toBe(true);

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { compileConfig, validateConfigFile } from '../../gateway/config/config.js';
-import { type Decision, type Outcome, type QuotaSubject, windows } from '../../gateway/quota/decision.js';
+import { type Decision, NO_BILLING, type Outcome, type QuotaSubject, windows } from '../../gateway/quota/decision.js';
 import { headersOf } from '../../gateway/quota/admit.js';
 import { policyHeader, rateLimitHeaders } from '../../gateway/quota/headers.js';
 import { makeKey, testConfig } from '../helpers/config.js';
@@ -17,6 +17,7 @@ const at = (outcome: Outcome, m: number, d: number, banUntilMs = 0, nowMs = now)
   nowMs,
   banUntilMs,
   windows: windows(free, nowMs, m, d),
+  overage: 0,
 });
 const allowed = (m: number, d: number) => at('allowed', m, d);
 
@@ -88,13 +89,13 @@ describe('rate-limit headers', () => {
     expect(m2!.resetMs).toBe(lastMs + 1 + 60_000);
     expect(d2!.resetMs).toBe(lastMs + 1 + 86_400_000);
     // Never 0 while still blocked: 1 ms before the boundary is still 1 s.
-    const h = rateLimitHeaders({ outcome: 'minute', nowMs: lastMs, banUntilMs: 0, windows: [m1!, d1!] }, policy);
+    const h = rateLimitHeaders({ outcome: 'minute', nowMs: lastMs, banUntilMs: 0, windows: [m1!, d1!], overage: 0 }, policy);
     expect(h['retry-after']).toBe('1');
   });
 });
 
 describe('headers shared within a second', () => {
-  const subject = { name: 'gw:{k:k_1}', limits: free, bans: null, policy, lasting: true, enforce: true };
+  const subject = { name: 'gw:{k:k_1}', limits: free, bans: null, policy, lasting: true, enforce: true, billing: NO_BILLING };
   const within = (m: number, d: number, nowMs: number) => headersOf(at('allowed', m, d, 0, nowMs), subject);
 
   it('builds them again when the second or a count changes, and not otherwise', () => {
@@ -125,6 +126,7 @@ describe('headers shared within a second', () => {
       nowMs: now,
       banUntilMs: 0,
       windows: windows(s.limits, now, 1, 1),
+      overage: 0,
     });
     const key = config.consumers.get(k.hash)!.subject;
     expect(headersOf(admitted(key), key)).toBe(headersOf(admitted(key), key));

@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { compileConfig, validateConfigFile } from '../../gateway/config/config.js';
 import { admit } from '../../gateway/quota/admit.js';
-import type { QuotaSubject } from '../../gateway/quota/decision.js';
+import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { policyHeader } from '../../gateway/quota/headers.js';
 import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
 import { makeKey, testConfig } from '../helpers/config.js';
@@ -16,6 +16,7 @@ const subject = (enforce: boolean): QuotaSubject => ({
   bans: { afterRejected: 2, withinMs: 60_000, durationMs: 900_000 },
   policy: policyHeader(limits),
   lasting: true,
+  billing: NO_BILLING,
   enforce,
 });
 const at = Date.UTC(2026, 10, 22, 10, 15, 17);

@@ -1,0 +1,65 @@
+-- The billing period and the credits' grants, prepended to the scripts that need them
+-- (quota.lua, topup.lua): one copy of the calendar, computed from Redis's own time.
+-- Civil dates from days since 1970-01-01 and back: H. Hinnant's algorithms
+-- (http://howardhinnant.github.io/date_algorithms.html), in Lua 5.1's doubles.
+local DAY = 86400000
+local function civil(z)
+  z = z + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local d = doy - math.floor((153 * mp + 2) / 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m, d
+end
+local function days(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mp = m > 2 and m - 3 or m + 9
+  local doy = math.floor((153 * mp + 2) / 5) + d - 1
+  return era * 146097 + yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy - 719468
+end
+-- 00:00 UTC of the billing day in month m (1-12, or one past either end), a day past the
+-- month's end being its last day; and the month's index (year * 12 + month - 1).
+local function startIn(y, m, bd)
+  if m < 1 then y, m = y - 1, m + 12 elseif m > 12 then y, m = y + 1, m - 12 end
+  local ny, nm = y, m + 1
+  if nm > 12 then ny, nm = y + 1, 1 end
+  local monthDays = days(ny, nm, 1) - days(y, m, 1)
+  return days(y, m, math.min(bd, monthDays)) * DAY, y * 12 + m - 1
+end
+-- The period holding `now` for billing day `bd`: its start, end and start's month index.
+local function period(now, bd)
+  local y, m = civil(math.floor(now / DAY))
+  local here, idx = startIn(y, m, bd)
+  if now >= here then return here, (startIn(y, m + 1, bd)), idx end
+  local s, i = startIn(y, m - 1, bd)
+  return s, here, i
+end
+-- The account's credits (hash `key`: g granted, p purchased, gp the period of the last grant),
+-- with the grants due by period `ps` (month index `pidx`) applied and written to the ledger
+-- (stream `ledger`): `grant` each period, added to what is left with `rollover`, else in place
+-- of it (what was left of the last grant expires; purchased credits never do).
+local function credits(key, ledger, ps, pidx, grant, rollover)
+  local c = redis.call('HMGET', key, 'g', 'p', 'gp')
+  local g, p, gp = tonumber(c[1]) or 0, tonumber(c[2]) or 0, tonumber(c[3])
+  if gp == ps then return g, p end
+  local n = 1
+  if gp then
+    local gy, gm = civil(math.floor(gp / DAY))
+    n = pidx - (gy * 12 + gm - 1)
+  end
+  -- A period earlier than the last grant's (the billing day moved back): its grant was made.
+  if n < 1 then return g, p end
+  local expired = 0
+  if rollover then g = g + n * grant else expired = g g = grant end
+  redis.call('HSET', key, 'g', g, 'p', p, 'gp', ps)
+  redis.call('XADD', ledger, '*', 'kind', 'grant', 'amount', grant * (rollover and n or 1), 'periods', n,
+    'expired', expired, 'balance', g + p, 'period', ps)
+  return g, p
+end
