@@ -10,6 +10,7 @@ import type { QuotaStore } from '../quota/store.js';
 import { keyApi } from './keys.js';
 import { failure, Health, Ready, SharedError } from './schemas.js';
 import { usageRoutes } from './usage.js';
+import { creditRoutes } from './credits.js';
 
 /** What the admin port takes from the settings. */
 export interface AdminSettings {
@@ -84,12 +85,13 @@ const DOCUMENT: SwaggerOptions = {
     info: {
       title: 'Pet Store gateway: admin port',
       version: '1.0.0',
-      description: 'Health, readiness, metrics, usage and the key API. Served on ADMIN_HOST:ADMIN_PORT only, never on the public port.',
+      description: 'Health, readiness, metrics, usage, credits and the key API. Served on ADMIN_HOST:ADMIN_PORT only, never on the public port.',
     },
     tags: [
       { name: 'operations', description: 'For load balancers, Prometheus and tooling: no token' },
       { name: 'usage', description: 'What a key or an account has used, from the store the gateway enforces with' },
       { name: 'keys', description: 'The keys command over HTTP: create, list, rotate, revoke' },
+      { name: 'credits', description: "An account's prepaid credits: balance, ledger and top-ups" },
     ],
     components: { securitySchemes: { adminToken: { type: 'http', scheme: 'bearer', description: 'ADMIN_TOKEN' } } },
   },
@@ -185,6 +187,7 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
   await app.register(async (scope) => {
     guard(scope, deps.adminToken);
     await scope.register(usageRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined });
+    await scope.register(creditRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined });
     await scope.register(keyApi, { configFile: deps.configFile });
   });
   return app;

@@ -28,6 +28,8 @@ export interface RequestContext {
   countedAtMs?: number;
   /** Units this request cost its key (its route's cost; 1 by default). */
   cost?: number;
+  /** Set when it was admitted past its quota, within the plan's overage: the overage window's units past the quota. */
+  overage?: number;
   /** When the request left for the backend (performance.now()), for the upstream latency. */
   sentAt?: number;
 }
@@ -46,6 +48,7 @@ function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConf
     outcome: undefined,
     countedAtMs: undefined,
     cost: undefined,
+    overage: undefined,
     sentAt: undefined,
   };
   return request.ctx;
@@ -85,6 +88,7 @@ export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, 
     reply.headers(admission.headers);
     request.ctx.outcome = admission.outcome;
     request.ctx.countedAtMs = admission.countedAtMs;
+    request.ctx.overage = admission.overage;
     return admission.refusal;
   }
 

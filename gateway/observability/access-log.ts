@@ -16,6 +16,8 @@ export interface AccessEntry {
   consumer?: Consumer;
   route?: RouteId;
   outcome?: AccessOutcome;
+  /** Units of its quota's overage window past the quota after this request, when it was admitted among them (billed extra). */
+  overage?: number;
 }
 
 /** Why a request was refused, for the metric: a 401, or a 429 without a key, is "unauthenticated". */
@@ -55,6 +57,7 @@ export function accessLine(log: FastifyBaseLogger): (reqId: string, e: AccessEnt
     if (e.consumer) line += `,"keyId":${JSON.stringify(e.consumer.id)},"plan":${JSON.stringify(e.consumer.plan)}`;
     line += `,"route":${e.route === undefined ? 'null' : JSON.stringify(e.route)},"method":${JSON.stringify(e.method)},"status":${e.status},"ms":${tenths(e.ms)}`;
     if (e.outcome !== undefined) line += `,"outcome":"${e.outcome}"`;
+    if (e.overage !== undefined) line += `,"overage":${e.overage}`;
     stream.write(`${line},"msg":"request"}\n`);
   };
 }
@@ -69,12 +72,13 @@ export function accessLog(metrics: GatewayMetrics, log: FastifyBaseLogger) {
   function record(reqId: string, e: AccessEntry): void {
     metrics.request(e.route ?? 'none', e.status, e.consumer?.plan ?? 'none', e.consumer?.id, rejection(e));
     if (e.consumer && e.outcome?.startsWith('would_')) metrics.wouldReject.inc({ reason: e.outcome.slice(6), plan: e.consumer.plan });
+    if (e.consumer && e.overage !== undefined) metrics.overage.inc({ plan: e.consumer.plan });
     line(reqId, e);
   }
   /** fastify's onResponse hook (callback style: no promise per request): the request's context as the pipeline left it. */
   function onResponse(request: FastifyRequest, reply: FastifyReply, done: () => void): void {
-    const { consumer, route, outcome } = request.ctx;
-    record(request.id, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, consumer, route, outcome });
+    const { consumer, route, outcome, overage } = request.ctx;
+    record(request.id, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, consumer, route, outcome, overage });
     done();
   }
   return { record, onResponse };

@@ -15,6 +15,7 @@ export class GatewayMetrics {
   readonly logLinesDropped: Counter<never>;
   /** Shadow mode's refusals not made; only keys on a plan or key with `enforce: false` add to it, so labels stay few. */
   readonly wouldReject: Counter<'reason' | 'plan'>;
+  readonly overage: Counter<'plan'>;
   // The per-request series are tallied in plain numbers and handed to prom-client when
   // scraped: its own inc() and observe() validate and hash their labels on every call, even
   // on a bound child, which cost more than the rest of the access line. Bounded like the
@@ -47,6 +48,12 @@ export class GatewayMetrics {
       name: 'gateway_would_reject_total',
       help: 'Requests admitted in shadow mode (enforce: false) that an enforced plan would have refused, by reason and plan',
       labelNames: ['reason', 'plan'],
+      registers,
+    });
+    this.overage = new Counter({
+      name: 'gateway_overage_requests_total',
+      help: 'Requests admitted past their quota within the plan\'s overage (billed extra), by plan',
+      labelNames: ['plan'],
       registers,
     });
     this.logLinesDropped = new Counter({

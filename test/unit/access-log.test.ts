@@ -17,6 +17,7 @@ const ENTRIES: Array<[string, AccessEntry]> = [
   ['r-2', { method: 'POST', status: 401, ms: 0.05 }], // no key, no route, no decision
   ['r-3', { method: 'GET', status: 429, ms: 12.96, consumer, route: 'getPet', outcome: 'banned' }],
   ['r-"4"\n', { method: 'DELETE', status: 404, ms: Number.NaN, consumer, outcome: 'unavailable' }],
+  ['r-5', { method: 'GET', status: 200, ms: 3, consumer, route: 'listPets', outcome: 'allowed', overage: 7 }], // billed extra
 ];
 
 /** Lines with the time taken out: the only field that moves between two writes. */
@@ -29,7 +30,7 @@ describe('the access line', () => {
     const line = accessLine(byHand.log);
     for (const [reqId, e] of ENTRIES) {
       line(reqId, e);
-      const { consumer: c, route, outcome } = e;
+      const { consumer: c, route, outcome, overage } = e;
       byPino.log.info(
         {
           reqId,
@@ -40,6 +41,7 @@ describe('the access line', () => {
           status: e.status,
           ms: Math.round(e.ms * 10) / 10,
           outcome,
+          overage,
         },
         'request',
       );

@@ -1,0 +1,146 @@
+import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
+import { Type } from '@sinclair/typebox';
+import type { Consumer } from '../config/config.js';
+import { GatewayError } from '../http/errors.js';
+import type { LedgerEntry } from '../quota/store.js';
+import { AccountParams, failure } from './schemas.js';
+import type { UsageParts } from './usage.js';
+
+// An account's prepaid credits on the admin port: its balance and ledger, and top-ups, each
+// applied once per Idempotency-Key however the retries race (topup.lua, one script).
+
+const Instant = Type.String({ format: 'date-time' });
+
+const Entry = Type.Object(
+  {
+    id: Type.String({ description: 'The ledger entry id (a Redis stream id: time, then sequence)' }),
+    at: Instant,
+    kind: Type.Union([Type.Literal('grant'), Type.Literal('topup')]),
+    amount: Type.Integer({ description: 'Units added' }),
+    balance: Type.Integer({ description: 'The balance right after it' }),
+    periods: Type.Optional(Type.Integer({ description: 'A grant: the periods it covers (more than 1 after idle periods, with rollover)' })),
+    expired: Type.Optional(Type.Integer({ description: "A grant without rollover: what was left of the last grant, which it replaced" })),
+    reason: Type.Optional(Type.String()),
+    idempotencyKey: Type.Optional(Type.String()),
+  },
+  { title: 'LedgerEntry' },
+);
+
+const Credits = Type.Object(
+  {
+    account: Type.String(),
+    balance: Type.Integer({ description: 'Granted plus purchased' }),
+    granted: Type.Integer(),
+    purchased: Type.Integer(),
+    ledger: Type.Array(Entry, { description: 'Every grant and top-up, oldest first (append-only)' }),
+  },
+  { title: 'Credits', description: "The account's credits (with the grants due applied) and their ledger" },
+);
+
+const TopUpBody = Type.Object(
+  {
+    amount: Type.Integer({ minimum: 1, maximum: 1_000_000_000_000, description: 'Units to add (purchased: they never expire)' }),
+    reason: Type.String({ minLength: 1, maxLength: 500, description: 'Kept in the ledger (an invoice number, a note)' }),
+  },
+  { title: 'TopUp', additionalProperties: false },
+);
+
+const TopUpHeaders = Type.Object({
+  'idempotency-key': Type.String({
+    minLength: 1,
+    maxLength: 255,
+    pattern: '^[\\x21-\\x7e]+$',
+    description: 'Unique per top-up (a UUID): a retry with the same key adds nothing and answers as the first did',
+  }),
+});
+
+const ToppedUp = Type.Object(
+  {
+    account: Type.String(),
+    entryId: Type.String(),
+    amount: Type.Integer(),
+    balance: Type.Integer({ description: 'The balance right after this top-up' }),
+    replayed: Type.Boolean({ description: 'True for a retry: nothing was added now' }),
+  },
+  { title: 'ToppedUp' },
+);
+
+const asEntry = (e: LedgerEntry) => {
+  const { atMs, ...rest } = e;
+  return { ...rest, at: new Date(atMs).toISOString() };
+};
+
+const notFound = failure('key_not_found: no key in that account');
+const notEnabled = failure("credits_not_enabled: the account's plan and settings give it no credits");
+const unavailable = failure('quota_store_unavailable: Redis did not answer; ask again (a top-up retried with its key is applied once)');
+
+export const creditRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, parts) => {
+  /** The account's first key, if it has credits: the subject whose credits these are. */
+  const creditsOf = (account: string): Consumer => {
+    const member = [...parts.config().consumers.values()].find((c) => c.account === account);
+    if (!member) throw new GatewayError('key_not_found', `No key in account "${account}"`);
+    if (!member.subject.billing.credits) {
+      throw new GatewayError('credits_not_enabled', `Account "${account}" has no credits: give its plan or its accounts entry credits`);
+    }
+    return member;
+  };
+  const fromStore = <T>(work: Promise<T>, what: string): Promise<T> =>
+    work.catch((err: Error) => {
+      app.log.warn({ cause: err.message }, `${what}: the quota store did not answer`);
+      throw new GatewayError('quota_store_unavailable', `The quota store did not answer; ask again`);
+    });
+
+  app.get(
+    '/admin/accounts/:account/credits',
+    {
+      schema: {
+        operationId: 'accountCredits',
+        tags: ['credits'],
+        params: AccountParams,
+        response: { 200: Credits, 400: failure('bad_request: a malformed account name'), 404: notFound, 409: notEnabled, 503: unavailable },
+      },
+    },
+    async (request) => {
+      const { subject } = creditsOf(request.params.account);
+      const [usage, ledger] = await fromStore(Promise.all([parts.store.peek(subject), parts.store.ledger(subject)]), 'credits');
+      const { granted = 0, purchased = 0 } = usage.credits ?? {};
+      return { account: request.params.account, balance: granted + purchased, granted, purchased, ledger: ledger.map(asEntry) };
+    },
+  );
+
+  app.post(
+    '/admin/accounts/:account/credits',
+    {
+      schema: {
+        operationId: 'topUpCredits',
+        tags: ['credits'],
+        description:
+          'Adds purchased credits, once per Idempotency-Key: a retry, even one racing the first, adds nothing and answers 200 with `replayed: true`.',
+        params: AccountParams,
+        headers: TopUpHeaders,
+        body: TopUpBody,
+        response: {
+          200: ToppedUp,
+          201: ToppedUp,
+          400: failure('bad_request: a malformed account, body or Idempotency-Key'),
+          404: notFound,
+          409: notEnabled,
+          422: failure('idempotency_key_reused: the key was used for a top-up of another amount or reason'),
+          503: unavailable,
+        },
+      },
+    },
+    async (request, reply) => {
+      const { account } = request.params;
+      const { subject } = creditsOf(account);
+      const idempotencyKey = request.headers['idempotency-key'];
+      const done = await fromStore(parts.store.topUp(subject, { ...request.body, idempotencyKey }), 'top-up');
+      if (done.conflict) {
+        throw new GatewayError('idempotency_key_reused', 'This Idempotency-Key was used for a top-up of another amount or reason');
+      }
+      if (done.replayed) reply.header('idempotent-replayed', 'true');
+      reply.code(done.replayed ? 200 : 201);
+      return { account, entryId: done.entryId, amount: request.body.amount, balance: done.balance, replayed: done.replayed };
+    },
+  );
+};
