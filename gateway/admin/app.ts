@@ -85,7 +85,8 @@ const DOCUMENT: SwaggerOptions = {
     info: {
       title: 'Pet Store gateway: admin port',
       version: '1.0.0',
-      description: 'Health, readiness, metrics, usage, credits and the key API. Served on ADMIN_HOST:ADMIN_PORT only, never on the public port.',
+      description:
+        'Health, readiness, metrics, usage, credits and the key API. Served on ADMIN_HOST:ADMIN_PORT only, never on the public port.',
     },
     tags: [
       { name: 'operations', description: 'For load balancers, Prometheus and tooling: no token' },

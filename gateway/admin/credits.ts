@@ -19,7 +19,7 @@ const Entry = Type.Object(
     amount: Type.Integer({ description: 'Units added' }),
     balance: Type.Integer({ description: 'The balance right after it' }),
     periods: Type.Optional(Type.Integer({ description: 'A grant: the periods it covers (more than 1 after idle periods, with rollover)' })),
-    expired: Type.Optional(Type.Integer({ description: "A grant without rollover: what was left of the last grant, which it replaced" })),
+    expired: Type.Optional(Type.Integer({ description: 'A grant without rollover: what was left of the last grant, which it replaced' })),
     reason: Type.Optional(Type.String()),
     idempotencyKey: Type.Optional(Type.String()),
   },

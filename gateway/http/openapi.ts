@@ -48,9 +48,10 @@ const HEADERS: Record<string, Json> = {
   },
   'RateLimit-Policy': {
     required: true,
-    description: 'Both windows of the key (or of the client address without a key), IETF draft-ietf-httpapi-ratelimit-headers-10',
+    description:
+      "The key's windows (or the client address's without a key), IETF draft-ietf-httpapi-ratelimit-headers-10: minute, day, and the billing period's month (w: its length in seconds) when the plan has one. With overage, q is the quota plus the overage",
     schema: text,
-    example: '"minute";q=60;w=60, "day";q=1000;w=86400',
+    example: '"minute";q=60;w=60, "day";q=1000;w=86400, "month";q=20000;w=2592000',
   },
   RateLimit: {
     required: true,
@@ -74,6 +75,19 @@ const HEADERS: Record<string, Json> = {
     description:
       'Whole seconds to wait: until the blocking window resets or the ban ends (429), 1 while the quota store is unavailable (503)',
     schema: { type: 'integer', minimum: 1 },
+  },
+  'Retry-After-Grant': {
+    description: "Present only when the plan grants credits each period: whole seconds until the next grant (the period's start)",
+    schema: { type: 'integer', minimum: 1 },
+  },
+  'X-Credits-Remaining': {
+    description: 'Only for an account with prepaid credits: the units left after this request (granted plus purchased)',
+    schema: integer,
+  },
+  'X-Quota-Overage': {
+    description:
+      "Only on a request admitted past the quota, within the plan's overage (billed extra): the units of the month (the day, without a month window) past the quota so far",
+    schema: integer,
   },
   Allow: { description: 'On a 405 method_not_allowed: the methods the path serves', schema: text, example: 'GET, HEAD, POST' },
   'WWW-Authenticate': { required: true, description: 'Bearer', schema: text },
@@ -100,6 +114,8 @@ const HEADERS: Record<string, Json> = {
 const EVERY_ANSWER = ['X-Request-Id', 'RateLimit-Policy', 'RateLimit', 'X-RateLimit-Limit', 'X-RateLimit-Remaining', 'X-RateLimit-Reset'];
 /** Failing closed, the quota store's 503 knows the policy but not the windows' state (quota/admit.ts). */
 const STORE_UNAVAILABLE = ['X-Request-Id', 'RateLimit-Policy', 'Retry-After'];
+/** Headers of a request counted against a key with credits or overage, beyond EVERY_ANSWER: never on a 401, which has no key. */
+const BILLING_HEADERS = ['X-Credits-Remaining', 'X-Quota-Overage'];
 /** Headers of one status beyond EVERY_ANSWER, whatever the operation. */
 const STATUS_HEADERS: Record<string, string[]> = { '401': ['WWW-Authenticate'], '429': ['Retry-After'], default: ['Allow'] };
 
@@ -116,13 +132,15 @@ const DESCRIPTIONS: Record<string, string> = {
   '400':
     "The request breaks the schema: validation_failed, malformed_json, invalid_cursor, invalid_idempotency_key, or the gateway's bad_request / invalid_path",
   '401': 'unauthorized: the key is missing, malformed, unknown, revoked or of the other environment',
+  '402': "credits_exhausted: the account's prepaid credits do not cover the request; Retry-After only when a grant is due",
   '404': 'Not found',
   '410': 'route_sunset: the operation is past its Sunset date',
   '413': 'payload_too_large: the body is larger than the limit',
   '414': 'uri_too_long: a path segment is longer than the service accepts',
   '415': 'unsupported_media_type: the body is not application/json',
   '422': 'idempotency_key_reused: the same Idempotency-Key with another body',
-  '429': 'rate_limited (the minute is used up), daily_quota_exceeded (the day), or key_banned (the key kept sending after 429s)',
+  '429':
+    'rate_limited (the minute is used up), daily_quota_exceeded (the day), monthly_quota_exceeded (the billing period), or key_banned (the key kept sending after 429s)',
   '502': 'bad_gateway: the backend could not be reached',
   '503':
     'quota_store_unavailable: the quota store is not answering and the gateway is set to fail closed (QUOTA_STORE_FAILURE=closed); retry after Retry-After',
@@ -134,15 +152,18 @@ const DESCRIPTIONS: Record<string, string> = {
 /** An error answer: the Error body, and the headers this status carries on every operation. */
 function errorResponse(status: string): Response {
   const names = status === '503' ? STORE_UNAVAILABLE : [...EVERY_ANSWER, ...(STATUS_HEADERS[status] ?? [])];
+  const headers = Object.fromEntries(names.map((name) => [name, ref('headers', name)]));
+  if (status !== '401' && status !== '503' && status !== 'default') headers['X-Credits-Remaining'] = ref('headers', 'X-Credits-Remaining');
+  if (status === '402') headers['Retry-After'] = ref('headers', 'Retry-After-Grant');
   return {
     description: DESCRIPTIONS[status] ?? 'Error',
-    headers: Object.fromEntries(names.map((name) => [name, ref('headers', name)])),
+    headers,
     content: { 'application/json': { schema: ref('schemas', 'Error') } },
   };
 }
 
 /** The errors the gateway itself may answer on any operation, beyond the backend's. */
-const GATEWAY_ANSWERS = ['401', '429', '502', '503', '504', 'default'];
+const GATEWAY_ANSWERS = ['401', '402', '429', '502', '503', '504', 'default'];
 
 /** One operation as the gateway serves it: the backend's, with the gateway's answers and headers. */
 function throughGateway(op: Operation, id: RouteId, deprecation: Deprecation | undefined): Operation {
@@ -153,7 +174,7 @@ function throughGateway(op: Operation, id: RouteId, deprecation: Deprecation | u
       continue;
     }
     const description = r.description === 'Default Response' ? (DESCRIPTIONS[status] ?? r.description) : r.description;
-    const headers = Object.fromEntries(EVERY_ANSWER.map((name) => [name, ref('headers', name)]));
+    const headers = Object.fromEntries([...EVERY_ANSWER, ...BILLING_HEADERS].map((name) => [name, ref('headers', name)]));
     for (const [name, component] of Object.entries(BACKEND_HEADERS[id]?.[status] ?? {})) headers[name] = ref('headers', component);
     responses[status] = { ...r, description, headers };
   }
@@ -229,6 +250,8 @@ const DESCRIPTION = [
   'Every answer carries X-Request-Id. Every answer but a 503 also carries the rate-limit headers (RateLimit-Policy, RateLimit,',
   "X-RateLimit-Limit, X-RateLimit-Remaining, X-RateLimit-Reset) of the quota it was counted against: the key's, or without a",
   "valid key the client address's. A 429 adds Retry-After; a key that keeps sending after 429s is banned for a while (key_banned).",
+  "A plan may add a billing period (a month from the account's billing day: 429 monthly_quota_exceeded), overage (admitted past",
+  'the quota, marked by X-Quota-Overage) and prepaid credits (X-Credits-Remaining; 402 credits_exhausted when they run out).',
   'A gateway set to fail closed (QUOTA_STORE_FAILURE=closed) answers 503 quota_store_unavailable while its quota store does not',
   'answer, with only X-Request-Id, RateLimit-Policy and Retry-After.',
 ].join(' ');

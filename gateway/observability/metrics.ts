@@ -52,7 +52,7 @@ export class GatewayMetrics {
     });
     this.overage = new Counter({
       name: 'gateway_overage_requests_total',
-      help: 'Requests admitted past their quota within the plan\'s overage (billed extra), by plan',
+      help: "Requests admitted past their quota within the plan's overage (billed extra), by plan",
       labelNames: ['plan'],
       registers,
     });

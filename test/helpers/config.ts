@@ -45,19 +45,25 @@ export function testConfig(keys: TestKey[], over: Partial<ConfigFile> = {}): Con
 }
 
 let serial = 0;
-/** A fresh key with an id unique to this run, so Redis counters never carry across tests. */
 /**
- * The keys and config the public-document tests drive every answer with: a roomy key, and a
- * tiny one whose second request in a minute is a 429.
+ * The keys and config the public-document tests drive every answer with: a roomy key, a tiny
+ * one whose second request in a minute is a 429, and a broke one: prepaid, never granted or
+ * topped up, so every request is a 402.
  */
 export function documentTestConfig() {
   const key = makeKey('free');
   const tiny = makeKey('tiny');
-  const config = testConfig([key, tiny], {
-    plans: { free: { perMinute: 1000, perDay: 100000 }, tiny: { perMinute: 1, perDay: 100 }, enterprise: { custom: true } },
+  const broke = makeKey('prepaid');
+  const config = testConfig([key, tiny, broke], {
+    plans: {
+      free: { perMinute: 1000, perDay: 100000 },
+      tiny: { perMinute: 1, perDay: 100 },
+      prepaid: { perMinute: 1000, perDay: 100000, credits: { grant: 0, every: 'month' } },
+      enterprise: { custom: true },
+    },
     unauthenticated: { perMinute: 1000 },
   });
-  return { key, tiny, config };
+  return { key, tiny, broke, config };
 }
 
 export function makeKey(plan = 'free', env: 'production' | 'staging' = 'production'): TestKey {

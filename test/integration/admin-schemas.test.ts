@@ -77,14 +77,15 @@ describe('the admin OpenAPI document, generated from the route schemas', () => {
       expect(tags, `${method} ${path}`).toEqual(expect.arrayContaining(op.tags as string[]));
   });
 
-  it('documents each request body: createKey takes NewKey, rotateKey a grace, and both refuse unknown fields', async () => {
+  it('documents each request body: createKey takes NewKey, rotateKey a grace, topUpCredits an amount and reason; all refuse unknown fields', async () => {
     const doc = await document();
     const bodies = Object.fromEntries(
       operations(doc)
         .filter(({ op }) => op.requestBody)
         .map(({ op }) => [op.operationId, (op.requestBody!.content as Record<string, { schema: Json }>)['application/json']!.schema]),
     );
-    expect(Object.keys(bodies).sort()).toEqual(['createKey', 'rotateKey']);
+    expect(Object.keys(bodies).sort()).toEqual(['createKey', 'rotateKey', 'topUpCredits']);
+    expect(bodies.topUpCredits).toMatchObject({ required: ['amount', 'reason'], additionalProperties: false });
     expect(bodies.createKey).toMatchObject({ type: 'object', required: ['plan'], additionalProperties: false });
     expect(Object.keys(bodies.createKey!.properties as Json)).toEqual(['plan', 'id', 'account', 'limits', 'expiresAt']);
     expect((bodies.createKey!.properties as Json).limits).toMatchObject({

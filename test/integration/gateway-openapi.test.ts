@@ -13,7 +13,7 @@ import { inOneMinute } from '../helpers/time.js';
 // answer of every operation is driven against the running gateway and pet backend and checked
 // against the document (status, body schema, required headers), or its absence is explained.
 
-const { key, tiny, config } = documentTestConfig(); // tiny: one request a minute, its second a 429
+const { key, tiny, broke, config } = documentTestConfig(); // tiny: one request a minute, its second a 429; broke: 402
 
 type Json = Record<string, unknown>;
 type Doc = OpenApiDocument & { paths: Record<string, Record<string, Json & { responses: Record<string, Json> }>> };
@@ -144,6 +144,7 @@ describe('GET /v1/openapi.json through the gateway', () => {
         200: (method) => gw.call('/v1/pets?limit=1', key.key, { method }),
         400: (method) => gw.call('/v1/pets?limit=0', key.key, { method }),
         401: (method) => gw.call('/v1/pets', undefined, { method }),
+        402: (method) => gw.call('/v1/pets', broke.key, { method }),
         429: (method) => refused('/v1/pets', { method }),
         default: (method) => gw.call('/v1/pets', key.key, { method, headers: huge }),
       },
@@ -151,6 +152,7 @@ describe('GET /v1/openapi.json through the gateway', () => {
         201: () => gw.call('/v1/pets', key.key, json({ name: 'Garfield', categoryId: 1 })),
         400: () => gw.call('/v1/pets', key.key, json({ name: 'Garfield', categoryId: 'one' })),
         401: () => gw.call('/v1/pets', undefined, json({ name: 'Garfield', categoryId: 1 })),
+        402: () => gw.call('/v1/pets', broke.key, json({ name: 'Garfield', categoryId: 1 })),
         413: () => gw.call('/v1/pets', key.key, json({ name: 'x'.repeat(1_100_000), categoryId: 1 })),
         415: () => gw.call('/v1/pets', key.key, { method: 'POST', headers: { 'content-type': 'text/plain' }, body: 'Garfield' }),
         422: () => gw.call('/v1/pets', key.key, json({ name: 'Other', categoryId: 1 }, { 'idempotency-key': '"conformance"' })),
@@ -161,6 +163,7 @@ describe('GET /v1/openapi.json through the gateway', () => {
         200: (method) => gw.call(petPath, key.key, { method }),
         400: (method) => gw.call('/v1/pets/abc', key.key, { method }),
         401: (method) => gw.call(petPath, undefined, { method }),
+        402: (method) => gw.call(petPath, broke.key, { method }),
         404: (method) => gw.call('/v1/pets/987654321', key.key, { method }),
         414: (method) => gw.call(`/v1/pets/${'1'.repeat(150)}`, key.key, { method }),
         429: (method) => refused(petPath, { method }),
@@ -170,6 +173,7 @@ describe('GET /v1/openapi.json through the gateway', () => {
         200: (method) => gw.call('/v1/store/orders', key.key, { method }),
         400: (method) => gw.call('/v1/store/orders?limit=0', key.key, { method }),
         401: (method) => gw.call('/v1/store/orders', undefined, { method }),
+        402: (method) => gw.call('/v1/store/orders', broke.key, { method }),
         429: (method) => refused('/v1/store/orders', { method }),
         default: (method) => gw.call('/v1/store/orders', key.key, { method, headers: huge }),
       },
