@@ -5,7 +5,9 @@ import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { billingPeriod } from '../../gateway/quota/period.js';
 import { call, makeKey, redisKeyOf, type TestKey, testConfig } from '../helpers/config.js';
-import { buildInstances, type TestGateway } from '../helpers/gateway.js';
+import { buildInstances, buildTestGateway, type TestGateway } from '../helpers/gateway.js';
+import { freePort } from '../helpers/net.js';
+import { eventually } from '../helpers/time.js';
 
 // Billing periods, prepaid credits and overage, decided in quota.lua: exact across three
 // instances of one deployment at the shipped settings (leases on), with Redis's own time.
@@ -37,6 +39,13 @@ const plans: ConfigFile['plans'] = {
   metered: { perMinute: 100_000, perDay: 1_000_000, perMonth: 1000, overage: { upTo: 500 } },
   prepaid: { perMinute: 100_000, perDay: 1_000_000, credits: { grant: 20, every: 'month' } },
   topups: { perMinute: 100_000, perDay: 1_000_000, credits: { grant: 0, every: 'month' } },
+  both: {
+    perMinute: 100_000,
+    perDay: 1_000_000,
+    perMonth: 5,
+    overage: { upTo: 2 },
+    credits: { grant: 10, every: 'month', rollover: true },
+  },
 };
 
 const keys = {
@@ -47,6 +56,7 @@ const keys = {
   racing: makeKey('topups'),
   rollover: makeKey('monthly'),
   granted: makeKey('prepaid'),
+  viewer: makeKey('both'),
 };
 const accounts = Object.fromEntries(Object.values(keys).map((k) => [k.id, { billingDay: BILLING_DAY }]));
 
@@ -233,5 +243,55 @@ describe('billing.lua', () => {
     } finally {
       redis.disconnect();
     }
+  });
+});
+
+describe('no charge for the gateway own failures', () => {
+  it.each([
+    ['Redis', undefined],
+    ['the in-process store', false as const],
+  ])('a 502 gives its credits back (%s)', async (_, redis) => {
+    const prepaid = makeKey('small');
+    const closed = await freePort();
+    const config = testConfig([prepaid], {
+      plans: { small: { perMinute: 1000, perDay: 100_000, credits: { grant: 3, every: 'month' } } },
+      accounts: { [prepaid.id]: { billingDay: BILLING_DAY } },
+    });
+    const gw = await buildTestGateway({ config, backend: `http://127.0.0.1:${closed}`, redis, admin: { token: ADMIN_TOKEN } });
+    const balance = async () =>
+      (
+        await (
+          await fetch(`${gw.adminUrl}/admin/accounts/${prepaid.id}/credits`, { headers: { authorization: `Bearer ${ADMIN_TOKEN}` } })
+        ).json()
+      ).balance;
+    const statuses = [];
+    for (let i = 0; i < 5; i++) {
+      const res = await gw.call('/v1/pets', prepaid.key);
+      await res.arrayBuffer();
+      statuses.push(res.status);
+      // The refund is sent after the answer: the next request waits for it, or would find 2 left.
+      await eventually(async () => (await balance()) === 3, 5000, 'the credit given back');
+    }
+    // Five 502s on a balance of 3: none of them was charged.
+    expect(statuses).toEqual([502, 502, 502, 502, 502]);
+  });
+});
+
+describe("the consumer's own view", () => {
+  it('GET /v1/me/usage shows the period, the balance and the overage, as the admin lookup does', async () => {
+    const answers = await burst(keys.viewer, 7); // a quota of 5 and 2 of overage: all admitted, the last two past the quota
+    expect(count(answers, 200)).toBe(7);
+    const { start, end } = currentPeriod(BILLING_DAY);
+    const own = await (await call(`${gateways[0]!.url}/v1/me/usage`, keys.viewer.key)).json();
+    expect(own).toMatchObject({
+      limits: { perMinute: 100_000, perDay: 1_000_000, perMonth: 5 },
+      windows: { month: { limit: 7, used: 7, remaining: 0, resetAt: new Date(end).toISOString() } },
+      period: { start: new Date(start).toISOString(), end: new Date(end).toISOString(), billingDay: BILLING_DAY },
+      overage: { window: 'month', quota: 5, upTo: 2, used: 2 },
+      credits: { balance: 3, granted: 3, purchased: 0, grant: 10, rollover: true, nextGrantAt: new Date(end).toISOString() },
+    });
+    // The admin lookup shows the same view, with the store it read and the account's keys beside it.
+    const viaAdmin = await (await admin(1, `/admin/accounts/${keys.viewer.id}/usage`)).json();
+    expect({ ...viaAdmin, store: undefined, keys: undefined, at: undefined }).toEqual({ ...own, at: undefined });
   });
 });
