@@ -373,6 +373,24 @@ describe('redis store', () => {
     });
     await store.close();
   });
+
+  it("adds the day's written-back units to the billing period they were admitted in, and starts a later period afresh", async () => {
+    const store = new RedisQuotaStore(redis, silent);
+    const client = redis as unknown as { writeback(...a: unknown[]): Promise<number> };
+    const s = subject(100, 1000, false);
+    const [sec] = await redis.time();
+    const now = Number(sec) * 1000;
+    const [ms, ds] = [now - (now % MINUTE_MS), now - (now % DAY_MS)];
+    const [older, stored, later] = [ds - 40 * DAY_MS, ds - 10 * DAY_MS, ds - DAY_MS];
+    await redis.hset(s.name, 'ps', stored, 'pc', 30);
+    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:1', ms, 3, ds, 3, 1, stored)).toBe(1);
+    expect(await redis.hmget(s.name, 'ps', 'pc')).toEqual([String(stored), '33']);
+    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:2', ms, 2, ds, 2, 1, older)).toBe(1); // an earlier period: over
+    expect(await redis.hmget(s.name, 'ps', 'pc')).toEqual([String(stored), '33']);
+    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:3', ms, 4, ds, 4, 1, later)).toBe(1); // a later one starts afresh
+    expect(await redis.hmget(s.name, 'ps', 'pc')).toEqual([String(later), '4']);
+    await store.close();
+  });
 });
 
 /**

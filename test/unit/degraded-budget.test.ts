@@ -72,6 +72,17 @@ describe('the degraded budget', () => {
     expect(b.consume(s, 1, T0 + MINUTE_MS).outcome).toBe('day'); // a new minute, the same day
   });
 
+  it('shares what the billing period had left when it is less than the day, and writes the units back to the period', () => {
+    const b = new DegradedBudget('me');
+    b.setFleet(2, 0);
+    const monthly: QuotaSubject = { ...subject(100, 1000), limits: { perMinute: 100, perDay: 1000, perMonth: 5000 } };
+    // 4 left this period (5,000 less 4,996), though the day has 900: 2 for each of two instances.
+    const period = { startMs: Date.UTC(2026, 10, 1), endMs: Date.UTC(2026, 11, 1) };
+    b.see('s', { outcome: 'allowed', nowMs: T0, minuteUsed: 0, dayUsed: 100, monthUsed: 4996, period, banUntilMs: 0 });
+    expect(admitted(b, monthly, 3)).toBe(2);
+    expect(b.drain().map((w) => [w.dayUnits, w.periodStart])).toEqual([[2, period.startMs]]);
+  });
+
   it('writes back each admission once: a batch is sent again until confirmed, under its own id', () => {
     const b = new DegradedBudget('me');
     const s = subject(10, 1000);
