@@ -9,7 +9,7 @@ import { compileConfig, validateConfigFile } from '../../gateway/config/config.j
 import { DAY_MS, MINUTE_MS, NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
-import type { QuotaStore } from '../../gateway/quota/store.js';
+import { type QuotaStore, QuotaStoreUnavailable } from '../../gateway/quota/store.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
 
@@ -338,6 +338,25 @@ describe('redis store', () => {
     expect(await outcomes(store, s, 3)).toEqual(['allowed', 'allowed', 'minute']);
     expect(store.degraded).toBe(true);
     expect(warnings).toHaveLength(1);
+    broken.disconnect();
+  });
+
+  it('never spends credits without Redis: a subject with credits is refused as unavailable while Redis fails', async () => {
+    const broken = new Redis('redis://127.0.0.1:1', {
+      enableOfflineQueue: false,
+      maxRetriesPerRequest: 0,
+      retryStrategy: () => null,
+      lazyConnect: true,
+    });
+    const store = new RedisQuotaStore(broken, silent);
+    const s: QuotaSubject = {
+      ...subject(100, 1000, false),
+      billing: { billingDay: 1, overage: 0, credits: { grant: 10, rollover: false } },
+    };
+    await expect(store.consume(s)).rejects.toBeInstanceOf(QuotaStoreUnavailable);
+    expect(store.degraded).toBe(true);
+    await expect(store.consume(s)).rejects.toBeInstanceOf(QuotaStoreUnavailable); // declared failing: from the degraded path too
+    expect((await store.consume(subject(100, 1000, false))).outcome).toBe('allowed'); // a subject without credits: its share
     broken.disconnect();
   });
 
