@@ -127,20 +127,30 @@ function scriptCommands(): Set<string> {
   return new Set(names);
 }
 
-/** The bed's config with two keys more: `refused`, whose day one request spends, and `banned`. */
+/**
+ * The bed's config with keys more: `refused`, whose day one request spends, `banned`, and two
+ * never refused that pay for the billing features: `monthly` (a third window, leased like the
+ * others) and `prepaid` (credits, which are never leased: one Redis call per request).
+ */
 function writeKeys(bed: Bed) {
-  const [refused, banned] = [legacyKey('refused'), legacyKey('banned')];
+  const [refused, banned, monthly, prepaid] = [legacyKey('refused'), legacyKey('banned'), legacyKey('monthly'), legacyKey('prepaid')];
   const config = testConfig(
     [
       { id: 'bench', key: bed.key, hash: hashKey(bed.key), plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } },
       { ...refused, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1 } },
       { ...banned, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } },
+      { ...monthly, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9, perMonth: 1e12 } },
+      { ...prepaid, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } },
     ],
-    // No ban from the 429 path's refusals: that path is measured on its own.
-    { unauthenticated: { perMinute: 1e9 }, bans: { afterRejected: 1e9, withinSeconds: 1, durationSeconds: 900 } },
+    {
+      // No ban from the 429 path's refusals: that path is measured on its own.
+      unauthenticated: { perMinute: 1e9 },
+      bans: { afterRejected: 1e9, withinSeconds: 1, durationSeconds: 900 },
+      accounts: { [prepaid.id]: { credits: { grant: 1e12, every: 'month' } } },
+    },
   );
   writeFileSync(bed.file, JSON.stringify(config));
-  return { refused, banned };
+  return { refused, banned, monthly, prepaid };
 }
 
 /** Every process measured, on free ports; each is stopped by the bed's `close`. */
@@ -156,6 +166,9 @@ async function startAll(bed: Bed) {
     withRedis: await gateway('gateway-redis', redis),
     // The 429 and banned paths on a process of their own: the one measured admitting sees only that.
     refusing: await gateway('gateway-refusing', redis),
+    // The billing features, each on a process of its own (a key with a month window; one with credits).
+    monthly: await gateway('gateway-month', redis),
+    prepaid: await gateway('gateway-credits', redis),
     inMemory: await gateway('gateway-memory', {}),
     workers: await gateway('gateway-workers', { ...redis, GATEWAY_WORKERS: '2' }),
     cheapOne: await gateway('gateway-cheap-1', { ...redis, BACKEND_URL: cheap.url }),
@@ -176,6 +189,22 @@ function variantsOf(bed: Bed, p: Started, keys: ReturnType<typeof writeKeys>): V
     { name: BARE, url: p.bare.url, headers: ok, pids: [p.bare.pid], status: 200, redis: false },
     { name: 'peer: @fastify/rate-limit, Redis', url: p.peer.url, headers: ok, pids: [p.peer.pid], status: 200, redis: true },
     { name: 'gateway, Redis', url: p.withRedis.url, headers: ok, pids: [p.withRedis.pid], status: 200, redis: true },
+    {
+      name: 'gateway, Redis, month window',
+      url: p.monthly.url,
+      headers: auth(keys.monthly.key),
+      pids: [p.monthly.pid],
+      status: 200,
+      redis: true,
+    },
+    {
+      name: 'gateway, Redis, credits',
+      url: p.prepaid.url,
+      headers: auth(keys.prepaid.key),
+      pids: [p.prepaid.pid],
+      status: 200,
+      redis: true,
+    },
     { name: 'gateway, in-process store', url: p.inMemory.url, headers: ok, pids: [p.inMemory.pid], status: 200, redis: false },
     { name: 'gateway, Redis, 2 workers', url: p.workers.url, headers: ok, pids: [p.workers.pid], status: 200, redis: true },
     {
@@ -308,6 +337,10 @@ function printSummary(rows: Row[], rate: number, atRate: Map<string, AtRate>, ha
   const [one, two] = [row('gateway, Redis, cheap backend'), row('gateway, Redis, cheap backend, 2 workers')];
   console.log(
     `GATEWAY_WORKERS=2 against 1, in front of a backend that answers cheaply: ${(two.rps / one.rps).toFixed(2)}x req/s, ${f(two.cpuUsPerReq)} against ${f(one.cpuUsPerReq)} us of gateway CPU per request`,
+  );
+  const [month, credits] = [row('gateway, Redis, month window'), row('gateway, Redis, credits')];
+  console.log(
+    `billing: a month window ${(month.rps / gw.rps).toFixed(2)}x the gateway's req/s (${f(month.cpuUsPerReq)} against ${f(gw.cpuUsPerReq)} us CPU/req); credits ${(credits.rps / gw.rps).toFixed(2)}x (${f(credits.cpuUsPerReq)} us CPU/req, ${f(credits.redisCmdsPerReq, 2)} Redis commands/req)`,
   );
   console.log(`fixed-rate runs achieved: ${[...atRate].map(([name, a]) => `${name} ${f(a.rps)}/s`).join(', ')}`);
   if (!hasNginx) console.log('(nginx not installed: apt-get install nginx for the C proxy reference)');
