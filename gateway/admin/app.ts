@@ -91,7 +91,7 @@ const DOCUMENT: SwaggerOptions = {
     tags: [
       { name: 'operations', description: 'For load balancers, Prometheus and tooling: no token' },
       { name: 'usage', description: 'What a key or an account has used, from the store the gateway enforces with' },
-      { name: 'keys', description: 'The keys command over HTTP: create, list, rotate, revoke' },
+      { name: 'keys', description: 'The keys command over HTTP: create, list, rotate, revoke, account settings' },
       { name: 'credits', description: "An account's prepaid credits: balance, ledger and top-ups" },
     ],
     components: { securitySchemes: { adminToken: { type: 'http', scheme: 'bearer', description: 'ADMIN_TOKEN' } } },

@@ -1,8 +1,20 @@
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
-import { createKey, duration, KeyFileError, listKeys, revokeKey, rotateKey } from '../auth/key-file.js';
+import { createKey, duration, KeyFileError, listKeys, revokeKey, rotateKey, setAccount } from '../auth/key-file.js';
 import { ConfigError } from '../config/config.js';
 import { GatewayError } from '../http/errors.js';
-import { failure, IssuedKey, KeyList, KeyParams, NewKey, Revoked, RotatedKey, Rotation } from './schemas.js';
+import {
+  AccountChange,
+  AccountParams,
+  AccountSettings,
+  failure,
+  IssuedKey,
+  KeyList,
+  KeyParams,
+  NewKey,
+  Revoked,
+  RotatedKey,
+  Rotation,
+} from './schemas.js';
 
 const KEY_FILE_ERRORS = {
   invalid: 'bad_request',
@@ -64,10 +76,24 @@ const SCHEMAS = {
       409: readOnly,
     },
   },
+  account: {
+    operationId: 'setAccount',
+    tags,
+    description:
+      "Sets an account's billing day and credits in the config file (`accounts:`); the gateway applies them once it has reloaded the file (about a second).",
+    params: AccountParams,
+    body: AccountChange,
+    response: {
+      200: AccountSettings,
+      400: failure('bad_request: the body breaks the schema, or the config validator refuses the change'),
+      404: failure('key_not_found: no key of the config file is in this account; route_not_found: this instance has no config file'),
+      409: readOnly,
+    },
+  },
 };
 
 /**
- * The key API on the admin port: the keys command over HTTP (create, list, rotate, revoke),
+ * The key API on the admin port: the keys command over HTTP (create, list, rotate, revoke, account settings),
  * through the same locked, validated edit of the config file (auth/key-file.ts), which every
  * instance then reloads. Registered behind the admin token.
  */
@@ -89,6 +115,10 @@ export const keyApi: FastifyPluginAsyncTypebox<{ configFile: string | undefined 
     id: request.params.id,
     ...(await keyCall(() => revokeKey(keyFile(), request.params.id))),
   }));
+
+  app.put('/admin/accounts/:account', { schema: SCHEMAS.account }, async (request) =>
+    keyCall(() => setAccount(keyFile(), request.params.account, request.body)),
+  );
 
   app.post(
     '/admin/keys/:id/rotate',

@@ -1,5 +1,6 @@
 import { UsageView } from '../quota/usage-view.js';
 import { type Static, type TSchema, Type } from '@sinclair/typebox';
+import { CreditsSchema } from '../config/config.js';
 import { ErrorBody } from '../http/errors.js';
 
 // The admin port's request and response shapes: route validation, handler types and the
@@ -29,7 +30,11 @@ export const Ready = described(
 );
 
 const Limits = Type.Object(
-  { perMinute: Type.Integer({ minimum: 1 }), perDay: Type.Integer({ minimum: 1 }) },
+  {
+    perMinute: Type.Integer({ minimum: 1 }),
+    perDay: Type.Integer({ minimum: 1 }),
+    perMonth: Type.Optional(Type.Integer({ minimum: 1, description: "A month from the account's billing day" })),
+  },
   { additionalProperties: false, description: "The key's own limits instead of its plan's" },
 );
 
@@ -78,7 +83,11 @@ const KeyRow = Type.Object(
     id: Type.String(),
     account: Type.String(),
     plan: Type.String(),
-    limits: Type.Object({ perMinute: Type.Optional(Type.Integer()), perDay: Type.Optional(Type.Integer()) }),
+    limits: Type.Object({
+      perMinute: Type.Optional(Type.Integer()),
+      perDay: Type.Optional(Type.Integer()),
+      perMonth: Type.Optional(Type.Integer()),
+    }),
     status: Type.Union([Type.Literal('active'), Type.Literal('expired'), Type.Literal('revoked')]),
     // As written in the file, where seconds may be left out: not always RFC 3339's date-time.
     createdAt: Type.Optional(Type.String()),
@@ -86,6 +95,31 @@ const KeyRow = Type.Object(
     revokedAt: Type.Optional(Type.String()),
   },
   { title: 'KeyRow' },
+);
+
+const BillingDay = Type.Integer({
+  minimum: 1,
+  maximum: 31,
+  description: 'The day of the month its billing month starts (00:00 UTC); default 1',
+});
+const Credits = { ...CreditsSchema, description: "Prepaid credits granted each billing month, in place of its plan's" };
+
+export const AccountChange = Type.Object(
+  {
+    billingDay: Type.Optional(Type.Union([BillingDay, Type.Null()], { description: 'A day from 1 to 31; null removes it' })),
+    credits: Type.Optional(Type.Union([Credits, Type.Null()], { description: "The account's credits; null removes them" })),
+  },
+  {
+    title: 'AccountChange',
+    additionalProperties: false,
+    minProperties: 1,
+    description: 'The settings to change: a field left out stays as it is',
+  },
+);
+
+export const AccountSettings = Type.Object(
+  { account: Type.String(), billingDay: Type.Optional(BillingDay), credits: Type.Optional(Credits) },
+  { title: 'AccountSettings', description: "The account's settings as the config file now holds them" },
 );
 
 export const KeyList = described(Type.Object({ keys: Type.Array(KeyRow) }), 'Every key, never a secret or a digest');

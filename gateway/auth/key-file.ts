@@ -4,8 +4,8 @@ import { Value } from '@sinclair/typebox/value';
 import ms from 'ms';
 import lockfile from 'proper-lockfile';
 import writeFileAtomic from 'write-file-atomic';
-import { type Document, isMap, isSeq, parseDocument, type YAMLSeq } from 'yaml';
-import { ConfigFile, parseConfigText } from '../config/config.js';
+import { type Document, isMap, isScalar, isSeq, parseDocument, type YAMLMap, type YAMLSeq } from 'yaml';
+import { AccountSchema, ConfigFile, parseConfigText } from '../config/config.js';
 import { generateKey } from './keys.js';
 
 // Keys in the config file, for the keys command and the admin API alike: each change edits
@@ -24,7 +24,7 @@ export class KeyFileError extends Error {
   constructor(
     readonly reason: string,
     readonly kind: 'invalid' | 'taken' | 'not_found' | 'read_only' | 'busy',
-    readonly field?: keyof NewKey | 'grace',
+    readonly field?: keyof NewKey | 'grace' | keyof AccountSettings,
   ) {
     super(field ? `${field}: ${reason}` : reason);
   }
@@ -34,15 +34,21 @@ export interface NewKey {
   plan: string;
   id?: string;
   account?: string;
-  limits?: { perMinute: number; perDay: number };
+  limits?: { perMinute: number; perDay: number; perMonth?: number };
   expiresAt?: string;
 }
+
+/** An account's own settings, as `accounts.<account>` holds them. */
+export type AccountSettings = NonNullable<ConfigFile['accounts']>[string];
+
+/** A change of an account's settings: a value sets it, null removes it, a field left out stays as it is. */
+export type AccountChange = { [F in keyof AccountSettings]?: AccountSettings[F] | null };
 
 export interface KeyRow {
   id: string;
   account: string;
   plan: string;
-  limits: { perMinute?: number; perDay?: number };
+  limits: { perMinute?: number; perDay?: number; perMonth?: number };
   status: 'active' | 'expired' | 'revoked';
   createdAt?: string;
   expiresAt?: string;
@@ -66,12 +72,17 @@ export function listKeys(file: string): KeyRow[] {
     id: k.id,
     account: k.account ?? k.id,
     plan: k.plan,
-    limits: k.limits ?? { perMinute: current.plans[k.plan]?.perMinute, perDay: current.plans[k.plan]?.perDay },
+    limits: k.limits ?? planLimits(current.plans[k.plan]),
     status: k.revokedAt ? 'revoked' : k.expiresAt !== undefined && Date.parse(k.expiresAt) <= Date.now() ? 'expired' : 'active',
     ...(k.createdAt && { createdAt: k.createdAt }),
     ...(k.expiresAt && { expiresAt: k.expiresAt }),
     ...(k.revokedAt && { revokedAt: k.revokedAt }),
   }));
+}
+
+/** A plan's limits as a key row shows them: perMonth only where the plan has one. */
+function planLimits(plan: ConfigFile['plans'][string] | undefined): KeyRow['limits'] {
+  return { perMinute: plan?.perMinute, perDay: plan?.perDay, ...(plan?.perMonth !== undefined && { perMonth: plan.perMonth }) };
 }
 
 export function createKey(file: string, request: NewKey): Promise<{ id: string; key: string }> {
@@ -155,13 +166,70 @@ export function revokeKey(file: string, id: string): Promise<{ revokedAt: string
   });
 }
 
+const ACCOUNT_FIELDS = ['billingDay', 'credits'] as const;
+
+/** What is wrong with a setting, said plainly (the validator would name a path of the file, not what was typed). */
+function settingProblem(field: keyof AccountSettings, value: unknown): string | undefined {
+  if (Value.Check(AccountSchema.properties[field], value)) return undefined;
+  if (field === 'billingDay') return 'must be a whole number from 1 to 31';
+  const grant = typeof value === 'object' && value !== null ? (value as { grant?: unknown }).grant : undefined;
+  return Value.Check(AccountSchema.properties.credits.properties.grant, grant)
+    ? 'must be { grant, every: "month", rollover?: true or false }'
+    : 'the grant must be a whole number, 0 or more';
+}
+
+/**
+ * Sets an account's billing day and credits in `accounts.<account>` (null removes one; a field
+ * left out stays), for an account some key of the file is in. An entry left empty is removed.
+ * Returns the account's settings as the file now holds them.
+ */
+export function setAccount(file: string, account: string, change: AccountChange): Promise<{ account: string } & AccountSettings> {
+  return editFile(file, (current, doc) => {
+    if (!Value.Check(KEY_ENTRY.account, account)) throw new KeyFileError(`${NAME_RULE}, got "${account}"`, 'invalid', 'account');
+    const fields = ACCOUNT_FIELDS.filter((f) => change[f] !== undefined);
+    if (fields.length === 0) throw new KeyFileError('nothing to change: give billingDay or credits (null removes one)', 'invalid');
+    for (const field of fields) {
+      const problem = change[field] === null ? undefined : settingProblem(field, change[field]);
+      if (problem) throw new KeyFileError(problem, 'invalid', field);
+    }
+    if (!current.keys.some((k) => (k.account ?? k.id) === account))
+      throw new KeyFileError(`no key of account "${account}" in ${file}: an account is made by creating a key in it`, 'not_found');
+    const accounts = mapAt(doc, 'accounts');
+    const entry = mapAt(doc, account, accounts);
+    for (const field of fields) {
+      const value = change[field];
+      if (value === null) entry.delete(field);
+      else entry.set(field, doc.createNode(value));
+    }
+    if (entry.items.length === 0) accounts.items.splice(accounts.items.indexOf(pairOf(accounts, account)!), 1);
+    if (accounts.items.length === 0) doc.delete('accounts');
+    const now = (doc.toJS() as Partial<ConfigFile>).accounts;
+    return { account, ...(now && Object.hasOwn(now, account) ? now[account] : {}) };
+  });
+}
+
+/** The entry of `map` whose key reads as `name`, written `acme`, `"acme"` or (for digits) `123` alike. */
+function pairOf(map: YAMLMap, name: string) {
+  return map.items.find((p) => String(isScalar(p.key) ? p.key.value : p.key) === name);
+}
+
+/** The map at `name` in `parent` (the document's root by default), made (block style) where there is none. */
+function mapAt(doc: Document, name: string, parent?: YAMLMap): YAMLMap {
+  const found = parent ? pairOf(parent, name)?.value : doc.get(name, true);
+  if (isMap(found)) return found;
+  const made = doc.createNode({}) as YAMLMap;
+  made.flow = false;
+  if (parent) {
+    const pair = pairOf(parent, name);
+    if (pair) pair.value = made;
+    else parent.set(name, made);
+  } else doc.set(name, made);
+  return made;
+}
+
 /** One locked, validated edit of the file's `keys` list. */
-async function edit<T>(file: string, change: (current: ConfigFile, keys: YAMLSeq, doc: Document) => T): Promise<T> {
-  const { release, lost } = await lock(file);
-  try {
-    const text = readFileSync(file, 'utf8');
-    const current = parseConfigText(text, file);
-    const doc = parseDocument(text);
+function edit<T>(file: string, change: (current: ConfigFile, keys: YAMLSeq, doc: Document) => T): Promise<T> {
+  return editFile(file, (current, doc) => {
     let keys = doc.get('keys');
     if (!isSeq(keys)) {
       doc.set('keys', doc.createNode([]));
@@ -169,7 +237,18 @@ async function edit<T>(file: string, change: (current: ConfigFile, keys: YAMLSeq
     }
     if (!isSeq(keys)) throw new Error('keys is not a list');
     keys.flow = false; // `keys: []` would otherwise grow as one long flow line
-    const result = change(current, keys, doc);
+    return change(current, keys, doc);
+  });
+}
+
+/** One locked, validated edit of the file: `change` edits its document, written unless it throws. */
+async function editFile<T>(file: string, change: (current: ConfigFile, doc: Document) => T): Promise<T> {
+  const { release, lost } = await lock(file);
+  try {
+    const text = readFileSync(file, 'utf8');
+    const current = parseConfigText(text, file);
+    const doc = parseDocument(text);
+    const result = change(current, doc);
     // Another editor may hold the lock by now (ours went stale in a stall): its edit wins.
     if (lost()) throw new KeyFileError(`the lock on ${file} was lost while editing; nothing was written: try again`, 'busy');
     await save(file, text, doc);

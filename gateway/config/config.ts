@@ -15,11 +15,16 @@ const Count = Type.Integer({ minimum: 1 });
 /** A key's own limits (a custom plan's, or over its plan's): perMonth adds the billing period's window. */
 const LimitsSchema = Type.Object({ perMinute: Count, perDay: Count, perMonth: Type.Optional(Count) }, { additionalProperties: false });
 /** Prepaid credits: `grant` units each billing period, added to what is left with `rollover` (else in place of it). */
-const CreditsSchema = Type.Object(
+export const CreditsSchema = Type.Object(
   { grant: Type.Integer({ minimum: 0 }), every: Type.Literal('month'), rollover: Type.Optional(Type.Boolean()) },
   { additionalProperties: false },
 );
 const AccountName = Type.String({ pattern: '^[a-z0-9_-]{1,64}$' });
+/** An account's own settings (`accounts.<name>`): the day its billing month starts, and credits over its plan's. */
+export const AccountSchema = Type.Object(
+  { billingDay: Type.Optional(Type.Integer({ minimum: 1, maximum: 31 })), credits: Type.Optional(CreditsSchema) },
+  { additionalProperties: false },
+);
 /** Units a request of a route costs, by `"METHOD /path"` (default 1). */
 const Costs = Type.Record(Type.String(), Type.Integer({ minimum: 1, maximum: 1_000_000 }));
 const IsoDate = Type.String({ pattern: '^\\d{4}-\\d{2}-\\d{2}T\\d{2}:\\d{2}(:\\d{2}(\\.\\d+)?)?(Z|[+-]\\d{2}:\\d{2})$' });
@@ -69,15 +74,7 @@ export const ConfigFile = Type.Object(
       { default: [] },
     ),
     /** Per account (a key's `account`, or its id): its billing day and, over its plan's, its credits. */
-    accounts: Type.Optional(
-      Type.Record(
-        AccountName,
-        Type.Object(
-          { billingDay: Type.Optional(Type.Integer({ minimum: 1, maximum: 31 })), credits: Type.Optional(CreditsSchema) },
-          { additionalProperties: false },
-        ),
-      ),
-    ),
+    accounts: Type.Optional(Type.Record(AccountName, AccountSchema)),
     bans: Type.Object({ afterRejected: Count, withinSeconds: Count, durationSeconds: Count }, { additionalProperties: false }),
     unauthenticated: Type.Object({ perMinute: Count }, { additionalProperties: false }),
     /** Browser origins allowed to call the API and read its headers (CORS); none by default. */

@@ -7,7 +7,7 @@ import type { Gateway } from '../../gateway/http/app.js';
 import type { RedisClient } from '../../gateway/process/redis-client.js';
 import { run } from '../../gateway/process/runner.js';
 import { type EchoBackend, echoBackend, petsBackend } from './backends.js';
-import { call, uniquePrefix } from './config.js';
+import { call, uniquePrefix, writeConfig } from './config.js';
 import { type LogLine, logLines } from './logs.js';
 import { eventually } from './time.js';
 
@@ -22,6 +22,11 @@ export interface TestGatewayOptions {
   redisKeyPrefix?: string;
   /** Also serve the admin app on its own port, with this token (or none). */
   admin?: { token?: string };
+  /**
+   * Write the config to this file and run on it as a deployment does: the file is reloaded when
+   * it changes and the admin key API edits it (`load` and `freshCounters` then do not apply).
+   */
+  configFile?: string;
 }
 
 export interface TestGateway {
@@ -71,9 +76,12 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   // A Cluster or Sentinel group given in the settings replaces the run's single Redis.
   const redisUrl =
     redisClusterNodes || redisSentinels ? undefined : opts.redis === undefined ? inject('redisUrl') : opts.redis || undefined;
+  let prefix = opts.redisKeyPrefix ?? uniquePrefix();
+  if (opts.configFile) writeConfig(opts.configFile, opts.config);
   const settings: GatewaySettings = {
     ...SHIPPED,
     ...{ port: 0, host: '127.0.0.1', adminPort: 0, adminHost: '127.0.0.1', backendUrl, redisUrl, adminToken: opts.admin?.token },
+    ...(opts.configFile && { configFile: opts.configFile, redisKeyPrefix: prefix }),
     ...opts.settings,
   };
   const { logs, add, waitForLog } = logLines(() => logs.map((l) => JSON.stringify(l)).join('\n'), 5000);
@@ -84,12 +92,11 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
     },
   });
   let file = opts.config;
-  let prefix = opts.redisKeyPrefix ?? uniquePrefix();
   const compile = () => compileConfig(validateConfigFile(file, 'test config'), prefix);
   const running = await run(settings, compile(), {
     serve: true,
     admin: opts.admin ? {} : false,
-    reloads: 'none',
+    reloads: opts.configFile ? 'file' : 'none',
     ownProcess: false,
     logStream,
   });

@@ -77,22 +77,24 @@ describe('the admin OpenAPI document, generated from the route schemas', () => {
       expect(tags, `${method} ${path}`).toEqual(expect.arrayContaining(op.tags as string[]));
   });
 
-  it('documents each request body: createKey takes NewKey, rotateKey a grace, topUpCredits an amount and reason; all refuse unknown fields', async () => {
+  it('documents each request body: createKey takes NewKey, rotateKey a grace, setAccount settings, topUpCredits an amount and reason; all refuse unknown fields', async () => {
     const doc = await document();
     const bodies = Object.fromEntries(
       operations(doc)
         .filter(({ op }) => op.requestBody)
         .map(({ op }) => [op.operationId, (op.requestBody!.content as Record<string, { schema: Json }>)['application/json']!.schema]),
     );
-    expect(Object.keys(bodies).sort()).toEqual(['createKey', 'rotateKey', 'topUpCredits']);
+    expect(Object.keys(bodies).sort()).toEqual(['createKey', 'rotateKey', 'setAccount', 'topUpCredits']);
     expect(bodies.topUpCredits).toMatchObject({ required: ['amount', 'reason'], additionalProperties: false });
     expect(bodies.createKey).toMatchObject({ type: 'object', required: ['plan'], additionalProperties: false });
     expect(Object.keys(bodies.createKey!.properties as Json)).toEqual(['plan', 'id', 'account', 'limits', 'expiresAt']);
     expect((bodies.createKey!.properties as Json).limits).toMatchObject({
       required: ['perMinute', 'perDay'],
       additionalProperties: false,
-      properties: { perMinute: { type: 'integer', minimum: 1 }, perDay: { type: 'integer', minimum: 1 } },
+      properties: { perMinute: { type: 'integer', minimum: 1 }, perDay: { type: 'integer', minimum: 1 }, perMonth: { minimum: 1 } },
     });
+    expect(bodies.setAccount).toMatchObject({ type: 'object', additionalProperties: false, minProperties: 1 });
+    expect(Object.keys(bodies.setAccount!.properties as Json)).toEqual(['billingDay', 'credits']);
     expect(bodies.rotateKey).toMatchObject({ additionalProperties: false, properties: { grace: { type: 'string', default: '24h' } } });
   });
 
@@ -176,7 +178,7 @@ describe('requests the schemas refuse', () => {
 });
 
 describe('what the admin port answers, as documented', () => {
-  it('every success answer is whole and matches its documented schema: create, list, rotate (no body: 24h), revoke, usage', async () => {
+  it('every success answer is whole and matches its documented schema: create, list, rotate (no body: 24h), revoke, account, usage', async () => {
     const doc = await document();
     const ajv = new Ajv2020({ strict: false });
     formats.default(ajv);
@@ -216,6 +218,13 @@ describe('what the admin port answers, as documented', () => {
       id: 'made-2',
       revokedAt: expect.any(String),
     });
+    const settings = { billingDay: 3, credits: { grant: 10, every: 'month', rollover: false } };
+    const put = await fetch(`${adminUrl}/admin/accounts/made`, {
+      method: 'PUT',
+      headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json' },
+      body: JSON.stringify(settings),
+    });
+    expect(await answer('/admin/accounts/{account}', 'put', 200, put)).toEqual({ account: 'made', ...settings });
 
     const byKey = await answer('/admin/keys/{id}/usage', 'get', 200, await get(`/admin/keys/${member.id}/usage`));
     expect(Object.keys(byKey).sort()).toEqual([

@@ -1,7 +1,10 @@
+import { readFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { Validator } from '@seriousme/openapi-schema-validator';
 import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
-import { makeKey, type TestKey, testConfig, uniquePrefix } from '../helpers/config.js';
+import { parseConfigText } from '../../gateway/config/config.js';
+import { makeKey, type TestKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway, type TestGatewayOptions } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
@@ -264,6 +267,79 @@ describe('accounts in the usage lookup', () => {
     });
     expect((await admin(gw, '/admin/accounts/nobody/usage', ADMIN_TOKEN)).status).toBe(404);
     expect((await admin(gw, '/admin/accounts/acme/usage')).status).toBe(401);
+  });
+});
+
+describe("an account's settings through the key API", () => {
+  /** A gateway on a config file of its own, reloaded on change as a deployment's is. */
+  async function onFile(keys: TestKey[]) {
+    const { dir, cleanup } = tempDir();
+    onTestFinished(cleanup);
+    const file = join(dir, 'gateway.json');
+    return { gw: await build(keys, { configFile: file }), file };
+  }
+  const put = (gw: TestGateway, account: string, body: unknown) =>
+    fetch(`${gw.adminUrl}/admin/accounts/${account}`, {
+      method: 'PUT',
+      headers: { authorization: `Bearer ${ADMIN_TOKEN}`, 'content-type': 'application/json' },
+      body: JSON.stringify(body),
+    });
+  /** The file's accounts, read as JSON: a JSON file stays JSON (and parseConfigText, the gateway's validator, accepts it). */
+  const accountsIn = (file: string) => {
+    const text = readFileSync(file, 'utf8');
+    expect(parseConfigText(text, file).accounts).toEqual(JSON.parse(text).accounts);
+    return JSON.parse(text).accounts;
+  };
+  const credits = { grant: 500, every: 'month', rollover: true };
+
+  it('PUT sets the billing day and credits in the file, which the gateway then applies; null removes one', async () => {
+    const web = { ...makeKey('free'), account: 'acme' };
+    const { gw, file } = await onFile([web]);
+    const res = await put(gw, 'acme', { billingDay: 15, credits });
+    expect(res.status).toBe(200);
+    expect(await res.json()).toEqual({ account: 'acme', billingDay: 15, credits });
+    expect(accountsIn(file)).toEqual({ acme: { billingDay: 15, credits } });
+    await eventually(
+      async () => {
+        const seen = await usage(gw, web.id);
+        return seen.period?.billingDay === 15 && seen.credits?.grant === 500 && seen.credits.rollover === true;
+      },
+      5000,
+      'the reloaded gateway bills acme from the 15th, with its credits',
+    );
+    const removed = await put(gw, 'acme', { credits: null });
+    expect(await removed.json()).toEqual({ account: 'acme', billingDay: 15 });
+    expect(accountsIn(file)).toEqual({ acme: { billingDay: 15 } });
+    expect(await (await put(gw, 'acme', { billingDay: null })).json()).toEqual({ account: 'acme' });
+    expect(accountsIn(file)).toBeUndefined(); // the entry left empty is gone, and the map with it
+  });
+
+  it.each([
+    ['a billing day of 0', { billingDay: 0 }, 'body.billingDay: Expected union value'],
+    ['a billing day of 32', { billingDay: 32 }, 'body.billingDay: Expected union value'],
+    ['credits without every', { credits: { grant: 5 } }, 'body.credits: Expected union value'],
+    ['a misspelled field', { billingday: 5 }, 'body.billingday: Unexpected property'],
+    ['nothing to set', {}, 'body: Expected object to have at least 1 properties'],
+  ])('refuses %s: 400 in the Error shape, naming the field, and the file untouched', async (_name, body, message) => {
+    const { gw, file } = await onFile([{ ...makeKey('free'), account: 'acme' }]);
+    const before = readFileSync(file, 'utf8');
+    const res = await put(gw, 'acme', body);
+    expect(res.status).toBe(400);
+    expect(await res.json()).toEqual({ code: 'bad_request', message, status: 400 });
+    expect(readFileSync(file, 'utf8')).toBe(before);
+  });
+
+  it('answers 404 key_not_found for an account no key of the file is in, and writes nothing', async () => {
+    const { gw, file } = await onFile([{ ...makeKey('free'), account: 'acme' }]);
+    const before = readFileSync(file, 'utf8');
+    const res = await put(gw, 'nobody', { billingDay: 5 });
+    expect(res.status).toBe(404);
+    expect(await res.json()).toEqual({
+      code: 'key_not_found',
+      message: expect.stringMatching(/^no key of account "nobody" in /),
+      status: 404,
+    });
+    expect(readFileSync(file, 'utf8')).toBe(before);
   });
 });
 

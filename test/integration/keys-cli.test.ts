@@ -3,6 +3,7 @@ import { copyFileSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
 import { describe, expect, it, onTestFinished } from 'vitest';
+import { loadConfigFile, parseConfigText } from '../../gateway/config/config.js';
 import { tempDir } from '../helpers/config.js';
 
 const run = promisify(execFile);
@@ -71,5 +72,85 @@ describe('the keys command, as a new user meets it', () => {
       expect(out, cases[i]![0].join(' ')).toEqual({ code: 1, stdout: '', stderr: `${cases[i]![1]}\n` });
     });
     expect(readFileSync(file, 'utf8')).toBe(before);
+  });
+});
+
+describe("the keys command's account settings", () => {
+  /** The shipped config with a key in account acme. */
+  async function withAcme(): Promise<string> {
+    const file = shippedConfig();
+    expect((await keys(['create', '--plan', 'pro', '--account', 'acme', '--id', 'acme-web', '--config', file])).code).toBe(0);
+    return file;
+  }
+  const accountsIn = (file: string) => parseConfigText(readFileSync(file, 'utf8'), file).accounts;
+
+  it('sets the billing day and credits in the YAML, keeping its comments, and the gateway accepts the result', async () => {
+    const file = await withAcme();
+    const args = ['account', '--account', 'acme', '--billing-day', '15', '--credits-grant', '500', '--rollover', '--config', file];
+    expect(await keys(args)).toEqual({
+      code: 0,
+      stdout: '',
+      stderr: `account "acme" in ${file}: billing day 15, credits 500 a month, rolling over\n`,
+    });
+    const text = readFileSync(file, 'utf8');
+    expect(text).toContain('# Requests without a valid key, per client address.\n');
+    expect(text).toMatch(/^accounts:\n {2}acme:\n {4}billingDay: 15\n/m); // YAML still, in block style
+    const acme = [...loadConfigFile(file).consumers.values()].find((c) => c.id === 'acme-web')!;
+    expect(acme.subject.billing).toEqual({ billingDay: 15, overage: 0, credits: { grant: 500, rollover: true } });
+  });
+
+  it('--no-credits removes them, and an entry left empty leaves the file as it was', async () => {
+    const file = await withAcme();
+    const before = readFileSync(file, 'utf8');
+    expect((await keys(['account', '--account', 'acme', '--credits-grant', '100', '--config', file])).code).toBe(0);
+    expect(accountsIn(file)).toEqual({ acme: { credits: { grant: 100, every: 'month' } } });
+    expect(await keys(['account', '--account', 'acme', '--no-credits', '--config', file])).toEqual({
+      code: 0,
+      stdout: '',
+      stderr: `account "acme" in ${file}: credits removed (its plan's apply, if it has any)\n`,
+    });
+    expect(readFileSync(file, 'utf8')).toBe(before);
+  });
+
+  it('refuses a bad value or an unknown account in one plain line, exit 1, and leaves the file alone', async () => {
+    const file = await withAcme();
+    const before = readFileSync(file, 'utf8');
+    const cases: Array<[string[], string]> = [
+      [['--account', 'acme', '--billing-day', '32'], '--billing-day: must be a whole number from 1 to 31'],
+      [['--account', 'acme', '--billing-day', '1.5'], '--billing-day: must be a whole number from 1 to 31'],
+      [['--account', 'acme', '--credits-grant=-1'], '--credits-grant: the grant must be a whole number, 0 or more'],
+      [['--account', 'Big Co', '--billing-day', '5'], '--account: 1 to 64 of a-z, 0-9, _ and -, got "Big Co"'],
+      [['--account', 'nobody', '--billing-day', '5'], `no key of account "nobody" in ${file}: an account is made by creating a key in it`],
+    ];
+    const outs = await Promise.all(cases.map(([args]) => keys(['account', ...args, '--config', file])));
+    outs.forEach((out, i) => {
+      expect(out, cases[i]![0].join(' ')).toEqual({ code: 1, stdout: '', stderr: `${cases[i]![1]}\n` });
+    });
+    expect(readFileSync(file, 'utf8')).toBe(before);
+  });
+
+  it('refuses options that do not go together with the usage, exit 2', async () => {
+    const file = await withAcme();
+    for (const [args, first] of [
+      [['--account', 'acme'], 'account needs --billing-day, --credits-grant or --no-credits'],
+      [['--account', 'acme', '--rollover'], '--rollover goes with --credits-grant'],
+      [['--account', 'acme', '--credits-grant', '5', '--no-credits'], 'give --credits-grant or --no-credits, not both'],
+    ] as const) {
+      const out = await keys(['account', ...args, '--config', file]);
+      expect(out, args.join(' ')).toMatchObject({ code: 2, stdout: '' });
+      expect(out.stderr, args.join(' ')).toMatch(new RegExp(`^${first}\\nusage:\\n`));
+    }
+  });
+
+  it('creates a key with a month limit, only beside the minute and the day, and lists it', async () => {
+    const file = shippedConfig();
+    const made = ['create', '--plan', 'enterprise', '--id', 'big', '--per-minute', '10', '--per-day', '100', '--per-month', '2000'];
+    expect((await keys([...made, '--config', file])).code).toBe(0);
+    expect(parseConfigText(readFileSync(file, 'utf8'), file).keys[0]!.limits).toEqual({ perMinute: 10, perDay: 100, perMonth: 2000 });
+    const listed = await keys(['list', '--config', file]);
+    expect(listed.stdout).toMatch(/^big\s+big\s+enterprise\s+10\/min 100\/day 2000\/month\s+active/m);
+    const alone = await keys(['create', '--plan', 'free', '--per-month', '2000', '--config', file]);
+    expect(alone).toMatchObject({ code: 2, stdout: '' });
+    expect(alone.stderr).toMatch(/^--per-month goes with --per-minute and --per-day\n/);
   });
 });

@@ -58,6 +58,7 @@ describe('config file', () => {
       /^plans\.free\.costs: no route "PUT \/v1\/pets"/,
     ],
     ['a cost of 0', { keys: [{ ...key, costs: { 'POST /v1/pets': 0 } }] }, /^keys\.0\.costs\./],
+    ['an account billing day of 0', { accounts: { acme: { billingDay: 0 } } }, /^accounts\.acme\.billingDay: /],
     [
       'two keys of one account on different plans',
       {
