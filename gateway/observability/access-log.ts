@@ -25,7 +25,10 @@ function rejection(e: AccessEntry): RejectionReason | undefined {
   if (e.status === 401 || (e.status === 429 && !e.consumer)) return 'unauthenticated';
   if (e.outcome === 'unavailable') return 'unavailable';
   const { outcome } = e;
-  return e.status === 429 && (outcome === 'minute' || outcome === 'day' || outcome === 'banned') ? outcome : undefined;
+  if (e.status === 402 && outcome === 'credits') return outcome;
+  return e.status === 429 && (outcome === 'minute' || outcome === 'day' || outcome === 'month' || outcome === 'banned')
+    ? outcome
+    : undefined;
 }
 
 /**

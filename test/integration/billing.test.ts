@@ -93,6 +93,16 @@ async function burst(key: TestKey, n: number): Promise<Answer[]> {
 }
 
 const count = (answers: Answer[], status: number) => answers.filter((a) => a.status === status).length;
+/** A counter's value summed over the three instances' /metrics (Prometheus text), 0 where absent. */
+async function metric(series: string): Promise<number> {
+  let sum = 0;
+  for (const g of gateways) {
+    const text = await (await fetch(`${g.adminUrl}/metrics`)).text();
+    const line = text.split('\n').find((l) => l.startsWith(`${series} `));
+    sum += line ? Number(line.split(' ')[1]) : 0;
+  }
+  return sum;
+}
 const admin = (i: number, path: string, init: RequestInit = {}) =>
   fetch(`${gateways[i]!.adminUrl}${path}`, { ...init, headers: { authorization: `Bearer ${ADMIN_TOKEN}`, ...init.headers } });
 const topUp = (i: number, account: string, body: unknown, idempotencyKey: string) =>
@@ -106,6 +116,9 @@ describe('the billing period', () => {
   it('admits exactly the month across three instances, then 429 monthly_quota_exceeded until the period ends', async () => {
     const answers = await burst(keys.monthly, 90);
     expect({ admitted: count(answers, 200), refused: count(answers, 429) }).toEqual({ admitted: 30, refused: 60 });
+    // Refused for the month three times; the fourth refusal within a minute bans (bans.afterRejected: 3).
+    expect(await metric('gateway_rejections_total{reason="month"}')).toBe(3);
+    expect(answers.filter((a) => a.code === 'monthly_quota_exceeded').length).toBe(3);
     const refusal = answers.find((a) => a.status === 429)!;
     expect(refusal.code).toBe('monthly_quota_exceeded');
     const { start, end } = currentPeriod(BILLING_DAY);
@@ -140,6 +153,7 @@ describe('overage', () => {
     expect({ admitted: count(answers, 200), refused: count(answers, 429) }).toEqual({ admitted: 1500, refused: 200 });
     const marked = answers.filter((a) => a.status === 200 && a.headers.get('x-quota-overage') !== null);
     expect(marked.length).toBe(500);
+    expect(await metric('gateway_overage_requests_total{plan="metered"}')).toBe(500);
     const usage = await (await admin(0, `/admin/accounts/${keys.metered.id}/usage`)).json();
     expect(usage.overage).toEqual({ window: 'month', quota: 1000, upTo: 500, used: 500 });
     expect(usage.limits.perMonth).toBe(1000);
@@ -151,6 +165,7 @@ describe('prepaid credits', () => {
   it('admits exactly the balance across three instances, then 402 credits_exhausted until the next grant', async () => {
     const answers = await burst(keys.prepaid, 60);
     expect({ admitted: count(answers, 200), out: count(answers, 402) }).toEqual({ admitted: 20, out: 40 });
+    expect(await metric('gateway_rejections_total{reason="credits"}')).toBeGreaterThanOrEqual(40); // and the top-up test's
     const out = answers.find((a) => a.status === 402)!;
     expect(out.code).toBe('credits_exhausted');
     expect(out.headers.get('x-credits-remaining')).toBe('0');
