@@ -123,9 +123,11 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     bodyLimit: settings.bodyLimit,
     timeoutMs: settings.upstreamTimeoutMs,
     upstreamSeconds: (request, seconds) => metrics.upstream(request.ctx.route ?? 'none', seconds),
-    // The backend could not be reached or timed out: the request is given back to its windows.
+    // The backend could not be reached or timed out: the request is given back to its windows,
+    // its credits and its overage (so neither the access line nor the metric bills it).
     failed: ({ ctx }) => {
-      if (ctx.consumer && ctx.countedAtMs !== undefined) void store.refund(ctx.consumer.subject, ctx.countedAtMs, ctx.cost);
+      if (ctx.consumer && ctx.countedAtMs !== undefined) void store.refund(ctx.consumer.subject, ctx.countedAtMs, ctx.cost, ctx.overage);
+      ctx.overage = undefined;
     },
   });
 

@@ -69,6 +69,11 @@ export function periodOf({ limits, billing }: QuotaSubject, nowMs: number): Peri
   return limits.perMonth || billing.credits ? billingPeriod(nowMs, billing.billingDay) : undefined;
 }
 
+/** The start of the overage window holding `nowMs`: the billing period's, else the day's. */
+export function overageStart(subject: QuotaSubject, nowMs: number): number {
+  return subject.limits.perMonth ? periodOf(subject, nowMs)!.startMs : windowStart(nowMs, DAY_MS);
+}
+
 /** The window that has overage: the month's if the subject has one, else the day's. */
 export const overageWindow = (limits: Limits): 'month' | 'day' => (limits.perMonth ? 'month' : 'day');
 
@@ -98,8 +103,10 @@ export interface Decision {
   balance?: number;
   /** When the next grant adds credits (the period's end), if one is due: what a 402's Retry-After waits for. */
   grantAtMs?: number;
-  /** Units of the overage window past its quota after the decision (billed extra); 0 when none. */
+  /** This request's units past the quota of the overage window (billed extra); 0 when none. */
   overage: number;
+  /** Units billed as overage in the overage window so far, this request's included (a subject with overage). */
+  overageUsed?: number;
 }
 
 /** What a store counted: the outcome and the admitted counts of the current windows. */
@@ -114,6 +121,9 @@ export interface WindowCounts {
   period?: Period;
   /** Credits left; absent without credits. */
   balance?: number;
+  /** Overage billed in the window so far, and this request's part of it (a subject with overage). */
+  overageUsed?: number;
+  overageUnits?: number;
 }
 
 /** Window boundaries are aligned to UTC: the minute at second :00, the day at 00:00. */
@@ -137,9 +147,10 @@ export function decision({ limits, billing }: QuotaSubject, c: WindowCounts): De
   const list = windows(limits, c.nowMs, c.minuteUsed, c.dayUsed, c.monthUsed, c.period);
   const d: Decision = { outcome: c.outcome, nowMs: c.nowMs, banUntilMs: c.banUntilMs, windows: list, overage: 0 };
   if (c.period) d.period = c.period;
+  // Counted where decided, one request at a time (no lease reaches past the quota): exact.
   if (billing.overage > 0) {
-    const w = list.find((x) => x.name === overageWindow(limits));
-    if (w) d.overage = Math.max(0, w.used - (w.limit - billing.overage));
+    d.overage = c.overageUnits ?? 0;
+    d.overageUsed = c.overageUsed ?? 0;
   }
   if (billing.credits && c.balance !== undefined) {
     d.balance = c.balance;

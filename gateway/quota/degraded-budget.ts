@@ -1,5 +1,6 @@
 import { DAY_MS, degradedShare, MINUTE_MS, periodOf, type QuotaSubject, type WindowCounts, windowStart } from './decision.js';
-import { type Counters, countsAt } from './store.js';
+import type { Period } from './period.js';
+import { type Counters, countsAt, QuotaStoreUnavailable } from './store.js';
 
 /** Units admitted while Redis failed and not yet written back, for one subject and window pair. */
 export interface WriteBack {
@@ -11,8 +12,10 @@ export interface WriteBack {
   dayStart: number;
   dayUnits: number;
   hasDay: boolean;
-  /** The billing period the day's units also count in (a subject with a month window); 0: none. */
+  /** The billing period (a subject with a month window), its end, and the units admitted in it, days of the outage before this one included; 0: none. */
   periodStart: number;
+  periodEnd: number;
+  periodUnits: number;
 }
 
 /** What a subject spent of its degraded budget in the current windows, and how much of it is written back. */
@@ -25,11 +28,16 @@ interface Spent {
   dayWritten: number;
   hasDay: boolean;
   periodStart: number;
+  periodEnd: number;
+  /** Units this instance admitted from the budget in the billing period (not reset with the day), and written back. */
+  periodCount: number;
+  periodWritten: number;
 }
 
 /** Redis's last counters of a subject, with its billing period's count (a subject with a month window). */
 interface Seen extends Counters {
   periodStart: number;
+  periodEnd: number;
   monthCount: number;
 }
 
@@ -71,10 +79,11 @@ export class DegradedBudget {
       dayCount: dayUsed,
       ban: 0,
       periodStart: period?.startMs ?? 0,
+      periodEnd: period?.endMs ?? 0,
       monthCount: monthUsed ?? 0,
     });
     const s = this.spent.get(name);
-    if (s && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten) this.spent.delete(name);
+    if (s && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten && s.periodCount === s.periodWritten) this.spent.delete(name);
     this.sweep(nowMs);
   }
 
@@ -82,22 +91,26 @@ export class DegradedBudget {
   consume(subject: QuotaSubject, cost: number, nowMs: number): WindowCounts {
     const { name, limits } = subject;
     const period = limits.perMonth ? periodOf(subject, nowMs) : undefined;
-    const s = this.current(name, nowMs, limits.perDay > 0, period?.startMs ?? 0);
     const known = this.seen.get(name);
+    // A month this instance has no count of (it never heard from Redis in this period) could be
+    // used up already: nothing is admitted from it without Redis.
+    if (period && known?.periodStart !== period.startMs) throw new QuotaStoreUnavailable();
+    const s = this.current(name, nowMs, limits.perDay > 0, period);
     const { minuteUsed: knownM, dayUsed: knownD } = known ? countsAt(known, nowMs) : { minuteUsed: 0, dayUsed: 0 };
     const { instances, rank } = this.fleet;
     const shareM = degradedShare(limits.perMinute - knownM, instances, rank);
-    // The day's share is of what the day and the billing period both had left: its units count in both.
-    let dayLeft = limits.perDay - knownD;
-    if (period) dayLeft = Math.min(dayLeft, limits.perMonth! - (known?.periodStart === period.startMs ? known.monthCount : 0));
-    const shareD = limits.perDay > 0 ? degradedShare(dayLeft, instances, rank) : Number.POSITIVE_INFINITY;
+    const shareD = limits.perDay > 0 ? degradedShare(limits.perDay - knownD, instances, rank) : Number.POSITIVE_INFINITY;
+    // The period's share is of what it had left when Redis last answered, for the whole outage, midnights included.
+    const shareP = period ? degradedShare(limits.perMonth! - known!.monthCount, instances, rank) : Number.POSITIVE_INFINITY;
     // Reported as used: all but this instance's share, then what it admitted of it.
     const minuteUsed = limits.perMinute - shareM + s.minuteCount;
     const dayUsed = limits.perDay > 0 ? limits.perDay - shareD + s.dayCount : 0;
-    const violated = s.dayCount + cost > shareD ? 'day' : s.minuteCount + cost > shareM ? 'minute' : undefined;
+    const violated =
+      s.periodCount + cost > shareP ? 'month' : s.dayCount + cost > shareD ? 'day' : s.minuteCount + cost > shareM ? 'minute' : undefined;
     if (violated) return { outcome: violated, minuteUsed, dayUsed, nowMs, banUntilMs: 0 };
     s.minuteCount += cost;
     s.dayCount += cost;
+    s.periodCount += cost;
     return { outcome: 'allowed', minuteUsed: minuteUsed + cost, dayUsed: limits.perDay > 0 ? dayUsed + cost : 0, nowMs, banUntilMs: 0 };
   }
 
@@ -124,7 +137,8 @@ export class DegradedBudget {
     for (const [name, s] of this.spent) {
       const minuteUnits = s.minuteCount - s.minuteWritten;
       const dayUnits = s.dayCount - s.dayWritten;
-      if (minuteUnits === 0 && dayUnits === 0) continue;
+      const periodUnits = s.periodCount - s.periodWritten;
+      if (minuteUnits === 0 && dayUnits === 0 && periodUnits === 0) continue;
       this.unconfirmed.set(`${id}:${name}`, {
         name,
         id,
@@ -134,9 +148,12 @@ export class DegradedBudget {
         dayUnits,
         hasDay: s.hasDay,
         periodStart: s.periodStart,
+        periodEnd: s.periodEnd,
+        periodUnits,
       });
       s.minuteWritten = s.minuteCount;
       s.dayWritten = s.dayCount;
+      s.periodWritten = s.periodCount;
     }
     return [...this.unconfirmed.values()];
   }
@@ -147,16 +164,30 @@ export class DegradedBudget {
   }
 
   /** The subject's spending in the windows current at `nowMs`. */
-  private current(name: string, nowMs: number, hasDay: boolean, periodStart: number): Spent {
+  private current(name: string, nowMs: number, hasDay: boolean, period: Period | undefined): Spent {
     const minuteStart = windowStart(nowMs, MINUTE_MS);
     const dayStart = windowStart(nowMs, DAY_MS);
+    const [periodStart, periodEnd] = period ? [period.startMs, period.endMs] : [0, 0];
     let s = this.spent.get(name);
     if (!s) {
-      s = { minuteStart, minuteCount: 0, dayStart, dayCount: 0, minuteWritten: 0, dayWritten: 0, hasDay, periodStart };
+      s = {
+        minuteStart,
+        minuteCount: 0,
+        dayStart,
+        dayCount: 0,
+        minuteWritten: 0,
+        dayWritten: 0,
+        hasDay,
+        periodStart,
+        periodEnd,
+        periodCount: 0,
+        periodWritten: 0,
+      };
       this.spent.set(name, s);
     }
     if (s.minuteStart !== minuteStart) Object.assign(s, { minuteStart, minuteCount: 0, minuteWritten: 0 });
-    if (s.dayStart !== dayStart) Object.assign(s, { dayStart, dayCount: 0, dayWritten: 0, periodStart });
+    if (s.dayStart !== dayStart) Object.assign(s, { dayStart, dayCount: 0, dayWritten: 0 });
+    if (s.periodStart !== periodStart) Object.assign(s, { periodStart, periodEnd, periodCount: 0, periodWritten: 0 });
     return s;
   }
 
@@ -165,8 +196,10 @@ export class DegradedBudget {
     if (nowMs - this.lastSweep < MINUTE_MS) return;
     this.lastSweep = nowMs;
     const today = windowStart(nowMs, DAY_MS);
-    for (const [name, c] of this.seen) if (c.dayStart < today) this.seen.delete(name);
+    // A subject's last month count is kept until its period ends: the degraded budget needs it all period.
+    for (const [name, c] of this.seen) if (c.dayStart < today && c.periodEnd <= nowMs) this.seen.delete(name);
     for (const [name, s] of this.spent)
-      if (s.dayStart < today && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten) this.spent.delete(name);
+      if (s.dayStart < today && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten && s.periodCount === s.periodWritten)
+        this.spent.delete(name);
   }
 }

@@ -66,7 +66,7 @@ export function rateLimitHeaders(d: Decision, policy: string): Record<string, st
     ratelimit: state,
   };
   if (d.balance !== undefined) headers['x-credits-remaining'] = String(d.balance);
-  if (d.overage > 0 && d.outcome === 'allowed') headers['x-quota-overage'] = String(d.overage);
+  if (d.overage > 0 && d.outcome === 'allowed') headers['x-quota-overage'] = String(d.overageUsed);
   const retry = retryAfterSeconds(d);
   if (retry !== undefined) headers['retry-after'] = String(retry);
   return headers;

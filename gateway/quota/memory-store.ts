@@ -1,5 +1,16 @@
 import { type CreditState, spend, withGrants } from './credits.js';
-import { DAY_MS, type Decision, decision, MINUTE_MS, periodOf, type QuotaSubject, type WindowCounts, windowStart } from './decision.js';
+import {
+  DAY_MS,
+  type Decision,
+  decision,
+  MINUTE_MS,
+  overageStart,
+  periodOf,
+  type QuotaSubject,
+  softQuota,
+  type WindowCounts,
+  windowStart,
+} from './decision.js';
 import { billingPeriod, type Period } from './period.js';
 import {
   type Counters,
@@ -15,6 +26,9 @@ import {
 interface MemoryState extends Counters {
   periodStart: number;
   periodCount: number;
+  /** Overage billed in the overage window starting at overageStart (quota.lua's os, oc). */
+  overageStart: number;
+  overageCount: number;
   rejections: number[];
   /** When the state may be dropped: what PEXPIREAT / PEXPIRE give the script's keys. */
   expiresAt: number;
@@ -61,6 +75,7 @@ export class MemoryQuotaStore implements QuotaStore {
       usage.period = period;
       usage.monthUsed = s && s.periodStart === period.startMs ? s.periodCount : 0;
     }
+    if (subject.billing.overage > 0) usage.overageUsed = s && s.overageStart === overageStart(subject, now) ? s.overageCount : 0;
     const credits = subject.billing.credits;
     if (credits && period) {
       const { state } = withGrants(this.account(name).credits, period, credits);
@@ -69,9 +84,10 @@ export class MemoryQuotaStore implements QuotaStore {
     return usage;
   }
 
-  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
+  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, overage = 0): Promise<void> {
     const s = this.states.get(subject.name);
     if (s) {
+      if (overage > 0 && s.overageStart === overageStart(subject, countedAtMs)) s.overageCount = Math.max(0, s.overageCount - overage);
       if (s.minuteStart === windowStart(countedAtMs, MINUTE_MS)) s.minuteCount = Math.max(0, s.minuteCount - cost);
       if (s.dayStart === windowStart(countedAtMs, DAY_MS)) s.dayCount = Math.max(0, s.dayCount - cost);
       const period = periodOf(subject, countedAtMs);
@@ -159,6 +175,8 @@ export class MemoryQuotaStore implements QuotaStore {
         ban: 0,
         periodStart: 0,
         periodCount: 0,
+        overageStart: 0,
+        overageCount: 0,
         rejections: [],
         expiresAt: 0,
       };
@@ -212,7 +230,19 @@ export class MemoryQuotaStore implements QuotaStore {
       expiresAt: Math.max(s.expiresAt, expireAt, s.ban),
     });
     if (limits.perMonth && period) Object.assign(s, { periodStart: period.startMs, periodCount: monthUsed + cost });
-    return counts('allowed', cost);
+    const overage = this.billOverage(subject, s, now, limits.perMonth ? monthUsed : dayUsed, cost);
+    return { ...counts('allowed', cost), ...overage };
+  }
+
+  /** The units of an admission past the quota (soft line), added to the window's overage, as quota.lua's take does. */
+  private billOverage(subject: QuotaSubject, s: MemoryState, now: number, before: number, cost: number) {
+    const soft = softQuota(subject);
+    if (soft === 0) return {};
+    const start = overageStart(subject, now);
+    if (s.overageStart !== start) Object.assign(s, { overageStart: start, overageCount: 0 });
+    const units = Math.max(0, before + cost - Math.max(soft, before));
+    s.overageCount += units;
+    return { overageUsed: s.overageCount, overageUnits: units };
   }
 
   /** Drops states whose windows, ban and recent 429s are all over, at most once a minute. */

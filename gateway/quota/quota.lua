@@ -12,11 +12,12 @@
 --         or nothing, and is never a refusal;
 --   13-14 perMonth (0: no billing-period window; with overage, the ceiling), billingDay (1-31);
 --   15    soft: the quota of the window that has overage (the month's, else the day's), past which
---         units are billed as overage (0: none); a lease never straddles it;
+--         units are billed as overage (0: none); no lease reaches past it, so every unit past it
+--         is decided here, one request at a time, and counted in `oc` (exact: what is billed);
 --   16-17 the credits granted each period (-1: no credits), and 1 if what is left rolls over;
 --   18    the period start of the lease given back (7-9).
 -- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken, periodUsed, periodStart,
--- periodEnd, balance (-1: no credits)}; outcome is an index into OUTCOMES in decision.ts: 0
+-- periodEnd, balance (-1: no credits), overage units billed in the window so far, this request's}; outcome is an index into OUTCOMES in decision.ts: 0
 -- allowed, 1 minute, 2 day, 3 banned, 4 month, 5 credits. Time is Redis's own, so skewed
 -- gateways agree.
 local t = redis.call('TIME')
@@ -32,7 +33,7 @@ local cost = tonumber(ARGV[11]) or 1
 local soft = tonumber(ARGV[15]) or 0
 local grant = tonumber(ARGV[16]) or -1
 
-local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc')
+local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc')
 local ms = now - now % 60000
 local ds = now - now % DAY
 local ps, pe, pidx = 0, 0, 0
@@ -41,12 +42,17 @@ local mc = (tonumber(h[1]) == ms) and tonumber(h[2]) or 0
 local dc = (tonumber(h[3]) == ds) and tonumber(h[4]) or 0
 local pc = (perMonth > 0 and tonumber(h[6]) == ps) and tonumber(h[7]) or 0
 local ban = tonumber(h[5]) or 0
+-- Overage billed so far in the overage window (the month's, else the day's): `os` its start.
+local ow = ds
+if perMonth > 0 then ow = ps end
+local oc = (soft > 0 and tonumber(h[8]) == ow) and tonumber(h[9]) or 0
+local mine = 0
 local g, p = 0, 0
 if grant >= 0 then g, p = credits(KEYS[3], KEYS[4], ps, pidx, grant, tonumber(ARGV[17]) == 1) end
 local function reply(outcome, taken, banUntil)
   local balance = -1
   if grant >= 0 then balance = g + p end
-  return {outcome, mc, dc, now, banUntil or 0, taken or 0, pc, ps, pe, balance}
+  return {outcome, mc, dc, now, banUntil or 0, taken or 0, pc, ps, pe, balance, oc, mine}
 end
 local function save()
   redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc)
@@ -70,20 +76,31 @@ end
 -- a window stays closed past the ban's end.
 if ban > now then return reply(3, 0, ban) end
 
--- Room for a lease: what every window has left, and never across the overage line.
+-- The overage window's count.
+local function long()
+  if perMonth > 0 then return pc end
+  return dc
+end
+-- Room for a lease: what every window has left, and none at or past the overage line.
 local function room()
   local r = perMinute - mc
   if perDay > 0 then r = math.min(r, perDay - dc) end
   if perMonth > 0 then r = math.min(r, perMonth - pc) end
-  local long = dc
-  if perMonth > 0 then long = pc end
-  if soft > 0 and long < soft then r = math.min(r, soft - long) end
+  if soft > 0 then r = math.min(r, soft - long()) end
   return r
 end
 local function take(units)
+  local before = long()
   mc = mc + units
   dc = dc + units
   if perMonth > 0 then pc = pc + units end
+  if soft > 0 then
+    mine = math.max(0, long() - math.max(soft, before))
+    if mine > 0 then
+      oc = oc + mine
+      redis.call('HSET', KEYS[1], 'os', ow, 'oc', oc)
+    end
+  end
   if grant >= 0 then
     local fromGrant = math.min(g, units)
     g = g - fromGrant

@@ -11,6 +11,7 @@ import {
   leaseSize,
   MINUTE_MS,
   OUTCOMES,
+  overageStart,
   periodOf,
   type QuotaSubject,
   softQuota,
@@ -51,18 +52,12 @@ type Reply = [
   periodStart?: number,
   periodEnd?: number,
   balance?: number,
+  overageUsed?: number,
+  overageUnits?: number,
 ];
 type QuotaRedis = RedisClient & {
   quota(counters: string, rejections: string, credits: string, ledger: string, ...args: number[]): Promise<Reply>;
-  refund(
-    counters: string,
-    credits: string,
-    minuteStart: number,
-    dayStart: number,
-    periodStart: number,
-    units: number,
-    credited: number,
-  ): Promise<number>;
+  refund(counters: string, credits: string, ...args: number[]): Promise<number>;
   topup(credits: string, ledger: string, topUps: string, ...args: Array<string | number>): Promise<[made: number, ...rest: string[]]>;
   writeback(counters: string, applied: string, id: string, ...args: number[]): Promise<number>;
   heartbeat(registry: string, id: string, ttlMs?: number): Promise<[live: number, rank: number, nowMs: number]>;
@@ -108,6 +103,7 @@ function countsOf(r: Reply): WindowCounts {
   const c: WindowCounts = { outcome: OUTCOMES[r[0]]!, minuteUsed: r[1], dayUsed: r[2], nowMs: r[3], banUntilMs: r[4] };
   if (r[7]) Object.assign(c, { monthUsed: r[6], period: { startMs: r[7], endMs: r[8] } });
   if (r[9] !== undefined && r[9] >= 0) c.balance = r[9];
+  if (r[10] !== undefined) Object.assign(c, { overageUsed: r[10], overageUnits: r[11] });
   return c;
 }
 
@@ -393,6 +389,8 @@ export class RedisQuotaStore implements QuotaStore {
       w.dayUnits,
       w.hasDay ? 1 : 0,
       w.periodStart,
+      w.periodEnd,
+      w.periodUnits,
     );
     const applied = await within(call, this.timeoutMs);
     if (applied === LATE) throw new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`);
@@ -400,7 +398,7 @@ export class RedisQuotaStore implements QuotaStore {
     if (applied === 1) this.tally.writtenBack += Math.max(w.minuteUnits, w.dayUnits);
   }
 
-  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
+  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, overage = 0): Promise<void> {
     if (this.health.failing) return this.budget.refund(subject.name, countedAtMs, cost);
     try {
       const period = subject.limits.perMonth ? periodOf(subject, countedAtMs) : undefined;
@@ -412,6 +410,8 @@ export class RedisQuotaStore implements QuotaStore {
         period?.startMs ?? 0,
         cost,
         subject.billing.credits ? 1 : 0,
+        overage,
+        overage > 0 ? overageStart(subject, countedAtMs) : 0,
       );
     } catch (err) {
       this.tally.refundsFailed++;
@@ -479,7 +479,7 @@ export class RedisQuotaStore implements QuotaStore {
     const results = await this.redis
       .multi()
       .time()
-      .hmget(subject.name, 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc')
+      .hmget(subject.name, 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc')
       .lrange(`${subject.name}:rej`, 0, -1)
       .hmget(`${subject.name}:credits`, 'g', 'p', 'gp')
       .exec();
@@ -489,15 +489,9 @@ export class RedisQuotaStore implements QuotaStore {
     });
     const [time, fields, rejections, credited] = values as [[string, string], Array<string | null>, string[], Array<string | null>];
     const now = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
-    const [minuteStart, minuteCount, dayStart, dayCount, ban, periodStart, periodCount] = fields.map(Number) as number[] as [
-      number,
-      number,
-      number,
-      number,
-      number,
-      number,
-      number,
-    ];
+    const [minuteStart, minuteCount, dayStart, dayCount, ban, periodStart, periodCount, overageFrom, overageCount] = fields.map(
+      Number,
+    ) as number[] as [number, number, number, number, number, number, number, number, number];
     const withinMs = subject.bans?.withinMs ?? 0;
     const usage: Usage = {
       nowMs: now,
@@ -505,6 +499,7 @@ export class RedisQuotaStore implements QuotaStore {
       banUntilMs: ban > now ? ban : 0,
       recentRejections: rejections.filter((t) => Number(t) > now - withinMs).length,
     };
+    if (subject.billing.overage > 0) usage.overageUsed = overageFrom === overageStart(subject, now) ? overageCount : 0;
     const period = periodOf(subject, now);
     if (!period) return usage;
     usage.period = period;

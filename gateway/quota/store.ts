@@ -7,11 +7,11 @@ export interface QuotaStore {
   consume(subject: QuotaSubject, cost?: number): Promise<Decision>;
   peek(subject: QuotaSubject): Promise<Usage>;
   /**
-   * Gives an admitted request (its `cost` units) back to the windows it was counted in (at `countedAtMs`, the
-   * decision's time), if they are still current: the gateway failed it (502/504), so the
+   * Gives an admitted request (its `cost` units, `overage` of them billed as overage) back to the windows it was
+   * counted in (at `countedAtMs`, the decision's time), if they are still current, and to its credits: the gateway failed it (502/504), so the
    * client is not charged. Best effort: a refund that cannot be made leaves the unit counted.
    */
-  refund(subject: QuotaSubject, countedAtMs: number, cost?: number): Promise<void>;
+  refund(subject: QuotaSubject, countedAtMs: number, cost?: number, overage?: number): Promise<void>;
   /** Lifts the subject's ban and forgets its recent 429s (an operator's call); false when no ban was in force. */
   unban(subject: QuotaSubject): Promise<boolean>;
   /**
@@ -63,6 +63,8 @@ export interface Usage {
   monthUsed?: number;
   /** The credits as they stand (grants due applied), for a subject with credits. */
   credits?: { granted: number; purchased: number };
+  /** Units billed as overage in the current overage window (a subject with overage). */
+  overageUsed?: number;
 }
 
 export interface TopUp {

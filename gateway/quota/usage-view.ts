@@ -94,8 +94,7 @@ export function usageView({ account, plan, subject }: Reader, usage: Usage): Usa
   };
   if (usage.period) out.period = { start: iso(usage.period.startMs), end: iso(usage.period.endMs), billingDay: billing.billingDay };
   if (soft > 0) {
-    const used = byName[long]?.used ?? 0;
-    out.overage = { window: long, quota: soft, upTo: billing.overage, used: Math.max(0, used - soft) };
+    out.overage = { window: long, quota: soft, upTo: billing.overage, used: usage.overageUsed ?? 0 };
   }
   if (billing.credits && usage.credits) {
     const { granted, purchased } = usage.credits;

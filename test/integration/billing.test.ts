@@ -265,11 +265,12 @@ describe('no charge for the gateway own failures', () => {
   it.each([
     ['Redis', undefined],
     ['the in-process store', false as const],
-  ])('a 502 gives its credits back (%s)', async (_, redis) => {
+  ])('a 502 gives its credits and its overage back, and is not billed as overage (%s)', async (_, redis) => {
     const prepaid = makeKey('small');
     const closed = await freePort();
     const config = testConfig([prepaid], {
-      plans: { small: { perMinute: 1000, perDay: 100_000, credits: { grant: 3, every: 'month' } } },
+      // Every request past the first is overage: a quota of 1 a month, and 10 more.
+      plans: { small: { perMinute: 1000, perDay: 100_000, perMonth: 1, overage: { upTo: 10 }, credits: { grant: 3, every: 'month' } } },
       accounts: { [prepaid.id]: { billingDay: BILLING_DAY } },
     });
     const gw = await buildTestGateway({ config, backend: `http://127.0.0.1:${closed}`, redis, admin: { token: ADMIN_TOKEN } });
@@ -289,6 +290,13 @@ describe('no charge for the gateway own failures', () => {
     }
     // Five 502s on a balance of 3: none of them was charged.
     expect(statuses).toEqual([502, 502, 502, 502, 502]);
+    const usage = await (
+      await fetch(`${gw.adminUrl}/admin/accounts/${prepaid.id}/usage`, { headers: { authorization: `Bearer ${ADMIN_TOKEN}` } })
+    ).json();
+    expect([usage.windows.month.used, usage.overage.used]).toEqual([0, 0]);
+    const metrics = await (await fetch(`${gw.adminUrl}/metrics`)).text();
+    expect(metrics).not.toMatch(/^gateway_overage_requests_total\{plan="small"\} [1-9]/m);
+    expect(gw.logs.filter((l) => l.msg === 'request' && l.overage !== undefined)).toEqual([]);
   });
 });
 

@@ -402,11 +402,14 @@ describe('redis store', () => {
     const [ms, ds] = [now - (now % MINUTE_MS), now - (now % DAY_MS)];
     const [older, stored, later] = [ds - 40 * DAY_MS, ds - 10 * DAY_MS, ds - DAY_MS];
     await redis.hset(s.name, 'ps', stored, 'pc', 30);
-    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:1', ms, 3, ds, 3, 1, stored)).toBe(1);
+    const periodEnd = ds + 20 * DAY_MS;
+    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:1', ms, 3, ds, 3, 1, stored, periodEnd, 3)).toBe(1);
     expect(await redis.hmget(s.name, 'ps', 'pc')).toEqual([String(stored), '33']);
-    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:2', ms, 2, ds, 2, 1, older)).toBe(1); // an earlier period: over
+    // The hash holds the period's count: it lasts the period, not the day.
+    expect(Number(await redis.call('PEXPIRETIME', s.name))).toBe(periodEnd);
+    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:2', ms, 2, ds, 2, 1, older, older + 30 * DAY_MS, 2)).toBe(1); // an earlier period: over
     expect(await redis.hmget(s.name, 'ps', 'pc')).toEqual([String(stored), '33']);
-    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:3', ms, 4, ds, 4, 1, later)).toBe(1); // a later one starts afresh
+    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:3', ms, 4, ds, 4, 1, later, later + 30 * DAY_MS, 4)).toBe(1); // a later one starts afresh
     expect(await redis.hmget(s.name, 'ps', 'pc')).toEqual([String(later), '4']);
     await store.close();
   });

@@ -6,7 +6,7 @@ import { billingPeriod, periodsBetween } from '../../gateway/quota/period.js';
 import { policyHeader } from '../../gateway/quota/headers.js';
 
 // The billing period's calendar and the in-process store's month, credits and overage, on a
-// fake clock: what quota.lua does in Redis, step for step (billing-redis.test.ts holds the two together).
+// fake clock: what quota.lua does in Redis, step for step (integration/billing.test.ts holds billing.lua's calendar to period.ts).
 
 const utc = (y: number, m: number, d: number, h = 0, min = 0, s = 0, ms = 0) => Date.UTC(y, m - 1, d, h, min, s, ms);
 
@@ -113,8 +113,22 @@ describe('the in-process store on a fake clock', () => {
     // A quota of 5 a month and 2 of overage: refused at 7.
     const s = subject({ limits: { perMinute: 1000, perDay: 100_000, perMonth: 7 }, billing: { billingDay: 1, overage: 2 } });
     const overage = [];
-    for (let i = 0; i < 7; i++) overage.push((await store.consume(s)).overage);
-    expect(overage).toEqual([0, 0, 0, 0, 0, 1, 2]);
+    for (let i = 0; i < 7; i++) {
+      const d = await store.consume(s);
+      overage.push([d.overage, d.overageUsed]);
+    }
+    // Each request's own units past the quota, and the window's so far (what X-Quota-Overage says).
+    expect(overage).toEqual([
+      [0, 0],
+      [0, 0],
+      [0, 0],
+      [0, 0],
+      [0, 0],
+      [1, 1],
+      [1, 2],
+    ]);
     expect((await store.consume(s)).outcome).toBe('month');
+    await store.refund(s, utc(2027, 1, 10), 1, 1); // the last one failed at the gateway: not billed
+    expect((await store.peek(s)).overageUsed).toBe(1);
   });
 });

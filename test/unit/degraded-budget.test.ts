@@ -1,5 +1,6 @@
 import { describe, expect, it } from 'vitest';
-import { degradedShare, MINUTE_MS, NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
+import { DAY_MS, degradedShare, MINUTE_MS, NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
+import { QuotaStoreUnavailable } from '../../gateway/quota/store.js';
 import { DegradedBudget } from '../../gateway/quota/degraded-budget.js';
 import { LeaseBook, leaseOf } from '../../gateway/quota/lease-book.js';
 import { RedisClock } from '../../gateway/quota/redis-clock.js';
@@ -80,7 +81,17 @@ describe('the degraded budget', () => {
     const period = { startMs: Date.UTC(2026, 10, 1), endMs: Date.UTC(2026, 11, 1) };
     b.see('s', { outcome: 'allowed', nowMs: T0, minuteUsed: 0, dayUsed: 100, monthUsed: 4996, period, banUntilMs: 0 });
     expect(admitted(b, monthly, 3)).toBe(2);
-    expect(b.drain().map((w) => [w.dayUnits, w.periodStart])).toEqual([[2, period.startMs]]);
+    expect(b.consume(monthly, 1, T0 + 1).outcome).toBe('month');
+    // The next day of the same outage: a new day's share, but the period's share stays spent.
+    expect(b.consume(monthly, 1, T0 + DAY_MS).outcome).toBe('month');
+    // Written back: nothing to today (yesterday's units are yesterday's), both to the period.
+    expect(b.drain().map((w) => [w.dayUnits, w.periodStart, w.periodEnd, w.periodUnits])).toEqual([[0, period.startMs, period.endMs, 2]]);
+  });
+
+  it('admits nothing from a month it has no count of: it may be used up already', () => {
+    const b = new DegradedBudget('me');
+    const monthly: QuotaSubject = { ...subject(100, 1000), limits: { perMinute: 100, perDay: 1000, perMonth: 5000 } };
+    expect(() => b.consume(monthly, 1, T0)).toThrow(QuotaStoreUnavailable);
   });
 
   it('writes back each admission once: a batch is sent again until confirmed, under its own id', () => {

@@ -56,6 +56,39 @@ describe('shadow mode', () => {
     expect(shadow.seen.slice(2).map((a) => a.countedAtMs)).toEqual([undefined, undefined, undefined, undefined]);
   });
 
+  it('on a month and on credits: admits past them, spends nothing it did not have, and reports would_month and would_credits', async () => {
+    const store = new MemoryQuotaStore(() => at);
+    const monthly = { perMinute: 1000, perDay: 1000, perMonth: 2 };
+    const base = { bans: null, lasting: true, enforce: false } as const;
+    const month: QuotaSubject = { ...base, name: 'm', limits: monthly, policy: policyHeader(monthly), billing: NO_BILLING };
+    const credits: QuotaSubject = {
+      ...base,
+      name: 'c',
+      limits: { perMinute: 1000, perDay: 1000 },
+      policy: policyHeader({ perMinute: 1000, perDay: 1000 }),
+      billing: { billingDay: 1, overage: 0, credits: { grant: 1, rollover: false } },
+    };
+    const seen = async (s: QuotaSubject) => {
+      const out = [];
+      for (let i = 0; i < 3; i++) {
+        const a = await admit(store, s);
+        out.push([a.outcome, a.refusal?.code, a.headers['x-credits-remaining']]);
+      }
+      return out;
+    };
+    expect(await seen(month)).toEqual([
+      ['allowed', undefined, undefined],
+      ['allowed', undefined, undefined],
+      ['would_month', undefined, undefined],
+    ]);
+    expect(await seen(credits)).toEqual([
+      ['allowed', undefined, '0'],
+      ['would_credits', undefined, '0'],
+      ['would_credits', undefined, '0'],
+    ]);
+    expect((await store.peek(credits)).credits).toEqual({ granted: 0, purchased: 0 });
+  });
+
   it('is set by a plan and overridden by a key', () => {
     const [onPlan, own, enforcedKey] = [makeKey('trial'), makeKey('free'), makeKey('trial')];
     const file = testConfig([onPlan, { ...own }, enforcedKey], {
