@@ -269,8 +269,13 @@ describe('no charge for the gateway own failures', () => {
     const prepaid = makeKey('small');
     const closed = await freePort();
     const config = testConfig([prepaid], {
-      // Every request past the first is overage: a quota of 1 a month, and 10 more.
-      plans: { small: { perMinute: 1000, perDay: 100_000, perMonth: 1, overage: { upTo: 10 }, credits: { grant: 3, every: 'month' } } },
+      // A request costs 3 on a quota of 1 a month (and 10 more): 2 of its units are overage.
+      plans: {
+        small: {
+          ...{ perMinute: 1000, perDay: 100_000, perMonth: 1, overage: { upTo: 10 } },
+          ...{ credits: { grant: 3, every: 'month' as const }, costs: { 'GET /v1/pets': 3 } },
+        },
+      },
       accounts: { [prepaid.id]: { billingDay: BILLING_DAY } },
     });
     const gw = await buildTestGateway({ config, backend: `http://127.0.0.1:${closed}`, redis, admin: { token: ADMIN_TOKEN } });
@@ -288,7 +293,7 @@ describe('no charge for the gateway own failures', () => {
       // The refund is sent after the answer: the next request waits for it, or would find 2 left.
       await eventually(async () => (await balance()) === 3, 5000, 'the credit given back');
     }
-    // Five 502s on a balance of 3: none of them was charged.
+    // Five 502s of 3 units on a balance of 3: none of them was charged.
     expect(statuses).toEqual([502, 502, 502, 502, 502]);
     const usage = await (
       await fetch(`${gw.adminUrl}/admin/accounts/${prepaid.id}/usage`, { headers: { authorization: `Bearer ${ADMIN_TOKEN}` } })
