@@ -103,7 +103,9 @@ export const creditRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, p
     async (request) => {
       const { subject } = creditsOf(request.params.account);
       const [usage, ledger] = await fromStore(Promise.all([parts.store.peek(subject), parts.store.ledger(subject)]), 'credits');
-      const { granted = 0, purchased = 0 } = usage.credits ?? {};
+      // Read while Redis fails: the store knows no balance, and 0 would be a wrong answer.
+      if (!usage.credits) throw new GatewayError('quota_store_unavailable', 'The quota store did not answer; ask again');
+      const { granted, purchased } = usage.credits;
       return { account: request.params.account, balance: granted + purchased, granted, purchased, ledger: ledger.map(asEntry) };
     },
   );

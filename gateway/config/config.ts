@@ -186,6 +186,9 @@ function crossChecks(file: ConfigFile): string[] {
     ids.add(k.id);
     hashes.add(k.hash);
   });
+  for (const name of Object.keys(file.accounts ?? {})) {
+    if (!accounts.has(name)) problems.push(`accounts.${name}: no key in account "${name}" (a key's account, or its id)`);
+  }
   const checkCosts = (costs: Record<string, number> | undefined, where: string) => {
     for (const route of Object.keys(costs ?? {})) {
       if (!ROUTES.some((r) => `${r.method} ${r.path}` === route))

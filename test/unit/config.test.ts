@@ -60,6 +60,11 @@ describe('config file', () => {
     ['a cost of 0', { keys: [{ ...key, costs: { 'POST /v1/pets': 0 } }] }, /^keys\.0\.costs\./],
     ['an account billing day of 0', { accounts: { acme: { billingDay: 0 } } }, /^accounts\.acme\.billingDay: /],
     [
+      'settings for an account no key is in (a typo)',
+      { accounts: { acmee: { billingDay: 5 } } },
+      /^accounts\.acmee: no key in account "acmee"/,
+    ],
+    [
       'two keys of one account on different plans',
       {
         keys: [
