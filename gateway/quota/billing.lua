@@ -41,25 +41,26 @@ local function period(now, bd)
   local s, i = startIn(y, m - 1, bd)
   return s, here, i
 end
--- The account's credits (hash `key`: g granted, p purchased, gp the period of the last grant),
--- with the grants due by period `ps` (month index `pidx`) applied and written to the ledger
--- (stream `ledger`): `grant` each period, added to what is left with `rollover`, else in place
--- of it (what was left of the last grant expires; purchased credits never do).
-local function credits(key, ledger, ps, pidx, grant, rollover)
-  local c = redis.call('HMGET', key, 'g', 'p', 'gp')
-  local g, p, gp = tonumber(c[1]) or 0, tonumber(c[2]) or 0, tonumber(c[3])
-  if gp == ps then return g, p end
+-- The account's credits (hash `key`: g granted, p purchased, gp and ge the period of the last
+-- grant), with the grants due at `now` applied and written to the ledger (stream `ledger`):
+-- `grant` each period, added to what is left with `rollover`, else in place of it (what was
+-- left of the last grant expires; purchased credits never do). The last grant's period stays
+-- in force until its end, even if the billing day moved since; then the period holding `now`
+-- (`ps`, `pe`, month index `pidx`) gets one grant, or with rollover one for each period since.
+-- Returns the balance's two parts and the grant period in force.
+local function credits(key, ledger, now, ps, pe, pidx, grant, rollover)
+  local c = redis.call('HMGET', key, 'g', 'p', 'gp', 'ge')
+  local g, p, gp, ge = tonumber(c[1]) or 0, tonumber(c[2]) or 0, tonumber(c[3]), tonumber(c[4])
+  if ge and now < ge then return g, p, gp, ge end
   local n = 1
-  if gp then
-    local gy, gm = civil(math.floor(gp / DAY))
-    n = pidx - (gy * 12 + gm - 1)
+  if ge then
+    local ey, em = civil(math.floor(ge / DAY))
+    n = math.max(1, pidx - (ey * 12 + em - 1) + 1)
   end
-  -- A period earlier than the last grant's (the billing day moved back): its grant was made.
-  if n < 1 then return g, p end
   local expired = 0
   if rollover then g = g + n * grant else expired = g g = grant end
-  redis.call('HSET', key, 'g', g, 'p', p, 'gp', ps)
+  redis.call('HSET', key, 'g', g, 'p', p, 'gp', ps, 'ge', pe)
   redis.call('XADD', ledger, '*', 'kind', 'grant', 'amount', grant * (rollover and n or 1), 'periods', n,
     'expired', expired, 'balance', g + p, 'period', ps)
-  return g, p
+  return g, p, ps, pe
 end

@@ -7,8 +7,9 @@ import { type Period, periodsBetween } from './period.js';
 export interface CreditState {
   granted: number;
   purchased: number;
-  /** The start of the period of the last grant; absent before the first. */
+  /** The period of the last grant; absent before the first. */
   grantedFor?: number;
+  grantedUntil?: number;
 }
 
 /** A grant made when a period starts: the units added, for how many periods, and what was left of the last grant and expired. */
@@ -18,19 +19,26 @@ export interface Grant {
   expired: number;
 }
 
-/** The credits with the grants due by `period` applied (a new state), and the grant made, if one was due. */
+/**
+ * The credits at `nowMs` with the grants due applied (a new state), the grant made if one was
+ * due, and the grant period in force. As billing.lua's `credits`: the last grant's period stays
+ * in force until its end, even if the billing day moved since; then `period` (the one holding
+ * `nowMs`) gets one grant, or with rollover one for each period since.
+ */
 export function withGrants(
   s: CreditState,
   period: Period,
   credits: { grant: number; rollover: boolean },
-): { state: CreditState; grant?: Grant } {
-  if (s.grantedFor === period.startMs) return { state: s };
-  const periods = s.grantedFor === undefined ? 1 : periodsBetween(s.grantedFor, period.startMs);
-  // A period earlier than the last grant's (the billing day moved back): its grant was made.
-  if (periods < 1) return { state: s };
+  nowMs: number,
+): { state: CreditState; grant?: Grant; inForce: Period } {
+  if (s.grantedUntil !== undefined && nowMs < s.grantedUntil) {
+    return { state: s, inForce: { startMs: s.grantedFor!, endMs: s.grantedUntil } };
+  }
+  const periods = s.grantedUntil === undefined ? 1 : Math.max(1, periodsBetween(s.grantedUntil, period.startMs) + 1);
   const granted = credits.rollover ? s.granted + periods * credits.grant : credits.grant;
   const grant = { amount: credits.grant * (credits.rollover ? periods : 1), periods, expired: credits.rollover ? 0 : s.granted };
-  return { state: { granted, purchased: s.purchased, grantedFor: period.startMs }, grant };
+  const state = { granted, purchased: s.purchased, grantedFor: period.startMs, grantedUntil: period.endMs };
+  return { state, grant, inForce: period };
 }
 
 /** `units` paid from the credits: the granted ones first (they may expire), then the purchased. */

@@ -69,11 +69,6 @@ export function periodOf({ limits, billing }: QuotaSubject, nowMs: number): Peri
   return limits.perMonth || billing.credits ? billingPeriod(nowMs, billing.billingDay) : undefined;
 }
 
-/** The start of the overage window holding `nowMs`: the billing period's, else the day's. */
-export function overageStart(subject: QuotaSubject, nowMs: number): number {
-  return subject.limits.perMonth ? periodOf(subject, nowMs)!.startMs : windowStart(nowMs, DAY_MS);
-}
-
 /** The window that has overage: the month's if the subject has one, else the day's. */
 export const overageWindow = (limits: Limits): 'month' | 'day' => (limits.perMonth ? 'month' : 'day');
 

@@ -4,8 +4,6 @@ import {
   type Decision,
   decision,
   MINUTE_MS,
-  overageStart,
-  periodOf,
   type QuotaSubject,
   softQuota,
   type WindowCounts,
@@ -24,7 +22,9 @@ import {
 } from './store.js';
 
 interface MemoryState extends Counters {
+  /** The month window's period (as quota.lua's ps, pe) and its count. */
   periodStart: number;
+  periodEnd: number;
   periodCount: number;
   /** Overage billed in the overage window starting at overageStart (quota.lua's os, oc). */
   overageStart: number;
@@ -59,10 +59,9 @@ export class MemoryQuotaStore implements QuotaStore {
   }
 
   async peek(subject: QuotaSubject): Promise<Usage> {
-    const { name, bans } = subject;
+    const { name, bans, limits, billing } = subject;
     const now = this.clock();
     const s = this.states.get(name);
-    const period = periodOf(subject, now);
     const usage: Usage = s
       ? {
           nowMs: now,
@@ -71,15 +70,20 @@ export class MemoryQuotaStore implements QuotaStore {
           recentRejections: bans ? s.rejections.filter((t) => t > now - bans.withinMs).length : 0,
         }
       : { nowMs: now, minuteUsed: 0, dayUsed: 0, banUntilMs: 0, recentRejections: 0 };
-    if (period) {
-      usage.period = period;
+    let period: Period | undefined;
+    if (limits.perMonth) {
+      period = monthPeriod(subject, s, now);
       usage.monthUsed = s && s.periodStart === period.startMs ? s.periodCount : 0;
     }
-    if (subject.billing.overage > 0) usage.overageUsed = s && s.overageStart === overageStart(subject, now) ? s.overageCount : 0;
-    const credits = subject.billing.credits;
-    if (credits && period) {
-      const { state } = withGrants(this.account(name).credits, period, credits);
+    if (billing.credits) {
+      const { state, inForce } = withGrants(this.account(name).credits, billingPeriod(now, billing.billingDay), billing.credits, now);
       usage.credits = { granted: state.granted, purchased: state.purchased };
+      period ??= inForce;
+    }
+    if (period) usage.period = period;
+    if (billing.overage > 0) {
+      const start = period && limits.perMonth ? period.startMs : windowStart(now, DAY_MS);
+      usage.overageUsed = s && s.overageStart === start ? s.overageCount : 0;
     }
     return usage;
   }
@@ -87,11 +91,13 @@ export class MemoryQuotaStore implements QuotaStore {
   async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, overage = 0): Promise<void> {
     const s = this.states.get(subject.name);
     if (s) {
-      if (overage > 0 && s.overageStart === overageStart(subject, countedAtMs)) s.overageCount = Math.max(0, s.overageCount - overage);
       if (s.minuteStart === windowStart(countedAtMs, MINUTE_MS)) s.minuteCount = Math.max(0, s.minuteCount - cost);
       if (s.dayStart === windowStart(countedAtMs, DAY_MS)) s.dayCount = Math.max(0, s.dayCount - cost);
-      const period = periodOf(subject, countedAtMs);
-      if (period && subject.limits.perMonth && s.periodStart === period.startMs) s.periodCount = Math.max(0, s.periodCount - cost);
+      // The period it was counted in, if it is still the one stored (as refund.lua does).
+      const inPeriod = subject.limits.perMonth !== undefined && s.periodStart <= countedAtMs && countedAtMs < s.periodEnd;
+      if (inPeriod) s.periodCount = Math.max(0, s.periodCount - cost);
+      const overageFrom = subject.limits.perMonth ? (inPeriod ? s.periodStart : -1) : windowStart(countedAtMs, DAY_MS);
+      if (overage > 0 && s.overageStart === overageFrom) s.overageCount = Math.max(0, s.overageCount - overage);
     }
     // Given back as purchased credits, which never expire (as refund.lua does).
     if (subject.billing.credits) this.account(subject.name).credits.purchased += cost;
@@ -153,13 +159,14 @@ export class MemoryQuotaStore implements QuotaStore {
     return id;
   }
 
-  /** Applies the grants due by `period`, each with its ledger entry. */
-  private grantDue(subject: QuotaSubject, account: Account, period: Period, now: number): void {
+  /** Applies the grants due at `now` (`period` holds it), each with its ledger entry; returns the grant period in force. */
+  private grantDue(subject: QuotaSubject, account: Account, period: Period, now: number): Period | undefined {
     const credits = subject.billing.credits;
-    if (!credits) return;
-    const { state, grant } = withGrants(account.credits, period, credits);
+    if (!credits) return undefined;
+    const { state, grant, inForce } = withGrants(account.credits, period, credits, now);
     account.credits = state;
     if (grant) this.append(account, now, { kind: 'grant', ...grant, balance: state.granted + state.purchased });
+    return inForce;
   }
 
   private step(subject: QuotaSubject, now: number, cost: number): WindowCounts {
@@ -174,6 +181,7 @@ export class MemoryQuotaStore implements QuotaStore {
         dayCount: 0,
         ban: 0,
         periodStart: 0,
+        periodEnd: 0,
         periodCount: 0,
         overageStart: 0,
         overageCount: 0,
@@ -182,11 +190,12 @@ export class MemoryQuotaStore implements QuotaStore {
       };
       this.states.set(name, s);
     }
-    const period = periodOf(subject, now);
     const { minuteUsed, dayUsed } = countsAt(s, now);
-    const monthUsed = period && s.periodStart === period.startMs ? s.periodCount : 0;
     const account = billing.credits ? this.account(name) : undefined;
-    if (account) this.grantDue(subject, account, period!, now);
+    const granted = account && this.grantDue(subject, account, billingPeriod(now, billing.billingDay), now);
+    // The month's period in force (as quota.lua: the stored one until it ends); without a month, the grant's.
+    const period = limits.perMonth ? monthPeriod(subject, s, now) : granted;
+    const monthUsed = limits.perMonth && s.periodStart === period!.startMs ? s.periodCount : 0;
     const counts = (outcome: WindowCounts['outcome'], taken = 0, banUntilMs = 0): WindowCounts => {
       const c: WindowCounts = { outcome, minuteUsed: minuteUsed + taken, dayUsed: dayUsed + taken, nowMs: now, banUntilMs };
       if (period) Object.assign(c, { period, monthUsed: limits.perMonth ? monthUsed + taken : 0 });
@@ -229,16 +238,16 @@ export class MemoryQuotaStore implements QuotaStore {
       dayCount: dayUsed + cost,
       expiresAt: Math.max(s.expiresAt, expireAt, s.ban),
     });
-    if (limits.perMonth && period) Object.assign(s, { periodStart: period.startMs, periodCount: monthUsed + cost });
-    const overage = this.billOverage(subject, s, now, limits.perMonth ? monthUsed : dayUsed, cost);
+    if (limits.perMonth && period) Object.assign(s, { periodStart: period.startMs, periodEnd: period.endMs, periodCount: monthUsed + cost });
+    const overageFrom = limits.perMonth ? period!.startMs : dayStart;
+    const overage = this.billOverage(subject, s, overageFrom, limits.perMonth ? monthUsed : dayUsed, cost);
     return { ...counts('allowed', cost), ...overage };
   }
 
   /** The units of an admission past the quota (soft line), added to the window's overage, as quota.lua's take does. */
-  private billOverage(subject: QuotaSubject, s: MemoryState, now: number, before: number, cost: number) {
+  private billOverage(subject: QuotaSubject, s: MemoryState, start: number, before: number, cost: number) {
     const soft = softQuota(subject);
     if (soft === 0) return {};
-    const start = overageStart(subject, now);
     if (s.overageStart !== start) Object.assign(s, { overageStart: start, overageCount: 0 });
     const units = Math.max(0, before + cost - Math.max(soft, before));
     s.overageCount += units;
@@ -251,4 +260,10 @@ export class MemoryQuotaStore implements QuotaStore {
     this.lastSweep = now;
     for (const [k, s] of this.states) if (s.expiresAt <= now) this.states.delete(k);
   }
+}
+
+/** The month window's period in force at `now`: the stored one until it ends (a billing day changed meanwhile applies from the next), else the billing day's. */
+function monthPeriod(subject: QuotaSubject, s: MemoryState | undefined, now: number): Period {
+  if (s && s.periodStart <= now && now < s.periodEnd) return { startMs: s.periodStart, endMs: s.periodEnd };
+  return billingPeriod(now, subject.billing.billingDay);
 }

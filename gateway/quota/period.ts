@@ -23,7 +23,7 @@ export function billingPeriod(nowMs: number, billingDay: number): Period {
   return { startMs: startIn(year, month - 1, billingDay), endMs: here };
 }
 
-/** Periods (grants) from the one starting at `fromMs` to the one starting at `toMs`: their months apart. */
+/** The UTC months from `fromMs` to `toMs` (January 31 to February 1 is one): how many grants fall between two period bounds. */
 export function periodsBetween(fromMs: number, toMs: number): number {
   const a = new Date(fromMs);
   const b = new Date(toMs);

@@ -33,11 +33,24 @@ local cost = tonumber(ARGV[11]) or 1
 local soft = tonumber(ARGV[15]) or 0
 local grant = tonumber(ARGV[16]) or -1
 
-local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc')
+local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
 local ms = now - now % 60000
 local ds = now - now % DAY
 local ps, pe, pidx = 0, 0, 0
 if perMonth > 0 or grant >= 0 then ps, pe, pidx = period(now, tonumber(ARGV[14]) or 1) end
+local g, p = 0, 0
+if grant >= 0 then
+  local gp, ge
+  g, p, gp, ge = credits(KEYS[3], KEYS[4], now, ps, pe, pidx, grant, tonumber(ARGV[17]) == 1)
+  -- Without a month window, the period shown is the grant's.
+  if perMonth == 0 then ps, pe = gp, ge end
+end
+-- The stored period stays in force until its end, even if the billing day moved since: a new
+-- billing day applies from the next period, and a period's count is never reset early.
+if perMonth > 0 then
+  local sps, spe = tonumber(h[6]), tonumber(h[10])
+  if sps and spe and sps <= now and now < spe then ps, pe = sps, spe end
+end
 local mc = (tonumber(h[1]) == ms) and tonumber(h[2]) or 0
 local dc = (tonumber(h[3]) == ds) and tonumber(h[4]) or 0
 local pc = (perMonth > 0 and tonumber(h[6]) == ps) and tonumber(h[7]) or 0
@@ -47,8 +60,6 @@ local ow = ds
 if perMonth > 0 then ow = ps end
 local oc = (soft > 0 and tonumber(h[8]) == ow) and tonumber(h[9]) or 0
 local mine = 0
-local g, p = 0, 0
-if grant >= 0 then g, p = credits(KEYS[3], KEYS[4], ps, pidx, grant, tonumber(ARGV[17]) == 1) end
 local function reply(outcome, taken, banUntil)
   local balance = -1
   if grant >= 0 then balance = g + p end
@@ -56,7 +67,7 @@ local function reply(outcome, taken, banUntil)
 end
 local function save()
   redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc)
-  if perMonth > 0 then redis.call('HSET', KEYS[1], 'ps', ps, 'pc', pc) end
+  if perMonth > 0 then redis.call('HSET', KEYS[1], 'ps', ps, 'pc', pc, 'pe', pe) end
 end
 local expireAt = ms + 60000
 if perDay > 0 then expireAt = ds + DAY end

@@ -4,6 +4,7 @@ import type { FastifyBaseLogger } from 'fastify';
 import { type RedisClient, redisProblem } from '../process/redis-client.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
 import { type CreditState, withGrants } from './credits.js';
+import { billingPeriod, type Period } from './period.js';
 import {
   DAY_MS,
   type Decision,
@@ -11,7 +12,6 @@ import {
   leaseSize,
   MINUTE_MS,
   OUTCOMES,
-  overageStart,
   periodOf,
   type QuotaSubject,
   softQuota,
@@ -96,6 +96,34 @@ function ledgerEntry(id: string, fields: string[]): LedgerEntry {
   if (f.kind === 'grant') Object.assign(entry, { periods: Number(f.periods), expired: Number(f.expired) });
   else Object.assign(entry, { reason: f.reason, idempotencyKey: f.idempotencyKey });
   return entry;
+}
+
+/**
+ * The billing part of a usage read, as the next decision will find it (the read changes
+ * nothing): the month's period in force and its count, the overage, and the credits with the
+ * grants due applied. `stored`: the counters' ps, pc, os, oc, pe; `credited`: g, p, gp, ge.
+ */
+function billingUsage(subject: QuotaSubject, now: number, stored: number[], credited: Array<string | null>): Partial<Usage> {
+  const { limits, billing } = subject;
+  const [ps, pc, os, oc, pe] = stored as [number, number, number, number, number];
+  const out: Partial<Usage> = {};
+  let period: Period | undefined;
+  if (limits.perMonth) {
+    // As quota.lua: the stored period stays in force until its end.
+    period = ps <= now && now < pe ? { startMs: ps, endMs: pe } : billingPeriod(now, billing.billingDay);
+    out.monthUsed = ps === period.startMs ? pc : 0;
+  }
+  if (billing.credits) {
+    const [g, p, gp, ge] = credited;
+    const state: CreditState = { granted: Number(g ?? 0), purchased: Number(p ?? 0) };
+    if (gp != null && ge != null) Object.assign(state, { grantedFor: Number(gp), grantedUntil: Number(ge) });
+    const due = withGrants(state, billingPeriod(now, billing.billingDay), billing.credits, now);
+    out.credits = { granted: due.state.granted, purchased: due.state.purchased };
+    period ??= due.inForce;
+  }
+  if (period) out.period = period;
+  if (billing.overage > 0) out.overageUsed = os === (limits.perMonth ? period!.startMs : windowStart(now, DAY_MS)) ? oc : 0;
+  return out;
 }
 
 /** A reply's counts, in the one shape both stores decide from. */
@@ -401,17 +429,16 @@ export class RedisQuotaStore implements QuotaStore {
   async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, overage = 0): Promise<void> {
     if (this.health.failing) return this.budget.refund(subject.name, countedAtMs, cost);
     try {
-      const period = subject.limits.perMonth ? periodOf(subject, countedAtMs) : undefined;
       await this.redis.refund(
         subject.name,
         `${subject.name}:credits`,
         windowStart(countedAtMs, MINUTE_MS),
         windowStart(countedAtMs, DAY_MS),
-        period?.startMs ?? 0,
+        subject.limits.perMonth ? countedAtMs : 0,
         cost,
         subject.billing.credits ? 1 : 0,
         overage,
-        overage > 0 ? overageStart(subject, countedAtMs) : 0,
+        overage > 0 ? (subject.limits.perMonth ? 1 : 2) : 0,
       );
     } catch (err) {
       this.tally.refundsFailed++;
@@ -479,9 +506,9 @@ export class RedisQuotaStore implements QuotaStore {
     const results = await this.redis
       .multi()
       .time()
-      .hmget(subject.name, 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc')
+      .hmget(subject.name, 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
       .lrange(`${subject.name}:rej`, 0, -1)
-      .hmget(`${subject.name}:credits`, 'g', 'p', 'gp')
+      .hmget(`${subject.name}:credits`, 'g', 'p', 'gp', 'ge')
       .exec();
     const values = (results ?? []).map(([err, value]) => {
       if (err) throw err;
@@ -489,9 +516,7 @@ export class RedisQuotaStore implements QuotaStore {
     });
     const [time, fields, rejections, credited] = values as [[string, string], Array<string | null>, string[], Array<string | null>];
     const now = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
-    const [minuteStart, minuteCount, dayStart, dayCount, ban, periodStart, periodCount, overageFrom, overageCount] = fields.map(
-      Number,
-    ) as number[] as [number, number, number, number, number, number, number, number, number];
+    const [minuteStart, minuteCount, dayStart, dayCount, ban] = fields.map(Number) as [number, number, number, number, number];
     const withinMs = subject.bans?.withinMs ?? 0;
     const usage: Usage = {
       nowMs: now,
@@ -499,19 +524,7 @@ export class RedisQuotaStore implements QuotaStore {
       banUntilMs: ban > now ? ban : 0,
       recentRejections: rejections.filter((t) => Number(t) > now - withinMs).length,
     };
-    if (subject.billing.overage > 0) usage.overageUsed = overageFrom === overageStart(subject, now) ? overageCount : 0;
-    const period = periodOf(subject, now);
-    if (!period) return usage;
-    usage.period = period;
-    usage.monthUsed = subject.limits.perMonth && periodStart === period.startMs ? periodCount : 0;
-    if (subject.billing.credits) {
-      // As the next decision will find them: with the grants due applied (the read changes nothing).
-      const [g, p, gp] = credited;
-      const stored: CreditState = { granted: Number(g ?? 0), purchased: Number(p ?? 0), grantedFor: gp == null ? undefined : Number(gp) };
-      const { state } = withGrants(stored, period, subject.billing.credits);
-      usage.credits = { granted: state.granted, purchased: state.purchased };
-    }
-    return usage;
+    return { ...usage, ...billingUsage(subject, now, fields.slice(5).map(Number), credited) };
   }
 
   activeBans(): number {

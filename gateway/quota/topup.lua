@@ -11,7 +11,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ps, pe, pidx = period(now, tonumber(ARGV[5]))
 -- Grants due first, so a top-up before the period's first request is not replaced by its grant.
-local g, p = credits(KEYS[1], KEYS[2], ps, pidx, tonumber(ARGV[6]), tonumber(ARGV[7]) == 1)
+local g, p = credits(KEYS[1], KEYS[2], now, ps, pe, pidx, tonumber(ARGV[6]), tonumber(ARGV[7]) == 1)
 local amount = tonumber(ARGV[1])
 p = p + amount
 redis.call('HSET', KEYS[1], 'g', g, 'p', p)

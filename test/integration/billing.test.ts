@@ -39,6 +39,8 @@ const plans: ConfigFile['plans'] = {
   metered: { perMinute: 100_000, perDay: 1_000_000, perMonth: 1000, overage: { upTo: 500 } },
   prepaid: { perMinute: 100_000, perDay: 1_000_000, credits: { grant: 20, every: 'month' } },
   topups: { perMinute: 100_000, perDay: 1_000_000, credits: { grant: 0, every: 'month' } },
+  rolling: { perMinute: 100_000, perDay: 1_000_000, credits: { grant: 5, every: 'month', rollover: true } },
+  movedmonth: { perMinute: 100_000, perDay: 1_000_000, perMonth: 1000, credits: { grant: 5, every: 'month' } },
   both: {
     perMinute: 100_000,
     perDay: 1_000_000,
@@ -56,6 +58,8 @@ const keys = {
   racing: makeKey('topups'),
   rollover: makeKey('monthly'),
   granted: makeKey('prepaid'),
+  idle: makeKey('rolling'),
+  moved: makeKey('movedmonth'),
   viewer: makeKey('both'),
 };
 const accounts = Object.fromEntries(Object.values(keys).map((k) => [k.id, { billingDay: BILLING_DAY }]));
@@ -222,6 +226,42 @@ describe('prepaid credits', () => {
     // No rollover: the 4 left of the last grant expired, the purchased one stays; one unit spent from the grant.
     expect(credits).toMatchObject({ balance: 20, granted: 19, purchased: 1 });
     expect(credits.ledger).toEqual([expect.objectContaining({ kind: 'grant', amount: 20, periods: 1, expired: 4, balance: 21 })]);
+  });
+});
+
+describe('periods that did not follow on', () => {
+  it('with rollover, grants once for each period an idle account missed, in one ledger entry', async () => {
+    const [g] = gateways;
+    const name = redisKeyOf(g!.gateway.config(), keys.idle.id);
+    const { start } = currentPeriod(BILLING_DAY);
+    const before = (n: number) => {
+      let p = start;
+      for (let i = 0; i < n; i++) p = currentPeriod(BILLING_DAY, p - DAY).start;
+      return p;
+    };
+    // The last grant was three periods ago (it ended two periods ago): the two since and this one are due.
+    await g!.redis!.hset(`${name}:credits`, 'g', 1, 'p', 0, 'gp', before(3), 'ge', before(2));
+    const res = await call(`${g!.url}/v1/pets`, keys.idle.key);
+    expect(res.headers.get('x-credits-remaining')).toBe(String(1 + 3 * 5 - 1));
+    const credits = await (await admin(0, `/admin/accounts/${keys.idle.id}/credits`)).json();
+    expect(credits.ledger).toEqual([expect.objectContaining({ kind: 'grant', amount: 15, periods: 3, expired: 0, balance: 16 })]);
+  });
+
+  it('a billing day moved in mid-period keeps the period in force: its count and its grant stand', async () => {
+    const [g] = gateways;
+    const name = redisKeyOf(g!.gateway.config(), keys.moved.id);
+    // A period in force that the billing day no longer gives: from 5 days ago to 5 days ahead.
+    const [from, to] = [Date.now() - 5 * DAY, Date.now() + 5 * DAY];
+    await g!.redis!.hset(name, 'ps', from, 'pe', to, 'pc', 40);
+    await g!.redis!.hset(`${name}:credits`, 'g', 2, 'p', 0, 'gp', from, 'ge', to);
+    const res = await call(`${g!.url}/v1/pets`, keys.moved.key);
+    expect(res.status).toBe(200);
+    expect(res.headers.get('x-credits-remaining')).toBe('1'); // no new grant
+    expect(await g!.redis!.hmget(name, 'ps', 'pc', 'pe')).toEqual([String(from), '41', String(to)]);
+    const usage = await (await call(`${g!.url}/v1/me/usage`, keys.moved.key)).json();
+    expect(usage.period).toMatchObject({ start: new Date(from).toISOString(), end: new Date(to).toISOString() });
+    expect(usage.windows.month).toMatchObject({ used: 41, resetAt: new Date(to).toISOString() });
+    expect((await (await admin(0, `/admin/accounts/${keys.moved.id}/credits`)).json()).ledger).toEqual([]);
   });
 });
 

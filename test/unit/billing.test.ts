@@ -132,3 +132,38 @@ describe('the in-process store on a fake clock', () => {
     expect((await store.peek(s)).overageUsed).toBe(1);
   });
 });
+
+describe('a billing day changed in mid-period', () => {
+  it('keeps the period in force, its count and its grant until it ends; the new day applies from then', async () => {
+    let now = utc(2027, 4, 1, 9);
+    const store = new MemoryQuotaStore(() => now);
+    const limits = { perMinute: 1000, perDay: 100_000, perMonth: 100 };
+    const on = (billingDay: number): QuotaSubject =>
+      subject({
+        name: 'moved',
+        limits,
+        policy: policyHeader(limits),
+        billing: { billingDay, overage: 0, credits: { grant: 10, rollover: false } },
+      });
+    await store.consume(on(1)); // April 1: the period from April 1, its grant
+    now = utc(2027, 4, 20);
+    await store.consume(on(1));
+    // The account moves to the 25th on April 20: April 1 to May 1 stays in force, count and grant.
+    const moved = await store.consume(on(25));
+    expect(moved.period).toEqual({ startMs: utc(2027, 4, 1), endMs: utc(2027, 5, 1) });
+    expect([moved.windows[2]!.used, moved.balance]).toEqual([3, 7]);
+    now = utc(2027, 4, 26); // past the new day, within the old period: nothing new
+    expect((await store.consume(on(25))).windows[2]!.used).toBe(4);
+    now = utc(2027, 5, 1); // the old period ends: the new day's period (April 25 to May 25), counted afresh, granted once
+    const next = await store.consume(on(25));
+    expect(next.period).toEqual({ startMs: utc(2027, 4, 25), endMs: utc(2027, 5, 25) });
+    expect([next.windows[2]!.used, next.balance]).toEqual([1, 9]);
+    now = utc(2027, 5, 25);
+    expect((await store.consume(on(25))).balance).toBe(9);
+    expect((await store.ledger(on(25))).map((e) => [e.kind, e.atMs])).toEqual([
+      ['grant', utc(2027, 4, 1, 9)],
+      ['grant', utc(2027, 5, 1)],
+      ['grant', utc(2027, 5, 25)],
+    ]);
+  });
+});
