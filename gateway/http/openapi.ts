@@ -143,7 +143,7 @@ const DESCRIPTIONS: Record<string, string> = {
     'rate_limited (the minute is used up), daily_quota_exceeded (the day), monthly_quota_exceeded (the billing period), or key_banned (the key kept sending after 429s)',
   '502': 'bad_gateway: the backend could not be reached',
   '503':
-    'quota_store_unavailable: the quota store is not answering and the gateway is set to fail closed (QUOTA_STORE_FAILURE=closed); retry after Retry-After',
+    'quota_store_unavailable: the quota store is not answering and the gateway is set to fail closed (QUOTA_STORE_FAILURE=closed), or the account has prepaid credits or a month window it cannot decide without it; retry after Retry-After',
   '504': 'gateway_timeout: the backend did not answer in time',
   default:
     'Another error, in the Error shape: 405 method_not_allowed (with Allow), 408 request_timeout, 413 payload_too_large, 417 expectation_failed, 431 headers_too_large, 500 internal_error',
@@ -252,7 +252,7 @@ const DESCRIPTION = [
   "valid key the client address's. A 429 adds Retry-After; a key that keeps sending after 429s is banned for a while (key_banned).",
   "A plan may add a billing period (a month from the account's billing day: 429 monthly_quota_exceeded), overage (admitted past",
   'the quota, marked by X-Quota-Overage) and prepaid credits (X-Credits-Remaining; 402 credits_exhausted when they run out).',
-  'A gateway set to fail closed (QUOTA_STORE_FAILURE=closed) answers 503 quota_store_unavailable while its quota store does not',
+  'A gateway set to fail closed (QUOTA_STORE_FAILURE=closed), or an account with credits, answers 503 quota_store_unavailable while its quota store does not',
   'answer, with only X-Request-Id, RateLimit-Policy and Retry-After.',
 ].join(' ');
 
