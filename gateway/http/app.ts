@@ -11,7 +11,7 @@ import { GatewayMetrics } from '../observability/metrics.js';
 import { documentServer, OPENAPI_PATH } from './openapi.js';
 import { USAGE_ROUTE } from './routes.js';
 import { usageView } from '../quota/usage-view.js';
-import { requestPipeline } from './pipeline.js';
+import { type RequestContext, requestPipeline } from './pipeline.js';
 import { registerProxy } from './proxy.js';
 import { admit } from '../quota/admit.js';
 import { MemoryQuotaStore } from '../quota/memory-store.js';
@@ -50,6 +50,15 @@ type AppSettings = Pick<
   | 'redisTimeoutMs'
   | 'quotaStoreFailure'
 >;
+
+/**
+ * The backend could not be reached or timed out: the request is given back to its windows, its
+ * credits and its overage (so neither the access line nor the metric bills it).
+ */
+function refund(store: QuotaStore, ctx: RequestContext): void {
+  if (ctx.consumer && ctx.countedAtMs !== undefined) void store.refund(ctx.consumer.subject, ctx.countedAtMs, ctx.cost, ctx.overage);
+  ctx.overage = undefined;
+}
 
 /** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */
 export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Promise<Gateway> {
@@ -123,12 +132,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     bodyLimit: settings.bodyLimit,
     timeoutMs: settings.upstreamTimeoutMs,
     upstreamSeconds: (request, seconds) => metrics.upstream(request.ctx.route ?? 'none', seconds),
-    // The backend could not be reached or timed out: the request is given back to its windows,
-    // its credits and its overage (so neither the access line nor the metric bills it).
-    failed: ({ ctx }) => {
-      if (ctx.consumer && ctx.countedAtMs !== undefined) void store.refund(ctx.consumer.subject, ctx.countedAtMs, ctx.cost, ctx.overage);
-      ctx.overage = undefined;
-    },
+    failed: ({ ctx }) => refund(store, ctx),
   });
 
   return { app, setConfig: (next) => void (config = next), config: current, store, metrics };

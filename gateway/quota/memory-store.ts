@@ -1,14 +1,5 @@
 import { type CreditState, spend, withGrants } from './credits.js';
-import {
-  DAY_MS,
-  type Decision,
-  decision,
-  MINUTE_MS,
-  type QuotaSubject,
-  softQuota,
-  type WindowCounts,
-  windowStart,
-} from './decision.js';
+import { DAY_MS, type Decision, decision, MINUTE_MS, type QuotaSubject, softQuota, type WindowCounts, windowStart } from './decision.js';
 import { billingPeriod, type Period } from './period.js';
 import {
   type Counters,
@@ -238,7 +229,8 @@ export class MemoryQuotaStore implements QuotaStore {
       dayCount: dayUsed + cost,
       expiresAt: Math.max(s.expiresAt, expireAt, s.ban),
     });
-    if (limits.perMonth && period) Object.assign(s, { periodStart: period.startMs, periodEnd: period.endMs, periodCount: monthUsed + cost });
+    if (limits.perMonth && period)
+      Object.assign(s, { periodStart: period.startMs, periodEnd: period.endMs, periodCount: monthUsed + cost });
     const overageFrom = limits.perMonth ? period!.startMs : dayStart;
     const overage = this.billOverage(subject, s, overageFrom, limits.perMonth ? monthUsed : dayUsed, cost);
     return { ...counts('allowed', cost), ...overage };

@@ -12,7 +12,6 @@ import {
   leaseSize,
   MINUTE_MS,
   OUTCOMES,
-  periodOf,
   type QuotaSubject,
   softQuota,
   type WindowCounts,
