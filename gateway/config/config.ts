@@ -77,6 +77,23 @@ export const ConfigFile = Type.Object(
     accounts: Type.Optional(Type.Record(AccountName, AccountSchema)),
     bans: Type.Object({ afterRejected: Count, withinSeconds: Count, durationSeconds: Count }, { additionalProperties: false }),
     unauthenticated: Type.Object({ perMinute: Count }, { additionalProperties: false }),
+    /** Usage events: every counted request, exported to a billing sink as CloudEvents. */
+    usage: Type.Optional(
+      Type.Object(
+        {
+          export: Type.Object(
+            {
+              url: Type.String({ pattern: '^https?://[^\\s]+$' }),
+              /** Events kept per account while the sink lags; older ones are dropped (counted and logged). */
+              maxEvents: Type.Integer({ minimum: 1000, maximum: 100_000_000, default: 1_000_000 }),
+              batchSize: Type.Integer({ minimum: 1, maximum: 5000, default: 500 }),
+            },
+            { additionalProperties: false },
+          ),
+        },
+        { additionalProperties: false },
+      ),
+    ),
     /** Browser origins allowed to call the API and read its headers (CORS); none by default. */
     cors: Type.Optional(
       Type.Object({ origins: Type.Array(Type.String({ pattern: '^https?://[^/\\s]+$' })) }, { additionalProperties: false }),
@@ -130,6 +147,16 @@ export interface GatewayConfig {
   deprecations: ReadonlyMap<RouteId, Deprecation>;
   /** Origins allowed by CORS (exact `scheme://host[:port]`). */
   corsOrigins: ReadonlySet<string>;
+  /** Where usage events go, when configured (every key's subject then records them). */
+  usageExport?: UsageExport;
+  /** One subject per account (its first key's): what the exporter reads. */
+  accounts: ReadonlyMap<string, QuotaSubject>;
+}
+
+export interface UsageExport {
+  url: string;
+  maxEvents: number;
+  batchSize: number;
 }
 
 export class ConfigError extends Error {
@@ -239,6 +266,13 @@ function ceilings(quota: Limits, overage: number): Limits {
   return limits;
 }
 
+/** The first key's subject of each account: the keys of one account share it. */
+function accountSubjects(consumers: ReadonlyMap<string, Consumer>): ReadonlyMap<string, QuotaSubject> {
+  const out = new Map<string, QuotaSubject>();
+  for (const c of consumers.values()) if (!out.has(c.account)) out.set(c.account, c.subject);
+  return out;
+}
+
 /** Turns a valid file into the structures the hot path reads. */
 export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayConfig {
   const redisPrefix = `${redisKeyPrefix}:${file.environment}`;
@@ -269,6 +303,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
         lasting: true,
         enforce: k.enforce ?? plan.enforce ?? true,
         billing,
+        events: file.usage?.export.maxEvents ?? 0,
       },
       upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-account': account, 'x-consumer-plan': k.plan }),
     });
@@ -300,9 +335,12 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       lasting: false,
       enforce: true,
       billing: NO_BILLING,
+      events: 0,
     }),
     deprecations,
     corsOrigins: new Set(file.cors?.origins ?? []),
+    usageExport: file.usage?.export,
+    accounts: accountSubjects(consumers),
   });
 }
 

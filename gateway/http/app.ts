@@ -1,4 +1,4 @@
-import Fastify, { type FastifyBaseLogger, type FastifyInstance, LogController } from 'fastify';
+import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyReply, type FastifyRequest, LogController } from 'fastify';
 import type { RedisClient } from '../process/redis-client.js';
 import type { DestinationStream, Logger } from 'pino';
 import { createLogger } from '../../runtime/process.js';
@@ -16,6 +16,7 @@ import { registerProxy } from './proxy.js';
 import { admit } from '../quota/admit.js';
 import { MemoryQuotaStore } from '../quota/memory-store.js';
 import { RedisQuotaStore } from '../quota/redis-store.js';
+import { UsageExporter } from '../usage/exporter.js';
 import type { QuotaStore } from '../quota/store.js';
 import { fastifyTrustProxy, type GatewaySettings } from '../config/settings.js';
 
@@ -56,8 +57,37 @@ type AppSettings = Pick<
  * credits and its overage (so neither the access line nor the metric bills it).
  */
 function refund(store: QuotaStore, ctx: RequestContext): void {
-  if (ctx.consumer && ctx.countedAtMs !== undefined) void store.refund(ctx.consumer.subject, ctx.countedAtMs, ctx.cost, ctx.overage);
+  if (ctx.consumer && ctx.countedAtMs !== undefined) {
+    void store.refund(ctx.consumer.subject, ctx.countedAtMs, ctx.cost, ctx.overage, ctx.eventId);
+  }
   ctx.overage = undefined;
+}
+
+/** Redis when the gateway has it (its live instances registered under `registry`, for each one's share while Redis fails), else in-process. */
+function quotaStore(
+  settings: AppSettings,
+  redis: RedisClient | undefined,
+  log: FastifyBaseLogger,
+  metrics: GatewayMetrics,
+  registry: () => string,
+): QuotaStore {
+  if (!redis) return new MemoryQuotaStore();
+  return new RedisQuotaStore(redis, log, {
+    observe: (s) => metrics.redisSeconds.observe(s),
+    leaseMax: settings.quotaLeaseMax,
+    timeoutMs: settings.redisTimeoutMs,
+    failClosed: settings.quotaStoreFailure === 'closed',
+    registry,
+  });
+}
+
+/** The final status of a request whose usage event was written with its count, joined to it. */
+function settleHook(store: QuotaStore) {
+  return (request: FastifyRequest, reply: FastifyReply, done: () => void): void => {
+    const { eventId, consumer } = request.ctx;
+    if (eventId) store.settle!(consumer!.subject, eventId, reply.statusCode);
+    done();
+  };
 }
 
 /** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */
@@ -72,17 +102,11 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     () => metrics.logLinesDropped.inc(),
     deps.logStream,
   );
-  const store: QuotaStore = deps.redis
-    ? new RedisQuotaStore(deps.redis, log, {
-        observe: (s) => metrics.redisSeconds.observe(s),
-        leaseMax: settings.quotaLeaseMax,
-        timeoutMs: settings.redisTimeoutMs,
-        failClosed: settings.quotaStoreFailure === 'closed',
-        // This deployment's live instances, for each one's share while Redis fails.
-        registry: () => config.registryKey,
-      })
-    : new MemoryQuotaStore();
+  const store = quotaStore(settings, deps.redis, log, metrics, () => config.registryKey);
   metrics.watch(store);
+  // Usage events to the billing sink, when the config names one: one exporter per deployment leads.
+  const exporter = deps.redis ? new UsageExporter({ redis: deps.redis, config: current, log, metrics: metrics.usage }) : undefined;
+  exporter?.start();
   const access = accessLog(metrics, log);
   const pipeline = requestPipeline(store, current, access.record);
   const raw: RawDeps = {
@@ -119,7 +143,11 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   app.setErrorHandler(handleError);
   app.addHook('onRequest', pipeline.onRequest);
   app.addHook('onResponse', access.onResponse);
-  app.addHook('onClose', async () => store.close?.());
+  if (store.settle) app.addHook('onResponse', settleHook(store));
+  app.addHook('onClose', async () => {
+    exporter?.stop();
+    await store.close?.();
+  });
   const document = documentServer(settings.backendUrl, settings.upstreamTimeoutMs);
   app.get(OPENAPI_PATH, async (request) => document(request.ctx.config));
   // The pipeline has authenticated the key and counted the request per address.

@@ -6,7 +6,7 @@ import { corsHeaders, preflight } from './cors.js';
 import { sunsetRefusal } from './deprecation.js';
 import { GatewayError, handleError } from './errors.js';
 import { admit } from '../quota/admit.js';
-import type { QuotaSubject } from '../quota/decision.js';
+import type { EventTag, QuotaSubject } from '../quota/decision.js';
 import type { QuotaStore } from '../quota/store.js';
 import { DOCUMENT_ROUTE, isDocumentPath, isUsagePath, matchRoute, type RouteId, USAGE_ROUTE } from './routes.js';
 
@@ -30,6 +30,8 @@ export interface RequestContext {
   cost?: number;
   /** Set when it was admitted past its quota, within the plan's overage: the overage window's units past the quota. */
   overage?: number;
+  /** Its usage event (a key whose usage is exported): the response's status is joined to it. */
+  eventId?: string;
   /** When the request left for the backend (performance.now()), for the upstream latency. */
   sentAt?: number;
 }
@@ -49,6 +51,7 @@ function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConf
     countedAtMs: undefined,
     cost: undefined,
     overage: undefined,
+    eventId: undefined,
     sentAt: undefined,
   };
   return request.ctx;
@@ -75,6 +78,12 @@ function authorizationFields(raw: string[]): number {
   return n;
 }
 
+/** What a key's usage event says of its request: only built when its usage is exported. */
+function eventTag(request: FastifyRequest): EventTag {
+  const { consumer, route } = request.ctx;
+  return { requestId: request.id, keyId: consumer!.id, plan: consumer!.plan, route: route ?? 'none', method: request.method };
+}
+
 /**
  * The request pipeline, in order: context, a CORS preflight, the public document (both on the
  * per-address quota), authentication (or the per-address quota), route, deprecation headers,
@@ -84,11 +93,12 @@ function authorizationFields(raw: string[]): number {
 export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, record: (reqId: string, entry: AccessEntry) => void) {
   /** Admission for this request: headers on the reply, the outcome in the context; returns the refusal. */
   async function admitRequest(request: FastifyRequest, reply: FastifyReply, subject: QuotaSubject, cost = 1) {
-    const admission = await admit(store, subject, cost);
+    const admission = await admit(store, subject, cost, subject.events > 0 ? eventTag(request) : undefined);
     reply.headers(admission.headers);
     request.ctx.outcome = admission.outcome;
     request.ctx.countedAtMs = admission.countedAtMs;
     request.ctx.overage = admission.overage;
+    request.ctx.eventId = admission.eventId;
     return admission.refusal;
   }
 

@@ -1,3 +1,4 @@
+import type { ExportMetrics } from '../usage/exporter.js';
 import { Counter, collectDefaultMetrics, Gauge, Histogram, type Metric, Registry } from 'prom-client';
 import type { Refusal } from '../quota/decision.js';
 import type { QuotaStore, StoreCounts } from '../quota/store.js';
@@ -16,6 +17,8 @@ export class GatewayMetrics {
   /** Shadow mode's refusals not made; only keys on a plan or key with `enforce: false` add to it, so labels stay few. */
   readonly wouldReject: Counter<'reason' | 'plan'>;
   readonly overage: Counter<'plan'>;
+  /** The usage exporter's: events sent, failed batches, events dropped by the streams' cap, and its lag. */
+  readonly usage: ExportMetrics;
   // The per-request series are tallied in plain numbers and handed to prom-client when
   // scraped: its own inc() and observe() validate and hash their labels on every call, even
   // on a bound child, which cost more than the rest of the access line. Bounded like the
@@ -56,6 +59,28 @@ export class GatewayMetrics {
       labelNames: ['plan'],
       registers,
     });
+    const exported = new Counter({ name: 'gateway_usage_events_exported_total', help: 'Usage events accepted by the sink', registers });
+    const failed = new Counter({
+      name: 'gateway_usage_export_failures_total',
+      help: 'Batches of usage events the sink did not take (tried again)',
+      registers,
+    });
+    const dropped = new Counter({
+      name: 'gateway_usage_events_dropped_total',
+      help: "Usage events dropped by their stream's cap (usage.export.maxEvents) before they were sent",
+      registers,
+    });
+    const lag = new Gauge({
+      name: 'gateway_usage_export_lag_seconds',
+      help: 'Age of the oldest usage event not yet sent, at the last batch',
+      registers,
+    });
+    this.usage = {
+      exported: (n) => exported.inc(n),
+      failed: () => failed.inc(),
+      dropped: (n) => dropped.inc(n),
+      lag: (s) => lag.set(s),
+    };
     this.logLinesDropped = new Counter({
       name: 'gateway_log_lines_dropped_total',
       help: 'Log lines dropped because stdout did not keep up (more than 16 MiB waiting)',

@@ -1,5 +1,5 @@
 import { GatewayError, type GatewayErrorCode } from '../http/errors.js';
-import type { AdmissionOutcome, Decision, QuotaSubject, Refusal } from './decision.js';
+import type { AdmissionOutcome, Decision, EventTag, QuotaSubject, Refusal } from './decision.js';
 import { rateLimitHeaders, reportedWindow, retryAfterSeconds } from './headers.js';
 import { type QuotaStore, QuotaStoreUnavailable } from './store.js';
 
@@ -12,6 +12,8 @@ export interface Admission {
   refusal?: GatewayError;
   /** Units of the overage window past its quota, when this admission is among them: billed extra. */
   overage?: number;
+  /** Its usage event, when its subject records them: the final status is joined to it. */
+  eventId?: string;
 }
 
 const REFUSAL_CODES: Record<Refusal, GatewayErrorCode> = {
@@ -73,10 +75,10 @@ export function headersOf(d: Decision, subject: QuotaSubject): Readonly<Record<s
  * answers written to raw sockets all come here. It returns the refusal rather than throwing
  * it, like authentication and routing; the caller decides how to answer.
  */
-export async function admit(store: QuotaStore, subject: QuotaSubject, cost = 1): Promise<Admission> {
+export async function admit(store: QuotaStore, subject: QuotaSubject, cost = 1, tag?: EventTag): Promise<Admission> {
   let decision: Decision;
   try {
-    decision = await store.consume(subject, cost);
+    decision = await store.consume(subject, cost, tag);
   } catch (err) {
     if (err instanceof QuotaStoreUnavailable) return UNAVAILABLE(subject);
     throw err;
@@ -88,6 +90,7 @@ export async function admit(store: QuotaStore, subject: QuotaSubject, cost = 1):
     headers: headersOf(decision, subject),
     refusal: refusal(decision),
     overage: decision.outcome === 'allowed' && decision.overage > 0 ? decision.overage : undefined,
+    eventId: decision.eventId,
   };
 }
 

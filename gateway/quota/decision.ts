@@ -62,6 +62,8 @@ export interface QuotaSubject {
   /** False in shadow mode: decided and counted as if enforced, but never refused for quota. */
   enforce: boolean;
   billing: Billing;
+  /** Usage events: the most its stream keeps (0: none recorded; an address's, or no export configured). */
+  events: number;
 }
 
 /** The subject's billing period at `nowMs`, if it has a month window or credits. */
@@ -102,6 +104,8 @@ export interface Decision {
   overage: number;
   /** Units billed as overage in the overage window so far, this request's included (a subject with overage). */
   overageUsed?: number;
+  /** The usage event written with an admission (a subject that records events). */
+  eventId?: string;
 }
 
 /** What a store counted: the outcome and the admitted counts of the current windows. */
@@ -119,6 +123,16 @@ export interface WindowCounts {
   /** Overage billed in the window so far, and this request's part of it (a subject with overage). */
   overageUsed?: number;
   overageUnits?: number;
+  eventId?: string;
+}
+
+/** What a usage event says of its request beyond the decision: who, what, where. */
+export interface EventTag {
+  requestId: string;
+  keyId: string;
+  plan: string;
+  route: string;
+  method: string;
 }
 
 /** Window boundaries are aligned to UTC: the minute at second :00, the day at 00:00. */
@@ -147,6 +161,7 @@ export function decision({ limits, billing }: QuotaSubject, c: WindowCounts): De
     d.overage = c.overageUnits ?? 0;
     d.overageUsed = c.overageUsed ?? 0;
   }
+  if (c.eventId) d.eventId = c.eventId;
   if (billing.credits && c.balance !== undefined) {
     d.balance = c.balance;
     if (billing.credits.grant > 0 && c.period) d.grantAtMs = c.period.endMs;

@@ -1,7 +1,8 @@
 -- One atomic decision per request: ban check, the minute, day and billing-period windows, then
 -- the prepaid credits. billing.lua is prepended (period, credits).
--- KEYS: the subject's counters (hash), times of its recent 429s (list), its credits (hash) and
--- their ledger (stream). All share one hash tag, so they live in one Redis Cluster slot.
+-- KEYS: the subject's counters (hash), times of its recent 429s (list), its credits (hash),
+-- their ledger (stream) and its usage events (stream). All share one hash tag, so they live in
+-- one Redis Cluster slot.
 -- ARGV, in order:
 --   1-5   perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs;
 --   6     lease: units an admitted request may take at once (1, or more for a lease);
@@ -15,9 +16,12 @@
 --         units are billed as overage (0: none); no lease reaches past it, so every unit past it
 --         is decided here, one request at a time, and counted in `oc` (exact: what is billed);
 --   16-17 the credits granted each period (-1: no credits), and 1 if what is left rolls over;
---   18    the period start of the lease given back (7-9).
+--   18    the period start of the lease given back (7-9);
+--   19-24 usage events: the most the stream keeps (0: no event), and the request's id, key id,
+--         plan, route and method: an admitted request's event is written here, with its count.
 -- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken, periodUsed, periodStart,
--- periodEnd, balance (-1: no credits), overage units billed in the window so far, this request's}; outcome is an index into OUTCOMES in decision.ts: 0
+-- periodEnd, balance (-1: no credits), overage units billed in the window so far, this request's,
+-- its usage event's id (or false)}; outcome is an index into OUTCOMES in decision.ts: 0
 -- allowed, 1 minute, 2 day, 3 banned, 4 month, 5 credits. Time is Redis's own, so skewed
 -- gateways agree.
 local t = redis.call('TIME')
@@ -60,10 +64,11 @@ local ow = ds
 if perMonth > 0 then ow = ps end
 local oc = (soft > 0 and tonumber(h[8]) == ow) and tonumber(h[9]) or 0
 local mine = 0
+local eventId = false
 local function reply(outcome, taken, banUntil)
   local balance = -1
   if grant >= 0 then balance = g + p end
-  return {outcome, mc, dc, now, banUntil or 0, taken or 0, pc, ps, pe, balance, oc, mine}
+  return {outcome, mc, dc, now, banUntil or 0, taken or 0, pc, ps, pe, balance, oc, mine, eventId}
 end
 local function save()
   redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc)
@@ -161,4 +166,13 @@ if grant >= 0 and g + p < cost then return reply(5, 0) end
 local units = cost
 if lease > 1 and cost == 1 and grant < 0 and room() >= 2 * lease then units = lease end
 take(units)
+-- The request's usage event, in the same step as its count: what is enforced is what is billed.
+local cap = tonumber(ARGV[19]) or 0
+if cap > 0 then
+  local balance = -1
+  if grant >= 0 then balance = g + p end
+  eventId = redis.call('XADD', KEYS[5], 'MAXLEN', '~', cap, '*', 'kind', 'request', 'rid', ARGV[20], 'key', ARGV[21],
+    'plan', ARGV[22], 'route', ARGV[23], 'method', ARGV[24], 'units', cost, 'at', now, 'minute', mc, 'day', dc,
+    'month', pc, 'overage', mine, 'credits', balance)
+end
 return reply(0, units)

@@ -9,6 +9,7 @@ import {
   DAY_MS,
   type Decision,
   decision,
+  type EventTag,
   leaseSize,
   MINUTE_MS,
   OUTCOMES,
@@ -53,10 +54,18 @@ type Reply = [
   balance?: number,
   overageUsed?: number,
   overageUnits?: number,
+  eventId?: string | null,
 ];
 type QuotaRedis = RedisClient & {
-  quota(counters: string, rejections: string, credits: string, ledger: string, ...args: number[]): Promise<Reply>;
-  refund(counters: string, credits: string, ...args: number[]): Promise<number>;
+  quota(
+    counters: string,
+    rejections: string,
+    credits: string,
+    ledger: string,
+    events: string,
+    ...args: Array<number | string>
+  ): Promise<Reply>;
+  refund(counters: string, credits: string, events: string, ...args: Array<number | string>): Promise<number>;
   topup(credits: string, ledger: string, topUps: string, ...args: Array<string | number>): Promise<[made: number, ...rest: string[]]>;
   writeback(counters: string, applied: string, id: string, ...args: number[]): Promise<number>;
   heartbeat(registry: string, id: string, ttlMs?: number): Promise<[live: number, rank: number, nowMs: number]>;
@@ -131,6 +140,7 @@ function countsOf(r: Reply): WindowCounts {
   if (r[7]) Object.assign(c, { monthUsed: r[6], period: { startMs: r[7], endMs: r[8] } });
   if (r[9] !== undefined && r[9] >= 0) c.balance = r[9];
   if (r[10] !== undefined) Object.assign(c, { overageUsed: r[10], overageUnits: r[11] });
+  if (r[12]) c.eventId = String(r[12]);
   return c;
 }
 
@@ -157,6 +167,9 @@ export class RedisQuotaStore implements QuotaStore {
   private readonly failClosed: boolean;
   private readonly registry?: () => string;
   private readonly tally = { degraded: 0, refundsFailed: 0, writtenBack: 0 };
+  /** Statuses of admitted requests to join to their usage events. */
+  private readonly statuses: Array<[hash: string, eventId: string, status: number]> = [];
+  private statusTimer?: NodeJS.Timeout;
 
   constructor(
     redis: RedisClient,
@@ -172,8 +185,8 @@ export class RedisQuotaStore implements QuotaStore {
     this.redisClock = new RedisClock(this.clock);
     this.leases = new LeaseBook(this.clock);
     this.budget = new DegradedBudget(this.instanceId);
-    redis.defineCommand('quota', { numberOfKeys: 4, lua: lua('./billing.lua') + lua('./quota.lua') });
-    redis.defineCommand('refund', { numberOfKeys: 2, lua: lua('./refund.lua') });
+    redis.defineCommand('quota', { numberOfKeys: 5, lua: lua('./billing.lua') + lua('./quota.lua') });
+    redis.defineCommand('refund', { numberOfKeys: 3, lua: lua('./refund.lua') });
     redis.defineCommand('topup', { numberOfKeys: 3, lua: lua('./billing.lua') + lua('./topup.lua') });
     redis.defineCommand('writeback', { numberOfKeys: 2, lua: lua('./writeback.lua') });
     redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: lua('./heartbeat.lua') });
@@ -202,7 +215,7 @@ export class RedisQuotaStore implements QuotaStore {
     return { ...this.tally, instances: this.budget.instances };
   }
 
-  async consume(subject: QuotaSubject, cost = 1): Promise<Decision> {
+  async consume(subject: QuotaSubject, cost = 1, tag?: EventTag): Promise<Decision> {
     const { name, limits } = subject;
     // After a sibling request's lease came back empty, this one asks Redis itself.
     let solo = false;
@@ -217,8 +230,9 @@ export class RedisQuotaStore implements QuotaStore {
       if (this.health.failing) return this.degradedDecision(subject, cost);
       this.leases.sweep();
       // Credits are money: every unit of them is decided by Redis, never leased.
-      const size = cost === 1 && !solo && !subject.billing.credits ? leaseSize(limits, this.leaseMax) : 1;
-      if (size === 1) return this.ask(subject, 1, cost);
+      // Credits are money, and a usage event is written with its count: every such unit is decided by Redis, never leased.
+      const size = cost === 1 && !solo && !subject.billing.credits && subject.events === 0 ? leaseSize(limits, this.leaseMax) : 1;
+      if (size === 1) return this.ask(subject, 1, cost, tag);
       const pending = this.leases.inFlight(name);
       if (pending) {
         solo = !(await pending);
@@ -262,13 +276,17 @@ export class RedisQuotaStore implements QuotaStore {
     deadline: number,
     cost: number,
     refill: boolean,
+    tag?: EventTag,
   ): Promise<Reply> {
     const { name, limits, bans, billing } = subject;
+    const events: Array<string | number> =
+      tag && subject.events > 0 ? [subject.events, tag.requestId, tag.keyId, tag.plan, tag.route, tag.method] : [0];
     return this.redis.quota(
       name,
       `${name}:rej`,
       `${name}:credits`,
       `${name}:ledger`,
+      `${name}:events`,
       limits.perMinute,
       limits.perDay,
       bans?.afterRejected ?? 0,
@@ -287,6 +305,7 @@ export class RedisQuotaStore implements QuotaStore {
       billing.credits ? billing.credits.grant : -1,
       billing.credits?.rollover ? 1 : 0,
       back?.period?.startMs ?? 0,
+      ...events,
     );
   }
 
@@ -300,13 +319,15 @@ export class RedisQuotaStore implements QuotaStore {
     lease: number,
     cost: number,
     refill: boolean,
+    tag?: EventTag,
   ): Promise<{ counts: WindowCounts; taken: number; sentMono: number } | undefined> {
     const back = this.leases.takeUnused(subject.name); // if the call fails they stay counted: the safe side
     const sentMono = this.clock.mono();
     const sentAt = this.clock.wall();
     let reply: Reply | typeof LATE;
     try {
-      reply = await within(this.call(subject, lease, back, this.redisClock.deadline(sentAt, this.timeoutMs), cost, refill), this.timeoutMs);
+      const deadline = this.redisClock.deadline(sentAt, this.timeoutMs);
+      reply = await within(this.call(subject, lease, back, deadline, cost, refill, tag), this.timeoutMs);
     } catch (err) {
       this.observe((this.clock.mono() - sentMono) / 1000);
       this.health.failed(err);
@@ -325,8 +346,8 @@ export class RedisQuotaStore implements QuotaStore {
   }
 
   /** The decision from Redis, and the lease or ban it brings; from the degraded budget if Redis fails meanwhile. */
-  private async ask(subject: QuotaSubject, lease: number, cost: number): Promise<Decision> {
-    const answer = await this.timedCall(subject, lease, cost, false);
+  private async ask(subject: QuotaSubject, lease: number, cost: number, tag?: EventTag): Promise<Decision> {
+    const answer = await this.timedCall(subject, lease, cost, false, tag);
     if (!answer) return this.degradedDecision(subject, cost);
     const { counts, taken, sentMono } = answer;
     if (taken > cost) this.leases.grant(subject.name, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts));
@@ -363,14 +384,14 @@ export class RedisQuotaStore implements QuotaStore {
 
   /**
    * The decision while Redis fails: this instance's share of what was left, or none when failing
-   * closed. Credits are money and are never spent without Redis: a subject with credits fails closed.
+   * closed. Credits are money and usage events are the bill: a subject with either fails closed.
    */
   private degradedDecision(subject: QuotaSubject, cost: number): Decision {
     const now = this.redisClock.now();
     // A ban this instance knows holds while Redis fails, one being rechecked included.
     const ban = this.bans.get(subject.name, now);
     if (ban) return this.bannedDecision(subject, ban, now);
-    if (this.failClosed || subject.billing.credits) throw new QuotaStoreUnavailable();
+    if (this.failClosed || subject.billing.credits || subject.events > 0) throw new QuotaStoreUnavailable();
     this.tally.degraded++;
     return decision(subject, this.budget.consume(subject, cost, now));
   }
@@ -425,12 +446,33 @@ export class RedisQuotaStore implements QuotaStore {
     if (applied === 1) this.tally.writtenBack += Math.max(w.minuteUnits, w.dayUnits);
   }
 
-  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, overage = 0): Promise<void> {
+  /**
+   * An admitted request's final status, joined to its usage event by the event's id in a hash
+   * beside its stream (`<name>:statuses`), written in batches a tenth of a second apart. Lost
+   * with the process if it dies first: the exporter then sends the event with `status: null`.
+   */
+  settle(subject: QuotaSubject, eventId: string, status: number): void {
+    if (this.statuses.length >= 10_000) return; // Redis failing for a while: the statuses wait no longer
+    this.statuses.push([`${subject.name}:statuses`, eventId, status]);
+    this.statusTimer ??= setTimeout(() => this.writeStatuses(), 100).unref();
+  }
+
+  private writeStatuses(): void {
+    this.statusTimer = undefined;
+    const batch = this.statuses.splice(0);
+    const pipe = this.redis.pipeline();
+    // An hour for the exporter to join them (sent ones are removed): a sink down longer sends status null.
+    for (const [hash, ref, status] of batch) pipe.hset(hash, ref, status).pexpire(hash, 3_600_000);
+    pipe.exec().catch(() => {}); // lost: those events go out with status null
+  }
+
+  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, overage = 0, eventId?: string): Promise<void> {
     if (this.health.failing) return this.budget.refund(subject.name, countedAtMs, cost);
     try {
       await this.redis.refund(
         subject.name,
         `${subject.name}:credits`,
+        `${subject.name}:events`,
         windowStart(countedAtMs, MINUTE_MS),
         windowStart(countedAtMs, DAY_MS),
         subject.limits.perMonth ? countedAtMs : 0,
@@ -438,6 +480,8 @@ export class RedisQuotaStore implements QuotaStore {
         subject.billing.credits ? 1 : 0,
         overage,
         overage > 0 ? (subject.limits.perMonth ? 1 : 2) : 0,
+        eventId ? subject.events : 0,
+        eventId ?? '',
       );
     } catch (err) {
       this.tally.refundsFailed++;
@@ -533,6 +577,8 @@ export class RedisQuotaStore implements QuotaStore {
   /** Stops the heartbeat and leaves the registry, so the others' shares grow at once. */
   async close(): Promise<void> {
     this.health.close();
+    if (this.statusTimer) clearTimeout(this.statusTimer);
+    if (this.statuses.length > 0) this.writeStatuses();
     if (this.registry && !this.health.failing && this.redis.status === 'ready') {
       await within(this.redis.heartbeat(this.registry(), this.instanceId), this.timeoutMs).catch(() => {});
     }

@@ -1,17 +1,19 @@
-import { DAY_MS, type Decision, MINUTE_MS, type QuotaSubject, windowStart } from './decision.js';
+import { DAY_MS, type Decision, type EventTag, MINUTE_MS, type QuotaSubject, windowStart } from './decision.js';
 import type { Period } from './period.js';
 
 /** The contract both stores keep: one decision per request, and a read that counts nothing. */
 export interface QuotaStore {
   /** One decision: admitted only if every window has room for the request's whole `cost` (units, default 1). */
-  consume(subject: QuotaSubject, cost?: number): Promise<Decision>;
+  consume(subject: QuotaSubject, cost?: number, tag?: EventTag): Promise<Decision>;
+  /** The final status of an admitted request whose usage event was written (a store that records events). */
+  settle?(subject: QuotaSubject, eventId: string, status: number): void;
   peek(subject: QuotaSubject): Promise<Usage>;
   /**
    * Gives an admitted request (its `cost` units, `overage` of them billed as overage) back to the windows it was
    * counted in (at `countedAtMs`, the decision's time), if they are still current, and to its credits: the gateway failed it (502/504), so the
    * client is not charged. Best effort: a refund that cannot be made leaves the unit counted.
    */
-  refund(subject: QuotaSubject, countedAtMs: number, cost?: number, overage?: number): Promise<void>;
+  refund(subject: QuotaSubject, countedAtMs: number, cost?: number, overage?: number, eventId?: string): Promise<void>;
   /** Lifts the subject's ban and forgets its recent 429s (an operator's call); false when no ban was in force. */
   unban(subject: QuotaSubject): Promise<boolean>;
   /**

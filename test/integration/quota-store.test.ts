@@ -22,6 +22,7 @@ const subject = (perMinute: number, perDay: number, withBans = true): QuotaSubje
   policy: '',
   lasting: true,
   billing: NO_BILLING,
+  events: 0,
   enforce: true,
 });
 

@@ -44,6 +44,7 @@ const subject = (over: Partial<QuotaSubject> = {}): QuotaSubject => {
     lasting: true,
     enforce: true,
     billing: { ...NO_BILLING, billingDay: 31 },
+    events: 0,
     ...over,
   };
 };

@@ -15,6 +15,7 @@ const subject = (perMinute: number, perDay: number): QuotaSubject => ({
   policy: '',
   lasting: true,
   billing: NO_BILLING,
+  events: 0,
   enforce: true,
 });
 const T0 = Date.UTC(2026, 10, 25, 10, 0, 0); // a minute's start

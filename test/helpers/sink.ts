@@ -1,0 +1,69 @@
+import { createServer, type IncomingMessage } from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { type CloudEvent, HTTP } from 'cloudevents';
+
+/**
+ * A billing sink: a real HTTP server that takes batches of CloudEvents, parsed and validated by
+ * the cloudevents SDK (not by our code), and dedupes them by id as OpenMeter does. `down`
+ * resets every connection; `hold` keeps the next batches unanswered until `release`.
+ */
+export async function startSink() {
+  const events = new Map<string, CloudEvent<Record<string, unknown>>>();
+  const state = { mode: 'up' as 'up' | 'down' | 'hold', posts: 0, duplicates: 0, invalid: [] as string[] };
+  const held: Array<() => void> = [];
+  const take = (list: CloudEvent<Record<string, unknown>>[]) => {
+    for (const e of list) {
+      if (events.has(e.id)) state.duplicates++;
+      else events.set(e.id, e);
+    }
+  };
+  const server = createServer(async (req, res) => {
+    if (state.mode === 'down') return req.socket.destroy();
+    const body = await text(req);
+    let list: CloudEvent<Record<string, unknown>>[];
+    try {
+      const parsed = HTTP.toEvent({ headers: req.headers as Record<string, string>, body });
+      list = (Array.isArray(parsed) ? parsed : [parsed]) as CloudEvent<Record<string, unknown>>[];
+      for (const e of list) e.validate();
+    } catch (err) {
+      state.invalid.push(`${req.headers['content-type']}: ${(err as Error).message}`);
+      res.writeHead(400).end();
+      return;
+    }
+    state.posts++;
+    const accept = () => {
+      take(list);
+      if (!res.destroyed) res.writeHead(200).end();
+    };
+    if (state.mode === 'hold') held.push(accept);
+    else accept();
+  });
+  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+  const url = `http://127.0.0.1:${(server.address() as AddressInfo).port}/events`;
+  return {
+    url,
+    state,
+    events,
+    held,
+    /** Answers the held batches: the sink keeps their events, whoever is still waiting for the answer. */
+    release: () => {
+      for (const accept of held.splice(0)) accept();
+    },
+    requests: () => [...events.values()].filter((e) => e.type === 'com.petstore.gateway.request'),
+    close: () =>
+      new Promise<void>((r) => {
+        server.closeAllConnections();
+        server.close(() => r());
+      }),
+  };
+}
+
+function text(req: IncomingMessage): Promise<string> {
+  return new Promise((resolve, reject) => {
+    let s = '';
+    req.setEncoding('utf8');
+    req.on('data', (c: string) => (s += c));
+    req.on('end', () => resolve(s));
+    req.on('error', reject);
+  });
+}
