@@ -342,7 +342,7 @@ describe('redis store', () => {
     broken.disconnect();
   });
 
-  it('never spends credits without Redis: a subject with credits is refused as unavailable while Redis fails', async () => {
+  it('never spends credits nor admits an exported request without Redis: such subjects are refused as unavailable while Redis fails', async () => {
     const broken = new Redis('redis://127.0.0.1:1', {
       enableOfflineQueue: false,
       maxRetriesPerRequest: 0,
@@ -358,6 +358,8 @@ describe('redis store', () => {
     expect(store.degraded).toBe(true);
     await expect(store.consume(s)).rejects.toBeInstanceOf(QuotaStoreUnavailable); // declared failing: from the degraded path too
     expect((await store.consume(subject(100, 1000, false))).outcome).toBe('allowed'); // a subject without credits: its share
+    // Usage events are the bill: a subject that records them is not decided without Redis either.
+    await expect(store.consume({ ...subject(100, 1000, false), events: 1000 })).rejects.toBeInstanceOf(QuotaStoreUnavailable);
     broken.disconnect();
   });
 

@@ -4,7 +4,8 @@ import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { echoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
-import { buildInstances, type TestGateway } from '../helpers/gateway.js';
+import { buildInstances, buildTestGateway, type TestGateway } from '../helpers/gateway.js';
+import { freePort } from '../helpers/net.js';
 import { type Started, startProcess } from '../helpers/processes.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
@@ -114,6 +115,27 @@ async function metricSum(gateways: TestGateway[], name: string): Promise<number>
   }
   return sum;
 }
+
+describe('a refund in the export', () => {
+  it("a 502 the gateway gives is exported as a refund that cancels its request's units", async () => {
+    const sink = await startSink();
+    const key = makeKey('metered');
+    const closed = await freePort();
+    const gw = await buildTestGateway({
+      config: testConfig([key], { plans, usage: exportTo(sink.url) }),
+      backend: `http://127.0.0.1:${closed}`,
+    });
+    const res = await call(`${gw.url}/v1/pets`, key.key);
+    expect(res.status).toBe(502);
+    await eventually(() => sink.events.size >= 2, 20_000, 'the request and its refund');
+    const [request] = sink.requests();
+    const refund = [...sink.events.values()].find((e) => e.type === 'com.petstore.gateway.request.refunded')!;
+    expect(request!.data).toMatchObject({ requestId: res.headers.get('x-request-id'), units: 1, status: 502 });
+    expect(refund.data).toEqual({ refundOf: request!.id, units: -1 });
+    expect(refund.subject).toBe(key.id);
+    await sink.close();
+  });
+});
 
 describe('usage export when the exporting gateway is killed mid-batch', () => {
   let sink: Awaited<ReturnType<typeof startSink>>;
