@@ -127,7 +127,19 @@ export const KeyList = described(Type.Object({ keys: Type.Array(KeyRow) }), 'Eve
 /** An account's view (quota/usage-view.ts, as GET /v1/me/usage shows it) and which store it was read from. */
 const Usage = Type.Composite([
   UsageView,
-  Type.Object({ store: Type.Union([Type.Literal('redis'), Type.Literal('memory'), Type.Literal('memory (Redis failing)')]) }),
+  Type.Object({
+    store: Type.Union([Type.Literal('redis'), Type.Literal('memory'), Type.Literal('memory (Redis failing)')]),
+    events: Type.Optional(
+      Type.Object(
+        {
+          exported: Type.Integer({ description: 'Events (requests and refunds) the sink has taken' }),
+          pending: Type.Integer({ description: 'Events waiting in the stream' }),
+          dropped: Type.Integer({ description: "Events the stream's cap dropped before they were sent" }),
+        },
+        { description: 'Usage export, reconciled: every event written is exported, pending or dropped' },
+      ),
+    ),
+  }),
 ]);
 export type Usage = Static<typeof Usage>;
 

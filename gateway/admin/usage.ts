@@ -15,7 +15,10 @@ export interface UsageParts {
 /** An account's windows, ban and recent 429s, read from the store the gateway enforces with. */
 async function usageOf(consumer: Consumer, { store, redis }: UsageParts): Promise<Usage> {
   const usage = await store.peek(consumer.subject);
-  return { ...usageView(consumer, usage), store: redis ? (store.degraded ? 'memory (Redis failing)' : 'redis') : 'memory' };
+  const view = { ...usageView(consumer, usage), store: redis ? (store.degraded ? 'memory (Redis failing)' : 'redis') : 'memory' } as Usage;
+  // Exported usage reconciled: every event written is exported, pending or dropped.
+  if (consumer.subject.events > 0 && store.exportState && !store.degraded) view.events = await store.exportState(consumer.subject);
+  return view;
 }
 
 /** The usage lookups, by key and by account. A key's usage is its account's: the keys of one account share one quota. */

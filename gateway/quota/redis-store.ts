@@ -25,6 +25,7 @@ import { LATE, RedisHealth, within } from './redis-health.js';
 import {
   type Counters,
   countsAt,
+  type ExportState,
   type LedgerEntry,
   type QuotaStore,
   QuotaStoreUnavailable,
@@ -519,6 +520,15 @@ export class RedisQuotaStore implements QuotaStore {
     if (Number(made) === 1) return { entryId: String(rest[0]), balance: Number(rest[1]), replayed: false, conflict: false };
     const [first, entryId, balance] = String(rest[0]).split(' ') as [string, string, string];
     return { entryId, balance: Number(balance), replayed: true, conflict: first !== fingerprint };
+  }
+
+  /** Events sent (consumed by the exporter), still in the stream, and dropped by its cap (as counted when the exporter saw it near the cap). */
+  async exportState(subject: QuotaSubject): Promise<ExportState> {
+    const [pending, counts] = await Promise.all([
+      this.redis.xlen(`${subject.name}:events`),
+      this.redis.hmget(`${subject.name}:events:cursor`, 'consumed', 'dropped'),
+    ]);
+    return { exported: Number(counts[0] ?? 0), pending, dropped: Number(counts[1] ?? 0) };
   }
 
   /** The ledger stream, oldest first. */

@@ -21,6 +21,8 @@ export interface QuotaStore {
    * however concurrent, adds nothing and answers what the first one did.
    */
   topUp(subject: QuotaSubject, topUp: TopUp): Promise<TopUpResult>;
+  /** Its usage events: sent to the sink, waiting in its stream, dropped by the cap (a store that records events). */
+  exportState?(subject: QuotaSubject): Promise<ExportState>;
   /** The subject's credits ledger, oldest first: every grant and top-up. */
   ledger(subject: QuotaSubject): Promise<LedgerEntry[]>;
   /** True while Redis is declared failing: decisions come from the degraded budget. */
@@ -67,6 +69,13 @@ export interface Usage {
   credits?: { granted: number; purchased: number };
   /** Units billed as overage in the current overage window (a subject with overage). */
   overageUsed?: number;
+}
+
+/** The reconciliation of an account's usage events: every event written is exported, pending or dropped. */
+export interface ExportState {
+  exported: number;
+  pending: number;
+  dropped: number;
 }
 
 export interface TopUp {

@@ -14,6 +14,7 @@ import { eventually } from '../helpers/time.js';
 // sink as CloudEvents (checked by the cloudevents SDK), at least once with stable ids, by one
 // exporter across instances; the sink dedupes by id, so it counts each request exactly once.
 
+const TOKEN = 'admin-token-0123456789';
 const plans: ConfigFile['plans'] = { metered: { perMinute: 100_000, perDay: 1_000_000 } };
 const exportTo = (url: string, maxEvents = 1000): ConfigFile['usage'] => ({ export: { url, maxEvents, batchSize: 50 } });
 
@@ -34,7 +35,10 @@ describe('usage export across three instances', () => {
   const key = makeKey('metered');
   beforeAll(async () => {
     sink = await startSink();
-    ({ instances: gateways } = await buildInstances(3, { config: testConfig([key], { plans, usage: exportTo(sink.url) }) }));
+    ({ instances: gateways } = await buildInstances(3, {
+      config: testConfig([key], { plans, usage: exportTo(sink.url) }),
+      admin: { token: TOKEN },
+    }));
   });
   afterAll(async () => {
     for (const g of gateways) await g.close();
@@ -90,7 +94,9 @@ describe('usage export across three instances', () => {
 
   it('past the cap, drops the oldest events and counts each: what the sink got and the count add up to what was counted', async () => {
     const over = makeKey('metered');
-    for (const g of gateways) g.load(testConfig([key, over], { plans, usage: exportTo(sink.url) }));
+    // One deployment: the first instance compiles the config (its Redis prefix), the others take it as it is.
+    gateways[0]!.load(testConfig([key, over], { plans, usage: exportTo(sink.url) }));
+    for (const g of gateways.slice(1)) g.gateway.setConfig(gateways[0]!.gateway.config());
     const before = sink.requests().length;
     sink.state.mode = 'down';
     const answers = await traffic([gateways[0]!.url], over.key, 1300); // the cap is 1,000 (approximately: Redis trims whole nodes)
@@ -103,6 +109,11 @@ describe('usage export across three instances', () => {
     expect(dropped).toBeGreaterThan(0);
     expect(delivered + dropped).toBe(1300);
     expect(sink.requests().length - before).toBe(delivered);
+    // The admin lookup reconciles the same: every event written is exported, pending or dropped.
+    const usage = await (
+      await fetch(`${gateways[1]!.adminUrl}/admin/accounts/${over.id}/usage`, { headers: { authorization: `Bearer ${TOKEN}` } })
+    ).json();
+    expect(usage.events).toEqual({ exported: delivered, pending: 0, dropped });
   });
 });
 
