@@ -150,11 +150,29 @@ function writeKeys(bed: Bed) {
     },
   );
   writeFileSync(bed.file, JSON.stringify(config));
-  return { refused, banned, monthly, prepaid };
+  return { refused, banned, monthly, prepaid, config };
+}
+
+/**
+ * A billing sink in this process (its CPU is not counted), taking every batch of usage events,
+ * and the bed's config with usage export to it, in a file of its own: only the process started
+ * on it records and exports events.
+ */
+async function exportConfig(bed: Bed, config: ReturnType<typeof writeKeys>['config']): Promise<string> {
+  const port = await freePort();
+  const server = createServer((req, res) => {
+    req.resume();
+    req.on('end', () => res.writeHead(200).end());
+  });
+  await new Promise<void>((r) => server.listen(port, '127.0.0.1', r));
+  bed.onClose(() => server.close());
+  const file = join(bed.dir, 'gateway-export.json');
+  writeFileSync(file, JSON.stringify({ ...config, usage: { export: { url: `http://127.0.0.1:${port}/events` } } }));
+  return file;
 }
 
 /** Every process measured, on free ports; each is stopped by the bed's `close`. */
-async function startAll(bed: Bed) {
+async function startAll(bed: Bed, exportFile: string) {
   // The gateway as users run it: access line at info (to a file), metrics on.
   const gateway = (name: string, env: Record<string, string>) => startGatewayBuild(bed, GATEWAY_ENTRY, env, [], name);
   const redis = { REDIS_URL: bed.redisUrl };
@@ -169,6 +187,8 @@ async function startAll(bed: Bed) {
     // The billing features, each on a process of its own (a key with a month window; one with credits).
     monthly: await gateway('gateway-month', redis),
     prepaid: await gateway('gateway-credits', redis),
+    // Usage export on: every admission one Redis call that writes its event, an exporter posting batches.
+    exporting: await gateway('gateway-export', { ...redis, GATEWAY_CONFIG: exportFile, REDIS_KEY_PREFIX: 'gwx' }),
     inMemory: await gateway('gateway-memory', {}),
     workers: await gateway('gateway-workers', { ...redis, GATEWAY_WORKERS: '2' }),
     cheapOne: await gateway('gateway-cheap-1', { ...redis, BACKEND_URL: cheap.url }),
@@ -197,6 +217,7 @@ function variantsOf(bed: Bed, p: Started, keys: ReturnType<typeof writeKeys>): V
       status: 200,
       redis: true,
     },
+    { name: 'gateway, Redis, usage export', url: p.exporting.url, headers: ok, pids: [p.exporting.pid], status: 200, redis: true },
     {
       name: 'gateway, Redis, credits',
       url: p.prepaid.url,
@@ -342,6 +363,10 @@ function printSummary(rows: Row[], rate: number, atRate: Map<string, AtRate>, ha
   console.log(
     `billing: a month window ${(month.rps / gw.rps).toFixed(2)}x the gateway's req/s (${f(month.cpuUsPerReq)} against ${f(gw.cpuUsPerReq)} us CPU/req); credits ${(credits.rps / gw.rps).toFixed(2)}x (${f(credits.cpuUsPerReq)} us CPU/req, ${f(credits.redisCmdsPerReq, 2)} Redis commands/req)`,
   );
+  const exporting = row('gateway, Redis, usage export');
+  console.log(
+    `usage export: ${(exporting.rps / gw.rps).toFixed(2)}x the gateway's req/s (${f(exporting.cpuUsPerReq)} against ${f(gw.cpuUsPerReq)} us CPU/req, ${f(exporting.redisCmdsPerReq, 2)} against ${f(gw.redisCmdsPerReq, 2)} Redis commands/req)`,
+  );
   console.log(`fixed-rate runs achieved: ${[...atRate].map(([name, a]) => `${name} ${f(a.rps)}/s`).join(', ')}`);
   if (!hasNginx) console.log('(nginx not installed: apt-get install nginx for the C proxy reference)');
 }
@@ -353,7 +378,7 @@ async function main() {
     const redis = new Redis(bed.redisUrl);
     bed.onClose(() => redis.quit());
     const keys = writeKeys(bed);
-    const started = await startAll(bed);
+    const started = await startAll(bed, await exportConfig(bed, keys.config));
     // The 429 path: the day of `refused` is spent by one request. The banned path: a ban in Redis.
     await fetch(started.refusing.url, { headers: auth(keys.refused.key) });
     await redis.hset(`gw:production:{k:${keys.banned.id}}`, 'ban', Date.now() + 3_600_000);
