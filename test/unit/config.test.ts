@@ -143,6 +143,7 @@ describe('config file', () => {
       lasting: false,
       enforce: true,
       billing: { billingDay: 1, overage: 0 },
+      events: 0,
     });
   });
 
