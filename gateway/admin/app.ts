@@ -9,8 +9,9 @@ import { GatewayError, handleError } from '../http/errors.js';
 import type { QuotaStore } from '../quota/store.js';
 import { keyApi } from './keys.js';
 import { failure, Health, Ready, SharedError } from './schemas.js';
-import { usageRoutes } from './usage.js';
+import { alertRoutes, usageRoutes } from './usage.js';
 import { creditRoutes } from './credits.js';
+import { recentDeliveries } from '../usage/webhooks.js';
 
 /** What the admin port takes from the settings. */
 export interface AdminSettings {
@@ -187,7 +188,9 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
   await app.register(operations, deps);
   await app.register(async (scope) => {
     guard(scope, deps.adminToken);
+    const deliveries = deps.redis ? () => recentDeliveries(deps.redis!, deps.config()) : undefined;
     await scope.register(usageRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined });
+    await scope.register(alertRoutes, { deliveries });
     await scope.register(creditRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined });
     await scope.register(keyApi, { configFile: deps.configFile });
   });

@@ -160,3 +160,19 @@ export const Unbanned = described(
   }),
   'The ban is lifted; every instance sees it within a second',
 );
+
+export const Deliveries = described(
+  Type.Object({
+    deliveries: Type.Array(
+      Type.Object({
+        id: Type.String({ description: 'The webhook-id: the same on every attempt' }),
+        type: Type.String(),
+        account: Type.String(),
+        status: Type.Union([Type.Integer(), Type.Null()], { description: "The receiver's status; null when it could not be reached" }),
+        error: Type.Optional(Type.String()),
+        at: Instant,
+      }),
+    ),
+  }),
+  'The last alert webhook attempts, newest first',
+);

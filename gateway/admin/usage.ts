@@ -3,7 +3,8 @@ import type { Consumer, GatewayConfig } from '../config/config.js';
 import { GatewayError } from '../http/errors.js';
 import type { QuotaStore } from '../quota/store.js';
 import { usageView } from '../quota/usage-view.js';
-import { AccountParams, AccountUsage, failure, KeyParams, KeyUsage, Unbanned, type Usage } from './schemas.js';
+import type { Delivery } from '../usage/webhooks.js';
+import { AccountParams, AccountUsage, Deliveries, failure, KeyParams, KeyUsage, Unbanned, type Usage } from './schemas.js';
 
 export interface UsageParts {
   config: () => GatewayConfig;
@@ -92,5 +93,21 @@ export const usageRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, pa
       });
       return { account: request.params.account, lifted };
     },
+  );
+};
+
+/** The alert webhooks' deliveries, on the admin port. */
+export const alertRoutes: FastifyPluginAsyncTypebox<{ deliveries?: () => Promise<Delivery[]> }> = async (app, parts) => {
+  app.get(
+    '/admin/alerts/deliveries',
+    {
+      schema: {
+        operationId: 'alertDeliveries',
+        tags: ['usage'],
+        description: 'The last 100 alert webhook attempts, newest first: a failed one is tried again with backoff.',
+        response: { 200: Deliveries },
+      },
+    },
+    async () => ({ deliveries: parts.deliveries ? await parts.deliveries() : [] }),
   );
 };

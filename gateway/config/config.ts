@@ -20,6 +20,8 @@ export const CreditsSchema = Type.Object(
   { additionalProperties: false },
 );
 const AccountName = Type.String({ pattern: '^[a-z0-9_-]{1,64}$' });
+/** Fractions of a window (day, billing period) or of the credits granted, each firing a webhook once per period. */
+const Thresholds = Type.Array(Type.Number({ exclusiveMinimum: 0, maximum: 1 }), { minItems: 1, maxItems: 10, uniqueItems: true });
 /** An account's own settings (`accounts.<name>`): the day its billing month starts, and credits over its plan's. */
 export const AccountSchema = Type.Object(
   { billingDay: Type.Optional(Type.Integer({ minimum: 1, maximum: 31 })), credits: Type.Optional(CreditsSchema) },
@@ -43,6 +45,8 @@ export const ConfigFile = Type.Object(
           /** Units admitted past the month's quota (the day's, without perMonth), billed extra. */
           overage: Type.Optional(Type.Object({ upTo: Count }, { additionalProperties: false })),
           credits: Type.Optional(CreditsSchema),
+          /** Its own alert thresholds, over the `alerts:` section's. */
+          alerts: Type.Optional(Type.Object({ thresholds: Thresholds }, { additionalProperties: false })),
           custom: Type.Optional(Type.Boolean()),
           costs: Type.Optional(Costs),
           /** false: shadow mode, counted and reported as if enforced but never refused for quota. */
@@ -90,6 +94,17 @@ export const ConfigFile = Type.Object(
             },
             { additionalProperties: false },
           ),
+        },
+        { additionalProperties: false },
+      ),
+    ),
+    /** Threshold alerts: a webhook (Standard Webhooks, signed with `secret`) when an account reaches a threshold, and when that resolves. */
+    alerts: Type.Optional(
+      Type.Object(
+        {
+          url: Type.String({ pattern: '^https?://[^\\s]+$' }),
+          secret: Type.String({ pattern: '^whsec_[A-Za-z0-9+/]{32,}={0,2}$' }),
+          thresholds: Thresholds,
         },
         { additionalProperties: false },
       ),
@@ -149,6 +164,8 @@ export interface GatewayConfig {
   corsOrigins: ReadonlySet<string>;
   /** Where usage events go, when configured (every key's subject then records them). */
   usageExport?: UsageExport;
+  /** Where threshold alerts go, and the secret that signs them. */
+  alerts?: { url: string; secret: string };
   /** One subject per account (its first key's): what the exporter reads. */
   accounts: ReadonlyMap<string, QuotaSubject>;
 }
@@ -304,6 +321,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
         enforce: k.enforce ?? plan.enforce ?? true,
         billing,
         events: file.usage?.export.maxEvents ?? 0,
+        alerts: file.alerts ? (plan.alerts?.thresholds ?? file.alerts.thresholds).join(',') : '',
       },
       upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-account': account, 'x-consumer-plan': k.plan }),
     });
@@ -336,10 +354,12 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       enforce: true,
       billing: NO_BILLING,
       events: 0,
+      alerts: '',
     }),
     deprecations,
     corsOrigins: new Set(file.cors?.origins ?? []),
     usageExport: file.usage?.export,
+    alerts: file.alerts && { url: file.alerts.url, secret: file.alerts.secret },
     accounts: accountSubjects(consumers),
   });
 }

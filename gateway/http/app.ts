@@ -17,6 +17,7 @@ import { admit } from '../quota/admit.js';
 import { MemoryQuotaStore } from '../quota/memory-store.js';
 import { RedisQuotaStore } from '../quota/redis-store.js';
 import { UsageExporter } from '../usage/exporter.js';
+import { WebhookDispatcher } from '../usage/webhooks.js';
 import type { QuotaStore } from '../quota/store.js';
 import { fastifyTrustProxy, type GatewaySettings } from '../config/settings.js';
 
@@ -106,7 +107,9 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   metrics.watch(store);
   // Usage events to the billing sink, when the config names one: one exporter per deployment leads.
   const exporter = deps.redis ? new UsageExporter({ redis: deps.redis, config: current, log, metrics: metrics.usage }) : undefined;
+  const webhooks = deps.redis ? new WebhookDispatcher({ redis: deps.redis, config: current, log, metrics: metrics.webhooks }) : undefined;
   exporter?.start();
+  webhooks?.start();
   const access = accessLog(metrics, log);
   const pipeline = requestPipeline(store, current, access.record);
   const raw: RawDeps = {
@@ -146,6 +149,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   if (store.settle) app.addHook('onResponse', settleHook(store));
   app.addHook('onClose', async () => {
     exporter?.stop();
+    webhooks?.stop();
     await store.close?.();
   });
   const document = documentServer(settings.backendUrl, settings.upstreamTimeoutMs);

@@ -1,3 +1,4 @@
+import type { WebhookMetrics } from '../usage/webhooks.js';
 import type { ExportMetrics } from '../usage/exporter.js';
 import { Counter, collectDefaultMetrics, Gauge, Histogram, type Metric, Registry } from 'prom-client';
 import type { Refusal } from '../quota/decision.js';
@@ -19,6 +20,7 @@ export class GatewayMetrics {
   readonly overage: Counter<'plan'>;
   /** The usage exporter's: events sent, failed batches, events dropped by the streams' cap, and its lag. */
   readonly usage: ExportMetrics;
+  readonly webhooks: WebhookMetrics;
   // The per-request series are tallied in plain numbers and handed to prom-client when
   // scraped: its own inc() and observe() validate and hash their labels on every call, even
   // on a bound child, which cost more than the rest of the access line. Bounded like the
@@ -59,28 +61,7 @@ export class GatewayMetrics {
       labelNames: ['plan'],
       registers,
     });
-    const exported = new Counter({ name: 'gateway_usage_events_exported_total', help: 'Usage events accepted by the sink', registers });
-    const failed = new Counter({
-      name: 'gateway_usage_export_failures_total',
-      help: 'Batches of usage events the sink did not take (tried again)',
-      registers,
-    });
-    const dropped = new Counter({
-      name: 'gateway_usage_events_dropped_total',
-      help: "Usage events dropped by their stream's cap (usage.export.maxEvents) before they were sent",
-      registers,
-    });
-    const lag = new Gauge({
-      name: 'gateway_usage_export_lag_seconds',
-      help: 'Age of the oldest usage event not yet sent, at the last batch',
-      registers,
-    });
-    this.usage = {
-      exported: (n) => exported.inc(n),
-      failed: () => failed.inc(),
-      dropped: (n) => dropped.inc(n),
-      lag: (s) => lag.set(s),
-    };
+    ({ usage: this.usage, webhooks: this.webhooks } = exportMetrics(registers));
     this.logLinesDropped = new Counter({
       name: 'gateway_log_lines_dropped_total',
       help: 'Log lines dropped because stdout did not keep up (more than 16 MiB waiting)',
@@ -264,4 +245,42 @@ export class TallyHistogram {
   reset(): void {
     this.series.clear();
   }
+}
+
+/** The usage exporter's and the alert webhooks' metrics. */
+function exportMetrics(registers: Registry[]): { usage: ExportMetrics; webhooks: WebhookMetrics } {
+  const exported = new Counter({ name: 'gateway_usage_events_exported_total', help: 'Usage events accepted by the sink', registers });
+  const failed = new Counter({
+    name: 'gateway_usage_export_failures_total',
+    help: 'Batches of usage events the sink did not take (tried again)',
+    registers,
+  });
+  const dropped = new Counter({
+    name: 'gateway_usage_events_dropped_total',
+    help: "Usage events dropped by their stream's cap (usage.export.maxEvents) before they were sent",
+    registers,
+  });
+  const lag = new Gauge({
+    name: 'gateway_usage_export_lag_seconds',
+    help: 'Age of the oldest usage event not yet sent, at the last batch',
+    registers,
+  });
+  const usage: ExportMetrics = {
+    exported: (n) => exported.inc(n),
+    failed: () => failed.inc(),
+    dropped: (n) => dropped.inc(n),
+    lag: (s) => lag.set(s),
+  };
+  const delivered = new Counter({
+    name: 'gateway_webhooks_delivered_total',
+    help: 'Alert webhooks the receiver acknowledged (2xx)',
+    registers,
+  });
+  const undelivered = new Counter({
+    name: 'gateway_webhook_failures_total',
+    help: 'Alert webhook attempts that failed (tried again)',
+    registers,
+  });
+  const webhooks: WebhookMetrics = { delivered: () => delivered.inc(), failed: () => undelivered.inc() };
+  return { usage, webhooks };
 }

@@ -47,11 +47,12 @@ end
 -- left of the last grant expires; purchased credits never do). The last grant's period stays
 -- in force until its end, even if the billing day moved since; then the period holding `now`
 -- (`ps`, `pe`, month index `pidx`) gets one grant, or with rollover one for each period since.
--- Returns the balance's two parts and the grant period in force.
+-- Returns the balance's two parts, the grant period in force, and the period of the grant it
+-- replaced when it made one now.
 local function credits(key, ledger, now, ps, pe, pidx, grant, rollover)
   local c = redis.call('HMGET', key, 'g', 'p', 'gp', 'ge')
   local g, p, gp, ge = tonumber(c[1]) or 0, tonumber(c[2]) or 0, tonumber(c[3]), tonumber(c[4])
-  if ge and now < ge then return g, p, gp, ge end
+  if ge and now < ge then return g, p, gp, ge, nil end
   local n = 1
   if ge then
     local ey, em = civil(math.floor(ge / DAY))
@@ -62,5 +63,42 @@ local function credits(key, ledger, now, ps, pe, pidx, grant, rollover)
   redis.call('HSET', key, 'g', g, 'p', p, 'gp', ps, 'ge', pe)
   redis.call('XADD', ledger, '*', 'kind', 'grant', 'amount', grant * (rollover and n or 1), 'periods', n,
     'expired', expired, 'balance', g + p, 'period', ps)
-  return g, p, ps, pe
+  return g, p, ps, pe, gp
+end
+-- Threshold alerts, written to the account's alerts stream (`alerts`) for the webhook
+-- dispatcher, once per window, period and threshold (the hash `alerted` remembers which).
+-- `thresholds`: the configured fractions, as written ("0.8").
+local function fractions(list)
+  local out = {}
+  for t in string.gmatch(list or '', '[^,]+') do out[#out + 1] = t end
+  return out
+end
+local function alert(alerts, now, kind, window, start, t, used, limit)
+  redis.call('XADD', alerts, 'MAXLEN', '~', 10000, '*', 'kind', kind, 'window', window, 'period', start,
+    'threshold', t, 'used', used, 'limit', limit, 'at', now)
+end
+-- A threshold reached between `before` and `after` units of a window of `limit` (at ceil(t * limit) units).
+local function crossings(alerted, alerts, now, thresholds, window, start, before, after, limit)
+  for _, t in ipairs(thresholds) do
+    local line = math.ceil(tonumber(t) * limit)
+    if before < line and after >= line and redis.call('HSETNX', alerted, window .. ':' .. start .. ':' .. t, now) == 1 then
+      redis.call('PEXPIRE', alerted, 40 * DAY)
+      alert(alerts, now, 'crossed', window, start, t, after, limit)
+    end
+  end
+end
+-- The alerts of a period that ended (`old`; the one in force is `current`): each resolved once.
+local function resolveEnded(alerted, alerts, now, thresholds, window, old, current)
+  if not old or old == current then return end
+  for _, t in ipairs(thresholds) do
+    if redis.call('HDEL', alerted, window .. ':' .. old .. ':' .. t) == 1 then alert(alerts, now, 'resolved', window, old, t, 0, 0) end
+  end
+end
+-- The credits' alerts of grant period `gp` the balance is back over (a top-up): each resolved once.
+local function resolveCredits(alerted, alerts, now, thresholds, gp, grant, balance)
+  for _, t in ipairs(thresholds) do
+    if grant - balance < math.ceil(tonumber(t) * grant) and redis.call('HDEL', alerted, 'credits:' .. gp .. ':' .. t) == 1 then
+      alert(alerts, now, 'resolved', 'credits', gp, t, grant - balance, grant)
+    end
+  end
 end

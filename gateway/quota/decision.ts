@@ -64,6 +64,8 @@ export interface QuotaSubject {
   billing: Billing;
   /** Usage events: the most its stream keeps (0: none recorded; an address's, or no export configured). */
   events: number;
+  /** Threshold alerts: the fractions of its day, month and credits that fire a webhook, as a comma list ('' none). */
+  alerts: string;
 }
 
 /** The subject's billing period at `nowMs`, if it has a month window or credits. */

@@ -1,7 +1,7 @@
 -- One atomic decision per request: ban check, the minute, day and billing-period windows, then
 -- the prepaid credits. billing.lua is prepended (period, credits).
 -- KEYS: the subject's counters (hash), times of its recent 429s (list), its credits (hash),
--- their ledger (stream) and its usage events (stream). All share one hash tag, so they live in
+-- their ledger (stream), its usage events (stream), and its alerts fired (hash) and to send (stream). All share one hash tag, so they live in
 -- one Redis Cluster slot.
 -- ARGV, in order:
 --   1-5   perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs;
@@ -18,7 +18,9 @@
 --   16-17 the credits granted each period (-1: no credits), and 1 if what is left rolls over;
 --   18    the period start of the lease given back (7-9);
 --   19-24 usage events: the most the stream keeps (0: no event), and the request's id, key id,
---         plan, route and method: an admitted request's event is written here, with its count.
+--         plan, route and method: an admitted request's event is written here, with its count;
+--   25    alert thresholds, as fractions in a comma list ('' none), for the day, the month and
+--         credits: KEYS[6] remembers the alerts fired, KEYS[7] is their stream (billing.lua).
 -- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken, periodUsed, periodStart,
 -- periodEnd, balance (-1: no credits), overage units billed in the window so far, this request's,
 -- its usage event's id (or false)}; outcome is an index into OUTCOMES in decision.ts: 0
@@ -42,10 +44,9 @@ local ms = now - now % 60000
 local ds = now - now % DAY
 local ps, pe, pidx = 0, 0, 0
 if perMonth > 0 or grant >= 0 then ps, pe, pidx = period(now, tonumber(ARGV[14]) or 1) end
-local g, p = 0, 0
+local g, p, gp, ge, replaced = 0, 0, 0, 0, nil
 if grant >= 0 then
-  local gp, ge
-  g, p, gp, ge = credits(KEYS[3], KEYS[4], now, ps, pe, pidx, grant, tonumber(ARGV[17]) == 1)
+  g, p, gp, ge, replaced = credits(KEYS[3], KEYS[4], now, ps, pe, pidx, grant, tonumber(ARGV[17]) == 1)
   -- Without a month window, the period shown is the grant's.
   if perMonth == 0 then ps, pe = gp, ge end
 end
@@ -55,6 +56,12 @@ if perMonth > 0 then
   local sps, spe = tonumber(h[6]), tonumber(h[10])
   if sps and spe and sps <= now and now < spe then ps, pe = sps, spe end
 end
+-- Threshold alerts: those of a day or month that ended are resolved by the first request after it.
+local thresholds = fractions(ARGV[25])
+local alerting = #thresholds > 0
+if alerting and perDay > 0 then resolveEnded(KEYS[6], KEYS[7], now, thresholds, 'day', tonumber(h[3]), ds) end
+if alerting and perMonth > 0 then resolveEnded(KEYS[6], KEYS[7], now, thresholds, 'month', tonumber(h[6]), ps) end
+if alerting and replaced then resolveEnded(KEYS[6], KEYS[7], now, thresholds, 'credits', replaced, gp) end
 local mc = (tonumber(h[1]) == ms) and tonumber(h[2]) or 0
 local dc = (tonumber(h[3]) == ds) and tonumber(h[4]) or 0
 local pc = (perMonth > 0 and tonumber(h[6]) == ps) and tonumber(h[7]) or 0
@@ -126,12 +133,21 @@ local function take(units)
   save()
   keep()
 end
+-- Units taken (a request's, or a lease's: a lease's crossing fires when the lease is taken), and the thresholds they reach.
+local function takeAndAlert(units)
+  local d, m, b = dc, pc, g + p
+  take(units)
+  if not alerting then return end
+  if perDay > 0 then crossings(KEYS[6], KEYS[7], now, thresholds, 'day', ds, d, dc, perDay) end
+  if perMonth > 0 then crossings(KEYS[6], KEYS[7], now, thresholds, 'month', ps, m, pc, perMonth) end
+  if grant > 0 then crossings(KEYS[6], KEYS[7], now, thresholds, 'credits', gp, grant - b, grant - (g + p), grant) end
+end
 
 -- A refill, while the instance still hands out its current lease: a whole lease while every
 -- window keeps room for two, else nothing (the requests then ask one by one, as below).
 if tonumber(ARGV[12]) == 1 then
   if grant >= 0 or room() < 2 * lease then return reply(0, 0) end
-  take(lease)
+  takeAndAlert(lease)
   return reply(0, lease)
 end
 
@@ -165,7 +181,7 @@ if grant >= 0 and g + p < cost then return reply(5, 0) end
 -- window keeps room for two leases: near a limit, one decision per request. Credits are never leased.
 local units = cost
 if lease > 1 and cost == 1 and grant < 0 and room() >= 2 * lease then units = lease end
-take(units)
+takeAndAlert(units)
 -- The request's usage event, in the same step as its count: what is enforced is what is billed.
 local cap = tonumber(ARGV[19]) or 0
 if cap > 0 then

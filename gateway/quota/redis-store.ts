@@ -67,7 +67,14 @@ type QuotaRedis = RedisClient & {
     ...args: Array<number | string>
   ): Promise<Reply>;
   refund(counters: string, credits: string, events: string, ...args: Array<number | string>): Promise<number>;
-  topup(credits: string, ledger: string, topUps: string, ...args: Array<string | number>): Promise<[made: number, ...rest: string[]]>;
+  topup(
+    credits: string,
+    ledger: string,
+    topUps: string,
+    alerted: string,
+    alerts: string,
+    ...args: Array<string | number>
+  ): Promise<[made: number, ...rest: string[]]>;
   writeback(counters: string, applied: string, id: string, ...args: number[]): Promise<number>;
   heartbeat(registry: string, id: string, ttlMs?: number): Promise<[live: number, rank: number, nowMs: number]>;
   unban(counters: string, rejections: string): Promise<number>;
@@ -135,6 +142,9 @@ function billingUsage(subject: QuotaSubject, now: number, stored: number[], cred
   return out;
 }
 
+/** quota.lua's ARGV 19-24 when no usage event is written. */
+const NO_EVENT = [0, '', '', '', '', ''];
+
 /** A reply's counts, in the one shape both stores decide from. */
 function countsOf(r: Reply): WindowCounts {
   const c: WindowCounts = { outcome: OUTCOMES[r[0]]!, minuteUsed: r[1], dayUsed: r[2], nowMs: r[3], banUntilMs: r[4] };
@@ -186,9 +196,9 @@ export class RedisQuotaStore implements QuotaStore {
     this.redisClock = new RedisClock(this.clock);
     this.leases = new LeaseBook(this.clock);
     this.budget = new DegradedBudget(this.instanceId);
-    redis.defineCommand('quota', { numberOfKeys: 5, lua: lua('./billing.lua') + lua('./quota.lua') });
+    redis.defineCommand('quota', { numberOfKeys: 7, lua: lua('./billing.lua') + lua('./quota.lua') });
     redis.defineCommand('refund', { numberOfKeys: 3, lua: lua('./refund.lua') });
-    redis.defineCommand('topup', { numberOfKeys: 3, lua: lua('./billing.lua') + lua('./topup.lua') });
+    redis.defineCommand('topup', { numberOfKeys: 5, lua: lua('./billing.lua') + lua('./topup.lua') });
     redis.defineCommand('writeback', { numberOfKeys: 2, lua: lua('./writeback.lua') });
     redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: lua('./heartbeat.lua') });
     redis.defineCommand('unban', { numberOfKeys: 2, lua: lua('./unban.lua') });
@@ -280,14 +290,15 @@ export class RedisQuotaStore implements QuotaStore {
     tag?: EventTag,
   ): Promise<Reply> {
     const { name, limits, bans, billing } = subject;
-    const events: Array<string | number> =
-      tag && subject.events > 0 ? [subject.events, tag.requestId, tag.keyId, tag.plan, tag.route, tag.method] : [0];
+    const events = tag && subject.events > 0 ? [subject.events, tag.requestId, tag.keyId, tag.plan, tag.route, tag.method] : NO_EVENT;
     return this.redis.quota(
       name,
       `${name}:rej`,
       `${name}:credits`,
       `${name}:ledger`,
       `${name}:events`,
+      `${name}:alerted`,
+      `${name}:alerts`,
       limits.perMinute,
       limits.perDay,
       bans?.afterRejected ?? 0,
@@ -307,6 +318,7 @@ export class RedisQuotaStore implements QuotaStore {
       billing.credits?.rollover ? 1 : 0,
       back?.period?.startMs ?? 0,
       ...events,
+      subject.alerts,
     );
   }
 
@@ -509,6 +521,8 @@ export class RedisQuotaStore implements QuotaStore {
       `${name}:credits`,
       `${name}:ledger`,
       `${name}:topups`,
+      `${name}:alerted`,
+      `${name}:alerts`,
       t.amount,
       t.reason,
       t.idempotencyKey,
@@ -516,6 +530,7 @@ export class RedisQuotaStore implements QuotaStore {
       billing.billingDay,
       credits.grant,
       credits.rollover ? 1 : 0,
+      subject.alerts,
     );
     if (Number(made) === 1) return { entryId: String(rest[0]), balance: Number(rest[1]), replayed: false, conflict: false };
     const [first, entryId, balance] = String(rest[0]).split(' ') as [string, string, string];

@@ -1,9 +1,9 @@
 -- A top-up of an account's purchased credits, once per idempotency key, however often and
 -- however concurrently it is retried. billing.lua is prepended (period, credits).
 -- KEYS: the account's credits (hash), their ledger (stream), the top-ups made (hash of
--- idempotency key -> "fingerprint entryId balance"), one Cluster slot.
+-- idempotency key -> "fingerprint entryId balance"), its alerts fired (hash) and to send (stream): one Cluster slot.
 -- ARGV: amount, reason, idempotency key, fingerprint (of amount and reason), billingDay, the
--- credits granted each period, 1 if they roll over.
+-- credits granted each period, 1 if they roll over, the alert thresholds ('' none).
 -- Returns {1, entryId, balance} for a top-up made now, {0, what the first one stored} for a retry.
 local seen = redis.call('HGET', KEYS[3], ARGV[3])
 if seen then return {0, seen} end
@@ -11,11 +11,14 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ps, pe, pidx = period(now, tonumber(ARGV[5]))
 -- Grants due first, so a top-up before the period's first request is not replaced by its grant.
-local g, p = credits(KEYS[1], KEYS[2], now, ps, pe, pidx, tonumber(ARGV[6]), tonumber(ARGV[7]) == 1)
+local grant = tonumber(ARGV[6])
+local g, p, gp = credits(KEYS[1], KEYS[2], now, ps, pe, pidx, grant, tonumber(ARGV[7]) == 1)
 local amount = tonumber(ARGV[1])
 p = p + amount
 redis.call('HSET', KEYS[1], 'g', g, 'p', p)
 local id = redis.call('XADD', KEYS[2], '*', 'kind', 'topup', 'amount', amount, 'balance', g + p, 'reason', ARGV[2],
   'idempotencyKey', ARGV[3])
 redis.call('HSET', KEYS[3], ARGV[3], ARGV[4] .. ' ' .. id .. ' ' .. (g + p))
+-- A credits alert the balance is back over is resolved.
+if grant > 0 then resolveCredits(KEYS[4], KEYS[5], now, fractions(ARGV[8]), gp, grant, g + p) end
 return {1, id, g + p}

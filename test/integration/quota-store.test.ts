@@ -23,6 +23,7 @@ const subject = (perMinute: number, perDay: number, withBans = true): QuotaSubje
   lasting: true,
   billing: NO_BILLING,
   events: 0,
+  alerts: '',
   enforce: true,
 });
 

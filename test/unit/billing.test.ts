@@ -45,6 +45,7 @@ const subject = (over: Partial<QuotaSubject> = {}): QuotaSubject => {
     enforce: true,
     billing: { ...NO_BILLING, billingDay: 31 },
     events: 0,
+    alerts: '',
     ...over,
   };
 };

@@ -144,6 +144,7 @@ describe('config file', () => {
       enforce: true,
       billing: { billingDay: 1, overage: 0 },
       events: 0,
+      alerts: '',
     });
   });
 

@@ -16,6 +16,7 @@ const subject = (perMinute: number, perDay: number): QuotaSubject => ({
   lasting: true,
   billing: NO_BILLING,
   events: 0,
+  alerts: '',
   enforce: true,
 });
 const T0 = Date.UTC(2026, 10, 25, 10, 0, 0); // a minute's start

@@ -95,7 +95,17 @@ describe('rate-limit headers', () => {
 });
 
 describe('headers shared within a second', () => {
-  const subject = { name: 'gw:{k:k_1}', limits: free, bans: null, policy, lasting: true, enforce: true, billing: NO_BILLING, events: 0 };
+  const subject = {
+    name: 'gw:{k:k_1}',
+    limits: free,
+    bans: null,
+    policy,
+    lasting: true,
+    enforce: true,
+    billing: NO_BILLING,
+    events: 0,
+    alerts: '',
+  };
   const within = (m: number, d: number, nowMs: number) => headersOf(at('allowed', m, d, 0, nowMs), subject);
 
   it('builds them again when the second or a count changes, and not otherwise', () => {

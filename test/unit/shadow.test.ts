@@ -18,6 +18,7 @@ const subject = (enforce: boolean): QuotaSubject => ({
   lasting: true,
   billing: NO_BILLING,
   events: 0,
+  alerts: '',
   enforce,
 });
 const at = Date.UTC(2026, 10, 22, 10, 15, 17);
@@ -60,7 +61,7 @@ describe('shadow mode', () => {
   it('on a month and on credits: admits past them, spends nothing it did not have, and reports would_month and would_credits', async () => {
     const store = new MemoryQuotaStore(() => at);
     const monthly = { perMinute: 1000, perDay: 1000, perMonth: 2 };
-    const base = { bans: null, lasting: true, enforce: false, events: 0 } as const;
+    const base = { bans: null, lasting: true, enforce: false, events: 0, alerts: '' } as const;
     const month: QuotaSubject = { ...base, name: 'm', limits: monthly, policy: policyHeader(monthly), billing: NO_BILLING };
     const credits: QuotaSubject = {
       ...base,

@@ -1,0 +1,175 @@
+import { createHmac, randomUUID } from 'node:crypto';
+import type { FastifyBaseLogger } from 'fastify';
+import type { GatewayConfig } from '../config/config.js';
+import type { RedisClient } from '../process/redis-client.js';
+import { backoffMs, type StreamEntry } from './events.js';
+
+// Threshold alerts as webhooks, signed per the Standard Webhooks specification: quota.lua and
+// topup.lua write each crossing (and its resolution) once, into the account's alerts stream;
+// one dispatcher per deployment delivers them in order, retrying with backoff.
+
+/** Standard Webhooks' signature: `v1,` and the base64 HMAC-SHA256, keyed by the secret's bytes, of `id.timestamp.body`. */
+export function signature(secret: string, id: string, timestampSec: number, body: string): string {
+  const key = Buffer.from(secret.replace(/^whsec_/, ''), 'base64');
+  return `v1,${createHmac('sha256', key).update(`${id}.${timestampSec}.${body}`).digest('base64')}`;
+}
+
+/** An alert as its webhook's JSON body: `{type, timestamp, data}`, as Standard Webhooks suggests. */
+export function alertBody(account: string, fields: Record<string, string>): string {
+  return JSON.stringify({
+    type: `quota.threshold.${fields.kind}`,
+    timestamp: new Date(Number(fields.at)).toISOString(),
+    data: {
+      account,
+      window: fields.window,
+      period: new Date(Number(fields.period)).toISOString(),
+      threshold: Number(fields.threshold),
+      used: Number(fields.used),
+      limit: Number(fields.limit),
+    },
+  });
+}
+
+export interface WebhookMetrics {
+  delivered(): void;
+  failed(): void;
+}
+
+/** One delivery, as the admin port lists them (the last 100). */
+export interface Delivery {
+  id: string;
+  type: string;
+  account: string;
+  status: number | null;
+  error?: string;
+  at: string;
+}
+
+const LEAD = `if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0`;
+
+type AlertRedis = RedisClient & { leadAlerts(lock: string, me: string, ms: number): Promise<number> };
+
+const fieldsOf = (list: string[]) => {
+  const f: Record<string, string> = {};
+  for (let i = 0; i < list.length; i += 2) f[list[i]!] = list[i + 1]!;
+  return f;
+};
+
+/**
+ * Delivers the alerts streams' entries as webhooks, each once it is acknowledged (2xx), in
+ * order per account, from a cursor kept in Redis: at least once, with a stable `webhook-id`
+ * (`<account>/<entry id>`) receivers dedupe by. One instance at a time leads (a lock in Redis).
+ */
+export class WebhookDispatcher {
+  private readonly me = randomUUID();
+  private readonly redis: AlertRedis;
+  private timer?: NodeJS.Timeout;
+  private stopped = false;
+  private failures = 0;
+
+  constructor(private readonly deps: { redis: RedisClient; config: () => GatewayConfig; log: FastifyBaseLogger; metrics: WebhookMetrics }) {
+    deps.redis.defineCommand('leadAlerts', { numberOfKeys: 1, lua: LEAD });
+    this.redis = deps.redis as AlertRedis;
+  }
+
+  start(): void {
+    this.schedule(0);
+  }
+
+  stop(): void {
+    this.stopped = true;
+    if (this.timer) clearTimeout(this.timer);
+  }
+
+  private schedule(ms: number): void {
+    if (this.stopped) return;
+    this.timer = setTimeout(() => void this.tick(), ms);
+    this.timer.unref();
+  }
+
+  private async tick(): Promise<void> {
+    const config = this.deps.config();
+    if (!config.alerts) return this.schedule(1000);
+    try {
+      const lock = `${config.registryKey.replace(/\{gateways\}$/, '{alerts}')}:lock`;
+      if ((await this.redis.leadAlerts(lock, this.me, 5000)) !== 1) return this.schedule(1000);
+      await this.round(config, config.alerts);
+      this.failures = 0;
+      this.schedule(250);
+    } catch (err) {
+      this.failures++;
+      this.deps.metrics.failed();
+      const wait = backoffMs(this.failures);
+      this.deps.log.warn(
+        { receiver: config.alerts.url, cause: (err as Error).message, retryInMs: Math.round(wait) },
+        'alerts: a webhook failed',
+      );
+      this.schedule(wait);
+    }
+  }
+
+  private async round(config: GatewayConfig, target: { url: string; secret: string }): Promise<void> {
+    for (const [account, subject] of config.accounts) {
+      const cursorKey = `${subject.name}:alerts:cursor`;
+      const cursor = (await this.redis.get(cursorKey)) ?? '0-0';
+      const entries = (await this.redis.xrange(`${subject.name}:alerts`, `(${cursor}`, '+', 'COUNT', 20)) as StreamEntry[];
+      for (const [entryId, list] of entries) {
+        if (this.stopped) return;
+        await this.deliver(config, target, account, entryId, fieldsOf(list));
+        await this.redis.set(cursorKey, entryId);
+      }
+    }
+  }
+
+  private async deliver(
+    config: GatewayConfig,
+    target: { url: string; secret: string },
+    account: string,
+    entryId: string,
+    f: Record<string, string>,
+  ) {
+    const id = `${account}/${entryId}`;
+    const body = alertBody(account, f);
+    const timestamp = Math.floor(Date.now() / 1000);
+    const record = async (status: number | null, error?: string) => {
+      const delivery: Delivery = {
+        id,
+        type: `quota.threshold.${f.kind}`,
+        account,
+        status,
+        ...(error && { error }),
+        at: new Date().toISOString(),
+      };
+      await this.redis.multi().lpush(deliveriesKey(config), JSON.stringify(delivery)).ltrim(deliveriesKey(config), 0, 99).exec();
+    };
+    let res: Response;
+    try {
+      res = await fetch(target.url, {
+        method: 'POST',
+        headers: {
+          'content-type': 'application/json',
+          'webhook-id': id,
+          'webhook-timestamp': String(timestamp),
+          'webhook-signature': signature(target.secret, id, timestamp, body),
+        },
+        body,
+        signal: AbortSignal.timeout(10_000),
+      });
+      await res.arrayBuffer();
+    } catch (err) {
+      await record(null, (err as Error).message);
+      throw err;
+    }
+    await record(res.status);
+    if (!res.ok) throw new Error(`the receiver answered ${res.status}`);
+    this.deps.metrics.delivered();
+  }
+}
+
+const deliveriesKey = (config: GatewayConfig) => config.registryKey.replace(/\{gateways\}$/, '{alerts}:deliveries');
+
+/** The last deliveries, newest first (kept in Redis: any instance's admin port shows them). */
+export async function recentDeliveries(redis: RedisClient, config: GatewayConfig): Promise<Delivery[]> {
+  return (await redis.lrange(deliveriesKey(config), 0, 99)).map((d) => JSON.parse(d) as Delivery);
+}
