@@ -476,7 +476,7 @@ describe('redis store with leases', () => {
           expect((await store.consume(s)).outcome).toBe('allowed');
           await new Promise((r) => setTimeout(r, 3)); // a request every few ms
         }
-        const kinds = calls.args.map((a) => (a[5 + 11] === 1 ? 'ahead' : 'asked')); // after the 5 keys, ARGV[12]: refill
+        const kinds = calls.args.map((a) => (a[7 + 11] === 1 ? 'ahead' : 'asked')); // after the 7 keys, ARGV[12]: refill
         expect(kinds[0]).toBe('asked');
         expect(kinds.slice(1)).toEqual(Array(kinds.length - 1).fill('ahead'));
         // 60 requests, six leases handed out; the sixth's half-way point took a seventh ahead.
