@@ -142,7 +142,10 @@ describe('GATEWAY_WORKERS', () => {
     const { gateway } = await workersStack([makeKey('free')]);
     expect((await fetch(`${gateway.adminUrl}/readyz`)).status).toBe(200);
     // A worker's pid: one that logged that it listens, other than the primary's (the admin port).
-    const worker = Number(gateway.logs.find((l) => String(l.msg).startsWith('Server listening') && l.pid !== gateway.proc.pid)?.pid);
+    // Waited for, not looked up: readiness comes over IPC, and may be read before the worker's own log line is.
+    const worker = Number(
+      (await gateway.waitForLog((l) => String(l.msg).startsWith('Server listening') && l.pid !== gateway.proc.pid)).pid,
+    );
     expect(worker).toBeGreaterThan(0);
     process.kill(worker, 'SIGKILL');
     const exitLine = await gateway.waitForLog((l) => String(l.msg).startsWith('gateway worker exited'));
