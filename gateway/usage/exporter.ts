@@ -72,7 +72,8 @@ export class UsageExporter {
       const sent = await this.round(config, target);
       if (this.failures > 0) this.deps.log.info({ sink: target.url }, 'usage export: the sink takes events again');
       this.failures = 0;
-      this.schedule(sent >= target.batchSize ? 0 : 250);
+      // A full batch: the next at once; some: a quarter second; none: a second (each round asks every account's stream).
+      this.schedule(sent >= target.batchSize ? 0 : sent > 0 ? 250 : 1000);
     } catch (err) {
       this.failures++;
       this.deps.metrics.failed();

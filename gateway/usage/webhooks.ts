@@ -94,9 +94,9 @@ export class WebhookDispatcher {
     try {
       const lock = `${config.registryKey.replace(/\{gateways\}$/, '{alerts}')}:lock`;
       if ((await this.redis.leadAlerts(lock, this.me, 5000)) !== 1) return this.schedule(1000);
-      await this.round(config, config.alerts);
+      const sent = await this.round(config, config.alerts);
       this.failures = 0;
-      this.schedule(250);
+      this.schedule(sent > 0 ? 250 : 1000);
     } catch (err) {
       this.failures++;
       this.deps.metrics.failed();
@@ -109,17 +109,21 @@ export class WebhookDispatcher {
     }
   }
 
-  private async round(config: GatewayConfig, target: { url: string; secret: string }): Promise<void> {
+  /** One pass over every account's alerts stream; returns the alerts delivered. */
+  private async round(config: GatewayConfig, target: { url: string; secret: string }): Promise<number> {
+    let sent = 0;
     for (const [account, subject] of config.accounts) {
       const cursorKey = `${subject.name}:alerts:cursor`;
       const cursor = (await this.redis.get(cursorKey)) ?? '0-0';
       const entries = (await this.redis.xrange(`${subject.name}:alerts`, `(${cursor}`, '+', 'COUNT', 20)) as StreamEntry[];
       for (const [entryId, list] of entries) {
-        if (this.stopped) return;
+        if (this.stopped) return sent;
         await this.deliver(config, target, account, entryId, fieldsOf(list));
         await this.redis.set(cursorKey, entryId);
+        sent++;
       }
     }
+    return sent;
   }
 
   private async deliver(
