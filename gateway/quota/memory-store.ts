@@ -233,7 +233,7 @@ export class MemoryQuotaStore implements QuotaStore {
       Object.assign(s, { periodStart: period.startMs, periodEnd: period.endMs, periodCount: monthUsed + cost });
     const overageFrom = limits.perMonth ? period!.startMs : dayStart;
     const overage = this.billOverage(subject, s, overageFrom, limits.perMonth ? monthUsed : dayUsed, cost);
-    return { ...counts('allowed', cost), ...overage };
+    return Object.assign(counts('allowed', cost), overage);
   }
 
   /** The units of an admission past the quota (soft line), added to the window's overage, as quota.lua's take does. */

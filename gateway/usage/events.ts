@@ -106,8 +106,3 @@ export function nextId(id: string): string {
   const [ms, seq] = id.split('-');
   return `${ms}-${Number(seq) + 1}`;
 }
-
-/** Exponential backoff with full jitter: up to 0.5 s, 1 s, 2 s ... 30 s. */
-export function backoffMs(failures: number): number {
-  return Math.random() * Math.min(30_000, 500 * 2 ** Math.max(0, failures - 1));
-}

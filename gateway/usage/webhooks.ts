@@ -1,8 +1,9 @@
-import { createHmac, randomUUID } from 'node:crypto';
+import { createHmac } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig } from '../config/config.js';
 import type { RedisClient } from '../process/redis-client.js';
-import { backoffMs, type StreamEntry } from './events.js';
+import type { StreamEntry } from './events.js';
+import { LeaderLoop } from './leader.js';
 
 // Threshold alerts as webhooks, signed per the Standard Webhooks specification: quota.lua and
 // topup.lua write each crossing (and its resolution) once, into the account's alerts stream;
@@ -45,10 +46,8 @@ export interface Delivery {
   at: string;
 }
 
-const LEAD = `if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0`;
-
-type AlertRedis = RedisClient & { leadAlerts(lock: string, me: string, ms: number): Promise<number> };
+/** Where alerts go and what signs them. */
+type Target = { url: string; secret: string };
 
 const fieldsOf = (list: string[]) => {
   const f: Record<string, string> = {};
@@ -61,69 +60,38 @@ const fieldsOf = (list: string[]) => {
  * order per account, from a cursor kept in Redis: at least once, with a stable `webhook-id`
  * (`<account>/<entry id>`) receivers dedupe by. One instance at a time leads (a lock in Redis).
  */
-export class WebhookDispatcher {
-  private readonly me = randomUUID();
-  private readonly redis: AlertRedis;
-  private timer?: NodeJS.Timeout;
-  private stopped = false;
-  private failures = 0;
+export class WebhookDispatcher extends LeaderLoop<Target> {
+  private readonly metrics: WebhookMetrics;
 
-  constructor(private readonly deps: { redis: RedisClient; config: () => GatewayConfig; log: FastifyBaseLogger; metrics: WebhookMetrics }) {
-    deps.redis.defineCommand('leadAlerts', { numberOfKeys: 1, lua: LEAD });
-    this.redis = deps.redis as AlertRedis;
+  constructor(deps: { redis: RedisClient; config: () => GatewayConfig; log: FastifyBaseLogger; metrics: WebhookMetrics }) {
+    super(deps.redis, deps.config, deps.log, 'alerts');
+    this.metrics = deps.metrics;
   }
 
-  start(): void {
-    this.schedule(0);
+  protected target(config: GatewayConfig): Target | undefined {
+    return config.alerts;
   }
 
-  stop(): void {
-    this.stopped = true;
-    if (this.timer) clearTimeout(this.timer);
-  }
-
-  private schedule(ms: number): void {
-    if (this.stopped) return;
-    this.timer = setTimeout(() => void this.tick(), ms);
-    this.timer.unref();
-  }
-
-  private async tick(): Promise<void> {
-    const config = this.deps.config();
-    if (!config.alerts) return this.schedule(1000);
-    try {
-      const lock = `${config.registryKey.replace(/\{gateways\}$/, '{alerts}')}:lock`;
-      if ((await this.redis.leadAlerts(lock, this.me, 5000)) !== 1) return this.schedule(1000);
-      const sent = await this.round(config, config.alerts);
-      this.failures = 0;
-      this.schedule(sent > 0 ? 250 : 1000);
-    } catch (err) {
-      this.failures++;
-      this.deps.metrics.failed();
-      const wait = backoffMs(this.failures);
-      this.deps.log.warn(
-        { receiver: config.alerts.url, cause: (err as Error).message, retryInMs: Math.round(wait) },
-        'alerts: a webhook failed',
-      );
-      this.schedule(wait);
-    }
+  protected failed(target: Target, err: Error, retryInMs: number): void {
+    this.metrics.failed();
+    this.log.warn({ receiver: target.url, cause: err.message, retryInMs: Math.round(retryInMs) }, 'alerts: a webhook failed');
   }
 
   /** One pass over every account's alerts stream; returns the alerts delivered. */
-  private async round(config: GatewayConfig, target: { url: string; secret: string }): Promise<number> {
+  protected async round(config: GatewayConfig, target: Target): Promise<{ sent: number; full: boolean }> {
     let sent = 0;
     for (const [account, subject] of config.accounts) {
       const cursorKey = `${subject.name}:alerts:cursor`;
       const cursor = (await this.redis.get(cursorKey)) ?? '0-0';
       const entries = (await this.redis.xrange(`${subject.name}:alerts`, `(${cursor}`, '+', 'COUNT', 20)) as StreamEntry[];
       for (const [entryId, list] of entries) {
-        if (this.stopped) return sent;
+        if (this.stopped) return { sent, full: false };
         await this.deliver(config, target, account, entryId, fieldsOf(list));
         await this.redis.set(cursorKey, entryId);
         sent++;
       }
     }
-    return sent;
+    return { sent, full: false };
   }
 
   private async deliver(
@@ -167,7 +135,7 @@ export class WebhookDispatcher {
     }
     await record(res.status);
     if (!res.ok) throw new Error(`the receiver answered ${res.status}`);
-    this.deps.metrics.delivered();
+    this.metrics.delivered();
   }
 }
 

@@ -327,12 +327,7 @@ describe('redis store', () => {
   });
 
   it('falls back to the in-process store when Redis fails, and says so', async () => {
-    const broken = new Redis('redis://127.0.0.1:1', {
-      enableOfflineQueue: false,
-      maxRetriesPerRequest: 0,
-      retryStrategy: () => null,
-      lazyConnect: true,
-    });
+    const broken = unreachableRedis();
     const warnings: unknown[] = [];
     const log = { ...silent, warn: (...a: unknown[]) => warnings.push(a) } as unknown as FastifyBaseLogger;
     const store = new RedisQuotaStore(broken, log);
@@ -344,12 +339,7 @@ describe('redis store', () => {
   });
 
   it('never spends credits nor admits an exported request without Redis: such subjects are refused as unavailable while Redis fails', async () => {
-    const broken = new Redis('redis://127.0.0.1:1', {
-      enableOfflineQueue: false,
-      maxRetriesPerRequest: 0,
-      retryStrategy: () => null,
-      lazyConnect: true,
-    });
+    const broken = unreachableRedis();
     const store = new RedisQuotaStore(broken, silent);
     const s: QuotaSubject = {
       ...subject(100, 1000, false),
@@ -591,3 +581,13 @@ describe('redis store with leases', () => {
     });
   });
 });
+
+/** A client of a Redis that is not there (port 1): every call fails at once, never retried. */
+function unreachableRedis(): Redis {
+  return new Redis('redis://127.0.0.1:1', {
+    enableOfflineQueue: false,
+    maxRetriesPerRequest: 0,
+    retryStrategy: () => null,
+    lazyConnect: true,
+  });
+}

@@ -177,7 +177,7 @@ describe('usage export when the exporting gateway is killed mid-batch', () => {
     sink.state.mode = 'hold'; // the first batch is taken and kept unanswered
     const answers = await traffic(urls, key.key, 40);
     await eventually(() => sink.held.length > 0, 20_000, 'a batch held at the sink');
-    const leader = procs.find((p) => p.logs.some((l) => l.msg === 'usage export: this instance leads'))!;
+    const leader = procs.find((p) => p.logs.some((l) => l.msg === 'usage-export: this instance leads'))!;
     leader.proc.kill('SIGKILL');
     await new Promise((r) => leader.proc.once('exit', r));
     sink.state.mode = 'up';
