@@ -1,4 +1,4 @@
-import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyReply, type FastifyRequest, LogController } from 'fastify';
+import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyRequest, LogController } from 'fastify';
 import type { RedisClient } from '../process/redis-client.js';
 import type { DestinationStream, Logger } from 'pino';
 import { createLogger } from '../../runtime/process.js';
@@ -82,15 +82,6 @@ function quotaStore(
   });
 }
 
-/** The final status of a request whose usage event was written with its count, joined to it. */
-function settleHook(store: QuotaStore) {
-  return (request: FastifyRequest, reply: FastifyReply, done: () => void): void => {
-    const { eventId, consumer } = request.ctx;
-    if (eventId) store.settle!(consumer!.subject, eventId, reply.statusCode);
-    done();
-  };
-}
-
 /** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */
 export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Promise<Gateway> {
   let config = deps.config;
@@ -110,7 +101,11 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   const webhooks = deps.redis ? new WebhookDispatcher({ redis: deps.redis, config: current, log, metrics: metrics.webhooks }) : undefined;
   exporter?.start();
   webhooks?.start();
-  const access = accessLog(metrics, log);
+  // The final status of a request whose usage event was written with its count, joined to it.
+  const settle =
+    store.settle &&
+    ((request: FastifyRequest, status: number) => store.settle!(request.ctx.consumer!.subject, request.ctx.eventId!, status));
+  const access = accessLog(metrics, log, settle);
   const pipeline = requestPipeline(store, current, access.record);
   const raw: RawDeps = {
     admitAddress: (address) => admit(store, config.addressSubject(address)),
@@ -146,7 +141,6 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   app.setErrorHandler(handleError);
   app.addHook('onRequest', pipeline.onRequest);
   app.addHook('onResponse', access.onResponse);
-  if (store.settle) app.addHook('onResponse', settleHook(store));
   app.addHook('onClose', async () => {
     exporter?.stop();
     webhooks?.stop();

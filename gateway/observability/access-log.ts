@@ -70,7 +70,7 @@ export function accessLine(log: FastifyBaseLogger): (reqId: string, e: AccessEnt
  * for the root logger with the request id as its first field (the same line a request's child
  * logger would write), so no child logger is made for it.
  */
-export function accessLog(metrics: GatewayMetrics, log: FastifyBaseLogger) {
+export function accessLog(metrics: GatewayMetrics, log: FastifyBaseLogger, settle?: (request: FastifyRequest, status: number) => void) {
   const line = accessLine(log);
   function record(reqId: string, e: AccessEntry): void {
     metrics.request(e.route ?? 'none', e.status, e.consumer?.plan ?? 'none', e.consumer?.id, rejection(e));
@@ -80,8 +80,10 @@ export function accessLog(metrics: GatewayMetrics, log: FastifyBaseLogger) {
   }
   /** fastify's onResponse hook (callback style: no promise per request): the request's context as the pipeline left it. */
   function onResponse(request: FastifyRequest, reply: FastifyReply, done: () => void): void {
-    const { consumer, route, outcome, overage } = request.ctx;
+    const { consumer, route, outcome, overage, eventId } = request.ctx;
     record(request.id, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, consumer, route, outcome, overage });
+    // The final status of a request whose usage event was written with its count: in this hook, not one more.
+    if (eventId !== undefined && settle) settle(request, reply.statusCode);
     done();
   }
   return { record, onResponse };
