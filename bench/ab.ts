@@ -1,6 +1,24 @@
-import { readFileSync, rmSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
+import { readdirSync, readFileSync, rmSync } from 'node:fs';
+import http from 'node:http';
 import { join, resolve } from 'node:path';
-import { benchBed, CONNECTIONS, cpuNs, median, need, type Proxy, startGatewayBuild, startReference, thinkTime, wrk } from './lib.js';
+import { hrtime } from 'node:process';
+import {
+  benchBed,
+  CONNECTIONS,
+  cpuNs,
+  hasCommand,
+  launcher,
+  median,
+  need,
+  type Proxy,
+  startGatewayBuild,
+  startReference,
+  thinkTime,
+  wrk,
+} from './lib.js';
+// @ts-expect-error: a plain ES module of the bench's, preloaded into processes as it is
+import { spin } from './spin.mjs';
 
 // `npm run bench:ab`: gateway builds or settings side by side against the bare proxy, with
 // more rounds than `npm run bench` and nothing else measured, for a change whose effect is
@@ -26,6 +44,16 @@ const SPECS = process.env.BENCH_AB ?? 'redis|dist/gateway/server.js|REDIS_URL=re
 const ALLOC_ARGS = ['--expose-gc', '--min-semi-space-size=256', '--max-semi-space-size=256', '--import', resolve('bench/alloc-probe.mjs')];
 /** Requests a second in an allocation round: a few MB a second, well within the young generation. */
 const ALLOC_RATE = 500;
+/**
+ * Instruction rounds: fresh processes per variant under valgrind's callgrind, which counts the
+ * instructions a process executes whatever else the machine runs. V8 on one thread
+ * (--single-threaded: its compiler and collector run on the main thread, in an order that does
+ * not depend on how threads are scheduled), one request at a time, counted over INSTR_REQUESTS
+ * after INSTR_WARMUP.
+ */
+const INSTR_ROUNDS = Number(process.env.BENCH_AB_INSTR_ROUNDS ?? 3);
+const INSTR_WARMUP = 3000;
+const INSTR_REQUESTS = 1000;
 
 type Launch = (nodeArgs?: string[], env?: Record<string, string>) => Promise<Proxy>;
 interface Variant {
@@ -37,6 +65,25 @@ interface Samples {
   cpu: number[];
   p99: number[];
   bytes: number[];
+  /** Instructions per request, all of the process's. */
+  instr: number[];
+  /** The same without V8's compilers and garbage collector: the code that runs for each request. */
+  work: number[];
+}
+
+/**
+ * Turns of bench/spin.mjs's loop that take `us` microseconds here, natively: the best of 50
+ * timings, so that another tenant of the machine does not inflate it.
+ */
+function spinTurns(us: number): number {
+  const turns = 100_000;
+  let best = Number.POSITIVE_INFINITY;
+  for (let i = 0; i < 50; i++) {
+    const t = hrtime.bigint();
+    spin(turns);
+    best = Math.min(best, Number(hrtime.bigint() - t));
+  }
+  return Math.round((us * 1000 * turns) / best);
 }
 
 function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Variant[] {
@@ -46,6 +93,7 @@ function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Variant[] {
     const env = Object.fromEntries(settings.map((s) => [s.slice(0, s.indexOf('=')), s.slice(s.indexOf('=') + 1)]));
     if (env.REDIS_URL === 'redis') env.REDIS_URL = bed.redisUrl;
     const spin = env.BENCH_SPIN_US ? ['--import', resolve('bench/spin.mjs')] : [];
+    if (env.BENCH_SPIN_US) env.BENCH_SPIN_ITERS = String(spinTurns(Number(env.BENCH_SPIN_US)));
     variants.push({
       name: name!,
       launch: (args = [], more = {}) => startGatewayBuild(bed, entry!, { ...env, ...more }, [...spin, ...args], `gateway-${name}`),
@@ -76,17 +124,24 @@ async function cpuRound(v: Variant, headers: Record<string, string>, think: stri
  * with no collection in between (young generation room for all of it); a round where one came
  * anyway is dropped.
  */
-async function allocRound(v: Variant, dir: string, headers: Record<string, string>, s: Samples): Promise<void> {
-  const file = join(dir, `alloc-${process.pid}-${s.bytes.length}-${v.name.replace(/\W/g, '_')}.jsonl`);
-  const running = await v.launch(ALLOC_ARGS, { ALLOC_PROBE_FILE: file });
+interface Mark {
+  used: number;
+  before: number;
+  after: number;
+  counted: number;
+}
+
+/** Asks a process preloaded with bench/alloc-probe.mjs for its `n`th mark (SIGWINCH), and waits for it. */
+function marker(running: Proxy, file: string, name: string): (n: number) => Promise<Mark> {
   const marks = () =>
     readFileSync(file, 'utf8')
       .trim()
       .split('\n')
-      .map((l) => JSON.parse(l) as { used: number; before: number; after: number; counted: number });
-  const mark = async (n: number) => {
+      .map((l) => JSON.parse(l) as Mark);
+  return async (n) => {
     process.kill(running.pid, 'SIGWINCH');
-    for (let i = 0; i < 100; i++) {
+    // Up to a minute: under valgrind the mark's collection and write are some 30 times slower.
+    for (let i = 0; i < 3000; i++) {
       await new Promise((r) => setTimeout(r, 20));
       try {
         if (marks().length >= n) return marks()[n - 1]!;
@@ -94,18 +149,102 @@ async function allocRound(v: Variant, dir: string, headers: Record<string, strin
         // not written yet
       }
     }
-    throw new Error(`${v.name}: no allocation mark from the probe`);
+    throw new Error(`${name}: no allocation mark from the probe`);
   };
+}
+
+/** With no collection between two marks, the heap's growth from the first to the second is what was allocated. */
+const noCollectionBetween = (a: Mark, b: Mark) => b.before === a.counted;
+
+async function allocRound(v: Variant, dir: string, headers: Record<string, string>, s: Samples): Promise<void> {
+  const file = join(dir, `alloc-${process.pid}-${s.bytes.length}-${v.name.replace(/\W/g, '_')}.jsonl`);
+  const running = await v.launch(ALLOC_ARGS, { ALLOC_PROBE_FILE: file });
+  const mark = marker(running, file, v.name);
   try {
     await wrk(running.url, headers, 200, WARMUP_SECONDS, thinkTime(ALLOC_RATE));
     const a = await mark(1);
     const r = await wrk(running.url, headers, 200, SECONDS, thinkTime(ALLOC_RATE));
     const b = await mark(2);
-    if (b.before === a.counted) s.bytes.push((b.used - a.after) / r.requests);
+    if (noCollectionBetween(a, b)) s.bytes.push((b.used - a.after) / r.requests);
     else process.stderr.write(`${v.name}: a collection fell in the allocation window; round dropped\n`);
   } finally {
     running.stop();
     rmSync(file, { force: true });
+  }
+}
+
+/** `n` requests one after the other on one kept-alive connection, each answered 200. */
+async function oneByOne(url: string, headers: Record<string, string>, n: number): Promise<void> {
+  const agent = new http.Agent({ keepAlive: true, maxSockets: 1 });
+  try {
+    for (let i = 0; i < n; i++) {
+      const status = await new Promise<number>((done, fail) => {
+        http
+          .get(url, { headers, agent }, (res) => {
+            res.resume();
+            res.once('end', () => done(res.statusCode ?? 0));
+          })
+          .once('error', fail);
+      });
+      if (status !== 200) throw new Error(`answer ${status}, not 200`);
+    }
+  } finally {
+    agent.destroy();
+  }
+}
+
+/** Self cost per function, from callgrind_annotate: which lines are V8's compilers' or its collector's. */
+const COMPILER = /v8::internal::(compiler|maglev|baseline|interpreter|parsing)::|v8::internal::(Compiler|Parser|Scanner|Deoptimizer|Ast)/;
+const COLLECTOR = /v8::internal::(Heap|Scavenger|Sweeper|MarkCompact|MinorMarkCompact|MarkingVisitor|ConcurrentMarking|IncrementalMarking|GCTracer|Evacuat|MemoryAllocator|PagedSpace|SemiSpace|NewSpace)|Scaveng|Sweep|Evacuat/;
+
+function instructions(file: string): { all: number; work: number } {
+  const out = execFileSync('callgrind_annotate', ['--threshold=100', '--inclusive=no', file], { maxBuffer: 64 << 20 }).toString();
+  let all = 0;
+  let work = 0;
+  for (const line of out.split('\n')) {
+    const m = /^\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*)$/.exec(line);
+    if (!m || m[2]!.startsWith('PROGRAM TOTALS')) continue;
+    const ir = Number(m[1]!.replaceAll(',', ''));
+    all += ir;
+    if (!COMPILER.test(m[2]!) && !COLLECTOR.test(m[2]!)) work += ir;
+  }
+  return { all, work };
+}
+
+/**
+ * Instructions per request, in a fresh process under callgrind with its counting off until the
+ * warm-up is done: on for INSTR_REQUESTS requests, one at a time, then dumped and read.
+ */
+async function instrRound(v: Variant, dir: string, headers: Record<string, string>, s: Samples): Promise<void> {
+  const out = join(dir, `callgrind.${s.instr.length}.${v.name.replace(/\W/g, '_')}`);
+  const file = `${out}.marks`;
+  launcher.push('valgrind', '--tool=callgrind', '--instr-atstart=no', `--callgrind-out-file=${out}.%p`, '--dump-line=no', '--compress-strings=no');
+  let running: Proxy;
+  try {
+    running = await v.launch(['--single-threaded', ...ALLOC_ARGS], { ALLOC_PROBE_FILE: file });
+  } finally {
+    launcher.length = 0;
+  }
+  const mark = marker(running, file, v.name);
+  try {
+    await oneByOne(running.url, headers, INSTR_WARMUP);
+    const a = await mark(1); // a minor collection: the window then starts with an empty young generation
+    execFileSync('callgrind_control', ['--instr=on', String(running.pid)], { stdio: 'ignore' });
+    await oneByOne(running.url, headers, INSTR_REQUESTS);
+    execFileSync('callgrind_control', ['--instr=off', String(running.pid)], { stdio: 'ignore' });
+    execFileSync('callgrind_control', ['--dump', String(running.pid)], { stdio: 'ignore' });
+    const b = await mark(2);
+    const dump = readdirSync(dir).find((f) => f.startsWith(`${out.slice(dir.length + 1)}.${running.pid}.`));
+    if (!dump) throw new Error(`${v.name}: callgrind wrote no dump`);
+    if (!noCollectionBetween(a, b)) {
+      process.stderr.write(`${v.name}: a collection fell in the instruction window; round dropped\n`);
+      return;
+    }
+    const { all, work } = instructions(join(dir, dump));
+    s.instr.push(all / INSTR_REQUESTS);
+    s.work.push(work / INSTR_REQUESTS);
+  } finally {
+    running.stop();
   }
 }
 
@@ -115,34 +254,38 @@ const spread = (xs: number[]) => {
   return `${at(0.25).toFixed(1)}-${at(0.75).toFixed(1)}`;
 };
 
+const fmt = (n: number) => Math.round(n).toLocaleString('en-US');
+const signed = (n: number, digits = 1) => `${n >= 0 ? '+' : ''}${n.toFixed(digits)}`;
+
 function printTable(samples: Map<string, Samples>): void {
   const bare = samples.get('bare proxy')!;
-  const [bareRps, bareCpu, bareBytes] = [median(bare.rps), median(bare.cpu), median(bare.bytes)];
   const rate = RATE > 0 ? ` at about ${RATE}/s` : '';
   console.log(
     `\nGET /v1/pets, wrk -t1 -c${CONNECTIONS} -d${SECONDS}s${rate}, ${ROUNDS} rounds interleaved, a fresh process per variant and round, medians`,
   );
-  console.log(`CPU from each thread's schedstat (ns); allocations at ${ALLOC_RATE}/s in ${ALLOC_ROUNDS} processes per variant`);
-  const head = ['variant'.padEnd(16), 'req/s', 'x bare', 'CPU us/req', 'vs bare', 'IQR', 'p99 ms', 'bytes/req', 'x bare'];
+  console.log(`CPU from each thread's schedstat (ns); allocations at ${ALLOC_RATE}/s in ${ALLOC_ROUNDS} processes per variant;`);
   console.log(
-    `${head[0]} ${head
-      .slice(1)
-      .map((h) => h.padStart(10))
-      .join(' ')}  CPU us/req of each round`,
+    `instructions (callgrind) over ${INSTR_REQUESTS} requests one at a time after ${INSTR_WARMUP}, in ${INSTR_ROUNDS} processes per variant; "work": without V8's compilers and collector`,
   );
+  const head = ['variant'.padEnd(16), 'req/s', 'x bare', 'CPU us/req', 'vs bare', 'IQR', 'p99 ms', 'bytes/req', 'x bare', 'instr/req', 'work/req', 'vs bare'];
+  console.log(`${head[0]} ${head.slice(1).map((h) => h.padStart(10)).join(' ')}  CPU us/req of each round | work/req of each round`);
+  const cell = (xs: number[], f: (m: number) => string) => (xs.length ? f(median(xs)) : '-');
   for (const [name, s] of samples) {
-    const [cpu, bytes] = [median(s.cpu), median(s.bytes)];
     const cells = [
-      median(s.rps).toFixed(0),
-      (median(s.rps) / bareRps).toFixed(2),
-      cpu.toFixed(1),
-      `${cpu >= bareCpu ? '+' : ''}${(cpu - bareCpu).toFixed(1)}`,
-      spread(s.cpu),
-      median(s.p99).toFixed(2),
-      s.bytes.length ? bytes.toFixed(0) : '-',
-      s.bytes.length ? (bytes / bareBytes).toFixed(2) : '-',
+      cell(s.rps, (m) => m.toFixed(0)),
+      cell(s.rps, (m) => (m / median(bare.rps)).toFixed(2)),
+      cell(s.cpu, (m) => m.toFixed(1)),
+      cell(s.cpu, (m) => signed(m - median(bare.cpu))),
+      s.cpu.length ? spread(s.cpu) : '-',
+      cell(s.p99, (m) => m.toFixed(2)),
+      cell(s.bytes, (m) => m.toFixed(0)),
+      cell(s.bytes, (m) => (m / median(bare.bytes)).toFixed(2)),
+      cell(s.instr, fmt),
+      cell(s.work, fmt),
+      cell(s.work, (m) => signed(m - median(bare.work), 0)),
     ];
-    console.log(`${name.padEnd(16)} ${cells.map((c) => c.padStart(10)).join(' ')}  ${s.cpu.map((c) => c.toFixed(0)).join(' ')}`);
+    const rounds = `${s.cpu.map((c) => c.toFixed(0)).join(' ')} | ${s.work.map(fmt).join(' ')}`;
+    console.log(`${name.padEnd(16)} ${cells.map((c) => c.padStart(10)).join(' ')}  ${rounds}`);
   }
 }
 
@@ -156,7 +299,7 @@ async function main() {
     const variants = variantsOf(bed);
     const headers = { authorization: `Bearer ${bed.key}` };
     const think = RATE > 0 ? thinkTime(RATE) : '';
-    const samples = new Map<string, Samples>(variants.map((v) => [v.name, { rps: [], cpu: [], p99: [], bytes: [] }]));
+    const samples = new Map<string, Samples>(variants.map((v) => [v.name, { rps: [], cpu: [], p99: [], bytes: [], instr: [], work: [] }]));
     for (let round = 1; round <= ROUNDS; round++) {
       for (const v of variants) await cpuRound(v, headers, think, samples.get(v.name)!);
       process.stderr.write(`round ${round}/${ROUNDS} done\n`);
@@ -164,6 +307,12 @@ async function main() {
     for (let round = 1; round <= ALLOC_ROUNDS; round++) {
       for (const v of variants) await allocRound(v, bed.dir, headers, samples.get(v.name)!);
       process.stderr.write(`allocation round ${round}/${ALLOC_ROUNDS} done\n`);
+    }
+    const instrRounds = hasCommand('callgrind_control') ? INSTR_ROUNDS : 0;
+    if (!instrRounds) process.stderr.write('no valgrind (apt-get install valgrind): no instruction counts\n');
+    for (let round = 1; round <= instrRounds; round++) {
+      for (const v of variants) await instrRound(v, bed.dir, headers, samples.get(v.name)!);
+      process.stderr.write(`instruction round ${round}/${instrRounds} done\n`);
     }
     printTable(samples);
   } finally {

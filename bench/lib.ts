@@ -57,18 +57,23 @@ export function writeResults(name: string, results: object): string {
   return out;
 }
 
+let scripts = 0;
+/** A command every proxy under test is started under (valgrind, for `npm run bench:ab`'s instruction counts). */
+export const launcher: string[] = [];
+
 /** A process of ours, its output to a file (as a container's log would be), ready when its port opens. */
 export async function start(name: string, args: string[], env: Record<string, string>, port: number, dir: string): Promise<ChildProcess> {
   const out = openSync(join(dir, `${name}.log`), 'a');
   const proc = spawn(args[0]!, args.slice(1), { cwd: ROOT, env: { PATH: process.env.PATH ?? '', ...env }, stdio: ['ignore', out, out] });
   await Promise.race([
-    waitForPort(port, 15_000),
+    waitForPort(port, launcher.length ? 180_000 : 15_000),
     new Promise((_, reject) => proc.once('exit', (code) => reject(new Error(`${name} exited (${code}); see ${dir}/${name}.log`)))),
   ]);
   return proc;
 }
 
-let scripts = 0;
+
+
 
 /**
  * wrk -t1, CONNECTIONS connections, against `url`: req/s, p50, p99 and max latency (ms), and how
@@ -194,7 +199,7 @@ export async function startReference(bed: Bed, name = 'bare', env: Record<string
   const all = { BACKEND_URL: bed.backendUrl, PORT: String(port), KEY_HASHES: bed.digest, ...env };
   return running(
     bed,
-    await start(name, [process.execPath, ...nodeArgs, '--import', 'tsx', 'bench/reference-proxy.ts'], all, port, bed.dir),
+    await start(name, [...launcher, process.execPath, ...nodeArgs, '--import', 'tsx', 'bench/reference-proxy.ts'], all, port, bed.dir),
     port,
   );
 }
@@ -216,7 +221,7 @@ export async function startGatewayBuild(
   const [port, adminPort] = [await freePort(), await freePort()];
   const proc = await start(
     name,
-    [process.execPath, ...nodeArgs, resolve(ROOT, entry)],
+    [...launcher, process.execPath, ...nodeArgs, resolve(ROOT, entry)],
     {
       BACKEND_URL: bed.backendUrl,
       GATEWAY_CONFIG: bed.file,
