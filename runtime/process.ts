@@ -41,17 +41,82 @@ const LOG_FLUSH_MS = 100;
  * trip through libuv's thread pool cost more gateway CPU than all the rest of the request's
  * own work). What is buffered is flushed synchronously when the process exits, a crash
  * included. A stdout that stops reading costs up to LOG_BUFFER_BYTES of memory, then lines
- * are dropped and `onDrop` is told, rather than stalling every request behind the log.
+ * are dropped and `onDrop` is told how many, rather than stalling every request behind the log.
  */
-function asyncStdout(onDrop: () => void) {
+function asyncStdout(onDrop: (lines: number) => void): DestinationStream {
   // pino itself flushes an asynchronous destination synchronously on exit (on-exit-leak-free).
-  const dest = destination({ dest: 1, sync: false, maxLength: LOG_BUFFER_BYTES, minLength: LOG_BATCH_BYTES, periodicFlush: LOG_FLUSH_MS });
-  dest.on('drop', onDrop);
-  return dest;
+  const dest = destination({ dest: 1, sync: false, maxLength: LOG_BUFFER_BYTES, minLength: 0 });
+  // What sonic-boom drops is a batch: its lines are counted.
+  dest.on('drop', (text: string) => onDrop(linesIn(text)));
+  return new LineBatch(dest);
+}
+
+function linesIn(text: string): number {
+  let n = 0;
+  for (let i = text.indexOf('\n'); i !== -1; i = text.indexOf('\n', i + 1)) n++;
+  return n;
+}
+
+/** Batches with lines in them, flushed into their destination when the process exits. */
+const unflushed = new Set<LineBatch>();
+process.once('exit', () => {
+  for (const batch of unflushed) batch.flushSync();
+});
+
+/**
+ * The batching in front of sonic-boom (pino's destination). sonic-boom can batch by itself
+ * (minLength), but it appends each line to the text waiting and measures that text's bytes on
+ * every write, which flattens it: a copy of all that waits, for each line (6.8 KB per request
+ * at 12 KiB batches, under V8's sampling heap profiler). Here the lines wait in an array,
+ * joined once per batch.
+ */
+class LineBatch implements DestinationStream {
+  private readonly lines: string[] = [];
+  private chars = 0;
+  private timer: NodeJS.Timeout | undefined;
+
+  constructor(private readonly dest: ReturnType<typeof destination>) {}
+
+  write(line: string): void {
+    this.lines.push(line);
+    this.chars += line.length;
+    if (this.chars >= LOG_BATCH_BYTES) this.flush();
+    else if (this.timer === undefined) {
+      this.timer = setTimeout(() => this.flush(), LOG_FLUSH_MS).unref();
+      unflushed.add(this);
+    }
+  }
+
+  flush(): void {
+    if (this.timer !== undefined) clearTimeout(this.timer);
+    this.timer = undefined;
+    unflushed.delete(this);
+    if (this.lines.length === 0) return;
+    const text = this.lines.length === 1 ? this.lines[0]! : this.lines.join('');
+    this.lines.length = 0;
+    this.chars = 0;
+    this.dest.write(text);
+  }
+
+  /** What waits here and in sonic-boom, written now: the process is exiting. */
+  flushSync(): void {
+    this.flush();
+    try {
+      this.dest.flushSync();
+    } catch {
+      // not open yet, or already closed: nothing more can be written
+    }
+  }
 }
 
 /** A service's logger: pretty through pino-pretty, else JSON lines to `stream` or to asyncStdout. */
-export function createLogger(service: Service, level: string, pretty: boolean, onDrop: () => void, stream?: DestinationStream): Logger {
+export function createLogger(
+  service: Service,
+  level: string,
+  pretty: boolean,
+  onDrop: (lines: number) => void,
+  stream?: DestinationStream,
+): Logger {
   const options = loggerOptions(service, level, pretty && !stream);
   return options.transport ? pino(options) : pino(options, stream ?? asyncStdout(onDrop));
 }

@@ -91,7 +91,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     'gateway',
     settings.logLevel,
     settings.logPretty,
-    () => metrics.logLinesDropped.inc(),
+    (lines) => metrics.logLinesDropped.inc(lines),
     deps.logStream,
   );
   const store = quotaStore(settings, deps.redis, log, metrics, () => config.registryKey);
@@ -108,7 +108,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   const access = accessLog(metrics, log, settle);
   const pipeline = requestPipeline(store, current, access.record);
   const raw: RawDeps = {
-    admitAddress: (address) => admit(store, config.addressSubject(address)),
+    admitAddress: async (address) => admit(store, config.addressSubject(address)),
     record: access.record,
   };
 
