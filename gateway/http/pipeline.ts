@@ -3,9 +3,9 @@ import type { AccessEntry, AccessOutcome } from '../observability/access-log.js'
 import { authenticate } from '../auth/authenticate.js';
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { corsHeaders, preflight } from './cors.js';
-import { sunsetRefusal } from './deprecation.js';
+import { type Deprecation, sunsetRefusal } from './deprecation.js';
 import { GatewayError, handleError } from './errors.js';
-import { admit } from '../quota/admit.js';
+import { type Admission, admit } from '../quota/admit.js';
 import type { EventTag, QuotaSubject } from '../quota/decision.js';
 import type { QuotaStore } from '../quota/store.js';
 import { DOCUMENT_ROUTE, isDocumentPath, isUsagePath, matchRoute, type RouteId, USAGE_ROUTE } from './routes.js';
@@ -84,6 +84,64 @@ function eventTag(request: FastifyRequest): EventTag {
   return { requestId: request.id, keyId: consumer!.id, plan: consumer!.plan, route: route ?? 'none', method: request.method };
 }
 
+/** Admission's headers on the reply and its outcome in the context; returns the refusal. */
+function applied(request: FastifyRequest, reply: FastifyReply, admission: Admission): GatewayError | undefined {
+  reply.headers(admission.headers);
+  const { ctx } = request;
+  ctx.outcome = admission.outcome;
+  ctx.countedAtMs = admission.countedAtMs;
+  ctx.overage = admission.overage;
+  ctx.eventId = admission.eventId;
+  return admission.refusal;
+}
+
+/**
+ * Admission for this request, applied; returns the refusal. Without a promise when the store
+ * decided without I/O (a lease, a known ban), so that most requests pass the hook in one step.
+ */
+function admitRequest(
+  store: QuotaStore,
+  request: FastifyRequest,
+  reply: FastifyReply,
+  subject: QuotaSubject,
+  cost = 1,
+): GatewayError | undefined | Promise<GatewayError | undefined> {
+  const admission = admit(store, subject, cost, subject.events > 0 ? eventTag(request) : undefined);
+  if (admission instanceof Promise) return admission.then((a) => applied(request, reply, a));
+  return applied(request, reply, admission);
+}
+
+/** The per-address quota of a request without a key: throws its 429, or else `otherwise`. */
+async function admitByAddress(store: QuotaStore, request: FastifyRequest, reply: FastifyReply, otherwise?: GatewayError): Promise<void> {
+  const refused = await admitRequest(store, request, reply, request.ctx.config.addressSubject(request.ip));
+  if (refused) throw refused;
+  if (otherwise) {
+    // Not "allowed" on the access line: the address's quota let it through to its 401.
+    if (otherwise.status === 401) request.ctx.outcome = 'unauthenticated';
+    throw otherwise;
+  }
+}
+
+/**
+ * The gateway's own routes (the public document, a key's own usage): the per-address quota
+ * instead of the key's, so a key over its limit or banned can still read why, and GET or HEAD only.
+ */
+async function ownRoute(store: QuotaStore, request: FastifyRequest, reply: FastifyReply, route: RouteId): Promise<void> {
+  request.ctx.route = route;
+  await admitByAddress(store, request, reply);
+  if (request.method !== 'GET' && request.method !== 'HEAD') {
+    throw new GatewayError('method_not_allowed', `Method ${request.method} is not allowed here; use GET, HEAD`, { allow: 'GET, HEAD' });
+  }
+}
+
+/** After the key's admission: its refusal, then the route's, then a sunset route's. */
+function admitted(refused: GatewayError | undefined, route: ReturnType<typeof matchRoute>, deprecation: Deprecation | undefined): void {
+  if (refused) throw refused;
+  if (route instanceof GatewayError) throw route;
+  const sunset = deprecation && sunsetRefusal(route, deprecation);
+  if (sunset) throw sunset;
+}
+
 /**
  * The request pipeline, in order: context, a CORS preflight, the public document (both on the
  * per-address quota), authentication (or the per-address quota), route, deprecation headers,
@@ -91,65 +149,47 @@ function eventTag(request: FastifyRequest): EventTag {
  * its GatewayError; this is the one place that throws them.
  */
 export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, record: (reqId: string, entry: AccessEntry) => void) {
-  /** Admission for this request: headers on the reply, the outcome in the context; returns the refusal. */
-  async function admitRequest(request: FastifyRequest, reply: FastifyReply, subject: QuotaSubject, cost = 1) {
-    const admission = await admit(store, subject, cost, subject.events > 0 ? eventTag(request) : undefined);
-    reply.headers(admission.headers);
-    request.ctx.outcome = admission.outcome;
-    request.ctx.countedAtMs = admission.countedAtMs;
-    request.ctx.overage = admission.overage;
-    request.ctx.eventId = admission.eventId;
-    return admission.refusal;
-  }
-
-  /** The per-address quota of a request without a key: throws its 429, or else `otherwise`. */
-  async function admitByAddress(request: FastifyRequest, reply: FastifyReply, otherwise?: GatewayError): Promise<void> {
-    const refused = await admitRequest(request, reply, request.ctx.config.addressSubject(request.ip));
-    if (refused) throw refused;
-    if (otherwise) {
-      // Not "allowed" on the access line: the address's quota let it through to its 401.
-      if (otherwise.status === 401) request.ctx.outcome = 'unauthenticated';
-      throw otherwise;
-    }
-  }
-
-  /**
-   * The gateway's own routes (the public document, a key's own usage): the per-address quota
-   * instead of the key's, so a key over its limit or banned can still read why, and GET or HEAD only.
-   */
-  async function ownRoute(request: FastifyRequest, reply: FastifyReply, route: RouteId): Promise<void> {
-    request.ctx.route = route;
-    await admitByAddress(request, reply);
-    if (request.method !== 'GET' && request.method !== 'HEAD') {
-      throw new GatewayError('method_not_allowed', `Method ${request.method} is not allowed here; use GET, HEAD`, { allow: 'GET, HEAD' });
-    }
-  }
-
-  async function onRequest(request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply | void> {
+  /** The pipeline itself: throws its refusal; a promise only where it waits (Redis, or the rarer paths). */
+  function steps(request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply | void> | undefined {
     const ctx = begin(request, reply, config());
     if (ctx.config.corsOrigins.size > 0 && corsHeaders(request, reply, ctx.config.corsOrigins)) {
       // A browser's preflight: per-address quota, answered here, never proxied.
-      await admitByAddress(request, reply);
-      return preflight(reply);
+      return admitByAddress(store, request, reply).then(() => preflight(reply));
     }
     const bad = malformed(request);
-    if (!bad && isDocumentPath(request.url)) return ownRoute(request, reply, DOCUMENT_ROUTE.id);
+    if (!bad && isDocumentPath(request.url)) return ownRoute(store, request, reply, DOCUMENT_ROUTE.id);
     // Authentication first, for every other path: a caller without a valid key learns nothing of routes.
     const who = bad ?? authenticate(request.headers.authorization, ctx.config, request.raw.socket);
-    if (who instanceof GatewayError) return admitByAddress(request, reply, who);
+    if (who instanceof GatewayError) return admitByAddress(store, request, reply, who);
     ctx.consumer = who;
-    if (isUsagePath(request.url)) return ownRoute(request, reply, USAGE_ROUTE.id);
+    if (isUsagePath(request.url)) return ownRoute(store, request, reply, USAGE_ROUTE.id);
     const route = matchRoute(request.method, request.url);
     const deprecation = route instanceof GatewayError ? undefined : ctx.config.deprecations.get(route.id);
     if (!(route instanceof GatewayError)) ctx.route = route.id;
     if (deprecation) reply.headers(deprecation.headers);
     // Every authenticated request counts (its route's cost), whatever its outcome, except one refused with 429.
     ctx.cost = (ctx.route && who.costs.get(ctx.route)) || 1;
-    const refused = await admitRequest(request, reply, who.subject, ctx.cost);
-    if (refused) throw refused;
-    if (route instanceof GatewayError) throw route;
-    const sunset = deprecation && sunsetRefusal(route, deprecation);
-    if (sunset) throw sunset;
+    const refused = admitRequest(store, request, reply, who.subject, ctx.cost);
+    if (refused instanceof Promise) return refused.then((r) => admitted(r, route, deprecation));
+    admitted(refused, route, deprecation);
+    return undefined;
+  }
+
+  /**
+   * fastify's onRequest hook, callback style: a request decided without waiting (most of them,
+   * from a lease) passes without a promise or a microtask. A reply the pipeline sent itself (a
+   * preflight) ends there: fastify goes no further with a sent reply.
+   */
+  function onRequest(request: FastifyRequest, reply: FastifyReply, done: (err?: Error) => void): void {
+    let waiting: Promise<FastifyReply | void> | undefined;
+    try {
+      waiting = steps(request, reply);
+    } catch (err) {
+      done(err as Error);
+      return;
+    }
+    if (waiting === undefined) done();
+    else waiting.then(() => done(), done);
   }
 
   /** fastify's frameworkErrors (a URL it cannot decode): no route, so no hooks; counted, answered and recorded here. */
@@ -159,10 +199,12 @@ export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, 
     reply.raw.once('finish', () =>
       record(request.id, { method: request.method, status: reply.statusCode, ms: performance.now() - started, outcome: ctx.outcome }),
     );
-    admitRequest(request, reply, ctx.config.addressSubject(request.ip)).then(
-      (refused) => handleError(refused ?? err, request, reply),
-      (failed) => handleError(failed, request, reply),
-    );
+    Promise.resolve()
+      .then(() => admitRequest(store, request, reply, ctx.config.addressSubject(request.ip)))
+      .then(
+        (refused) => handleError(refused ?? err, request, reply),
+        (failed) => handleError(failed, request, reply),
+      );
   }
 
   return { onRequest, onFrameworkError };

@@ -41,57 +41,101 @@ function refusal(d: Decision): GatewayError | undefined {
   return new GatewayError(REFUSAL_CODES[d.outcome], `${why}; retry after ${wait} s`);
 }
 
-/** Per lasting subject (a key's), the last admission's headers and what they were built from. */
-const lastHeaders = new WeakMap<
+/** Per lasting subject (a key's), its last admission, the decision it was made from, and what its headers were built from. */
+const last = new WeakMap<
   QuotaSubject,
-  { second: number; minuteUsed: number; dayUsed: number; monthUsed: number; headers: Readonly<Record<string, string>> }
+  {
+    decision: Decision;
+    admission: Admission;
+    second: number;
+    minuteUsed: number;
+    dayUsed: number;
+    monthUsed: number;
+  }
 >();
 
 /**
- * The rate-limit headers of a decision. An admission's headers depend only on its subject, the
- * windows' counts and the whole second of its time (resets fall on whole seconds), so
- * admissions served from one lease within one second share the same headers, built once. The
- * shared object is frozen: `reply.headers()` and the raw answers copy its values. An address's
- * subject is built per request, so no later admission could find its entry: it has none.
+ * The admission of an allowed decision of a lasting subject (a key's), shared while it can be.
+ * A store hands out the same decision object for every unit of a lease within one second: such
+ * admissions are one object. Otherwise the rate-limit headers, which depend only on the
+ * subject, the windows' counts and the whole second of the decision's time (resets fall on
+ * whole seconds), are shared while those stay the same. Shared objects are frozen:
+ * `reply.headers()` and the raw answers copy their values. An address's subject is built per
+ * request, so no later admission could find its entry: it has none. A balance changes with
+ * every admission (credits are never leased): nothing to share.
  */
-export function headersOf(d: Decision, subject: QuotaSubject): Readonly<Record<string, string>> {
-  // A balance changes with every admission (credits are never leased): nothing to share.
-  if (d.outcome !== 'allowed' || !subject.lasting || d.balance !== undefined) return rateLimitHeaders(d, subject.policy);
+function sharedAdmission(d: Decision, subject: QuotaSubject): Admission {
+  const was = last.get(subject);
+  if (was?.decision === d) return was.admission;
   const second = Math.floor(d.nowMs / 1000);
   const minuteUsed = d.windows[0]!.used;
   const dayUsed = d.windows[1]?.used ?? 0;
   const monthUsed = d.windows[2]?.used ?? 0;
-  const last = lastHeaders.get(subject);
-  if (last && last.second === second && last.minuteUsed === minuteUsed && last.dayUsed === dayUsed && last.monthUsed === monthUsed) {
-    return last.headers;
+  const headers =
+    was && was.second === second && was.minuteUsed === minuteUsed && was.dayUsed === dayUsed && was.monthUsed === monthUsed
+      ? was.admission.headers
+      : Object.freeze(rateLimitHeaders(d, subject.policy));
+  const admission = Object.freeze(allowed(d, headers));
+  last.set(subject, { decision: d, admission, second, minuteUsed, dayUsed, monthUsed });
+  return admission;
+}
+
+function allowed(d: Decision, headers: Readonly<Record<string, string>>): Admission {
+  return {
+    outcome: 'allowed',
+    countedAtMs: d.nowMs,
+    headers,
+    refusal: undefined,
+    overage: d.overage > 0 ? d.overage : undefined,
+    eventId: d.eventId,
+  };
+}
+
+/** What admission makes of a decision. */
+function admissionOf(d: Decision, subject: QuotaSubject): Admission {
+  if (d.outcome === 'allowed') {
+    return subject.lasting && d.balance === undefined ? sharedAdmission(d, subject) : allowed(d, rateLimitHeaders(d, subject.policy));
   }
-  const headers = Object.freeze(rateLimitHeaders(d, subject.policy));
-  lastHeaders.set(subject, { second, minuteUsed, dayUsed, monthUsed, headers });
-  return headers;
+  if (!subject.enforce) return shadow(d, d.outcome, subject);
+  return {
+    outcome: d.outcome,
+    countedAtMs: undefined,
+    headers: rateLimitHeaders(d, subject.policy),
+    refusal: refusal(d),
+    overage: undefined,
+    eventId: d.eventId,
+  };
+}
+
+/** The rate-limit headers admission gives a decision (shared as above). */
+export const headersOf = (d: Decision, subject: QuotaSubject) => admissionOf(d, subject).headers;
+
+/** A store that could not decide: Redis failing is a 503 (see UNAVAILABLE); anything else is the gateway's fault. */
+function failed(err: unknown, subject: QuotaSubject): Admission {
+  if (err instanceof QuotaStoreUnavailable) return UNAVAILABLE(subject);
+  throw err;
 }
 
 /**
  * The one place that asks the store for a decision: the request hook, framework errors and
  * answers written to raw sockets all come here. It returns the refusal rather than throwing
- * it, like authentication and routing; the caller decides how to answer.
+ * it, like authentication and routing; the caller decides how to answer. Synchronously when
+ * the store decided without I/O (a lease, a known ban): no promise on that path.
  */
-export async function admit(store: QuotaStore, subject: QuotaSubject, cost = 1, tag?: EventTag): Promise<Admission> {
-  let decision: Decision;
+export function admit(store: QuotaStore, subject: QuotaSubject, cost = 1, tag?: EventTag): Admission | Promise<Admission> {
+  let decided: Decision | Promise<Decision>;
   try {
-    decision = await store.consume(subject, cost, tag);
+    decided = store.consume(subject, cost, tag);
   } catch (err) {
-    if (err instanceof QuotaStoreUnavailable) return UNAVAILABLE(subject);
-    throw err;
+    return failed(err, subject);
   }
-  if (decision.outcome !== 'allowed' && !subject.enforce) return shadow(decision, decision.outcome, subject);
-  return {
-    outcome: decision.outcome,
-    countedAtMs: decision.outcome === 'allowed' ? decision.nowMs : undefined,
-    headers: headersOf(decision, subject),
-    refusal: refusal(decision),
-    overage: decision.outcome === 'allowed' && decision.overage > 0 ? decision.overage : undefined,
-    eventId: decision.eventId,
-  };
+  if (decided instanceof Promise) {
+    return decided.then(
+      (d) => admissionOf(d, subject),
+      (err: unknown) => failed(err, subject),
+    );
+  }
+  return admissionOf(decided, subject);
 }
 
 /**

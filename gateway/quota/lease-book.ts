@@ -1,4 +1,4 @@
-import { DAY_MS, MINUTE_MS, windowStart } from './decision.js';
+import { DAY_MS, type Decision, MINUTE_MS, type QuotaSubject, windowStart } from './decision.js';
 import type { Period } from './period.js';
 import type { Clock } from './redis-clock.js';
 
@@ -18,6 +18,8 @@ export interface Lease {
   period?: Period;
   /** The lease's size when taken: the next one is asked for once half of it is handed out. */
   size: number;
+  /** The decision its units share within one second of Redis time, for one subject (see RedisStore.fromLease). */
+  shared?: { second: number; subject: QuotaSubject; decision: Decision };
 }
 
 /**
@@ -43,6 +45,7 @@ export function leaseOf(
     monthUsed,
     period,
     size,
+    shared: undefined,
   };
 }
 

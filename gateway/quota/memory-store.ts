@@ -45,7 +45,7 @@ export class MemoryQuotaStore implements QuotaStore {
 
   constructor(private readonly clock: () => number = Date.now) {}
 
-  async consume(subject: QuotaSubject, cost = 1): Promise<Decision> {
+  consume(subject: QuotaSubject, cost = 1): Decision {
     return decision(subject, this.step(subject, this.clock(), cost));
   }
 

@@ -226,27 +226,42 @@ export class RedisQuotaStore implements QuotaStore {
     return { ...this.tally, instances: this.budget.instances };
   }
 
-  async consume(subject: QuotaSubject, cost = 1, tag?: EventTag): Promise<Decision> {
+  /**
+   * A decision now, without a promise, when no call to Redis is needed (a unit of a lease, a
+   * known ban, the degraded budget while Redis fails); else the promise of Redis's.
+   */
+  consume(subject: QuotaSubject, cost = 1, tag?: EventTag): Decision | Promise<Decision> {
+    return this.settled(subject, cost) ?? this.fromRedis(subject, cost, tag);
+  }
+
+  /** What this instance can decide by itself, if anything. */
+  private settled(subject: QuotaSubject, cost: number): Decision | undefined {
+    const { name } = subject;
+    // A unit Redis granted this instance is handed out whatever else holds: it is counted.
+    const lease = cost === 1 ? this.leases.take(name) : undefined;
+    if (lease) return this.fromLease(subject, lease);
+    const now = this.redisClock.now();
+    // While Redis answers, a ban is asked again once a second: it may have been lifted.
+    const ban = this.bans.get(name, now, !this.health.failing);
+    if (ban) return this.bannedDecision(subject, ban, now);
+    if (this.health.failing) return this.degradedDecision(subject, cost);
+    return undefined;
+  }
+
+  private async fromRedis(subject: QuotaSubject, cost: number, tag?: EventTag): Promise<Decision> {
     const { name, limits } = subject;
     // After a sibling request's lease came back empty, this one asks Redis itself.
     let solo = false;
     for (;;) {
-      // A unit Redis granted this instance is handed out whatever else holds: it is counted.
-      const lease = cost === 1 ? this.leases.take(name) : undefined;
-      if (lease) return this.fromLease(subject, lease);
-      const now = this.redisClock.now();
-      // While Redis answers, a ban is asked again once a second: it may have been lifted.
-      const ban = this.bans.get(name, now, !this.health.failing);
-      if (ban) return this.bannedDecision(subject, ban, now);
-      if (this.health.failing) return this.degradedDecision(subject, cost);
       this.leases.sweep();
-      // Credits are money: every unit of them is decided by Redis, never leased.
       // Credits are money, and a usage event is written with its count: every such unit is decided by Redis, never leased.
       const size = cost === 1 && !solo && !subject.billing.credits && subject.events === 0 ? leaseSize(limits, this.leaseMax) : 1;
       if (size === 1) return this.ask(subject, 1, cost, tag);
       const pending = this.leases.inFlight(name);
       if (pending) {
         solo = !(await pending);
+        const now = this.settled(subject, cost);
+        if (now) return now;
         continue;
       }
       const call = this.ask(subject, size, cost);
@@ -265,10 +280,18 @@ export class RedisQuotaStore implements QuotaStore {
     return decision(subject, { outcome: 'banned', ...countsAt(ban, now), nowMs: now, banUntilMs: ban.ban, ...ban.billing });
   }
 
+  /**
+   * A unit of a lease. Every unit a lease hands out within one second of Redis time has the
+   * same decision (the counts are the lease's, and windows and resets fall on whole seconds),
+   * so it is built once per second and shared: the lease path allocates nothing.
+   */
   private fromLease(subject: QuotaSubject, lease: Lease): Decision {
     if (lease.left === lease.size >> 1 && !this.health.failing) this.refill(subject, lease.size);
     const now = Math.min(this.redisClock.now(), lease.windowEndMs - 1);
-    return decision(subject, {
+    const second = Math.floor(now / 1000);
+    const shared = lease.shared;
+    if (shared && shared.second === second && shared.subject === subject) return shared.decision;
+    const d = decision(subject, {
       outcome: 'allowed',
       minuteUsed: lease.minuteUsed,
       dayUsed: lease.dayUsed,
@@ -277,6 +300,8 @@ export class RedisQuotaStore implements QuotaStore {
       nowMs: now,
       banUntilMs: 0,
     });
+    lease.shared = { second, subject, decision: d };
+    return d;
   }
 
   /** One run of quota.lua (ARGV in its order): `back` is a lease's unused units to give back, `refill` a lease taken ahead. */

@@ -3,8 +3,11 @@ import type { Period } from './period.js';
 
 /** The contract both stores keep: one decision per request, and a read that counts nothing. */
 export interface QuotaStore {
-  /** One decision: admitted only if every window has room for the request's whole `cost` (units, default 1). */
-  consume(subject: QuotaSubject, cost?: number, tag?: EventTag): Promise<Decision>;
+  /**
+   * One decision: admitted only if every window has room for the request's whole `cost` (units,
+   * default 1). Returned as it is, not in a promise, when the store needs no I/O to make it.
+   */
+  consume(subject: QuotaSubject, cost?: number, tag?: EventTag): Decision | Promise<Decision>;
   /** The final status of an admitted request whose usage event was written (a store that records events). */
   settle?(subject: QuotaSubject, eventId: string, status: number): void;
   peek(subject: QuotaSubject): Promise<Usage>;
