@@ -6,7 +6,7 @@ import calculateSlot from 'cluster-key-slot';
 import { afterAll, beforeAll, describe, expect, inject, it, vi } from 'vitest';
 import type { FastifyBaseLogger } from 'fastify';
 import { compileConfig, validateConfigFile } from '../../gateway/config/config.js';
-import { DAY_MS, MINUTE_MS, NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
+import { DAY_MS, type Decision, MINUTE_MS, NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
 import { type QuotaStore, QuotaStoreUnavailable } from '../../gateway/quota/store.js';
@@ -454,6 +454,33 @@ describe('redis store with leases', () => {
       const fromNext = await store.consume(s); // the first lease is out: the one taken ahead, no call
       expect(fromNext.windows[0]!.used).toBe(20);
       expect(await counted(s)).toBe(20);
+    });
+  });
+
+  it("decides a unit of a lease and a known ban without a promise, and shares a lease's decision within a second", async () => {
+    await inOneMinute(async () => {
+      const store = leased();
+      const s = subject(1000, 100000, false); // a lease is 10 units
+      const first = store.consume(s);
+      expect(first).toBeInstanceOf(Promise); // no lease yet: Redis decides
+      await first;
+      // Three in a row take microseconds: at most one second boundary falls between them.
+      const units = [store.consume(s), store.consume(s), store.consume(s)];
+      for (const u of units) expect(u).not.toBeInstanceOf(Promise);
+      const [a, b, c] = units as Decision[];
+      const second = (d: Decision) => Math.floor(d.nowMs / 1000);
+      const sameSecond = [
+        [a!, b!],
+        [b!, c!],
+      ].filter(([x, y]) => second(x!) === second(y!));
+      expect(sameSecond.length).toBeGreaterThan(0);
+      for (const [x, y] of sameSecond) expect(x).toBe(y);
+
+      const banned = subject(1, 100); // bans after 3 refusals
+      expect(await outcomes(store, banned, 5)).toEqual(['allowed', 'minute', 'minute', 'minute', 'banned']);
+      const known = store.consume(banned); // the ban is known here: no call
+      expect(known).not.toBeInstanceOf(Promise);
+      expect((known as Decision).outcome).toBe('banned');
     });
   });
 
