@@ -34,6 +34,9 @@ export interface RequestContext {
   eventId?: string;
   /** When the request left for the backend (performance.now()), for the upstream latency. */
   sentAt?: number;
+  /** How long its admission waited on Redis (ms), and whether a lease answered it: for its trace. */
+  redisMs?: number;
+  leased?: boolean;
 }
 
 /**
@@ -53,6 +56,8 @@ function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConf
     overage: undefined,
     eventId: undefined,
     sentAt: undefined,
+    redisMs: undefined,
+    leased: undefined,
   };
   return request.ctx;
 }
@@ -99,6 +104,8 @@ export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, 
     request.ctx.countedAtMs = admission.countedAtMs;
     request.ctx.overage = admission.overage;
     request.ctx.eventId = admission.eventId;
+    request.ctx.redisMs = admission.redisMs;
+    request.ctx.leased = admission.leased;
     return admission.refusal;
   }
 

@@ -14,6 +14,9 @@ export interface Admission {
   overage?: number;
   /** Its usage event, when its subject records them: the final status is joined to it. */
   eventId?: string;
+  /** The decision's wait on Redis and whether a lease answered it (Decision.redisMs, .leased): for its trace. */
+  redisMs?: number;
+  leased?: boolean;
 }
 
 const REFUSAL_CODES: Record<Refusal, GatewayErrorCode> = {
@@ -91,6 +94,8 @@ export async function admit(store: QuotaStore, subject: QuotaSubject, cost = 1, 
     refusal: refusal(decision),
     overage: decision.outcome === 'allowed' && decision.overage > 0 ? decision.overage : undefined,
     eventId: decision.eventId,
+    redisMs: decision.redisMs,
+    leased: decision.leased,
   };
 }
 
@@ -102,7 +107,7 @@ export async function admit(store: QuotaStore, subject: QuotaSubject, cost = 1, 
 function shadow(decision: Decision, refused: Refusal, subject: QuotaSubject): Admission {
   const headers = rateLimitHeaders(decision, subject.policy);
   delete headers['retry-after'];
-  return { outcome: `would_${refused}`, headers };
+  return { outcome: `would_${refused}`, headers, redisMs: decision.redisMs, leased: decision.leased };
 }
 
 /**
