@@ -1,4 +1,10 @@
-import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyRequest, LogController } from 'fastify';
+import Fastify, {
+  type FastifyBaseLogger,
+  type FastifyInstance,
+  type FastifyRequest,
+  type FastifyServerOptions,
+  LogController,
+} from 'fastify';
 import type { RedisClient } from '../process/redis-client.js';
 import type { DestinationStream, Logger } from 'pino';
 import { createLogger } from '../../runtime/process.js';
@@ -82,6 +88,34 @@ function quotaStore(
   });
 }
 
+/** The public port's fastify: one access line and lazy request loggers, request ids, timeouts, and the answers made before any hook. */
+function publicApp(settings: AppSettings, log: FastifyBaseLogger, raw: RawDeps, frameworkErrors: FastifyServerOptions['frameworkErrors']) {
+  return Fastify({
+    loggerInstance: log,
+    // One access line per request (access-log.ts) instead of fastify's two.
+    logController: new LogController({ disableRequestLogging: true }),
+    // request.log becomes pino's child only if something logs through it (observability/request-logger.ts).
+    childLoggerFactory: (logger, bindings, opts) =>
+      new LazyRequestLogger(logger as Logger, bindings, opts.level) as unknown as FastifyBaseLogger,
+    genReqId: (req) => requestId(req.headers['x-request-id']),
+    trustProxy: fastifyTrustProxy(settings.trustProxy),
+    bodyLimit: settings.bodyLimit,
+    // Keep-alive requests arriving while closing are still served, in the Error shape if refused.
+    return503OnClosing: false,
+    // A slow client (headers or body trickled) is cut with 408 once GATEWAY_REQUEST_TIMEOUT_MS
+    // has passed, checked every second rather than Node's default 30 s.
+    requestTimeout: settings.requestTimeoutMs,
+    // A missing Host is refused by the pipeline, in the Error shape, instead of by Node with an empty 400.
+    http: {
+      requireHostHeader: false,
+      headersTimeout: settings.requestTimeoutMs,
+      connectionsCheckingInterval: Math.min(1000, settings.requestTimeoutMs),
+    },
+    clientErrorHandler: clientErrorHandler(raw),
+    frameworkErrors,
+  });
+}
+
 /** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */
 export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Promise<Gateway> {
   let config = deps.config;
@@ -112,30 +146,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     record: access.record,
   };
 
-  const app = Fastify({
-    loggerInstance: log,
-    // One access line per request (access-log.ts) instead of fastify's two.
-    logController: new LogController({ disableRequestLogging: true }),
-    // request.log becomes pino's child only if something logs through it (observability/request-logger.ts).
-    childLoggerFactory: (logger, bindings, opts) =>
-      new LazyRequestLogger(logger as Logger, bindings, opts.level) as unknown as FastifyBaseLogger,
-    genReqId: (req) => requestId(req.headers['x-request-id']),
-    trustProxy: fastifyTrustProxy(settings.trustProxy),
-    bodyLimit: settings.bodyLimit,
-    // Keep-alive requests arriving while closing are still served, in the Error shape if refused.
-    return503OnClosing: false,
-    // A slow client (headers or body trickled) is cut with 408 once GATEWAY_REQUEST_TIMEOUT_MS
-    // has passed, checked every second rather than Node's default 30 s.
-    requestTimeout: settings.requestTimeoutMs,
-    // A missing Host is refused by the pipeline, in the Error shape, instead of by Node with an empty 400.
-    http: {
-      requireHostHeader: false,
-      headersTimeout: settings.requestTimeoutMs,
-      connectionsCheckingInterval: Math.min(1000, settings.requestTimeoutMs),
-    },
-    clientErrorHandler: clientErrorHandler(raw),
-    frameworkErrors: pipeline.onFrameworkError,
-  });
+  const app = publicApp(settings, log, raw, pipeline.onFrameworkError);
   installRawHandlers(app.server, raw);
   app.decorateRequest('ctx', null as never);
   app.setErrorHandler(handleError);
