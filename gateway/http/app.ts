@@ -26,6 +26,7 @@ import { UsageExporter } from '../usage/exporter.js';
 import { WebhookDispatcher } from '../usage/webhooks.js';
 import type { QuotaStore } from '../quota/store.js';
 import { fastifyTrustProxy, type GatewaySettings } from '../config/settings.js';
+import type { RequestTracing, TracingSettings } from '../observability/tracing.js';
 
 export interface GatewayDeps {
   config: GatewayConfig;
@@ -57,6 +58,10 @@ type AppSettings = Pick<
   | 'quotaLeaseMax'
   | 'redisTimeoutMs'
   | 'quotaStoreFailure'
+  | 'tracingUrl'
+  | 'tracingServiceName'
+  | 'tracingSampleRatio'
+  | 'tracingDelayMs'
 >;
 
 /**
@@ -86,6 +91,16 @@ function quotaStore(
     failClosed: settings.quotaStoreFailure === 'closed',
     registry,
   });
+}
+
+/**
+ * Tracing, when a collector is configured. Off, the OpenTelemetry SDK is not even loaded, and
+ * the gateway adds no hook: a request pays one test (the proxy's, for a span to pass on).
+ */
+async function startTracing(settings: AppSettings, log: FastifyBaseLogger): Promise<RequestTracing | undefined> {
+  if (!settings.tracingUrl) return undefined;
+  const { RequestTracing } = await import('../observability/tracing.js');
+  return new RequestTracing({ ...settings, tracingUrl: settings.tracingUrl } satisfies TracingSettings, log);
 }
 
 /** The public port's fastify: one access line and lazy request loggers, request ids, timeouts, and the answers made before any hook. */
@@ -140,10 +155,13 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     store.settle &&
     ((request: FastifyRequest, status: number) => store.settle!(request.ctx.consumer!.subject, request.ctx.eventId!, status));
   const access = accessLog(metrics, log, settle);
-  const pipeline = requestPipeline(store, current, access.record);
+  const tracing = await startTracing(settings, log);
+  // Answers without fastify's hooks (framework errors, raw sockets) get their span where their access line is written.
+  const record = tracing ? tracing.recording(access.record) : access.record;
+  const pipeline = requestPipeline(store, current, record);
   const raw: RawDeps = {
     admitAddress: (address) => admit(store, config.addressSubject(address)),
-    record: access.record,
+    record,
   };
 
   const app = publicApp(settings, log, raw, pipeline.onFrameworkError);
@@ -151,11 +169,13 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   app.decorateRequest('ctx', null as never);
   app.setErrorHandler(handleError);
   app.addHook('onRequest', pipeline.onRequest);
+  if (tracing) app.addHook('onRequest', tracing.onRequest);
   app.addHook('onResponse', access.onResponse);
+  if (tracing) app.addHook('onResponse', tracing.onResponse);
   app.addHook('onClose', async () => {
     exporter?.stop();
     webhooks?.stop();
-    await store.close?.();
+    await Promise.all([store.close?.(), tracing?.shutdown()]);
   });
   const document = documentServer(settings.backendUrl, settings.upstreamTimeoutMs);
   app.get(OPENAPI_PATH, async (request) => document(request.ctx.config));
@@ -170,6 +190,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     timeoutMs: settings.upstreamTimeoutMs,
     upstreamSeconds: (request, seconds) => metrics.upstream(request.ctx.route ?? 'none', seconds),
     failed: ({ ctx }) => refund(store, ctx),
+    inject: tracing?.inject,
   });
 
   return { app, setConfig: (next) => void (config = next), config: current, store, metrics };

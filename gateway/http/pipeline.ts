@@ -1,3 +1,4 @@
+import type { Span } from '@opentelemetry/api';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import type { AccessEntry, AccessOutcome } from '../observability/access-log.js';
 import { authenticate } from '../auth/authenticate.js';
@@ -37,6 +38,8 @@ export interface RequestContext {
   /** How long its admission waited on Redis (ms), and whether a lease answered it: for its trace. */
   redisMs?: number;
   leased?: boolean;
+  /** Its trace span, while tracing is on (observability/tracing.ts). */
+  span?: Span;
 }
 
 /**
@@ -58,6 +61,7 @@ function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConf
     sentAt: undefined,
     redisMs: undefined,
     leased: undefined,
+    span: undefined,
   };
   return request.ctx;
 }
