@@ -1,13 +1,26 @@
 import { readFileSync, rmSync } from 'node:fs';
 import { join, resolve } from 'node:path';
-import { benchBed, CONNECTIONS, cpuNs, median, need, type Proxy, startGatewayBuild, startReference, thinkTime, wrk } from './lib.js';
+import {
+  benchBed,
+  CONNECTIONS,
+  cpuNs,
+  median,
+  need,
+  type Proxy,
+  startGatewayBuild,
+  startOtlpSink,
+  startReference,
+  thinkTime,
+  wrk,
+} from './lib.js';
 
 // `npm run bench:ab`: gateway builds or settings side by side against the bare proxy, with
 // more rounds than `npm run bench` and nothing else measured, for a change whose effect is
 // smaller than this machine's noise between runs. Loopback only; about four minutes by default.
 //   BENCH_AB="name|path/to/gateway/server.js|ENV=value|...,name|..." (default: this build,
 //     with Redis and with the in-process store). A variant's ENV may say REDIS_URL=redis to
-//     get the Redis this run starts, and BENCH_SPIN_US=5 to add 5 us of CPU to each request
+//     get the Redis this run starts, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=sink to trace to an
+//     OTLP sink in this process, and BENCH_SPIN_US=5 to add 5 us of CPU to each request
 //     (bench/spin.mjs): the same build made costlier by a known amount, to check the measure.
 //   BENCH_AB_ROUNDS (7), BENCH_AB_SECONDS (4): rounds and seconds per variant and round.
 //   BENCH_AB_RATE: requests per second to hold (wrk with think time) instead of saturating;
@@ -39,12 +52,13 @@ interface Samples {
   bytes: number[];
 }
 
-function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Variant[] {
+async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Variant[]> {
   const variants: Variant[] = [{ name: 'bare proxy', launch: (args = [], env = {}) => startReference(bed, 'bare', env, args) }];
   for (const spec of SPECS.split(',')) {
     const [name, entry, ...settings] = spec.split('|');
     const env = Object.fromEntries(settings.map((s) => [s.slice(0, s.indexOf('=')), s.slice(s.indexOf('=') + 1)]));
     if (env.REDIS_URL === 'redis') env.REDIS_URL = bed.redisUrl;
+    if (env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT === 'sink') env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = await startOtlpSink(bed);
     const spin = env.BENCH_SPIN_US ? ['--import', resolve('bench/spin.mjs')] : [];
     variants.push({
       name: name!,
@@ -153,7 +167,7 @@ async function main() {
     // Each round starts every variant's process afresh and stops it after: one process is one
     // draw of V8's JIT state, which moves CPU per request by tens of microseconds on this
     // machine (see docs/performance.md), so the medians are over processes as well as rounds.
-    const variants = variantsOf(bed);
+    const variants = await variantsOf(bed);
     const headers = { authorization: `Bearer ${bed.key}` };
     const think = RATE > 0 ? thinkTime(RATE) : '';
     const samples = new Map<string, Samples>(variants.map((v) => [v.name, { rps: [], cpu: [], p99: [], bytes: [] }]));
