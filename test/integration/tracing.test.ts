@@ -301,6 +301,7 @@ describe('tracing off (no OTEL_EXPORTER_OTLP_TRACES_ENDPOINT setting)', () => {
   afterAll(async () => {
     if (saved === undefined) delete process.env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT;
     else process.env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = saved;
+    await gw.close(); // closed by the test already, unless it failed first
     await collector.close();
   });
 
