@@ -13,6 +13,7 @@ import {
   need,
   type Proxy,
   startGatewayBuild,
+  startOtlpSink,
   startReference,
   thinkTime,
   wrk,
@@ -25,7 +26,8 @@ import { spin } from './spin.mjs';
 // smaller than this machine's noise between runs. Loopback only; about four minutes by default.
 //   BENCH_AB="name|path/to/gateway/server.js|ENV=value|...,name|..." (default: this build,
 //     with Redis and with the in-process store). A variant's ENV may say REDIS_URL=redis to
-//     get the Redis this run starts, and BENCH_SPIN_US=5 to add 5 us of CPU to each request
+//     get the Redis this run starts, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=sink to trace to an
+//     OTLP sink in this process, and BENCH_SPIN_US=5 to add 5 us of CPU to each request
 //     (bench/spin.mjs): the same build made costlier by a known amount, to check the measure.
 //   BENCH_AB_ROUNDS (7), BENCH_AB_SECONDS (4): rounds and seconds per variant and round.
 //   BENCH_AB_RATE: requests per second to hold (wrk with think time) instead of saturating;
@@ -86,12 +88,13 @@ function spinTurns(us: number): number {
   return Math.round((us * 1000 * turns) / best);
 }
 
-function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Variant[] {
+async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Variant[]> {
   const variants: Variant[] = [{ name: 'bare proxy', launch: (args = [], env = {}) => startReference(bed, 'bare', env, args) }];
   for (const spec of SPECS.split(',')) {
     const [name, entry, ...settings] = spec.split('|');
     const env = Object.fromEntries(settings.map((s) => [s.slice(0, s.indexOf('=')), s.slice(s.indexOf('=') + 1)]));
     if (env.REDIS_URL === 'redis') env.REDIS_URL = bed.redisUrl;
+    if (env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT === 'sink') env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = await startOtlpSink(bed);
     const spin = env.BENCH_SPIN_US ? ['--import', resolve('bench/spin.mjs')] : [];
     if (env.BENCH_SPIN_US) env.BENCH_SPIN_ITERS = String(spinTurns(Number(env.BENCH_SPIN_US)));
     variants.push({
@@ -195,7 +198,8 @@ async function oneByOne(url: string, headers: Record<string, string>, n: number)
 
 /** Self cost per function, from callgrind_annotate: which lines are V8's compilers' or its collector's. */
 const COMPILER = /v8::internal::(compiler|maglev|baseline|interpreter|parsing)::|v8::internal::(Compiler|Parser|Scanner|Deoptimizer|Ast)/;
-const COLLECTOR = /v8::internal::(Heap|Scavenger|Sweeper|MarkCompact|MinorMarkCompact|MarkingVisitor|ConcurrentMarking|IncrementalMarking|GCTracer|Evacuat|MemoryAllocator|PagedSpace|SemiSpace|NewSpace)|Scaveng|Sweep|Evacuat/;
+const COLLECTOR =
+  /v8::internal::(Heap|Scavenger|Sweeper|MarkCompact|MinorMarkCompact|MarkingVisitor|ConcurrentMarking|IncrementalMarking|GCTracer|Evacuat|MemoryAllocator|PagedSpace|SemiSpace|NewSpace)|Scaveng|Sweep|Evacuat/;
 
 function instructions(file: string): { all: number; work: number } {
   const out = execFileSync('callgrind_annotate', ['--threshold=100', '--inclusive=no', file], { maxBuffer: 64 << 20 }).toString();
@@ -218,7 +222,14 @@ function instructions(file: string): { all: number; work: number } {
 async function instrRound(v: Variant, dir: string, headers: Record<string, string>, s: Samples): Promise<void> {
   const out = join(dir, `callgrind.${s.instr.length}.${v.name.replace(/\W/g, '_')}`);
   const file = `${out}.marks`;
-  launcher.push('valgrind', '--tool=callgrind', '--instr-atstart=no', `--callgrind-out-file=${out}.%p`, '--dump-line=no', '--compress-strings=no');
+  launcher.push(
+    'valgrind',
+    '--tool=callgrind',
+    '--instr-atstart=no',
+    `--callgrind-out-file=${out}.%p`,
+    '--dump-line=no',
+    '--compress-strings=no',
+  );
   let running: Proxy;
   try {
     running = await v.launch(['--single-threaded', ...ALLOC_ARGS], { ALLOC_PROBE_FILE: file });
@@ -267,8 +278,26 @@ function printTable(samples: Map<string, Samples>): void {
   console.log(
     `instructions (callgrind) over ${INSTR_REQUESTS} requests one at a time after ${INSTR_WARMUP}, in ${INSTR_ROUNDS} processes per variant; "work": without V8's compilers and collector`,
   );
-  const head = ['variant'.padEnd(16), 'req/s', 'x bare', 'CPU us/req', 'vs bare', 'IQR', 'p99 ms', 'bytes/req', 'x bare', 'instr/req', 'work/req', 'vs bare'];
-  console.log(`${head[0]} ${head.slice(1).map((h) => h.padStart(10)).join(' ')}  CPU us/req of each round | work/req of each round`);
+  const head = [
+    'variant'.padEnd(16),
+    'req/s',
+    'x bare',
+    'CPU us/req',
+    'vs bare',
+    'IQR',
+    'p99 ms',
+    'bytes/req',
+    'x bare',
+    'instr/req',
+    'work/req',
+    'vs bare',
+  ];
+  console.log(
+    `${head[0]} ${head
+      .slice(1)
+      .map((h) => h.padStart(10))
+      .join(' ')}  CPU us/req of each round | work/req of each round`,
+  );
   const cell = (xs: number[], f: (m: number) => string) => (xs.length ? f(median(xs)) : '-');
   for (const [name, s] of samples) {
     const cells = [
@@ -296,7 +325,7 @@ async function main() {
     // Each round starts every variant's process afresh and stops it after: one process is one
     // draw of V8's JIT state, which moves CPU per request by tens of microseconds on this
     // machine (see docs/performance.md), so the medians are over processes as well as rounds.
-    const variants = variantsOf(bed);
+    const variants = await variantsOf(bed);
     const headers = { authorization: `Bearer ${bed.key}` };
     const think = RATE > 0 ? thinkTime(RATE) : '';
     const samples = new Map<string, Samples>(variants.map((v) => [v.name, { rps: [], cpu: [], p99: [], bytes: [], instr: [], work: [] }]));

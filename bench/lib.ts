@@ -1,5 +1,6 @@
 import { execFile, execFileSync, spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
+import { createServer } from 'node:http';
 import { mkdirSync, mkdtempSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
@@ -71,9 +72,6 @@ export async function start(name: string, args: string[], env: Record<string, st
   ]);
   return proc;
 }
-
-
-
 
 /**
  * wrk -t1, CONNECTIONS connections, against `url`: req/s, p50, p99 and max latency (ms), and how
@@ -240,6 +238,21 @@ export async function startGatewayBuild(
     await new Promise((r) => setTimeout(r, 50));
   }
   return gateway;
+}
+
+/**
+ * An OTLP/HTTP collector in the bench process (its CPU is not counted), taking every batch of
+ * spans with a 200 and nothing more: a gateway with tracing on exports to its URL.
+ */
+export async function startOtlpSink(bed: Pick<Bed, 'onClose'>): Promise<string> {
+  const port = await freePort();
+  const server = createServer((req, res) => {
+    req.resume();
+    req.on('end', () => res.writeHead(200, { 'content-type': 'application/json' }).end('{}'));
+  });
+  await new Promise<void>((r) => server.listen(port, '127.0.0.1', r));
+  bed.onClose(() => server.close());
+  return `http://127.0.0.1:${port}/v1/traces`;
 }
 
 const TICK_US = 1e6 / Number(execFileSync('getconf', ['CLK_TCK']).toString().trim() || 100);

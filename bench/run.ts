@@ -17,6 +17,7 @@ import {
   need,
   ROOT,
   startGatewayBuild,
+  startOtlpSink,
   startReference,
   thinkTime,
   wrk as runWrk,
@@ -189,6 +190,8 @@ async function startAll(bed: Bed, exportFile: string) {
     prepaid: await gateway('gateway-credits', redis),
     // Usage export on: every admission one Redis call that writes its event, an exporter posting batches.
     exporting: await gateway('gateway-export', { ...redis, GATEWAY_CONFIG: exportFile, REDIS_KEY_PREFIX: 'gwx' }),
+    // Tracing on: a span per request, batches posted to an OTLP sink in this process.
+    tracing: await gateway('gateway-tracing', { ...redis, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: await startOtlpSink(bed) }),
     inMemory: await gateway('gateway-memory', {}),
     workers: await gateway('gateway-workers', { ...redis, GATEWAY_WORKERS: '2' }),
     cheapOne: await gateway('gateway-cheap-1', { ...redis, BACKEND_URL: cheap.url }),
@@ -218,6 +221,7 @@ function variantsOf(bed: Bed, p: Started, keys: ReturnType<typeof writeKeys>): V
       redis: true,
     },
     { name: 'gateway, Redis, usage export', url: p.exporting.url, headers: ok, pids: [p.exporting.pid], status: 200, redis: true },
+    { name: 'gateway, Redis, tracing on', url: p.tracing.url, headers: ok, pids: [p.tracing.pid], status: 200, redis: true },
     {
       name: 'gateway, Redis, credits',
       url: p.prepaid.url,
@@ -366,6 +370,10 @@ function printSummary(rows: Row[], rate: number, atRate: Map<string, AtRate>, ha
   const exporting = row('gateway, Redis, usage export');
   console.log(
     `usage export: ${(exporting.rps / gw.rps).toFixed(2)}x the gateway's req/s (${f(exporting.cpuUsPerReq)} against ${f(gw.cpuUsPerReq)} us CPU/req, ${f(exporting.redisCmdsPerReq, 2)} against ${f(gw.redisCmdsPerReq, 2)} Redis commands/req)`,
+  );
+  const tracing = row('gateway, Redis, tracing on');
+  console.log(
+    `tracing on: ${(tracing.rps / gw.rps).toFixed(2)}x the gateway's req/s (${f(tracing.cpuUsPerReq)} against ${f(gw.cpuUsPerReq)} us CPU/req; p99 at ${rate}/s ${f(tracing.atRate!.p99, 2)} against ${f(gw.atRate!.p99, 2)} ms)`,
   );
   console.log(`fixed-rate runs achieved: ${[...atRate].map(([name, a]) => `${name} ${f(a.rps)}/s`).join(', ')}`);
   if (!hasNginx) console.log('(nginx not installed: apt-get install nginx for the C proxy reference)');

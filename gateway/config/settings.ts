@@ -21,6 +21,18 @@ function parseTrustProxy(value: string): false | number | string {
   return value;
 }
 
+/** OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: the collector's whole traces URL (the spec's signal variable: no path is added). */
+function parseTracesUrl(value: string): string {
+  let url: URL;
+  try {
+    url = new URL(value);
+  } catch {
+    throw new Error(`not a URL: ${value} (e.g. http://collector:4318/v1/traces)`);
+  }
+  if (url.protocol !== 'http:' && url.protocol !== 'https:') throw new Error(`not an http(s) URL: ${value}`);
+  return value;
+}
+
 /** `host:port,host:port,...` */
 const HOST_PORTS = '^[^,:\\s]+:[0-9]{1,5}(,[^,:\\s]+:[0-9]{1,5})*$';
 
@@ -59,6 +71,17 @@ export const GatewaySettingsSchema = Type.Object({
   metricsKeyIds: flag('METRICS_KEY_IDS', 'true', 'false', false),
   shutdownGraceMs: Type.Integer({ env: 'SHUTDOWN_GRACE_MS', minimum: 0, default: 10_000 }),
   workers: Type.Integer({ env: 'GATEWAY_WORKERS', minimum: 1, maximum: 64, default: 1 }),
+  // Tracing (OpenTelemetry, OTLP/HTTP): off unless a collector URL is given. The standard
+  // variables' names; the sampler is parentbased_traceidratio (a client's sampled flag decides
+  // for a trace it continues, OTEL_TRACES_SAMPLER_ARG for a new one).
+  tracingUrl: Type.Optional(
+    Type.Transform(Type.String({ env: 'OTEL_EXPORTER_OTLP_TRACES_ENDPOINT', minLength: 1 }))
+      .Decode(parseTracesUrl)
+      .Encode(String),
+  ),
+  tracingServiceName: Type.String({ env: 'OTEL_SERVICE_NAME', minLength: 1, default: 'pet-store-gateway' }),
+  tracingSampleRatio: Type.Number({ env: 'OTEL_TRACES_SAMPLER_ARG', minimum: 0, maximum: 1, default: 1 }),
+  tracingDelayMs: Ms('OTEL_BSP_SCHEDULE_DELAY', 5000),
   logPretty: flag('LOG_PRETTY', '1', '0', false),
   logLevel: logLevel(),
 });

@@ -1,4 +1,10 @@
-import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyRequest, LogController } from 'fastify';
+import Fastify, {
+  type FastifyBaseLogger,
+  type FastifyInstance,
+  type FastifyRequest,
+  type FastifyServerOptions,
+  LogController,
+} from 'fastify';
 import type { RedisClient } from '../process/redis-client.js';
 import type { DestinationStream, Logger } from 'pino';
 import { createLogger } from '../../runtime/process.js';
@@ -20,6 +26,7 @@ import { UsageExporter } from '../usage/exporter.js';
 import { WebhookDispatcher } from '../usage/webhooks.js';
 import type { QuotaStore } from '../quota/store.js';
 import { fastifyTrustProxy, type GatewaySettings } from '../config/settings.js';
+import type { RequestTracing, TracingSettings } from '../observability/tracing.js';
 
 export interface GatewayDeps {
   config: GatewayConfig;
@@ -51,6 +58,10 @@ type AppSettings = Pick<
   | 'quotaLeaseMax'
   | 'redisTimeoutMs'
   | 'quotaStoreFailure'
+  | 'tracingUrl'
+  | 'tracingServiceName'
+  | 'tracingSampleRatio'
+  | 'tracingDelayMs'
 >;
 
 /**
@@ -82,6 +93,44 @@ function quotaStore(
   });
 }
 
+/**
+ * Tracing, when a collector is configured. Off, the OpenTelemetry SDK is not even loaded, and
+ * the gateway adds no hook: a request pays one test (the proxy's, for a span to pass on).
+ */
+async function startTracing(settings: AppSettings, log: FastifyBaseLogger): Promise<RequestTracing | undefined> {
+  if (!settings.tracingUrl) return undefined;
+  const { RequestTracing } = await import('../observability/tracing.js');
+  return new RequestTracing({ ...settings, tracingUrl: settings.tracingUrl } satisfies TracingSettings, log);
+}
+
+/** The public port's fastify: one access line and lazy request loggers, request ids, timeouts, and the answers made before any hook. */
+function publicApp(settings: AppSettings, log: FastifyBaseLogger, raw: RawDeps, frameworkErrors: FastifyServerOptions['frameworkErrors']) {
+  return Fastify({
+    loggerInstance: log,
+    // One access line per request (access-log.ts) instead of fastify's two.
+    logController: new LogController({ disableRequestLogging: true }),
+    // request.log becomes pino's child only if something logs through it (observability/request-logger.ts).
+    childLoggerFactory: (logger, bindings, opts) =>
+      new LazyRequestLogger(logger as Logger, bindings, opts.level) as unknown as FastifyBaseLogger,
+    genReqId: (req) => requestId(req.headers['x-request-id']),
+    trustProxy: fastifyTrustProxy(settings.trustProxy),
+    bodyLimit: settings.bodyLimit,
+    // Keep-alive requests arriving while closing are still served, in the Error shape if refused.
+    return503OnClosing: false,
+    // A slow client (headers or body trickled) is cut with 408 once GATEWAY_REQUEST_TIMEOUT_MS
+    // has passed, checked every second rather than Node's default 30 s.
+    requestTimeout: settings.requestTimeoutMs,
+    // A missing Host is refused by the pipeline, in the Error shape, instead of by Node with an empty 400.
+    http: {
+      requireHostHeader: false,
+      headersTimeout: settings.requestTimeoutMs,
+      connectionsCheckingInterval: Math.min(1000, settings.requestTimeoutMs),
+    },
+    clientErrorHandler: clientErrorHandler(raw),
+    frameworkErrors,
+  });
+}
+
 /** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */
 export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Promise<Gateway> {
   let config = deps.config;
@@ -106,45 +155,27 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     store.settle &&
     ((request: FastifyRequest, status: number) => store.settle!(request.ctx.consumer!.subject, request.ctx.eventId!, status));
   const access = accessLog(metrics, log, settle);
-  const pipeline = requestPipeline(store, current, access.record);
+  const tracing = await startTracing(settings, log);
+  // Answers without fastify's hooks (framework errors, raw sockets) get their span where their access line is written.
+  const record = tracing ? tracing.recording(access.record) : access.record;
+  const pipeline = requestPipeline(store, current, record);
   const raw: RawDeps = {
     admitAddress: async (address) => admit(store, config.addressSubject(address)),
-    record: access.record,
+    record,
   };
 
-  const app = Fastify({
-    loggerInstance: log,
-    // One access line per request (access-log.ts) instead of fastify's two.
-    logController: new LogController({ disableRequestLogging: true }),
-    // request.log becomes pino's child only if something logs through it (observability/request-logger.ts).
-    childLoggerFactory: (logger, bindings, opts) =>
-      new LazyRequestLogger(logger as Logger, bindings, opts.level) as unknown as FastifyBaseLogger,
-    genReqId: (req) => requestId(req.headers['x-request-id']),
-    trustProxy: fastifyTrustProxy(settings.trustProxy),
-    bodyLimit: settings.bodyLimit,
-    // Keep-alive requests arriving while closing are still served, in the Error shape if refused.
-    return503OnClosing: false,
-    // A slow client (headers or body trickled) is cut with 408 once GATEWAY_REQUEST_TIMEOUT_MS
-    // has passed, checked every second rather than Node's default 30 s.
-    requestTimeout: settings.requestTimeoutMs,
-    // A missing Host is refused by the pipeline, in the Error shape, instead of by Node with an empty 400.
-    http: {
-      requireHostHeader: false,
-      headersTimeout: settings.requestTimeoutMs,
-      connectionsCheckingInterval: Math.min(1000, settings.requestTimeoutMs),
-    },
-    clientErrorHandler: clientErrorHandler(raw),
-    frameworkErrors: pipeline.onFrameworkError,
-  });
+  const app = publicApp(settings, log, raw, pipeline.onFrameworkError);
   installRawHandlers(app.server, raw);
   app.decorateRequest('ctx', null as never);
   app.setErrorHandler(handleError);
   app.addHook('onRequest', pipeline.onRequest);
+  if (tracing) app.addHook('onRequest', tracing.onRequest);
   app.addHook('onResponse', access.onResponse);
+  if (tracing) app.addHook('onResponse', tracing.onResponse);
   app.addHook('onClose', async () => {
     exporter?.stop();
     webhooks?.stop();
-    await store.close?.();
+    await Promise.all([store.close?.(), tracing?.shutdown()]);
   });
   const document = documentServer(settings.backendUrl, settings.upstreamTimeoutMs);
   app.get(OPENAPI_PATH, async (request) => document(request.ctx.config));
@@ -159,6 +190,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     timeoutMs: settings.upstreamTimeoutMs,
     upstreamSeconds: (request, seconds) => metrics.upstream(request.ctx.route ?? 'none', seconds),
     failed: ({ ctx }) => refund(store, ctx),
+    inject: tracing?.inject,
   });
 
   return { app, setConfig: (next) => void (config = next), config: current, store, metrics };

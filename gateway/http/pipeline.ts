@@ -1,3 +1,4 @@
+import type { Span } from '@opentelemetry/api';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import type { AccessEntry, AccessOutcome } from '../observability/access-log.js';
 import { authenticate } from '../auth/authenticate.js';
@@ -34,6 +35,11 @@ export interface RequestContext {
   eventId?: string;
   /** When the request left for the backend (performance.now()), for the upstream latency. */
   sentAt?: number;
+  /** How long its admission waited on Redis (ms), and whether a lease answered it: for its trace. */
+  redisMs?: number;
+  leased?: boolean;
+  /** Its trace span, while tracing is on (observability/tracing.ts). */
+  span?: Span;
 }
 
 /**
@@ -53,6 +59,9 @@ function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConf
     overage: undefined,
     eventId: undefined,
     sentAt: undefined,
+    redisMs: undefined,
+    leased: undefined,
+    span: undefined,
   };
   return request.ctx;
 }
@@ -92,6 +101,8 @@ function applied(request: FastifyRequest, reply: FastifyReply, admission: Admiss
   ctx.countedAtMs = admission.countedAtMs;
   ctx.overage = admission.overage;
   ctx.eventId = admission.eventId;
+  ctx.redisMs = admission.redisMs;
+  ctx.leased = admission.leased;
   return admission.refusal;
 }
 

@@ -74,6 +74,8 @@ export interface ProxyOptions {
   upstreamSeconds: (request: FastifyRequest, seconds: number) => void;
   /** Told of a request the gateway answers 502/504 itself: the client is not charged for it. */
   failed: (request: FastifyRequest) => void;
+  /** With tracing on: writes the request's trace context into the backend's headers (traceparent). */
+  inject?: (request: FastifyRequest, headers: Headers) => void;
 }
 
 /**
@@ -122,6 +124,8 @@ function proxyOptions(app: FastifyInstance, opts: ProxyOptions): FastifyHttpProx
         out['x-request-id'] = request.id;
         out['x-forwarded-for'] = request.ip;
         out['x-forwarded-proto'] = request.protocol;
+        // Off, a client's traceparent passes unchanged; on, the gateway's span replaces it (its child).
+        if (opts.inject) opts.inject(request as FastifyRequest, out);
         ctx.sentAt = performance.now();
         return out;
       },

@@ -14,6 +14,9 @@ export interface Admission {
   overage?: number;
   /** Its usage event, when its subject records them: the final status is joined to it. */
   eventId?: string;
+  /** The decision's wait on Redis and whether a lease answered it (Decision.redisMs, .leased): for its trace. */
+  redisMs?: number;
+  leased?: boolean;
 }
 
 const REFUSAL_CODES: Record<Refusal, GatewayErrorCode> = {
@@ -88,6 +91,8 @@ function allowed(d: Decision, headers: Readonly<Record<string, string>>): Admiss
     refusal: undefined,
     overage: d.overage > 0 ? d.overage : undefined,
     eventId: d.eventId,
+    redisMs: d.redisMs,
+    leased: d.leased,
   };
 }
 
@@ -146,7 +151,7 @@ export function admit(store: QuotaStore, subject: QuotaSubject, cost = 1, tag?: 
 function shadow(decision: Decision, refused: Refusal, subject: QuotaSubject): Admission {
   const headers = rateLimitHeaders(decision, subject.policy);
   delete headers['retry-after'];
-  return { outcome: `would_${refused}`, headers };
+  return { outcome: `would_${refused}`, headers, redisMs: decision.redisMs, leased: decision.leased };
 }
 
 /**

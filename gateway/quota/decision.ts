@@ -108,6 +108,13 @@ export interface Decision {
   overageUsed?: number;
   /** The usage event written with an admission (a subject that records events). */
   eventId?: string;
+  /**
+   * How long this decision waited on Redis, in ms (a call of its own, or a sibling's lease
+   * call it waited for): 0 when a lease or a known ban answered. Absent from the in-process store.
+   */
+  redisMs?: number;
+  /** Answered from a lease this instance holds (Redis store). */
+  leased?: boolean;
 }
 
 /** What a store counted: the outcome and the admitted counts of the current windows. */

@@ -145,6 +145,13 @@ function billingUsage(subject: QuotaSubject, now: number, stored: number[], cred
 /** quota.lua's ARGV 19-24 when no usage event is written. */
 const NO_EVENT = [0, '', '', '', '', ''];
 
+/** `d`, told how long it waited on Redis and whether a lease answered it: what its trace shows. */
+function waited(d: Decision, redisMs: number, leased = false): Decision {
+  d.redisMs = redisMs;
+  d.leased = leased;
+  return d;
+}
+
 /** A reply's counts, in the one shape both stores decide from. */
 function countsOf(r: Reply): WindowCounts {
   const c: WindowCounts = { outcome: OUTCOMES[r[0]]!, minuteUsed: r[1], dayUsed: r[2], nowMs: r[3], banUntilMs: r[4] };
@@ -243,8 +250,8 @@ export class RedisQuotaStore implements QuotaStore {
     const now = this.redisClock.now();
     // While Redis answers, a ban is asked again once a second: it may have been lifted.
     const ban = this.bans.get(name, now, !this.health.failing);
-    if (ban) return this.bannedDecision(subject, ban, now);
-    if (this.health.failing) return this.degradedDecision(subject, cost);
+    if (ban) return waited(this.bannedDecision(subject, ban, now), 0);
+    if (this.health.failing) return waited(this.degradedDecision(subject, cost), 0);
     return undefined;
   }
 
@@ -252,19 +259,24 @@ export class RedisQuotaStore implements QuotaStore {
     const { name, limits } = subject;
     // After a sibling request's lease came back empty, this one asks Redis itself.
     let solo = false;
+    // Time spent waiting for a sibling's lease call: this request waited on Redis too.
+    let waitedMs = 0;
     for (;;) {
       this.leases.sweep();
       // Credits are money, and a usage event is written with its count: every such unit is decided by Redis, never leased.
       const size = cost === 1 && !solo && !subject.billing.credits && subject.events === 0 ? leaseSize(limits, this.leaseMax) : 1;
-      if (size === 1) return this.ask(subject, 1, cost, tag);
+      if (size === 1) return this.ask(subject, 1, cost, tag, waitedMs);
       const pending = this.leases.inFlight(name);
       if (pending) {
+        const since = this.clock.mono();
         solo = !(await pending);
+        waitedMs += this.clock.mono() - since;
         const now = this.settled(subject, cost);
-        if (now) return now;
+        // A lease's decision is shared by its units: this one, which waited, gets a copy that says so.
+        if (now) return { ...now, redisMs: waitedMs };
         continue;
       }
-      const call = this.ask(subject, size, cost);
+      const call = this.ask(subject, size, cost, undefined, waitedMs);
       this.leases.track(
         name,
         call.then(
@@ -300,6 +312,7 @@ export class RedisQuotaStore implements QuotaStore {
       nowMs: now,
       banUntilMs: 0,
     });
+    waited(d, 0, true);
     lease.shared = { second, subject, decision: d };
     return d;
   }
@@ -358,7 +371,7 @@ export class RedisQuotaStore implements QuotaStore {
     cost: number,
     refill: boolean,
     tag?: EventTag,
-  ): Promise<{ counts: WindowCounts; taken: number; sentMono: number } | undefined> {
+  ): Promise<{ counts?: WindowCounts; taken: number; sentMono: number; waitedMs: number }> {
     const back = this.leases.takeUnused(subject.name); // if the call fails they stay counted: the safe side
     const sentMono = this.clock.mono();
     const sentAt = this.clock.wall();
@@ -367,30 +380,34 @@ export class RedisQuotaStore implements QuotaStore {
       const deadline = this.redisClock.deadline(sentAt, this.timeoutMs);
       reply = await within(this.call(subject, lease, back, deadline, cost, refill, tag), this.timeoutMs);
     } catch (err) {
-      this.observe((this.clock.mono() - sentMono) / 1000);
+      const waitedMs = this.clock.mono() - sentMono;
+      this.observe(waitedMs / 1000);
       this.health.failed(err);
-      return undefined;
+      return { taken: 0, sentMono, waitedMs };
     }
-    this.observe((this.clock.mono() - sentMono) / 1000);
+    const waitedMs = this.clock.mono() - sentMono;
+    this.observe(waitedMs / 1000);
     // Unanswered in time, or answered so late that Redis found its deadline passed.
     if (reply === LATE || reply[0] < 0) {
       this.health.failed(new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`));
-      return undefined;
+      return { taken: 0, sentMono, waitedMs };
     }
     this.redisClock.learn(reply[3], sentAt);
     const counts = countsOf(reply);
     this.budget.see(subject.name, counts);
-    return { counts, taken: reply[5] ?? 0, sentMono };
+    return { counts, taken: reply[5] ?? 0, sentMono, waitedMs };
   }
 
-  /** The decision from Redis, and the lease or ban it brings; from the degraded budget if Redis fails meanwhile. */
-  private async ask(subject: QuotaSubject, lease: number, cost: number, tag?: EventTag): Promise<Decision> {
-    const answer = await this.timedCall(subject, lease, cost, false, tag);
-    if (!answer) return this.degradedDecision(subject, cost);
-    const { counts, taken, sentMono } = answer;
+  /**
+   * The decision from Redis, and the lease or ban it brings; from the degraded budget if Redis
+   * fails meanwhile. `waitedMs`: what the request already waited on a sibling's call.
+   */
+  private async ask(subject: QuotaSubject, lease: number, cost: number, tag: EventTag | undefined, waitedMs: number): Promise<Decision> {
+    const { counts, taken, sentMono, waitedMs: callMs } = await this.timedCall(subject, lease, cost, false, tag);
+    if (!counts) return waited(this.degradedDecision(subject, cost), waitedMs + callMs);
     if (taken > cost) this.leases.grant(subject.name, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts));
     this.learnBan(subject.name, counts);
-    return decision(subject, counts);
+    return waited(decision(subject, counts), waitedMs + callMs);
   }
 
   private learnBan(name: string, c: WindowCounts): void {
@@ -410,9 +427,8 @@ export class RedisQuotaStore implements QuotaStore {
   private refill(subject: QuotaSubject, size: number): void {
     const { name } = subject;
     if (this.leases.inFlight(name) || this.leases.hasAhead(name)) return;
-    const done = this.timedCall(subject, size, 1, true).then((answer) => {
-      if (!answer) return false;
-      const { counts, taken, sentMono } = answer;
+    const done = this.timedCall(subject, size, 1, true).then(({ counts, taken, sentMono }) => {
+      if (!counts) return false;
       this.learnBan(name, counts);
       if (counts.outcome !== 'banned' && taken > 0) this.leases.grantAhead(name, leaseOf(taken, size, sentMono, counts.nowMs, counts));
       return taken > 0;

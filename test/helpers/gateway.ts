@@ -63,9 +63,12 @@ const SHIPPED = loadSettings({});
  */
 export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGateway> {
   const closers: Array<() => Promise<unknown> | unknown> = [];
-  const close = async () => {
-    for (const c of closers.reverse()) await c();
-  };
+  // Once: a test that closes its gateway itself (to see what a close does) is closed again when it ends.
+  let closed: Promise<void> | undefined;
+  const close = () =>
+    (closed ??= (async () => {
+      for (const c of closers.reverse()) await c();
+    })());
   try {
     onTestFinished(close);
   } catch {

@@ -45,6 +45,9 @@ describe('settings from their schema', () => {
       metricsKeyIds: false,
       shutdownGraceMs: 10000,
       workers: 1,
+      tracingServiceName: 'pet-store-gateway',
+      tracingSampleRatio: 1,
+      tracingDelayMs: 5000,
       logPretty: false,
       logLevel: 'info',
     });
@@ -67,6 +70,33 @@ describe('settings from their schema', () => {
       /LOG_LEVEL: expected one of fatal, error, warn, info, debug, trace, silent/,
     );
     expect(() => loadSettings({ LOG_PRETTY: 'true' })).toThrow(/LOG_PRETTY: expected one of 1, 0/);
+  });
+
+  it('turns tracing on with a collector URL, and refuses a bad URL or a ratio outside 0 to 1, naming the variable', () => {
+    expect(loadSettings({}).tracingUrl).toBeUndefined();
+    const on = loadSettings({
+      OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'http://collector:4318/v1/traces',
+      OTEL_SERVICE_NAME: 'edge',
+      OTEL_TRACES_SAMPLER_ARG: '0.25',
+      OTEL_BSP_SCHEDULE_DELAY: '1000',
+    });
+    expect(on).toMatchObject({
+      tracingUrl: 'http://collector:4318/v1/traces',
+      tracingServiceName: 'edge',
+      tracingSampleRatio: 0.25,
+      tracingDelayMs: 1000,
+    });
+    expect(() => loadSettings({ OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'collector:4318' })).toThrow(
+      /OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: not an http\(s\) URL: collector:4318/,
+    );
+    expect(() => loadSettings({ OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'http://' })).toThrow(/OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: not a URL/);
+    expect(() => loadSettings({ OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: 'grpc://collector:4317' })).toThrow(
+      /OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: not an http\(s\) URL/,
+    );
+    expect(() => loadSettings({ OTEL_TRACES_SAMPLER_ARG: '1.5' })).toThrow(
+      /OTEL_TRACES_SAMPLER_ARG: Expected number to be less or equal to 1/,
+    );
+    expect(() => loadSettings({ OTEL_TRACES_SAMPLER_ARG: '-0.1' })).toThrow(/OTEL_TRACES_SAMPLER_ARG/);
   });
 
   it('takes one Redis: a URL, a Cluster or a Sentinel group, each well formed', () => {

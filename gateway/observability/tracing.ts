@@ -1,0 +1,241 @@
+import type { IncomingHttpHeaders } from 'node:http';
+import {
+  type Attributes,
+  defaultTextMapGetter,
+  defaultTextMapSetter,
+  ROOT_CONTEXT,
+  type Span,
+  SpanKind,
+  SpanStatusCode,
+  trace,
+  type Tracer,
+} from '@opentelemetry/api';
+import { type ExportResult, ExportResultCode, W3CTraceContextPropagator } from '@opentelemetry/core';
+import { OTLPTraceExporter } from '@opentelemetry/exporter-trace-otlp-http';
+import { defaultResource, resourceFromAttributes } from '@opentelemetry/resources';
+import {
+  BasicTracerProvider,
+  BatchSpanProcessor,
+  ParentBasedSampler,
+  type ReadableSpan,
+  type SpanExporter,
+  TraceIdRatioBasedSampler,
+} from '@opentelemetry/sdk-trace-base';
+import {
+  ATTR_ERROR_TYPE,
+  ATTR_HTTP_REQUEST_METHOD,
+  ATTR_HTTP_REQUEST_METHOD_ORIGINAL,
+  ATTR_HTTP_RESPONSE_STATUS_CODE,
+  ATTR_HTTP_ROUTE,
+  ATTR_SERVICE_NAME,
+  ATTR_URL_PATH,
+  ATTR_URL_SCHEME,
+} from '@opentelemetry/semantic-conventions';
+import type { FastifyBaseLogger, FastifyReply, FastifyRequest } from 'fastify';
+import type { GatewaySettings } from '../config/settings.js';
+import { DOCUMENT_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from '../http/routes.js';
+import type { AccessEntry } from './access-log.js';
+
+// OpenTelemetry tracing: one SERVER span per request of the public port, exported over OTLP/HTTP
+// in batches. Loaded only when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (http/app.ts): off, the
+// SDK is not even imported and no hook is added. Contexts are passed by hand, not through a
+// global context manager (AsyncLocalStorage on every async step would cost every request).
+
+export type TracingSettings = Pick<GatewaySettings, 'tracingServiceName' | 'tracingSampleRatio' | 'tracingDelayMs'> & {
+  tracingUrl: string;
+};
+
+/** How long a shutdown waits for the last spans to reach the collector: within the runner's close margin (5 s). */
+const FLUSH_MS = 3000;
+
+/** Route templates by id: a span's name and http.route never carry a request's own ids. */
+const TEMPLATES = new Map<RouteId, string>([...ROUTES, DOCUMENT_ROUTE, USAGE_ROUTE].map((r) => [r.id, r.path]));
+
+/** The methods HTTP semantic conventions know; any other is `_OTHER`, in a span named `HTTP`. */
+const KNOWN_METHODS = new Set(['CONNECT', 'DELETE', 'GET', 'HEAD', 'OPTIONS', 'PATCH', 'POST', 'PUT', 'TRACE']);
+
+const propagator = new W3CTraceContextPropagator();
+
+/** `GET /v1/pets/{petId}`; the method alone without a route (refused before routing, unknown path). */
+function spanName(method: string, route: RouteId | undefined): string {
+  if (!KNOWN_METHODS.has(method)) return 'HTTP';
+  const template = route && TEMPLATES.get(route);
+  return template ? `${method} ${template}` : method;
+}
+
+/** `http.request.method` into `attributes`: a method the conventions do not know as `_OTHER`, with the original beside it. */
+function methodAttributes(method: string, attributes: Attributes): Attributes {
+  if (KNOWN_METHODS.has(method)) attributes[ATTR_HTTP_REQUEST_METHOD] = method;
+  else {
+    attributes[ATTR_HTTP_REQUEST_METHOD] = '_OTHER';
+    if (method !== 'unknown') attributes[ATTR_HTTP_REQUEST_METHOD_ORIGINAL] = method; // raw answers may not know it
+  }
+  return attributes;
+}
+
+/** The answer's status, ERROR for a 5xx (a 4xx is the client's, not the server's, per the HTTP conventions); then the span ends. */
+function finish(span: Span, status: number, end: number): void {
+  span.setAttribute(ATTR_HTTP_RESPONSE_STATUS_CODE, status);
+  if (status >= 500) {
+    span.setAttribute(ATTR_ERROR_TYPE, String(status));
+    span.setStatus({ code: SpanStatusCode.ERROR });
+  }
+  span.end(end);
+}
+
+/** Milliseconds to the microsecond: the clock's noise past that only lengthens the export. */
+const ms = (t: number) => Math.round(t * 1000) / 1000;
+
+/** What the gateway decided, as the pipeline left it in the context; the key's id, never the key. */
+function decisionAttributes(request: FastifyRequest, end: number): Attributes {
+  const { consumer, outcome, cost, redisMs, leased, overage, sentAt } = request.ctx;
+  const a: Attributes = { 'gateway.request_id': request.id };
+  if (outcome !== undefined) a['gateway.outcome'] = outcome;
+  if (consumer) {
+    a['gateway.key_id'] = consumer.id;
+    a['gateway.account'] = consumer.account;
+    a['gateway.plan'] = consumer.plan;
+  }
+  if (cost !== undefined) a['gateway.cost'] = cost;
+  if (redisMs !== undefined) a['gateway.redis_wait_ms'] = ms(redisMs);
+  if (leased !== undefined) a['gateway.lease'] = leased;
+  if (overage !== undefined) a['gateway.overage'] = overage;
+  // From leaving for the backend to the response's end: the backend's share of the span.
+  if (sentAt !== undefined) a['gateway.upstream_ms'] = ms(end - sentAt);
+  return a;
+}
+
+/**
+ * The OTLP exporter, watched: one warning when exports start failing (collector down, or
+ * refusing), one line when they succeed again. OTel's own diagnostics stay unset: they would
+ * log every failed batch.
+ */
+class WatchedExporter implements SpanExporter {
+  private failing = false;
+
+  constructor(
+    private readonly inner: SpanExporter,
+    private readonly url: string,
+    private readonly log: FastifyBaseLogger,
+  ) {}
+
+  export(spans: ReadableSpan[], done: (result: ExportResult) => void): void {
+    this.inner.export(spans, (result) => {
+      const ok = result.code === ExportResultCode.SUCCESS;
+      if (ok === this.failing) {
+        this.failing = !ok;
+        if (ok) this.log.info({ url: this.url }, 'tracing: the collector takes spans again');
+        else {
+          const reason = result.error?.message ?? 'export failed';
+          this.log.warn({ url: this.url, reason }, 'tracing: spans could not be exported; they are dropped until the collector takes them');
+        }
+      }
+      done(result);
+    });
+  }
+
+  shutdown(): Promise<void> {
+    return this.inner.shutdown();
+  }
+
+  forceFlush(): Promise<void> {
+    return this.inner.forceFlush?.() ?? Promise.resolve();
+  }
+}
+
+/**
+ * The spans of the public port. A request's span starts at its arrival (fastify's reply start)
+ * and ends when its answer is finished, whatever answered it: the proxy, a refusal in the
+ * pipeline, a framework error or a raw socket. Its parent is the client's `traceparent` when
+ * it sent a valid one (the caller's trace is continued, as Kong and Envoy do), and the backend
+ * is sent the span's own.
+ */
+export class RequestTracing {
+  private readonly provider: BasicTracerProvider;
+  private readonly tracer: Tracer;
+
+  constructor(
+    settings: TracingSettings,
+    private readonly log: FastifyBaseLogger,
+  ) {
+    const exporter = new WatchedExporter(new OTLPTraceExporter({ url: settings.tracingUrl }), settings.tracingUrl, log);
+    this.provider = new BasicTracerProvider({
+      resource: defaultResource().merge(resourceFromAttributes({ [ATTR_SERVICE_NAME]: settings.tracingServiceName })),
+      // A trace the client started is sampled as the client said; a new one at the ratio.
+      sampler: new ParentBasedSampler({ root: new TraceIdRatioBasedSampler(settings.tracingSampleRatio) }),
+      spanProcessors: [new BatchSpanProcessor(exporter, { scheduledDelayMillis: settings.tracingDelayMs })],
+    });
+    this.tracer = this.provider.getTracer('pet-store-gateway');
+  }
+
+  private start(request: FastifyRequest, startTime: number): Span {
+    const parent = propagator.extract(ROOT_CONTEXT, request.headers, defaultTextMapGetter);
+    const { route } = request.ctx;
+    const q = request.url.indexOf('?');
+    // The query is left out: it is the client's and may carry anything.
+    const attributes = methodAttributes(request.method, {
+      [ATTR_URL_PATH]: q === -1 ? request.url : request.url.slice(0, q),
+      [ATTR_URL_SCHEME]: request.protocol,
+    });
+    if (route) attributes[ATTR_HTTP_ROUTE] = TEMPLATES.get(route);
+    return this.tracer.startSpan(spanName(request.method, route), { kind: SpanKind.SERVER, startTime, attributes }, parent);
+  }
+
+  /**
+   * onRequest, after the pipeline's: the span of a request the pipeline let through, dated
+   * from its arrival, in place before the proxy writes the backend's `traceparent`.
+   */
+  readonly onRequest = (request: FastifyRequest, reply: FastifyReply, done: () => void): void => {
+    request.ctx.span = this.start(request, performance.now() - reply.elapsedTime);
+    done();
+  };
+
+  /** onResponse: the decision's attributes, the status, the end; a refused request's span is made here, dated from its arrival. */
+  readonly onResponse = (request: FastifyRequest, reply: FastifyReply, done: () => void): void => {
+    const end = performance.now();
+    const span = request.ctx.span ?? this.start(request, end - reply.elapsedTime);
+    if (span.isRecording()) span.setAttributes(decisionAttributes(request, end));
+    finish(span, reply.statusCode, end);
+    done();
+  };
+
+  /** The proxy's header rewrite: the backend gets this span as its parent (traceparent, and tracestate if any). */
+  readonly inject = (request: FastifyRequest, headers: IncomingHttpHeaders): void => {
+    const span = request.ctx.span;
+    if (!span) return;
+    // A client's tracestate goes with its traceparent: when that one did not parse, this trace is new and has none.
+    if (span.spanContext().traceState === undefined && headers.tracestate !== undefined) delete headers.tracestate;
+    propagator.inject(trace.setSpan(ROOT_CONTEXT, span), headers, defaultTextMapSetter);
+  };
+
+  /**
+   * `record` (the access line), and a span for each answer it records: the answers fastify's
+   * hooks never see (framework errors, raw sockets), described by their access entry.
+   */
+  recording(record: (reqId: string, e: AccessEntry) => void): (reqId: string, e: AccessEntry) => void {
+    return (reqId, e) => {
+      record(reqId, e);
+      const end = performance.now();
+      const attributes = methodAttributes(e.method, { 'gateway.request_id': reqId });
+      if (e.outcome !== undefined) attributes['gateway.outcome'] = e.outcome;
+      const span = this.tracer.startSpan(
+        spanName(e.method, undefined),
+        { kind: SpanKind.SERVER, startTime: end - e.ms, attributes },
+        ROOT_CONTEXT,
+      );
+      finish(span, e.status, end);
+    };
+  }
+
+  /** Exports what is left and stops; gives up after FLUSH_MS (a collector that does not answer must not hold the shutdown). */
+  async shutdown(): Promise<void> {
+    let timer: NodeJS.Timeout | undefined;
+    const late = new Promise<boolean>((resolve) => (timer = setTimeout(() => resolve(true), FLUSH_MS)));
+    const flushed = this.provider.shutdown().then(
+      () => false,
+      () => false, // a failed export was logged by the exporter
+    );
+    if (await Promise.race([flushed, late])) this.log.warn(`tracing: the last spans did not reach the collector within ${FLUSH_MS} ms`);
+    clearTimeout(timer);
+  }
+}
