@@ -109,6 +109,8 @@ function admissionOf(d: Decision, subject: QuotaSubject): Admission {
     refusal: refusal(d),
     overage: undefined,
     eventId: d.eventId,
+    redisMs: d.redisMs,
+    leased: d.leased,
   };
 }
 
