@@ -57,12 +57,35 @@ export function accessLine(log: FastifyBaseLogger): (reqId: string, e: AccessEnt
   return function writeAccessLine(reqId: string, e: AccessEntry): void {
     if (!pinoLog.isLevelEnabled('info')) return;
     let line = `{"level":30${time()}${bindings},"reqId":${JSON.stringify(reqId)}`;
-    if (e.consumer) line += `,"keyId":${JSON.stringify(e.consumer.id)},"plan":${JSON.stringify(e.consumer.plan)}`;
-    line += `,"route":${e.route === undefined ? 'null' : JSON.stringify(e.route)},"method":${JSON.stringify(e.method)},"status":${e.status},"ms":${tenths(e.ms)}`;
+    if (e.consumer) line += keyFields(e.consumer);
+    line += `,"route":${e.route === undefined ? 'null' : quoted(e.route)},"method":${quoted(e.method)},"status":${e.status},"ms":${tenths(e.ms)}`;
     if (e.outcome !== undefined) line += `,"outcome":"${e.outcome}"`;
     if (e.overage !== undefined) line += `,"overage":${e.overage}`;
     stream.write(`${line},"msg":"request"}\n`);
   };
+}
+
+/** A key's fields of the line, written once per key (a reload makes new consumers, and new entries). */
+const keyFieldsOf = new WeakMap<Consumer, string>();
+function keyFields(c: Consumer): string {
+  let fields = keyFieldsOf.get(c);
+  if (fields === undefined) {
+    fields = `,"keyId":${JSON.stringify(c.id)},"plan":${JSON.stringify(c.plan)}`;
+    keyFieldsOf.set(c, fields);
+  }
+  return fields;
+}
+
+/** Route ids and methods as JSON strings: a handful of names, each quoted once. */
+const quotedNames = new Map<string, string>();
+function quoted(name: string): string {
+  let q = quotedNames.get(name);
+  if (q === undefined) {
+    q = JSON.stringify(name);
+    // Methods come from clients: only so many are kept.
+    if (quotedNames.size < 64) quotedNames.set(name, q);
+  }
+  return q;
 }
 
 /**
