@@ -25,7 +25,8 @@ import { spin } from './spin.mjs';
 // more rounds than `npm run bench` and nothing else measured, for a change whose effect is
 // smaller than this machine's noise between runs. Loopback only; about four minutes by default.
 //   BENCH_AB="name|path/to/gateway/server.js|ENV=value|...,name|..." (default: this build,
-//     with Redis and with the in-process store). A variant's ENV may say REDIS_URL=redis to
+//     with Redis and with the in-process store); `peer` in place of a path is the usual
+//     alternative (@fastify/rate-limit on Redis, bench/reference-proxy.ts). A variant's ENV may say REDIS_URL=redis to
 //     get the Redis this run starts, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=sink to trace to an
 //     OTLP sink in this process, and BENCH_SPIN_US=5 to add 5 us of CPU to each request
 //     (bench/spin.mjs): the same build made costlier by a known amount, to check the measure.
@@ -97,10 +98,13 @@ async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Va
     if (env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT === 'sink') env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = await startOtlpSink(bed);
     const spin = env.BENCH_SPIN_US ? ['--import', resolve('bench/spin.mjs')] : [];
     if (env.BENCH_SPIN_US) env.BENCH_SPIN_ITERS = String(spinTurns(Number(env.BENCH_SPIN_US)));
-    variants.push({
-      name: name!,
-      launch: (args = [], more = {}) => startGatewayBuild(bed, entry!, { ...env, ...more }, [...spin, ...args], `gateway-${name}`),
-    });
+    // `peer` in place of a build: the usual alternative (@fastify/rate-limit on this run's Redis).
+    const launch: Launch =
+      entry === 'peer'
+        ? (args = [], more = {}) =>
+            startReference(bed, `peer-${name}`, { RATE_LIMIT_REDIS: bed.redisUrl, ...env, ...more }, [...spin, ...args])
+        : (args = [], more = {}) => startGatewayBuild(bed, entry!, { ...env, ...more }, [...spin, ...args], `gateway-${name}`);
+    variants.push({ name: name!, launch });
   }
   return variants;
 }

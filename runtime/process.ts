@@ -87,25 +87,42 @@ class LineBatch implements DestinationStream {
     }
   }
 
-  flush(): void {
-    if (this.timer !== undefined) clearTimeout(this.timer);
-    this.timer = undefined;
-    unflushed.delete(this);
-    if (this.lines.length === 0) return;
-    const text = this.lines.length === 1 ? this.lines[0]! : this.lines.join('');
-    this.lines.length = 0;
-    this.chars = 0;
-    this.dest.write(text);
+  /** pino's `logger.flush(cb)` comes here: the batch goes to sonic-boom, which calls `cb` once it is written. */
+  flush(cb?: (err?: Error) => void): void {
+    const text = this.take();
+    if (text !== undefined) this.dest.write(text);
+    if (cb) this.dest.flush(cb);
   }
 
-  /** What waits here and in sonic-boom, written now: the process is exiting. */
+  /**
+   * What waits here and in sonic-boom, written now, synchronously: the process is exiting.
+   * sonic-boom would start an asynchronous write for this batch, which its own flushSync leaves
+   * to the thread pool, and the exit would cut: with minLength above any batch, the text is
+   * only queued, and flushSync writes the queue with writeSync (retrying a full pipe).
+   */
   flushSync(): void {
-    this.flush();
+    const text = this.take();
     try {
+      if (text !== undefined) {
+        (this.dest as unknown as { minLength: number }).minLength = Number.MAX_SAFE_INTEGER;
+        this.dest.write(text);
+      }
       this.dest.flushSync();
     } catch {
       // not open yet, or already closed: nothing more can be written
     }
+  }
+
+  /** The lines waiting, joined, and the batch emptied; undefined when none wait. */
+  private take(): string | undefined {
+    if (this.timer !== undefined) clearTimeout(this.timer);
+    this.timer = undefined;
+    unflushed.delete(this);
+    if (this.lines.length === 0) return undefined;
+    const text = this.lines.length === 1 ? this.lines[0]! : this.lines.join('');
+    this.lines.length = 0;
+    this.chars = 0;
+    return text;
   }
 }
 

@@ -153,6 +153,9 @@ function admitted(refused: GatewayError | undefined, route: ReturnType<typeof ma
   if (sunset) throw sunset;
 }
 
+/** An error for fastify's `done`: given nothing, it would let the request through as if admitted. */
+const failure = (err: unknown): Error => (err instanceof Error ? err : new Error(`request hook failed: ${String(err)}`));
+
 /**
  * The request pipeline, in order: context, a CORS preflight, the public document (both on the
  * per-address quota), authentication (or the per-address quota), route, deprecation headers,
@@ -196,11 +199,15 @@ export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, 
     try {
       waiting = steps(request, reply);
     } catch (err) {
-      done(err as Error);
+      done(failure(err));
       return;
     }
     if (waiting === undefined) done();
-    else waiting.then(() => done(), done);
+    else
+      waiting.then(
+        () => done(),
+        (err: unknown) => done(failure(err)),
+      );
   }
 
   /** fastify's frameworkErrors (a URL it cannot decode): no route, so no hooks; counted, answered and recorded here. */

@@ -158,7 +158,9 @@ export class RequestTracing {
     settings: TracingSettings,
     private readonly log: FastifyBaseLogger,
   ) {
-    const exporter = new WatchedExporter(new OTLPTraceExporter({ url: settings.tracingUrl }), settings.tracingUrl, log);
+    // Logged without credentials or query: some collectors take a token there.
+    const where = new URL(settings.tracingUrl);
+    const exporter = new WatchedExporter(new OTLPTraceExporter({ url: settings.tracingUrl }), `${where.origin}${where.pathname}`, log);
     this.provider = new BasicTracerProvider({
       resource: defaultResource().merge(resourceFromAttributes({ [ATTR_SERVICE_NAME]: settings.tracingServiceName })),
       // A trace the client started is sampled as the client said; a new one at the ratio.
