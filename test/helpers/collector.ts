@@ -1,4 +1,5 @@
-import { createServer, type IncomingMessage } from 'node:http';
+import { createServer } from 'node:http';
+import { text } from 'node:stream/consumers';
 import type { AddressInfo } from 'node:net';
 
 /** One span as an OTLP/JSON export carried it, its attributes (and its resource's) as plain values. */
@@ -84,13 +85,3 @@ export async function startCollector() {
   };
 }
 export type Collector = Awaited<ReturnType<typeof startCollector>>;
-
-function text(req: IncomingMessage): Promise<string> {
-  return new Promise((resolve, reject) => {
-    let s = '';
-    req.setEncoding('utf8');
-    req.on('data', (c: string) => (s += c));
-    req.on('end', () => resolve(s));
-    req.on('error', reject);
-  });
-}

@@ -1,4 +1,5 @@
-import { createServer, type IncomingMessage } from 'node:http';
+import { createServer } from 'node:http';
+import { text } from 'node:stream/consumers';
 import type { AddressInfo } from 'node:net';
 import { type CloudEvent, HTTP } from 'cloudevents';
 
@@ -56,14 +57,4 @@ export async function startSink() {
         server.close(() => r());
       }),
   };
-}
-
-function text(req: IncomingMessage): Promise<string> {
-  return new Promise((resolve, reject) => {
-    let s = '';
-    req.setEncoding('utf8');
-    req.on('data', (c: string) => (s += c));
-    req.on('end', () => resolve(s));
-    req.on('error', reject);
-  });
 }

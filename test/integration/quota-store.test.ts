@@ -459,6 +459,8 @@ describe('redis store with leases', () => {
 
   it("decides a unit of a lease and a known ban without a promise, and shares a lease's decision within a second", async () => {
     await inOneMinute(async () => {
+      // A store built alone has no gateway settings, so `leased()` gives it its lease size: 10 units
+      // at 1,000 a minute, as the shipped QUOTA_LEASE_MAX (100) gives too.
       const store = leased();
       const s = subject(1000, 100000, false); // a lease is 10 units
       const first = store.consume(s);
