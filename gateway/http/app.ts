@@ -70,7 +70,7 @@ type AppSettings = Pick<
  */
 function refund(store: QuotaStore, ctx: RequestContext): void {
   if (ctx.consumer && ctx.countedAtMs !== undefined) {
-    void store.refund(ctx.consumer.subject, ctx.countedAtMs, ctx.cost, ctx.overage, ctx.eventId);
+    void store.refund(ctx.consumer.subject, ctx.countedAtMs, ctx.cost, ctx.eventId);
   }
   ctx.overage = undefined;
 }

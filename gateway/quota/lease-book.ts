@@ -16,7 +16,11 @@ export interface Lease {
   /** The billing period's count after the lease, and the period (a subject with a month window). */
   monthUsed: number;
   period?: Period;
-  /** The lease's size when taken: the next one is asked for once half of it is handed out. */
+  /**
+   * The lease's size when taken: the next one is asked for once half of it is handed out. Of
+   * leases closed and given back together, their sizes added: Redis learns from it how many of
+   * their units were delivered (size less left), which is what overage bills.
+   */
   size: number;
   /** The decision its units share within one second of Redis time, for one subject (see RedisStore.fromLease). */
   shared?: { second: number; subject: QuotaSubject; decision: Decision };
@@ -78,7 +82,7 @@ export class LeaseBook {
           return lease;
         }
         this.current.delete(name);
-        if (lease.left > 0) this.keepUnused(name, lease);
+        this.keepUnused(name, lease); // even spent, it is closed with the next call
       }
       const next = this.ahead.get(name);
       if (!next) return undefined;
@@ -103,7 +107,7 @@ export class LeaseBook {
     return this.ahead.has(name);
   }
 
-  /** The unused units to give back with the subject's next call, taken out of the book. */
+  /** The leases to close with the subject's next call (their unused units, their sizes), taken out of the book. */
   takeUnused(name: string): Lease | undefined {
     const back = this.unused.get(name);
     if (back) this.unused.delete(name);
@@ -121,31 +125,39 @@ export class LeaseBook {
   }
 
   /**
-   * Keeps a lease's unused units to give back. Two leases to give back at once (the current
-   * one and the one taken ahead, both expired) merge when they counted in the same windows;
-   * otherwise the older stays counted: under-admission, never over.
+   * Keeps a lease to close, with its unused units to give back. Two leases to close at once
+   * (the current one and the one taken ahead, both expired) merge when they counted in the
+   * same windows; otherwise the older stays counted and open: under-admission and, past the
+   * quota, under-billing of its delivered units, never over.
    */
   private keepUnused(name: string, lease: Lease): void {
     const held = this.unused.get(name);
-    if (
-      held &&
-      held.windowEndMs === lease.windowEndMs &&
-      held.dayStartMs === lease.dayStartMs &&
-      held.period?.startMs === lease.period?.startMs
-    ) {
+    if (held && held.dayStartMs === lease.dayStartMs && held.period?.startMs === lease.period?.startMs) {
+      // Of two minutes, neither is given its units back (they stay counted there: the safe side).
+      if (held.windowEndMs !== lease.windowEndMs) held.windowEndMs = 0;
       held.left += lease.left;
+      held.size += lease.size;
     } else this.unused.set(name, { ...lease });
   }
 
-  /** Forgets leases over for a minute, at most once a minute: subjects that stopped sending. */
-  sweep(): void {
+  /**
+   * At most once a minute: leases over for a minute are kept to close with their subject's
+   * next call, however late (what they delivered is billed then), and leases to close whose
+   * day and billing period both ended are forgotten (Redis would ignore them).
+   */
+  sweep(wallNow: number): void {
     const now = this.clock.mono();
     if (now - this.lastSweep < MINUTE_MS) return;
     this.lastSweep = now;
-    // A minute's grace, so a subject that sends every minute or two still gives its units back;
-    // one that stopped sending keeps them counted: at most what it held, once.
     for (const held of [this.current, this.ahead]) {
-      for (const [name, lease] of held) if (lease.until <= now - MINUTE_MS) held.delete(name);
+      for (const [name, lease] of held) {
+        if (lease.until > now - MINUTE_MS) continue;
+        held.delete(name);
+        this.keepUnused(name, lease);
+      }
+    }
+    for (const [name, lease] of this.unused) {
+      if (lease.dayStartMs + DAY_MS <= wallNow && (lease.period?.endMs ?? 0) <= wallNow) this.unused.delete(name);
     }
   }
 }

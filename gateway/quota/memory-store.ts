@@ -79,7 +79,7 @@ export class MemoryQuotaStore implements QuotaStore {
     return usage;
   }
 
-  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, overage = 0): Promise<void> {
+  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
     const s = this.states.get(subject.name);
     if (s) {
       if (s.minuteStart === windowStart(countedAtMs, MINUTE_MS)) s.minuteCount = Math.max(0, s.minuteCount - cost);
@@ -87,8 +87,12 @@ export class MemoryQuotaStore implements QuotaStore {
       // The period it was counted in, if it is still the one stored (as refund.lua does).
       const inPeriod = subject.limits.perMonth !== undefined && s.periodStart <= countedAtMs && countedAtMs < s.periodEnd;
       if (inPeriod) s.periodCount = Math.max(0, s.periodCount - cost);
-      const overageFrom = subject.limits.perMonth ? (inPeriod ? s.periodStart : -1) : windowStart(countedAtMs, DAY_MS);
-      if (overage > 0 && s.overageStart === overageFrom) s.overageCount = Math.max(0, s.overageCount - overage);
+      // The overage takes back what no delivered unit is under any more, at most `cost` (as refund.lua does).
+      const sameDay = s.dayStart === windowStart(countedAtMs, DAY_MS);
+      const [long, from] = subject.limits.perMonth
+        ? [s.periodCount, inPeriod ? s.periodStart : -1]
+        : [s.dayCount, sameDay ? s.dayStart : -1];
+      if (s.overageStart === from) s.overageCount -= Math.min(cost, Math.max(0, s.overageCount - Math.max(0, long - softQuota(subject))));
     }
     // Given back as purchased credits, which never expire (as refund.lua does).
     if (subject.billing.credits) this.account(subject.name).credits.purchased += cost;

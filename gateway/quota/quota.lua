@@ -20,7 +20,9 @@
 --   19-24 usage events: the most the stream keeps (0: no event), and the request's id, key id,
 --         plan, route and method: an admitted request's event is written here, with its count;
 --   25    alert thresholds, as fractions in a comma list ('' none), for the day, the month and
---         credits: KEYS[6] remembers the alerts fired, KEYS[7] is their stream (billing.lua).
+--         credits: KEYS[6] remembers the alerts fired, KEYS[7] is their stream (billing.lua);
+--   26    the size of the leases given back (7-9, 18) when they were taken: closing them tells
+--         how many of their units were delivered (size less unused), sent even when none is unused.
 -- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken, periodUsed, periodStart,
 -- periodEnd, balance (-1: no credits), overage units billed in the window so far, this request's,
 -- its usage event's id (or false)}; outcome is an index into OUTCOMES in decision.ts: 0
@@ -39,7 +41,7 @@ local cost = tonumber(ARGV[11]) or 1
 local soft = tonumber(ARGV[15]) or 0
 local grant = tonumber(ARGV[16]) or -1
 
-local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
+local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls')
 local ms = now - now % 60000
 local ds = now - now % DAY
 local ps, pe, pidx = 0, 0, 0
@@ -70,6 +72,9 @@ local ban = tonumber(h[5]) or 0
 local ow = ds
 if perMonth > 0 then ow = ps end
 local oc = (soft > 0 and tonumber(h[8]) == ow) and tonumber(h[9]) or 0
+-- Units of leases taken in the overage window and not closed yet (`ls` its start): counted in
+-- the windows, but how many of them were delivered is known only when their holder closes them.
+local lo = (tonumber(h[12]) == ow) and tonumber(h[11]) or 0
 local mine = 0
 local eventId = false
 local function reply(outcome, taken, banUntil)
@@ -78,7 +83,7 @@ local function reply(outcome, taken, banUntil)
   return {outcome, mc, dc, now, banUntil or 0, taken or 0, pc, ps, pe, balance, oc, mine, eventId}
 end
 local function save()
-  redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc)
+  redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc, 'lo', lo, 'ls', ow)
   if perMonth > 0 then redis.call('HSET', KEYS[1], 'ps', ps, 'pc', pc, 'pe', pe) end
 end
 local expireAt = ms + 60000
@@ -86,24 +91,45 @@ if perDay > 0 then expireAt = ds + DAY end
 if perMonth > 0 then expireAt = pe end
 local function keep() redis.call('PEXPIREAT', KEYS[1], math.max(expireAt, ban)) end
 
--- Units leased earlier and never handed out leave the windows they were counted in.
-local back = tonumber(ARGV[7]) or 0
-if back > 0 then
-  local changed = false
-  if tonumber(ARGV[9]) == ds and dc >= back then dc = dc - back changed = true end
-  if tonumber(ARGV[8]) == ms and mc >= back then mc = mc - back changed = true end
-  if perMonth > 0 and tonumber(ARGV[18]) == ps and pc >= back then pc = pc - back changed = true end
-  if changed then save() end
-end
--- A request during a ban neither counts nor extends it; the counts still tell whether
--- a window stays closed past the ban's end.
-if ban > now then return reply(3, 0, ban) end
-
 -- The overage window's count.
 local function long()
   if perMonth > 0 then return pc end
   return dc
 end
+-- Overage is billed for units known to be delivered past the quota: the overage window's
+-- count less the units of leases not closed yet. `units`: those this call makes known (a
+-- request's, or a closed lease's delivered ones); only they are billed now, so a lease given
+-- back never makes a unit billed twice, and a quota lowered mid-period bills nothing already
+-- delivered. A lease whose holder dies is never closed: its delivered units stay unbilled.
+local function bill(units)
+  if soft <= 0 or units <= 0 then return end
+  local due = math.min(units, long() - lo - soft - oc)
+  if due > 0 then
+    mine = mine + due
+    oc = oc + due
+    redis.call('HSET', KEYS[1], 'os', ow, 'oc', oc)
+  end
+end
+
+-- Leases closed by their holder: units never handed out leave the windows they were counted
+-- in, and the units handed out are known delivered.
+local back, closed = tonumber(ARGV[7]) or 0, tonumber(ARGV[26]) or 0
+if back > 0 or closed > 0 then
+  if tonumber(ARGV[9]) == ds and dc >= back then dc = dc - back end
+  if tonumber(ARGV[8]) == ms and mc >= back then mc = mc - back end
+  if perMonth > 0 and tonumber(ARGV[18]) == ps and pc >= back then pc = pc - back end
+  local leasedIn = tonumber(ARGV[9])
+  if perMonth > 0 then leasedIn = tonumber(ARGV[18]) end
+  if closed > 0 and leasedIn == ow then
+    lo = math.max(0, lo - closed)
+    bill(closed - back)
+  end
+  save()
+end
+-- A request during a ban neither counts nor extends it; the counts still tell whether
+-- a window stays closed past the ban's end.
+if ban > now then return reply(3, 0, ban) end
+
 -- Room for a lease: what every window has left, and none at or past the overage line.
 local function room()
   local r = perMinute - mc
@@ -112,18 +138,12 @@ local function room()
   if soft > 0 then r = math.min(r, soft - long()) end
   return r
 end
-local function take(units)
-  local before = long()
+-- Units taken: a request's (`leased` false), known delivered, or a lease's, not closed yet.
+local function take(units, leased)
   mc = mc + units
   dc = dc + units
   if perMonth > 0 then pc = pc + units end
-  if soft > 0 then
-    mine = math.max(0, long() - math.max(soft, before))
-    if mine > 0 then
-      oc = oc + mine
-      redis.call('HSET', KEYS[1], 'os', ow, 'oc', oc)
-    end
-  end
+  if leased then lo = lo + units else bill(units) end
   if grant >= 0 then
     local fromGrant = math.min(g, units)
     g = g - fromGrant
@@ -134,9 +154,9 @@ local function take(units)
   keep()
 end
 -- Units taken (a request's, or a lease's: a lease's crossing fires when the lease is taken), and the thresholds they reach.
-local function takeAndAlert(units)
+local function takeAndAlert(units, leased)
   local d, m, b = dc, pc, g + p
-  take(units)
+  take(units, leased)
   if not alerting then return end
   if perDay > 0 then crossings(KEYS[6], KEYS[7], now, thresholds, 'day', ds, d, dc, perDay) end
   if perMonth > 0 then crossings(KEYS[6], KEYS[7], now, thresholds, 'month', ps, m, pc, perMonth) end
@@ -147,7 +167,7 @@ end
 -- window keeps room for two, else nothing (the requests then ask one by one, as below).
 if tonumber(ARGV[12]) == 1 then
   if grant >= 0 or room() < 2 * lease then return reply(0, 0) end
-  takeAndAlert(lease)
+  takeAndAlert(lease, true)
   return reply(0, lease)
 end
 
@@ -181,7 +201,7 @@ if grant >= 0 and g + p < cost then return reply(5, 0) end
 -- window keeps room for two leases: near a limit, one decision per request. Credits are never leased.
 local units = cost
 if lease > 1 and cost == 1 and grant < 0 and room() >= 2 * lease then units = lease end
-takeAndAlert(units)
+takeAndAlert(units, units > cost)
 -- The request's usage event, in the same step as its count: what is enforced is what is billed.
 local cap = tonumber(ARGV[19]) or 0
 if cap > 0 then

@@ -262,7 +262,7 @@ export class RedisQuotaStore implements QuotaStore {
     // Time spent waiting for a sibling's lease call: this request waited on Redis too.
     let waitedMs = 0;
     for (;;) {
-      this.leases.sweep();
+      this.leases.sweep(this.redisClock.now());
       // Credits are money, and a usage event is written with its count: every such unit is decided by Redis, never leased.
       const size = cost === 1 && !solo && !subject.billing.credits && subject.events === 0 ? leaseSize(limits, this.leaseMax) : 1;
       if (size === 1) return this.ask(subject, 1, cost, tag, waitedMs);
@@ -317,7 +317,7 @@ export class RedisQuotaStore implements QuotaStore {
     return d;
   }
 
-  /** One run of quota.lua (ARGV in its order): `back` is a lease's unused units to give back, `refill` a lease taken ahead. */
+  /** One run of quota.lua (ARGV in its order): `back` the leases closed (their unused units and size), `refill` a lease taken ahead. */
   private call(
     subject: QuotaSubject,
     lease: number,
@@ -344,7 +344,7 @@ export class RedisQuotaStore implements QuotaStore {
       bans?.durationMs ?? 0,
       lease,
       back?.left ?? 0,
-      back ? back.windowEndMs - MINUTE_MS : 0,
+      back?.windowEndMs ? back.windowEndMs - MINUTE_MS : 0,
       back?.dayStartMs ?? 0,
       deadline,
       cost,
@@ -357,6 +357,7 @@ export class RedisQuotaStore implements QuotaStore {
       back?.period?.startMs ?? 0,
       ...events,
       subject.alerts,
+      back?.size ?? 0,
     );
   }
 
@@ -520,7 +521,7 @@ export class RedisQuotaStore implements QuotaStore {
     pipe.exec().catch(() => {}); // lost: those events go out with status null
   }
 
-  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, overage = 0, eventId?: string): Promise<void> {
+  async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, eventId?: string): Promise<void> {
     if (this.health.failing) return this.budget.refund(subject.name, countedAtMs, cost);
     try {
       await this.redis.refund(
@@ -532,8 +533,8 @@ export class RedisQuotaStore implements QuotaStore {
         subject.limits.perMonth ? countedAtMs : 0,
         cost,
         subject.billing.credits ? 1 : 0,
-        overage,
-        overage > 0 ? (subject.limits.perMonth ? 1 : 2) : 0,
+        softQuota(subject),
+        subject.limits.perMonth ? 1 : 2,
         eventId ? subject.events : 0,
         eventId ?? '',
       );

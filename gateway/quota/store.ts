@@ -12,11 +12,12 @@ export interface QuotaStore {
   settle?(subject: QuotaSubject, eventId: string, status: number): void;
   peek(subject: QuotaSubject): Promise<Usage>;
   /**
-   * Gives an admitted request (its `cost` units, `overage` of them billed as overage) back to the windows it was
-   * counted in (at `countedAtMs`, the decision's time), if they are still current, and to its credits: the gateway failed it (502/504), so the
-   * client is not charged. Best effort: a refund that cannot be made leaves the unit counted.
+   * Gives an admitted request (its `cost` units) back to the windows it was counted in (at `countedAtMs`, the
+   * decision's time), if they are still current, and to its credits: the gateway failed it (502/504), so the client
+   * is not charged. The overage billed then takes back what no delivered unit is under any more (at most `cost`),
+   * whether or not this request was billed as overage. Best effort: a refund that cannot be made leaves the unit counted.
    */
-  refund(subject: QuotaSubject, countedAtMs: number, cost?: number, overage?: number, eventId?: string): Promise<void>;
+  refund(subject: QuotaSubject, countedAtMs: number, cost?: number, eventId?: string): Promise<void>;
   /** Lifts the subject's ban and forgets its recent 429s (an operator's call); false when no ban was in force. */
   unban(subject: QuotaSubject): Promise<boolean>;
   /**

@@ -65,7 +65,8 @@ function refundEvent(account: string, source: string, id: string, f: Record<stri
     subject: account,
     time: new Date(Number(f.at)).toISOString(),
     datacontenttype: 'application/json',
-    data: { refundOf: eventId(account, f.ref!), units: -Number(f.units) },
+    // The overage the refund takes back, when it takes some (refund.lua).
+    data: { refundOf: eventId(account, f.ref!), units: -Number(f.units), ...(Number(f.overage) > 0 && { overage: -Number(f.overage) }) },
   };
 }
 

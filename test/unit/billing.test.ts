@@ -130,8 +130,19 @@ describe('the in-process store on a fake clock', () => {
       [1, 2],
     ]);
     expect((await store.consume(s)).outcome).toBe('month');
-    await store.refund(s, utc(2027, 1, 10), 1, 1); // the last one failed at the gateway: not billed
+    await store.refund(s, utc(2027, 1, 10), 1); // the last one failed at the gateway: not billed
     expect((await store.peek(s)).overageUsed).toBe(1);
+  });
+
+  it('a refund past the quota takes back one unit of overage, even of a request admitted within the quota', async () => {
+    const store = new MemoryQuotaStore(() => utc(2027, 1, 10));
+    const s = subject({ limits: { perMinute: 1000, perDay: 100_000, perMonth: 7 }, billing: { billingDay: 1, overage: 2 } });
+    const first = await store.consume(s); // within the quota
+    for (let i = 0; i < 6; i++) await store.consume(s); // 7: two past the quota of 5
+    expect((await store.peek(s)).overageUsed).toBe(2);
+    await store.refund(s, first.nowMs, 1); // 6 delivered: one past the quota
+    expect((await store.peek(s)).overageUsed).toBe(1);
+    expect((await store.consume(s)).overage).toBe(1); // the 7th delivered is past it again
   });
 });
 

@@ -135,21 +135,39 @@ describe('the lease book', () => {
     expect(book.take('s')?.minuteUsed).toBe(6); // the lease taken ahead
     mono = 30_000; // its minute is over
     expect(book.take('s')).toBeUndefined();
-    expect(book.takeUnused('s')?.left).toBe(2);
+    // Both leases are closed with the next call, the spent one too: 2 units unused of 6 leased.
+    expect(book.takeUnused('s')).toMatchObject({ left: 2, size: 6 });
     expect(book.takeUnused('s')).toBeUndefined();
   });
 
-  it('forgets the leases of subjects that stopped sending, a minute after theirs is over', () => {
+  it('closes two leases of one day but two minutes together, giving no minute its units back', () => {
+    let mono = 0;
+    const book = new LeaseBook({ wall: () => T0, mono: () => mono });
+    book.grant('s', leaseOf(2, 3, 0, T0 + 30_000, { minuteUsed: 3, dayUsed: 3 }));
+    book.grantAhead('s', leaseOf(3, 3, 0, T0 + 90_000, { minuteUsed: 3, dayUsed: 6 })); // the next minute
+    mono = 100_000; // both over
+    expect(book.take('s')).toBeUndefined();
+    expect(book.takeUnused('s')).toMatchObject({ left: 5, size: 6, windowEndMs: 0 });
+  });
+
+  it('keeps the leases of subjects that stopped sending to close, and forgets them once their day and period are over', () => {
     let mono = 120_000;
     const book = new LeaseBook({ wall: () => T0, mono: () => mono });
-    book.sweep(); // the first sweep of the book
+    book.sweep(T0); // the first sweep of the book
     book.grant('s', leaseOf(5, 6, mono, T0 + 30_000, { minuteUsed: 6, dayUsed: 6 }));
     mono += 60_000;
-    book.sweep(); // its minute is over, the minute of grace not yet
+    book.sweep(T0); // its minute is over, the minute of grace not yet
     expect(book.hasCurrent('s')).toBe(true);
     mono += 60_000; // a sweep at most once a minute
-    book.sweep();
+    book.sweep(T0);
     expect(book.hasCurrent('s')).toBe(false);
+    expect(book.takeUnused('s')).toMatchObject({ left: 5, size: 6 }); // closed with the subject's next call
+    book.grant('s', leaseOf(5, 6, mono, T0 + 30_000, { minuteUsed: 6, dayUsed: 6 }));
+    mono += 120_000;
+    book.sweep(T0 + 60_000);
+    mono += 60_000;
+    book.sweep(T0 + DAY_MS); // its day is over (no billing period): nothing left to close it in
+    expect(book.takeUnused('s')).toBeUndefined();
   });
 });
 

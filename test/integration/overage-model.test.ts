@@ -1,0 +1,172 @@
+import { randomUUID } from 'node:crypto';
+import fc from 'fast-check';
+import type { FastifyBaseLogger } from 'fastify';
+import { Redis } from 'ioredis';
+import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import type { Decision, QuotaSubject } from '../../gateway/quota/decision.js';
+import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
+
+// Overage is billed for units delivered past the quota, whatever happens to leases: three
+// instances on one real Redis take leases, hand them out, let them lapse, give them back,
+// die holding them, and refund requests (502/504), in random orders; after every step the
+// bill is checked against a plain count of what was delivered.
+
+const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
+const QUOTA = 480;
+const UP_TO = 20;
+/** The shipped QUOTA_LEASE_MAX (the store's own default is 1: no leases); with these limits a lease is 5 units. */
+const LEASE_MAX = 100;
+const LEASE = 5;
+
+// A billing day half a month away, so no run crosses its period's start.
+const billingDay = ((new Date().getUTCDate() + 14) % 28) + 1;
+const subject = (): QuotaSubject => ({
+  name: `gw:test:{k:${randomUUID()}}`,
+  // A minute roomier than the month: only the month and its overage decide.
+  limits: { perMinute: 10_000, perDay: 0, perMonth: QUOTA + UP_TO },
+  bans: null,
+  policy: '',
+  lasting: true,
+  enforce: true,
+  billing: { billingDay, overage: UP_TO },
+  events: 0,
+  alerts: '',
+});
+
+/** One gateway instance: its store, on a monotonic clock the test moves on to make its leases lapse. */
+class Instance {
+  store: RedisQuotaStore;
+  private shift = 0;
+  /** Its admitted requests not refunded yet, latest last. */
+  readonly admitted: Decision[] = [];
+
+  constructor(redis: Redis) {
+    this.store = new RedisQuotaStore(redis, silent, {
+      leaseMax: LEASE_MAX,
+      // A stall of this busy machine must not hand decisions to the degraded budget, which is not what this test is about.
+      timeoutMs: 30_000,
+      clock: { wall: Date.now, mono: () => performance.now() + this.shift },
+    });
+  }
+
+  /** Its leases' minutes are over, as far as it can tell (Redis's own minute is untouched). */
+  lapse(): void {
+    this.shift += 61_000;
+  }
+}
+
+type Step =
+  | { kind: 'send'; at: number; n: number }
+  | { kind: 'lapse'; at: number }
+  | { kind: 'kill'; at: number }
+  | { kind: 'refund'; at: number };
+
+const steps = fc.array(
+  fc.oneof(
+    { weight: 5, arbitrary: fc.record({ kind: fc.constant('send' as const), at: fc.nat(2), n: fc.integer({ min: 1, max: 120 }) }) },
+    { weight: 2, arbitrary: fc.record({ kind: fc.constant('lapse' as const), at: fc.nat(2) }) },
+    { weight: 1, arbitrary: fc.record({ kind: fc.constant('kill' as const), at: fc.nat(2) }) },
+    { weight: 1, arbitrary: fc.record({ kind: fc.constant('refund' as const), at: fc.nat(2) }) },
+  ),
+  { minLength: 1, maxLength: 30 },
+);
+
+let redis: Redis;
+beforeAll(() => {
+  redis = new Redis(inject('redisUrl'), { enableOfflineQueue: true });
+});
+afterAll(() => redis.quit());
+
+/** Runs `plan` on three fresh instances; returns what was delivered, billed, and how many instances died. */
+async function run(plan: Step[]) {
+  const s = subject();
+  const fleet = [0, 1, 2].map(() => new Instance(redis));
+  const billed = async () => (await fleet[0]!.store.peek(s)).overageUsed ?? 0;
+  let delivered = 0;
+  let kills = 0;
+  const send = async (at: Instance) => {
+    const d = await at.store.consume(s);
+    if (d.outcome === 'allowed') {
+      delivered++;
+      at.admitted.push(d);
+    }
+  };
+  for (const step of plan) {
+    const at = fleet[step.at]!;
+    if (step.kind === 'send') for (let i = 0; i < step.n; i++) await send(at);
+    else if (step.kind === 'lapse') at.lapse();
+    else if (step.kind === 'kill') {
+      // Dies holding whatever it holds: a new instance takes its place.
+      fleet[step.at] = new Instance(redis);
+      kills++;
+    } else {
+      const d = at.admitted.pop();
+      if (d) {
+        await at.store.refund(s, d.nowMs, 1);
+        delivered--;
+      }
+    }
+    // Never a unit billed that was not delivered past the quota, never past the overage allowed.
+    const now = await billed();
+    expect(now, JSON.stringify(step)).toBeLessThanOrEqual(Math.max(0, delivered - QUOTA));
+    expect(now).toBeLessThanOrEqual(UP_TO);
+  }
+  // Every live instance closes its leases with its next call (a request, admitted or not).
+  for (const at of fleet) {
+    at.lapse();
+    await send(at);
+  }
+  return { delivered, billed: await billed(), kills };
+}
+
+describe('overage with leases on three instances', () => {
+  it('bills exactly the units delivered past the quota once the leases are closed; a dead holder leaves at most its leases unbilled', async () => {
+    await fc.assert(
+      fc.asyncProperty(steps, async (plan) => {
+        const { delivered, billed, kills } = await run(plan);
+        const due = Math.min(UP_TO, Math.max(0, delivered - QUOTA));
+        if (kills === 0) expect(billed).toBe(due);
+        else {
+          expect(billed).toBeLessThanOrEqual(due);
+          // What a dead instance held: its lease being handed out and the one taken ahead.
+          expect(billed).toBeGreaterThanOrEqual(due - kills * 2 * LEASE);
+        }
+      }),
+      { numRuns: 40, endOnFailure: true },
+    );
+  });
+
+  it('a lease that lapses while another instance bills the overage is not billed again when given back (the trial: 108 for 100)', async () => {
+    const { delivered, billed } = await run([
+      { kind: 'send', at: 0, n: 3 }, // A takes a lease of 5 and hands out 3
+      { kind: 'send', at: 1, n: QUOTA + UP_TO }, // B fills the quota and the overage (refused at the ceiling)
+      { kind: 'lapse', at: 0 }, // A's lease lapses; its 2 unused units go back with its next call
+      { kind: 'send', at: 1, n: 10 },
+      { kind: 'send', at: 0, n: 10 },
+    ]);
+    expect(delivered).toBe(QUOTA + UP_TO);
+    expect(billed).toBe(UP_TO);
+  });
+
+  it('a refund past the quota takes back one unit of overage, even of a request admitted within the quota', async () => {
+    const { delivered, billed } = await run([
+      { kind: 'send', at: 0, n: 1 }, // A's first request, within the quota
+      { kind: 'send', at: 1, n: QUOTA + UP_TO },
+      { kind: 'refund', at: 0 }, // the backend failed A's request after all (502)
+    ]);
+    expect(delivered).toBeGreaterThan(QUOTA);
+    expect(billed).toBe(delivered - QUOTA);
+  });
+
+  it('a lease whose holder dies is never billed past what was delivered (the trial: 100 for 92)', async () => {
+    const { delivered, billed } = await run([
+      { kind: 'send', at: 0, n: 2 }, // A takes a lease of 5 and hands out 2
+      { kind: 'kill', at: 0 }, // A dies holding 3
+      { kind: 'send', at: 1, n: QUOTA + UP_TO },
+    ]);
+    expect(delivered).toBe(QUOTA + UP_TO - 3);
+    // A's 2 delivered units are never known to Redis: billed for what it knows, never more.
+    expect(billed).toBe(UP_TO - 5);
+    expect(billed).toBeLessThanOrEqual(delivered - QUOTA);
+  });
+});
