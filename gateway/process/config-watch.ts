@@ -2,7 +2,8 @@ import { watch } from 'node:fs';
 import { basename, dirname } from 'node:path';
 import type { FastifyBaseLogger } from 'fastify';
 import { ConfigError, type GatewayConfig, loadConfigFile } from '../config/config.js';
-import type { GatewaySettings } from '../config/settings.js';
+import { needsRedis } from '../config/needs-redis.js';
+import { type GatewaySettings, redisTarget } from '../config/settings.js';
 
 // Config reloads: on a change of the file, or SIGHUP. A broken edit keeps the config in force.
 
@@ -13,7 +14,10 @@ import type { GatewaySettings } from '../config/settings.js';
 export function reloader(settings: GatewaySettings, apply: (config: GatewayConfig) => void, log: FastifyBaseLogger) {
   return (reason: string): boolean => {
     try {
-      apply(loadConfigFile(settings.configFile, settings.redisKeyPrefix));
+      const next = loadConfigFile(settings.configFile, settings.redisKeyPrefix);
+      const unkept = redisTarget(settings) ? [] : needsRedis(next);
+      if (unkept.length > 0) throw new ConfigError(settings.configFile, unkept);
+      apply(next);
       log.info({ reason, file: settings.configFile }, 'config reloaded');
       return true;
     } catch (err) {
