@@ -2,6 +2,7 @@ import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import { Type } from '@sinclair/typebox';
 import type { Consumer } from '../config/config.js';
 import { GatewayError } from '../http/errors.js';
+import { TopUpNotReplicated } from '../quota/redis-store.js';
 import type { LedgerEntry } from '../quota/store.js';
 import { AccountParams, failure } from './schemas.js';
 import type { UsageParts } from './usage.js';
@@ -32,7 +33,10 @@ const Credits = Type.Object(
     balance: Type.Integer({ description: 'Granted plus purchased' }),
     granted: Type.Integer(),
     purchased: Type.Integer(),
-    ledger: Type.Array(Entry, { description: 'Every grant and top-up, oldest first (append-only)' }),
+    ledger: Type.Array(Entry, {
+      description:
+        'The last grants and top-ups (about 1,000), oldest first; with usage export on, every entry also goes to the sink as a CloudEvent',
+    }),
   },
   { title: 'Credits', description: "The account's credits (with the grants due applied) and their ledger" },
 );
@@ -86,6 +90,13 @@ export const creditRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, p
   };
   const fromStore = <T>(work: Promise<T>, what: string): Promise<T> =>
     work.catch((err: Error) => {
+      if (err instanceof TopUpNotReplicated) {
+        app.log.warn({ cause: err.message }, `${what}: not acknowledged`);
+        throw new GatewayError(
+          'quota_store_unavailable',
+          `The top-up is recorded but not yet held by enough replicas (${err.replicas} of ${err.wanted}); send it again with the same Idempotency-Key: it is not added twice`,
+        );
+      }
       app.log.warn({ cause: err.message }, `${what}: the quota store did not answer`);
       throw new GatewayError('quota_store_unavailable', `The quota store did not answer; ask again`);
     });

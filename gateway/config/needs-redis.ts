@@ -13,9 +13,7 @@ export function needsRedis(config: GatewayConfig): string[] {
   const credited = [...config.accounts].filter(([, s]) => s.billing.credits).map(([account]) => account);
   if (credited.length > 0) {
     const named = credited.slice(0, 3).join(', ') + (credited.length > 3 ? ` and ${credited.length - 3} more` : '');
-    problems.push(
-      `credits (account ${named}) need Redis: ${SET_REDIS}; in this process alone a top-up would be lost at its next restart`,
-    );
+    problems.push(`credits (account ${named}) need Redis: ${SET_REDIS}; in this process alone a top-up would be lost at its next restart`);
   }
   if (config.usageExport) problems.push(`usage.export needs Redis: ${SET_REDIS}; without it no usage event is recorded or sent`);
   if (config.alerts) problems.push(`alerts need Redis: ${SET_REDIS}; without it no threshold alert is recorded or sent`);

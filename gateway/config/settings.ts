@@ -60,6 +60,13 @@ export const GatewaySettingsSchema = Type.Object({
   // While Redis fails: decide from each instance's degraded budget (open) or answer 503 (closed).
   quotaStoreFailure: oneOf('QUOTA_STORE_FAILURE', ['open', 'closed'], 'open'),
   quotaLeaseMax: Type.Integer({ env: 'QUOTA_LEASE_MAX', minimum: 1, maximum: 1000, default: 100 }),
+  // A top-up answers 201 once this many replicas hold it (WAIT), else 503 (a retry with the same
+  // Idempotency-Key adds nothing and waits again). Unset: 1 on a Cluster or a Sentinel group,
+  // whose replication is asynchronous (a failover could lose an unreplicated top-up); 0 on REDIS_URL.
+  creditsAckReplicas: Type.Optional(Type.Integer({ env: 'CREDITS_ACK_REPLICAS', minimum: 0, maximum: 16 })),
+  creditsAckTimeoutMs: Ms('CREDITS_ACK_TIMEOUT_MS', 2000),
+  // How long a top-up's Idempotency-Key is remembered (Stripe keeps 24 h): a retry after it adds again.
+  idempotencyKeyHours: Type.Integer({ env: 'IDEMPOTENCY_KEY_HOURS', minimum: 1, maximum: 8760, default: 24 }),
   redisKeyPrefix: Type.String({ env: 'REDIS_KEY_PREFIX', pattern: '^[A-Za-z0-9_.-]{1,32}$', default: 'gw' }),
   // Never a plain "true": that would trust any X-Forwarded-For a client writes.
   trustProxy: Type.Transform(Type.String({ env: 'TRUST_PROXY', minLength: 1, default: 'false' }))
@@ -112,6 +119,12 @@ export function redisTarget(s: Pick<GatewaySettings, 'redisUrl' | 'redisClusterN
   if (s.redisSentinels) return { kind: 'sentinel' as const, sentinels: nodes(s.redisSentinels), name: s.redisSentinelName! };
   if (s.redisUrl) return { kind: 'single' as const, url: s.redisUrl };
   return undefined;
+}
+
+/** Replicas a top-up waits for before it is acknowledged (CREDITS_ACK_REPLICAS, or its default for the topology). */
+export function ackReplicas(s: Parameters<typeof redisTarget>[0] & Pick<GatewaySettings, 'creditsAckReplicas'>): number {
+  const kind = redisTarget(s)?.kind;
+  return s.creditsAckReplicas ?? (kind === 'cluster' || kind === 'sentinel' ? 1 : 0);
 }
 
 /** GATEWAY_CONFIG alone, for the keys command: other settings do not concern it. */

@@ -25,7 +25,7 @@ import { RedisQuotaStore } from '../quota/redis-store.js';
 import { UsageExporter } from '../usage/exporter.js';
 import { WebhookDispatcher } from '../usage/webhooks.js';
 import type { QuotaStore } from '../quota/store.js';
-import { fastifyTrustProxy, type GatewaySettings } from '../config/settings.js';
+import { ackReplicas, fastifyTrustProxy, type GatewaySettings } from '../config/settings.js';
 import type { RequestTracing, TracingSettings } from '../observability/tracing.js';
 
 export interface GatewayDeps {
@@ -56,6 +56,13 @@ type AppSettings = Pick<
   | 'logPretty'
   | 'metricsKeyIds'
   | 'quotaLeaseMax'
+  | 'creditsAckReplicas'
+  | 'creditsAckTimeoutMs'
+  | 'idempotencyKeyHours'
+  | 'redisUrl'
+  | 'redisClusterNodes'
+  | 'redisSentinels'
+  | 'redisSentinelName'
   | 'redisTimeoutMs'
   | 'quotaStoreFailure'
   | 'tracingUrl'
@@ -89,6 +96,9 @@ function quotaStore(
     leaseMax: settings.quotaLeaseMax,
     timeoutMs: settings.redisTimeoutMs,
     failClosed: settings.quotaStoreFailure === 'closed',
+    ackReplicas: ackReplicas(settings),
+    ackTimeoutMs: settings.creditsAckTimeoutMs,
+    idempotencyMs: settings.idempotencyKeyHours * 3_600_000,
     registry,
   });
 }

@@ -74,6 +74,17 @@ export function redisProblem(redis: RedisClient, err: unknown): string {
   return `${redisWhere(redis)}: ${connection ?? (err instanceof Error ? err.message : String(err))}`;
 }
 
+/**
+ * A second connection to the same Redis, for calls that hold their connection (WAIT): the
+ * requests' calls on the first must not queue behind them. It queues its calls until connected.
+ */
+export function secondConnection(redis: RedisClient): RedisClient {
+  const twin =
+    redis instanceof Cluster ? redis.duplicate(undefined, { enableOfflineQueue: true }) : redis.duplicate({ enableOfflineQueue: true });
+  twin.on('error', () => {}); // the first connection reports Redis's failures
+  return twin;
+}
+
 /** Clients closed by closeRedis: the only ones meant to stay closed. */
 const closedByUs = new WeakSet<RedisClient>();
 
@@ -123,4 +134,28 @@ export async function awaitRedis(redis: RedisClient | undefined, log: FastifyBas
   if ((redis.status as string) !== 'ready') {
     log.warn(`${redisProblem(redis, 'not ready yet')}; each instance decides from its share of the quota until Redis answers`);
   }
+}
+
+/**
+ * Whether Redis keeps what it holds on disk (AOF or RDB snapshots), on every master: credits,
+ * top-ups and their ledger live only there. A line to warn with when some master keeps nothing
+ * or cannot be asked (CONFIG refused, as on many managed Redis services); undefined when all do.
+ */
+export async function persistenceProblem(redis: RedisClient): Promise<string | undefined> {
+  const masters: Redis[] = redis instanceof Cluster ? redis.nodes('master') : [redis];
+  const bare: string[] = [];
+  for (const node of masters) {
+    let aof: string;
+    let save: string;
+    try {
+      aof = ((await node.config('GET', 'appendonly')) as string[])[1] ?? '';
+      save = ((await node.config('GET', 'save')) as string[])[1] ?? '';
+    } catch (err) {
+      return `could not check that ${redisWhere(redis)} keeps credits on disk (CONFIG GET: ${(err as Error).message}): make sure it does (appendonly yes, or RDB snapshots and backups), or a Redis restart loses balances and top-ups`;
+    }
+    if (aof !== 'yes' && save.trim() === '') bare.push(`${node.options.host}:${node.options.port}`);
+  }
+  if (bare.length === 0) return undefined;
+  const on = redis instanceof Cluster ? ` on ${bare.join(', ')}` : '';
+  return `${redisWhere(redis)} keeps nothing on disk (appendonly no, save ''${on}): a Redis restart loses every credit balance, top-up and ledger entry; set appendonly yes (redis.conf, or CONFIG SET appendonly yes)`;
 }

@@ -8,7 +8,7 @@ import type { GatewaySettings } from '../config/settings.js';
 import { buildGateway, type Gateway } from '../http/app.js';
 import { RedisQuotaStore } from '../quota/redis-store.js';
 import { reloader, watchConfig } from './config-watch.js';
-import { awaitRedis, closeRedis, connectRedis, type RedisClient } from './redis-client.js';
+import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient } from './redis-client.js';
 
 // The one start sequence of a gateway process, as envoy's runner.go: connect Redis, build the
 // gateway and its admin port, wait for Redis, take reloads, stop on signals, listen. A single
@@ -69,6 +69,13 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   const admin = options.admin ? await adminOf(settings, options, { gateway, redis, log, config, closing: () => closing }) : undefined;
   if (!redis) log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
   await awaitRedis(redis, log);
+  // Once per deployment process: a single one, or the cluster's primary (its workers serve no admin).
+  if (options.admin && redis?.status === 'ready' && [...initial.accounts.values()].some((s) => s.billing.credits)) {
+    const problem = await persistenceProblem(redis).catch(
+      (err: Error) => `could not check that Redis keeps credits on disk: ${err.message}`,
+    );
+    if (problem) log.warn(problem);
+  }
   const stopReloads = takeReloads(settings, options, setConfig, log);
 
   const close = async (redisClose: 'quit' | 'now' = 'quit') => {

@@ -41,15 +41,29 @@ local function period(now, bd)
   local s, i = startIn(y, m - 1, bd)
   return s, here, i
 end
+-- The ledger keeps the last entries of an account's credits, about this many (it is trimmed by
+-- whole stream nodes); with usage export on, every entry is also a usage event, so the sink
+-- keeps the whole record.
+local LEDGER_KEEP = 1000
+-- An entry of `kind` (grant, topup) with its `fields` in the ledger (`book.ledger`), and as a
+-- usage event (`book.events`, when `book.eventsCap` > 0). Returns its ledger id.
+local function record(book, now, kind, fields)
+  local id = redis.call('XADD', book.ledger, 'MAXLEN', '~', LEDGER_KEEP, '*', 'kind', kind, unpack(fields))
+  if book.eventsCap > 0 then
+    redis.call('XADD', book.events, 'MAXLEN', '~', book.eventsCap, '*', 'kind', 'credits', 'entry', kind, 'ledger', id,
+      'at', now, unpack(fields))
+  end
+  return id
+end
 -- The account's credits (hash `key`: g granted, p purchased, gp and ge the period of the last
--- grant), with the grants due at `now` applied and written to the ledger (stream `ledger`):
+-- grant), with the grants due at `now` applied and recorded (`book`, see record):
 -- `grant` each period, added to what is left with `rollover`, else in place of it (what was
 -- left of the last grant expires; purchased credits never do). The last grant's period stays
 -- in force until its end, even if the billing day moved since; then the period holding `now`
 -- (`ps`, `pe`, month index `pidx`) gets one grant, or with rollover one for each period since.
 -- Returns the balance's two parts, the grant period in force, and the period of the grant it
 -- replaced when it made one now.
-local function credits(key, ledger, now, ps, pe, pidx, grant, rollover)
+local function credits(key, book, now, ps, pe, pidx, grant, rollover)
   local c = redis.call('HMGET', key, 'g', 'p', 'gp', 'ge')
   local g, p, gp, ge = tonumber(c[1]) or 0, tonumber(c[2]) or 0, tonumber(c[3]), tonumber(c[4])
   if ge and now < ge then return g, p, gp, ge, nil end
@@ -61,8 +75,8 @@ local function credits(key, ledger, now, ps, pe, pidx, grant, rollover)
   local expired = 0
   if rollover then g = g + n * grant else expired = g g = grant end
   redis.call('HSET', key, 'g', g, 'p', p, 'gp', ps, 'ge', pe)
-  redis.call('XADD', ledger, '*', 'kind', 'grant', 'amount', grant * (rollover and n or 1), 'periods', n,
-    'expired', expired, 'balance', g + p, 'period', ps)
+  record(book, now, 'grant', {'amount', grant * (rollover and n or 1), 'periods', n, 'expired', expired, 'balance', g + p,
+    'period', ps})
   return g, p, ps, pe, gp
 end
 -- Threshold alerts, written to the account's alerts stream (`alerts`) for the webhook

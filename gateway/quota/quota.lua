@@ -48,7 +48,8 @@ local ps, pe, pidx = 0, 0, 0
 if perMonth > 0 or grant >= 0 then ps, pe, pidx = period(now, tonumber(ARGV[14]) or 1) end
 local g, p, gp, ge, replaced = 0, 0, 0, 0, nil
 if grant >= 0 then
-  g, p, gp, ge, replaced = credits(KEYS[3], KEYS[4], now, ps, pe, pidx, grant, tonumber(ARGV[17]) == 1)
+  local book = { ledger = KEYS[4], events = KEYS[5], eventsCap = tonumber(ARGV[19]) or 0 }
+  g, p, gp, ge, replaced = credits(KEYS[3], book, now, ps, pe, pidx, grant, tonumber(ARGV[17]) == 1)
   -- Without a month window, the period shown is the grant's.
   if perMonth == 0 then ps, pe = gp, ge end
 end

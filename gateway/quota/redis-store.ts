@@ -1,7 +1,8 @@
 import { randomUUID } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { FastifyBaseLogger } from 'fastify';
-import { type RedisClient, redisProblem } from '../process/redis-client.js';
+import { Cluster } from 'ioredis';
+import { type RedisClient, redisProblem, secondConnection } from '../process/redis-client.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
 import { type CreditState, withGrants } from './credits.js';
 import { billingPeriod, type Period } from './period.js';
@@ -37,6 +38,7 @@ import {
 } from './store.js';
 
 const lua = (file: string) => readFileSync(new URL(file, import.meta.url), 'utf8');
+const TOPUP_LUA = lua('./billing.lua') + lua('./topup.lua');
 /** Between heartbeats while Redis answers; a heartbeat counts for three of them. */
 const HEARTBEAT_MS = 1000;
 /** Between probes while Redis fails: decisions come back to Redis within this of it answering. */
@@ -57,6 +59,23 @@ type Reply = [
   overageUnits?: number,
   eventId?: string | null,
 ];
+/** A pipeline of topup.lua and the WAIT after it: both go to the account's node. */
+interface TopUpPipeline {
+  topup(...keysThenArgs: Array<string | number>): TopUpPipeline;
+  wait(replicas: number, timeoutMs: number): TopUpPipeline;
+  exec(): Promise<Array<[Error | null, unknown]> | null>;
+}
+
+/** A top-up written, but held by fewer replicas than CREDITS_ACK_REPLICAS within CREDITS_ACK_TIMEOUT_MS. */
+export class TopUpNotReplicated extends Error {
+  constructor(
+    readonly replicas: number,
+    readonly wanted: number,
+  ) {
+    super(`the top-up reached ${replicas} of the ${wanted} replica(s) CREDITS_ACK_REPLICAS asks for`);
+  }
+}
+
 type QuotaRedis = RedisClient & {
   quota(
     counters: string,
@@ -67,14 +86,6 @@ type QuotaRedis = RedisClient & {
     ...args: Array<number | string>
   ): Promise<Reply>;
   refund(counters: string, credits: string, events: string, ...args: Array<number | string>): Promise<number>;
-  topup(
-    credits: string,
-    ledger: string,
-    topUps: string,
-    alerted: string,
-    alerts: string,
-    ...args: Array<string | number>
-  ): Promise<[made: number, ...rest: string[]]>;
   writeback(counters: string, applied: string, id: string, ...args: number[]): Promise<number>;
   heartbeat(registry: string, id: string, ttlMs?: number): Promise<[live: number, rank: number, nowMs: number]>;
   unban(counters: string, rejections: string): Promise<number>;
@@ -85,6 +96,12 @@ export interface RedisStoreOptions {
   observe?: (seconds: number) => void;
   /** Largest lease (QUOTA_LEASE_MAX); 1 (the default): every admission asks Redis. */
   leaseMax?: number;
+  /** CREDITS_ACK_REPLICAS: a top-up is acknowledged once this many replicas hold it (0: at once). */
+  ackReplicas?: number;
+  /** CREDITS_ACK_TIMEOUT_MS: how long a top-up waits for them. */
+  ackTimeoutMs?: number;
+  /** IDEMPOTENCY_KEY_HOURS, in ms: how long a top-up's idempotency key is remembered. */
+  idempotencyMs?: number;
   /** REDIS_TIMEOUT_MS: a call unanswered this long means Redis fails. */
   timeoutMs?: number;
   /** While Redis fails, throw QuotaStoreUnavailable instead of deciding from the degraded budget. */
@@ -183,6 +200,11 @@ export class RedisQuotaStore implements QuotaStore {
   private readonly leaseMax: number;
   private readonly timeoutMs: number;
   private readonly failClosed: boolean;
+  private readonly ackReplicas: number;
+  private readonly ackTimeoutMs: number;
+  private readonly idempotencyMs: number;
+  /** The connection top-ups wait for replicas on (WAIT holds it): made at the first top-up. */
+  private acking?: RedisClient;
   private readonly registry?: () => string;
   private readonly tally = { degraded: 0, refundsFailed: 0, writtenBack: 0 };
   /** Statuses of admitted requests to join to their usage events. */
@@ -198,6 +220,9 @@ export class RedisQuotaStore implements QuotaStore {
     this.leaseMax = options.leaseMax ?? 1;
     this.timeoutMs = options.timeoutMs ?? 1000;
     this.failClosed = options.failClosed ?? false;
+    this.ackReplicas = options.ackReplicas ?? 0;
+    this.ackTimeoutMs = options.ackTimeoutMs ?? 2000;
+    this.idempotencyMs = options.idempotencyMs ?? 24 * 3_600_000;
     this.registry = options.registry;
     this.clock = options.clock ?? SYSTEM_CLOCK;
     this.redisClock = new RedisClock(this.clock);
@@ -205,7 +230,7 @@ export class RedisQuotaStore implements QuotaStore {
     this.budget = new DegradedBudget(this.instanceId);
     redis.defineCommand('quota', { numberOfKeys: 7, lua: lua('./billing.lua') + lua('./quota.lua') });
     redis.defineCommand('refund', { numberOfKeys: 3, lua: lua('./refund.lua') });
-    redis.defineCommand('topup', { numberOfKeys: 5, lua: lua('./billing.lua') + lua('./topup.lua') });
+    redis.defineCommand('topup', { numberOfKeys: 7, lua: TOPUP_LUA });
     redis.defineCommand('writeback', { numberOfKeys: 2, lua: lua('./writeback.lua') });
     redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: lua('./heartbeat.lua') });
     redis.defineCommand('unban', { numberOfKeys: 2, lua: lua('./unban.lua') });
@@ -554,29 +579,68 @@ export class RedisQuotaStore implements QuotaStore {
     return Number(until) > 0;
   }
 
-  /** A top-up in one script (topup.lua): applied once per idempotency key, however the retries race. */
+  /**
+   * A top-up in one script (topup.lua): applied once per idempotency key, however the retries
+   * race; then, with `ackReplicas`, WAIT on the same connection until that many replicas hold it
+   * (a retry waits again), so an acknowledged top-up survives a failover.
+   */
   async topUp(subject: QuotaSubject, t: TopUp): Promise<TopUpResult> {
+    const redis = this.topUpConnection();
+    let results: Array<[Error | null, unknown]>;
+    try {
+      results = await this.topUpCalls(redis, subject, t);
+    } catch (err) {
+      // A Cluster pipeline follows no redirection: after a failover, learn the new masters once and
+      // send it again (applied once: its idempotency key).
+      if (!(redis instanceof Cluster && /^MOVED /.test((err as Error).message))) throw err;
+      await new Promise((done) => redis.refreshSlotsCache(done));
+      results = await this.topUpCalls(redis, subject, t);
+    }
+    const [made, ...rest] = results[0]![1] as [number, ...string[]];
+    const acked = Number(results[1]?.[1] ?? 0);
+    if (this.ackReplicas > 0 && acked < this.ackReplicas) throw new TopUpNotReplicated(acked, this.ackReplicas);
+    if (Number(made) === 1) return { entryId: String(rest[0]), balance: Number(rest[1]), replayed: false, conflict: false };
+    const [first, entryId, balance] = String(rest[0]).split(' ') as [string, string, string];
+    return { entryId, balance: Number(balance), replayed: true, conflict: first !== topUpFingerprint(t) };
+  }
+
+  /** topup.lua, then WAIT with `ackReplicas`, in one pipeline: both reach the account's node, WAIT on the connection that wrote. */
+  private async topUpCalls(redis: RedisClient, subject: QuotaSubject, t: TopUp): Promise<Array<[Error | null, unknown]>> {
     const { name, billing } = subject;
-    const fingerprint = topUpFingerprint(t);
     const credits = billing.credits ?? { grant: 0, rollover: false };
-    const [made, ...rest] = await this.redis.topup(
+    const pipe = (redis.pipeline() as unknown as TopUpPipeline).topup(
       `${name}:credits`,
       `${name}:ledger`,
       `${name}:topups`,
       `${name}:alerted`,
       `${name}:alerts`,
+      `${name}:topup:${t.idempotencyKey}`,
+      `${name}:events`,
       t.amount,
       t.reason,
       t.idempotencyKey,
-      fingerprint,
+      topUpFingerprint(t),
       billing.billingDay,
       credits.grant,
       credits.rollover ? 1 : 0,
       subject.alerts,
+      this.idempotencyMs,
+      subject.events,
     );
-    if (Number(made) === 1) return { entryId: String(rest[0]), balance: Number(rest[1]), replayed: false, conflict: false };
-    const [first, entryId, balance] = String(rest[0]).split(' ') as [string, string, string];
-    return { entryId, balance: Number(balance), replayed: true, conflict: first !== fingerprint };
+    if (this.ackReplicas > 0) pipe.wait(this.ackReplicas, this.ackTimeoutMs);
+    const results = (await pipe.exec()) ?? [];
+    for (const [err] of results) if (err) throw err;
+    return results;
+  }
+
+  /** Where top-ups go: the store's connection, or with `ackReplicas` one of their own (WAIT holds the connection it is sent on). */
+  private topUpConnection(): RedisClient {
+    if (this.ackReplicas === 0) return this.redis;
+    if (!this.acking) {
+      this.acking = secondConnection(this.redis);
+      this.acking.defineCommand('topup', { numberOfKeys: 7, lua: TOPUP_LUA });
+    }
+    return this.acking;
   }
 
   /** Events sent (consumed by the exporter), still in the stream, and dropped by its cap (as counted when the exporter saw it near the cap). */
@@ -644,6 +708,7 @@ export class RedisQuotaStore implements QuotaStore {
   /** Stops the heartbeat and leaves the registry, so the others' shares grow at once. */
   async close(): Promise<void> {
     this.health.close();
+    this.acking?.disconnect();
     if (this.statusTimer) clearTimeout(this.statusTimer);
     if (this.statuses.length > 0) this.writeStatuses();
     if (this.registry && !this.health.failing && this.redis.status === 'ready') {

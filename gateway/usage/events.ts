@@ -18,6 +18,11 @@ export interface CloudEvent {
 
 export const REQUEST_TYPE = 'com.petstore.gateway.request';
 export const REFUND_TYPE = 'com.petstore.gateway.request.refunded';
+/** A credits ledger entry, by its kind: the sink holds the whole ledger, Redis its last entries. */
+export const CREDITS_TYPES: Readonly<Record<string, string>> = {
+  topup: 'com.petstore.gateway.credits.topped_up',
+  grant: 'com.petstore.gateway.credits.granted',
+};
 
 /** How long an event waits for its status record before it is sent with `status: null` (its instance died first). */
 export const STATUS_WAIT_MS = 10_000;
@@ -70,6 +75,23 @@ function refundEvent(account: string, source: string, id: string, f: Record<stri
   };
 }
 
+function creditsEvent(account: string, source: string, id: string, f: Record<string, string>): CloudEvent {
+  const data: Record<string, unknown> = { ledgerEntry: f.ledger, amount: Number(f.amount), balance: Number(f.balance) };
+  if (f.entry === 'grant') {
+    Object.assign(data, { periods: Number(f.periods), expired: Number(f.expired), period: new Date(Number(f.period)).toISOString() });
+  } else Object.assign(data, { reason: f.reason, idempotencyKey: f.idempotencyKey });
+  return {
+    specversion: '1.0',
+    id: eventId(account, id),
+    source,
+    type: CREDITS_TYPES[f.entry!]!,
+    subject: account,
+    time: new Date(Number(f.at)).toISOString(),
+    datacontenttype: 'application/json',
+    data,
+  };
+}
+
 /**
  * The CloudEvents of an account's entries, in order, at most `max`, and the id of the last
  * entry they consume. A request's status is joined from `statuses` (by its entry's id); one still
@@ -95,6 +117,8 @@ export function toCloudEvents(
       events.push(requestEvent(account, source, id, f, status ?? null));
     } else if (f.kind === 'refund') {
       events.push(refundEvent(account, source, id, f));
+    } else if (f.kind === 'credits') {
+      events.push(creditsEvent(account, source, id, f));
     }
     last = id;
     consumed++;

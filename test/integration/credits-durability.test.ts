@@ -1,0 +1,198 @@
+import { type ChildProcess, spawn } from 'node:child_process';
+import { randomUUID } from 'node:crypto';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { describe, expect, it, onTestFinished } from 'vitest';
+import type { ConfigFile } from '../../gateway/config/config.js';
+import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
+import { makeKey, testConfig } from '../helpers/config.js';
+import { freePort, waitForPort } from '../helpers/net.js';
+import { spawnCluster, spawnSentinels } from '../helpers/redis.js';
+import { eventually } from '../helpers/time.js';
+
+// An acknowledged top-up is kept: a 201 comes only once the top-up survives what the operator
+// runs (a replica holds it on a Cluster or Sentinel group; AOF on a single Redis), and the boot
+// says so when Redis keeps nothing on disk. Real Redis processes, real faults (SIGKILL, SIGSTOP).
+
+const TOKEN = 'credits-durability-0123456789';
+
+function creditsConfig(): { config: ConfigFile; account: string } {
+  const account = `acct-${randomUUID().slice(0, 8)}`;
+  const key = { ...makeKey('topups'), account };
+  const config = testConfig([key], {
+    plans: { topups: { perMinute: 100_000, perDay: 1_000_000, credits: { grant: 0, every: 'month' } } },
+  });
+  return { config, account };
+}
+
+function topUp(gw: TestGateway, account: string, idempotencyKey: string, amount = 10): Promise<Response> {
+  return fetch(`${gw.adminUrl}/admin/accounts/${account}/credits`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', 'idempotency-key': idempotencyKey },
+    body: JSON.stringify({ amount, reason: `invoice ${idempotencyKey}` }),
+  });
+}
+
+interface Credits {
+  balance: number;
+  ledger: Array<{ id: string; kind: string; amount: number; idempotencyKey?: string }>;
+}
+async function credits(gw: TestGateway, account: string): Promise<Credits | undefined> {
+  const res = await fetch(`${gw.adminUrl}/admin/accounts/${account}/credits`, { headers: { authorization: `Bearer ${TOKEN}` } });
+  return res.status === 200 ? ((await res.json()) as Credits) : undefined;
+}
+
+/** A redis-server of its own, in its own folder, restartable on the same port and files. */
+async function ownRedis(...args: string[]) {
+  const dir = mkdtempSync(join(tmpdir(), 'redis-aof-'));
+  const port = await freePort();
+  let proc: ChildProcess | undefined;
+  const start = async () => {
+    proc = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir, ...args], { stdio: 'ignore' });
+    await waitForPort(port, 10_000);
+  };
+  await start();
+  onTestFinished(() => {
+    proc?.kill('SIGKILL');
+    rmSync(dir, { recursive: true, force: true });
+  });
+  const kill = () => new Promise((exited) => proc!.once('exit', exited).kill('SIGKILL'));
+  return { url: `redis://127.0.0.1:${port}`, kill, start };
+}
+
+/**
+ * Top-ups sent one after another (each its own idempotency key) until `stop`, at most 400
+ * acknowledged (the ledger keeps about 1,000); what was acknowledged (201), by idempotency key,
+ * and how many a master without a replica answered (503: a promoted replica has none).
+ * Failures while Redis fails over are expected.
+ */
+function topUpsUntil(gw: TestGateway, account: string) {
+  const acked: string[] = [];
+  const seen = { alone: 0 };
+  let running = true;
+  const done = (async () => {
+    while (running && acked.length < 400) {
+      const key = randomUUID();
+      const res = await topUp(gw, account, key).catch(() => undefined);
+      if (res?.status === 201) acked.push(key);
+      const body = await res?.text();
+      if (res?.status === 503 && body?.includes('(0 of 1)')) seen.alone++;
+    }
+  })();
+  return {
+    acked,
+    seen,
+    stop: async () => {
+      running = false;
+      await done;
+    },
+  };
+}
+
+/** Every acknowledged top-up is in the ledger, once, and the balance is what the ledger adds up to. */
+async function expectKept(gw: TestGateway, account: string, acked: string[]): Promise<void> {
+  let now: Credits | undefined;
+  await eventually(async () => (now = await credits(gw, account)) !== undefined, 30_000, 'the credits readable again');
+  const keys = now!.ledger.map((e) => e.idempotencyKey);
+  for (const key of acked) expect(keys.filter((k) => k === key)).toHaveLength(1);
+  expect(now!.balance).toBe(now!.ledger.reduce((sum, e) => sum + e.amount, 0));
+}
+
+describe('top-ups that survive', () => {
+  it('warns at boot, once, when credits are configured and Redis keeps nothing on disk; not when it keeps an AOF', async () => {
+    const { config } = creditsConfig();
+    // The suite's Redis runs with --save '' --appendonly no.
+    const bare = await buildTestGateway({ config, admin: { token: TOKEN } });
+    const warned = bare.logs.filter((l) => String(l.msg).includes('keeps nothing on disk'));
+    expect(warned).toHaveLength(1);
+    expect(warned[0]!.msg).toMatch(/set appendonly yes/);
+    await bare.close();
+    const kept = await ownRedis('--appendonly', 'yes', '--save', '');
+    const safe = await buildTestGateway({ config, redis: kept.url, admin: { token: TOKEN } });
+    expect(safe.logs.filter((l) => String(l.msg).includes('on disk'))).toEqual([]);
+  });
+
+  it('a Redis restarted from its AOF keeps every acknowledged top-up', { timeout: 60_000 }, async () => {
+    const redis = await ownRedis('--appendonly', 'yes', '--save', '');
+    const { config, account } = creditsConfig();
+    const gw = await buildTestGateway({ config, redis: redis.url, admin: { token: TOKEN } });
+    const acked: string[] = [];
+    await Promise.all(
+      Array.from({ length: 20 }, async () => {
+        const key = randomUUID();
+        const res = await topUp(gw, account, key);
+        expect(res.status).toBe(201);
+        acked.push(key);
+      }),
+    );
+    await redis.kill();
+    await redis.start();
+    await expectKept(gw, account, acked);
+    expect((await credits(gw, account))!.balance).toBe(200);
+  });
+
+  it('on a Sentinel group, a top-up the replica does not hold is not acknowledged (503); its retry is, once', {
+    timeout: 60_000,
+  }, async () => {
+    const group = await spawnSentinels();
+    onTestFinished(() => group.stop());
+    const { config, account } = creditsConfig();
+    const gw = await buildTestGateway({
+      config,
+      admin: { token: TOKEN },
+      settings: { redisSentinels: group.sentinels, redisSentinelName: group.name },
+    });
+    group.replica.proc.kill('SIGSTOP'); // the replica takes nothing for now
+    const refused = await topUp(gw, account, 'invoice-1');
+    expect(refused.status).toBe(503);
+    expect((await refused.json()).message).toMatch(/not yet held by enough replicas \(0 of 1\).*same Idempotency-Key/);
+    group.replica.proc.kill('SIGCONT');
+    let retried: Response | undefined;
+    await eventually(async () => (retried = await topUp(gw, account, 'invoice-1')).status === 200, 20_000, 'the retry acknowledged');
+    expect(await retried!.json()).toMatchObject({ replayed: true, balance: 10 });
+    expect((await credits(gw, account))!.ledger.filter((e) => e.kind === 'topup')).toHaveLength(1);
+  });
+
+  it('on a Sentinel group, every top-up acknowledged before the master is killed is on the promoted replica', {
+    timeout: 90_000,
+  }, async () => {
+    const group = await spawnSentinels();
+    onTestFinished(() => group.stop());
+    const { config, account } = creditsConfig();
+    const gw = await buildTestGateway({
+      config,
+      admin: { token: TOKEN },
+      settings: { redisSentinels: group.sentinels, redisSentinelName: group.name },
+    });
+    const traffic = topUpsUntil(gw, account);
+    onTestFinished(() => traffic.stop());
+    await eventually(() => traffic.acked.length >= 20, 20_000, '20 top-ups acknowledged');
+    group.master.proc.kill('SIGKILL');
+    // The promoted replica has no replica of its own: its top-ups are recorded, never acknowledged.
+    await eventually(() => traffic.seen.alone > 0, 60_000, 'a top-up reaching the promoted replica');
+    await traffic.stop();
+    await expectKept(gw, account, traffic.acked);
+  });
+
+  it('on a Redis Cluster, every top-up acknowledged before its master is killed is on the promoted replica', {
+    timeout: 90_000,
+  }, async () => {
+    const cluster = await spawnCluster();
+    onTestFinished(() => cluster.stop());
+    const { config, account } = creditsConfig();
+    const gw = await buildTestGateway({ config, admin: { token: TOKEN }, settings: { redisClusterNodes: cluster.nodes } });
+    const traffic = topUpsUntil(gw, account);
+    onTestFinished(() => traffic.stop());
+    await eventually(() => traffic.acked.length >= 20, 20_000, '20 top-ups acknowledged');
+    const name = `${gw.gateway.config().accounts.get(account)!.name}:credits`;
+    cluster.masterOf(name).proc.kill('SIGKILL');
+    // The promoted replica has no replica of its own: its top-ups are recorded, never acknowledged.
+    await eventually(() => traffic.seen.alone > 0, 60_000, 'a top-up reaching the promoted replica').catch((err: Error) => {
+      const causes = new Set(gw.logs.filter((l) => l.cause).map((l) => `${l.msg}: ${l.cause}`));
+      throw new Error(`${err.message}; the gateway said: ${[...causes].join('; ')}`);
+    });
+    await traffic.stop();
+    await expectKept(gw, account, traffic.acked);
+  });
+});
