@@ -9,6 +9,7 @@ import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { freePort, waitForPort } from '../helpers/net.js';
 import { spawnCluster, spawnSentinels } from '../helpers/redis.js';
+import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 
 // An acknowledged top-up is kept: a 201 comes only once the top-up survives what the operator
@@ -194,5 +195,51 @@ describe('top-ups that survive', () => {
     });
     await traffic.stop();
     await expectKept(gw, account, traffic.acked);
+  });
+});
+
+describe('the credits ledger', () => {
+  it('goes to the usage sink entry by entry, grants and top-ups, as CloudEvents', { timeout: 30_000 }, async () => {
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const { config, account } = creditsConfig();
+    const gw = await buildTestGateway({
+      config: { ...config, usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 100 } } },
+      admin: { token: TOKEN },
+    });
+    expect((await topUp(gw, account, 'invoice-7', 25)).status).toBe(201);
+    const ofType = (type: string) => [...sink.events.values()].filter((e) => e.type === type);
+    await eventually(() => ofType('com.petstore.gateway.credits.topped_up').length === 1, 20_000, 'the top-up at the sink');
+    const [entry] = (await credits(gw, account))!.ledger.filter((e) => e.kind === 'topup');
+    expect(ofType('com.petstore.gateway.credits.topped_up')[0]!.data).toEqual({
+      ledgerEntry: entry!.id,
+      amount: 25,
+      balance: 25,
+      reason: 'invoice invoice-7',
+      idempotencyKey: 'invoice-7',
+    });
+    // The period's grant (0 for this plan), made before the top-up in the same script.
+    expect(ofType('com.petstore.gateway.credits.granted').map((e) => e.data)).toMatchObject([{ amount: 0, periods: 1 }]);
+    expect(sink.state.invalid).toEqual([]);
+  });
+
+  it('keeps its last ~1,000 entries, and each idempotency key for IDEMPOTENCY_KEY_HOURS (24)', { timeout: 60_000 }, async () => {
+    const { config, account } = creditsConfig();
+    const gw = await buildTestGateway({ config, admin: { token: TOKEN } });
+    const name = gw.gateway.config().accounts.get(account)!.name;
+    for (let i = 0; i < 1200; i += 100) {
+      await Promise.all(
+        Array.from({ length: 100 }, (_, j) =>
+          gw.gateway.store.topUp(gw.gateway.config().accounts.get(account)!, { amount: 1, reason: 'r', idempotencyKey: `k${i + j}` }),
+        ),
+      );
+    }
+    const length = await gw.redis!.xlen(`${name}:ledger`);
+    expect(length).toBeGreaterThanOrEqual(1000);
+    expect(length).toBeLessThan(1200);
+    const ttl = await gw.redis!.pttl(`${name}:topup:k1199`);
+    expect(ttl).toBeGreaterThan(23 * 3_600_000);
+    expect(ttl).toBeLessThanOrEqual(24 * 3_600_000);
+    expect(await gw.redis!.exists(`${name}:topups`)).toBe(0); // no hash of keys kept for good
   });
 });
