@@ -70,7 +70,8 @@ type LeaderRedis = RedisClient & {
  * aborted (its POST too), and every cursor move it makes carries its fencing token
  * (cursors.ts). A round returns how much it sent: the next comes at once after a full one, a
  * quarter second after some, a second after none; a failed round is tried again with
- * exponential backoff and full jitter.
+ * exponential backoff and full jitter. No round runs while Redis is not connected: the store
+ * reports Redis, and the sink is not blamed for it.
  */
 export abstract class LeaderLoop<Target> {
   protected readonly redis: LeaderRedis;
@@ -98,9 +99,9 @@ export abstract class LeaderLoop<Target> {
   protected abstract target(config: GatewayConfig): Target | undefined;
   /** One round under `lead`; returns what it sent, and whether that filled a batch. */
   protected abstract round(config: GatewayConfig, target: Target, lead: Lead): Promise<{ sent: number; full: boolean }>;
-  /** A failed round, told once per failure. */
+  /** A failed delivery (DeliveryFailed), told once per failure. */
   protected abstract failed(target: Target, err: Error, retryInMs: number): void;
-  /** A round that succeeded after failures. */
+  /** A round that succeeded after failed deliveries. */
   protected recovered?(target: Target): void;
 
   start(): void {
@@ -122,7 +123,9 @@ export abstract class LeaderLoop<Target> {
   private async tick(): Promise<void> {
     const config = this.config();
     const target = this.target(config);
-    if (!target) return this.schedule(1000);
+    // ioredis refuses every command until its connection is ready (no offline queue): at boot,
+    // or while Redis is away, there is nothing a round could do.
+    if (!target || this.redis.status !== 'ready') return this.schedule(1000);
     const lock = `${config.registryKey.replace(/\{gateways\}$/, `{${this.name}}`)}:lock`;
     let holder: string | undefined;
     try {
@@ -150,8 +153,12 @@ export abstract class LeaderLoop<Target> {
       return 1000;
     }
     const wait = backoffMs(++this.failures);
-    this.deliveryFailing = true;
-    this.failed(target, err, wait);
+    if (err instanceof DeliveryFailed) {
+      this.deliveryFailing = true;
+      this.failed(target, err, wait);
+    } else {
+      this.log.warn({ cause: redisProblem(this.redis, err), retryInMs: Math.round(wait) }, `${this.name}: a round failed on Redis`);
+    }
     return wait;
   }
 

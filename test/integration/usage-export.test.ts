@@ -1,7 +1,7 @@
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { Redis } from 'ioredis';
-import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { defineCursorScripts, moveUsageCursor } from '../../gateway/usage/cursors.js';
 import { echoBackend } from '../helpers/backends.js';
@@ -9,6 +9,7 @@ import { call, makeKey, tempDir, testConfig, uniquePrefix } from '../helpers/con
 import { buildInstances, buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
 import { type Started, startProcess } from '../helpers/processes.js';
+import { spawnRedis } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 
@@ -286,6 +287,31 @@ describe('a leader that loses the lock during a round', () => {
   }, 40_000); // a renewal comes a third of the lock's life into the round
 });
 
+describe('a Redis that freezes during a round', () => {
+  it('is blamed in the log, not the sink, and counts no sink failure; the export resumes after it', async () => {
+    const redis = await spawnRedis(); // its own Redis, so this test can freeze it
+    onTestFinished(() => redis.stop());
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const key = makeKey('metered');
+    const gw = await buildTestGateway({ config: testConfig([key], { plans, usage: exportTo(sink.url) }), redis: redis.url });
+    sink.state.mode = 'hold'; // a round in flight when Redis freezes
+    for (let i = 0; i < 3; i++) await (await gw.call('/v1/pets', key.key)).arrayBuffer();
+    await eventually(() => sink.held.length > 0, 20_000, 'a batch held at the sink');
+    redis.proc.kill('SIGSTOP');
+    const blamed = await gw.waitForLog(
+      (l) => /^usage-export: (this instance lost the lead|a round failed on Redis)$/.test(String(l.msg)),
+      30_000,
+    );
+    expect(String(blamed.cause)).toContain(`Redis at 127.0.0.1:${new URL(redis.url).port}`);
+    redis.proc.kill('SIGCONT');
+    sink.state.mode = 'up';
+    await eventually(() => sink.requests().length >= 3, 30_000, 'the events sent once Redis is back');
+    expect(await metricSum([gw], 'gateway_usage_export_failures_total')).toBe(0);
+    expect(gw.logs.filter((l) => l.msg === 'usage export: a batch failed')).toEqual([]);
+  }, 60_000); // the frozen call gives up after the client's command timeout, a renewal a third of the lock's life into the round
+});
+
 describe("a stale leader's cursor move", () => {
   it('is refused for an older fencing token or an older cursor, and counts nothing twice', async () => {
     const redis = new Redis(inject('redisUrl'));
@@ -315,4 +341,52 @@ describe("a stale leader's cursor move", () => {
     expect(await state()).toEqual({ cursor: d, consumed: 4, pending: 0, statuses: 0 });
     await redis.quit();
   });
+});
+
+describe('usage export and alerts at start-up', () => {
+  const procs: Started[] = [];
+  const dir = tempDir();
+  let redis: Awaited<ReturnType<typeof spawnRedis>> | undefined;
+  afterAll(async () => {
+    for (const p of procs) await p.stop();
+    redis?.stop();
+    dir.cleanup();
+  });
+
+  it('run no round before Redis is connected: no failure logged or counted against the sink or the receiver', async () => {
+    const sink = await startSink();
+    const echo = await echoBackend();
+    const key = makeKey('metered');
+    const file = join(dir.dir, 'gateway.json');
+    const receiver = `http://127.0.0.1:${await freePort()}/hooks`; // never called: no threshold is reached
+    const secret = `whsec_${Buffer.from('a secret of thirty-two bytes!!!!').toString('base64')}`;
+    writeFileSync(
+      file,
+      JSON.stringify(testConfig([key], { plans, usage: exportTo(sink.url), alerts: { url: receiver, secret, thresholds: [0.5] } })),
+    );
+    const redisPort = await freePort(); // nothing listens there until the gateway is up
+    const env = {
+      REDIS_URL: `redis://127.0.0.1:${redisPort}`,
+      GATEWAY_CONFIG: file,
+      BACKEND_URL: echo.url,
+      REDIS_KEY_PREFIX: uniquePrefix(),
+      GATEWAY_PORT: '0',
+      ADMIN_PORT: '0',
+    };
+    const gw = await startProcess('dist/gateway/server.js', env, (l) => l.msg === 'gateway ready');
+    procs.push(gw);
+    const ready = gw.logs.find((l) => l.msg === 'gateway ready')!;
+    redis = await spawnRedis(redisPort);
+    await gw.waitForLog((l) => l.msg === 'usage-export: this instance leads', 15_000);
+    await gw.waitForLog((l) => l.msg === 'alerts: this instance leads', 15_000);
+    await eventually(async () => (await call(`${ready.address}/v1/pets`, key.key)).status === 200, 10_000, 'a request admitted by Redis');
+    await eventually(() => sink.requests().length >= 1, 20_000, 'its event at the sink');
+    const failures = /a batch failed|a webhook failed|a round failed/;
+    expect(gw.logs.filter((l) => failures.test(String(l.msg))).map((l) => l.msg)).toEqual([]);
+    const metrics = await (await fetch(`${ready.admin}/metrics`)).text();
+    expect(metrics).toMatch(/^gateway_usage_export_failures_total 0$/m);
+    expect(metrics).toMatch(/^gateway_webhook_failures_total 0$/m);
+    await sink.close();
+    await echo.close();
+  }, 40_000);
 });
