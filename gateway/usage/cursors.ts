@@ -42,15 +42,35 @@ redis.call('SET', KEYS[1], ARGV[3])
 redis.call('SET', KEYS[2], ARGV[1])
 return 1`;
 
+/**
+ * KEYS: the account's usage stream, its cursor hash. What the stream's cap dropped, from one
+ * consistent view: all it ever took, less what was consumed, less what it holds; recorded in
+ * `dropped` when it grew, and the growth returned.
+ */
+const DROPPED = `local length = redis.call('XLEN', KEYS[1])
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local added = 0
+for i = 1, #info, 2 do
+  if info[i] == 'entries-added' then added = tonumber(info[i + 1]) end
+end
+local consumed = tonumber(redis.call('HGET', KEYS[2], 'consumed') or '0')
+local known = tonumber(redis.call('HGET', KEYS[2], 'dropped') or '0')
+local dropped = added - consumed - length
+if dropped <= known then return 0 end
+redis.call('HSET', KEYS[2], 'dropped', dropped)
+return dropped - known`;
+
 type CursorRedis = RedisClient & {
   moveUsage(cursor: string, stream: string, statuses: string, ...args: Array<string | number>): Promise<number>;
   moveAlerts(cursor: string, fence: string, token: number, from: string, to: string): Promise<number>;
+  countDropped(stream: string, cursor: string): Promise<number>;
 };
 
 /** Defines the scripts on a client (each loop calls it; defining one twice is harmless). */
 export function defineCursorScripts(redis: RedisClient): void {
   redis.defineCommand('moveUsage', { numberOfKeys: 3, lua: MOVE_USAGE });
   redis.defineCommand('moveAlerts', { numberOfKeys: 2, lua: MOVE_ALERTS });
+  redis.defineCommand('countDropped', { numberOfKeys: 2, lua: DROPPED });
 }
 
 export interface UsageMove {
@@ -85,4 +105,9 @@ export async function moveUsageCursor(redis: RedisClient, name: string, m: Usage
 /** The account's alerts cursor moved to the entry delivered, if `token` still leads. */
 export async function moveAlertsCursor(redis: RedisClient, name: string, token: number, from: string, to: string): Promise<Moved> {
   return outcome(Number(await (redis as CursorRedis).moveAlerts(`${name}:alerts:cursor`, `${name}:alerts:fence`, token, from, to)));
+}
+
+/** Events of the account's usage stream its cap dropped since last counted (recorded in the cursor's `dropped`). */
+export async function countDropped(redis: RedisClient, name: string): Promise<number> {
+  return Number(await (redis as CursorRedis).countDropped(`${name}:events`, `${name}:events:cursor`));
 }

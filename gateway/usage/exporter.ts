@@ -1,7 +1,7 @@
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig, UsageExport } from '../config/config.js';
 import type { RedisClient } from '../process/redis-client.js';
-import { moveUsageCursor, REFUSED, type UsageMove } from './cursors.js';
+import { countDropped, moveUsageCursor, REFUSED, type UsageMove } from './cursors.js';
 import { type CloudEvent, type StreamEntry, toCloudEvents } from './events.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost, POST_TIMEOUT_MS } from './leader.js';
 
@@ -110,22 +110,15 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
 
   /**
    * Events the stream's cap dropped before they were sent: all it ever took, less what was
-   * consumed here, less what it holds. Counted and logged once each.
+   * consumed here, less what it holds, read in one script (a write or a move between separate
+   * reads would miscount). Counted and logged once each.
    */
   private async countDropped(name: string, target: UsageExport): Promise<void> {
-    const length = await this.redis.xlen(`${name}:events`);
-    if (length < target.maxEvents * 0.9) return;
-    const info = (await this.redis.call('XINFO', 'STREAM', `${name}:events`)) as Array<string | number>;
-    const added = Number(info[info.indexOf('entries-added') + 1]);
-    const [consumed, known] = (await this.redis.hmget(`${name}:events:cursor`, 'consumed', 'dropped')).map(Number) as [number, number];
-    const dropped = added - consumed - length;
-    if (dropped > known) {
-      await this.redis.hset(`${name}:events:cursor`, 'dropped', dropped);
-      this.metrics.dropped(dropped - known);
-      this.log.warn(
-        { stream: `${name}:events`, dropped: dropped - known },
-        'usage export: the stream was full; its oldest events were dropped',
-      );
+    if ((await this.redis.xlen(`${name}:events`)) < target.maxEvents * 0.9) return;
+    const dropped = await countDropped(this.redis, name);
+    if (dropped > 0) {
+      this.metrics.dropped(dropped);
+      this.log.warn({ stream: `${name}:events`, dropped }, 'usage export: the stream was full; its oldest events were dropped');
     }
   }
 }
