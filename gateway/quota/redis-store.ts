@@ -643,12 +643,21 @@ export class RedisQuotaStore implements QuotaStore {
     return this.acking;
   }
 
-  /** Events sent (consumed by the exporter), still in the stream, and dropped by its cap (as counted when the exporter saw it near the cap). */
+  /**
+   * Events sent (consumed by the exporter), still in the stream, and dropped by its cap (as
+   * counted when the exporter saw it near the cap), read in one transaction (one slot): the
+   * exporter's move counts and trims in one script, so the three always add up.
+   */
   async exportState(subject: QuotaSubject): Promise<ExportState> {
-    const [pending, counts] = await Promise.all([
-      this.redis.xlen(`${subject.name}:events`),
-      this.redis.hmget(`${subject.name}:events:cursor`, 'consumed', 'dropped'),
-    ]);
+    const results = await this.redis
+      .multi()
+      .xlen(`${subject.name}:events`)
+      .hmget(`${subject.name}:events:cursor`, 'consumed', 'dropped')
+      .exec();
+    const [pending, counts] = (results ?? []).map(([err, value]) => {
+      if (err) throw err;
+      return value;
+    }) as [number, Array<string | null>];
     return { exported: Number(counts[0] ?? 0), pending, dropped: Number(counts[1] ?? 0) };
   }
 

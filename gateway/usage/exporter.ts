@@ -1,8 +1,9 @@
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig, UsageExport } from '../config/config.js';
 import type { RedisClient } from '../process/redis-client.js';
-import { type CloudEvent, nextId, type StreamEntry, toCloudEvents } from './events.js';
-import { LeaderLoop } from './leader.js';
+import { countDropped, moveUsageCursor, REFUSED, type UsageMove } from './cursors.js';
+import { type CloudEvent, type StreamEntry, toCloudEvents } from './events.js';
+import { DeliveryFailed, type Lead, LeaderLoop, LeadLost, POST_TIMEOUT_MS } from './leader.js';
 
 /** What the exporter reports (observability/metrics.ts). */
 export interface ExportMetrics {
@@ -47,19 +48,19 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     this.log.info({ sink: target.url }, 'usage export: the sink takes events again');
   }
 
-  /** One batch: read, post, then move the cursors. Returns the events sent. */
-  protected async round(config: GatewayConfig, target: UsageExport): Promise<{ sent: number; full: boolean }> {
+  /** One batch: read, post, then move the cursors, each only if this lead is still the newest. Returns the events sent. */
+  protected async round(config: GatewayConfig, target: UsageExport, lead: Lead): Promise<{ sent: number; full: boolean }> {
     const source = `/pet-store-gateway/${config.environment}`;
     const batch: CloudEvent[] = [];
-    const moved: Array<{ name: string; last: string; consumed: number; refs: string[] }> = [];
+    const moves: Array<{ name: string; events: number; move: Omit<UsageMove, 'token'> }> = [];
     const now = Date.now();
     let oldest = now;
     for (const [account, subject] of config.accounts) {
       if (batch.length >= target.batchSize) break;
-      const cursor = (await this.redis.hget(`${subject.name}:events:cursor`, 'id')) ?? '0-0';
+      const from = (await this.redis.hget(`${subject.name}:events:cursor`, 'id')) ?? '0-0';
       const entries = (await this.redis.xrange(
         `${subject.name}:events`,
-        `(${cursor}`,
+        `(${from}`,
         '+',
         'COUNT',
         target.batchSize - batch.length,
@@ -72,50 +73,52 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
       refs.forEach((ref, i) => found[i] != null && statuses.set(ref, Number(found[i])));
       const { events, last, consumed } = toCloudEvents(account, source, entries, statuses, now);
       batch.push(...events);
-      if (last) moved.push({ name: subject.name, last, consumed, refs: refs.slice(0, consumed) });
+      if (last)
+        moves.push({ name: subject.name, events: events.length, move: { from, to: last, consumed, refs: refs.slice(0, consumed) } });
       await this.countDropped(subject.name, target);
     }
     this.metrics.lag((now - oldest) / 1000);
-    if (batch.length > 0) await this.post(target.url, batch);
+    if (batch.length > 0) await this.post(target.url, batch, lead.signal);
     if (this.stopped) return { sent: 0, full: false };
-    for (const { name, last, consumed, refs } of moved) {
-      await this.redis.multi().hset(`${name}:events:cursor`, 'id', last).hincrby(`${name}:events:cursor`, 'consumed', consumed).exec();
-      await this.redis.xtrim(`${name}:events`, 'MINID', nextId(last));
-      await this.redis.hdel(`${name}:statuses`, ...refs);
+    for (const { name, events, move } of moves) {
+      lead.signal.throwIfAborted();
+      const moved = await moveUsageCursor(this.redis, name, { ...move, token: lead.token });
+      if (moved !== 'moved') throw new LeadLost(`the cursor of ${name}:events was ${REFUSED[moved]}`);
+      this.metrics.exported(events);
     }
-    this.metrics.exported(batch.length);
     return { sent: batch.length, full: batch.length >= target.batchSize };
   }
 
-  private async post(url: string, batch: CloudEvent[]): Promise<void> {
-    const res = await fetch(url, {
-      method: 'POST',
-      headers: { 'content-type': 'application/cloudevents-batch+json' },
-      body: JSON.stringify(batch),
-      signal: AbortSignal.timeout(10_000),
-    });
-    await res.arrayBuffer();
-    if (!res.ok) throw new Error(`the sink answered ${res.status}`);
+  /** Posts a batch; the lead's loss aborts it (LeadLost), the sink's failure is a DeliveryFailed. */
+  private async post(url: string, batch: CloudEvent[], lost: AbortSignal): Promise<void> {
+    lost.throwIfAborted();
+    let res: Response;
+    try {
+      res = await fetch(url, {
+        method: 'POST',
+        headers: { 'content-type': 'application/cloudevents-batch+json' },
+        body: JSON.stringify(batch),
+        signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
+      });
+      await res.arrayBuffer();
+    } catch (err) {
+      lost.throwIfAborted();
+      throw new DeliveryFailed((err as Error).message, { cause: err });
+    }
+    if (!res.ok) throw new DeliveryFailed(`the sink answered ${res.status}`);
   }
 
   /**
    * Events the stream's cap dropped before they were sent: all it ever took, less what was
-   * consumed here, less what it holds. Counted and logged once each.
+   * consumed here, less what it holds, read in one script (a write or a move between separate
+   * reads would miscount). Counted and logged once each.
    */
   private async countDropped(name: string, target: UsageExport): Promise<void> {
-    const length = await this.redis.xlen(`${name}:events`);
-    if (length < target.maxEvents * 0.9) return;
-    const info = (await this.redis.call('XINFO', 'STREAM', `${name}:events`)) as Array<string | number>;
-    const added = Number(info[info.indexOf('entries-added') + 1]);
-    const [consumed, known] = (await this.redis.hmget(`${name}:events:cursor`, 'consumed', 'dropped')).map(Number) as [number, number];
-    const dropped = added - consumed - length;
-    if (dropped > known) {
-      await this.redis.hset(`${name}:events:cursor`, 'dropped', dropped);
-      this.metrics.dropped(dropped - known);
-      this.log.warn(
-        { stream: `${name}:events`, dropped: dropped - known },
-        'usage export: the stream was full; its oldest events were dropped',
-      );
+    if ((await this.redis.xlen(`${name}:events`)) < target.maxEvents * 0.9) return;
+    const dropped = await countDropped(this.redis, name);
+    if (dropped > 0) {
+      this.metrics.dropped(dropped);
+      this.log.warn({ stream: `${name}:events`, dropped }, 'usage export: the stream was full; its oldest events were dropped');
     }
   }
 }

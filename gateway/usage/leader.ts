@@ -1,21 +1,77 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig } from '../config/config.js';
-import type { RedisClient } from '../process/redis-client.js';
+import { type RedisClient, redisProblem } from '../process/redis-client.js';
+import { defineCursorScripts } from './cursors.js';
 
-/** Takes the lead, or keeps it: one instance per deployment at a time (the lock expires if its holder dies). */
-const LEAD = `if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0`;
-const LEASE_MS = 5000;
+/**
+ * Takes the lead, or keeps it. KEYS: the lock, its fence counter (one slot). ARGV: this loop's
+ * id, the lease. The lock holds `<id>:<token>`; taking it draws a new fencing token, the
+ * counter's next value but never below Redis's clock in ms, so a failover that lost the last
+ * increment cannot hand the same token out twice. Returns the token, or 0.
+ */
+const LEAD = `local held = redis.call('GET', KEYS[1])
+local mine = ARGV[1] .. ':'
+if held and string.sub(held, 1, #mine) == mine then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return tonumber(string.sub(held, #mine + 1))
+end
+if held then return 0 end
+local t = redis.call('TIME')
+local token = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('SET', KEYS[2], string.format('%d', token))
+redis.call('SET', KEYS[1], mine .. string.format('%d', token), 'PX', ARGV[2])
+return token`;
 
-type LeaderRedis = RedisClient & { lead(lock: string, me: string, ms: number): Promise<number> };
+/** Keeps the lead during a round, only if it is still this holder's (`<id>:<token>`): 1, or 0. */
+const RENEW = `if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])`;
+
+/** Gives the lead up, if it is still this holder's. */
+const RELEASE = `if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0`;
+
+/**
+ * The lock's life. Longer than a POST may take (POST_TIMEOUT_MS), and renewed every third of
+ * it while a round runs, so a round as slow as its sink allows keeps one leader.
+ */
+export const LEASE_MS = 15_000;
+const RENEW_MS = LEASE_MS / 3;
+/**
+ * How long a POST to the sink or a receiver may take: a slow one (a customer's sink answered
+ * in 6 s) is waited for, and it stays below the lease, so it never outlives a lock that was
+ * not renewed.
+ */
+export const POST_TIMEOUT_MS = 10_000;
+
+/** The lead for one round: its fencing token, and a signal aborted as soon as the lead is, or may be, lost. */
+export interface Lead {
+  token: number;
+  signal: AbortSignal;
+}
+
+/** The lead was lost (or could not be renewed) during a round: the round sends nothing more and moves nothing. */
+export class LeadLost extends Error {}
+
+/** The far end (the sink, a receiver) failed, timed out or refused: what the loop's failure metric counts. */
+export class DeliveryFailed extends Error {}
+
+type LeaderRedis = RedisClient & {
+  lead(lock: string, fence: string, me: string, ms: number): Promise<number>;
+  renewLead(lock: string, holder: string, ms: number): Promise<number>;
+  releaseLead(lock: string, holder: string): Promise<number>;
+};
 
 /**
  * A background loop that one instance of a deployment runs at a time, holding a lock in Redis
- * (`<prefix>:<environment>:{<name>}:lock`, renewed every round, lapsing 5 s after its holder
- * dies): the usage exporter and the alert dispatcher. A round returns how much it sent: the next
- * comes at once after a full one, a quarter second after some, a second after none; a failed
- * round is tried again with exponential backoff and full jitter.
+ * (`<prefix>:<environment>:{<name>}:lock`, lapsing LEASE_MS after its holder stops renewing
+ * it): the usage exporter and the alert dispatcher. The lock is renewed before each round and
+ * every third of its life during one; a round whose renewal fails or finds the lock taken is
+ * aborted (its POST too), and every cursor move it makes carries its fencing token
+ * (cursors.ts). A round returns how much it sent: the next comes at once after a full one, a
+ * quarter second after some, a second after none; a failed round is tried again with
+ * exponential backoff and full jitter. No round runs while Redis is not connected: the store
+ * reports Redis, and the sink is not blamed for it.
  */
 export abstract class LeaderLoop<Target> {
   protected readonly redis: LeaderRedis;
@@ -23,6 +79,7 @@ export abstract class LeaderLoop<Target> {
   private readonly me = randomUUID();
   private timer?: NodeJS.Timeout;
   private failures = 0;
+  private deliveryFailing = false;
   private leading = false;
 
   constructor(
@@ -31,17 +88,20 @@ export abstract class LeaderLoop<Target> {
     protected readonly log: FastifyBaseLogger,
     private readonly name: string,
   ) {
-    redis.defineCommand('lead', { numberOfKeys: 1, lua: LEAD });
+    redis.defineCommand('lead', { numberOfKeys: 2, lua: LEAD });
+    redis.defineCommand('renewLead', { numberOfKeys: 1, lua: RENEW });
+    redis.defineCommand('releaseLead', { numberOfKeys: 1, lua: RELEASE });
+    defineCursorScripts(redis);
     this.redis = redis as LeaderRedis;
   }
 
   /** What the config asks this loop to serve; undefined: nothing to do. */
   protected abstract target(config: GatewayConfig): Target | undefined;
-  /** One round; returns what it sent, and whether that filled a batch. */
-  protected abstract round(config: GatewayConfig, target: Target): Promise<{ sent: number; full: boolean }>;
-  /** A failed round, told once per failure. */
+  /** One round under `lead`; returns what it sent, and whether that filled a batch. */
+  protected abstract round(config: GatewayConfig, target: Target, lead: Lead): Promise<{ sent: number; full: boolean }>;
+  /** A failed delivery (DeliveryFailed), told once per failure. */
   protected abstract failed(target: Target, err: Error, retryInMs: number): void;
-  /** A round that succeeded after failures. */
+  /** A round that succeeded after failed deliveries. */
   protected recovered?(target: Target): void;
 
   start(): void {
@@ -63,27 +123,87 @@ export abstract class LeaderLoop<Target> {
   private async tick(): Promise<void> {
     const config = this.config();
     const target = this.target(config);
-    if (!target) return this.schedule(1000);
+    // ioredis refuses every command until its connection is ready (no offline queue): at boot,
+    // or while Redis is away, there is nothing a round could do.
+    if (!target || this.redis.status !== 'ready') return this.schedule(1000);
+    const lock = `${config.registryKey.replace(/\{gateways\}$/, `{${this.name}}`)}:lock`;
+    let holder: string | undefined;
     try {
-      if (!(await this.lead(config))) return this.schedule(1000);
-      const { sent, full } = await this.round(config, target);
-      if (this.failures > 0) this.recovered?.(target);
+      const since = performance.now();
+      const token = await this.lead(lock);
+      if (!token) return this.schedule(1000);
+      holder = `${this.me}:${token}`;
+      const { sent, full } = await this.held(lock, holder, token, since, (lead) => this.round(config, target, lead));
+      if (this.deliveryFailing) this.recovered?.(target);
       this.failures = 0;
+      this.deliveryFailing = false;
       this.schedule(full ? 0 : sent > 0 ? 250 : 1000);
     } catch (err) {
-      this.failures++;
-      const wait = backoffMs(this.failures);
-      this.failed(target, err as Error, wait);
-      this.schedule(wait);
+      this.schedule(await this.failedRound(target, err as Error, lock, holder));
     }
   }
 
-  private async lead(config: GatewayConfig): Promise<boolean> {
-    const lock = `${config.registryKey.replace(/\{gateways\}$/, `{${this.name}}`)}:lock`;
-    const leading = (await this.redis.lead(lock, this.me, LEASE_MS)) === 1;
-    if (leading && !this.leading) this.log.info({ pid: process.pid }, `${this.name}: this instance leads`);
-    this.leading = leading;
-    return leading;
+  /** What a failed round says, to whom, and when the next comes. */
+  private async failedRound(target: Target, err: Error, lock: string, holder?: string): Promise<number> {
+    if (err instanceof LeadLost) {
+      this.log.warn({ cause: err.message }, `${this.name}: this instance lost the lead`);
+      this.leading = false;
+      // A lead whose token was refused is given up, so the next one draws a newer token.
+      if (holder) await this.redis.releaseLead(lock, holder).catch(() => {});
+      return 1000;
+    }
+    const wait = backoffMs(++this.failures);
+    if (err instanceof DeliveryFailed) {
+      this.deliveryFailing = true;
+      this.failed(target, err, wait);
+    } else {
+      this.log.warn({ cause: redisProblem(this.redis, err), retryInMs: Math.round(wait) }, `${this.name}: a round failed on Redis`);
+    }
+    return wait;
+  }
+
+  private async lead(lock: string): Promise<number> {
+    const fence = lock.replace(/:lock$/, ':fence');
+    const token = Number(await this.redis.lead(lock, fence, this.me, LEASE_MS));
+    if (token && !this.leading) this.log.info({ pid: process.pid, token }, `${this.name}: this instance leads`);
+    this.leading = token > 0;
+    return token;
+  }
+
+  /**
+   * Runs `round` holding the lead: renewed every RENEW_MS, and aborted when a renewal finds the
+   * lock another's, fails, or has not succeeded by RENEW_MS before the lease would lapse
+   * (counted from when the last successful one was sent: a hung call cannot outlast it).
+   */
+  private async held<T>(lock: string, holder: string, token: number, since: number, round: (lead: Lead) => Promise<T>): Promise<T> {
+    const controller = new AbortController();
+    const lose = (why: string) => {
+      if (!controller.signal.aborted) controller.abort(new LeadLost(why));
+    };
+    let deadline: NodeJS.Timeout;
+    const expireFrom = (sent: number) => {
+      clearTimeout(deadline);
+      deadline = setTimeout(() => lose('no renewal of the lock succeeded in time'), sent + LEASE_MS - RENEW_MS - performance.now());
+      deadline.unref();
+    };
+    expireFrom(since);
+    const renew = async () => {
+      const sent = performance.now();
+      try {
+        if (Number(await this.redis.renewLead(lock, holder, LEASE_MS)) === 1) expireFrom(sent);
+        else lose('another instance holds the lock');
+      } catch (err) {
+        lose(`the lock could not be renewed: ${redisProblem(this.redis, err)}`);
+      }
+    };
+    const renewal = setInterval(() => void renew(), RENEW_MS);
+    renewal.unref();
+    try {
+      return await round({ token, signal: controller.signal });
+    } finally {
+      clearInterval(renewal);
+      clearTimeout(deadline!);
+    }
   }
 }
 

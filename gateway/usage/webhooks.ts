@@ -2,8 +2,9 @@ import { createHmac } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig } from '../config/config.js';
 import type { RedisClient } from '../process/redis-client.js';
+import { moveAlertsCursor, REFUSED } from './cursors.js';
 import type { StreamEntry } from './events.js';
-import { LeaderLoop } from './leader.js';
+import { DeliveryFailed, type Lead, LeaderLoop, LeadLost, POST_TIMEOUT_MS } from './leader.js';
 
 // Threshold alerts as webhooks, signed per the Standard Webhooks specification: quota.lua and
 // topup.lua write each crossing (and its resolution) once, into the account's alerts stream;
@@ -58,7 +59,8 @@ const fieldsOf = (list: string[]) => {
 /**
  * Delivers the alerts streams' entries as webhooks, each once it is acknowledged (2xx), in
  * order per account, from a cursor kept in Redis: at least once, with a stable `webhook-id`
- * (`<account>/<entry id>`) receivers dedupe by. One instance at a time leads (a lock in Redis).
+ * (`<account>/<entry id>`) receivers dedupe by. One instance at a time leads (a lock in Redis,
+ * held for the whole round), and a cursor moves only under the newest lead (cursors.ts).
  */
 export class WebhookDispatcher extends LeaderLoop<Target> {
   private readonly metrics: WebhookMetrics;
@@ -77,17 +79,19 @@ export class WebhookDispatcher extends LeaderLoop<Target> {
     this.log.warn({ receiver: target.url, cause: err.message, retryInMs: Math.round(retryInMs) }, 'alerts: a webhook failed');
   }
 
-  /** One pass over every account's alerts stream; returns the alerts delivered. */
-  protected async round(config: GatewayConfig, target: Target): Promise<{ sent: number; full: boolean }> {
+  /** One pass over every account's alerts stream, each cursor moved only if this lead is still the newest; returns the alerts delivered. */
+  protected async round(config: GatewayConfig, target: Target, lead: Lead): Promise<{ sent: number; full: boolean }> {
     let sent = 0;
     for (const [account, subject] of config.accounts) {
-      const cursorKey = `${subject.name}:alerts:cursor`;
-      const cursor = (await this.redis.get(cursorKey)) ?? '0-0';
-      const entries = (await this.redis.xrange(`${subject.name}:alerts`, `(${cursor}`, '+', 'COUNT', 20)) as StreamEntry[];
+      let from = (await this.redis.get(`${subject.name}:alerts:cursor`)) ?? '0-0';
+      const entries = (await this.redis.xrange(`${subject.name}:alerts`, `(${from}`, '+', 'COUNT', 20)) as StreamEntry[];
       for (const [entryId, list] of entries) {
         if (this.stopped) return { sent, full: false };
-        await this.deliver(config, target, account, entryId, fieldsOf(list));
-        await this.redis.set(cursorKey, entryId);
+        await this.deliver(config, target, account, entryId, fieldsOf(list), lead.signal);
+        lead.signal.throwIfAborted();
+        const moved = await moveAlertsCursor(this.redis, subject.name, lead.token, from, entryId);
+        if (moved !== 'moved') throw new LeadLost(`the cursor of ${subject.name}:alerts was ${REFUSED[moved]}`);
+        from = entryId;
         sent++;
       }
     }
@@ -96,10 +100,11 @@ export class WebhookDispatcher extends LeaderLoop<Target> {
 
   private async deliver(
     config: GatewayConfig,
-    target: { url: string; secret: string },
+    target: Target,
     account: string,
     entryId: string,
     f: Record<string, string>,
+    lost: AbortSignal,
   ) {
     const id = `${account}/${entryId}`;
     const body = alertBody(account, f);
@@ -115,6 +120,7 @@ export class WebhookDispatcher extends LeaderLoop<Target> {
       };
       await this.redis.multi().lpush(deliveriesKey(config), JSON.stringify(delivery)).ltrim(deliveriesKey(config), 0, 99).exec();
     };
+    lost.throwIfAborted();
     let res: Response;
     try {
       res = await fetch(target.url, {
@@ -126,15 +132,16 @@ export class WebhookDispatcher extends LeaderLoop<Target> {
           'webhook-signature': signature(target.secret, id, timestamp, body),
         },
         body,
-        signal: AbortSignal.timeout(10_000),
+        signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
       });
       await res.arrayBuffer();
     } catch (err) {
+      lost.throwIfAborted(); // not the receiver's failure: this instance stopped leading
       await record(null, (err as Error).message);
-      throw err;
+      throw new DeliveryFailed((err as Error).message, { cause: err });
     }
     await record(res.status);
-    if (!res.ok) throw new Error(`the receiver answered ${res.status}`);
+    if (!res.ok) throw new DeliveryFailed(`the receiver answered ${res.status}`);
     this.metrics.delivered();
   }
 }

@@ -5,9 +5,9 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { freePort, waitForPort } from './net.js';
 
-/** A real redis-server on a free port, for the run or for one test that needs to break it. */
-export async function spawnRedis(): Promise<{ url: string; proc: ChildProcess; stop: () => void }> {
-  const port = await freePort();
+/** A real redis-server on a free port (or on `port`: one a gateway already tries), for the run or for one test that needs to break it. */
+export async function spawnRedis(at?: number): Promise<{ url: string; proc: ChildProcess; stop: () => void }> {
+  const port = at ?? (await freePort());
   const proc = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'], {
     stdio: 'ignore',
   });

@@ -6,11 +6,24 @@ import { type CloudEvent, HTTP } from 'cloudevents';
 /**
  * A billing sink: a real HTTP server that takes batches of CloudEvents, parsed and validated by
  * the cloudevents SDK (not by our code), and dedupes them by id as OpenMeter does. `down`
- * resets every connection; `hold` keeps the next batches unanswered until `release`.
+ * resets every connection; `hold` keeps the next batches unanswered until `release`; a
+ * `slow` function, when set, is awaited before each batch is answered. It counts the POSTs in
+ * flight (from arrival to the end of the exchange, answered or abandoned) and their most at once.
  */
 export async function startSink() {
   const events = new Map<string, CloudEvent<Record<string, unknown>>>();
-  const state = { mode: 'up' as 'up' | 'down' | 'hold', posts: 0, duplicates: 0, invalid: [] as string[] };
+  const state = {
+    mode: 'up' as 'up' | 'down' | 'hold',
+    posts: 0,
+    duplicates: 0,
+    invalid: [] as string[],
+    inFlight: 0,
+    maxInFlight: 0,
+    /** Awaited before each batch is answered: a slow sink. */
+    slow: undefined as (() => Promise<void>) | undefined,
+    /** Why `slow` failed, if it did (the batch was then answered 503). */
+    problems: [] as string[],
+  };
   const held: Array<() => void> = [];
   const take = (list: CloudEvent<Record<string, unknown>>[]) => {
     for (const e of list) {
@@ -20,6 +33,8 @@ export async function startSink() {
   };
   const server = createServer(async (req, res) => {
     if (state.mode === 'down') return req.socket.destroy();
+    state.maxInFlight = Math.max(state.maxInFlight, ++state.inFlight);
+    res.once('close', () => state.inFlight--);
     const body = await text(req);
     let list: CloudEvent<Record<string, unknown>>[];
     try {
@@ -37,6 +52,11 @@ export async function startSink() {
       if (!res.destroyed) res.writeHead(200).end();
     };
     if (state.mode === 'hold') held.push(accept);
+    else if (state.slow)
+      await state.slow().then(accept, (err: Error) => {
+        state.problems.push(err.message);
+        if (!res.destroyed) res.writeHead(503).end();
+      });
     else accept();
   });
   await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));

@@ -1,9 +1,11 @@
 import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
+import { Redis } from 'ioredis';
 import { Webhook } from 'standardwebhooks';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
-import { call, makeKey, testConfig } from '../helpers/config.js';
+import { defineCursorScripts, moveAlertsCursor } from '../../gateway/usage/cursors.js';
+import { call, makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildInstances, type TestGateway } from '../helpers/gateway.js';
 import { eventually } from '../helpers/time.js';
 
@@ -98,5 +100,26 @@ describe('threshold alerts across three instances', () => {
     ).json();
     expect(listed.deliveries.length).toBe(hooks.got.length);
     expect(listed.deliveries.every((d: { status: number }) => d.status === 204)).toBe(true);
+  });
+});
+
+describe("a stale dispatcher's alerts cursor move", () => {
+  it('is refused for an older fencing token or an older cursor', async () => {
+    const redis = new Redis(inject('redisUrl'));
+    defineCursorScripts(redis);
+    const name = `${uniquePrefix()}:{k:acct}`;
+    const [a, b] = [
+      (await redis.xadd(`${name}:alerts`, '*', 'kind', 'crossed'))!,
+      (await redis.xadd(`${name}:alerts`, '*', 'kind', 'crossed'))!,
+    ];
+    const cursor = () => redis.get(`${name}:alerts:cursor`);
+    expect(await moveAlertsCursor(redis, name, 7, '0-0', a)).toBe('moved');
+    expect(await moveAlertsCursor(redis, name, 6, a, b)).toBe('fenced'); // a dispatcher that led before token 7's
+    expect(await moveAlertsCursor(redis, name, 7, '0-0', a)).toBe('raced'); // a move from a cursor read before the last one
+    expect(await cursor()).toBe(a);
+    expect(await moveAlertsCursor(redis, name, 8, a, b)).toBe('moved');
+    expect(await moveAlertsCursor(redis, name, 7, b, b)).toBe('fenced');
+    expect(await cursor()).toBe(b);
+    await redis.quit();
   });
 });

@@ -1,12 +1,15 @@
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import { Redis } from 'ioredis';
+import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
+import { defineCursorScripts, moveUsageCursor } from '../../gateway/usage/cursors.js';
 import { echoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildInstances, buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
 import { type Started, startProcess } from '../helpers/processes.js';
+import { spawnRedis } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 
@@ -90,7 +93,7 @@ describe('usage export across three instances', () => {
     const ids = new Set(sink.requests().map((e) => e.data!.requestId));
     expect(answers.filter((a) => !ids.has(a.id))).toEqual([]);
     expect(await metricSum(gateways, 'gateway_usage_export_failures_total')).toBeGreaterThan(0);
-  });
+  }, 60_000); // the outage, then the backoff, which the leader now sits out holding the lead (up to the lock's 15 s)
 
   it('past the cap, drops the oldest events and counts each: what the sink got and the count add up to what was counted', async () => {
     const over = makeKey('metered');
@@ -192,5 +195,198 @@ describe('usage export when the exporting gateway is killed mid-batch', () => {
     expect(sink.requests()).toHaveLength(40);
     expect(sink.state.duplicates).toBeGreaterThan(0); // the scenario happened: a batch arrived twice
     await echo.close();
+  }, 60_000); // the dead leader's lock lapses LEASE_MS (15 s) after its last renewal
+});
+
+/** The export leader's lock key, as leader.ts names it. */
+const exportLock = (gateway: TestGateway) => `${gateway.gateway.config().registryKey.replace(/\{gateways\}$/, '{usage-export}')}:lock`;
+const subjectOf = (gateway: TestGateway, id: string) => [...gateway.gateway.config().consumers.values()].find((c) => c.id === id)!.subject;
+const values = (results: Array<[Error | null, unknown]> | null) =>
+  (results ?? []).map(([err, value]) => {
+    if (err) throw err;
+    return value;
   });
+
+describe('usage export to a sink slower than an unrenewed lock would last', () => {
+  it('keeps one leader: every event once at the sink, one POST in flight at a time, the reconcile exact per account', async () => {
+    const sink = await startSink();
+    const keys = [makeKey('metered'), makeKey('metered')]; // two accounts, as in the trial that found it
+    const { instances } = await buildInstances(3, { config: testConfig(keys, { plans, usage: exportTo(sink.url) }) });
+    const redis = instances[0]!.redis!;
+    const lock = exportLock(instances[0]!);
+    /** The lock's holder, and when it lapses on Redis's clock (in ms). */
+    const lockState = async () => {
+      const [holder, ttl, [s, us]] = values(await redis.multi().get(lock).pttl(lock).time().exec()) as [string, number, [string, string]];
+      return { holder, lapsesAt: Number(s) * 1000 + Number(us) / 1000 + ttl };
+    };
+    // Each POST is answered only once the lock's lapse, as it stood when the POST arrived, has
+    // been pushed back by its holder, which then held it for longer than it would have lasted
+    // unrenewed; or once a second POST arrives (a second leader: the old 5 s lock lapsed first).
+    let renewedDuringPost = 0;
+    sink.state.slow = async () => {
+      const arrived = await lockState();
+      await eventually(
+        async () => {
+          if (sink.state.inFlight > 1) return true;
+          const now = await lockState();
+          if (now.holder !== arrived.holder || now.lapsesAt < arrived.lapsesAt + 1000) return false;
+          renewedDuringPost++;
+          return true;
+        },
+        20_000,
+        'the lock renewed during the POST, or a second POST',
+      );
+    };
+    for (let i = 0; i < 60; i++) {
+      const res = await call(`${instances[i % 3]!.url}/v1/pets`, keys[i % 2]!.key);
+      expect(res.status).toBe(200);
+      await res.arrayBuffer();
+    }
+    const states = () => Promise.all(keys.map((k) => instances[0]!.gateway.store.exportState!(subjectOf(instances[0]!, k.id))));
+    await eventually(
+      async () => sink.requests().length >= 60 && (await states()).every((s) => s.pending === 0),
+      50_000,
+      'every event at the sink and every stream sent',
+    );
+    expect(sink.state.problems).toEqual([]);
+    expect(sink.state.maxInFlight).toBe(1);
+    expect(sink.state.duplicates).toBe(0);
+    expect(sink.requests()).toHaveLength(60);
+    expect(await states()).toEqual([
+      { exported: 30, pending: 0, dropped: 0 },
+      { exported: 30, pending: 0, dropped: 0 },
+    ]);
+    expect(renewedDuringPost).toBeGreaterThan(0); // the scenario happened: a POST outlasted the lock's unrenewed life
+    await sink.close();
+  }, 90_000); // each POST waits for a renewal (a third of the lock's life): a few of them in a row
+});
+
+describe('a leader that loses the lock during a round', () => {
+  it('aborts its POST, moves nothing and counts no sink failure; the next leader sends it all', async () => {
+    const sink = await startSink();
+    const key = makeKey('metered');
+    const gw = await buildTestGateway({ config: testConfig([key], { plans, usage: exportTo(sink.url) }) });
+    const redis = gw.redis!;
+    sink.state.mode = 'hold'; // the POST stays in flight
+    for (let i = 0; i < 5; i++) await (await gw.call('/v1/pets', key.key)).arrayBuffer();
+    await eventually(() => sink.held.length > 0, 20_000, 'a batch held at the sink');
+    const failures = await metricSum([gw], 'gateway_usage_export_failures_total');
+    const lock = exportLock(gw);
+    await redis.set(lock, 'another-instance:1', 'PX', 60_000); // another instance took the lock
+    await gw.waitForLog((l) => l.msg === 'usage-export: this instance lost the lead', 15_000);
+    await eventually(() => sink.state.inFlight === 0, 5000, 'the POST abandoned by the gateway');
+    const subject = subjectOf(gw, key.id);
+    expect(await gw.gateway.store.exportState!(subject)).toEqual({ exported: 0, pending: 5, dropped: 0 });
+    sink.state.mode = 'up';
+    await redis.del(lock); // the other instance is gone: this one takes the lead again
+    await eventually(() => sink.requests().length >= 5, 20_000, 'the batch sent by the next lead');
+    await eventually(async () => (await gw.gateway.store.exportState!(subject)).pending === 0, 5000, 'the stream sent');
+    expect(await gw.gateway.store.exportState!(subject)).toEqual({ exported: 5, pending: 0, dropped: 0 });
+    expect(await metricSum([gw], 'gateway_usage_export_failures_total')).toBe(failures);
+    await sink.close();
+  }, 40_000); // a renewal comes a third of the lock's life into the round
+});
+
+describe('a Redis that freezes during a round', () => {
+  it('is blamed in the log, not the sink, and counts no sink failure; the export resumes after it', async () => {
+    const redis = await spawnRedis(); // its own Redis, so this test can freeze it
+    onTestFinished(() => redis.stop());
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const key = makeKey('metered');
+    const gw = await buildTestGateway({ config: testConfig([key], { plans, usage: exportTo(sink.url) }), redis: redis.url });
+    sink.state.mode = 'hold'; // a round in flight when Redis freezes
+    for (let i = 0; i < 3; i++) await (await gw.call('/v1/pets', key.key)).arrayBuffer();
+    await eventually(() => sink.held.length > 0, 20_000, 'a batch held at the sink');
+    redis.proc.kill('SIGSTOP');
+    const blamed = await gw.waitForLog(
+      (l) => /^usage-export: (this instance lost the lead|a round failed on Redis)$/.test(String(l.msg)),
+      30_000,
+    );
+    expect(String(blamed.cause)).toContain(`Redis at 127.0.0.1:${new URL(redis.url).port}`);
+    redis.proc.kill('SIGCONT');
+    sink.state.mode = 'up';
+    await eventually(() => sink.requests().length >= 3, 30_000, 'the events sent once Redis is back');
+    expect(await metricSum([gw], 'gateway_usage_export_failures_total')).toBe(0);
+    expect(gw.logs.filter((l) => l.msg === 'usage export: a batch failed')).toEqual([]);
+  }, 60_000); // the frozen call gives up after the client's command timeout, a renewal a third of the lock's life into the round
+});
+
+describe("a stale leader's cursor move", () => {
+  it('is refused for an older fencing token or an older cursor, and counts nothing twice', async () => {
+    const redis = new Redis(inject('redisUrl'));
+    defineCursorScripts(redis);
+    const name = `${uniquePrefix()}:{k:acct}`;
+    const ids: string[] = [];
+    for (let i = 0; i < 4; i++) ids.push((await redis.xadd(`${name}:events`, '*', 'kind', 'request', 'at', String(Date.now())))!);
+    await redis.hset(`${name}:statuses`, Object.fromEntries(ids.map((id) => [id, '200'])));
+    const state = async () => {
+      const [cursor, length, statuses] = values(
+        await redis.multi().hgetall(`${name}:events:cursor`).xlen(`${name}:events`).hlen(`${name}:statuses`).exec(),
+      ) as [Record<string, string>, number, number];
+      return { cursor: cursor.id, consumed: Number(cursor.consumed), pending: length, statuses };
+    };
+    const [a, b, c, d] = ids as [string, string, string, string];
+    const first = { from: '0-0', to: b, consumed: 2, refs: [a, b] };
+    expect(await moveUsageCursor(redis, name, { token: 10, ...first })).toBe('moved');
+    expect(await state()).toEqual({ cursor: b, consumed: 2, pending: 2, statuses: 2 });
+    // A leader that took the lead before token 10's: refused, whatever it moves.
+    expect(await moveUsageCursor(redis, name, { token: 9, from: b, to: d, consumed: 2, refs: [c, d] })).toBe('fenced');
+    // The same lead moving a batch it read before its own move (or a rival with an equal token): refused.
+    expect(await moveUsageCursor(redis, name, { token: 10, ...first })).toBe('raced');
+    expect(await state()).toEqual({ cursor: b, consumed: 2, pending: 2, statuses: 2 });
+    expect(await moveUsageCursor(redis, name, { token: 11, from: b, to: d, consumed: 2, refs: [c, d] })).toBe('moved');
+    // Token 10 is now stale, even with the right cursor.
+    expect(await moveUsageCursor(redis, name, { token: 10, from: d, to: d, consumed: 0, refs: [] })).toBe('fenced');
+    expect(await state()).toEqual({ cursor: d, consumed: 4, pending: 0, statuses: 0 });
+    await redis.quit();
+  });
+});
+
+describe('usage export and alerts at start-up', () => {
+  const procs: Started[] = [];
+  const dir = tempDir();
+  let redis: Awaited<ReturnType<typeof spawnRedis>> | undefined;
+  afterAll(async () => {
+    for (const p of procs) await p.stop();
+    redis?.stop();
+    dir.cleanup();
+  });
+
+  it('run no round before Redis is connected: no failure logged or counted against the sink or the receiver', async () => {
+    const sink = await startSink();
+    const echo = await echoBackend();
+    const key = makeKey('metered');
+    const file = join(dir.dir, 'gateway.json');
+    const receiver = `http://127.0.0.1:${await freePort()}/hooks`; // never called: no threshold is reached
+    const secret = `whsec_${Buffer.from('a secret of thirty-two bytes!!!!').toString('base64')}`;
+    writeFileSync(
+      file,
+      JSON.stringify(testConfig([key], { plans, usage: exportTo(sink.url), alerts: { url: receiver, secret, thresholds: [0.5] } })),
+    );
+    const redisPort = await freePort(); // nothing listens there until the gateway is up
+    const env = {
+      REDIS_URL: `redis://127.0.0.1:${redisPort}`,
+      GATEWAY_CONFIG: file,
+      BACKEND_URL: echo.url,
+      REDIS_KEY_PREFIX: uniquePrefix(),
+      GATEWAY_PORT: '0',
+      ADMIN_PORT: '0',
+    };
+    const gw = await startProcess('dist/gateway/server.js', env, (l) => l.msg === 'gateway ready');
+    procs.push(gw);
+    const ready = gw.logs.find((l) => l.msg === 'gateway ready')!;
+    redis = await spawnRedis(redisPort);
+    await gw.waitForLog((l) => l.msg === 'usage-export: this instance leads', 15_000);
+    await gw.waitForLog((l) => l.msg === 'alerts: this instance leads', 15_000);
+    await eventually(async () => (await call(`${ready.address}/v1/pets`, key.key)).status === 200, 10_000, 'a request admitted by Redis');
+    await eventually(() => sink.requests().length >= 1, 20_000, 'its event at the sink');
+    const failures = /a batch failed|a webhook failed|a round failed/;
+    expect(gw.logs.filter((l) => failures.test(String(l.msg))).map((l) => l.msg)).toEqual([]);
+    const metrics = await (await fetch(`${ready.admin}/metrics`)).text();
+    expect(metrics).toMatch(/^gateway_usage_export_failures_total 0$/m);
+    expect(metrics).toMatch(/^gateway_webhook_failures_total 0$/m);
+    await sink.close();
+    await echo.close();
+  }, 40_000);
 });

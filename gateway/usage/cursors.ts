@@ -1,0 +1,113 @@
+import type { RedisClient } from '../process/redis-client.js';
+import { nextId } from './events.js';
+
+// The streams' cursors, moved only under the lead in force: each move carries the fencing
+// token its leader got when it took the lead (leader.ts), as Kleppmann's fencing tokens do.
+// The lock lives in another Cluster slot, so a move cannot read it: the cursor keeps the
+// highest token that moved it and refuses a lower one, and it compares-and-sets the cursor id
+// the round read, so a leader that lost the lead can never count or trim a batch twice.
+
+/** A move's outcome: done; refused for a newer lead's token; refused for a cursor moved since the round read it. */
+export type Moved = 'moved' | 'fenced' | 'raced';
+
+/** Why a move was refused, for a log line. */
+export const REFUSED: Record<Exclude<Moved, 'moved'>, string> = {
+  fenced: 'moved by a newer lead',
+  raced: 'moved since this round read it',
+};
+
+const outcome = (n: number): Moved => (n === 1 ? 'moved' : n === 0 ? 'fenced' : 'raced');
+
+/**
+ * KEYS: the account's usage cursor hash (`id`, `consumed`, `dropped`, `fence`), its stream, its
+ * statuses. ARGV: token, the cursor id read, the last entry sent, how many entries that
+ * consumes, the first id to keep, then the entries whose statuses go. One slot: `{k:<account>}`.
+ */
+const MOVE_USAGE = `local fence = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
+if tonumber(ARGV[1]) < fence then return 0 end
+if (redis.call('HGET', KEYS[1], 'id') or '0-0') ~= ARGV[2] then return -1 end
+redis.call('HSET', KEYS[1], 'id', ARGV[3], 'fence', ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'consumed', ARGV[4])
+redis.call('XTRIM', KEYS[2], 'MINID', ARGV[5])
+for i = 6, #ARGV, 500 do
+  redis.call('HDEL', KEYS[3], unpack(ARGV, i, math.min(i + 499, #ARGV)))
+end
+return 1`;
+
+/** KEYS: the account's alerts cursor (a string, as it always was), the highest token that moved it. ARGV: token, the cursor id read, the entry delivered. */
+const MOVE_ALERTS = `local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
+if tonumber(ARGV[1]) < fence then return 0 end
+if (redis.call('GET', KEYS[1]) or '0-0') ~= ARGV[2] then return -1 end
+redis.call('SET', KEYS[1], ARGV[3])
+redis.call('SET', KEYS[2], ARGV[1])
+return 1`;
+
+/**
+ * KEYS: the account's usage stream, its cursor hash. What the stream's cap dropped, from one
+ * consistent view: all it ever took, less what was consumed, less what it holds; recorded in
+ * `dropped` when it grew, and the growth returned.
+ */
+const DROPPED = `local length = redis.call('XLEN', KEYS[1])
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local added = 0
+for i = 1, #info, 2 do
+  if info[i] == 'entries-added' then added = tonumber(info[i + 1]) end
+end
+local consumed = tonumber(redis.call('HGET', KEYS[2], 'consumed') or '0')
+local known = tonumber(redis.call('HGET', KEYS[2], 'dropped') or '0')
+local dropped = added - consumed - length
+if dropped <= known then return 0 end
+redis.call('HSET', KEYS[2], 'dropped', dropped)
+return dropped - known`;
+
+type CursorRedis = RedisClient & {
+  moveUsage(cursor: string, stream: string, statuses: string, ...args: Array<string | number>): Promise<number>;
+  moveAlerts(cursor: string, fence: string, token: number, from: string, to: string): Promise<number>;
+  countDropped(stream: string, cursor: string): Promise<number>;
+};
+
+/** Defines the scripts on a client (each loop calls it; defining one twice is harmless). */
+export function defineCursorScripts(redis: RedisClient): void {
+  redis.defineCommand('moveUsage', { numberOfKeys: 3, lua: MOVE_USAGE });
+  redis.defineCommand('moveAlerts', { numberOfKeys: 2, lua: MOVE_ALERTS });
+  redis.defineCommand('countDropped', { numberOfKeys: 2, lua: DROPPED });
+}
+
+export interface UsageMove {
+  token: number;
+  /** The cursor id the round read ('0-0': none yet). */
+  from: string;
+  /** The last entry sent. */
+  to: string;
+  /** Entries from `from` (excluded) to `to`: what `consumed` grows by. */
+  consumed: number;
+  /** Their ids, whose joined statuses are deleted. */
+  refs: string[];
+}
+
+/** The account's usage cursor moved past what was sent, counted, trimmed and its statuses deleted, in one script, if `token` still leads. */
+export async function moveUsageCursor(redis: RedisClient, name: string, m: UsageMove): Promise<Moved> {
+  const r = redis as CursorRedis;
+  const n = await r.moveUsage(
+    `${name}:events:cursor`,
+    `${name}:events`,
+    `${name}:statuses`,
+    m.token,
+    m.from,
+    m.to,
+    m.consumed,
+    nextId(m.to),
+    ...m.refs,
+  );
+  return outcome(Number(n));
+}
+
+/** The account's alerts cursor moved to the entry delivered, if `token` still leads. */
+export async function moveAlertsCursor(redis: RedisClient, name: string, token: number, from: string, to: string): Promise<Moved> {
+  return outcome(Number(await (redis as CursorRedis).moveAlerts(`${name}:alerts:cursor`, `${name}:alerts:fence`, token, from, to)));
+}
+
+/** Events of the account's usage stream its cap dropped since last counted (recorded in the cursor's `dropped`). */
+export async function countDropped(redis: RedisClient, name: string): Promise<number> {
+  return Number(await (redis as CursorRedis).countDropped(`${name}:events`, `${name}:events:cursor`));
+}
