@@ -169,11 +169,13 @@ describe('top-ups that survive', () => {
     const traffic = topUpsUntil(gw, account);
     onTestFinished(() => traffic.stop());
     await eventually(() => traffic.acked.length >= 20, 20_000, '20 top-ups acknowledged');
+    const atKill = traffic.acked.length;
     group.master.proc.kill('SIGKILL');
     // The promoted replica has no replica of its own: its top-ups are recorded, never acknowledged.
     await eventually(() => traffic.seen.alone > 0, 60_000, 'a top-up reaching the promoted replica');
     await traffic.stop();
     await expectKept(gw, account, traffic.acked);
+    console.log(`${traffic.acked.length} top-ups acknowledged, ${traffic.acked.length - atKill} of them after the kill; all in the ledger after promotion`);
   });
 
   it('on a Redis Cluster, every top-up acknowledged before its master is killed is on the promoted replica', {
@@ -186,6 +188,7 @@ describe('top-ups that survive', () => {
     const traffic = topUpsUntil(gw, account);
     onTestFinished(() => traffic.stop());
     await eventually(() => traffic.acked.length >= 20, 20_000, '20 top-ups acknowledged');
+    const atKill = traffic.acked.length;
     const name = `${gw.gateway.config().accounts.get(account)!.name}:credits`;
     cluster.masterOf(name).proc.kill('SIGKILL');
     // The promoted replica has no replica of its own: its top-ups are recorded, never acknowledged.
@@ -195,6 +198,7 @@ describe('top-ups that survive', () => {
     });
     await traffic.stop();
     await expectKept(gw, account, traffic.acked);
+    console.log(`${traffic.acked.length} top-ups acknowledged, ${traffic.acked.length - atKill} of them after the kill; all in the ledger after promotion`);
   });
 });
 

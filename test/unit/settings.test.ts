@@ -38,6 +38,8 @@ describe('settings from their schema', () => {
       redisTimeoutMs: 1000,
       quotaStoreFailure: 'open',
       quotaLeaseMax: 100,
+      creditsAckTimeoutMs: 2000,
+      idempotencyKeyHours: 24,
       redisKeyPrefix: 'gw',
       trustProxy: false,
       adminPort: 9000,
