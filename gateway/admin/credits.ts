@@ -31,8 +31,8 @@ const Credits = Type.Object(
   {
     account: Type.String(),
     balance: Type.Integer({ description: 'Granted plus purchased' }),
-    granted: Type.Integer(),
-    purchased: Type.Integer(),
+    granted: Type.Integer({ description: "What is left of the period's grant (spent first; it expires at the period's end unless it rolls over)" }),
+    purchased: Type.Integer({ description: 'What is left of the top-ups (spent after the grant; never expires)' }),
     ledger: Type.Array(Entry, {
       description:
         'The last grants and top-ups (about 1,000), oldest first; with usage export on, every entry also goes to the sink as a CloudEvent',

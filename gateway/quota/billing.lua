@@ -112,7 +112,7 @@ end
 local function resolveCredits(alerted, alerts, now, thresholds, gp, grant, balance)
   for _, t in ipairs(thresholds) do
     if grant - balance < math.ceil(tonumber(t) * grant) and redis.call('HDEL', alerted, 'credits:' .. gp .. ':' .. t) == 1 then
-      alert(alerts, now, 'resolved', 'credits', gp, t, grant - balance, grant)
+      alert(alerts, now, 'resolved', 'credits', gp, t, math.max(0, grant - balance), grant)
     end
   end
 end

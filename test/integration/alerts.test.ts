@@ -91,9 +91,10 @@ describe('threshold alerts across three instances', () => {
     });
     expect(topUp.status).toBe(201);
     await eventually(() => of(prepaid.id).length >= 2, 20_000, 'the resolution delivered');
-    expect(of(prepaid.id).map((b) => [b.type, b.data.window, b.data.threshold])).toEqual([
-      ['quota.threshold.crossed', 'credits', 0.8],
-      ['quota.threshold.resolved', 'credits', 0.8],
+    // The balance went past the grant: a resolution reports none of it used, never a negative use.
+    expect(of(prepaid.id).map((b) => [b.type, b.data.window, b.data.threshold, b.data.used])).toEqual([
+      ['quota.threshold.crossed', 'credits', 0.8, 8],
+      ['quota.threshold.resolved', 'credits', 0.8, 0],
     ]);
     const listed = await (
       await fetch(`${gateways[2]!.adminUrl}/admin/alerts/deliveries`, { headers: { authorization: `Bearer ${TOKEN}` } })
