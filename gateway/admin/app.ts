@@ -7,6 +7,8 @@ import type { RedisClient } from '../process/redis-client.js';
 import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../http/errors.js';
 import type { QuotaStore } from '../quota/store.js';
+import { fileKeys, type KeyStore } from '../auth/key-file.js';
+import { type KeyFinder, keyFinder } from '../auth/registry.js';
 import { keyApi } from './keys.js';
 import { failure, Health, Ready, SharedError } from './schemas.js';
 import { alertRoutes, usageRoutes } from './usage.js';
@@ -17,7 +19,7 @@ import { recentDeliveries } from '../usage/webhooks.js';
 export interface AdminSettings {
   backendUrl: string;
   adminToken?: string;
-  /** The config file the key API edits (the same locked, validated edit as the keys command). */
+  /** The config file the account settings edit (the same locked, validated edit as the keys command). */
   configFile?: string;
 }
 
@@ -30,6 +32,10 @@ export interface AdminParts {
   /** Problems that make this instance unready beyond Redis and the backend (a worker down). */
   problems?: () => string[];
   redis?: RedisClient;
+  /** Where the key API issues keys (the config file, or the key registry); none: no key API here. */
+  keys?: KeyStore;
+  /** Keys by id and accounts by name, for the lookups; the config's keys alone when left out. */
+  find?: KeyFinder;
   /** True once shutdown has begun: /readyz then answers 503 so load balancers stop sending. */
   closing: () => boolean;
   log: FastifyBaseLogger;
@@ -182,17 +188,22 @@ function guard(scope: FastifyInstance, adminToken: string | undefined): void {
  * document is generated from the routes' schemas.
  */
 export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Promise<FastifyInstance> {
-  const deps: AdminDeps = { ...settings, ...parts };
+  const deps: AdminDeps & { find: KeyFinder } = {
+    ...settings,
+    ...parts,
+    find: parts.find ?? keyFinder(parts.config),
+    keys: parts.keys ?? (settings.configFile ? fileKeys(settings.configFile) : undefined),
+  };
   const app = adminServer(deps.log);
   await app.register(swagger, DOCUMENT);
   await app.register(operations, deps);
   await app.register(async (scope) => {
     guard(scope, deps.adminToken);
     const deliveries = deps.redis ? () => recentDeliveries(deps.redis!, deps.config()) : undefined;
-    await scope.register(usageRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined });
+    await scope.register(usageRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined, find: deps.find });
     await scope.register(alertRoutes, { deliveries });
-    await scope.register(creditRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined });
-    await scope.register(keyApi, { configFile: deps.configFile });
+    await scope.register(creditRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined, find: deps.find });
+    await scope.register(keyApi, { keys: deps.keys, configFile: deps.configFile });
   });
   return app;
 }

@@ -31,7 +31,9 @@ const Credits = Type.Object(
   {
     account: Type.String(),
     balance: Type.Integer({ description: 'Granted plus purchased' }),
-    granted: Type.Integer({ description: "What is left of the period's grant (spent first; it expires at the period's end unless it rolls over)" }),
+    granted: Type.Integer({
+      description: "What is left of the period's grant (spent first; it expires at the period's end unless it rolls over)",
+    }),
     purchased: Type.Integer({ description: 'What is left of the top-ups (spent after the grant; never expires)' }),
     ledger: Type.Array(Entry, {
       description:
@@ -80,8 +82,8 @@ const unavailable = failure('quota_store_unavailable: Redis did not answer; ask 
 
 export const creditRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, parts) => {
   /** The account's first key, if it has credits: the subject whose credits these are. */
-  const creditsOf = (account: string): Consumer => {
-    const member = [...parts.config().consumers.values()].find((c) => c.account === account);
+  const creditsOf = async (account: string): Promise<Consumer> => {
+    const [member] = await parts.find.account(account);
     if (!member) throw new GatewayError('key_not_found', `No key in account "${account}"`);
     if (!member.subject.billing.credits) {
       throw new GatewayError('credits_not_enabled', `Account "${account}" has no credits: give its plan or its accounts entry credits`);
@@ -112,7 +114,7 @@ export const creditRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, p
       },
     },
     async (request) => {
-      const { subject } = creditsOf(request.params.account);
+      const { subject } = await creditsOf(request.params.account);
       const [usage, ledger] = await fromStore(Promise.all([parts.store.peek(subject), parts.store.ledger(subject)]), 'credits');
       // Read while Redis fails: the store knows no balance, and 0 would be a wrong answer.
       if (!usage.credits) throw new GatewayError('quota_store_unavailable', 'The quota store did not answer; ask again');
@@ -145,7 +147,7 @@ export const creditRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, p
     },
     async (request, reply) => {
       const { account } = request.params;
-      const { subject } = creditsOf(account);
+      const { subject } = await creditsOf(account);
       const idempotencyKey = request.headers['idempotency-key'];
       const done = await fromStore(parts.store.topUp(subject, { ...request.body, idempotencyKey }), 'top-up');
       if (done.conflict) {

@@ -1,5 +1,5 @@
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
-import { createKey, duration, KeyFileError, listKeys, revokeKey, rotateKey, setAccount } from '../auth/key-file.js';
+import { duration, KeyFileError, type KeyStore, setAccount } from '../auth/key-file.js';
 import { ConfigError } from '../config/config.js';
 import { GatewayError } from '../http/errors.js';
 import {
@@ -97,23 +97,30 @@ const SCHEMAS = {
  * through the same locked, validated edit of the config file (auth/key-file.ts), which every
  * instance then reloads. Registered behind the admin token.
  */
-export const keyApi: FastifyPluginAsyncTypebox<{ configFile: string | undefined }> = async (app, { configFile }) => {
+export const keyApi: FastifyPluginAsyncTypebox<{ keys: KeyStore | undefined; configFile: string | undefined }> = async (
+  app,
+  { keys, configFile },
+) => {
   const keyFile = () => {
     if (!configFile) throw new GatewayError('route_not_found', 'No config file to manage keys in');
     return configFile;
   };
+  const store = () => {
+    if (!keys) throw new GatewayError('route_not_found', 'No config file to manage keys in');
+    return keys;
+  };
 
-  app.get('/admin/keys', { schema: SCHEMAS.list }, async () => ({ keys: await keyCall(() => listKeys(keyFile())) }));
+  app.get('/admin/keys', { schema: SCHEMAS.list }, async () => ({ keys: await keyCall(() => store().list()) }));
 
   app.post('/admin/keys', { schema: SCHEMAS.create }, async (request, reply) => {
-    const created = await keyCall(() => createKey(keyFile(), request.body));
+    const created = await keyCall(() => store().create(request.body));
     reply.code(201).header('cache-control', 'no-store');
     return { ...created, note: NOTE };
   });
 
   app.post('/admin/keys/:id/revoke', { schema: SCHEMAS.revoke }, async (request) => ({
     id: request.params.id,
-    ...(await keyCall(() => revokeKey(keyFile(), request.params.id))),
+    ...(await keyCall(() => store().revoke(request.params.id))),
   }));
 
   app.put('/admin/accounts/:account', { schema: SCHEMAS.account }, async (request) =>
@@ -130,7 +137,7 @@ export const keyApi: FastifyPluginAsyncTypebox<{ configFile: string | undefined 
       },
     },
     async (request, reply) => {
-      const rotated = await keyCall(() => rotateKey(keyFile(), request.params.id, duration(request.body.grace ?? '24h')));
+      const rotated = await keyCall(() => store().rotate(request.params.id, duration(request.body.grace ?? '24h')));
       reply.code(201).header('cache-control', 'no-store');
       return rotated;
     },

@@ -1,4 +1,5 @@
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
+import type { KeyFinder } from '../auth/registry.js';
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { GatewayError } from '../http/errors.js';
 import type { QuotaStore } from '../quota/store.js';
@@ -11,6 +12,8 @@ export interface UsageParts {
   store: QuotaStore;
   /** Whether the gateway enforces with Redis; else with its in-process store. */
   redis: boolean;
+  /** Keys by id and accounts by name (the file's and the key registry's). */
+  find: KeyFinder;
 }
 
 /** An account's windows, ban and recent 429s, read from the store the gateway enforces with. */
@@ -24,8 +27,6 @@ async function usageOf(consumer: Consumer, { store, redis }: UsageParts): Promis
 
 /** The usage lookups, by key and by account. A key's usage is its account's: the keys of one account share one quota. */
 export const usageRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, parts) => {
-  const consumers = () => [...parts.config().consumers.values()];
-
   app.get(
     '/admin/keys/:id/usage',
     {
@@ -37,7 +38,7 @@ export const usageRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, pa
       },
     },
     async (request) => {
-      const consumer = consumers().find((c) => c.id === request.params.id);
+      const consumer = await parts.find.key(request.params.id);
       if (!consumer) throw new GatewayError('key_not_found', `No key with id "${request.params.id}"`);
       return { id: consumer.id, revoked: consumer.revoked, ...(await usageOf(consumer, parts)) };
     },
@@ -58,7 +59,7 @@ export const usageRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, pa
       },
     },
     async (request) => {
-      const members = consumers().filter((c) => c.account === request.params.account);
+      const members = await parts.find.account(request.params.account);
       if (members.length === 0) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
       return { keys: members.map((c) => c.id).sort(), ...(await usageOf(members[0]!, parts)) };
     },
@@ -82,7 +83,7 @@ export const usageRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, pa
       },
     },
     async (request) => {
-      const member = consumers().find((c) => c.account === request.params.account);
+      const [member] = await parts.find.account(request.params.account);
       if (!member) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
       const lifted = await parts.store.unban(member.subject).catch((err: Error) => {
         request.log.warn({ account: request.params.account, cause: err.message }, 'unban: the quota store did not answer');

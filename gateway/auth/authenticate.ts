@@ -32,11 +32,29 @@ function credentialOf(header: string | undefined, config: GatewayConfig, connect
   return credential;
 }
 
+/** The keys beyond the config file's (the key registry): a consumer at once when it knows, else Redis's answer. */
+export interface KeyLookup {
+  lookup(digest: string): Consumer | undefined | Promise<Consumer | undefined>;
+}
+
 /**
  * Bearer key -> consumer, or the 401 that refuses it (with WWW-Authenticate, RFC 6750).
- * `connection` (the request's socket) lets a key sent again on it skip the digest.
+ * `connection` (the request's socket) lets a key sent again on it skip the digest. A key the
+ * config file does not hold is asked of `more` (the key registry), which may have to wait.
  */
-export function authenticate(header: string | undefined, config: GatewayConfig, connection?: object): Consumer | GatewayError {
+export function authenticate(header: string | undefined, config: GatewayConfig, connection?: object): Consumer | GatewayError;
+export function authenticate(
+  header: string | undefined,
+  config: GatewayConfig,
+  connection: object | undefined,
+  more: KeyLookup | undefined,
+): Consumer | GatewayError | Promise<Consumer | GatewayError>;
+export function authenticate(
+  header: string | undefined,
+  config: GatewayConfig,
+  connection?: object,
+  more?: KeyLookup,
+): Consumer | GatewayError | Promise<Consumer | GatewayError> {
   const credential = credentialOf(header, config, connection);
   switch (credential.kind) {
     case 'missing':
@@ -52,7 +70,13 @@ export function authenticate(header: string | undefined, config: GatewayConfig, 
         { 'www-authenticate': INVALID },
       );
   }
-  const consumer = config.consumers.get(credential.hash);
+  const consumer = config.consumers.get(credential.hash) ?? more?.lookup(credential.hash);
+  if (consumer instanceof Promise) return consumer.then(usable);
+  return usable(consumer);
+}
+
+/** The consumer if its key may be used now, else the 401 that says why. */
+function usable(consumer: Consumer | undefined): Consumer | GatewayError {
   if (!consumer) return new GatewayError('unauthorized', 'Unknown API key', { 'www-authenticate': INVALID });
   if (consumer.revoked) {
     return new GatewayError('unauthorized', 'This API key has been revoked', { 'www-authenticate': INVALID });

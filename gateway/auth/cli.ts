@@ -1,22 +1,24 @@
-import { statSync } from 'node:fs';
+import { readFileSync, statSync } from 'node:fs';
 import { parseArgs } from 'node:util';
-import { ConfigError } from '../config/config.js';
-import { configFilePath } from '../config/settings.js';
+import { ConfigError, parseConfigText } from '../config/config.js';
+import { configFilePath, loadSettings } from '../config/settings.js';
+import { closeRedis, connectRedis, type RedisClient } from '../process/redis-client.js';
 import {
   type AccountChange,
   type AccountSettings,
-  createKey,
+  addEntries,
   duration,
+  fileKeys,
   KeyFileError,
-  listKeys,
-  revokeKey,
-  rotateKey,
+  type KeyStore,
   setAccount,
 } from './key-file.js';
+import { RegistryKeys } from './registry.js';
 
-// `npm run keys -- create|list|revoke|rotate|account`: the keys and accounts in the config file
-// (key-file.ts does the locked, validated edit; the admin API uses the same). The plain key is
-// printed once.
+// `npm run keys -- create|list|revoke|rotate|account|import|export`: the keys in the config file
+// (key-file.ts does the locked, validated edit; the admin API uses the same), or with
+// KEY_STORE=redis in the key registry (registry.ts); accounts are always the file's. The plain
+// key is printed once.
 
 const USAGE = `usage:
   keys create --plan PLAN [--id ID] [--account ACCOUNT] [--per-minute N --per-day N [--per-month N]] [--expires-at ISO-DATE] [--config FILE]
@@ -24,9 +26,13 @@ const USAGE = `usage:
   keys revoke --id ID [--config FILE]
   keys rotate --id ID [--grace DURATION (24h; s, m, h, d)] [--config FILE]
   keys account --account ACCOUNT [--billing-day N (1-31)] [--credits-grant N [--rollover] | --no-credits] [--config FILE]
-  keys --help`;
+  keys import [--config FILE]     (KEY_STORE=redis: the file's keys into the key registry)
+  keys export [--config FILE]     (KEY_STORE=redis: the key registry's keys into the file)
+  keys --help
+With KEY_STORE=redis (and REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS), keys are issued,
+listed, revoked and rotated in the key registry; the config file keeps plans and accounts.`;
 
-const COMMANDS = ['create', 'list', 'revoke', 'rotate', 'account'];
+const COMMANDS = ['create', 'list', 'revoke', 'rotate', 'account', 'import', 'export'];
 
 class UsageError extends Error {}
 
@@ -91,25 +97,74 @@ async function run(argv: string[]): Promise<void> {
   if (!command || !COMMANDS.includes(command)) throw new UsageError(command ? `unknown command "${command}"` : 'missing command');
   const file = values.config ?? configFilePath();
   checkFile(file);
-  if (command === 'list') list(file);
-  else if (command === 'create') await create(file, values);
-  else if (command === 'account') await account(file, values);
-  else if (command === 'rotate') {
+  if (command === 'account') return account(file, values);
+  const registry = process.env.KEY_STORE === 'redis' ? await openRegistry(file) : undefined;
+  try {
+    await onKeys(command, file, values, registry?.keys ?? fileKeys(file), registry?.keys);
+  } finally {
+    if (registry) await closeRedis(registry.redis);
+  }
+}
+
+/** The key registry the settings name (KEY_STORE=redis), once Redis answers. */
+async function openRegistry(file: string): Promise<{ keys: RegistryKeys; redis: RedisClient }> {
+  const settings = loadSettings();
+  const redis = connectRedis(settings)!;
+  const ready = await new Promise<boolean>((resolve) => {
+    const timer = setTimeout(() => resolve(false), 5000);
+    redis.once('ready', () => {
+      clearTimeout(timer);
+      resolve(true);
+    });
+  });
+  if (!ready) {
+    redis.disconnect();
+    throw new Refusal('KEY_STORE=redis: Redis did not answer within 5 s (is it running, and is REDIS_URL right?)');
+  }
+  const current = parseConfigText(readFileSync(file, 'utf8'), file);
+  return { keys: new RegistryKeys(redis, () => current, `${settings.redisKeyPrefix}:${current.environment}`), redis };
+}
+
+async function onKeys(command: string, file: string, values: Values, keys: KeyStore, registry?: RegistryKeys): Promise<void> {
+  if (command === 'list') await list(keys);
+  else if (command === 'create') await create(keys, values);
+  else if (command === 'import' || command === 'export') {
+    if (!registry) throw new UsageError(`${command} moves keys between the file and the key registry: set KEY_STORE=redis`);
+    await (command === 'import' ? importKeys(file, registry) : exportKeys(file, registry));
+  } else if (command === 'rotate') {
     if (!values.id) throw new UsageError('rotate needs --id');
-    const r = await rotateKey(file, values.id, duration(values.grace ?? '24h'));
+    const r = await keys.rotate(values.id, duration(values.grace ?? '24h'));
     console.error(
       `rotated "${values.id}": new key "${r.id}" (account ${r.account}, plan ${r.plan}); "${values.id}" works until ${r.oldExpiresAt}. The new key, shown only now:`,
     );
     console.log(r.key);
   } else if (command === 'revoke') {
     if (!values.id) throw new UsageError('revoke needs --id');
-    await revokeKey(file, values.id);
-    console.error(`revoked key "${values.id}" in ${file}`);
+    await keys.revoke(values.id);
+    console.error(`revoked key "${values.id}" in ${keys.where}`);
   }
 }
 
-function list(file: string): void {
-  const rows = listKeys(file).map((k) => {
+/** The file's keys into the registry, each once (an id the registry has is left as it is there). */
+async function importKeys(file: string, registry: RegistryKeys): Promise<void> {
+  const { keys } = parseConfigText(readFileSync(file, 'utf8'), file);
+  let added = 0;
+  for (const entry of keys) if (await registry.add(entry)) added++;
+  console.error(
+    `imported ${added} of ${keys.length} keys from ${file} into the key registry (${keys.length - added} already there); they work from both until you remove them from the file`,
+  );
+}
+
+/** The registry's keys into the file, each once (an id the file has is left as it is there). */
+async function exportKeys(file: string, registry: RegistryKeys): Promise<void> {
+  const entries = [];
+  for await (const entry of registry.entries()) entries.push(entry);
+  const added = await addEntries(file, entries);
+  console.error(`exported ${added} of ${entries.length} keys from the key registry into ${file} (${entries.length - added} already there)`);
+}
+
+async function list(keys: KeyStore): Promise<void> {
+  const rows = (await keys.list()).map((k) => {
     const status =
       k.status === 'revoked'
         ? `revoked ${k.revokedAt}`
@@ -132,7 +187,7 @@ function list(file: string): void {
     );
 }
 
-async function create(file: string, values: Values): Promise<void> {
+async function create(keys: KeyStore, values: Values): Promise<void> {
   if (!values.plan) throw new UsageError('create needs --plan');
   const [perMinute, perDay, perMonth] = [values['per-minute'], values['per-day'], values['per-month']];
   if ((perMinute === undefined) !== (perDay === undefined)) throw new UsageError('give both --per-minute and --per-day, or neither');
@@ -141,14 +196,14 @@ async function create(file: string, values: Values): Promise<void> {
     perMinute !== undefined
       ? { perMinute: Number(perMinute), perDay: Number(perDay), ...(perMonth !== undefined && { perMonth: Number(perMonth) }) }
       : undefined;
-  const { id, key } = await createKey(file, {
+  const { id, key } = await keys.create({
     plan: values.plan,
     id: values.id,
     account: values.account,
     limits,
     expiresAt: values['expires-at'],
   });
-  console.error(`created key "${id}" (plan ${values.plan}) in ${file}; it is shown only now:`);
+  console.error(`created key "${id}" (plan ${values.plan}) in ${keys.where}; it is shown only now:`);
   console.log(key);
 }
 

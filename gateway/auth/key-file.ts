@@ -68,16 +68,21 @@ export function duration(text: string): number {
 /** Every key, without secrets (the file holds none), with its state now. */
 export function listKeys(file: string): KeyRow[] {
   const current = parseConfigText(readFileSync(file, 'utf8'), file);
-  return current.keys.map((k) => ({
+  return current.keys.map((k) => rowOf(k, current.plans));
+}
+
+/** A key's row, as the list shows it (the file's and the key registry's alike). */
+export function rowOf(k: ConfigFile['keys'][number], plans: ConfigFile['plans']): KeyRow {
+  return {
     id: k.id,
     account: k.account ?? k.id,
     plan: k.plan,
-    limits: k.limits ?? planLimits(current.plans[k.plan]),
+    limits: k.limits ?? planLimits(Object.hasOwn(plans, k.plan) ? plans[k.plan] : undefined),
     status: k.revokedAt ? 'revoked' : k.expiresAt !== undefined && Date.parse(k.expiresAt) <= Date.now() ? 'expired' : 'active',
     ...(k.createdAt && { createdAt: k.createdAt }),
     ...(k.expiresAt && { expiresAt: k.expiresAt }),
     ...(k.revokedAt && { revokedAt: k.revokedAt }),
-  }));
+  };
 }
 
 /** A plan's limits as a key row shows them: perMonth only where the plan has one. */
@@ -111,7 +116,7 @@ const NAME_RULE = '1 to 64 of a-z, 0-9, _ and -'; // KEY_ENTRY.id's pattern, sai
  * The validator would refuse the same entries, but as a broken file (`keys.6.id: Expected
  * string to match '^[a-z0-9_-]{1,64}$'`), which misleads whoever only typed a bad value.
  */
-function checkRequest(request: NewKey, current: ConfigFile): void {
+export function checkRequest(request: NewKey, current: Pick<ConfigFile, 'plans'>): void {
   // Own properties only: `constructor` is no plan, though every object answers to it.
   const plan = Object.hasOwn(current.plans, request.plan) ? current.plans[request.plan] : undefined;
   if (!plan) throw new KeyFileError(`unknown plan "${request.plan}"; plans: ${Object.keys(current.plans).join(', ')}`, 'invalid');
@@ -292,4 +297,39 @@ async function lock(file: string): Promise<{ release: () => Promise<void>; lost:
     if (code === 'ELOCKED') throw new KeyFileError(`${file} is being edited by another keys command or admin call; try again`, 'busy');
     throw err;
   }
+}
+
+/** Where keys are issued, listed, revoked and rotated: the config file, or the key registry (registry.ts). */
+export interface KeyStore {
+  /** Said in messages: the file's path, or "the key registry". */
+  where: string;
+  list(): Promise<KeyRow[]>;
+  create(request: NewKey): Promise<{ id: string; key: string }>;
+  revoke(id: string): Promise<{ revokedAt: string }>;
+  rotate(id: string, graceMs: number): Promise<{ id: string; key: string; account: string; plan: string; oldExpiresAt: string }>;
+}
+
+/** The config file as a key store. */
+export function fileKeys(file: string): KeyStore {
+  return {
+    where: file,
+    list: async () => listKeys(file),
+    create: (request) => createKey(file, request),
+    revoke: (id) => revokeKey(file, id),
+    rotate: (id, graceMs) => rotateKey(file, id, graceMs),
+  };
+}
+
+/** Adds entries as they are (`keys export` from the registry), skipping ids the file has; returns how many were added. */
+export function addEntries(file: string, entries: ConfigFile['keys']): Promise<number> {
+  return edit(file, (current, keys, doc) => {
+    const taken = new Set(current.keys.map((k) => k.id));
+    let added = 0;
+    for (const entry of entries) {
+      if (taken.has(entry.id)) continue;
+      keys.add(doc.createNode(entry));
+      added++;
+    }
+    return added;
+  });
 }

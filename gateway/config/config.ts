@@ -155,8 +155,14 @@ export interface GatewayConfig {
   environment: Environment;
   /** The Redis key of this deployment's live instances (`<REDIS_KEY_PREFIX>:<environment>:{gateways}`). */
   registryKey: string;
+  /** `<REDIS_KEY_PREFIX>:<environment>`: the start of every Redis key of this deployment. */
+  redisPrefix: string;
+  /** The plans as the file gives them: what a new key of the key registry is checked against. */
+  plans: ConfigFile['plans'];
   /** Keys by the SHA-256 of the key: the only index, so the plain key is never kept. */
   consumers: ReadonlyMap<string, Consumer>;
+  /** A key (of the file or of the key registry) as the hot path reads it, under this config's plans and accounts. */
+  consumerOf(key: KeyEntry): Consumer | undefined;
   /** The quota of requests without a valid key, per client address. */
   addressSubject(address: string): QuotaSubject;
   deprecations: ReadonlyMap<RouteId, Deprecation>;
@@ -263,6 +269,8 @@ function routeCosts(costs: Record<string, number>): ReadonlyMap<RouteId, number>
 }
 
 type PlanEntry = ConfigFile['plans'][string];
+/** A key's entry, as the config file lists it and the key registry stores it. */
+export type KeyEntry = ConfigFile['keys'][number];
 type AccountEntry = NonNullable<ConfigFile['accounts']>[string];
 
 /** What an account is billed by: its billing day, its plan's overage, and its own credits or else its plan's. */
@@ -298,13 +306,14 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
     withinMs: file.bans.withinSeconds * 1000,
     durationMs: file.bans.durationSeconds * 1000,
   };
-  const consumers = new Map<string, Consumer>();
-  for (const k of file.keys) {
+  /** One key as the hot path reads it; undefined when its plan is not in this config (a registry key's may not be). */
+  const consumerOf = (k: KeyEntry): Consumer | undefined => {
+    if (!Object.hasOwn(file.plans, k.plan)) return undefined;
     const plan = file.plans[k.plan]!;
     const account = k.account ?? k.id;
     const billing = billingOf(plan, file.accounts && Object.hasOwn(file.accounts, account) ? file.accounts[account] : undefined);
     const limits = ceilings(k.limits ?? { perMinute: plan.perMinute!, perDay: plan.perDay!, perMonth: plan.perMonth }, billing.overage);
-    consumers.set(k.hash, {
+    return {
       id: k.id,
       account,
       plan: k.plan,
@@ -324,8 +333,10 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
         alerts: file.alerts ? (plan.alerts?.thresholds ?? file.alerts.thresholds).join(',') : '',
       },
       upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-account': account, 'x-consumer-plan': k.plan }),
-    });
-  }
+    };
+  };
+  const consumers = new Map<string, Consumer>();
+  for (const k of file.keys) consumers.set(k.hash, consumerOf(k)!); // validated: its plan exists
   const deprecations = new Map<RouteId, Deprecation>();
   for (const d of file.deprecations) {
     const route = ROUTES.find((r) => r.method === d.method && r.path === d.path)!;
@@ -344,7 +355,10 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
   return Object.freeze({
     environment: file.environment,
     registryKey: `${redisPrefix}:{gateways}`,
+    redisPrefix,
+    plans: file.plans,
     consumers,
+    consumerOf,
     addressSubject: (address: string) => ({
       name: `${redisPrefix}:{a:${address}}`,
       limits: anonymous,

@@ -49,6 +49,9 @@ export const GatewaySettingsSchema = Type.Object({
   redisSentinels: Type.Optional(Type.String({ env: 'REDIS_SENTINELS', pattern: HOST_PORTS })),
   redisSentinelName: Type.Optional(Type.String({ env: 'REDIS_SENTINEL_NAME', pattern: '^[A-Za-z0-9_.-]{1,64}$' })),
   configFile: Type.String({ env: 'GATEWAY_CONFIG', minLength: 1, default: 'config/gateway.yaml' }),
+  // Where keys live: the config file (the default, and the GitOps path), or also a key registry
+  // in Redis for deployments past a file (docs/keys.md): a key change then costs one key.
+  keyStore: oneOf('KEY_STORE', ['file', 'redis'], 'file'),
   bodyLimit: Type.Integer({ env: 'GATEWAY_BODY_LIMIT', minimum: 1, default: 1024 * 1024 }),
   // A client's whole request (headers and body) must arrive within this; then 408 (slow clients).
   requestTimeoutMs: Ms('GATEWAY_REQUEST_TIMEOUT_MS', 30_000),
@@ -107,6 +110,8 @@ export function loadSettings(env: NodeJS.ProcessEnv = process.env) {
     problems.push('  REDIS_SENTINEL_NAME: required with REDIS_SENTINELS (the master group name)');
   if (settings.redisSentinelName && !settings.redisSentinels)
     problems.push('  REDIS_SENTINEL_NAME: only means something with REDIS_SENTINELS');
+  if (settings.keyStore === 'redis' && chosen.length === 0)
+    problems.push('  KEY_STORE=redis: the key registry lives in Redis: set REDIS_URL (or REDIS_CLUSTER_NODES, or REDIS_SENTINELS)');
   if (problems.length > 0) throw new Error(['Invalid gateway settings:', ...problems].join('\n'));
   return settings;
 }

@@ -17,6 +17,7 @@ import { GatewayMetrics } from '../observability/metrics.js';
 import { documentServer, OPENAPI_PATH } from './openapi.js';
 import { USAGE_ROUTE } from './routes.js';
 import { usageView } from '../quota/usage-view.js';
+import { KeyRegistry } from '../auth/registry.js';
 import { type RequestContext, requestPipeline } from './pipeline.js';
 import { registerProxy } from './proxy.js';
 import { admit } from '../quota/admit.js';
@@ -43,6 +44,8 @@ export interface Gateway {
   config(): GatewayConfig;
   store: QuotaStore;
   metrics: GatewayMetrics;
+  /** The key registry, with KEY_STORE=redis: keys beyond the config file's. */
+  keys?: KeyRegistry;
 }
 
 type AppSettings = Pick<
@@ -56,6 +59,7 @@ type AppSettings = Pick<
   | 'logPretty'
   | 'metricsKeyIds'
   | 'quotaLeaseMax'
+  | 'keyStore'
   | 'creditsAckReplicas'
   | 'creditsAckTimeoutMs'
   | 'idempotencyKeyHours'
@@ -168,7 +172,8 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   const tracing = await startTracing(settings, log);
   // Answers without fastify's hooks (framework errors, raw sockets) get their span where their access line is written.
   const record = tracing ? tracing.recording(access.record) : access.record;
-  const pipeline = requestPipeline(store, current, record);
+  const keys = settings.keyStore === 'redis' && deps.redis ? new KeyRegistry(deps.redis, current, log) : undefined;
+  const pipeline = requestPipeline(store, current, record, keys);
   const raw: RawDeps = {
     admitAddress: async (address) => admit(store, config.addressSubject(address)),
     record,
@@ -185,6 +190,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   app.addHook('onClose', async () => {
     exporter?.stop();
     webhooks?.stop();
+    keys?.close();
     await Promise.all([store.close?.(), tracing?.shutdown()]);
   });
   const document = documentServer(settings.backendUrl, settings.upstreamTimeoutMs);
@@ -203,5 +209,5 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     inject: tracing?.inject,
   });
 
-  return { app, setConfig: (next) => void (config = next), config: current, store, metrics };
+  return { app, setConfig: (next) => void (config = next), config: current, store, metrics, keys };
 }

@@ -1,7 +1,7 @@
 import type { Span } from '@opentelemetry/api';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import type { AccessEntry, AccessOutcome } from '../observability/access-log.js';
-import { authenticate } from '../auth/authenticate.js';
+import { authenticate, type KeyLookup } from '../auth/authenticate.js';
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { corsHeaders, preflight } from './cors.js';
 import { type Deprecation, sunsetRefusal } from './deprecation.js';
@@ -156,13 +156,41 @@ function admitted(refused: GatewayError | undefined, route: ReturnType<typeof ma
 /** An error for fastify's `done`: given nothing, it would let the request through as if admitted. */
 const failure = (err: unknown): Error => (err instanceof Error ? err : new Error(`request hook failed: ${String(err)}`));
 
+/** The rest of the pipeline, once the key is known (or known to be no key). */
+function authenticated(
+  store: QuotaStore,
+  request: FastifyRequest,
+  reply: FastifyReply,
+  ctx: RequestContext,
+  who: Consumer | GatewayError,
+): Promise<FastifyReply | void> | undefined {
+  if (who instanceof GatewayError) return admitByAddress(store, request, reply, who);
+  ctx.consumer = who;
+  if (isUsagePath(request.url)) return ownRoute(store, request, reply, USAGE_ROUTE.id);
+  const route = matchRoute(request.method, request.url);
+  const deprecation = route instanceof GatewayError ? undefined : ctx.config.deprecations.get(route.id);
+  if (!(route instanceof GatewayError)) ctx.route = route.id;
+  if (deprecation) reply.headers(deprecation.headers);
+  // Every authenticated request counts (its route's cost), whatever its outcome, except one refused with 429.
+  ctx.cost = (ctx.route && who.costs.get(ctx.route)) || 1;
+  const refused = admitRequest(store, request, reply, who.subject, ctx.cost);
+  if (refused instanceof Promise) return refused.then((r) => admitted(r, route, deprecation));
+  admitted(refused, route, deprecation);
+  return undefined;
+}
+
 /**
  * The request pipeline, in order: context, a CORS preflight, the public document (both on the
  * per-address quota), authentication (or the per-address quota), route, deprecation headers,
  * the key's quota (the route's cost), then the refusals. Every step that can refuse returns
  * its GatewayError; this is the one place that throws them.
  */
-export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, record: (reqId: string, entry: AccessEntry) => void) {
+export function requestPipeline(
+  store: QuotaStore,
+  config: () => GatewayConfig,
+  record: (reqId: string, entry: AccessEntry) => void,
+  keys?: KeyLookup,
+) {
   /** The pipeline itself: throws its refusal; a promise only where it waits (Redis, or the rarer paths). */
   function steps(request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply | void> | undefined {
     const ctx = begin(request, reply, config());
@@ -173,20 +201,9 @@ export function requestPipeline(store: QuotaStore, config: () => GatewayConfig, 
     const bad = malformed(request);
     if (!bad && isDocumentPath(request.url)) return ownRoute(store, request, reply, DOCUMENT_ROUTE.id);
     // Authentication first, for every other path: a caller without a valid key learns nothing of routes.
-    const who = bad ?? authenticate(request.headers.authorization, ctx.config, request.raw.socket);
-    if (who instanceof GatewayError) return admitByAddress(store, request, reply, who);
-    ctx.consumer = who;
-    if (isUsagePath(request.url)) return ownRoute(store, request, reply, USAGE_ROUTE.id);
-    const route = matchRoute(request.method, request.url);
-    const deprecation = route instanceof GatewayError ? undefined : ctx.config.deprecations.get(route.id);
-    if (!(route instanceof GatewayError)) ctx.route = route.id;
-    if (deprecation) reply.headers(deprecation.headers);
-    // Every authenticated request counts (its route's cost), whatever its outcome, except one refused with 429.
-    ctx.cost = (ctx.route && who.costs.get(ctx.route)) || 1;
-    const refused = admitRequest(store, request, reply, who.subject, ctx.cost);
-    if (refused instanceof Promise) return refused.then((r) => admitted(r, route, deprecation));
-    admitted(refused, route, deprecation);
-    return undefined;
+    const who = bad ?? authenticate(request.headers.authorization, ctx.config, request.raw.socket, keys);
+    if (who instanceof Promise) return who.then((found) => authenticated(store, request, reply, ctx, found));
+    return authenticated(store, request, reply, ctx, who);
   }
 
   /**

@@ -6,6 +6,7 @@ import { type AdminParts, buildAdmin } from '../admin/app.js';
 import type { GatewayConfig } from '../config/config.js';
 import type { GatewaySettings } from '../config/settings.js';
 import { buildGateway, type Gateway } from '../http/app.js';
+import { keyFinder, RegistryKeys } from '../auth/registry.js';
 import { RedisQuotaStore } from '../quota/redis-store.js';
 import { reloader, watchConfig } from './config-watch.js';
 import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient } from './redis-client.js';
@@ -118,9 +119,22 @@ function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSour
   const store = from.gateway?.store ?? new RedisQuotaStore(from.redis!, from.log); // the primary's only reads usage
   const metrics = own.metrics ?? from.gateway!.metrics;
   const configFile = options.reloads === 'file' ? settings.configFile : undefined;
+  // With the key registry, keys are issued there (every instance hears of a change at once); accounts stay in the file.
+  const registry =
+    settings.keyStore === 'redis' && from.redis ? new RegistryKeys(from.redis, () => from.config(), from.config().redisPrefix) : undefined;
   return buildAdmin(
     { ...settings, configFile },
-    { config: from.config, store, metrics, problems: own.problems, redis: from.redis, closing: from.closing, log: from.log },
+    {
+      config: from.config,
+      store,
+      metrics,
+      problems: own.problems,
+      redis: from.redis,
+      closing: from.closing,
+      log: from.log,
+      keys: registry,
+      find: keyFinder(from.config, registry),
+    },
   );
 }
 

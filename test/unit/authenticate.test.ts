@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { authenticate } from '../../gateway/auth/authenticate.js';
-import { compileConfig } from '../../gateway/config/config.js';
+import { type Consumer, compileConfig } from '../../gateway/config/config.js';
 import { GatewayError } from '../../gateway/http/errors.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 
@@ -11,7 +11,7 @@ describe('authenticate, a key sent again on one connection', () => {
   const [a, b] = [makeKey('free'), makeKey('free')];
   const config = compileConfig(testConfig([a, b]));
   const bearer = (k: { key: string }) => `Bearer ${k.key}`;
-  const idOf = (r: ReturnType<typeof authenticate>) => (r instanceof GatewayError ? `${r.status} ${r.message}` : r.id);
+  const idOf = (r: Consumer | GatewayError) => (r instanceof GatewayError ? `${r.status} ${r.message}` : r.id);
 
   it('is the consumer of the key each request sends, not of the one before', () => {
     const connection = {};

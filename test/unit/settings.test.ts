@@ -32,6 +32,7 @@ describe('settings from their schema', () => {
       host: '127.0.0.1',
       backendUrl: 'http://127.0.0.1:3001',
       configFile: 'config/gateway.yaml',
+      keyStore: 'file',
       bodyLimit: 1048576,
       requestTimeoutMs: 30000,
       upstreamTimeoutMs: 10000,

@@ -1,0 +1,360 @@
+import { randomBytes } from 'node:crypto';
+import type { FastifyBaseLogger } from 'fastify';
+import { LRUCache } from 'lru-cache';
+import type { ConfigFile, Consumer, GatewayConfig, KeyEntry } from '../config/config.js';
+import { type RedisClient, secondConnection } from '../process/redis-client.js';
+import { checkRequest, KeyFileError, type KeyRow, type KeyStore, type NewKey, rowOf } from './key-file.js';
+import { generateKey } from './keys.js';
+
+// The key registry: keys in the Redis the gateway already runs, for deployments past a file
+// (KEY_STORE=redis). A key change costs one key: one script writes its record and tells every
+// instance on a channel; each instance keeps the keys in use in a bounded cache, and a Bloom
+// filter of every key's digest (a bitmap beside the records, read once at boot) answers
+// "unknown" for a key that was never issued without asking Redis. Plans and accounts stay in
+// the config file.
+
+/** The registry's Redis names, all in one Cluster slot (`{keys}`): its scripts touch several at once. */
+export function registryNames(redisPrefix: string) {
+  const base = `${redisPrefix}:{keys}`;
+  return {
+    record: (digest: string) => `${base}:key:${digest}`,
+    id: (id: string) => `${base}:id:${id}`,
+    /** The ids of an account's keys (a set). */
+    account: (account: string) => `${base}:account:${account}`,
+    /** Every id, for listing in order (a sorted set, all scores 0). */
+    ids: `${base}:ids`,
+    bloom: `${base}:bloom`,
+    /** The channel a change's digest is published on. */
+    changed: `${base}:changed`,
+  };
+}
+type Names = ReturnType<typeof registryNames>;
+
+/** Bits of the Bloom filter (2 MiB): with 7 bits a key, 0.05% false positives at 1,000,000 keys, 1.5% at 4,000,000. */
+const BLOOM_BITS = 2 ** 24;
+/** The filter's 7 bit positions of a digest (`sha256:<hex>`): 24-bit slices of its hex (as BLOOM_LUA takes them). */
+function bloomBits(digest: string): number[] {
+  const hex = digest.slice(-64);
+  const out: number[] = [];
+  for (let i = 0; i < 7; i++) out.push(Number.parseInt(hex.slice(i * 6, i * 6 + 6), 16));
+  return out;
+}
+function setBits(bloom: Buffer, digest: string): void {
+  for (const bit of bloomBits(digest)) bloom[bit >> 3]! |= 0x80 >> (bit & 7);
+}
+const BLOOM_LUA = `local hex = string.sub(ARGV[1], -64)
+for i = 0, 6 do redis.call('SETBIT', KEYS[4], tonumber(string.sub(hex, i * 6 + 1, i * 6 + 6), 16), 1) end`;
+
+// KEYS: the record (hash), the id (string), the ids (sorted set), the Bloom filter (bitmap), the
+// account's ids (set). ARGV: digest, id, channel, then the record's fields and values. 0: the id is taken.
+const CREATE = `if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('SET', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[5], ARGV[2])
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+redis.call('ZADD', KEYS[3], 0, ARGV[2])
+${BLOOM_LUA}
+redis.call('PUBLISH', ARGV[3], ARGV[1])
+return 1`;
+// KEYS: the record, the id. ARGV: digest, channel, field, value: set only while the id still names that record.
+const UPDATE = `if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[3], ARGV[4])
+redis.call('PUBLISH', ARGV[2], ARGV[1])
+return 1`;
+
+type RegistryRedis = RedisClient & {
+  registryCreate(record: string, id: string, ids: string, bloom: string, account: string, ...args: string[]): Promise<number>;
+  registryUpdate(record: string, id: string, ...args: string[]): Promise<number>;
+};
+
+function withScripts(redis: RedisClient): RegistryRedis {
+  redis.defineCommand('registryCreate', { numberOfKeys: 5, lua: CREATE });
+  redis.defineCommand('registryUpdate', { numberOfKeys: 2, lua: UPDATE });
+  return redis as RegistryRedis;
+}
+
+/** A record as Redis stores it: the file's key entry, its limits as JSON. */
+function fieldsOf(entry: KeyEntry): string[] {
+  const out = ['id', entry.id, 'hash', entry.hash, 'plan', entry.plan];
+  if (entry.account !== undefined) out.push('account', entry.account);
+  if (entry.limits) out.push('limits', JSON.stringify(entry.limits));
+  for (const f of ['createdAt', 'expiresAt', 'revokedAt'] as const) if (entry[f] !== undefined) out.push(f, entry[f]!);
+  return out;
+}
+function entryOf(f: Record<string, string>): KeyEntry {
+  const entry: KeyEntry = { id: f.id!, hash: f.hash!, plan: f.plan! };
+  if (f.account !== undefined) entry.account = f.account;
+  if (f.limits !== undefined) entry.limits = JSON.parse(f.limits);
+  for (const k of ['createdAt', 'expiresAt', 'revokedAt'] as const) if (f[k] !== undefined) entry[k] = f[k];
+  return entry;
+}
+
+const iso = (ms: number) => new Date(ms).toISOString().replace(/\.\d+Z$/, 'Z');
+
+/**
+ * The keys command's and the key API's operations on the registry: each costs one key,
+ * whatever the number of keys. `plans` are the config file's (read by the caller).
+ */
+export class RegistryKeys implements KeyStore {
+  readonly where = 'the key registry';
+  private readonly redis: RegistryRedis;
+  private readonly names: Names;
+
+  constructor(
+    redis: RedisClient,
+    private readonly current: () => Pick<ConfigFile, 'plans' | 'environment'>,
+    redisPrefix: string,
+  ) {
+    this.redis = withScripts(redis);
+    this.names = registryNames(redisPrefix);
+  }
+
+  async create(request: NewKey): Promise<{ id: string; key: string }> {
+    const current = this.current();
+    checkRequest(request, current);
+    const id = request.id ?? `${request.plan}-${randomBytes(3).toString('hex')}`;
+    const { key, hash } = generateKey(current.environment);
+    const entry: KeyEntry = { id, hash, plan: request.plan, createdAt: iso(Date.now()) };
+    if (request.account !== undefined) entry.account = request.account;
+    if (request.limits) entry.limits = request.limits;
+    if (request.expiresAt !== undefined) entry.expiresAt = request.expiresAt;
+    if (!(await this.add(entry)))
+      throw new KeyFileError(`a key with id "${id}" is already in the key registry; choose another id`, 'taken');
+    return { id, key };
+  }
+
+  /** Adds an entry as it is (an import): false when its id is taken. */
+  async add(entry: KeyEntry): Promise<boolean> {
+    const n = this.names;
+    const account = n.account(entry.account ?? entry.id);
+    const made = await this.redis.registryCreate(
+      n.record(entry.hash),
+      n.id(entry.id),
+      n.ids,
+      n.bloom,
+      account,
+      entry.hash,
+      entry.id,
+      n.changed,
+      ...fieldsOf(entry),
+    );
+    return made === 1;
+  }
+
+  async get(id: string): Promise<KeyEntry | undefined> {
+    const digest = await this.redis.get(this.names.id(id));
+    if (!digest) return undefined;
+    const f = await this.redis.hgetall(this.names.record(digest));
+    return f.id ? entryOf(f) : undefined;
+  }
+
+  /** The keys of an account (an account has few). */
+  async accountKeys(account: string): Promise<Array<KeyEntry | undefined>> {
+    const ids = await this.redis.smembers(this.names.account(account));
+    return Promise.all(ids.map((id) => this.get(id)));
+  }
+
+  async revoke(id: string): Promise<{ revokedAt: string }> {
+    const entry = await this.must(id);
+    if (entry.revokedAt) throw new KeyFileError(`key "${id}" is already revoked`, 'invalid');
+    const revokedAt = iso(Date.now());
+    await this.set(entry, 'revokedAt', revokedAt);
+    return { revokedAt };
+  }
+
+  async rotate(oldId: string, graceMs: number) {
+    const old = await this.must(oldId);
+    if (old.revokedAt) throw new KeyFileError(`key "${oldId}" is revoked: create a new one instead`, 'invalid');
+    const account = old.account ?? old.id;
+    const { key, hash } = generateKey(this.current().environment);
+    let n = 2;
+    for (;;) {
+      const entry: KeyEntry = { id: `${account}-${n}`, account, hash, plan: old.plan, createdAt: iso(Date.now()) };
+      if (old.limits) entry.limits = old.limits;
+      if (await this.add(entry)) break;
+      n++;
+    }
+    const until = iso(Math.min(Date.now() + graceMs, old.expiresAt ? Date.parse(old.expiresAt) : Number.POSITIVE_INFINITY));
+    await this.set(old, 'expiresAt', until);
+    return { id: `${account}-${n}`, key, account, plan: old.plan, oldExpiresAt: until };
+  }
+
+  /** Every key, in id order, a page of `count` at a time (the registry may hold millions). */
+  async *entries(count = 1000): AsyncGenerator<KeyEntry> {
+    let from = '-';
+    for (;;) {
+      const ids = await this.redis.zrangebylex(this.names.ids, from, '+', 'LIMIT', 0, count);
+      for (const id of ids) {
+        const entry = await this.get(id);
+        if (entry) yield entry;
+      }
+      if (ids.length < count) return;
+      from = `(${ids.at(-1)}`;
+    }
+  }
+
+  async list(): Promise<KeyRow[]> {
+    const rows: KeyRow[] = [];
+    for await (const entry of this.entries()) rows.push(rowOf(entry, this.current().plans));
+    return rows;
+  }
+
+  private async must(id: string): Promise<KeyEntry> {
+    const entry = await this.get(id);
+    if (!entry) throw new KeyFileError(`no key with id "${id}" in the key registry`, 'not_found');
+    return entry;
+  }
+
+  private async set(entry: KeyEntry, field: string, value: string): Promise<void> {
+    const n = this.names;
+    if ((await this.redis.registryUpdate(n.record(entry.hash), n.id(entry.id), entry.hash, n.changed, field, value)) !== 1)
+      throw new KeyFileError(`key "${entry.id}" changed meanwhile; try again`, 'busy');
+  }
+}
+
+/** A cached answer: the consumer (or none) under the config it was built for. */
+interface Cached {
+  config: GatewayConfig;
+  consumer: Consumer | undefined;
+}
+
+/** How many keys an instance keeps built (the keys in use); the rest are asked of Redis when they come back. */
+const CACHE_KEYS = 100_000;
+/** A backstop for a change whose message was lost while the channel reconnected: a cached key is asked again after this. */
+const CACHE_TTL_MS = 60_000;
+
+/**
+ * The registry as each gateway instance reads it: a key is looked up in Redis once, then kept
+ * (bounded, least recently used out) until its change is announced; a key the Bloom filter
+ * has never seen is unknown at once, with no call to Redis.
+ */
+export class KeyRegistry {
+  private readonly redis: RedisClient;
+  private readonly names: Names;
+  private readonly cache = new LRUCache<string, Cached>({ max: CACHE_KEYS, ttl: CACHE_TTL_MS });
+  private readonly pending = new Map<string, Promise<Consumer | undefined>>();
+  /** Unset until read: every key is then asked of Redis, none refused unseen. */
+  private bloom?: Buffer;
+  private readonly subscriber: RedisClient;
+  private readonly firstLoad: Promise<void>;
+  /** The digests announced while the filter is being read. */
+  private heard?: string[];
+  /** Changes announced to this instance so far (what a test waits on). */
+  announced = 0;
+
+  constructor(
+    redis: RedisClient,
+    private readonly config: () => GatewayConfig,
+    private readonly log: FastifyBaseLogger,
+  ) {
+    this.redis = redis;
+    this.names = registryNames(config().redisPrefix);
+    this.subscriber = secondConnection(redis);
+    this.subscriber.on('message', (_channel: string, digest: string) => this.changed(digest));
+    let loaded = () => {};
+    this.firstLoad = new Promise((resolve) => (loaded = resolve));
+    // On every (re)connection: subscribe, then read the filter whole and forget what is cached
+    // (a change announced while the channel was down would be missed otherwise).
+    this.subscriber.on('ready', () => {
+      this.load().then(loaded, (err: Error) => this.log.warn({ cause: err.message }, 'key registry: could not read its filter'));
+    });
+  }
+
+  /** Resolves once the channel is subscribed and the filter read: keys issued before are known from then on. */
+  ready(): Promise<void> {
+    return this.firstLoad;
+  }
+
+  private async load(): Promise<void> {
+    this.heard = [];
+    await this.subscriber.subscribe(this.names.changed);
+    const bits = await this.redis.getBuffer(this.names.bloom);
+    const bloom = Buffer.alloc(BLOOM_BITS / 8);
+    bits?.copy(bloom);
+    // Changes announced while the filter was read may be missing from it: added again.
+    for (const digest of this.heard) setBits(bloom, digest);
+    this.heard = undefined;
+    this.bloom = bloom;
+    this.cache.clear();
+  }
+
+  private changed(digest: string): void {
+    this.announced++;
+    this.cache.delete(digest);
+    this.heard?.push(digest);
+    if (this.bloom) setBits(this.bloom, digest);
+  }
+
+  private mayHold(digest: string): boolean {
+    const bloom = this.bloom;
+    return !bloom || bloomBits(digest).every((bit) => (bloom[bit >> 3]! & (0x80 >> (bit & 7))) !== 0);
+  }
+
+  /** The consumer of a digest: at once when cached or unknown to the filter; else Redis's answer, once per digest in flight. */
+  lookup(digest: string): Consumer | undefined | Promise<Consumer | undefined> {
+    const config = this.config();
+    const hit = this.cache.get(digest);
+    if (hit && hit.config === config) return hit.consumer;
+    if (!this.mayHold(digest)) return undefined;
+    let asked = this.pending.get(digest);
+    if (!asked) {
+      asked = this.fetch(digest, config).finally(() => this.pending.delete(digest));
+      this.pending.set(digest, asked);
+    }
+    return asked;
+  }
+
+  private async fetch(digest: string, config: GatewayConfig): Promise<Consumer | undefined> {
+    const f = await this.redis.hgetall(this.names.record(digest));
+    const entry = f.id ? entryOf(f) : undefined;
+    const consumer = entry && config.consumerOf(entry);
+    if (entry && !consumer)
+      this.log.warn({ keyId: entry.id, plan: entry.plan }, 'key registry: a key names a plan the config does not have');
+    this.cache.set(digest, { config, consumer });
+    return consumer;
+  }
+
+  close(): void {
+    this.subscriber.disconnect();
+  }
+}
+
+/** Finds keys by id and accounts by name, for the admin port: the file's and, with one, the registry's. */
+export interface KeyFinder {
+  key(id: string): Promise<Consumer | undefined>;
+  /** The keys of an account, in id order (they share its quota and settings). */
+  account(account: string): Promise<Consumer[]>;
+}
+
+/**
+ * The finder over the config in force (its keys indexed once per config, not scanned per call)
+ * and the registry's keys, built under the same config.
+ */
+export function keyFinder(config: () => GatewayConfig, registry?: RegistryKeys): KeyFinder {
+  const indexes = new WeakMap<GatewayConfig, { byId: Map<string, Consumer>; byAccount: Map<string, Consumer[]> }>();
+  const index = (c: GatewayConfig) => {
+    let found = indexes.get(c);
+    if (!found) {
+      found = { byId: new Map(), byAccount: new Map() };
+      for (const consumer of c.consumers.values()) {
+        found.byId.set(consumer.id, consumer);
+        found.byAccount.set(consumer.account, [...(found.byAccount.get(consumer.account) ?? []), consumer]);
+      }
+      indexes.set(c, found);
+    }
+    return found;
+  };
+  const built = (c: GatewayConfig, entries: Array<KeyEntry | undefined>) =>
+    entries.flatMap((e) => (e ? [c.consumerOf(e)].filter((x): x is Consumer => x !== undefined) : []));
+  return {
+    async key(id) {
+      const c = config();
+      return index(c).byId.get(id) ?? (registry ? built(c, [await registry.get(id)])[0] : undefined);
+    },
+    async account(account) {
+      const c = config();
+      const file = index(c).byAccount.get(account) ?? [];
+      const more = registry ? built(c, await registry.accountKeys(account)) : [];
+      return [...file, ...more].sort((a, b) => (a.id < b.id ? -1 : 1));
+    },
+  };
+}

@@ -1,0 +1,157 @@
+import { execFile } from 'node:child_process';
+import { join } from 'node:path';
+import { promisify } from 'node:util';
+import { Redis } from 'ioredis';
+import { describe, expect, inject, it, onTestFinished } from 'vitest';
+import { generateKey } from '../../gateway/auth/keys.js';
+import { RegistryKeys } from '../../gateway/auth/registry.js';
+import type { ConfigFile } from '../../gateway/config/config.js';
+import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
+import { makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
+import { spawnCluster, spawnRedis } from '../helpers/redis.js';
+import { eventually } from '../helpers/time.js';
+
+// The key registry (KEY_STORE=redis): keys in Redis, each instance caching the keys in use and
+// told of every change on a channel. A key change costs one key; a key issued on one instance
+// works on every other at once; a revoked one is refused by all; keys never issued are refused
+// without a call to Redis.
+
+const TOKEN = 'key-registry-token-0123456789';
+const run = promisify(execFile);
+
+/** Instances of one deployment with the key registry on: one config, one Redis prefix. */
+async function deployment(n: number, config: ConfigFile, settings: Record<string, unknown> = {}, redis?: string) {
+  const redisKeyPrefix = uniquePrefix();
+  return Promise.all(
+    Array.from({ length: n }, () =>
+      buildTestGateway({ config, redisKeyPrefix, redis, admin: { token: TOKEN }, settings: { keyStore: 'redis', ...settings } }),
+    ),
+  );
+}
+
+function admin(gw: TestGateway, path: string, init: RequestInit = {}): Promise<Response> {
+  return fetch(`${gw.adminUrl}${path}`, {
+    ...init,
+    headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', ...init.headers },
+  });
+}
+
+async function issue(gw: TestGateway, body: Record<string, unknown>): Promise<{ id: string; key: string }> {
+  const res = await admin(gw, '/admin/keys', { method: 'POST', body: JSON.stringify(body) });
+  expect(res.status).toBe(201);
+  return (await res.json()) as { id: string; key: string };
+}
+
+const statusOn = async (gw: TestGateway, key: string) => {
+  const res = await gw.call('/v1/pets', key);
+  await res.arrayBuffer();
+  return res.status;
+};
+
+describe('the key registry', () => {
+  it('a key issued on one instance is enforced on the others, its quota shared; revoked, every instance refuses it', async () => {
+    const [a, b, c] = await deployment(3, testConfig([]));
+    const { id, key } = await issue(a!, { plan: 'tiny' }); // 3 a minute
+    const startedAt = Date.now();
+    await eventually(async () => (await statusOn(b!, key)) === 200, 5000, 'the new key accepted on another instance');
+    console.log(`a key issued on A answered 200 on B ${Date.now() - startedAt} ms later`);
+    // One quota across the instances: 3 a minute, the first already used on B.
+    const got = [await statusOn(c!, key), await statusOn(a!, key), await statusOn(b!, key)];
+    if (got.at(-1) === 200) return; // a new minute began in between: the count proves nothing (rare, never a failure)
+    expect(got).toEqual([200, 200, 429]);
+    expect((await admin(a!, `/admin/keys/${id}/revoke`, { method: 'POST', body: '{}' })).status).toBe(200);
+    for (const gw of [a, b, c]) {
+      await eventually(
+        async () => {
+          const res = await gw!.call('/v1/pets', key);
+          return res.status === 401 && (await res.json()).message === 'This API key has been revoked';
+        },
+        5000,
+        'the revoked key refused',
+      );
+    }
+    // The usage lookup finds a registry key by its id, and its account.
+    const usage = await admin(b!, `/admin/keys/${id}/usage`);
+    expect(usage.status).toBe(200);
+    expect(await usage.json()).toMatchObject({ id, revoked: true, plan: 'tiny' });
+  });
+
+  it('refuses keys it never issued without asking Redis, however many', async () => {
+    const own = await spawnRedis(); // its own Redis: the commands counted are this test's alone
+    onTestFinished(() => own.stop());
+    // Room for the flood on the per-address quota, so each answer is the key's refusal (401).
+    const [gw] = await deployment(1, testConfig([], { unauthenticated: { perMinute: 1000 } }), {}, own.url);
+    await gw!.gateway.keys!.ready();
+    const { key } = await issue(gw!, { plan: 'free' });
+    await eventually(() => gw!.gateway.keys!.announced === 1, 5000, 'the new key announced');
+    expect(await statusOn(gw!, key)).toBe(200);
+    const probe = new Redis(own.url);
+    onTestFinished(() => probe.disconnect());
+    const lookups = async () => Number((await probe.info('commandstats')).match(/cmdstat_hgetall:calls=(\d+)/)?.[1] ?? 0);
+    const before = await lookups();
+    for (let i = 0; i < 300; i++) {
+      const res = await gw!.call('/v1/pets', generateKey('production').key); // well formed, never issued
+      expect(res.status).toBe(401);
+      await res.arrayBuffer();
+    }
+    expect(await lookups()).toBe(before);
+    expect(await statusOn(gw!, key)).toBe(200); // the issued one, from the cache: no lookup either
+    expect(await lookups()).toBe(before);
+  });
+
+  it('gives the answers the config file gives: the same statuses, headers and refusals for the same keys', async () => {
+    const answers = async (gw: TestGateway, key: string) => {
+      const out = [];
+      for (let i = 0; i < 2; i++) {
+        const res = await gw.call('/v1/pets', key);
+        await res.arrayBuffer();
+        out.push([res.status, res.headers.get('ratelimit-policy'), res.headers.get('x-ratelimit-limit')]);
+      }
+      const unknown = await gw.call('/v1/pets', generateKey('production').key);
+      out.push([unknown.status, unknown.headers.get('www-authenticate'), await unknown.text()]);
+      return out;
+    };
+    // The same key (one digest) in the file of one deployment and in the registry of another.
+    const made = { ...makeKey('free'), id: 'same-key' };
+    const [fromFile] = await deployment(1, testConfig([made]));
+    const [fromRegistry] = await deployment(1, testConfig([]));
+    const registry = new RegistryKeys(
+      fromRegistry!.redis!,
+      () => fromRegistry!.gateway.config(),
+      fromRegistry!.gateway.config().redisPrefix,
+    );
+    expect(await registry.add({ id: made.id, hash: made.hash, plan: made.plan })).toBe(true);
+    await fromRegistry!.gateway.keys!.ready();
+    expect(await answers(fromRegistry!, made.key)).toEqual(await answers(fromFile!, made.key));
+  });
+
+  it('on a Redis Cluster, a key issued on one instance works on another', { timeout: 60_000 }, async () => {
+    const cluster = await spawnCluster();
+    onTestFinished(() => cluster.stop());
+    const [a, b] = await deployment(2, testConfig([]), { redisClusterNodes: cluster.nodes });
+    const { key } = await issue(a!, { plan: 'free' });
+    await eventually(async () => (await statusOn(b!, key)) === 200, 10_000, 'the new key accepted on the other instance');
+  });
+
+  it('keys import and export move keys between the file and the registry (the compiled keys command)', { timeout: 60_000 }, async () => {
+    const dir = tempDir();
+    onTestFinished(dir.cleanup);
+    const file = join(dir.dir, 'gateway.yaml');
+    const inFile = makeKey('free');
+    writeConfig(file, testConfig([inFile]));
+    const prefix = uniquePrefix();
+    const env = { ...process.env, GATEWAY_CONFIG: file, KEY_STORE: 'redis', REDIS_KEY_PREFIX: prefix, REDIS_URL: inject('redisUrl') };
+    const keys = (...args: string[]) => run(process.execPath, ['dist/gateway/auth/cli.js', ...args], { env });
+    const imported = await keys('import');
+    expect(imported.stderr).toContain('imported 1 of 1 keys');
+    const created = await keys('create', '--plan', 'tiny', '--id', 'only-in-registry');
+    expect(created.stdout.trim()).toMatch(/^psk_live_/);
+    const listed = await keys('list');
+    expect(listed.stdout).toMatch(new RegExp(`${inFile.id}\\s`));
+    expect(listed.stdout).toMatch(/only-in-registry\s/);
+    const exported = await keys('export');
+    expect(exported.stderr).toContain('exported 1 of 2 keys');
+    const fileOnly = await run(process.execPath, ['dist/gateway/auth/cli.js', 'list'], { env: { ...env, KEY_STORE: 'file' } });
+    expect(fileOnly.stdout).toMatch(/only-in-registry\s/);
+  });
+});
