@@ -1,14 +1,16 @@
-import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
+import { type ChildProcess, execFileSync } from 'node:child_process';
 import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { scaled } from './budget.js';
 import { freePort, waitForPort } from './net.js';
+import { spawnOwned } from './processes.js';
 
 /** A real redis-server on a free port, for the run or for one test that needs to break it. */
 export async function spawnRedis(): Promise<{ url: string; proc: ChildProcess; stop: () => void }> {
   const port = await freePort();
-  const proc = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'], {
+  const proc = spawnOwned('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'], {
     stdio: 'ignore',
   });
   await waitForPort(port, 5000);
@@ -44,7 +46,8 @@ async function clusterPort(taken: Set<number>): Promise<number> {
 const cli = (port: number, ...args: string[]) =>
   execFileSync('redis-cli', ['-h', '127.0.0.1', '-p', String(port), ...args], { encoding: 'utf8', timeout: 10_000 }).trim();
 
-async function until(what: string, ms: number, check: () => boolean): Promise<void> {
+async function until(what: string, quietMs: number, check: () => boolean): Promise<void> {
+  const ms = scaled(quietMs);
   const end = Date.now() + ms;
   for (;;) {
     try {
@@ -84,7 +87,7 @@ export async function spawnCluster(
   try {
     for (let i = 0; i < 6; i++) {
       const port = await clusterPort(taken);
-      const proc = spawn(
+      const proc = spawnOwned(
         'redis-server',
         [
           '--port',
@@ -192,7 +195,7 @@ export async function spawnSentinels(): Promise<{
     const server = (port: number, ...extra: string[]) => {
       const own = join(dir, `node-${port}`); // each its own folder: a replica writes its sync file there
       mkdirSync(own);
-      const proc = spawn(
+      const proc = spawnOwned(
         'redis-server',
         [
           '--port',
@@ -238,7 +241,7 @@ export async function spawnSentinels(): Promise<{
           '',
         ].join('\n'),
       );
-      procs.push(spawn('redis-server', [conf, '--sentinel'], { stdio: 'ignore' }));
+      procs.push(spawnOwned('redis-server', [conf, '--sentinel'], { stdio: 'ignore' }));
       ports.push(port);
     }
     for (const p of ports) await waitForPort(p, 5000);
