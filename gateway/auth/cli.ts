@@ -1,4 +1,5 @@
-import { statSync } from 'node:fs';
+import { realpathSync, statSync } from 'node:fs';
+import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 import { ConfigError } from '../config/config.js';
 import { configFilePath } from '../config/settings.js';
@@ -16,7 +17,8 @@ import {
 
 // `npm run keys -- create|list|revoke|rotate|account`: the keys and accounts in the config file
 // (key-file.ts does the locked, validated edit; the admin API uses the same). The plain key is
-// printed once.
+// printed once. `keysCommand` is the whole command, its output and environment passed in, so
+// tests run it in their own process as well as this file as a process.
 
 const USAGE = `usage:
   keys create --plan PLAN [--id ID] [--account ACCOUNT] [--per-minute N --per-day N [--per-month N]] [--expires-at ISO-DATE] [--config FILE]
@@ -79,36 +81,44 @@ const OPTIONS = {
 
 type Values = ReturnType<typeof parseArgs<{ options: typeof OPTIONS; allowPositionals: true }>>['values'];
 
-async function run(argv: string[]): Promise<void> {
+/** Where the command writes: stdout (the key, the list, the usage asked for) and stderr (all else), a line at a time. */
+export interface KeysOutput {
+  out: (line: string) => void;
+  err: (line: string) => void;
+}
+
+const STDIO: KeysOutput = { out: (line) => console.log(line), err: (line) => console.error(line) };
+
+async function run(argv: string[], io: KeysOutput, env: NodeJS.ProcessEnv): Promise<void> {
   // Before parsing: help is help, whatever else the line holds.
   const options = argv.includes('--') ? argv.slice(0, argv.indexOf('--')) : argv;
   if (options.includes('--help') || options.includes('-h')) {
-    console.log(USAGE);
+    io.out(USAGE);
     return;
   }
   const { values, positionals } = parseArgs({ args: argv, allowPositionals: true, options: OPTIONS });
   const command = positionals[0];
   if (!command || !COMMANDS.includes(command)) throw new UsageError(command ? `unknown command "${command}"` : 'missing command');
-  const file = values.config ?? configFilePath();
+  const file = values.config ?? configFilePath(env);
   checkFile(file);
-  if (command === 'list') list(file);
-  else if (command === 'create') await create(file, values);
-  else if (command === 'account') await account(file, values);
+  if (command === 'list') list(file, io);
+  else if (command === 'create') await create(file, values, io);
+  else if (command === 'account') await account(file, values, io);
   else if (command === 'rotate') {
     if (!values.id) throw new UsageError('rotate needs --id');
     const r = await rotateKey(file, values.id, duration(values.grace ?? '24h'));
-    console.error(
+    io.err(
       `rotated "${values.id}": new key "${r.id}" (account ${r.account}, plan ${r.plan}); "${values.id}" works until ${r.oldExpiresAt}. The new key, shown only now:`,
     );
-    console.log(r.key);
+    io.out(r.key);
   } else if (command === 'revoke') {
     if (!values.id) throw new UsageError('revoke needs --id');
     await revokeKey(file, values.id);
-    console.error(`revoked key "${values.id}" in ${file}`);
+    io.err(`revoked key "${values.id}" in ${file}`);
   }
 }
 
-function list(file: string): void {
+function list(file: string, io: KeysOutput): void {
   const rows = listKeys(file).map((k) => {
     const status =
       k.status === 'revoked'
@@ -124,7 +134,7 @@ function list(file: string): void {
   const all = [['ID', 'ACCOUNT', 'PLAN', 'LIMITS', 'STATUS', 'CREATED'], ...rows];
   const widths = all[0]!.map((_, i) => Math.max(...all.map((r) => r[i]!.length)));
   for (const r of all)
-    console.log(
+    io.out(
       r
         .map((c, i) => c.padEnd(widths[i]!))
         .join('  ')
@@ -132,7 +142,7 @@ function list(file: string): void {
     );
 }
 
-async function create(file: string, values: Values): Promise<void> {
+async function create(file: string, values: Values, io: KeysOutput): Promise<void> {
   if (!values.plan) throw new UsageError('create needs --plan');
   const [perMinute, perDay, perMonth] = [values['per-minute'], values['per-day'], values['per-month']];
   if ((perMinute === undefined) !== (perDay === undefined)) throw new UsageError('give both --per-minute and --per-day, or neither');
@@ -148,14 +158,14 @@ async function create(file: string, values: Values): Promise<void> {
     limits,
     expiresAt: values['expires-at'],
   });
-  console.error(`created key "${id}" (plan ${values.plan}) in ${file}; it is shown only now:`);
-  console.log(key);
+  io.err(`created key "${id}" (plan ${values.plan}) in ${file}; it is shown only now:`);
+  io.out(key);
 }
 
 /** A whole number as typed (`15`), or NaN for anything else (`1e1`, `15.0`, ``), for key-file.ts to refuse by name. */
 const whole = (text: string) => (/^\d+$/.test(text) ? Number(text) : Number.NaN);
 
-async function account(file: string, values: Values): Promise<void> {
+async function account(file: string, values: Values, io: KeysOutput): Promise<void> {
   if (!values.account) throw new UsageError('account needs --account');
   const grant = values['credits-grant'];
   if (values.rollover && grant === undefined) throw new UsageError('--rollover goes with --credits-grant');
@@ -166,7 +176,7 @@ async function account(file: string, values: Values): Promise<void> {
   if (values['no-credits']) change.credits = null;
   if (Object.keys(change).length === 0) throw new UsageError('account needs --billing-day, --credits-grant or --no-credits');
   const now = await setAccount(file, values.account, change);
-  console.error(`account "${values.account}" in ${file}: ${said(change, now)}`);
+  io.err(`account "${values.account}" in ${file}: ${said(change, now)}`);
 }
 
 /** What an account change did, in words: `billing day 15, credits 500 a month, rolling over`. */
@@ -178,13 +188,31 @@ function said(change: AccountChange, now: AccountSettings): string {
   return parts.join(', ');
 }
 
-try {
-  await run(process.argv.slice(2));
-} catch (err) {
-  if (err instanceof UsageError || (err as { code?: string }).code?.startsWith('ERR_PARSE_ARGS')) {
-    console.error(`${(err as Error).message}\n${USAGE}`);
-    process.exit(2);
+/** The keys command on `argv` (the words after `keys`): its exit code, 0, 1 (refused) or 2 (usage). */
+export async function keysCommand(argv: string[], io: KeysOutput = STDIO, env: NodeJS.ProcessEnv = process.env): Promise<number> {
+  try {
+    await run(argv, io, env);
+    return 0;
+  } catch (err) {
+    if (err instanceof UsageError || (err as { code?: string }).code?.startsWith('ERR_PARSE_ARGS')) {
+      io.err(`${(err as Error).message}\n${USAGE}`);
+      return 2;
+    }
+    io.err(explain(err, argv));
+    return 1;
   }
-  console.error(explain(err, process.argv.slice(2)));
-  process.exit(1);
+}
+
+/** Run as a command (node dist/gateway/auth/cli.js, or the source through tsx), not imported by a test. */
+function isEntry(): boolean {
+  try {
+    return realpathSync(process.argv[1] ?? '') === fileURLToPath(import.meta.url);
+  } catch {
+    return false;
+  }
+}
+
+if (isEntry()) {
+  const code = await keysCommand(process.argv.slice(2));
+  if (code !== 0) process.exit(code);
 }

@@ -1,23 +1,22 @@
-import { execFile } from 'node:child_process';
 import { copyFileSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { promisify } from 'node:util';
 import { describe, expect, it, onTestFinished } from 'vitest';
+import { keysCommand } from '../../gateway/auth/cli.js';
 import { loadConfigFile, parseConfigText } from '../../gateway/config/config.js';
 import { tempDir } from '../helpers/config.js';
 
-const run = promisify(execFile);
-
-/** `npm run keys -- ...` as a new user meets it: the TypeScript source through tsx, no build. */
+/**
+ * `npm run keys -- ...` as a new user meets it, what it prints and its exit code, from the
+ * command's own function run here: a process each would cost a Node start per case (seconds
+ * apiece on a loaded machine) and test nothing more. gateway-config.test.ts runs the compiled
+ * command as a process.
+ */
 async function keys(args: string[], env: Record<string, string> = {}): Promise<{ stdout: string; stderr: string; code: number }> {
-  const command = ['--import', 'tsx', 'gateway/auth/cli.ts', ...args];
-  try {
-    const { stdout, stderr } = await run(process.execPath, command, { env: { PATH: process.env.PATH ?? '', ...env } });
-    return { stdout, stderr, code: 0 };
-  } catch (err) {
-    const e = err as { stdout: string; stderr: string; code: number };
-    return { stdout: e.stdout, stderr: e.stderr, code: e.code };
-  }
+  let stdout = '';
+  let stderr = '';
+  const output = { out: (line: string) => void (stdout += `${line}\n`), err: (line: string) => void (stderr += `${line}\n`) };
+  const code = await keysCommand(args, output, { PATH: process.env.PATH ?? '', ...env });
+  return { stdout, stderr, code };
 }
 
 /** A copy of the shipped config, whose plans are the ones a new user meets. */
