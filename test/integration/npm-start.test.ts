@@ -107,7 +107,7 @@ describe('npm start compiles only when needed (runtime/build-if-stale.mjs)', () 
       const prestart = () =>
         spawnSync(process.execPath, [resolve(ROOT, 'runtime/build-if-stale.mjs')], { cwd: dir, encoding: 'utf8' }).stderr;
       const builds = () => (existsSync(join(dir, 'built')) ? readFileSync(join(dir, 'built'), 'utf8').length : 0);
-      expect(prestart()).toBe('building (first start)...\n');
+      expect(prestart()).toBe('building (no build yet)...\n');
       expect(builds()).toBe(1); // no build yet: compiled
       expect(prestart()).toBe('');
       expect(builds()).toBe(1); // nothing changed: not again
