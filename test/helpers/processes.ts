@@ -129,6 +129,7 @@ export async function startProcess(
 
   const stop = async () => {
     if (proc.exitCode === null && proc.signalCode === null) {
+      proc.kill('SIGCONT'); // a test may have frozen it (SIGSTOP): a frozen process cannot act on SIGTERM
       proc.kill('SIGTERM');
       const timer = setTimeout(() => killGroup(proc.pid!), scaled(BUDGET.stop));
       await exited;
