@@ -13,31 +13,24 @@ const ROOT = resolve(import.meta.dirname, '../..');
 // Nothing a test starts may outlive it. Each process is spawned in a process group of its own
 // (detached), so a stop reaches what it started too (a cluster's workers, npm's shell and
 // services), and carries a mark in its environment, which its own children inherit:
-// PET_STORE_TEST_PROCESS=<run>:<worker pid>. What is still running with this worker's mark is
-// killed when a test file ends (process-cleanup.ts) and when the worker exits; what carries the
-// run's mark is killed when the run ends (redis-setup.ts), for a worker that died first. The mark
-// is read from /proc: a pid or a group id reused by someone else's process is never signalled.
+// PET_STORE_TEST_PROCESS=<run>:<worker pid>. The marks are the registry of what is running: kept
+// by the kernel, read from /proc, they outlive a worker that crashes (an in-memory list would
+// not), reach a grandchild that left its group, and never match a pid or group id that someone
+// else's process reused. What still runs with this worker's mark is killed when a test file ends
+// (process-cleanup.ts) and when the worker exits; what carries the run's mark, when the run ends
+// (redis-setup.ts).
 
-/** Set by the run's globalSetup, inherited by every worker. */
+/** The run's id: fixed by the first import, in vitest's main process (redis-setup.ts), and inherited by every worker. */
 const RUN = (process.env.PET_STORE_TEST_RUN ??= randomUUID());
 const MARK = 'PET_STORE_TEST_PROCESS';
 const MINE = `${RUN}:${process.pid}`;
 
-/** The processes this worker started and has not seen exit, by pid: what a leak report names. */
-export const registry = new Map<number, string>();
-
 /**
- * `spawn`, in a process group of its own, marked and registered until it exits. Every process
- * a test starts goes through here (or startProcess / runToEnd, which call it).
+ * `spawn`, in a process group of its own, with this worker's mark. Every process a test starts
+ * goes through here (or startProcess / runToEnd, which call it).
  */
 export function spawnOwned(command: string, args: string[], options: SpawnOptions = {}): ChildProcess {
-  const proc = spawn(command, args, { ...options, detached: true, env: { ...(options.env ?? process.env), [MARK]: MINE } });
-  const pid = proc.pid;
-  if (pid !== undefined) {
-    registry.set(pid, [command, ...args].join(' '));
-    proc.once('exit', () => registry.delete(pid));
-  }
-  return proc;
+  return spawn(command, args, { ...options, detached: true, env: { ...(options.env ?? process.env), [MARK]: MINE } });
 }
 
 /** Running processes marked by `owner` (a worker's mark, or `<run>:` for the whole run), from /proc, with their command lines. */
