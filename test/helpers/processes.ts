@@ -20,17 +20,20 @@ const ROOT = resolve(import.meta.dirname, '../..');
 // (process-cleanup.ts) and when the worker exits; what carries the run's mark, when the run ends
 // (redis-setup.ts).
 
-/** The run's id: fixed by the first import, in vitest's main process (redis-setup.ts), and inherited by every worker. */
+/** This is vitest's main process: the first to import this file (redis-setup.ts), before any worker starts. */
+const MAIN = process.env.PET_STORE_TEST_RUN === undefined;
+/** The run's id, inherited by every worker. */
 const RUN = (process.env.PET_STORE_TEST_RUN ??= randomUUID());
 const MARK = 'PET_STORE_TEST_PROCESS';
 const MINE = `${RUN}:${process.pid}`;
 
 /**
- * `spawn`, in a process group of its own, with this worker's mark. Every process a test starts
- * goes through here (or startProcess / runToEnd, which call it).
+ * `spawn`, in a process group of its own (unless `detached: false`), with this worker's mark.
+ * Every process a test starts goes through here (or startProcess / runToEnd, which call it).
+ * A program that writes over its environment (Redis's process title) loses the mark: turn that off.
  */
 export function spawnOwned(command: string, args: string[], options: SpawnOptions = {}): ChildProcess {
-  return spawn(command, args, { ...options, detached: true, env: { ...(options.env ?? process.env), [MARK]: MINE } });
+  return spawn(command, args, { detached: true, ...options, env: { ...(options.env ?? process.env), [MARK]: MINE } });
 }
 
 /** Running processes marked by `owner` (a worker's mark, or `<run>:` for the whole run), from /proc, with their command lines. */
@@ -75,8 +78,18 @@ export function killLeftovers(scope: 'worker' | 'run' = 'worker'): Array<{ pid: 
   return left;
 }
 
-// A worker that exits ends what it started, even mid-test (a crash, a timeout that ends the run).
-process.once('exit', () => killLeftovers());
+// A worker that exits ends what it started, even mid-test; vitest's main process, what the whole
+// run started, for a Ctrl-C ends vitest before its globalSetup teardown runs. A signal ends a
+// process without 'exit' handlers: the same cleanup, then the signal's own effect, unless
+// something else (vitest) handles it. A Ctrl-C reaches vitest and its workers, not the tests'
+// processes, which are in groups of their own.
+const cleanup = () => void killLeftovers(MAIN ? 'run' : 'worker');
+process.once('exit', cleanup);
+for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const)
+  process.once(signal, () => {
+    cleanup();
+    if (process.listenerCount(signal) === 0) process.kill(process.pid, signal);
+  });
 
 export interface Started {
   proc: ChildProcess;

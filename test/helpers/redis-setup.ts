@@ -27,9 +27,14 @@ export default async function setup(project: TestProject): Promise<() => Promise
   };
   if (!url) {
     if (hasRedisServer()) {
-      const redis = await spawnRedis();
+      const redis = await spawnRedis({ inRunGroup: true });
       url = redis.url;
-      stopRedis = async () => redis.stop();
+      stopRedis = async () => {
+        const running = redis.proc.exitCode === null && redis.proc.signalCode === null;
+        const exited = running ? new Promise((r) => redis.proc.once('exit', r)) : undefined;
+        redis.stop();
+        await exited; // before the sweep below, which would otherwise name it as left running
+      };
     } else {
       try {
         const { RedisContainer } = await import('@testcontainers/redis');

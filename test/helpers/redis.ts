@@ -7,12 +7,19 @@ import { scaled } from './budget.js';
 import { freePort, waitForPort } from './net.js';
 import { spawnOwned } from './processes.js';
 
-/** A real redis-server on a free port, for the run or for one test that needs to break it. */
-export async function spawnRedis(): Promise<{ url: string; proc: ChildProcess; stop: () => void }> {
+// Every redis-server here runs with --set-proc-title no: Redis writes its title over its argv and
+// environment, and with it the mark processes.ts finds a test's processes by.
+const NO_TITLE = ['--set-proc-title', 'no'];
+
+/**
+ * A real redis-server on a free port, for the run or for one test that needs to break it. The
+ * run's own (`inRunGroup`) stays in vitest's process group, as it always did: a Ctrl-C, which
+ * ends vitest before its teardown, reaches it too.
+ */
+export async function spawnRedis({ inRunGroup = false } = {}): Promise<{ url: string; proc: ChildProcess; stop: () => void }> {
   const port = await freePort();
-  const proc = spawnOwned('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'], {
-    stdio: 'ignore',
-  });
+  const args = ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', ...NO_TITLE];
+  const proc = spawnOwned('redis-server', args, { stdio: 'ignore', detached: !inRunGroup });
   await waitForPort(port, 5000);
   return {
     url: `redis://127.0.0.1:${port}`,
@@ -108,6 +115,7 @@ export async function spawnCluster(
           'no',
           '--repl-diskless-sync-delay',
           '0',
+          ...NO_TITLE,
         ],
         { stdio: 'ignore' },
       );
@@ -210,6 +218,7 @@ export async function spawnSentinels(): Promise<{
           '0',
           '--dir',
           own,
+          ...NO_TITLE,
           ...extra,
         ],
         {
@@ -241,7 +250,7 @@ export async function spawnSentinels(): Promise<{
           '',
         ].join('\n'),
       );
-      procs.push(spawnOwned('redis-server', [conf, '--sentinel'], { stdio: 'ignore' }));
+      procs.push(spawnOwned('redis-server', [conf, '--sentinel', ...NO_TITLE], { stdio: 'ignore' }));
       ports.push(port);
     }
     for (const p of ports) await waitForPort(p, 5000);
