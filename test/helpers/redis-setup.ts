@@ -29,12 +29,7 @@ export default async function setup(project: TestProject): Promise<() => Promise
     if (hasRedisServer()) {
       const redis = await spawnRedis({ inRunGroup: true });
       url = redis.url;
-      stopRedis = async () => {
-        const running = redis.proc.exitCode === null && redis.proc.signalCode === null;
-        const exited = running ? new Promise((r) => redis.proc.once('exit', r)) : undefined;
-        redis.stop();
-        await exited; // before the sweep below, which would otherwise name it as left running
-      };
+      stopRedis = redis.stop; // resolves on its exit: before the sweep below, which would otherwise name it
     } else {
       try {
         const { RedisContainer } = await import('@testcontainers/redis');

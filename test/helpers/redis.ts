@@ -16,17 +16,20 @@ const NO_TITLE = ['--set-proc-title', 'no'];
  * run's own (`inRunGroup`) stays in vitest's process group, as it always did: a Ctrl-C, which
  * ends vitest before its teardown, reaches it too.
  */
-export async function spawnRedis({ inRunGroup = false } = {}): Promise<{ url: string; proc: ChildProcess; stop: () => void }> {
+export async function spawnRedis({ inRunGroup = false } = {}): Promise<{ url: string; proc: ChildProcess; stop: () => Promise<void> }> {
   const port = await freePort();
   const args = ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', ...NO_TITLE];
   const proc = spawnOwned('redis-server', args, { stdio: 'ignore', detached: !inRunGroup });
   await waitForPort(port, 5000);
+  const exited = new Promise<void>((r) => proc.once('exit', () => r()));
   return {
     url: `redis://127.0.0.1:${port}`,
     proc,
+    /** SIGTERM (after SIGCONT: it may be frozen); resolves once it has exited. */
     stop: () => {
       proc.kill('SIGCONT');
       proc.kill('SIGTERM');
+      return exited;
     },
   };
 }
