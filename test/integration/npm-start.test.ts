@@ -61,16 +61,14 @@ describe('npm start (stack.ts)', () => {
         () => run++,
       );
 
-      // The backend dies: the gateway answers 502 at once, the stack restarts the backend, and
-      // within a second of it listening again the key is served.
-      const killedAt = Date.now();
+      // The backend dies: the gateway answers 502 at once, the stack restarts the backend (after
+      // the 100 ms its log line names), and within a second of it listening again the key is served.
       process.kill(Number(backendUp.pid), 'SIGKILL');
       await eventually(async () => (await call(url, roomy.key)).status === 502, 1000, '502 while the backend is down');
       const restarted = await stack.waitForLog((l) => l.msg === 'backend exited; restarting it');
       expect(restarted).toMatchObject({ signal: 'SIGKILL', restarts: 1, restartInMs: 100 });
       const backendBack = await stack.waitForLog((l) => backendListening(l) && l.pid !== backendUp.pid, 10_000);
       await eventually(async () => (await call(url, roomy.key)).status === 200, 1000, '200 within 1 s of the backend being back');
-      expect(Date.now() - killedAt).toBeLessThan(10_000);
       expect(commandLine(Number(backendBack.pid))).toBe(`${process.execPath} ${resolve(ROOT, entryOf('backend'))}`);
 
       // The gateway dies: restarted too, and the backend's data outlives it all.
