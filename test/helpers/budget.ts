@@ -28,7 +28,7 @@ export const TIME_SCALE = timeScale();
 /** A quiet-machine duration on this machine. */
 export const scaled = (ms: number) => Math.round(ms * TIME_SCALE);
 
-/** Quiet-machine budgets, in ms, for what tests wait on; each is about ten times what it was measured at. */
+/** Quiet-machine budgets, in ms, for what tests wait on: each several times what it was measured at, which is noted. */
 export const BUDGET = {
   /** A service process from spawn to its ready line: the gateway took 0.6-0.9 s, the backend 0.4 s (load 5, 2 cores). */
   ready: 10_000,
@@ -40,7 +40,7 @@ export const BUDGET = {
   change: 5_000,
   /** A TypeScript type-check of a generated client with lib.dom: 6.9 s at load 3.8 on 2 cores. */
   typecheck: 40_000,
-  /** A test that waits on about one of each of the above. */
+  /** A test's default timeout: one process start and two changes; with timeoutFor, what a test does beside its waits. */
   test: 20_000,
   /** beforeAll/afterAll: a stack of two processes, and its stop. */
   hook: 30_000,
