@@ -17,8 +17,8 @@ import {
 
 // `npm run keys -- create|list|revoke|rotate|account`: the keys and accounts in the config file
 // (key-file.ts does the locked, validated edit; the admin API uses the same). The plain key is
-// printed once. `keysCommand` is the whole command, its output and environment passed in, so
-// tests run it in their own process as well as this file as a process.
+// printed once. `keysCommand` is the whole command with its output and environment passed in,
+// so a test can run it in the test's own process; run as a file, this module runs it on argv.
 
 const USAGE = `usage:
   keys create --plan PLAN [--id ID] [--account ACCOUNT] [--per-minute N --per-day N [--per-month N]] [--expires-at ISO-DATE] [--config FILE]
