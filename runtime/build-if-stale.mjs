@@ -1,5 +1,6 @@
-// `npm start`'s prestart: compiles only when a source is newer than the last build, so a
-// second `npm start` (or one after Ctrl-C) starts at once instead of compiling for seconds.
+// `npm start`'s prestart and `npm run keys`'s first step: compiles only when a source is newer
+// than the last build, so a second `npm start` (or one after Ctrl-C), and every keys command but
+// the first, starts at once instead of compiling for seconds.
 import { execSync } from 'node:child_process';
 import { existsSync, readdirSync, statSync } from 'node:fs';
 import { join } from 'node:path';
@@ -12,7 +13,8 @@ const newest = (path) => {
   return s.isDirectory() ? Math.max(0, ...readdirSync(path).map((name) => newest(join(path, name)))) : s.mtimeMs;
 };
 if (!existsSync(STAMP) || Math.max(...SOURCES.map(newest)) > statSync(STAMP).mtimeMs) {
-  // The first start compiles for several seconds: say so, rather than look stuck.
-  stderr.write(existsSync(STAMP) ? 'building: a source changed since the last build...\n' : 'building (first start)...\n');
-  execSync('npm run build --silent', { stdio: 'inherit' });
+  // The first start compiles for several seconds: say so, rather than look stuck. All of it on
+  // stderr: `KEY=$(npm run -s keys -- create ...)` takes stdout for the key.
+  stderr.write(existsSync(STAMP) ? 'building: a source changed since the last build...\n' : 'building (no build yet)...\n');
+  execSync('npm run build --silent', { stdio: ['ignore', 2, 2] });
 }

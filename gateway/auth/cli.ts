@@ -1,4 +1,5 @@
-import { readFileSync, statSync } from 'node:fs';
+import { readFileSync, realpathSync, statSync } from 'node:fs';
+import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 import { ConfigError, parseConfigText } from '../config/config.js';
 import { configFilePath, loadSettings } from '../config/settings.js';
@@ -18,7 +19,8 @@ import { RegistryKeys } from './registry.js';
 // `npm run keys -- create|list|revoke|rotate|account|import|export`: the keys in the config file
 // (key-file.ts does the locked, validated edit; the admin API uses the same), or with
 // KEY_STORE=redis in the key registry (registry.ts); accounts are always the file's. The plain
-// key is printed once.
+// key is printed once. `keysCommand` is the whole command with its output and environment passed in,
+// so a test can run it in the test's own process; run as a file, this module runs it on argv.
 
 const USAGE = `usage:
   keys create --plan PLAN [--id ID] [--account ACCOUNT] [--per-minute N --per-day N [--per-month N]] [--expires-at ISO-DATE] [--config FILE]
@@ -85,30 +87,38 @@ const OPTIONS = {
 
 type Values = ReturnType<typeof parseArgs<{ options: typeof OPTIONS; allowPositionals: true }>>['values'];
 
-async function run(argv: string[]): Promise<void> {
+/** Where the command writes: stdout (the key, the list, the usage asked for) and stderr (all else), a line at a time. */
+export interface KeysOutput {
+  out: (line: string) => void;
+  err: (line: string) => void;
+}
+
+const STDIO: KeysOutput = { out: (line) => console.log(line), err: (line) => console.error(line) };
+
+async function run(argv: string[], io: KeysOutput, env: NodeJS.ProcessEnv): Promise<void> {
   // Before parsing: help is help, whatever else the line holds.
   const options = argv.includes('--') ? argv.slice(0, argv.indexOf('--')) : argv;
   if (options.includes('--help') || options.includes('-h')) {
-    console.log(USAGE);
+    io.out(USAGE);
     return;
   }
   const { values, positionals } = parseArgs({ args: argv, allowPositionals: true, options: OPTIONS });
   const command = positionals[0];
   if (!command || !COMMANDS.includes(command)) throw new UsageError(command ? `unknown command "${command}"` : 'missing command');
-  const file = values.config ?? configFilePath();
+  const file = values.config ?? configFilePath(env);
   checkFile(file);
-  if (command === 'account') return account(file, values);
-  const registry = process.env.KEY_STORE === 'redis' ? await openRegistry(file) : undefined;
+  if (command === 'account') return account(file, values, io);
+  const registry = env.KEY_STORE === 'redis' ? await openRegistry(file, env) : undefined;
   try {
-    await onKeys(command, file, values, registry?.keys ?? fileKeys(file), registry?.keys);
+    await onKeys(command, file, values, io, registry?.keys);
   } finally {
     if (registry) await closeRedis(registry.redis);
   }
 }
 
 /** The key registry the settings name (KEY_STORE=redis), once Redis answers. */
-async function openRegistry(file: string): Promise<{ keys: RegistryKeys; redis: RedisClient }> {
-  const settings = loadSettings();
+async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ keys: RegistryKeys; redis: RedisClient }> {
+  const settings = loadSettings(env);
   const redis = connectRedis(settings)!;
   const ready = await new Promise<boolean>((resolve) => {
     const timer = setTimeout(() => resolve(false), 5000);
@@ -125,45 +135,47 @@ async function openRegistry(file: string): Promise<{ keys: RegistryKeys; redis: 
   return { keys: new RegistryKeys(redis, () => current, `${settings.redisKeyPrefix}:${current.environment}`), redis };
 }
 
-async function onKeys(command: string, file: string, values: Values, keys: KeyStore, registry?: RegistryKeys): Promise<void> {
-  if (command === 'list') await list(keys);
-  else if (command === 'create') await create(keys, values);
+/** A command on keys: in the registry when there is one, else in the file. */
+async function onKeys(command: string, file: string, values: Values, io: KeysOutput, registry?: RegistryKeys): Promise<void> {
+  const keys: KeyStore = registry ?? fileKeys(file);
+  if (command === 'list') await list(keys, io);
+  else if (command === 'create') await create(keys, values, io);
   else if (command === 'import' || command === 'export') {
     if (!registry) throw new UsageError(`${command} moves keys between the file and the key registry: set KEY_STORE=redis`);
-    await (command === 'import' ? importKeys(file, registry) : exportKeys(file, registry));
+    await (command === 'import' ? importKeys(file, registry, io) : exportKeys(file, registry, io));
   } else if (command === 'rotate') {
     if (!values.id) throw new UsageError('rotate needs --id');
     const r = await keys.rotate(values.id, duration(values.grace ?? '24h'));
-    console.error(
+    io.err(
       `rotated "${values.id}": new key "${r.id}" (account ${r.account}, plan ${r.plan}); "${values.id}" works until ${r.oldExpiresAt}. The new key, shown only now:`,
     );
-    console.log(r.key);
+    io.out(r.key);
   } else if (command === 'revoke') {
     if (!values.id) throw new UsageError('revoke needs --id');
     await keys.revoke(values.id);
-    console.error(`revoked key "${values.id}" in ${keys.where}`);
+    io.err(`revoked key "${values.id}" in ${keys.where}`);
   }
 }
 
 /** The file's keys into the registry, each once (an id the registry has is left as it is there). */
-async function importKeys(file: string, registry: RegistryKeys): Promise<void> {
+async function importKeys(file: string, registry: RegistryKeys, io: KeysOutput): Promise<void> {
   const { keys } = parseConfigText(readFileSync(file, 'utf8'), file);
   let added = 0;
   for (const entry of keys) if (await registry.add(entry)) added++;
-  console.error(
+  io.err(
     `imported ${added} of ${keys.length} keys from ${file} into the key registry (${keys.length - added} already there); they work from both until you remove them from the file`,
   );
 }
 
 /** The registry's keys into the file, each once (an id the file has is left as it is there). */
-async function exportKeys(file: string, registry: RegistryKeys): Promise<void> {
+async function exportKeys(file: string, registry: RegistryKeys, io: KeysOutput): Promise<void> {
   const entries = [];
   for await (const entry of registry.entries()) entries.push(entry);
   const added = await addEntries(file, entries);
-  console.error(`exported ${added} of ${entries.length} keys from the key registry into ${file} (${entries.length - added} already there)`);
+  io.err(`exported ${added} of ${entries.length} keys from the key registry into ${file} (${entries.length - added} already there)`);
 }
 
-async function list(keys: KeyStore): Promise<void> {
+async function list(keys: KeyStore, io: KeysOutput): Promise<void> {
   const rows = (await keys.list()).map((k) => {
     const status =
       k.status === 'revoked'
@@ -179,7 +191,7 @@ async function list(keys: KeyStore): Promise<void> {
   const all = [['ID', 'ACCOUNT', 'PLAN', 'LIMITS', 'STATUS', 'CREATED'], ...rows];
   const widths = all[0]!.map((_, i) => Math.max(...all.map((r) => r[i]!.length)));
   for (const r of all)
-    console.log(
+    io.out(
       r
         .map((c, i) => c.padEnd(widths[i]!))
         .join('  ')
@@ -187,7 +199,7 @@ async function list(keys: KeyStore): Promise<void> {
     );
 }
 
-async function create(keys: KeyStore, values: Values): Promise<void> {
+async function create(keys: KeyStore, values: Values, io: KeysOutput): Promise<void> {
   if (!values.plan) throw new UsageError('create needs --plan');
   const [perMinute, perDay, perMonth] = [values['per-minute'], values['per-day'], values['per-month']];
   if ((perMinute === undefined) !== (perDay === undefined)) throw new UsageError('give both --per-minute and --per-day, or neither');
@@ -203,14 +215,14 @@ async function create(keys: KeyStore, values: Values): Promise<void> {
     limits,
     expiresAt: values['expires-at'],
   });
-  console.error(`created key "${id}" (plan ${values.plan}) in ${keys.where}; it is shown only now:`);
-  console.log(key);
+  io.err(`created key "${id}" (plan ${values.plan}) in ${keys.where}; it is shown only now:`);
+  io.out(key);
 }
 
 /** A whole number as typed (`15`), or NaN for anything else (`1e1`, `15.0`, ``), for key-file.ts to refuse by name. */
 const whole = (text: string) => (/^\d+$/.test(text) ? Number(text) : Number.NaN);
 
-async function account(file: string, values: Values): Promise<void> {
+async function account(file: string, values: Values, io: KeysOutput): Promise<void> {
   if (!values.account) throw new UsageError('account needs --account');
   const grant = values['credits-grant'];
   if (values.rollover && grant === undefined) throw new UsageError('--rollover goes with --credits-grant');
@@ -221,7 +233,7 @@ async function account(file: string, values: Values): Promise<void> {
   if (values['no-credits']) change.credits = null;
   if (Object.keys(change).length === 0) throw new UsageError('account needs --billing-day, --credits-grant or --no-credits');
   const now = await setAccount(file, values.account, change);
-  console.error(`account "${values.account}" in ${file}: ${said(change, now)}`);
+  io.err(`account "${values.account}" in ${file}: ${said(change, now)}`);
 }
 
 /** What an account change did, in words: `billing day 15, credits 500 a month, rolling over`. */
@@ -233,13 +245,31 @@ function said(change: AccountChange, now: AccountSettings): string {
   return parts.join(', ');
 }
 
-try {
-  await run(process.argv.slice(2));
-} catch (err) {
-  if (err instanceof UsageError || (err as { code?: string }).code?.startsWith('ERR_PARSE_ARGS')) {
-    console.error(`${(err as Error).message}\n${USAGE}`);
-    process.exit(2);
+/** The keys command on `argv` (the words after `keys`): its exit code, 0, 1 (refused) or 2 (usage). */
+export async function keysCommand(argv: string[], io: KeysOutput = STDIO, env: NodeJS.ProcessEnv = process.env): Promise<number> {
+  try {
+    await run(argv, io, env);
+    return 0;
+  } catch (err) {
+    if (err instanceof UsageError || (err as { code?: string }).code?.startsWith('ERR_PARSE_ARGS')) {
+      io.err(`${(err as Error).message}\n${USAGE}`);
+      return 2;
+    }
+    io.err(explain(err, argv));
+    return 1;
   }
-  console.error(explain(err, process.argv.slice(2)));
-  process.exit(1);
+}
+
+/** Run as a command (node dist/gateway/auth/cli.js, or the source through tsx), not imported by a test. */
+function isEntry(): boolean {
+  try {
+    return realpathSync(process.argv[1] ?? '') === fileURLToPath(import.meta.url);
+  } catch {
+    return false;
+  }
+}
+
+if (isEntry()) {
+  const code = await keysCommand(process.argv.slice(2));
+  if (code !== 0) process.exit(code);
 }

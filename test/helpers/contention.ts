@@ -1,5 +1,6 @@
-import { type ChildProcess, spawn } from 'node:child_process';
+import type { ChildProcess } from 'node:child_process';
 import { availableParallelism } from 'node:os';
+import { spawnOwned } from './processes.js';
 
 /**
  * One busy process per core, for tests that must hold under CPU contention: each spins for
@@ -8,7 +9,7 @@ import { availableParallelism } from 'node:os';
  */
 export function busyCores(maxMs: number): { stop: () => void } {
   const procs: ChildProcess[] = Array.from({ length: availableParallelism() }, () =>
-    spawn(process.execPath, ['-e', `const end = Date.now() + ${maxMs}; while (Date.now() < end) {}`], { stdio: 'ignore' }),
+    spawnOwned(process.execPath, ['-e', `const end = Date.now() + ${maxMs}; while (Date.now() < end) {}`], { stdio: 'ignore' }),
   );
   return { stop: () => procs.forEach((p) => p.exitCode === null && p.kill('SIGKILL')) };
 }

@@ -1,4 +1,5 @@
 import { createServer, connect } from 'node:net';
+import { scaled } from './budget.js';
 
 export function freePort(): Promise<number> {
   return new Promise((resolve, reject) => {
@@ -11,7 +12,9 @@ export function freePort(): Promise<number> {
   });
 }
 
-export async function waitForPort(port: number, timeoutMs: number): Promise<void> {
+/** Resolves once something accepts connections on `port`; `quietMs` is scaled (budget.ts). */
+export async function waitForPort(port: number, quietMs: number): Promise<void> {
+  const timeoutMs = scaled(quietMs);
   const deadline = Date.now() + timeoutMs;
   while (Date.now() < deadline) {
     const ok = await new Promise<boolean>((resolve) => {

@@ -1,23 +1,39 @@
-import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
+import { type ChildProcess, execFileSync } from 'node:child_process';
 import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { scaled } from './budget.js';
 import { freePort, waitForPort } from './net.js';
+import { spawnOwned } from './processes.js';
 
-/** A real redis-server on a free port (or on `port`: one a gateway already tries), for the run or for one test that needs to break it. */
-export async function spawnRedis(at?: number): Promise<{ url: string; proc: ChildProcess; stop: () => void }> {
-  const port = at ?? (await freePort());
-  const proc = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'], {
-    stdio: 'ignore',
-  });
+// Every redis-server here runs with --set-proc-title no: Redis writes its title over its argv and
+// environment, and with it the mark processes.ts finds a test's processes by.
+const NO_TITLE = ['--set-proc-title', 'no'];
+
+/**
+ * A real redis-server on a free port, for the run or for one test that needs to break it. The
+ * run's own (`inRunGroup`) stays in vitest's process group, as it always did: a Ctrl-C, which
+ * ends vitest before its teardown, reaches it too.
+ */
+export async function spawnRedis({ inRunGroup = false, at }: { inRunGroup?: boolean; at?: number } = {}): Promise<{
+  url: string;
+  proc: ChildProcess;
+  stop: () => Promise<void>;
+}> {
+  const port = at ?? (await freePort()); // `at`: a port a gateway already tries
+  const args = ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', ...NO_TITLE];
+  const proc = spawnOwned('redis-server', args, { stdio: 'ignore', detached: !inRunGroup });
   await waitForPort(port, 5000);
+  const exited = new Promise<void>((r) => proc.once('exit', () => r()));
   return {
     url: `redis://127.0.0.1:${port}`,
     proc,
+    /** SIGTERM (after SIGCONT: it may be frozen); resolves once it has exited. */
     stop: () => {
       proc.kill('SIGCONT');
       proc.kill('SIGTERM');
+      return exited;
     },
   };
 }
@@ -44,7 +60,8 @@ async function clusterPort(taken: Set<number>): Promise<number> {
 const cli = (port: number, ...args: string[]) =>
   execFileSync('redis-cli', ['-h', '127.0.0.1', '-p', String(port), ...args], { encoding: 'utf8', timeout: 10_000 }).trim();
 
-async function until(what: string, ms: number, check: () => boolean): Promise<void> {
+async function until(what: string, quietMs: number, check: () => boolean): Promise<void> {
+  const ms = scaled(quietMs);
   const end = Date.now() + ms;
   for (;;) {
     try {
@@ -84,7 +101,7 @@ export async function spawnCluster(
   try {
     for (let i = 0; i < 6; i++) {
       const port = await clusterPort(taken);
-      const proc = spawn(
+      const proc = spawnOwned(
         'redis-server',
         [
           '--port',
@@ -105,6 +122,7 @@ export async function spawnCluster(
           'no',
           '--repl-diskless-sync-delay',
           '0',
+          ...NO_TITLE,
         ],
         { stdio: 'ignore' },
       );
@@ -192,7 +210,7 @@ export async function spawnSentinels(): Promise<{
     const server = (port: number, ...extra: string[]) => {
       const own = join(dir, `node-${port}`); // each its own folder: a replica writes its sync file there
       mkdirSync(own);
-      const proc = spawn(
+      const proc = spawnOwned(
         'redis-server',
         [
           '--port',
@@ -207,6 +225,7 @@ export async function spawnSentinels(): Promise<{
           '0',
           '--dir',
           own,
+          ...NO_TITLE,
           ...extra,
         ],
         {
@@ -238,7 +257,7 @@ export async function spawnSentinels(): Promise<{
           '',
         ].join('\n'),
       );
-      procs.push(spawn('redis-server', [conf, '--sentinel'], { stdio: 'ignore' }));
+      procs.push(spawnOwned('redis-server', [conf, '--sentinel', ...NO_TITLE], { stdio: 'ignore' }));
       ports.push(port);
     }
     for (const p of ports) await waitForPort(p, 5000);

@@ -1,4 +1,5 @@
 import { MINUTE_MS } from '../../gateway/quota/decision.js';
+import { BUDGET, scaled } from './budget.js';
 
 /**
  * Runs `attempt` so that its requests fall within one UTC minute (and so one day): a run that
@@ -24,8 +25,12 @@ export async function inOneMinute<T>(attempt: () => Promise<T>, reset: () => unk
   }
 }
 
-/** Polls `check` every 20 ms until it holds, for what happens asynchronously (a reload, a reconnect). */
-export async function eventually(check: () => boolean | Promise<boolean>, ms = 5000, what = 'condition'): Promise<void> {
+/**
+ * Polls `check` every 20 ms until it holds, for what happens asynchronously (a reload, a
+ * reconnect); gives up after `quietMs`, a quiet-machine figure, scaled (budget.ts).
+ */
+export async function eventually(check: () => boolean | Promise<boolean>, quietMs = BUDGET.change, what = 'condition'): Promise<void> {
+  const ms = scaled(quietMs);
   const end = Date.now() + ms;
   while (Date.now() < end) {
     if (await check()) return;

@@ -6,6 +6,7 @@ import { afterAll, describe, expect, it } from 'vitest';
 import { allPets } from '../helpers/backends.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { freePort } from '../helpers/net.js';
+import { BUDGET, timeoutFor } from '../helpers/budget.js';
 import { startBackend } from '../helpers/processes.js';
 import { startStack } from '../helpers/stack.js';
 import { eventually } from '../helpers/time.js';
@@ -23,7 +24,9 @@ async function createPet(url: string, name: string) {
 }
 
 describe('backend process', () => {
-  it('loses no pet it answered 201 for when killed with SIGKILL in the middle of POST load', async () => {
+  it('loses no pet it answered 201 for when killed with SIGKILL in the middle of POST load', {
+    timeout: timeoutFor(3 * BUDGET.ready),
+  }, async () => {
     const db = join(dir, 'durable.db');
     const acknowledged: Array<{ id: number; name: string }> = [];
     for (let round = 0; round < 2; round++) {
@@ -91,7 +94,10 @@ describe('backend process', () => {
 });
 
 describe('through the gateway, with retries', () => {
-  it('every pet a client asked for exists exactly once after SIGKILLs of the gateway and the backend mid-load (Idempotency-Key)', async () => {
+  // Three backend starts, two gateway starts, and the two waits for pets below.
+  it('every pet a client asked for exists exactly once after SIGKILLs of the gateway and the backend mid-load (Idempotency-Key)', {
+    timeout: timeoutFor(5 * BUDGET.ready, 2 * 20_000),
+  }, async () => {
     const db = join(dir, 'through-gateway.db');
     const port = await freePort(); // the backend comes back on the same port
     const k = { ...makeKey('enterprise'), limits: { perMinute: 1e6, perDay: 1e7 } };

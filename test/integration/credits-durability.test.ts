@@ -1,4 +1,4 @@
-import { type ChildProcess, spawn } from 'node:child_process';
+import type { ChildProcess } from 'node:child_process';
 import { randomUUID } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -8,6 +8,7 @@ import type { ConfigFile } from '../../gateway/config/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { freePort, waitForPort } from '../helpers/net.js';
+import { spawnOwned } from '../helpers/processes.js';
 import { spawnCluster, spawnSentinels } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
@@ -50,7 +51,10 @@ async function ownRedis(...args: string[]) {
   const port = await freePort();
   let proc: ChildProcess | undefined;
   const start = async () => {
-    proc = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir, ...args], { stdio: 'ignore' });
+    // --set-proc-title no keeps the mark by which a failed run's leftovers are found (processes.ts).
+    proc = spawnOwned('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir, '--set-proc-title', 'no', ...args], {
+      stdio: 'ignore',
+    });
     await waitForPort(port, 10_000);
   };
   await start();

@@ -4,7 +4,7 @@ import { makeKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
 import { startBackend } from '../helpers/processes.js';
-import { inOneMinute } from '../helpers/time.js';
+import { eventually, inOneMinute } from '../helpers/time.js';
 
 // Between the gateway and the backend: faults of a real backend process, and what the gateway
 // lets through in each direction, seen from a recording backend.
@@ -28,12 +28,12 @@ describe('backend faults', () => {
     expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
     backend.proc.kill('SIGSTOP');
     try {
-      const started = Date.now();
+      // gateway_timeout comes only from one of the upstream timeouts (all 500 ms here) firing, so
+      // the answer itself says it came within the timeout; a stopwatch would add only a guess at the load.
       const res = await gw.call('/v1/pets', k.key);
       expect(res.status).toBe(504);
       expect(await res.json()).toEqual({ code: 'gateway_timeout', message: expect.any(String), status: 504 });
       expect(res.headers.get('x-ratelimit-limit')).toBe('1000');
-      expect(Date.now() - started).toBeLessThan(5000);
     } finally {
       backend.proc.kill('SIGCONT');
     }
@@ -67,12 +67,15 @@ describe("no charge for the gateway's own failures", () => {
     const gw = await buildTestGateway({ config: testConfig([tiny]), backend: `http://127.0.0.1:${closed}`, redis, admin: {} });
     const statuses = await inOneMinute(
       async () => {
+        // The key's windows as the store holds them (a rerun's fresh counters make a new subject).
+        const subject = [...gw.gateway.config().consumers.values()].find((c) => c.id === tiny.id)!.subject;
         const got = [];
         for (let i = 0; i < 6; i++) {
           const res = await gw.call('/v1/pets', tiny.key);
           await res.arrayBuffer();
           got.push(res.status);
-          await new Promise((r) => setTimeout(r, 20)); // the refund is sent after the answer
+          // The refund is sent after the answer: the next request goes once it has landed.
+          await eventually(async () => (await gw.gateway.store.peek(subject)).dayUsed === 0, 5000, 'the 502 refunded');
         }
         return got;
       },

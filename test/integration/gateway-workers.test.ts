@@ -3,6 +3,7 @@ import { request } from 'node:http';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { echoBackend } from '../helpers/backends.js';
 import { call, makeKey, testConfig } from '../helpers/config.js';
+import { BUDGET, timeoutFor } from '../helpers/budget.js';
 import { startProcess } from '../helpers/processes.js';
 import { startGateway, startStack } from '../helpers/stack.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
@@ -20,7 +21,8 @@ async function workersStack(keys: ReturnType<typeof makeKey>[], env: Record<stri
 /** The pids that wrote access lines: which workers served. */
 const servedBy = (logs: Array<Record<string, unknown>>) => new Set(logs.filter((l) => l.msg === 'request').map((l) => l.pid));
 
-describe('GATEWAY_WORKERS', () => {
+// Each test starts a gateway process (its primary and two workers) before its own waits.
+describe('GATEWAY_WORKERS', { timeout: timeoutFor(BUDGET.ready) }, () => {
   it('refuses more than one worker without REDIS_URL, saying why', async () => {
     const started = startProcess('dist/gateway/server.js', { GATEWAY_WORKERS: '2', GATEWAY_PORT: '0', ADMIN_PORT: '0' }, { port: 1 });
     await expect(started).rejects.toThrow(
@@ -29,7 +31,7 @@ describe('GATEWAY_WORKERS', () => {
   });
 
   it('never admits more than the limit across two workers and another instance, leases on, and sums their metrics', {
-    timeout: 60_000,
+    timeout: timeoutFor(2 * BUDGET.ready, 20_000), // two gateway processes, and a burst of 1,800 requests (5-8 s at load 2)
   }, async () => {
     // 600 a minute: each instance takes leases of 6 units (1%) and hands out every one of them,
     // since the burst reaches each instance to its end.

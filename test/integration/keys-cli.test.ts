@@ -1,23 +1,23 @@
-import { execFile } from 'node:child_process';
 import { copyFileSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { promisify } from 'node:util';
 import { describe, expect, it, onTestFinished } from 'vitest';
+import { keysCommand } from '../../gateway/auth/cli.js';
 import { loadConfigFile, parseConfigText } from '../../gateway/config/config.js';
 import { tempDir } from '../helpers/config.js';
+import { runToEnd } from '../helpers/processes.js';
 
-const run = promisify(execFile);
-
-/** `npm run keys -- ...` as a new user meets it: the TypeScript source through tsx, no build. */
+/**
+ * `npm run keys -- ...` as a new user meets it, what it prints and its exit code, from the
+ * command's own function run here: a process each would cost a Node start per case (seconds
+ * apiece on a loaded machine) and test nothing more. The process itself, through npm, is the
+ * last test.
+ */
 async function keys(args: string[], env: Record<string, string> = {}): Promise<{ stdout: string; stderr: string; code: number }> {
-  const command = ['--import', 'tsx', 'gateway/auth/cli.ts', ...args];
-  try {
-    const { stdout, stderr } = await run(process.execPath, command, { env: { PATH: process.env.PATH ?? '', ...env } });
-    return { stdout, stderr, code: 0 };
-  } catch (err) {
-    const e = err as { stdout: string; stderr: string; code: number };
-    return { stdout: e.stdout, stderr: e.stderr, code: e.code };
-  }
+  let stdout = '';
+  let stderr = '';
+  const output = { out: (line: string) => void (stdout += `${line}\n`), err: (line: string) => void (stderr += `${line}\n`) };
+  const code = await keysCommand(args, output, { PATH: process.env.PATH ?? '', ...env });
+  return { stdout, stderr, code };
 }
 
 /** A copy of the shipped config, whose plans are the ones a new user meets. */
@@ -152,5 +152,19 @@ describe("the keys command's account settings", () => {
     const alone = await keys(['create', '--plan', 'free', '--per-month', '2000', '--config', file]);
     expect(alone).toMatchObject({ code: 2, stdout: '' });
     expect(alone.stderr).toMatch(/^--per-month goes with --per-minute and --per-day\n/);
+  });
+});
+
+describe('npm run keys', () => {
+  it('runs the compiled command (built first only when a source changed): the key alone on stdout, for $(...)', async () => {
+    const file = shippedConfig();
+    // What the README runs; npm test has just built, so nothing is compiled here.
+    const args = ['run', '-s', 'keys', '--', 'create', '--plan', 'free', '--id', 'from-npm', '--config', file];
+    const out = await runToEnd('npm', args, { env: { PATH: process.env.PATH ?? '', HOME: process.env.HOME ?? '' } });
+    expect(out).toMatchObject({ code: 0, stderr: `created key "from-npm" (plan free) in ${file}; it is shown only now:\n` });
+    expect(out.stdout).toMatch(/^psk_live_[A-Za-z0-9]{36}\n$/);
+    expect(JSON.parse(readFileSync('package.json', 'utf8')).scripts.keys).toBe(
+      'node runtime/build-if-stale.mjs && node dist/gateway/auth/cli.js',
+    );
   });
 });

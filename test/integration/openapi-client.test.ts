@@ -9,6 +9,7 @@ import openapiTS, { astToString } from 'openapi-typescript';
 import ts from 'typescript';
 import { beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import type { OpenApiDocument } from '../../gateway/http/openapi.js';
+import { BUDGET, timeoutFor } from '../helpers/budget.js';
 import { documentTestConfig, makeKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';
@@ -146,7 +147,9 @@ describe('a client generated from the public document', () => {
     return headerNames;
   }
 
-  it('openapi-typescript: named types, and a call to every operation type-checks against them', async () => {
+  it('openapi-typescript: named types, and a call to every operation type-checks against them', {
+    timeout: timeoutFor(BUDGET.typecheck),
+  }, async () => {
     const source = astToString(await openapiTS(doc as never));
     for (const named of ['Pet', 'NewPet', 'PetStatus', 'Order', 'OrderStatus', 'Error', 'Usage']) {
       expect(source).toMatch(new RegExp(`^ {8}${named}: `, 'm'));

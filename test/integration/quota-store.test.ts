@@ -495,7 +495,10 @@ describe('redis store with leases', () => {
         const s = subject(1000, 100000, false); // leases of 10
         for (let i = 0; i < 60; i++) {
           expect((await store.consume(s)).outcome).toBe('allowed');
-          await new Promise((r) => setTimeout(r, 3)); // a request every few ms
+          // Steady traffic: the next request comes once a call taken ahead has landed, as it does
+          // when requests are further apart than a round trip to Redis (on a loaded machine, a
+          // fixed pause may be shorter than that).
+          await eventually(() => calls.inFlight === 0, 2000, 'the call ahead landed');
         }
         const kinds = calls.args.map((a) => (a[7 + 11] === 1 ? 'ahead' : 'asked')); // after the 7 keys, ARGV[12]: refill
         expect(kinds[0]).toBe('asked');
@@ -511,21 +514,27 @@ describe('redis store with leases', () => {
 
   it('takes nothing ahead near the limit, and a lease taken ahead is never a refusal', async () => {
     await inOneMinute(async () => {
-      const store = leased();
-      const s = subject(1000, 100000, true); // leases of 10; bans on
-      const [sec] = await redis.time();
-      await redis.hset(s.name, 'ms', Number(sec) * 1000 - ((Number(sec) * 1000) % MINUTE_MS), 'mc', 975);
-      const got: string[] = [];
-      for (let i = 0; i < 26; i++) {
-        got.push((await store.consume(s)).outcome);
-        await new Promise((r) => setTimeout(r, 3)); // room for the call ahead to land
+      const client = new Redis(inject('redisUrl'));
+      try {
+        const store = leased(client);
+        const calls = watchQuotaCalls(client);
+        const s = subject(1000, 100000, true); // leases of 10; bans on
+        const [sec] = await redis.time();
+        await redis.hset(s.name, 'ms', Number(sec) * 1000 - ((Number(sec) * 1000) % MINUTE_MS), 'mc', 975);
+        const got: string[] = [];
+        for (let i = 0; i < 26; i++) {
+          got.push((await store.consume(s)).outcome);
+          await eventually(() => calls.inFlight === 0, 2000, 'a call ahead, if any, landed'); // before the next request
+        }
+        // 25 of room: a lease of 10 (room 15 after it: less than two leases, so nothing ahead),
+        // then one decision per request; exactly the limit, one refusal.
+        expect(got.filter((o) => o === 'allowed')).toHaveLength(25);
+        expect(got.at(-1)).toBe('minute');
+        expect(await counted(s)).toBe(1000);
+        expect(await redis.llen(`${s.name}:rej`)).toBe(1); // the refusal; nothing from the call ahead
+      } finally {
+        await client.quit();
       }
-      // 25 of room: a lease of 10 (room 15 after it: less than two leases, so nothing ahead),
-      // then one decision per request; exactly the limit, one refusal.
-      expect(got.filter((o) => o === 'allowed')).toHaveLength(25);
-      expect(got.at(-1)).toBe('minute');
-      expect(await counted(s)).toBe(1000);
-      expect(await redis.llen(`${s.name}:rej`)).toBe(1); // the refusal; nothing from the call ahead
     });
   });
 

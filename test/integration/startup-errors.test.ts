@@ -1,6 +1,6 @@
-import { spawnSync } from 'node:child_process';
 import { createServer, type Server } from 'node:net';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import { runToEnd } from '../helpers/processes.js';
 
 // What a user meets when a service cannot start: one line on stderr that names the setting
 // and the value, exit code 1, no stack.
@@ -14,10 +14,11 @@ beforeAll(async () => {
 });
 afterAll(() => new Promise<void>((r) => busy.close(() => r())));
 
-function start(entry: string, env: Record<string, string>) {
-  const run = spawnSync(process.execPath, [entry], { env: { PATH: process.env.PATH ?? '', ...env }, encoding: 'utf8', timeout: 15_000 });
+/** A service run to its end (it must refuse to start), without blocking this worker: its stderr's lines. */
+async function start(entry: string, env: Record<string, string>) {
+  const run = await runToEnd(process.execPath, [entry], { env: { PATH: process.env.PATH ?? '', ...env } });
   const lines = run.stderr.trim().split('\n').filter(Boolean);
-  return { status: run.status, lines };
+  return { status: run.code, lines };
 }
 
 describe('startup errors', () => {
@@ -40,8 +41,8 @@ describe('startup errors', () => {
       () => ({ BACKEND_PORT: String(port), PETS_DB: ':memory:' }),
       () => `BACKEND_PORT=${port}: 127.0.0.1:${port} is already in use`,
     ],
-  ])('%s in use: one line naming the setting and its value', (_, entry, env, want) => {
-    const { status, lines } = start(entry, env());
+  ])('%s in use: one line naming the setting and its value', async (_, entry, env, want) => {
+    const { status, lines } = await start(entry, env());
     expect(status).toBe(1);
     expect(lines).toHaveLength(1);
     expect(lines[0]).toContain(want());
@@ -52,7 +53,7 @@ describe('startup errors', () => {
     await Promise.all(more.map((s) => new Promise<void>((r) => s.listen(0, '127.0.0.1', r))));
     try {
       const [gateway, admin] = more.map((s) => (s.address() as { port: number }).port);
-      const { status, lines } = start('dist/stack.js', {
+      const { status, lines } = await start('dist/stack.js', {
         BACKEND_PORT: String(port),
         GATEWAY_PORT: String(gateway),
         ADMIN_PORT: String(admin),
@@ -69,8 +70,8 @@ describe('startup errors', () => {
     }
   });
 
-  it('npm start with the backend port in use: that one line, and the whole stack stops (no restart)', () => {
-    const { status, lines } = start('dist/stack.js', {
+  it('npm start with the backend port in use: that one line, and the whole stack stops (no restart)', async () => {
+    const { status, lines } = await start('dist/stack.js', {
       BACKEND_PORT: String(port),
       GATEWAY_PORT: '0',
       ADMIN_PORT: '0',
@@ -80,26 +81,26 @@ describe('startup errors', () => {
     expect(lines).toEqual([`BACKEND_PORT=${port}: 127.0.0.1:${port} is already in use (is another one running?)`]);
   });
 
-  it('a gateway address this machine does not have: names GATEWAY_HOST', () => {
-    const { status, lines } = start('dist/gateway/server.js', { GATEWAY_HOST: '192.0.2.1', GATEWAY_PORT: '0', ADMIN_PORT: '0' });
+  it('a gateway address this machine does not have: names GATEWAY_HOST', async () => {
+    const { status, lines } = await start('dist/gateway/server.js', { GATEWAY_HOST: '192.0.2.1', GATEWAY_PORT: '0', ADMIN_PORT: '0' });
     expect(status).toBe(1);
     expect(lines).toEqual(['GATEWAY_HOST=192.0.2.1: not an address of this machine']);
   });
 
-  it('a config file that is not there: names GATEWAY_CONFIG and what is wrong', () => {
-    const { status, lines } = start('dist/gateway/server.js', { GATEWAY_CONFIG: 'config/nope.yaml' });
+  it('a config file that is not there: names GATEWAY_CONFIG and what is wrong', async () => {
+    const { status, lines } = await start('dist/gateway/server.js', { GATEWAY_CONFIG: 'config/nope.yaml' });
     expect(status).toBe(1);
     expect(lines).toEqual(['GATEWAY_CONFIG=config/nope.yaml: cannot read it: no such file']);
   });
 
-  it('a bad setting: names it and the values allowed', () => {
-    const { status, lines } = start('dist/gateway/server.js', { LOG_LEVEL: 'verbose' });
+  it('a bad setting: names it and the values allowed', async () => {
+    const { status, lines } = await start('dist/gateway/server.js', { LOG_LEVEL: 'verbose' });
     expect(status).toBe(1);
     expect(lines).toEqual(['Invalid gateway settings:', '  LOG_LEVEL: expected one of fatal, error, warn, info, debug, trace, silent']);
   });
 
-  it('two workers on a port in use: the worker says why and the whole gateway stops', () => {
-    const { status, lines } = start('dist/gateway/server.js', {
+  it('two workers on a port in use: the worker says why and the whole gateway stops', async () => {
+    const { status, lines } = await start('dist/gateway/server.js', {
       GATEWAY_WORKERS: '2',
       REDIS_URL: inject('redisUrl'),
       GATEWAY_PORT: String(port),

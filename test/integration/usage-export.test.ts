@@ -376,7 +376,7 @@ describe('usage export and alerts at start-up', () => {
     const gw = await startProcess('dist/gateway/server.js', env, (l) => l.msg === 'gateway ready');
     procs.push(gw);
     const ready = gw.logs.find((l) => l.msg === 'gateway ready')!;
-    redis = await spawnRedis(redisPort);
+    redis = await spawnRedis({ at: redisPort });
     await gw.waitForLog((l) => l.msg === 'usage-export: this instance leads', 15_000);
     await gw.waitForLog((l) => l.msg === 'alerts: this instance leads', 15_000);
     await eventually(async () => (await call(`${ready.address}/v1/pets`, key.key)).status === 200, 10_000, 'a request admitted by Redis');
