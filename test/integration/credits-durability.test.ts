@@ -159,55 +159,47 @@ describe('top-ups that survive', () => {
     expect((await credits(gw, account))!.ledger.filter((e) => e.kind === 'topup')).toHaveLength(1);
   });
 
-  it('on a Sentinel group, every top-up acknowledged before the master is killed is on the promoted replica', {
-    timeout: 90_000,
-  }, async () => {
-    const group = await spawnSentinels();
-    onTestFinished(() => group.stop());
-    const { config, account } = creditsConfig();
-    const gw = await buildTestGateway({
-      config,
-      admin: { token: TOKEN },
-      settings: { redisSentinels: group.sentinels, redisSentinelName: group.name },
-    });
-    const traffic = topUpsUntil(gw, account);
-    onTestFinished(() => traffic.stop());
-    await eventually(() => traffic.acked.length >= 20, 20_000, '20 top-ups acknowledged');
-    const atKill = traffic.acked.length;
-    group.master.proc.kill('SIGKILL');
-    // The promoted replica has no replica of its own: its top-ups are recorded, never acknowledged.
-    await eventually(() => traffic.seen.alone > 0, 60_000, 'a top-up reaching the promoted replica');
-    await traffic.stop();
-    await expectKept(gw, account, traffic.acked);
-    console.log(
-      `${traffic.acked.length} top-ups acknowledged, ${traffic.acked.length - atKill} of them after the kill; all in the ledger after promotion`,
-    );
-  });
+  /** A topology's gateway settings, and the kill of the master that holds `credits` (a Redis key). */
+  const topologies = {
+    'a Sentinel group': async () => {
+      const group = await spawnSentinels();
+      onTestFinished(() => group.stop());
+      const settings = { redisSentinels: group.sentinels, redisSentinelName: group.name };
+      return { settings, kill: () => group.master.proc.kill('SIGKILL') };
+    },
+    'a Redis Cluster': async () => {
+      const cluster = await spawnCluster();
+      onTestFinished(() => cluster.stop());
+      return { settings: { redisClusterNodes: cluster.nodes }, kill: (credits: string) => cluster.masterOf(credits).proc.kill('SIGKILL') };
+    },
+  };
 
-  it('on a Redis Cluster, every top-up acknowledged before its master is killed is on the promoted replica', {
-    timeout: 90_000,
-  }, async () => {
-    const cluster = await spawnCluster();
-    onTestFinished(() => cluster.stop());
-    const { config, account } = creditsConfig();
-    const gw = await buildTestGateway({ config, admin: { token: TOKEN }, settings: { redisClusterNodes: cluster.nodes } });
-    const traffic = topUpsUntil(gw, account);
-    onTestFinished(() => traffic.stop());
-    await eventually(() => traffic.acked.length >= 20, 20_000, '20 top-ups acknowledged');
-    const atKill = traffic.acked.length;
-    const name = `${gw.gateway.config().accounts.get(account)!.name}:credits`;
-    cluster.masterOf(name).proc.kill('SIGKILL');
-    // The promoted replica has no replica of its own: its top-ups are recorded, never acknowledged.
-    await eventually(() => traffic.seen.alone > 0, 60_000, 'a top-up reaching the promoted replica').catch((err: Error) => {
-      const causes = new Set(gw.logs.filter((l) => l.cause).map((l) => `${l.msg}: ${l.cause}`));
-      throw new Error(`${err.message}; the gateway said: ${[...causes].join('; ')}`);
-    });
-    await traffic.stop();
-    await expectKept(gw, account, traffic.acked);
-    console.log(
-      `${traffic.acked.length} top-ups acknowledged, ${traffic.acked.length - atKill} of them after the kill; all in the ledger after promotion`,
-    );
-  });
+  it.each(Object.entries(topologies))(
+    'on %s, every top-up acknowledged before the master is killed is on the promoted replica',
+    {
+      timeout: 90_000,
+    },
+    async (_, topology) => {
+      const { settings, kill } = await topology();
+      const { config, account } = creditsConfig();
+      const gw = await buildTestGateway({ config, admin: { token: TOKEN }, settings });
+      const traffic = topUpsUntil(gw, account);
+      onTestFinished(() => traffic.stop());
+      await eventually(() => traffic.acked.length >= 20, 20_000, '20 top-ups acknowledged');
+      const atKill = traffic.acked.length;
+      kill(`${gw.gateway.config().accounts.get(account)!.name}:credits`);
+      // The promoted replica has no replica of its own: its top-ups are recorded, never acknowledged.
+      await eventually(() => traffic.seen.alone > 0, 60_000, 'a top-up reaching the promoted replica').catch((err: Error) => {
+        const causes = new Set(gw.logs.filter((l) => l.cause).map((l) => `${l.msg}: ${l.cause}`));
+        throw new Error(`${err.message}; the gateway said: ${[...causes].join('; ')}`);
+      });
+      await traffic.stop();
+      await expectKept(gw, account, traffic.acked);
+      console.log(
+        `${traffic.acked.length} top-ups acknowledged, ${traffic.acked.length - atKill} of them after the kill; all in the ledger after promotion`,
+      );
+    },
+  );
 });
 
 describe('the credits ledger', () => {
