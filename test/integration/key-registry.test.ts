@@ -149,8 +149,11 @@ describe('the key registry', () => {
     const listed = await keys('list');
     expect(listed.stdout).toMatch(new RegExp(`${inFile.id}\\s`));
     expect(listed.stdout).toMatch(/only-in-registry\s/);
+    const rotated = await keys('rotate', '--id', 'only-in-registry', '--grace', '10m');
+    expect(rotated.stdout.trim()).toMatch(/^psk_live_/);
+    expect(rotated.stderr).toMatch(/new key "only-in-registry-2"/);
     const exported = await keys('export');
-    expect(exported.stderr).toContain('exported 1 of 2 keys');
+    expect(exported.stderr).toContain('exported 2 of 3 keys');
     const fileOnly = await run(process.execPath, ['dist/gateway/auth/cli.js', 'list'], { env: { ...env, KEY_STORE: 'file' } });
     expect(fileOnly.stdout).toMatch(/only-in-registry\s/);
   });
