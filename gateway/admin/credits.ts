@@ -31,7 +31,9 @@ const Credits = Type.Object(
   {
     account: Type.String(),
     balance: Type.Integer({ description: 'Granted plus purchased' }),
-    granted: Type.Integer({ description: "What is left of the period's grant (spent first; it expires at the period's end unless it rolls over)" }),
+    granted: Type.Integer({
+      description: "What is left of the period's grant (spent first; it expires at the period's end unless it rolls over)",
+    }),
     purchased: Type.Integer({ description: 'What is left of the top-ups (spent after the grant; never expires)' }),
     ledger: Type.Array(Entry, {
       description:

@@ -175,7 +175,9 @@ describe('top-ups that survive', () => {
     await eventually(() => traffic.seen.alone > 0, 60_000, 'a top-up reaching the promoted replica');
     await traffic.stop();
     await expectKept(gw, account, traffic.acked);
-    console.log(`${traffic.acked.length} top-ups acknowledged, ${traffic.acked.length - atKill} of them after the kill; all in the ledger after promotion`);
+    console.log(
+      `${traffic.acked.length} top-ups acknowledged, ${traffic.acked.length - atKill} of them after the kill; all in the ledger after promotion`,
+    );
   });
 
   it('on a Redis Cluster, every top-up acknowledged before its master is killed is on the promoted replica', {
@@ -198,7 +200,9 @@ describe('top-ups that survive', () => {
     });
     await traffic.stop();
     await expectKept(gw, account, traffic.acked);
-    console.log(`${traffic.acked.length} top-ups acknowledged, ${traffic.acked.length - atKill} of them after the kill; all in the ledger after promotion`);
+    console.log(
+      `${traffic.acked.length} top-ups acknowledged, ${traffic.acked.length - atKill} of them after the kill; all in the ledger after promotion`,
+    );
   });
 });
 
