@@ -44,8 +44,9 @@ export interface ExporterDeps {
 
 /**
  * The usage exporter. Every gateway instance runs one; the one leading (leader.ts) reads the
- * usage streams of the accounts marked active (active.ts) from their cursors, turns the entries into CloudEvents, posts them to the
- * sink in batches, and only then moves the cursors on and trims what was sent: at least once,
+ * usage streams of the accounts marked active (active.ts) from their cursors, turns the entries
+ * into CloudEvents, posts them to the sink in batches shared fairly among the accounts, and
+ * only then moves the cursors on and trims what was sent: at least once,
  * with stable ids, so a sink that dedupes by id counts each request once. The cursors survive
  * restarts and a change of leader, in Redis, beside each stream (one Cluster slot per account).
  */
@@ -133,6 +134,8 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     }));
     let wanting = reads;
     for (let pass = 0; pass < 3 && wanting.length > 0 && room > 0; pass++) {
+      // Fewer entries left than accounts wanting them: one each to the first, the rest next round.
+      wanting = wanting.slice(0, room);
       const share = Math.max(1, Math.floor(room / wanting.length));
       const got = await Promise.all(
         wanting.map((r) => readUsage(this.redis, r.name, pass === 0 ? undefined : r.entries.at(-1)?.[0], share)),

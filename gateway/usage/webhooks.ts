@@ -74,7 +74,8 @@ const fieldsOf = (list: string[]) => {
  * Delivers the alerts streams' entries as webhooks, each once it is acknowledged (2xx), in
  * order per account, from a cursor kept in Redis: at least once, with a stable `webhook-id`
  * (`<account>/<entry id>`) receivers dedupe by. One instance at a time leads (a lock in Redis,
- * held for the whole round), and a cursor moves only under the newest lead (cursors.ts).
+ * held for the whole round), reads only the accounts marked active (active.ts) and those its
+ * sweep finds (sweep.ts), and a cursor moves only under the newest lead (cursors.ts).
  */
 export class WebhookDispatcher extends LeaderLoop<Target> {
   private readonly metrics: WebhookMetrics;
