@@ -578,10 +578,19 @@ export class RedisQuotaStore implements QuotaStore {
   private flush(): void {
     this.statusTimer = undefined;
     const batch = this.statuses.splice(0);
-    if (batch.length > 0) {
+    const byHash = new Map<string, Array<string | number>>();
+    for (const [hash, ref, status] of batch) {
+      const fields = byHash.get(hash);
+      if (fields) fields.push(ref, status);
+      else byHash.set(hash, [ref, status]);
+    }
+    // A Cluster pipeline must stay on one node (ioredis rejects it whole otherwise, and every
+    // event then waited 10 s to go out with status null): there, one per account, its slot's.
+    const groups = this.redis instanceof Cluster ? [...byHash].map((entry) => [entry]) : byHash.size > 0 ? [[...byHash]] : [];
+    for (const group of groups) {
       const pipe = this.redis.pipeline();
       // An hour for the exporter to join them (sent ones are removed): a sink down longer sends status null.
-      for (const [hash, ref, status] of batch) pipe.hset(hash, ref, status).pexpire(hash, 3_600_000);
+      for (const [hash, fields] of group) pipe.hset(hash, ...fields).pexpire(hash, 3_600_000);
       pipe.exec().catch(() => {}); // lost: those events go out with status null
     }
     const active = this.active;

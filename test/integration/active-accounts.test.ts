@@ -5,7 +5,7 @@ import { ActiveIndex, loopKey, markActive } from '../../gateway/usage/active.js'
 import { makeKey, type TestKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
-import { spawnRedis } from '../helpers/redis.js';
+import { spawnCluster, spawnRedis } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 
@@ -192,4 +192,24 @@ describe('a busy account', () => {
     expect(first.filter((e) => String(e.data!.requestId).startsWith('light-'))).toHaveLength(20);
     await eventually(() => sink.requests().length >= 1020, 60_000, 'the backlog too');
   }, 90_000);
+});
+
+describe('usage export on a Redis Cluster', () => {
+  it("joins each event's status, whichever nodes the accounts of one 100 ms batch live on", async () => {
+    const cluster = await spawnCluster();
+    onTestFinished(() => cluster.stop());
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const accounts = keys(9);
+    const config = testConfig(accounts, { plans, usage: { export: { url: sink.url, maxEvents: 1000, batchSize: 50 } } });
+    const gw = await buildTestGateway({ config, settings: { redisClusterNodes: cluster.nodes } });
+    const nodes = new Set(accounts.map((k) => cluster.masterOf(`${nameOf(gw, k.account!)}:statuses`).port));
+    expect(nodes.size).toBeGreaterThan(1); // the scenario: one status batch spans nodes
+    // Together, so their statuses go in the same batch.
+    const answers = await Promise.all(accounts.map((k) => gw.call('/v1/pets', k.key)));
+    expect(answers.map((a) => a.status)).toEqual(accounts.map(() => 200));
+    // A status not joined is waited for 10 s, then sent as null: the first events are those with one.
+    await eventually(() => sink.requests().length >= 9, 30_000, 'the events at the sink');
+    expect(sink.requests().map((e) => e.data!.status)).toEqual(accounts.map(() => 200));
+  }, 60_000);
 });
