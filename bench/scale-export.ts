@@ -8,7 +8,7 @@ import { Redis } from 'ioredis';
 import { generateKey } from '../gateway/auth/keys.js';
 import type { ConfigFile } from '../gateway/config/config.js';
 import { testConfig } from '../test/helpers/config.js';
-import { spawnRedis } from '../test/helpers/redis.js';
+import { spawnCluster, spawnRedis } from '../test/helpers/redis.js';
 import { ROOT, scratch, writeResults } from './lib.js';
 
 // `npx tsx bench/scale-export.ts`: usage export with many accounts configured and few active
@@ -27,6 +27,8 @@ const RATE = Number(process.env.BENCH_RATE ?? 1000);
 const SECONDS = Number(process.env.BENCH_SECONDS ?? 20);
 const IDLE_SECONDS = Number(process.env.BENCH_IDLE_SECONDS ?? 10);
 const DRAIN_SECONDS = Number(process.env.BENCH_DRAIN_SECONDS ?? 30);
+/** BENCH_CLUSTER=1: on a Redis Cluster of 3 masters and 3 replicas instead (commands counted on the masters). */
+const CLUSTER = process.env.BENCH_CLUSTER === '1';
 /** The build to compare with ('' to skip): by default the commit before the active-accounts index. */
 const BASELINE = process.env.BENCH_BASELINE ?? 'a67a14e';
 
@@ -71,11 +73,32 @@ async function backend() {
   };
 }
 
-/** Calls of every command since the last RESETSTAT, less the bench's own INFO and CONFIG; and the five most called. */
-async function commands(redis: Redis): Promise<{ total: number; top: string[] }> {
-  const rows = [...(await redis.info('commandstats')).matchAll(/^cmdstat_([^:]+):calls=(\d+)/gm)]
-    .map(([, cmd, calls]) => [cmd!, Number(calls)] as const)
-    .filter(([cmd]) => !/^(info|config)/.test(cmd));
+/** The Redis under test: one server, or a Cluster; settings for it, and connections to the nodes whose commands count. */
+async function redisUnderTest() {
+  if (!CLUSTER) {
+    const server = await spawnRedis();
+    return { settings: { redisUrl: server.url }, counted: [new Redis(server.url)], stop: server.stop };
+  }
+  const cluster = await spawnCluster(5000);
+  const nodes = cluster.all.map((n) => new Redis(n.port, '127.0.0.1'));
+  const masters = await Promise.all(nodes.map(async (r) => /role:master/.test(await r.info('replication'))));
+  for (const [i, r] of nodes.entries()) if (!masters[i]) r.disconnect();
+  return {
+    settings: { redisUrl: undefined, redisClusterNodes: cluster.nodes },
+    counted: nodes.filter((_, i) => masters[i]),
+    stop: cluster.stop,
+  };
+}
+
+/** Calls of every command since the last RESETSTAT, less the bench's own INFO, CONFIG and CLUSTER and replication's REPLCONF; and the five most called. */
+async function commands(nodes: Redis[]): Promise<{ total: number; top: string[] }> {
+  const sums = new Map<string, number>();
+  for (const redis of nodes) {
+    for (const [, cmd, calls] of (await redis.info('commandstats')).matchAll(/^cmdstat_([^:]+):calls=(\d+)/gm)) {
+      if (!/^(info|config|cluster|replconf)/.test(cmd!)) sums.set(cmd!, (sums.get(cmd!) ?? 0) + Number(calls));
+    }
+  }
+  const rows = [...sums];
   rows.sort((a, b) => b[1] - a[1]);
   return { total: rows.reduce((s, [, n]) => s + n, 0), top: rows.slice(0, 5).map(([c, n]) => `${c} ${n}`) };
 }
@@ -142,9 +165,8 @@ async function measure(label: string, root: string, file: ConfigFile, active: st
   const { run } = (await import(join(root, 'gateway/process/runner.ts'))) as { run: Run };
   const { compileConfig, validateConfigFile } = (await import(join(root, 'gateway/config/config.ts'))) as Compile;
   const { loadSettings } = (await import(join(root, 'gateway/config/settings.ts'))) as Settings;
-  const server = await spawnRedis();
+  const server = await redisUnderTest();
   const origin = await backend();
-  const redis = new Redis(server.url);
   sink.lags.length = 0;
   try {
     const settings = {
@@ -152,7 +174,7 @@ async function measure(label: string, root: string, file: ConfigFile, active: st
       port: 0,
       host: '127.0.0.1',
       backendUrl: origin.url,
-      redisUrl: server.url,
+      ...server.settings,
       logLevel: 'warn' as const,
     };
     const compiled = compileConfig(validateConfigFile(file, 'bench'), 'bench');
@@ -160,15 +182,16 @@ async function measure(label: string, root: string, file: ConfigFile, active: st
     const running = await run(settings, compiled, { serve: true, admin: false, reloads: 'none', ownProcess: false, logStream: quiet });
     try {
       await new Promise((r) => setTimeout(r, 2000)); // the lead taken, the first round begun
-      await redis.config('RESETSTAT');
+      for (const r of server.counted) await r.config('RESETSTAT');
       await new Promise((r) => setTimeout(r, IDLE_SECONDS * 1000));
-      const idle = await commands(redis);
+      const idle = await commands(server.counted);
       const ok = await traffic(running.address!, active);
       const end = Date.now() + DRAIN_SECONDS * 1000;
       while (sink.lags.length < ok && Date.now() < end) await new Promise((r) => setTimeout(r, 100));
       const sorted = [...sink.lags].sort((a, b) => a - b);
       const result = {
         build: label,
+        redis: CLUSTER ? 'cluster' : 'single',
         idleCommandsPerSecond: Math.round(idle.total / IDLE_SECONDS),
         idleTop: idle.top,
         requests200: ok,
@@ -182,7 +205,7 @@ async function measure(label: string, root: string, file: ConfigFile, active: st
       await running.close('now');
     }
   } finally {
-    redis.disconnect();
+    for (const r of server.counted) r.disconnect();
     await origin.close();
     server.stop();
   }
