@@ -23,6 +23,7 @@ import { registerProxy } from './proxy.js';
 import { admit } from '../quota/admit.js';
 import { MemoryQuotaStore } from '../quota/memory-store.js';
 import { RedisQuotaStore } from '../quota/redis-store.js';
+import { activityMarks } from '../usage/active.js';
 import { UsageExporter } from '../usage/exporter.js';
 import { WebhookDispatcher } from '../usage/webhooks.js';
 import type { QuotaStore } from '../quota/store.js';
@@ -86,13 +87,17 @@ function refund(store: QuotaStore, ctx: RequestContext): void {
   ctx.overage = undefined;
 }
 
-/** Redis when the gateway has it (its live instances registered under `registry`, for each one's share while Redis fails), else in-process. */
+/**
+ * Redis when the gateway has it (its live instances registered under the config's registry key,
+ * for each one's share while Redis fails; the accounts it writes to marked for the usage loops),
+ * else in-process.
+ */
 function quotaStore(
   settings: AppSettings,
   redis: RedisClient | undefined,
   log: FastifyBaseLogger,
   metrics: GatewayMetrics,
-  registry: () => string,
+  config: () => GatewayConfig,
 ): QuotaStore {
   if (!redis) return new MemoryQuotaStore();
   return new RedisQuotaStore(redis, log, {
@@ -103,7 +108,9 @@ function quotaStore(
     ackReplicas: ackReplicas(settings),
     ackTimeoutMs: settings.creditsAckTimeoutMs,
     idempotencyMs: settings.idempotencyKeyHours * 3_600_000,
-    registry,
+    registry: () => config().registryKey,
+    // The accounts whose streams it writes to, for the usage loops to read.
+    marks: activityMarks(redis, config),
   });
 }
 
@@ -157,7 +164,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     (lines) => metrics.logLinesDropped.inc(lines),
     deps.logStream,
   );
-  const store = quotaStore(settings, deps.redis, log, metrics, () => config.registryKey);
+  const store = quotaStore(settings, deps.redis, log, metrics, current);
   metrics.watch(store);
   // Usage events to the billing sink, when the config names one: one exporter per deployment leads.
   const exporter = deps.redis ? new UsageExporter({ redis: deps.redis, config: current, log, metrics: metrics.usage }) : undefined;

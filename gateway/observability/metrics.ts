@@ -265,11 +265,18 @@ function exportMetrics(registers: Registry[]): { usage: ExportMetrics; webhooks:
     help: 'Age of the oldest usage event not yet sent, at the last batch',
     registers,
   });
+  const rounds = new Counter({
+    name: 'gateway_leader_rounds_total',
+    help: 'Rounds the usage exporter and the alert dispatcher ran while leading, by loop',
+    labelNames: ['loop'],
+    registers,
+  });
   const usage: ExportMetrics = {
     exported: (n) => exported.inc(n),
     failed: () => failed.inc(),
     dropped: (n) => dropped.inc(n),
     lag: (s) => lag.set(s),
+    round: () => rounds.inc({ loop: 'usage-export' }),
   };
   const delivered = new Counter({
     name: 'gateway_webhooks_delivered_total',
@@ -281,6 +288,10 @@ function exportMetrics(registers: Registry[]): { usage: ExportMetrics; webhooks:
     help: 'Alert webhook attempts that failed (tried again)',
     registers,
   });
-  const webhooks: WebhookMetrics = { delivered: () => delivered.inc(), failed: () => undelivered.inc() };
+  const webhooks: WebhookMetrics = {
+    delivered: () => delivered.inc(),
+    failed: () => undelivered.inc(),
+    round: () => rounds.inc({ loop: 'alerts' }),
+  };
   return { usage, webhooks };
 }

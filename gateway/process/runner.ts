@@ -8,6 +8,7 @@ import type { GatewaySettings } from '../config/settings.js';
 import { buildGateway, type Gateway } from '../http/app.js';
 import { keyFinder, RegistryKeys } from '../auth/registry.js';
 import { RedisQuotaStore } from '../quota/redis-store.js';
+import { activityMarks } from '../usage/active.js';
 import { reloader, watchConfig } from './config-watch.js';
 import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient } from './redis-client.js';
 
@@ -116,7 +117,8 @@ interface AdminSources {
  */
 function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSources) {
   const own = options.admin || {};
-  const store = from.gateway?.store ?? new RedisQuotaStore(from.redis!, from.log); // the primary's only reads usage
+  // The primary's reads usage, and tops credits up: their events and alerts marked for the usage loops.
+  const store = from.gateway?.store ?? new RedisQuotaStore(from.redis!, from.log, { marks: activityMarks(from.redis!, from.config) });
   const metrics = own.metrics ?? from.gateway!.metrics;
   const configFile = options.reloads === 'file' ? settings.configFile : undefined;
   // With the key registry, keys are issued there (every instance hears of a change at once); accounts stay in the file.

@@ -25,7 +25,8 @@
 --         how many of their units were delivered (size less unused), sent even when none is unused.
 -- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken, periodUsed, periodStart,
 -- periodEnd, balance (-1: no credits), overage units billed in the window so far, this request's,
--- its usage event's id (or false)}; outcome is an index into OUTCOMES in decision.ts: 0
+-- its usage event's id (or false), 1 if an alert was written (the gateway marks the account for
+-- the dispatcher: usage/active.ts)}; outcome is an index into OUTCOMES in decision.ts: 0
 -- allowed, 1 minute, 2 day, 3 banned, 4 month, 5 credits. Time is Redis's own, so skewed
 -- gateways agree.
 local t = redis.call('TIME')
@@ -62,6 +63,7 @@ end
 -- Threshold alerts: those of a day or month that ended are resolved by the first request after it.
 local thresholds = fractions(ARGV[25])
 local alerting = #thresholds > 0
+local alertsBefore = alerting and redis.call('XLEN', KEYS[7])
 if alerting and perDay > 0 then resolveEnded(KEYS[6], KEYS[7], now, thresholds, 'day', tonumber(h[3]), ds) end
 if alerting and perMonth > 0 then resolveEnded(KEYS[6], KEYS[7], now, thresholds, 'month', tonumber(h[6]), ps) end
 if alerting and replaced then resolveEnded(KEYS[6], KEYS[7], now, thresholds, 'credits', replaced, gp) end
@@ -81,7 +83,9 @@ local eventId = false
 local function reply(outcome, taken, banUntil)
   local balance = -1
   if grant >= 0 then balance = g + p end
-  return {outcome, mc, dc, now, banUntil or 0, taken or 0, pc, ps, pe, balance, oc, mine, eventId}
+  local alerted = 0
+  if alerting and redis.call('XLEN', KEYS[7]) ~= alertsBefore then alerted = 1 end
+  return {outcome, mc, dc, now, banUntil or 0, taken or 0, pc, ps, pe, balance, oc, mine, eventId, alerted}
 end
 local function save()
   redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc, 'lo', lo, 'ls', ow)

@@ -58,6 +58,7 @@ type Reply = [
   overageUsed?: number,
   overageUnits?: number,
   eventId?: string | null,
+  alerted?: number,
 ];
 /** A pipeline of topup.lua and the WAIT after it: both go to the account's node. */
 interface TopUpPipeline {
@@ -113,6 +114,18 @@ export interface RedisStoreOptions {
    */
   registry?: () => string;
   clock?: Clock;
+  /**
+   * Told, every 100 ms with the statuses, the accounts (by name) whose usage stream or alerts
+   * stream this instance's script calls wrote to (or may have: a call that failed): the usage
+   * loops read only those (usage/active.ts). Left out, nothing is told.
+   */
+  marks?: (active: ActiveAccounts) => Promise<unknown>;
+}
+
+/** Accounts written to since the last flush: their usage events, their alerts. */
+export interface ActiveAccounts {
+  usage: ReadonlySet<string>;
+  alerts: ReadonlySet<string>;
 }
 
 /** A ledger stream entry as the admin port shows it: numbers as numbers, the time from its id. */
@@ -210,6 +223,9 @@ export class RedisQuotaStore implements QuotaStore {
   /** Statuses of admitted requests to join to their usage events. */
   private readonly statuses: Array<[hash: string, eventId: string, status: number]> = [];
   private statusTimer?: NodeJS.Timeout;
+  private readonly marks?: (active: ActiveAccounts) => Promise<unknown>;
+  /** Accounts to mark for the usage loops at the next flush. */
+  private active: { usage: Set<string>; alerts: Set<string> } = { usage: new Set(), alerts: new Set() };
 
   constructor(
     redis: RedisClient,
@@ -224,6 +240,7 @@ export class RedisQuotaStore implements QuotaStore {
     this.ackTimeoutMs = options.ackTimeoutMs ?? 2000;
     this.idempotencyMs = options.idempotencyMs ?? 24 * 3_600_000;
     this.registry = options.registry;
+    this.marks = options.marks;
     this.clock = options.clock ?? SYSTEM_CLOCK;
     this.redisClock = new RedisClock(this.clock);
     this.leases = new LeaseBook(this.clock);
@@ -409,6 +426,7 @@ export class RedisQuotaStore implements QuotaStore {
       const waitedMs = this.clock.mono() - sentMono;
       this.observe(waitedMs / 1000);
       this.health.failed(err);
+      this.markWritten(subject, tag);
       return { taken: 0, sentMono, waitedMs };
     }
     const waitedMs = this.clock.mono() - sentMono;
@@ -416,8 +434,10 @@ export class RedisQuotaStore implements QuotaStore {
     // Unanswered in time, or answered so late that Redis found its deadline passed.
     if (reply === LATE || reply[0] < 0) {
       this.health.failed(new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`));
+      if (reply === LATE) this.markWritten(subject, tag);
       return { taken: 0, sentMono, waitedMs };
     }
+    this.markWritten(subject, tag, reply);
     this.redisClock.learn(reply[3], sentAt);
     const counts = countsOf(reply);
     this.budget.see(subject.name, counts);
@@ -527,6 +547,23 @@ export class RedisQuotaStore implements QuotaStore {
   }
 
   /**
+   * Marks the account for the usage loops when the call wrote to its streams: a request's event
+   * (or, with credits, a grant's), an alert; without a reply (a call that failed or was given
+   * up on), whatever it may have written.
+   */
+  private markWritten(subject: QuotaSubject, tag: EventTag | undefined, reply?: Reply): void {
+    if (!this.marks) return;
+    const events = tag !== undefined && subject.events > 0;
+    if (events && (!reply || reply[12] || subject.billing.credits)) this.mark('usage', subject);
+    if (subject.alerts && (!reply || reply[13] === 1)) this.mark('alerts', subject);
+  }
+
+  private mark(loop: 'usage' | 'alerts', subject: QuotaSubject): void {
+    this.active[loop].add(subject.name);
+    this.statusTimer ??= setTimeout(() => this.flush(), 100).unref();
+  }
+
+  /**
    * An admitted request's final status, joined to its usage event by the event's id in a hash
    * beside its stream (`<name>:statuses`), written in batches a tenth of a second apart. Lost
    * with the process if it dies first: the exporter then sends the event with `status: null`.
@@ -534,16 +571,33 @@ export class RedisQuotaStore implements QuotaStore {
   settle(subject: QuotaSubject, eventId: string, status: number): void {
     if (this.statuses.length >= 10_000) return; // Redis failing for a while: the statuses wait no longer
     this.statuses.push([`${subject.name}:statuses`, eventId, status]);
-    this.statusTimer ??= setTimeout(() => this.writeStatuses(), 100).unref();
+    this.statusTimer ??= setTimeout(() => this.flush(), 100).unref();
   }
 
-  private writeStatuses(): void {
+  /** The statuses and the marks gathered in the last 100 ms, written together. */
+  private flush(): void {
     this.statusTimer = undefined;
     const batch = this.statuses.splice(0);
-    const pipe = this.redis.pipeline();
-    // An hour for the exporter to join them (sent ones are removed): a sink down longer sends status null.
-    for (const [hash, ref, status] of batch) pipe.hset(hash, ref, status).pexpire(hash, 3_600_000);
-    pipe.exec().catch(() => {}); // lost: those events go out with status null
+    const byHash = new Map<string, Array<string | number>>();
+    for (const [hash, ref, status] of batch) {
+      const fields = byHash.get(hash);
+      if (fields) fields.push(ref, status);
+      else byHash.set(hash, [ref, status]);
+    }
+    // A Cluster pipeline must stay on one node (ioredis rejects it whole otherwise, and every
+    // event then waited 10 s to go out with status null): there, one per account, its slot's.
+    const groups = this.redis instanceof Cluster ? [...byHash].map((entry) => [entry]) : byHash.size > 0 ? [[...byHash]] : [];
+    for (const group of groups) {
+      const pipe = this.redis.pipeline();
+      // An hour for the exporter to join them (sent ones are removed): a sink down longer sends status null.
+      for (const [hash, fields] of group) pipe.hset(hash, ...fields).pexpire(hash, 3_600_000);
+      pipe.exec().catch(() => {}); // lost: those events go out with status null
+    }
+    const active = this.active;
+    if (active.usage.size + active.alerts.size === 0) return;
+    this.active = { usage: new Set(), alerts: new Set() };
+    // Lost (Redis failing): the leaders' sweep finds those accounts.
+    this.marks?.(active).catch(() => {});
   }
 
   async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, eventId?: string): Promise<void> {
@@ -569,6 +623,9 @@ export class RedisQuotaStore implements QuotaStore {
         { subject: subject.name, reason: err instanceof Error ? err.message : String(err) },
         'quota store: a refund failed; the request stays counted',
       );
+    } finally {
+      // Its refund event, written (or maybe: a call that failed may have run), marked once the call is over.
+      if (eventId && subject.events > 0 && this.marks) this.mark('usage', subject);
     }
   }
 
@@ -595,6 +652,10 @@ export class RedisQuotaStore implements QuotaStore {
       if (!(redis instanceof Cluster && /^MOVED /.test((err as Error).message))) throw err;
       await new Promise((done) => redis.refreshSlotsCache(done));
       results = await this.topUpCalls(redis, subject, t);
+    } finally {
+      // Its ledger entry as a usage event, a credits alert it resolves: written (or maybe), marked once the calls are over.
+      if (this.marks && subject.events > 0) this.mark('usage', subject);
+      if (this.marks && subject.alerts) this.mark('alerts', subject);
     }
     const [made, ...rest] = results[0]![1] as [number, ...string[]];
     const acked = Number(results[1]?.[1] ?? 0);
@@ -719,7 +780,7 @@ export class RedisQuotaStore implements QuotaStore {
     this.health.close();
     this.acking?.disconnect();
     if (this.statusTimer) clearTimeout(this.statusTimer);
-    if (this.statuses.length > 0) this.writeStatuses();
+    this.flush();
     if (this.registry && !this.health.failing && this.redis.status === 'ready') {
       await within(this.redis.heartbeat(this.registry(), this.instanceId), this.timeoutMs).catch(() => {});
     }

@@ -1,5 +1,5 @@
 import type { RedisClient } from '../process/redis-client.js';
-import { nextId } from './events.js';
+import { nextId, type StreamEntry } from './events.js';
 
 // The streams' cursors, moved only under the lead in force: each move carries the fencing
 // token its leader got when it took the lead (leader.ts), as Kleppmann's fencing tokens do.
@@ -60,7 +60,32 @@ if dropped <= known then return 0 end
 redis.call('HSET', KEYS[2], 'dropped', dropped)
 return dropped - known`;
 
+/**
+ * KEYS: the account's usage cursor hash, its stream, its statuses. ARGV: the entry to read after
+ * ('': the cursor), how many. Returns the cursor, the entries, their statuses (nil: none yet) and
+ * the stream's length: what a round needs of an account, in one call in its slot.
+ */
+const READ_USAGE = `local cursor = redis.call('HGET', KEYS[1], 'id') or '0-0'
+local after = ARGV[1]
+if after == '' then after = cursor end
+local entries = redis.call('XRANGE', KEYS[2], '(' .. after, '+', 'COUNT', ARGV[2])
+local statuses = {}
+for i = 1, #entries, 500 do
+  local ids = {}
+  for j = i, math.min(i + 499, #entries) do ids[#ids + 1] = entries[j][1] end
+  local found = redis.call('HMGET', KEYS[3], unpack(ids))
+  for j = 1, #ids do statuses[#statuses + 1] = found[j] end
+end
+return {cursor, entries, statuses, redis.call('XLEN', KEYS[2])}`;
+
 type CursorRedis = RedisClient & {
+  readUsage(
+    cursor: string,
+    stream: string,
+    statuses: string,
+    after: string,
+    count: number,
+  ): Promise<[string, StreamEntry[], Array<string | null>, number]>;
   moveUsage(cursor: string, stream: string, statuses: string, ...args: Array<string | number>): Promise<number>;
   moveAlerts(cursor: string, fence: string, token: number, from: string, to: string): Promise<number>;
   countDropped(stream: string, cursor: string): Promise<number>;
@@ -71,6 +96,57 @@ export function defineCursorScripts(redis: RedisClient): void {
   redis.defineCommand('moveUsage', { numberOfKeys: 3, lua: MOVE_USAGE });
   redis.defineCommand('moveAlerts', { numberOfKeys: 2, lua: MOVE_ALERTS });
   redis.defineCommand('countDropped', { numberOfKeys: 2, lua: DROPPED });
+  redis.defineCommand('readUsage', { numberOfKeys: 3, lua: READ_USAGE });
+}
+
+/** What a round read of an account's usage stream. */
+export interface UsageRead {
+  /** The cursor id ('0-0': none yet). */
+  cursor: string;
+  entries: StreamEntry[];
+  /** The statuses joined to the entries, by their ids. */
+  statuses: Map<string, number>;
+  /** The stream's length. */
+  length: number;
+}
+
+/** Up to `count` entries of the account's usage stream after `after` (undefined: after its cursor), with their statuses. */
+export async function readUsage(redis: RedisClient, name: string, after: string | undefined, count: number): Promise<UsageRead> {
+  const [cursor, entries, found, length] = await (redis as CursorRedis).readUsage(
+    `${name}:events:cursor`,
+    `${name}:events`,
+    `${name}:statuses`,
+    after ?? '',
+    count,
+  );
+  const statuses = new Map<string, number>();
+  entries.forEach(([id], i) => found[i] != null && statuses.set(id, Number(found[i])));
+  return { cursor, entries, statuses, length: Number(length) };
+}
+
+/** Whether each account's usage stream holds anything: a move trims what it sent, so an empty stream has nothing unsent. */
+export function usagePending(redis: RedisClient, names: string[]): Promise<boolean[]> {
+  return Promise.all(names.map(async (name) => (await redis.xlen(`${name}:events`)) > 0));
+}
+
+/** Whether each account's alerts stream has an entry past its cursor (delivered alerts stay in the stream). */
+export function alertsPending(redis: RedisClient, names: string[]): Promise<boolean[]> {
+  return Promise.all(
+    names.map(async (name) => {
+      const [cursor, last] = await Promise.all([
+        redis.get(`${name}:alerts:cursor`),
+        redis.xrevrange(`${name}:alerts`, '+', '-', 'COUNT', 1),
+      ]);
+      return last.length > 0 && idAfter(last[0]![0], cursor ?? '0-0');
+    }),
+  );
+}
+
+/** Whether stream id `a` comes after `b`. */
+export function idAfter(a: string, b: string): boolean {
+  const [am, as] = a.split('-').map(Number) as [number, number];
+  const [bm, bs] = b.split('-').map(Number) as [number, number];
+  return am > bm || (am === bm && as > bs);
 }
 
 export interface UsageMove {

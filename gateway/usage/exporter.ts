@@ -1,8 +1,10 @@
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig, UsageExport } from '../config/config.js';
 import type { RedisClient } from '../process/redis-client.js';
-import { countDropped, moveUsageCursor, REFUSED, type UsageMove } from './cursors.js';
-import { type CloudEvent, type StreamEntry, toCloudEvents } from './events.js';
+import { accountsOf, ActiveIndex, type Marked } from './active.js';
+import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
+import { type CloudEvent, toCloudEvents } from './events.js';
+import { Sweep } from './sweep.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost, POST_TIMEOUT_MS } from './leader.js';
 
 /** What the exporter reports (observability/metrics.ts). */
@@ -11,6 +13,26 @@ export interface ExportMetrics {
   failed(): void;
   dropped(n: number): void;
   lag(seconds: number): void;
+  /** A round the leader ran. */
+  round(): void;
+}
+
+/**
+ * Accounts one round reads at most: with a batch of 500, a share of 2 events each at least, and
+ * one call each, sent together; more wait for the next round, which comes at once.
+ */
+const ACCOUNTS_PER_ROUND = 250;
+/**
+ * Accounts the sweep checks a second (one XLEN each): with the round's own few calls, the
+ * exporter's idle cost stays under 100 Redis commands a second; 100,000 accounts take 21 min.
+ */
+export const EXPORT_SWEEP_PER_SECOND = 80;
+
+/** An account's part of a round: what was read, from which cursor, whether more was left, how much of it can go. */
+interface AccountRead extends UsageRead {
+  name: string;
+  more: boolean;
+  consumed: number;
 }
 
 export interface ExporterDeps {
@@ -21,18 +43,23 @@ export interface ExporterDeps {
 }
 
 /**
- * The usage exporter. Every gateway instance runs one; the one leading (leader.ts) reads each
- * account's usage stream from its cursor, turns the entries into CloudEvents, posts them to the
- * sink in batches, and only then moves the cursors on and trims what was sent: at least once,
+ * The usage exporter. Every gateway instance runs one; the one leading (leader.ts) reads the
+ * usage streams of the accounts marked active (active.ts) from their cursors, turns the entries
+ * into CloudEvents, posts them to the sink in batches shared fairly among the accounts, and
+ * only then moves the cursors on and trims what was sent: at least once,
  * with stable ids, so a sink that dedupes by id counts each request once. The cursors survive
  * restarts and a change of leader, in Redis, beside each stream (one Cluster slot per account).
  */
 export class UsageExporter extends LeaderLoop<UsageExport> {
   private readonly metrics: ExportMetrics;
+  private readonly index: ActiveIndex;
+  private readonly sweep: Sweep;
 
   constructor(deps: ExporterDeps) {
-    super(deps.redis, deps.config, deps.log, 'usage-export');
+    super(deps.redis, deps.config, deps.log, 'usage-export', () => deps.metrics.round());
     this.metrics = deps.metrics;
+    this.index = new ActiveIndex(deps.redis, 'usage-export');
+    this.sweep = new Sweep(deps.redis, 'usage-export', EXPORT_SWEEP_PER_SECOND, usagePending);
   }
 
   protected target(config: GatewayConfig): UsageExport | undefined {
@@ -48,45 +75,86 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     this.log.info({ sink: target.url }, 'usage export: the sink takes events again');
   }
 
-  /** One batch: read, post, then move the cursors, each only if this lead is still the newest. Returns the events sent. */
+  /**
+   * One batch from the next marked accounts (and those the sweep found): read, post, then move
+   * the cursors, each only if this lead is still the newest; an account whose read was all sent
+   * is unmarked. Returns the events sent.
+   */
   protected async round(config: GatewayConfig, target: UsageExport, lead: Lead): Promise<{ sent: number; full: boolean }> {
+    await this.sweep.step(config);
+    const { picked, more } = await this.index.take(config, Math.min(ACCOUNTS_PER_ROUND, target.batchSize));
+    const { accounts } = accountsOf(config);
+    const known = picked.filter((m) => accounts.has(m.name));
+    const now = Date.now();
+    const reads = await this.fill(known, target.batchSize, now);
     const source = `/pet-store-gateway/${config.environment}`;
     const batch: CloudEvent[] = [];
     const moves: Array<{ name: string; events: number; move: Omit<UsageMove, 'token'> }> = [];
-    const now = Date.now();
     let oldest = now;
-    for (const [account, subject] of config.accounts) {
-      if (batch.length >= target.batchSize) break;
-      const from = (await this.redis.hget(`${subject.name}:events:cursor`, 'id')) ?? '0-0';
-      const entries = (await this.redis.xrange(
-        `${subject.name}:events`,
-        `(${from}`,
-        '+',
-        'COUNT',
-        target.batchSize - batch.length,
-      )) as StreamEntry[];
-      if (entries.length === 0) continue;
-      oldest = Math.min(oldest, Number(entries[0]![0].split('-')[0]));
-      const refs = entries.map(([id]) => id);
-      const found = await this.redis.hmget(`${subject.name}:statuses`, ...refs);
-      const statuses = new Map<string, number>();
-      refs.forEach((ref, i) => found[i] != null && statuses.set(ref, Number(found[i])));
-      const { events, last, consumed } = toCloudEvents(account, source, entries, statuses, now);
+    for (const r of reads) {
+      if (r.entries.length === 0) continue;
+      oldest = Math.min(oldest, Number(r.entries[0]![0].split('-')[0]));
+      const { events, last, consumed } = toCloudEvents(accounts.get(r.name)!, source, r.entries, r.statuses, now);
       batch.push(...events);
-      if (last)
-        moves.push({ name: subject.name, events: events.length, move: { from, to: last, consumed, refs: refs.slice(0, consumed) } });
-      await this.countDropped(subject.name, target);
+      const refs = r.entries.slice(0, consumed).map(([id]) => id);
+      if (last) moves.push({ name: r.name, events: events.length, move: { from: r.cursor, to: last, consumed, refs } });
     }
+    await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9).map((r) => this.countDropped(r.name)));
     this.metrics.lag((now - oldest) / 1000);
     if (batch.length > 0) await this.post(target.url, batch, lead.signal);
     if (this.stopped) return { sent: 0, full: false };
-    for (const { name, events, move } of moves) {
-      lead.signal.throwIfAborted();
-      const moved = await moveUsageCursor(this.redis, name, { ...move, token: lead.token });
-      if (moved !== 'moved') throw new LeadLost(`the cursor of ${name}:events was ${REFUSED[moved]}`);
-      this.metrics.exported(events);
+    lead.signal.throwIfAborted();
+    const moved = await Promise.all(moves.map(({ name, move }) => moveUsageCursor(this.redis, name, { ...move, token: lead.token })));
+    moves.forEach(({ events }, i) => moved[i] === 'moved' && this.metrics.exported(events));
+    const refused = moved.findIndex((m) => m !== 'moved');
+    if (refused >= 0) throw new LeadLost(`the cursor of ${moves[refused]!.name}:events was ${REFUSED[moved[refused] as 'fenced']}`);
+    // Sent all it read, and read less than it asked for: nothing of it was left when the score was read.
+    const done = new Set(reads.filter((r) => !r.more && r.consumed === r.entries.length).map((r) => r.name));
+    await this.index.unmark(
+      config,
+      picked.filter((m) => done.has(m.name) || !accounts.has(m.name)),
+    );
+    return { sent: batch.length, full: batch.length >= target.batchSize || more };
+  }
+
+  /**
+   * Reads the accounts' streams fairly into at most `room` entries: each gets an equal share,
+   * and what some leave unused goes, in equal shares again, to those that filled theirs (at most
+   * three times); one busy account can take the whole batch only when the others leave it room.
+   */
+  private async fill(marked: Marked[], room: number, now: number): Promise<AccountRead[]> {
+    const reads: AccountRead[] = marked.map((m) => ({
+      name: m.name,
+      cursor: '0-0',
+      entries: [],
+      statuses: new Map(),
+      length: 0,
+      more: true,
+      consumed: 0,
+    }));
+    let wanting = reads;
+    for (let pass = 0; pass < 3 && wanting.length > 0 && room > 0; pass++) {
+      // Fewer entries left than accounts wanting them: one each to the first, the rest next round.
+      wanting = wanting.slice(0, room);
+      const share = Math.max(1, Math.floor(room / wanting.length));
+      const got = await Promise.all(
+        wanting.map((r) => readUsage(this.redis, r.name, pass === 0 ? undefined : r.entries.at(-1)?.[0], share)),
+      );
+      wanting.forEach((r, i) => {
+        const read = got[i]!;
+        if (pass === 0) r.cursor = read.cursor;
+        r.entries.push(...read.entries);
+        for (const [id, status] of read.statuses) r.statuses.set(id, status);
+        r.length = read.length;
+        r.more = read.entries.length === share;
+        room -= read.entries.length;
+        // An entry still waiting for its status stops its account's batch there: no more of it this round.
+        r.consumed = toCloudEvents('', '', r.entries, r.statuses, now).consumed;
+        if (r.consumed < r.entries.length) r.more = false;
+      });
+      wanting = wanting.filter((r) => r.more);
     }
-    return { sent: batch.length, full: batch.length >= target.batchSize };
+    return reads;
   }
 
   /** Posts a batch; the lead's loss aborts it (LeadLost), the sink's failure is a DeliveryFailed. */
@@ -113,8 +181,7 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
    * consumed here, less what it holds, read in one script (a write or a move between separate
    * reads would miscount). Counted and logged once each.
    */
-  private async countDropped(name: string, target: UsageExport): Promise<void> {
-    if ((await this.redis.xlen(`${name}:events`)) < target.maxEvents * 0.9) return;
+  private async countDropped(name: string): Promise<void> {
     const dropped = await countDropped(this.redis, name);
     if (dropped > 0) {
       this.metrics.dropped(dropped);

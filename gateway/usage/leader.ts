@@ -68,8 +68,10 @@ type LeaderRedis = RedisClient & {
  * it): the usage exporter and the alert dispatcher. The lock is renewed before each round and
  * every third of its life during one; a round whose renewal fails or finds the lock taken is
  * aborted (its POST too), and every cursor move it makes carries its fencing token
- * (cursors.ts). A round returns how much it sent: the next comes at once after a full one, a
- * quarter second after some, a second after none; a failed round is tried again with
+ * (cursors.ts). A round reads only the accounts marked active (active.ts) and sweeps a few
+ * more at a fixed pace (sweep.ts). It returns how much it sent: the next comes at once after a
+ * full one (or one that left marked accounts of its pass unread), a quarter second after
+ * some, a second after none; a failed round is tried again with
  * exponential backoff and full jitter. No round runs while Redis is not connected: the store
  * reports Redis, and the sink is not blamed for it.
  */
@@ -87,6 +89,8 @@ export abstract class LeaderLoop<Target> {
     protected readonly config: () => GatewayConfig,
     protected readonly log: FastifyBaseLogger,
     private readonly name: string,
+    /** Told after each round that succeeded (what the rounds metric counts). */
+    private readonly counted: () => void = () => {},
   ) {
     redis.defineCommand('lead', { numberOfKeys: 2, lua: LEAD });
     redis.defineCommand('renewLead', { numberOfKeys: 1, lua: RENEW });
@@ -134,6 +138,7 @@ export abstract class LeaderLoop<Target> {
       if (!token) return this.schedule(1000);
       holder = `${this.me}:${token}`;
       const { sent, full } = await this.held(lock, holder, token, since, (lead) => this.round(config, target, lead));
+      this.counted();
       if (this.deliveryFailing) this.recovered?.(target);
       this.failures = 0;
       this.deliveryFailing = false;

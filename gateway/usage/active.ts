@@ -1,0 +1,132 @@
+import type { GatewayConfig } from '../config/config.js';
+import type { RedisClient } from '../process/redis-client.js';
+
+// The accounts with something to send, so a round costs what has traffic, not what is
+// configured (issue 30). Per loop, a sorted set in the loop's own slot
+// (`<prefix>:<environment>:{<loop>}:active`): member the account's Redis name, score how many
+// times it was marked. The instance whose script call wrote an event or an alert marks the
+// account (with its status writes, every 100 ms); the leader unmarks it only when what it read
+// is all sent, and only if no mark came since it read the score: a compare-and-remove in the
+// set's slot, so a write it could not have seen always keeps its mark (docs/reference.md).
+
+/** The two loops that read the index. */
+export type Loop = 'usage-export' | 'alerts';
+
+/** An account as the index holds it: its Redis name and its score when read. */
+export interface Marked {
+  name: string;
+  score: string;
+}
+
+/** A key of the loop's, beside its lock, in the loop's own slot: its index (`active`), its sweep's position (`sweep`). */
+export const loopKey = (config: GatewayConfig, loop: Loop, what: 'active' | 'sweep') =>
+  `${config.registryKey.replace(/\{gateways\}$/, `{${loop}}`)}:${what}`;
+const activeKey = (config: GatewayConfig, loop: Loop) => loopKey(config, loop, 'active');
+
+/** KEYS: the index. ARGV: account names. Each one's score grows by one: a mark the leader has not read keeps it there. */
+const MARK = `for i = 1, #ARGV do redis.call('ZINCRBY', KEYS[1], 1, ARGV[i]) end
+return #ARGV`;
+
+/** KEYS: the index. ARGV: name, score read, ... Removes each whose score is still the one read; returns how many. */
+const UNMARK = `local n = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) == ARGV[i + 1] then n = n + redis.call('ZREM', KEYS[1], ARGV[i]) end
+end
+return n`;
+
+type IndexRedis = RedisClient & {
+  markActive(key: string, ...names: string[]): Promise<number>;
+  unmarkActive(key: string, ...nameScore: string[]): Promise<number>;
+};
+
+/** Defines the scripts on a client (defining one twice is harmless). */
+export function defineActiveScripts(redis: RedisClient): void {
+  redis.defineCommand('markActive', { numberOfKeys: 1, lua: MARK });
+  redis.defineCommand('unmarkActive', { numberOfKeys: 1, lua: UNMARK });
+}
+
+/** Marks accounts in a loop's index: one script call in the index's slot. */
+export async function markActive(redis: RedisClient, config: GatewayConfig, loop: Loop, names: Iterable<string>): Promise<void> {
+  const list = [...names];
+  if (list.length > 0) await (redis as IndexRedis).markActive(activeKey(config, loop), ...list);
+}
+
+/**
+ * What a quota store calls every 100 ms with the accounts its script calls wrote to (its
+ * `marks` option): marks them in each loop's index.
+ */
+export function activityMarks(redis: RedisClient, config: () => GatewayConfig) {
+  defineActiveScripts(redis);
+  return (active: { usage: Iterable<string>; alerts: Iterable<string> }) =>
+    Promise.all([markActive(redis, config(), 'usage-export', active.usage), markActive(redis, config(), 'alerts', active.alerts)]);
+}
+
+const byConfig = new WeakMap<GatewayConfig, { names: string[]; accounts: Map<string, string> }>();
+/** The config's accounts by Redis name, and the names in order: built once per config, not per round. */
+export function accountsOf(config: GatewayConfig): { names: string[]; accounts: ReadonlyMap<string, string> } {
+  let known = byConfig.get(config);
+  if (!known) {
+    const accounts = new Map<string, string>();
+    for (const [account, subject] of config.accounts) accounts.set(subject.name, account);
+    known = { names: [...accounts.keys()], accounts };
+    byConfig.set(config, known);
+  }
+  return known;
+}
+
+/** How many members one ZSCAN call asks for. */
+const SCAN_COUNT = 500;
+
+/**
+ * A leader's walk through the index: passes of ZSCAN, so every account marked for the whole of
+ * a pass is visited once in it, whatever the set's size, and a round takes the next few.
+ */
+export class ActiveIndex {
+  private cursor = '0';
+  private scanned = false;
+  private queue: Marked[] = [];
+  private readonly seen = new Set<string>();
+  private key?: string;
+
+  constructor(
+    private readonly redis: RedisClient,
+    private readonly loop: Loop,
+  ) {
+    defineActiveScripts(redis);
+  }
+
+  /** The next `max` marked accounts of this pass (each once per pass), and whether the pass has more. */
+  async take(config: GatewayConfig, max: number): Promise<{ picked: Marked[]; more: boolean }> {
+    const key = activeKey(config, this.loop);
+    if (key !== this.key) this.restart(key);
+    while (this.queue.length < max && !this.scanned) {
+      const [next, flat] = await this.redis.zscan(key, this.cursor, 'COUNT', SCAN_COUNT);
+      for (let i = 0; i < flat.length; i += 2) {
+        // ZSCAN may return a member twice in a pass: a round must not read one account twice.
+        if (this.seen.has(flat[i]!)) continue;
+        this.seen.add(flat[i]!);
+        this.queue.push({ name: flat[i]!, score: flat[i + 1]! });
+      }
+      this.cursor = next;
+      this.scanned = next === '0';
+    }
+    const picked = this.queue.splice(0, max);
+    const more = this.queue.length > 0 || !this.scanned;
+    if (!more) this.restart(key);
+    return { picked, more };
+  }
+
+  /** Unmarks the accounts whose score is still the one read (no mark since): nothing of theirs is left unsent. */
+  async unmark(config: GatewayConfig, done: Marked[]): Promise<void> {
+    if (done.length === 0) return;
+    await (this.redis as IndexRedis).unmarkActive(activeKey(config, this.loop), ...done.flatMap((m) => [m.name, m.score]));
+  }
+
+  private restart(key: string): void {
+    this.key = key;
+    this.cursor = '0';
+    this.scanned = false;
+    this.queue = [];
+    this.seen.clear();
+  }
+}
