@@ -163,6 +163,8 @@ export interface GatewayConfig {
   consumers: ReadonlyMap<string, Consumer>;
   /** A key (of the file or of the key registry) as the hot path reads it, under this config's plans and accounts. */
   consumerOf(key: KeyEntry): Consumer | undefined;
+  /** The account a key subject's Redis name is of (`<prefix>:<environment>:{k:<account>}`), or undefined for another name. */
+  accountOf(subjectName: string): string | undefined;
   /** The quota of requests without a valid key, per client address. */
   addressSubject(address: string): QuotaSubject;
   deprecations: ReadonlyMap<RouteId, Deprecation>;
@@ -322,7 +324,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       costs: routeCosts({ ...plan.costs, ...k.costs }),
       // Named by the account: a key without one keeps the name (and the counters) it always had.
       subject: {
-        name: `${redisPrefix}:{k:${account}}`,
+        name: `${redisPrefix}:{k:${account}}`, // accountOf below reads it back
         limits,
         bans,
         policy: policyHeader(limits),
@@ -359,6 +361,8 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
     plans: file.plans,
     consumers,
     consumerOf,
+    accountOf: (name: string) =>
+      name.startsWith(`${redisPrefix}:{k:`) && name.endsWith('}') ? name.slice(redisPrefix.length + 4, -1) : undefined,
     addressSubject: (address: string) => ({
       name: `${redisPrefix}:{a:${address}}`,
       limits: anonymous,

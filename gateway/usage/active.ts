@@ -62,8 +62,11 @@ export function activityMarks(redis: RedisClient, config: () => GatewayConfig) {
 }
 
 const byConfig = new WeakMap<GatewayConfig, { names: string[]; accounts: Map<string, string> }>();
-/** The config's accounts by Redis name, and the names in order: built once per config, not per round. */
-export function accountsOf(config: GatewayConfig): { names: string[]; accounts: ReadonlyMap<string, string> } {
+/**
+ * The config's accounts by Redis name, and the names in order: built once per config, not per
+ * round. `account(name)` also names an account the config does not list (a key registry's).
+ */
+export function accountsOf(config: GatewayConfig): { names: string[]; account(name: string): string | undefined } {
   let known = byConfig.get(config);
   if (!known) {
     const accounts = new Map<string, string>();
@@ -71,7 +74,8 @@ export function accountsOf(config: GatewayConfig): { names: string[]; accounts: 
     known = { names: [...accounts.keys()], accounts };
     byConfig.set(config, known);
   }
-  return known;
+  const { names, accounts } = known;
+  return { names, account: (name) => accounts.get(name) ?? config.accountOf(name) };
 }
 
 /** How many members one ZSCAN call asks for. */

@@ -83,8 +83,8 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
   protected async round(config: GatewayConfig, target: UsageExport, lead: Lead): Promise<{ sent: number; full: boolean }> {
     await this.sweep.step(config);
     const { picked, more } = await this.index.take(config, Math.min(ACCOUNTS_PER_ROUND, target.batchSize));
-    const { accounts } = accountsOf(config);
-    const known = picked.filter((m) => accounts.has(m.name));
+    const { account } = accountsOf(config);
+    const known = picked.filter((m) => account(m.name) !== undefined);
     const now = Date.now();
     const reads = await this.fill(known, target.batchSize, now);
     const source = `/pet-store-gateway/${config.environment}`;
@@ -94,7 +94,7 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     for (const r of reads) {
       if (r.entries.length === 0) continue;
       oldest = Math.min(oldest, Number(r.entries[0]![0].split('-')[0]));
-      const { events, last, consumed } = toCloudEvents(accounts.get(r.name)!, source, r.entries, r.statuses, now);
+      const { events, last, consumed } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, now);
       batch.push(...events);
       const refs = r.entries.slice(0, consumed).map(([id]) => id);
       if (last) moves.push({ name: r.name, events: events.length, move: { from: r.cursor, to: last, consumed, refs } });
@@ -112,7 +112,7 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     const done = new Set(reads.filter((r) => !r.more && r.consumed === r.entries.length).map((r) => r.name));
     await this.index.unmark(
       config,
-      picked.filter((m) => done.has(m.name) || !accounts.has(m.name)),
+      picked.filter((m) => done.has(m.name) || account(m.name) === undefined),
     );
     return { sent: batch.length, full: batch.length >= target.batchSize || more };
   }

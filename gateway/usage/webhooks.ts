@@ -106,10 +106,10 @@ export class WebhookDispatcher extends LeaderLoop<Target> {
   protected async round(config: GatewayConfig, target: Target, lead: Lead): Promise<{ sent: number; full: boolean }> {
     await this.sweep.step(config);
     const { picked, more } = await this.index.take(config, ACCOUNTS_PER_ROUND);
-    const { accounts } = accountsOf(config);
+    const { account } = accountsOf(config);
     const reads = await Promise.all(
       picked.map(async (m) => {
-        if (!accounts.has(m.name)) return { from: '0-0', entries: [] as StreamEntry[] };
+        if (account(m.name) === undefined) return { from: '0-0', entries: [] as StreamEntry[] };
         const from = (await this.redis.get(`${m.name}:alerts:cursor`)) ?? '0-0';
         const entries = (await this.redis.xrange(`${m.name}:alerts`, `(${from}`, '+', 'COUNT', ALERTS_PER_ACCOUNT)) as StreamEntry[];
         return { from, entries };
@@ -120,7 +120,7 @@ export class WebhookDispatcher extends LeaderLoop<Target> {
       let { from } = reads[i]!;
       for (const [entryId, list] of reads[i]!.entries) {
         if (this.stopped) return { sent, full: false };
-        await this.deliver(config, target, accounts.get(m.name)!, entryId, fieldsOf(list), lead.signal);
+        await this.deliver(config, target, account(m.name)!, entryId, fieldsOf(list), lead.signal);
         lead.signal.throwIfAborted();
         const moved = await moveAlertsCursor(this.redis, m.name, lead.token, from, entryId);
         if (moved !== 'moved') throw new LeadLost(`the cursor of ${m.name}:alerts was ${REFUSED[moved]}`);

@@ -9,6 +9,7 @@ import type { ConfigFile } from '../../gateway/config/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
 import { spawnCluster, spawnRedis } from '../helpers/redis.js';
+import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 
 // The key registry (KEY_STORE=redis): keys in Redis, each instance caching the keys in use and
@@ -123,6 +124,17 @@ describe('the key registry', () => {
     expect(await registry.add({ id: made.id, hash: made.hash, plan: made.plan })).toBe(true);
     await fromRegistry!.gateway.keys!.ready();
     expect(await answers(fromRegistry!, made.key)).toEqual(await answers(fromFile!, made.key));
+  });
+
+  it("exports a registry key's usage, though the config lists no such account", async () => {
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const [gw] = await deployment(1, testConfig([], { usage: { export: { url: sink.url, maxEvents: 1000, batchSize: 50 } } }));
+    const { key } = await issue(gw!, { plan: 'free', account: 'registry-only' });
+    await eventually(async () => (await statusOn(gw!, key)) === 200, 5000, 'the new key accepted');
+    for (let i = 0; i < 2; i++) expect(await statusOn(gw!, key)).toBe(200);
+    await eventually(() => sink.requests().length === 3, 20_000, 'three events at the sink');
+    expect(sink.requests().map((e) => e.subject)).toEqual(['registry-only', 'registry-only', 'registry-only']);
   });
 
   it('on a Redis Cluster, a key issued on one instance works on another', { timeout: 60_000 }, async () => {
