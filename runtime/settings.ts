@@ -27,9 +27,13 @@ export function flag(env: string, on: string, off: string, fallback: boolean) {
 
 export const logLevel = () => oneOf('LOG_LEVEL', ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'], 'info');
 
-function describe(schema: TSchema, message: string): string {
+/** What a bad value should have been, in words: the setting's `hint`, the words of a closed list, or the validator's message. */
+function describe(schema: TSchema, message: string, value: unknown): string {
+  // A secret's value is never repeated (it may be the real one, mistyped).
+  const got = value === undefined || schema.secret ? '' : ` (got "${String(value)}")`;
+  if (typeof schema.hint === 'string') return `${schema.hint}${got}`;
   const words = (schema.anyOf as TSchema[] | undefined)?.map((s) => s.const);
-  return words?.every((w) => typeof w === 'string') ? `expected one of ${words.join(', ')}` : message;
+  return words?.every((w) => typeof w === 'string') ? `expected one of ${words.join(', ')}${got}` : message;
 }
 
 /**
@@ -43,7 +47,7 @@ export function readSettings<T extends TObject>(schema: T, env: NodeJS.ProcessEn
   const problems = new Map<string, string>();
   for (const e of Value.Errors(schema, value)) {
     const name = e.path.split('/')[1] ?? '';
-    if (!problems.has(name)) problems.set(name, `${props[name]?.env ?? name}: ${describe(e.schema, e.message)}`);
+    if (!problems.has(name)) problems.set(name, `${props[name]?.env ?? name}: ${describe(e.schema, e.message, e.value)}`);
   }
   // Each setting is decoded once, on its own, so a failing transform names its variable.
   const settings: Record<string, unknown> = {};

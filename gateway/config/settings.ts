@@ -35,18 +35,33 @@ function parseTracesUrl(value: string): string {
 
 /** `host:port,host:port,...` */
 const HOST_PORTS = '^[^,:\\s]+:[0-9]{1,5}(,[^,:\\s]+:[0-9]{1,5})*$';
+const HOST_PORTS_HINT = 'host:port pairs separated by commas, e.g. 10.0.0.1:7000,10.0.0.2:7000';
 
-const Port = (env: string, fallback: number) => Type.Integer({ env, minimum: 0, maximum: 65535, default: fallback });
-const Ms = (env: string, fallback: number) => Type.Integer({ env, minimum: 1, default: fallback });
+const Port = (env: string, fallback: number) =>
+  Type.Integer({ env, minimum: 0, maximum: 65535, default: fallback, hint: 'a port number, 0 to 65535 (0: any free port)' });
+const Ms = (env: string, fallback: number) => Type.Integer({ env, minimum: 1, default: fallback, hint: 'a whole number of milliseconds, 1 or more' });
+
+/** REDIS_URL: redis:// or rediss://, with a host and a port a URL can have. */
+function parseRedisUrl(value: string): string {
+  let url: URL;
+  try {
+    url = new URL(value);
+  } catch {
+    throw new Error(`not a URL: ${value} (e.g. redis://127.0.0.1:6379)`);
+  }
+  if (url.protocol !== 'redis:' && url.protocol !== 'rediss:') throw new Error(`not a redis:// or rediss:// URL: ${url.protocol}//...`);
+  if (!url.hostname) throw new Error('no host (e.g. redis://127.0.0.1:6379)');
+  return value;
+}
 
 export const GatewaySettingsSchema = Type.Object({
   port: Port('GATEWAY_PORT', 3000),
   host: Type.String({ env: 'GATEWAY_HOST', minLength: 1, default: '127.0.0.1' }),
   backendUrl: Type.String({ env: 'BACKEND_URL', pattern: '^https?://', default: 'http://127.0.0.1:3001' }),
-  redisUrl: Type.Optional(Type.String({ env: 'REDIS_URL', pattern: '^rediss?://' })),
+  redisUrl: Type.Optional(Type.Transform(Type.String({ env: 'REDIS_URL', minLength: 1 })).Decode(parseRedisUrl).Encode(String)),
   // A Redis Cluster from its seed nodes, or a Sentinel group: instead of REDIS_URL.
-  redisClusterNodes: Type.Optional(Type.String({ env: 'REDIS_CLUSTER_NODES', pattern: HOST_PORTS })),
-  redisSentinels: Type.Optional(Type.String({ env: 'REDIS_SENTINELS', pattern: HOST_PORTS })),
+  redisClusterNodes: Type.Optional(Type.String({ env: 'REDIS_CLUSTER_NODES', pattern: HOST_PORTS, hint: HOST_PORTS_HINT })),
+  redisSentinels: Type.Optional(Type.String({ env: 'REDIS_SENTINELS', pattern: HOST_PORTS, hint: HOST_PORTS_HINT })),
   redisSentinelName: Type.Optional(Type.String({ env: 'REDIS_SENTINEL_NAME', pattern: '^[A-Za-z0-9_.-]{1,64}$' })),
   configFile: Type.String({ env: 'GATEWAY_CONFIG', minLength: 1, default: 'config/gateway.yaml' }),
   // Where keys live: the config file (the default, and the GitOps path), or also a key registry
@@ -77,7 +92,14 @@ export const GatewaySettingsSchema = Type.Object({
     .Encode(String),
   adminPort: Port('ADMIN_PORT', 9000),
   adminHost: Type.String({ env: 'ADMIN_HOST', minLength: 1, default: '127.0.0.1' }),
-  adminToken: Type.Optional(Type.String({ env: 'ADMIN_TOKEN', minLength: 16 })),
+  adminToken: Type.Optional(
+    Type.String({
+      env: 'ADMIN_TOKEN',
+      minLength: 16,
+      secret: true,
+      hint: 'at least 16 characters: a long random string (openssl rand -hex 24)',
+    }),
+  ),
   metricsKeyIds: flag('METRICS_KEY_IDS', 'true', 'false', false),
   shutdownGraceMs: Type.Integer({ env: 'SHUTDOWN_GRACE_MS', minimum: 0, default: 10_000 }),
   workers: Type.Integer({ env: 'GATEWAY_WORKERS', minimum: 1, maximum: 64, default: 1 }),

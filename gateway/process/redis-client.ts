@@ -57,6 +57,12 @@ export function connectRedis(settings: RedisSettings): RedisClient | undefined {
 /** The last connection error of each client, until it is ready again. */
 const lastErrors = new WeakMap<RedisClient, string>();
 
+/** The setting that named this Redis. */
+function settingOf(redis: RedisClient): string {
+  if (redis instanceof Cluster) return 'REDIS_CLUSTER_NODES';
+  return redis.options.sentinels?.length ? 'REDIS_SENTINELS' : 'REDIS_URL';
+}
+
 /** Which Redis, for a log line: its address (never its password), or the settings that chose a Cluster or Sentinel group. */
 export function redisWhere(redis: RedisClient): string {
   if (redis instanceof Cluster) return 'Redis Cluster (REDIS_CLUSTER_NODES)';
@@ -132,7 +138,9 @@ export async function awaitRedis(redis: RedisClient | undefined, log: FastifyBas
     redis.once('error', done);
   });
   if ((redis.status as string) !== 'ready') {
-    log.warn(`${redisProblem(redis, 'not ready yet')}; each instance decides from its share of the quota until Redis answers`);
+    log.warn(
+      `${redisProblem(redis, 'not ready yet')}: is Redis running there, and is ${settingOf(redis)} right? Until it answers, each instance decides from its share of the quota`,
+    );
   }
 }
 

@@ -123,6 +123,8 @@ describe('Redis down at boot', () => {
     // One line that says where and why, in place of the client library's "Stream isn't writeable".
     const where = `Redis at 127.0.0.1:${closed}: connect ECONNREFUSED 127.0.0.1:${closed}`;
     expect(logs.filter((l) => String(l.msg).startsWith(where))).toHaveLength(1);
+    // And what to check.
+    expect(logs.find((l) => String(l.msg).startsWith(where))!.msg).toContain('is Redis running there, and is REDIS_URL right?');
     // From the process's first line to listening, by the gateway's own clock.
     expect(Number(ready.time) - Number(logs[0]!.time)).toBeLessThan(2000);
     expect((await call(`${stack.gateway.url}/v1/pets`, k.key)).status).toBe(200);

@@ -23,6 +23,29 @@ describe('settings', () => {
       /GATEWAY_PORT[\s\S]*ADMIN_TOKEN|ADMIN_TOKEN[\s\S]*GATEWAY_PORT/,
     );
   });
+
+  it('says in words what each bad value should be, never repeating a secret', () => {
+    const problems = (env: Record<string, string>) => {
+      try {
+        loadSettings(env);
+      } catch (err) {
+        return (err as Error).message.split('\n').slice(1).map((l) => l.trim());
+      }
+      return [];
+    };
+    expect(problems({ GATEWAY_PORT: '70000', ADMIN_TOKEN: 'short-secret' })).toEqual([
+      'GATEWAY_PORT: a port number, 0 to 65535 (0: any free port) (got "70000")',
+      'ADMIN_TOKEN: at least 16 characters: a long random string (openssl rand -hex 24)',
+    ]);
+    expect(problems({ REDIS_URL: 'localhost:6379' })).toEqual(['REDIS_URL: not a redis:// or rediss:// URL: localhost://...']);
+    expect(problems({ REDIS_URL: 'redis://r:639000' })).toEqual(['REDIS_URL: not a URL: redis://r:639000 (e.g. redis://127.0.0.1:6379)']);
+    expect(problems({ REDIS_CLUSTER_NODES: 'a:1;b:2' })).toEqual([
+      'REDIS_CLUSTER_NODES: host:port pairs separated by commas, e.g. 10.0.0.1:7000,10.0.0.2:7000 (got "a:1;b:2")',
+    ]);
+    expect(problems({ KEY_STORE: 'redis' })).toEqual([
+      'KEY_STORE=redis: the key registry lives in Redis: set REDIS_URL (or REDIS_CLUSTER_NODES, or REDIS_SENTINELS)',
+    ]);
+  });
 });
 
 describe('settings from their schema', () => {
