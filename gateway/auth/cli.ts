@@ -245,13 +245,38 @@ function said(change: AccountChange, now: AccountSettings): string {
   return parts.join(', ');
 }
 
+/** The first option of `argv` the command does not have, and the nearest one it has (Node's own message speaks of positionals). */
+function unknownOption(argv: string[]): string {
+  const known = [...Object.keys(OPTIONS), 'help'];
+  const given = argv.find((a) => a.startsWith('-') && !known.includes(a.replace(/^--?/, '').split('=')[0]!)) ?? '';
+  const name = given.replace(/^--?/, '').split('=')[0]!;
+  const near = known.map((k) => [k, distance(k, name)] as const).sort((a, b) => a[1] - b[1])[0];
+  return `unknown option ${given}${near && near[1] <= 2 ? `; did you mean --${near[0]}?` : ''}`;
+}
+
+/** Levenshtein's distance between two words: the fewest one-letter edits from one to the other. */
+function distance(a: string, b: string): number {
+  let row = Array.from({ length: b.length + 1 }, (_, j) => j);
+  for (let i = 1; i <= a.length; i++) {
+    const next = [i];
+    for (let j = 1; j <= b.length; j++) next[j] = Math.min(row[j]! + 1, next[j - 1]! + 1, row[j - 1]! + (a[i - 1] === b[j - 1] ? 0 : 1));
+    row = next;
+  }
+  return row[b.length]!;
+}
+
 /** The keys command on `argv` (the words after `keys`): its exit code, 0, 1 (refused) or 2 (usage). */
 export async function keysCommand(argv: string[], io: KeysOutput = STDIO, env: NodeJS.ProcessEnv = process.env): Promise<number> {
   try {
     await run(argv, io, env);
     return 0;
   } catch (err) {
-    if (err instanceof UsageError || (err as { code?: string }).code?.startsWith('ERR_PARSE_ARGS')) {
+    const code = (err as { code?: string }).code;
+    if (code === 'ERR_PARSE_ARGS_UNKNOWN_OPTION') {
+      io.err(`${unknownOption(argv)}\n${USAGE}`);
+      return 2;
+    }
+    if (err instanceof UsageError || code?.startsWith('ERR_PARSE_ARGS')) {
       io.err(`${(err as Error).message}\n${USAGE}`);
       return 2;
     }

@@ -39,7 +39,8 @@ const HOST_PORTS_HINT = 'host:port pairs separated by commas, e.g. 10.0.0.1:7000
 
 const Port = (env: string, fallback: number) =>
   Type.Integer({ env, minimum: 0, maximum: 65535, default: fallback, hint: 'a port number, 0 to 65535 (0: any free port)' });
-const Ms = (env: string, fallback: number) => Type.Integer({ env, minimum: 1, default: fallback, hint: 'a whole number of milliseconds, 1 or more' });
+const Ms = (env: string, fallback: number) =>
+  Type.Integer({ env, minimum: 1, default: fallback, hint: 'a whole number of milliseconds, 1 or more' });
 
 /** REDIS_URL: redis:// or rediss://, with a host and a port a URL can have. */
 function parseRedisUrl(value: string): string {
@@ -58,7 +59,11 @@ export const GatewaySettingsSchema = Type.Object({
   port: Port('GATEWAY_PORT', 3000),
   host: Type.String({ env: 'GATEWAY_HOST', minLength: 1, default: '127.0.0.1' }),
   backendUrl: Type.String({ env: 'BACKEND_URL', pattern: '^https?://', default: 'http://127.0.0.1:3001' }),
-  redisUrl: Type.Optional(Type.Transform(Type.String({ env: 'REDIS_URL', minLength: 1 })).Decode(parseRedisUrl).Encode(String)),
+  redisUrl: Type.Optional(
+    Type.Transform(Type.String({ env: 'REDIS_URL', minLength: 1 }))
+      .Decode(parseRedisUrl)
+      .Encode(String),
+  ),
   // A Redis Cluster from its seed nodes, or a Sentinel group: instead of REDIS_URL.
   redisClusterNodes: Type.Optional(Type.String({ env: 'REDIS_CLUSTER_NODES', pattern: HOST_PORTS, hint: HOST_PORTS_HINT })),
   redisSentinels: Type.Optional(Type.String({ env: 'REDIS_SENTINELS', pattern: HOST_PORTS, hint: HOST_PORTS_HINT })),

@@ -129,6 +129,14 @@ describe("the keys command's account settings", () => {
     expect(readFileSync(file, 'utf8')).toBe(before);
   });
 
+  it('names an unknown option and the nearest it has, exit 2', async () => {
+    const file = shippedConfig();
+    const typo = await keys(['create', '--plna', 'free', '--config', file]);
+    expect(typo).toMatchObject({ code: 2, stdout: '' });
+    expect(typo.stderr).toMatch(/^unknown option --plna; did you mean --plan\?\nusage:\n/);
+    expect((await keys(['list', '--frobnicate', '--config', file])).stderr).toMatch(/^unknown option --frobnicate\nusage:\n/);
+  });
+
   it('refuses options that do not go together with the usage, exit 2', async () => {
     const file = await withAcme();
     for (const [args, first] of [

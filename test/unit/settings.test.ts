@@ -29,7 +29,10 @@ describe('settings', () => {
       try {
         loadSettings(env);
       } catch (err) {
-        return (err as Error).message.split('\n').slice(1).map((l) => l.trim());
+        return (err as Error).message
+          .split('\n')
+          .slice(1)
+          .map((l) => l.trim());
       }
       return [];
     };
