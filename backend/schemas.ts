@@ -55,7 +55,7 @@ export type Pet = Static<typeof Pet>;
 export const LIMIT_DEFAULT = 20;
 
 const limit = Type.Integer({ minimum: 1, maximum: 100, default: LIMIT_DEFAULT, description: 'Maximum number of items returned' });
-const cursor = Type.String({ description: 'Opaque cursor from the previous page\'s Link rel="next"' });
+const cursor = Type.String({ minLength: 1, description: 'Opaque cursor from the previous page\'s Link rel="next"' });
 
 export const ListPetsQuery = Type.Object({
   limit: Type.Optional(limit),

@@ -6,6 +6,7 @@ import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifySche
 import type { RedisClient } from '../process/redis-client.js';
 import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../http/errors.js';
+import { plainClientErrorHandler } from '../http/raw-answers.js';
 import type { QuotaStore } from '../quota/store.js';
 import { fileKeys, type KeyStore } from '../auth/key-file.js';
 import { type KeyFinder, keyFinder } from '../auth/registry.js';
@@ -115,6 +116,8 @@ function adminServer(log: FastifyBaseLogger) {
     logController: new LogController({ disableRequestLogging: true }),
     return503OnClosing: false,
     frameworkErrors: (err, request, reply) => handleError(err, request, reply),
+    // Oversized headers and bad framing in the Error shape too, not fastify's {error, message, statusCode}.
+    clientErrorHandler: plainClientErrorHandler,
     schemaErrorFormatter: schemaError,
   }).withTypeProvider<TypeBoxTypeProvider>();
   // TypeBox's own checker: a body is never coerced ("5" is not an integer), unlike fastify's default Ajv.

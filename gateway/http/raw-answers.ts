@@ -110,6 +110,26 @@ export function clientErrorHandler(deps: RawDeps) {
   };
 }
 
+/**
+ * The admin port's clientErrorHandler: the same answers in the Error shape, with no quota to
+ * count them against (the admin port has none) and no access line (fastify never saw them).
+ */
+export function plainClientErrorHandler(err: Error & { code?: string }, socket: Socket): void {
+  if (err.code === 'ECONNRESET' || socket.destroyed) return void socket.destroy();
+  const [code, message] = PARSER_ERRORS[err.code ?? ''] ?? ['bad_request', 'Malformed HTTP request'];
+  const body = renderError(code, message);
+  toSocket(socket)(
+    GATEWAY_ERRORS[code],
+    {
+      'content-type': 'application/json; charset=utf-8',
+      'cache-control': 'no-store',
+      'content-length': String(Buffer.byteLength(body)),
+      connection: 'close',
+    },
+    body,
+  );
+}
+
 // The address is the socket's: these requests never reach fastify, so TRUST_PROXY does not apply.
 
 /** Node answers these itself, with an empty body, unless someone listens: we do. */

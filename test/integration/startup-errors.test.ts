@@ -96,7 +96,10 @@ describe('startup errors', () => {
   it('a bad setting: names it and the values allowed', async () => {
     const { status, lines } = await start('dist/gateway/server.js', { LOG_LEVEL: 'verbose' });
     expect(status).toBe(1);
-    expect(lines).toEqual(['Invalid gateway settings:', '  LOG_LEVEL: expected one of fatal, error, warn, info, debug, trace, silent']);
+    expect(lines).toEqual([
+      'Invalid gateway settings:',
+      '  LOG_LEVEL: expected one of fatal, error, warn, info, debug, trace, silent (got "verbose")',
+    ]);
   });
 
   it('two workers on a port in use: the worker says why and the whole gateway stops', async () => {
