@@ -9,7 +9,8 @@ import { spawnRedis } from '../test/helpers/redis.js';
 import { testConfig } from '../test/helpers/config.js';
 import { ROOT, scratch, startGatewayBuild, startPetBackend, writeResults } from './lib.js';
 
-// `npm run bench:scale`: what the number of keys costs, on loopback, in the config file (the
+// `npm run bench:scale` (this, then scale-export.ts: usage export's idle Redis commands and lag
+// with 100,000 accounts): what the number of keys costs, on loopback, in the config file (the
 // default) and in the key registry (KEY_STORE=redis). Per store and size: the boot until a key
 // is accepted, the gateway's RSS, a key change through the admin API and through the compiled
 // keys command (Node's start included), how long until the new key is accepted, and the
