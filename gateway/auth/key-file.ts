@@ -1,5 +1,7 @@
 import { randomBytes } from 'node:crypto';
-import { readFileSync } from 'node:fs';
+import { constants, readFileSync } from 'node:fs';
+import { access } from 'node:fs/promises';
+import { dirname } from 'node:path';
 import { Value } from '@sinclair/typebox/value';
 import ms from 'ms';
 import lockfile from 'proper-lockfile';
@@ -277,6 +279,8 @@ async function save(file: string, before: string, doc: Document): Promise<void> 
 async function lock(file: string): Promise<{ release: () => Promise<void>; lost: () => boolean }> {
   let compromised = false;
   try {
+    // A folder that cannot be written is said at once: proper-lockfile would retry every error for 5 s.
+    await access(dirname(file), constants.W_OK);
     const release = await lockfile.lock(file, {
       stale: 10_000,
       retries: { retries: 100, minTimeout: 20, maxTimeout: 50, factor: 1.2 },
