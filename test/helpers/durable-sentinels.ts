@@ -22,8 +22,10 @@ export interface DurableNode {
 
 /**
  * A Sentinel group (a master, a replica, three sentinels, quorum 2) whose data nodes keep an
- * AOF (`appendonly yes`, `appendfsync everysec`, Redis's default): a master killed and started
- * again on its port and folder comes back with everything it acknowledged. redis.ts's
+ * AOF (`appendonly yes`, `appendfsync always`): a master killed and started again on its port
+ * and folder comes back with everything it acknowledged. Not Redis's default `everysec`: while
+ * its background fsync runs, Redis postpones writing the AOF (up to 2 s) but still answers, so
+ * a kill then loses writes already acknowledged. redis.ts's
  * spawnSentinels keeps nothing on disk, so a restarted master there comes back empty and its
  * replica syncs the emptiness. Sentinels fail over one second after the master stops
  * answering, as there; `detectAfter` changes that at run time, so a restart or a freeze can be
@@ -44,7 +46,7 @@ export async function spawnDurableSentinels() {
     const own = join(dir, `node-${port}`);
     mkdirSync(own, { recursive: true });
     const args = ['--port', String(port), '--bind', '127.0.0.1', '--dir', own, '--save', '', '--appendonly', 'yes'];
-    const proc = spawn('redis-server', [...args, '--appendfsync', 'everysec', '--repl-diskless-sync-delay', '0', ...extra], {
+    const proc = spawn('redis-server', [...args, '--appendfsync', 'always', '--repl-diskless-sync-delay', '0', ...extra], {
       stdio: 'ignore',
     });
     procs.push(proc);
