@@ -107,6 +107,11 @@ export class LeaseBook {
     return this.ahead.has(name);
   }
 
+  /** A lease never handed out (its grant came too late to use): closed with the subject's next call, all its units given back. */
+  giveBack(name: string, lease: Lease): void {
+    this.keepUnused(name, lease);
+  }
+
   /** The leases to close with the subject's next call (their unused units, their sizes), taken out of the book. */
   takeUnused(name: string): Lease | undefined {
     const back = this.unused.get(name);

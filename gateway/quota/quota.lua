@@ -23,12 +23,22 @@
 --         credits: KEYS[6] remembers the alerts fired, KEYS[7] is their stream (billing.lua);
 --   26    the size of the leases given back (7-9, 18) when they were taken: closing them tells
 --         how many of their units were delivered (size less unused), sent even when none is unused.
+--   27    this call's id, unique per instance and call ('' none): KEYS[8] keeps its reply.
 -- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken, periodUsed, periodStart,
 -- periodEnd, balance (-1: no credits), overage units billed in the window so far, this request's,
 -- its usage event's id (or false), 1 if an alert was written (the gateway marks the account for
 -- the dispatcher: usage/active.ts)}; outcome is an index into OUTCOMES in decision.ts: 0
 -- allowed, 1 minute, 2 day, 3 banned, 4 month, 5 credits. Time is Redis's own, so skewed
 -- gateways agree.
+-- A call sent twice (the client sends again what was unanswered when its connection dropped)
+-- gets the first run's reply: never counted twice. KEYS[8] holds it, named by the call's id
+-- (ARGV 27), for 10 s: past its deadline a call changes nothing anyway.
+local callKey = nil
+if ARGV[27] and ARGV[27] ~= '' then
+  callKey = KEYS[8]
+  local seen = redis.call('GET', callKey)
+  if seen then return cjson.decode(seen) end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- Run after the gateway stopped waiting (a frozen or stalled Redis): it decided the request
@@ -85,7 +95,9 @@ local function reply(outcome, taken, banUntil)
   if grant >= 0 then balance = g + p end
   local alerted = 0
   if alerting and redis.call('XLEN', KEYS[7]) ~= alertsBefore then alerted = 1 end
-  return {outcome, mc, dc, now, banUntil or 0, taken or 0, pc, ps, pe, balance, oc, mine, eventId, alerted}
+  local out = {outcome, mc, dc, now, banUntil or 0, taken or 0, pc, ps, pe, balance, oc, mine, eventId, alerted}
+  if callKey then redis.call('SET', callKey, cjson.encode(out), 'PX', 10000) end
+  return out
 end
 local function save()
   redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc, 'lo', lo, 'ls', ow)

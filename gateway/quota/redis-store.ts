@@ -209,6 +209,8 @@ export class RedisQuotaStore implements QuotaStore {
   private readonly budget: DegradedBudget;
   private readonly health: RedisHealth;
   private readonly instanceId = randomUUID();
+  /** Calls of quota.lua made so far: with the instance's id, each call's own id. */
+  private calls = 0;
   private readonly observe: (seconds: number) => void;
   private readonly leaseMax: number;
   private readonly timeoutMs: number;
@@ -219,7 +221,7 @@ export class RedisQuotaStore implements QuotaStore {
   /** The connection top-ups wait for replicas on (WAIT holds it): made at the first top-up. */
   private acking?: RedisClient;
   private readonly registry?: () => string;
-  private readonly tally = { degraded: 0, refundsFailed: 0, writtenBack: 0 };
+  private readonly tally = { degraded: 0, refundsFailed: 0, writtenBack: 0, undone: 0 };
   /** Statuses of admitted requests to join to their usage events. */
   private readonly statuses: Array<[hash: string, eventId: string, status: number]> = [];
   private statusTimer?: NodeJS.Timeout;
@@ -245,7 +247,7 @@ export class RedisQuotaStore implements QuotaStore {
     this.redisClock = new RedisClock(this.clock);
     this.leases = new LeaseBook(this.clock);
     this.budget = new DegradedBudget(this.instanceId);
-    redis.defineCommand('quota', { numberOfKeys: 7, lua: lua('./billing.lua') + lua('./quota.lua') });
+    redis.defineCommand('quota', { numberOfKeys: 8, lua: lua('./billing.lua') + lua('./quota.lua') });
     redis.defineCommand('refund', { numberOfKeys: 3, lua: lua('./refund.lua') });
     redis.defineCommand('topup', { numberOfKeys: 7, lua: TOPUP_LUA });
     redis.defineCommand('writeback', { numberOfKeys: 2, lua: lua('./writeback.lua') });
@@ -371,6 +373,7 @@ export class RedisQuotaStore implements QuotaStore {
   ): Promise<Reply> {
     const { name, limits, bans, billing } = subject;
     const events = tag && subject.events > 0 ? [subject.events, tag.requestId, tag.keyId, tag.plan, tag.route, tag.method] : NO_EVENT;
+    const callId = `${this.instanceId}:${++this.calls}`;
     return this.redis.quota(
       name,
       `${name}:rej`,
@@ -379,6 +382,7 @@ export class RedisQuotaStore implements QuotaStore {
       `${name}:events`,
       `${name}:alerted`,
       `${name}:alerts`,
+      `${name}:call:${callId}`,
       limits.perMinute,
       limits.perDay,
       bans?.afterRejected ?? 0,
@@ -400,6 +404,7 @@ export class RedisQuotaStore implements QuotaStore {
       ...events,
       subject.alerts,
       back?.size ?? 0,
+      callId,
     );
   }
 
@@ -421,7 +426,13 @@ export class RedisQuotaStore implements QuotaStore {
     let reply: Reply | typeof LATE;
     try {
       const deadline = this.redisClock.deadline(sentAt, this.timeoutMs);
-      reply = await within(this.call(subject, lease, back, deadline, cost, refill, tag), this.timeoutMs);
+      const call = this.call(subject, lease, back, deadline, cost, refill, tag);
+      reply = await within(call, this.timeoutMs);
+      if (reply === LATE)
+        call.then(
+          (late) => this.undo(subject, late, sentMono, cost),
+          () => {},
+        );
     } catch (err) {
       const waitedMs = this.clock.mono() - sentMono;
       this.observe(waitedMs / 1000);
@@ -442,6 +453,20 @@ export class RedisQuotaStore implements QuotaStore {
     const counts = countsOf(reply);
     this.budget.see(subject.name, counts);
     return { counts, taken: reply[5] ?? 0, sentMono, waitedMs };
+  }
+
+  /**
+   * A reply that came after this instance gave up on it (and answered the request otherwise:
+   * 503, or the degraded budget): what it counted is undone. A lease's units are given back
+   * with the next call, as a lapsed lease's are; a request's units are refunded, with its
+   * credits, its overage and its usage event. Never counted without being delivered.
+   */
+  private undo(subject: QuotaSubject, late: Reply, sentMono: number, cost: number): void {
+    const taken = late[5] ?? 0;
+    if (late[0] !== 0 || taken === 0) return;
+    this.tally.undone++;
+    if (taken > cost) return this.leases.giveBack(subject.name, leaseOf(taken, taken, sentMono, late[3], countsOf(late)));
+    void this.refundInRedis(subject, late[3], taken, late[12] ? String(late[12]) : undefined);
   }
 
   /**
@@ -602,6 +627,11 @@ export class RedisQuotaStore implements QuotaStore {
 
   async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, eventId?: string): Promise<void> {
     if (this.health.failing) return this.budget.refund(subject.name, countedAtMs, cost);
+    return this.refundInRedis(subject, countedAtMs, cost, eventId);
+  }
+
+  /** refund.lua: the units back to their windows, credits, overage, and a refund event for `eventId`. */
+  private async refundInRedis(subject: QuotaSubject, countedAtMs: number, cost: number, eventId?: string): Promise<void> {
     try {
       await this.redis.refund(
         subject.name,

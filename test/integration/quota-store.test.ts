@@ -238,7 +238,10 @@ describe('redis store', () => {
     const store = new RedisQuotaStore(redis, silent);
     for (let i = 0; i < 5; i++) await store.consume(consumer.subject); // admitted and refused: both keys exist
     const names = await redis.keys(`${prefix}:*`);
-    expect(names.sort()).toEqual([`${prefix}:production:{k:acme}`, `${prefix}:production:{k:acme}:rej`]);
+    // Beside the counters and the recent 429s, each call's reply, kept 10 s for a call sent again.
+    const calls = names.filter((n) => n.startsWith(`${prefix}:production:{k:acme}:call:`));
+    expect(calls).toHaveLength(5);
+    expect(names.filter((n) => !calls.includes(n)).sort()).toEqual([`${prefix}:production:{k:acme}`, `${prefix}:production:{k:acme}:rej`]);
     expect(new Set(names.map((n) => calculateSlot(n))).size).toBe(1);
   });
 
@@ -500,7 +503,7 @@ describe('redis store with leases', () => {
           // fixed pause may be shorter than that).
           await eventually(() => calls.inFlight === 0, 2000, 'the call ahead landed');
         }
-        const kinds = calls.args.map((a) => (a[7 + 11] === 1 ? 'ahead' : 'asked')); // after the 7 keys, ARGV[12]: refill
+        const kinds = calls.args.map((a) => (a[8 + 11] === 1 ? 'ahead' : 'asked')); // after the 8 keys, ARGV[12]: refill
         expect(kinds[0]).toBe('asked');
         expect(kinds.slice(1)).toEqual(Array(kinds.length - 1).fill('ahead'));
         // 60 requests, six leases handed out; the sixth's half-way point took a seventh ahead.

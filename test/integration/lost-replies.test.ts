@@ -1,0 +1,116 @@
+import { connect, createServer, type Server, type Socket } from 'node:net';
+import { Redis } from 'ioredis';
+import { describe, expect, inject, it, onTestFinished } from 'vitest';
+import { buildTestGateway } from '../helpers/gateway.js';
+import { makeKey, testConfig } from '../helpers/config.js';
+import { startSink } from '../helpers/sink.js';
+import { eventually } from '../helpers/time.js';
+
+// A quota script that ran but whose reply never came back in time is counted once and billed
+// only if delivered: a reply lost with its connection is sent again by the client and gets the
+// first run's answer (never counted twice); a reply that comes after the gateway gave up (and
+// answered 503) is undone. A real Redis behind a TCP proxy that loses or holds one reply.
+
+/** A proxy to the run's Redis that, armed with a word, cuts or holds the replies after the command holding it. */
+async function lossyProxy() {
+  const target = new URL(inject('redisUrl'));
+  const armed: { word?: string; mode?: 'cut' | 'hold' } = {};
+  const sockets = new Set<Socket>();
+  const server: Server = createServer((client) => {
+    const upstream = connect(Number(target.port), target.hostname);
+    sockets.add(client).add(upstream);
+    client.on('error', () => {});
+    upstream.on('error', () => {});
+    let held: Buffer[] | undefined;
+    let cut = false;
+    client.on('data', (chunk) => {
+      upstream.write(chunk);
+      if (armed.word && chunk.includes(armed.word)) {
+        if (armed.mode === 'cut') cut = true;
+        else {
+          held = [];
+          // Longer than REDIS_TIMEOUT_MS (1 s): the gateway gives up before the reply arrives.
+          setTimeout(() => {
+            for (const b of held ?? []) client.write(b);
+            held = undefined;
+          }, 1500);
+        }
+        armed.word = undefined;
+      }
+    });
+    upstream.on('data', (chunk) => {
+      if (cut) {
+        // The script ran; its reply is lost with the connection.
+        client.destroy();
+        upstream.destroy();
+      } else if (held) held.push(chunk);
+      else client.write(chunk);
+    });
+    client.on('close', () => upstream.destroy());
+    upstream.on('close', () => client.destroy());
+  });
+  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+  onTestFinished(
+    () =>
+      new Promise<void>((r) => {
+        for (const s of sockets) s.destroy();
+        server.close(() => r());
+      }),
+  );
+  return {
+    url: `redis://127.0.0.1:${(server.address() as { port: number }).port}`,
+    arm: (word: string, mode: 'cut' | 'hold') => Object.assign(armed, { word, mode }),
+  };
+}
+
+describe('a quota reply lost or late', () => {
+  it('is counted and billed once when its connection drops (the client sends it again), and undone when it comes after a 503', {
+    timeout: 30_000,
+  }, async () => {
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const proxy = await lossyProxy();
+    const key = { ...makeKey('prepaid'), account: 'lossy' };
+    const gw = await buildTestGateway({
+      config: testConfig([key], {
+        plans: { prepaid: { perMinute: 1000, perDay: 100_000, credits: { grant: 100, every: 'month' } } },
+        usage: { export: { url: sink.url, maxEvents: 1000, batchSize: 50 } },
+      }),
+      redis: proxy.url,
+    });
+    const direct = new Redis(inject('redisUrl'));
+    onTestFinished(() => direct.disconnect());
+    const credits = `${gw.gateway.config().accounts.get('lossy')!.name}:credits`;
+    const balance = async () => {
+      const [g, p] = await direct.hmget(credits, 'g', 'p');
+      return Number(g) + Number(p);
+    };
+    const send = async (rid: string) => {
+      const res = await gw.call('/v1/pets', key.key, { headers: { 'x-request-id': rid } });
+      await res.arrayBuffer();
+      return res.status;
+    };
+    expect(await send('warm-up')).toBe(200);
+    const before = await balance();
+
+    proxy.arm('request-lost', 'cut');
+    expect(await send('request-lost')).toBe(200); // sent again on the new connection, answered as the first run
+    expect(await balance()).toBe(before - 1);
+
+    await eventually(() => !gw.gateway.store.degraded, 10_000, 'Redis trusted again');
+    proxy.arm('request-late', 'hold');
+    expect(await send('request-late')).toBe(503); // credits are decided by Redis alone: no answer in time, no admission
+    await eventually(async () => (await balance()) === before - 1, 10_000, 'the late admission undone');
+
+    // At the sink: each request once; the late one cancelled by its refund.
+    const of = (rid: string) => sink.requests().filter((e) => e.data!.requestId === rid);
+    await eventually(() => of('request-lost').length === 1 && of('request-late').length === 1, 20_000, 'both requests at the sink');
+    const late = of('request-late')[0]!;
+    await eventually(
+      () => [...sink.events.values()].some((e) => e.type === 'com.petstore.gateway.request.refunded' && e.data!.refundOf === late.id),
+      20_000,
+      'the late request refunded',
+    );
+    expect(of('request-lost')).toHaveLength(1);
+  });
+});
