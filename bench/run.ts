@@ -172,6 +172,15 @@ async function exportConfig(bed: Bed, config: ReturnType<typeof writeKeys>['conf
   return file;
 }
 
+/** The bed's config without the prepaid account's credits, in a file of its own: what the in-process store may run. */
+function memoryConfig(bed: Bed): string {
+  const config = JSON.parse(readFileSync(bed.file, 'utf8'));
+  delete config.accounts;
+  const file = join(bed.dir, 'gateway-memory.json');
+  writeFileSync(file, JSON.stringify(config));
+  return file;
+}
+
 /** Every process measured, on free ports; each is stopped by the bed's `close`. */
 async function startAll(bed: Bed, exportFile: string) {
   // The gateway as users run it: access line at info (to a file), metrics on.
@@ -192,7 +201,8 @@ async function startAll(bed: Bed, exportFile: string) {
     exporting: await gateway('gateway-export', { ...redis, GATEWAY_CONFIG: exportFile, REDIS_KEY_PREFIX: 'gwx' }),
     // Tracing on: a span per request, batches posted to an OTLP sink in this process.
     tracing: await gateway('gateway-tracing', { ...redis, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: await startOtlpSink(bed) }),
-    inMemory: await gateway('gateway-memory', {}),
+    // Without Redis, credits are refused (money kept in a process would be lost at its restart): its own config has none.
+    inMemory: await gateway('gateway-memory', { GATEWAY_CONFIG: memoryConfig(bed) }),
     workers: await gateway('gateway-workers', { ...redis, GATEWAY_WORKERS: '2' }),
     cheapOne: await gateway('gateway-cheap-1', { ...redis, BACKEND_URL: cheap.url }),
     cheapTwo: await gateway('gateway-cheap-2', { ...redis, BACKEND_URL: cheap.url, GATEWAY_WORKERS: '2' }),
