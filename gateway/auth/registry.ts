@@ -337,7 +337,9 @@ export function keyFinder(config: () => GatewayConfig, registry?: RegistryKeys):
       found = { byId: new Map(), byAccount: new Map() };
       for (const consumer of c.consumers.values()) {
         found.byId.set(consumer.id, consumer);
-        found.byAccount.set(consumer.account, [...(found.byAccount.get(consumer.account) ?? []), consumer]);
+        const members = found.byAccount.get(consumer.account);
+        if (members) members.push(consumer);
+        else found.byAccount.set(consumer.account, [consumer]);
       }
       indexes.set(c, found);
     }
