@@ -1,7 +1,7 @@
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import { Type } from '@sinclair/typebox';
 import type { Consumer } from '../config/config.js';
-import { GatewayError } from '../http/errors.js';
+import { GatewayError } from '../errors.js';
 import { TopUpNotReplicated } from '../quota/redis-store.js';
 import type { LedgerEntry } from '../quota/store.js';
 import { AccountParams, failure } from './schemas.js';

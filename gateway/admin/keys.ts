@@ -1,7 +1,7 @@
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import { duration, KeyFileError, type KeyStore, setAccount } from '../auth/key-file.js';
 import { ConfigError } from '../config/config.js';
-import { GatewayError } from '../http/errors.js';
+import { GatewayError } from '../errors.js';
 import {
   AccountChange,
   AccountParams,

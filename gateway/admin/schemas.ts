@@ -1,7 +1,7 @@
 import { UsageView } from '../quota/usage-view.js';
 import { type Static, type TSchema, Type } from '@sinclair/typebox';
 import { CreditsSchema } from '../config/config.js';
-import { ErrorBody } from '../http/errors.js';
+import { ErrorBody } from '../errors.js';
 
 // The admin port's request and response shapes: route validation, handler types and the
 // admin OpenAPI document all come from these. Request bodies refuse unknown fields, so a

@@ -1,7 +1,7 @@
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import type { KeyFinder } from '../auth/registry.js';
 import type { Consumer, GatewayConfig } from '../config/config.js';
-import { GatewayError } from '../http/errors.js';
+import { GatewayError } from '../errors.js';
 import type { QuotaStore } from '../quota/store.js';
 import { usageView } from '../quota/usage-view.js';
 import type { Delivery } from '../usage/webhooks.js';

@@ -1,5 +1,5 @@
 import type { Consumer, GatewayConfig } from '../config/config.js';
-import { GatewayError } from '../http/errors.js';
+import { GatewayError } from '../errors.js';
 import { type Credential, type Malformed, readCredential } from './keys.js';
 
 const REALM = 'Bearer realm="pet-store"';

@@ -2,8 +2,8 @@ import { readFileSync, realpathSync, statSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 import { ConfigError, parseConfigText } from '../config/config.js';
-import { configFilePath, loadSettings } from '../config/settings.js';
-import { closeRedis, connectRedis, type RedisClient } from '../process/redis-client.js';
+import { configFilePath, loadSettings, redisTarget } from '../config/settings.js';
+import { closeRedis, connectRedis, type RedisClient } from '../redis/client.js';
 import {
   type AccountChange,
   type AccountSettings,
@@ -119,7 +119,7 @@ async function run(argv: string[], io: KeysOutput, env: NodeJS.ProcessEnv): Prom
 /** The key registry the settings name (KEY_STORE=redis), once Redis answers. */
 async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ keys: RegistryKeys; redis: RedisClient }> {
   const settings = loadSettings(env);
-  const redis = connectRedis(settings)!;
+  const redis = connectRedis(redisTarget(settings), settings.redisTimeoutMs)!;
   const ready = await new Promise<boolean>((resolve) => {
     const timer = setTimeout(() => resolve(false), 5000);
     redis.once('ready', () => {

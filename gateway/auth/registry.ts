@@ -2,7 +2,7 @@ import { randomBytes } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import { LRUCache } from 'lru-cache';
 import type { ConfigFile, Consumer, GatewayConfig, KeyEntry } from '../config/config.js';
-import { type RedisClient, secondConnection } from '../process/redis-client.js';
+import { type RedisClient, secondConnection } from '../redis/client.js';
 import { checkRequest, KeyFileError, type KeyRow, type KeyStore, type NewKey, rowOf } from './key-file.js';
 import { generateKey } from './keys.js';
 

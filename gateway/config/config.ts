@@ -6,7 +6,7 @@ import type { Environment } from '../auth/keys.js';
 import { compileDeprecation, type Deprecation } from '../http/deprecation.js';
 import { type Billing, type Limits, NO_BILLING, type QuotaSubject } from '../quota/decision.js';
 import { policyHeader } from '../quota/headers.js';
-import { ROUTES, type RouteId } from '../http/routes.js';
+import { ROUTES, type RouteId } from '../routes.js';
 
 // The config file the operator edits (plans, keys, bans, deprecations): read, validated with
 // every problem named by its path, and compiled into the frozen structures the hot path reads.

@@ -1,6 +1,7 @@
 import { isIP } from 'node:net';
 import { Type } from '@sinclair/typebox';
 import { flag, logLevel, oneOf, readSettings } from '../../runtime/settings.js';
+import type { RedisTarget } from '../redis/client.js';
 
 // The gateway's process settings: each one's variable, default and rule side by side.
 
@@ -144,7 +145,9 @@ export function loadSettings(env: NodeJS.ProcessEnv = process.env) {
 }
 
 /** Which Redis the settings name, if any: a single node, a Cluster or a Sentinel group. */
-export function redisTarget(s: Pick<GatewaySettings, 'redisUrl' | 'redisClusterNodes' | 'redisSentinels' | 'redisSentinelName'>) {
+export function redisTarget(
+  s: Pick<GatewaySettings, 'redisUrl' | 'redisClusterNodes' | 'redisSentinels' | 'redisSentinelName'>,
+): RedisTarget | undefined {
   const nodes = (list: string) =>
     list.split(',').map((n) => ({ host: n.slice(0, n.lastIndexOf(':')), port: Number(n.slice(n.lastIndexOf(':') + 1)) }));
   if (s.redisClusterNodes) return { kind: 'cluster' as const, nodes: nodes(s.redisClusterNodes) };

@@ -1,80 +1,40 @@
-import Fastify, {
-  type FastifyBaseLogger,
-  type FastifyInstance,
-  type FastifyRequest,
-  type FastifyServerOptions,
-  LogController,
-} from 'fastify';
-import type { RedisClient } from '../process/redis-client.js';
-import type { DestinationStream, Logger } from 'pino';
-import { createLogger } from '../../runtime/process.js';
-import { LazyRequestLogger } from '../observability/request-logger.js';
-import { accessLog } from '../observability/access-log.js';
+import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifyServerOptions, LogController } from 'fastify';
+import type { Logger } from 'pino';
 import type { GatewayConfig } from '../config/config.js';
-import { handleError } from './errors.js';
-import { clientErrorHandler, installRawHandlers, type RawDeps, requestId } from './raw-answers.js';
-import { GatewayMetrics } from '../observability/metrics.js';
-import { documentServer, OPENAPI_PATH } from './openapi.js';
-import { USAGE_ROUTE } from './routes.js';
+import { fastifyTrustProxy, type GatewaySettings } from '../config/settings.js';
+import { handleError } from '../errors.js';
+import type { accessLog } from '../observability/access-log.js';
+import type { GatewayMetrics } from '../observability/metrics.js';
+import { LazyRequestLogger } from '../observability/request-logger.js';
+import type { RequestTracing } from '../observability/tracing.js';
+import type { KeyRegistry } from '../auth/registry.js';
+import { admit } from '../quota/admit.js';
+import type { QuotaStore } from '../quota/store.js';
 import { usageView } from '../quota/usage-view.js';
-import { KeyRegistry } from '../auth/registry.js';
+import { USAGE_ROUTE } from '../routes.js';
+import { documentServer, OPENAPI_PATH } from './openapi.js';
 import { type RequestContext, requestPipeline } from './pipeline.js';
 import { registerProxy } from './proxy.js';
-import { admit } from '../quota/admit.js';
-import { MemoryQuotaStore } from '../quota/memory-store.js';
-import { RedisQuotaStore } from '../quota/redis-store.js';
-import { activityMarks } from '../usage/active.js';
-import { UsageExporter } from '../usage/exporter.js';
-import { WebhookDispatcher } from '../usage/webhooks.js';
-import type { QuotaStore } from '../quota/store.js';
-import { ackReplicas, fastifyTrustProxy, type GatewaySettings } from '../config/settings.js';
-import type { RequestTracing, TracingSettings } from '../observability/tracing.js';
+import { clientErrorHandler, installRawHandlers, type RawDeps, requestId } from './raw-answers.js';
 
-export interface GatewayDeps {
-  config: GatewayConfig;
-  /** The shared quota store; without it, quotas are kept in this process. */
-  redis?: RedisClient;
-  /** Where log lines go (tests read them); stdout when unset. */
-  logStream?: DestinationStream;
-}
+// The public port, built from what the wiring (../app.ts) gives it: the request pipeline in
+// order, the API document, the usage route and the proxy. It builds no store and starts no loop.
 
-export interface Gateway {
-  app: FastifyInstance;
-  /** Swaps in a new config; requests already past authentication finish under the old one. */
-  setConfig(config: GatewayConfig): void;
-  config(): GatewayConfig;
+export type PublicSettings = Pick<GatewaySettings, 'backendUrl' | 'bodyLimit' | 'requestTimeoutMs' | 'upstreamTimeoutMs' | 'trustProxy'>;
+
+export interface PublicParts {
+  log: FastifyBaseLogger;
+  config: () => GatewayConfig;
   store: QuotaStore;
   metrics: GatewayMetrics;
+  /** The access line and its metrics, written once per answer. */
+  access: ReturnType<typeof accessLog>;
+  tracing?: RequestTracing;
   /** The key registry, with KEY_STORE=redis: keys beyond the config file's. */
   keys?: KeyRegistry;
+  /** Run when the app closes: what the wiring started for it. */
+  close(): Promise<void>;
 }
-
-type AppSettings = Pick<
-  GatewaySettings,
-  | 'backendUrl'
-  | 'bodyLimit'
-  | 'requestTimeoutMs'
-  | 'upstreamTimeoutMs'
-  | 'trustProxy'
-  | 'logLevel'
-  | 'logPretty'
-  | 'metricsKeyIds'
-  | 'quotaLeaseMax'
-  | 'keyStore'
-  | 'creditsAckReplicas'
-  | 'creditsAckTimeoutMs'
-  | 'idempotencyKeyHours'
-  | 'redisUrl'
-  | 'redisClusterNodes'
-  | 'redisSentinels'
-  | 'redisSentinelName'
-  | 'redisTimeoutMs'
-  | 'quotaStoreFailure'
-  | 'tracingUrl'
-  | 'tracingServiceName'
-  | 'tracingSampleRatio'
-  | 'tracingDelayMs'
->;
 
 /**
  * The backend could not be reached or timed out: the request is given back to its windows, its
@@ -87,45 +47,13 @@ function refund(store: QuotaStore, ctx: RequestContext): void {
   ctx.overage = undefined;
 }
 
-/**
- * Redis when the gateway has it (its live instances registered under the config's registry key,
- * for each one's share while Redis fails; the accounts it writes to marked for the usage loops),
- * else in-process.
- */
-function quotaStore(
-  settings: AppSettings,
-  redis: RedisClient | undefined,
-  log: FastifyBaseLogger,
-  metrics: GatewayMetrics,
-  config: () => GatewayConfig,
-): QuotaStore {
-  if (!redis) return new MemoryQuotaStore();
-  return new RedisQuotaStore(redis, log, {
-    observe: (s) => metrics.redisSeconds.observe(s),
-    leaseMax: settings.quotaLeaseMax,
-    timeoutMs: settings.redisTimeoutMs,
-    failClosed: settings.quotaStoreFailure === 'closed',
-    ackReplicas: ackReplicas(settings),
-    ackTimeoutMs: settings.creditsAckTimeoutMs,
-    idempotencyMs: settings.idempotencyKeyHours * 3_600_000,
-    registry: () => config().registryKey,
-    // The accounts whose streams it writes to, for the usage loops to read.
-    marks: activityMarks(redis, config),
-  });
-}
-
-/**
- * Tracing, when a collector is configured. Off, the OpenTelemetry SDK is not even loaded, and
- * the gateway adds no hook: a request pays one test (the proxy's, for a span to pass on).
- */
-async function startTracing(settings: AppSettings, log: FastifyBaseLogger): Promise<RequestTracing | undefined> {
-  if (!settings.tracingUrl) return undefined;
-  const { RequestTracing } = await import('../observability/tracing.js');
-  return new RequestTracing({ ...settings, tracingUrl: settings.tracingUrl } satisfies TracingSettings, log);
-}
-
 /** The public port's fastify: one access line and lazy request loggers, request ids, timeouts, and the answers made before any hook. */
-function publicApp(settings: AppSettings, log: FastifyBaseLogger, raw: RawDeps, frameworkErrors: FastifyServerOptions['frameworkErrors']) {
+function publicApp(
+  settings: PublicSettings,
+  log: FastifyBaseLogger,
+  raw: RawDeps,
+  frameworkErrors: FastifyServerOptions['frameworkErrors'],
+) {
   return Fastify({
     loggerInstance: log,
     // One access line per request (access-log.ts) instead of fastify's two.
@@ -152,54 +80,26 @@ function publicApp(settings: AppSettings, log: FastifyBaseLogger, raw: RawDeps, 
   });
 }
 
-/** Wiring only: logger, metrics, store, then the request pipeline in order, the API document and the proxy. Never listens. */
-export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Promise<Gateway> {
-  let config = deps.config;
-  const current = () => config;
-  const metrics = new GatewayMetrics(settings.metricsKeyIds);
-  const log: FastifyBaseLogger = createLogger(
-    'gateway',
-    settings.logLevel,
-    settings.logPretty,
-    (lines) => metrics.logLinesDropped.inc(lines),
-    deps.logStream,
-  );
-  const store = quotaStore(settings, deps.redis, log, metrics, current);
-  metrics.watch(store);
-  // Usage events to the billing sink, when the config names one: one exporter per deployment leads.
-  const exporter = deps.redis ? new UsageExporter({ redis: deps.redis, config: current, log, metrics: metrics.usage }) : undefined;
-  const webhooks = deps.redis ? new WebhookDispatcher({ redis: deps.redis, config: current, log, metrics: metrics.webhooks }) : undefined;
-  exporter?.start();
-  webhooks?.start();
-  // The final status of a request whose usage event was written with its count, joined to it.
-  const settle =
-    store.settle &&
-    ((request: FastifyRequest, status: number) => store.settle!(request.ctx.consumer!.subject, request.ctx.eventId!, status));
-  const access = accessLog(metrics, log, settle);
-  const tracing = await startTracing(settings, log);
+/** The public app, hooks in order: pipeline, tracing, access line. Never listens. */
+export async function buildPublicApp(settings: PublicSettings, parts: PublicParts): Promise<FastifyInstance> {
+  const { store, tracing, metrics } = parts;
   // Answers without fastify's hooks (framework errors, raw sockets) get their span where their access line is written.
-  const record = tracing ? tracing.recording(access.record) : access.record;
-  const keys = settings.keyStore === 'redis' && deps.redis ? new KeyRegistry(deps.redis, current, log) : undefined;
-  const pipeline = requestPipeline(store, current, record, keys);
+  const record = tracing ? tracing.recording(parts.access.record) : parts.access.record;
+  const pipeline = requestPipeline(store, parts.config, record, parts.keys);
   const raw: RawDeps = {
-    admitAddress: async (address) => admit(store, config.addressSubject(address)),
+    admitAddress: async (address) => admit(store, parts.config().addressSubject(address)),
     record,
   };
 
-  const app = publicApp(settings, log, raw, pipeline.onFrameworkError);
+  const app = publicApp(settings, parts.log, raw, pipeline.onFrameworkError);
   installRawHandlers(app.server, raw);
   app.decorateRequest('ctx', null as never);
   app.setErrorHandler(handleError);
   app.addHook('onRequest', pipeline.onRequest);
   if (tracing) app.addHook('onRequest', tracing.onRequest);
-  app.addHook('onResponse', access.onResponse);
+  app.addHook('onResponse', parts.access.onResponse);
   if (tracing) app.addHook('onResponse', tracing.onResponse);
-  app.addHook('onClose', async () => {
-    exporter?.stop();
-    webhooks?.stop();
-    keys?.close();
-    await Promise.all([store.close?.(), tracing?.shutdown()]);
-  });
+  app.addHook('onClose', parts.close);
   const document = documentServer(settings.backendUrl, settings.upstreamTimeoutMs);
   app.get(OPENAPI_PATH, async (request) => document(request.ctx.config));
   // The pipeline has authenticated the key and counted the request per address.
@@ -215,6 +115,5 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     failed: ({ ctx }) => refund(store, ctx),
     inject: tracing?.inject,
   });
-
-  return { app, setConfig: (next) => void (config = next), config: current, store, metrics, keys };
+  return app;
 }

@@ -1,8 +1,8 @@
 import type { GatewayConfig } from '../config/config.js';
 import type { Deprecation } from './deprecation.js';
-import { ErrorBody, GatewayError } from './errors.js';
+import { ErrorBody, GatewayError } from '../errors.js';
 import { UsageView } from '../quota/usage-view.js';
-import { DOCUMENT_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from './routes.js';
+import { DOCUMENT_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from '../routes.js';
 
 // The API's OpenAPI document as clients see it through the gateway, served to anyone at
 // GET /v1/openapi.json (it counts against the per-address limit). The backend's document stays

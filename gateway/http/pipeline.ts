@@ -5,11 +5,11 @@ import { authenticate, type KeyLookup } from '../auth/authenticate.js';
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { corsHeaders, preflight } from './cors.js';
 import { type Deprecation, sunsetRefusal } from './deprecation.js';
-import { GatewayError, handleError } from './errors.js';
+import { GatewayError, handleError } from '../errors.js';
 import { type Admission, admit } from '../quota/admit.js';
 import type { EventTag, QuotaSubject } from '../quota/decision.js';
 import type { QuotaStore } from '../quota/store.js';
-import { DOCUMENT_ROUTE, isDocumentPath, isUsagePath, matchRoute, type RouteId, USAGE_ROUTE } from './routes.js';
+import { DOCUMENT_ROUTE, isDocumentPath, isUsagePath, matchRoute, type RouteId, USAGE_ROUTE } from '../routes.js';
 
 declare module 'fastify' {
   interface FastifyRequest {

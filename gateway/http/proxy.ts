@@ -2,7 +2,7 @@ import type { IncomingHttpHeaders } from 'node:http';
 import { Readable } from 'node:stream';
 import proxy, { type FastifyHttpProxyOptions } from '@fastify/http-proxy';
 import type { FastifyInstance, FastifyRequest } from 'fastify';
-import { GatewayError } from './errors.js';
+import { GatewayError } from '../errors.js';
 
 // Hop-by-hop headers (RFC 9110 §7.6.1) and the client's credentials never cross the gateway;
 // undici also throws on some of them (keep-alive, upgrade, expect).

@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import { STATUS_CODES, type Server, type ServerResponse } from 'node:http';
 import type { Socket } from 'node:net';
 import type { AccessEntry } from '../observability/access-log.js';
-import { GATEWAY_ERRORS, GatewayError, type GatewayErrorCode, renderError } from './errors.js';
+import { GATEWAY_ERRORS, GatewayError, type GatewayErrorCode, renderError } from '../errors.js';
 import type { Admission } from '../quota/admit.js';
 
 // Answers, in the Error shape, to requests that never reach fastify: bad framing, oversized

@@ -3,7 +3,7 @@ import { type Logger, symbols } from 'pino';
 import type { Consumer } from '../config/config.js';
 import type { GatewayMetrics, RejectionReason } from './metrics.js';
 import type { AdmissionOutcome } from '../quota/decision.js';
-import type { RouteId } from '../http/routes.js';
+import type { RouteId } from '../routes.js';
 
 /** What the gateway decided for a request: its quota's outcome, or that it had no valid key (counted by address). */
 export type AccessOutcome = AdmissionOutcome | 'unauthenticated';

@@ -33,11 +33,11 @@ import {
 } from '@opentelemetry/semantic-conventions';
 import type { FastifyBaseLogger, FastifyReply, FastifyRequest } from 'fastify';
 import type { GatewaySettings } from '../config/settings.js';
-import { DOCUMENT_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from '../http/routes.js';
+import { DOCUMENT_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from '../routes.js';
 import type { AccessEntry } from './access-log.js';
 
 // OpenTelemetry tracing: one SERVER span per request of the public port, exported over OTLP/HTTP
-// in batches. Loaded only when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (http/app.ts): off, the
+// in batches. Loaded only when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (../app.ts): off, the
 // SDK is not even imported and no hook is added. Contexts are passed by hand, not through a
 // global context manager (AsyncLocalStorage on every async step would cost every request).
 

@@ -4,13 +4,13 @@ import type { DestinationStream } from 'pino';
 import { announceReady, closeServer, createLogger, exitOnSignals, listenOrExit } from '../../runtime/process.js';
 import { type AdminParts, buildAdmin } from '../admin/app.js';
 import type { GatewayConfig } from '../config/config.js';
-import type { GatewaySettings } from '../config/settings.js';
-import { buildGateway, type Gateway } from '../http/app.js';
+import { type GatewaySettings, redisTarget } from '../config/settings.js';
+import { buildGateway, type Gateway } from '../app.js';
 import { keyFinder, RegistryKeys } from '../auth/registry.js';
 import { RedisQuotaStore } from '../quota/redis-store.js';
 import { activityMarks } from '../usage/active.js';
 import { reloader, watchConfig } from './config-watch.js';
-import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient } from './redis-client.js';
+import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient } from '../redis/client.js';
 
 // The one start sequence of a gateway process, as envoy's runner.go: connect Redis, build the
 // gateway and its admin port, wait for Redis, take reloads, stop on signals, listen. A single
@@ -60,7 +60,7 @@ const ADMIN = { port: 'ADMIN_PORT', host: 'ADMIN_HOST' };
 const CLOSE_MARGIN_MS = 5000;
 
 export async function run(settings: GatewaySettings, initial: GatewayConfig, options: RunOptions): Promise<Running> {
-  const redis = connectRedis(settings);
+  const redis = connectRedis(redisTarget(settings), settings.redisTimeoutMs);
   const gateway = options.serve ? await buildGateway(settings, { config: initial, redis, logStream: options.logStream }) : undefined;
   const log = gateway?.app.log ?? createLogger('gateway', settings.logLevel, settings.logPretty, () => {}, options.logStream);
   // The gateway holds the config in force; the primary, which serves none, holds its own.

@@ -1,4 +1,4 @@
-import { GatewayError, type GatewayErrorCode } from '../http/errors.js';
+import { GatewayError, type GatewayErrorCode } from '../errors.js';
 import type { AdmissionOutcome, Decision, EventTag, QuotaSubject, Refusal } from './decision.js';
 import { rateLimitHeaders, reportedWindow, retryAfterSeconds } from './headers.js';
 import { type QuotaStore, QuotaStoreUnavailable } from './store.js';

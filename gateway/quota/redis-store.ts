@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { FastifyBaseLogger } from 'fastify';
 import { Cluster } from 'ioredis';
-import { type RedisClient, redisProblem, secondConnection } from '../process/redis-client.js';
+import { type RedisClient, redisProblem, secondConnection } from '../redis/client.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
 import { type CreditState, withGrants } from './credits.js';
 import { billingPeriod, type Period } from './period.js';

@@ -1,5 +1,5 @@
 import type { GatewayConfig } from '../config/config.js';
-import type { RedisClient } from '../process/redis-client.js';
+import type { RedisClient } from '../redis/client.js';
 
 // The accounts with something to send, so a round costs what has traffic, not what is
 // configured (issue 30). Per loop, a sorted set in the loop's own slot

@@ -1,4 +1,4 @@
-import type { RedisClient } from '../process/redis-client.js';
+import type { RedisClient } from '../redis/client.js';
 import { nextId, type StreamEntry } from './events.js';
 
 // The streams' cursors, moved only under the lead in force: each move carries the fencing

@@ -1,6 +1,6 @@
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig, UsageExport } from '../config/config.js';
-import type { RedisClient } from '../process/redis-client.js';
+import type { RedisClient } from '../redis/client.js';
 import { accountsOf, ActiveIndex, type Marked } from './active.js';
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
 import { type CloudEvent, toCloudEvents } from './events.js';

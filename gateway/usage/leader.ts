@@ -1,7 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig } from '../config/config.js';
-import { type RedisClient, redisProblem } from '../process/redis-client.js';
+import { type RedisClient, redisProblem } from '../redis/client.js';
 import { defineCursorScripts } from './cursors.js';
 
 /**

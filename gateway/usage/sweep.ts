@@ -1,5 +1,5 @@
 import type { GatewayConfig } from '../config/config.js';
-import type { RedisClient } from '../process/redis-client.js';
+import type { RedisClient } from '../redis/client.js';
 import { accountsOf, type Loop, loopKey, markActive } from './active.js';
 
 // The backstop for marks that were lost (an instance died between its script call and its

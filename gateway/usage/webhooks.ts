@@ -1,7 +1,7 @@
 import { createHmac } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig } from '../config/config.js';
-import type { RedisClient } from '../process/redis-client.js';
+import type { RedisClient } from '../redis/client.js';
 import { accountsOf, ActiveIndex } from './active.js';
 import { alertsPending, moveAlertsCursor, REFUSED } from './cursors.js';
 import type { StreamEntry } from './events.js';

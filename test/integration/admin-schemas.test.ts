@@ -7,7 +7,7 @@ import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { buildAdmin } from '../../gateway/admin/app.js';
 import { compileConfig, validateConfigFile } from '../../gateway/config/config.js';
-import { ErrorBody } from '../../gateway/http/errors.js';
+import { ErrorBody } from '../../gateway/errors.js';
 import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
 import { echoBackend } from '../helpers/backends.js';
 import { makeKey, tempDir, testConfig, writeConfig } from '../helpers/config.js';

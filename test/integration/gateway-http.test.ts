@@ -2,7 +2,7 @@ import { readFileSync } from 'node:fs';
 import { connect } from 'node:net';
 import { describe, expect, it } from 'vitest';
 import { generateKey } from '../../gateway/auth/keys.js';
-import { GATEWAY_ERRORS } from '../../gateway/http/errors.js';
+import { GATEWAY_ERRORS } from '../../gateway/errors.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { useTestGateway } from '../helpers/gateway.js';
 import { eventually, inOneMinute } from '../helpers/time.js';

@@ -1,8 +1,8 @@
 import { connect } from 'node:net';
 import fc from 'fast-check';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { GatewayError } from '../../gateway/http/errors.js';
-import { matchRoute } from '../../gateway/http/routes.js';
+import { GatewayError } from '../../gateway/errors.js';
+import { matchRoute } from '../../gateway/routes.js';
 import { petsBackend } from '../helpers/backends.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { useTestGateway } from '../helpers/gateway.js';

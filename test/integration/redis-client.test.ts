@@ -1,10 +1,10 @@
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
-import { closeRedis, connectRedis } from '../../gateway/process/redis-client.js';
+import { closeRedis, connectRedis } from '../../gateway/redis/client.js';
 import { eventually, sleep } from '../helpers/time.js';
 
 describe("the gateway's Redis client", () => {
   it('connects again when ioredis ends it on its own; stays closed after closeRedis', async () => {
-    const redis = connectRedis({ redisUrl: inject('redisUrl'), redisTimeoutMs: 500 })!;
+    const redis = connectRedis({ kind: 'single', url: inject('redisUrl') }, 500)!;
     onTestFinished(() => closeRedis(redis, 'now'));
     await eventually(() => redis.status === 'ready', 5000, 'Redis ready');
     // What ioredis does when its connector gives up mid-connect (a Sentinel's +switch-master

@@ -3,7 +3,7 @@ import { describe, expect, it } from 'vitest';
 import { authenticate } from '../../gateway/auth/authenticate.js';
 import { generateKey } from '../../gateway/auth/keys.js';
 import { compileConfig } from '../../gateway/config/config.js';
-import { GatewayError } from '../../gateway/http/errors.js';
+import { GatewayError } from '../../gateway/errors.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 
 // A refused key says what is wrong with it, so a new user can fix the request without reading

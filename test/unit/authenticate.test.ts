@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { authenticate } from '../../gateway/auth/authenticate.js';
 import { type Consumer, compileConfig } from '../../gateway/config/config.js';
-import { GatewayError } from '../../gateway/http/errors.js';
+import { GatewayError } from '../../gateway/errors.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 
 // authenticate() remembers the last key read on each connection (its digest), so these

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { compileDeprecation, deprecationHeaders, sunsetRefusal } from '../../gateway/http/deprecation.js';
-import { ROUTES } from '../../gateway/http/routes.js';
+import { ROUTES } from '../../gateway/routes.js';
 
 describe('deprecation headers', () => {
   it('uses RFC 9745 @seconds, an IMF-fixdate Sunset in GMT, and the successor link', () => {

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
-import { GatewayError } from '../../gateway/http/errors.js';
-import { matchRoute } from '../../gateway/http/routes.js';
+import { GatewayError } from '../../gateway/errors.js';
+import { matchRoute } from '../../gateway/routes.js';
 
 describe('route allow-list', () => {
   it.each([

@@ -1,6 +1,5 @@
 import type { FastifyBaseLogger } from 'fastify';
 import { Cluster, Redis } from 'ioredis';
-import { type GatewaySettings, redisTarget } from '../config/settings.js';
 
 // The Redis client a gateway process uses: which Redis the settings name, its fail-fast
 // options, its reconnects, and the wait for it at start.
@@ -8,7 +7,16 @@ import { type GatewaySettings, redisTarget } from '../config/settings.js';
 /** The client of whichever Redis the settings name: one node, a Cluster, or a Sentinel group's master. */
 export type RedisClient = Redis | Cluster;
 
-type RedisSettings = Pick<GatewaySettings, 'redisUrl' | 'redisClusterNodes' | 'redisSentinels' | 'redisSentinelName' | 'redisTimeoutMs'>;
+/** Which Redis: one node by URL, a Cluster by its seed nodes, or a Sentinel group's master (settings.ts reads it from the env). */
+export type RedisTarget =
+  | { kind: 'single'; url: string }
+  | { kind: 'cluster'; nodes: RedisNode[] }
+  | { kind: 'sentinel'; sentinels: RedisNode[]; name: string };
+
+export interface RedisNode {
+  host: string;
+  port: number;
+}
 
 /**
  * Fail fast instead of queueing: no offline queue, one retry, and a command timeout, for each
@@ -16,15 +24,14 @@ type RedisSettings = Pick<GatewaySettings, 'redisUrl' | 'redisClusterNodes' | 'r
  * a Sentinel client asks the sentinels for the master again on every reconnect, and listens
  * for their +switch-master so a failover is followed without waiting for an error.
  */
-export function connectRedis(settings: RedisSettings): RedisClient | undefined {
-  const target = redisTarget(settings);
+export function connectRedis(target: RedisTarget | undefined, timeoutMs: number): RedisClient | undefined {
   if (!target) return undefined;
   const node = {
     maxRetriesPerRequest: 1,
     // A backstop that empties the queue of a Redis that never answers. The quota store gives
     // up on its own calls at REDIS_TIMEOUT_MS, after reading the sockets; this one comes
     // later, so a stall of this process cannot turn a reply already in into a timeout.
-    commandTimeout: Math.max(1000, 4 * settings.redisTimeoutMs),
+    commandTimeout: Math.max(1000, 4 * timeoutMs),
     connectTimeout: 2000,
   };
   // No auto-pipelining: it holds a command back until the event loop's check phase, after

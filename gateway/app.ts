@@ -1,0 +1,143 @@
+import type { FastifyBaseLogger, FastifyInstance, FastifyRequest } from 'fastify';
+import type { DestinationStream } from 'pino';
+import { createLogger } from '../runtime/process.js';
+import { KeyRegistry } from './auth/registry.js';
+import type { GatewayConfig } from './config/config.js';
+import { ackReplicas, type GatewaySettings } from './config/settings.js';
+import { buildPublicApp, type PublicSettings } from './http/app.js';
+import { accessLog } from './observability/access-log.js';
+import { GatewayMetrics } from './observability/metrics.js';
+import type { RequestTracing, TracingSettings } from './observability/tracing.js';
+import { MemoryQuotaStore } from './quota/memory-store.js';
+import { RedisQuotaStore } from './quota/redis-store.js';
+import type { QuotaStore } from './quota/store.js';
+import type { RedisClient } from './redis/client.js';
+import { activityMarks } from './usage/active.js';
+import { UsageExporter } from './usage/exporter.js';
+import { WebhookDispatcher } from './usage/webhooks.js';
+
+// The wiring: the one file that knows every capability. From settings and a Redis client it
+// builds the logger, metrics, the quota store, the usage loops, tracing and the key registry,
+// and hands them to the public app (http/app.ts). The admin port is wired by process/runner.ts.
+
+export interface GatewayDeps {
+  config: GatewayConfig;
+  /** The shared quota store; without it, quotas are kept in this process. */
+  redis?: RedisClient;
+  /** Where log lines go (tests read them); stdout when unset. */
+  logStream?: DestinationStream;
+}
+
+export interface Gateway {
+  app: FastifyInstance;
+  /** Swaps in a new config; requests already past authentication finish under the old one. */
+  setConfig(config: GatewayConfig): void;
+  config(): GatewayConfig;
+  store: QuotaStore;
+  metrics: GatewayMetrics;
+  /** The key registry, with KEY_STORE=redis: keys beyond the config file's. */
+  keys?: KeyRegistry;
+}
+
+type AppSettings = PublicSettings &
+  Pick<
+    GatewaySettings,
+    | 'logLevel'
+    | 'logPretty'
+    | 'metricsKeyIds'
+    | 'quotaLeaseMax'
+    | 'keyStore'
+    | 'creditsAckReplicas'
+    | 'creditsAckTimeoutMs'
+    | 'idempotencyKeyHours'
+    | 'redisUrl'
+    | 'redisClusterNodes'
+    | 'redisSentinels'
+    | 'redisSentinelName'
+    | 'redisTimeoutMs'
+    | 'quotaStoreFailure'
+    | 'tracingUrl'
+    | 'tracingServiceName'
+    | 'tracingSampleRatio'
+    | 'tracingDelayMs'
+  >;
+
+/**
+ * Redis when the gateway has it (its live instances registered under the config's registry key,
+ * for each one's share while Redis fails; the accounts it writes to marked for the usage loops),
+ * else in-process.
+ */
+function quotaStore(
+  settings: AppSettings,
+  redis: RedisClient | undefined,
+  log: FastifyBaseLogger,
+  metrics: GatewayMetrics,
+  config: () => GatewayConfig,
+): QuotaStore {
+  if (!redis) return new MemoryQuotaStore();
+  return new RedisQuotaStore(redis, log, {
+    observe: (s) => metrics.redisSeconds.observe(s),
+    leaseMax: settings.quotaLeaseMax,
+    timeoutMs: settings.redisTimeoutMs,
+    failClosed: settings.quotaStoreFailure === 'closed',
+    ackReplicas: ackReplicas(settings),
+    ackTimeoutMs: settings.creditsAckTimeoutMs,
+    idempotencyMs: settings.idempotencyKeyHours * 3_600_000,
+    registry: () => config().registryKey,
+    // The accounts whose streams it writes to, for the usage loops to read.
+    marks: activityMarks(redis, config),
+  });
+}
+
+/**
+ * Tracing, when a collector is configured. Off, the OpenTelemetry SDK is not even loaded, and
+ * the gateway adds no hook: a request pays one test (the proxy's, for a span to pass on).
+ */
+async function startTracing(settings: AppSettings, log: FastifyBaseLogger): Promise<RequestTracing | undefined> {
+  if (!settings.tracingUrl) return undefined;
+  const { RequestTracing } = await import('./observability/tracing.js');
+  return new RequestTracing({ ...settings, tracingUrl: settings.tracingUrl } satisfies TracingSettings, log);
+}
+
+/** Wiring only: logger, metrics, store, the usage loops, tracing, the key registry, then the public app. Never listens. */
+export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Promise<Gateway> {
+  let config = deps.config;
+  const current = () => config;
+  const metrics = new GatewayMetrics(settings.metricsKeyIds);
+  const log: FastifyBaseLogger = createLogger(
+    'gateway',
+    settings.logLevel,
+    settings.logPretty,
+    (lines) => metrics.logLinesDropped.inc(lines),
+    deps.logStream,
+  );
+  const store = quotaStore(settings, deps.redis, log, metrics, current);
+  metrics.watch(store);
+  // Usage events to the billing sink, when the config names one: one exporter per deployment leads.
+  const exporter = deps.redis ? new UsageExporter({ redis: deps.redis, config: current, log, metrics: metrics.usage }) : undefined;
+  const webhooks = deps.redis ? new WebhookDispatcher({ redis: deps.redis, config: current, log, metrics: metrics.webhooks }) : undefined;
+  exporter?.start();
+  webhooks?.start();
+  // The final status of a request whose usage event was written with its count, joined to it.
+  const settle =
+    store.settle &&
+    ((request: FastifyRequest, status: number) => store.settle!(request.ctx.consumer!.subject, request.ctx.eventId!, status));
+  const tracing = await startTracing(settings, log);
+  const keys = settings.keyStore === 'redis' && deps.redis ? new KeyRegistry(deps.redis, current, log) : undefined;
+  const app: FastifyInstance = await buildPublicApp(settings, {
+    log,
+    config: current,
+    store,
+    metrics,
+    access: accessLog(metrics, log, settle),
+    tracing,
+    keys,
+    close: async () => {
+      exporter?.stop();
+      webhooks?.stop();
+      keys?.close();
+      await Promise.all([store.close?.(), tracing?.shutdown()]);
+    },
+  });
+  return { app, setConfig: (next) => void (config = next), config: current, store, metrics, keys };
+}

@@ -1,0 +1,58 @@
+import { readdirSync, readFileSync } from 'node:fs';
+import { dirname, join, relative, resolve } from 'node:path';
+import { describe, expect, it } from 'vitest';
+
+// The floors of the house (STYLE.md): leaves import nothing above them, config compiles from
+// leaves, capabilities import config and leaves, and only the wiring knows every capability.
+// An import that climbs a floor is a design question; this list is the answers given.
+
+const ROOT = resolve(import.meta.dirname, '../../gateway');
+
+/** The floor of a file, by its path under gateway/. */
+function floorOf(file: string): number {
+  if (/^(errors|routes)\.ts$|^redis\//.test(file)) return 0;
+  // Pure maths and formats: functions of plain values, importing only leaves.
+  if (/^quota\/(decision|headers|period)\.ts$|^auth\/keys\.ts$|^http\/deprecation\.ts$/.test(file)) return 0;
+  if (file.startsWith('config/')) return 1;
+  if (/^(app|server)\.ts$|^process\//.test(file)) return 3;
+  return 2;
+}
+
+/** Imports that climb, each with why it may. */
+const ALLOWED_CLIMBS: Record<string, string> = {};
+
+function sources(dir: string): string[] {
+  return readdirSync(dir, { withFileTypes: true }).flatMap((e) =>
+    e.isDirectory() ? sources(join(dir, e.name)) : e.name.endsWith('.ts') ? [join(dir, e.name)] : [],
+  );
+}
+
+function imports(file: string): string[] {
+  const text = readFileSync(file, 'utf8');
+  return [...text.matchAll(/(?:from|import)\s*\(?\s*'(\.{1,2}\/[^']+)\.js'/g)]
+    .map((m) => relative(ROOT, resolve(dirname(file), `${m[1]}.ts`)))
+    .filter((target) => !target.startsWith('..'));
+}
+
+const edges = sources(ROOT).flatMap((abs) => imports(abs).map((to) => ({ from: relative(ROOT, abs), to })));
+
+describe('the floors of gateway/', () => {
+  it('finds the imports it judges', () => {
+    expect(edges.length).toBeGreaterThan(100);
+    expect(edges).toContainEqual({ from: 'app.ts', to: 'http/app.ts' });
+  });
+
+  it('has no import that climbs a floor, except those answered', () => {
+    const climbs = edges.filter((e) => floorOf(e.to) > floorOf(e.from)).map((e) => `${e.from} -> ${e.to}`);
+    expect(climbs.filter((c) => !(c in ALLOWED_CLIMBS))).toEqual([]);
+    expect(Object.keys(ALLOWED_CLIMBS).length).toBeLessThanOrEqual(2);
+  });
+
+  it('keeps quota/ out of http/ and process/', () => {
+    expect(edges.filter((e) => e.from.startsWith('quota/') && /^(http|process)\//.test(e.to))).toEqual([]);
+  });
+
+  it('has the wiring imported by nothing but the process and the entry', () => {
+    expect(edges.filter((e) => e.to === 'app.ts' && floorOf(e.from) < 3)).toEqual([]);
+  });
+});
