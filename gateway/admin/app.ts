@@ -7,7 +7,7 @@ import type { RedisClient } from '../redis/client.js';
 import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../errors.js';
 import { plainClientErrorHandler } from '../http/raw-answers.js';
-import type { QuotaStore } from '../quota/store.js';
+import type { AccountBook, Operations } from '../quota/store.js';
 import { fileKeys, type KeyStore } from '../auth/key-file.js';
 import { type KeyFinder, keyFinder } from '../auth/registry.js';
 import { keyApi } from './keys.js';
@@ -27,7 +27,8 @@ export interface AdminSettings {
 /** What the admin port reads from the running instance. */
 export interface AdminParts {
   config: () => GatewayConfig;
-  store: QuotaStore;
+  /** Its health for readiness, the unban, and the account book for the usage and credit routes. */
+  store: AccountBook & Operations;
   /** The Prometheus text: this process's registry, or every worker's, aggregated. */
   metrics: { contentType: string; text(): Promise<string> };
   /** Problems that make this instance unready beyond Redis and the backend (a worker down). */
@@ -54,7 +55,7 @@ function redisName(redis: RedisClient): string {
 }
 
 /** Why Redis is not usable, in an operator's words rather than the client library's. */
-async function redisProblems(redis: RedisClient, store: QuotaStore): Promise<string[]> {
+async function redisProblems(redis: RedisClient, store: Operations): Promise<string[]> {
   const what = redisName(redis);
   if (redis.status !== 'ready') return [`${what}: not connected (${redis.status}); the gateway keeps trying`];
   // Declared failing by the quota store: no need to wait for a PING's own timeout to say so.
@@ -205,7 +206,7 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
     const deliveries = deps.redis ? () => recentDeliveries(deps.redis!, deps.config()) : undefined;
     await scope.register(usageRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined, find: deps.find });
     await scope.register(alertRoutes, { deliveries });
-    await scope.register(creditRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined, find: deps.find });
+    await scope.register(creditRoutes, { store: deps.store, find: deps.find });
     await scope.register(keyApi, { keys: deps.keys, configFile: deps.configFile });
   });
   return app;

@@ -3,9 +3,9 @@ import { Type } from '@sinclair/typebox';
 import type { Consumer } from '../config/config.js';
 import { GatewayError } from '../errors.js';
 import { TopUpNotReplicated } from '../quota/redis-store.js';
-import type { LedgerEntry } from '../quota/store.js';
+import type { KeyFinder } from '../auth/registry.js';
+import type { AccountBook, LedgerEntry } from '../quota/store.js';
 import { AccountParams, failure } from './schemas.js';
-import type { UsageParts } from './usage.js';
 
 // An account's prepaid credits on the admin port: its balance and ledger, and top-ups, each
 // applied once per Idempotency-Key however the retries race (topup.lua, one script).
@@ -80,7 +80,13 @@ const notFound = failure('key_not_found: no key in that account');
 const notEnabled = failure("credits_not_enabled: the account's plan and settings give it no credits");
 const unavailable = failure('quota_store_unavailable: Redis did not answer; ask again (a top-up retried with its key is applied once)');
 
-export const creditRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, parts) => {
+/** What the credit routes read and write: the account book, and accounts by name. */
+export interface CreditParts {
+  store: AccountBook;
+  find: KeyFinder;
+}
+
+export const creditRoutes: FastifyPluginAsyncTypebox<CreditParts> = async (app, parts) => {
   /** The account's first key, if it has credits: the subject whose credits these are. */
   const creditsOf = async (account: string): Promise<Consumer> => {
     const [member] = await parts.find.account(account);

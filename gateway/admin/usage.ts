@@ -2,14 +2,15 @@ import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import type { KeyFinder } from '../auth/registry.js';
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { GatewayError } from '../errors.js';
-import type { QuotaStore } from '../quota/store.js';
+import type { AccountBook, Operations } from '../quota/store.js';
 import { usageView } from '../quota/usage-view.js';
 import type { Delivery } from '../usage/webhooks.js';
 import { AccountParams, AccountUsage, Deliveries, failure, KeyParams, KeyUsage, Unbanned, type Usage } from './schemas.js';
 
 export interface UsageParts {
   config: () => GatewayConfig;
-  store: QuotaStore;
+  /** The account book, and the operator's unban; `degraded` names the store the numbers come from. */
+  store: AccountBook & Pick<Operations, 'degraded' | 'unban'>;
   /** Whether the gateway enforces with Redis; else with its in-process store. */
   redis: boolean;
   /** Keys by id and accounts by name (the file's and the key registry's). */

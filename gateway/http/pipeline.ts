@@ -8,7 +8,7 @@ import { type Deprecation, sunsetRefusal } from './deprecation.js';
 import { GatewayError, handleError } from '../errors.js';
 import { type Admission, admit } from '../quota/admit.js';
 import type { EventTag, QuotaSubject } from '../quota/decision.js';
-import type { QuotaStore } from '../quota/store.js';
+import type { RequestPath } from '../quota/store.js';
 import { DOCUMENT_ROUTE, isDocumentPath, isUsagePath, matchRoute, type RouteId, USAGE_ROUTE } from '../routes.js';
 
 declare module 'fastify' {
@@ -111,7 +111,7 @@ function applied(request: FastifyRequest, reply: FastifyReply, admission: Admiss
  * decided without I/O (a lease, a known ban), so that most requests pass the hook in one step.
  */
 function admitRequest(
-  store: QuotaStore,
+  store: RequestPath,
   request: FastifyRequest,
   reply: FastifyReply,
   subject: QuotaSubject,
@@ -123,7 +123,7 @@ function admitRequest(
 }
 
 /** The per-address quota of a request without a key: throws its 429, or else `otherwise`. */
-async function admitByAddress(store: QuotaStore, request: FastifyRequest, reply: FastifyReply, otherwise?: GatewayError): Promise<void> {
+async function admitByAddress(store: RequestPath, request: FastifyRequest, reply: FastifyReply, otherwise?: GatewayError): Promise<void> {
   const refused = await admitRequest(store, request, reply, request.ctx.config.addressSubject(request.ip));
   if (refused) throw refused;
   if (otherwise) {
@@ -137,7 +137,7 @@ async function admitByAddress(store: QuotaStore, request: FastifyRequest, reply:
  * The gateway's own routes (the public document, a key's own usage): the per-address quota
  * instead of the key's, so a key over its limit or banned can still read why, and GET or HEAD only.
  */
-async function ownRoute(store: QuotaStore, request: FastifyRequest, reply: FastifyReply, route: RouteId): Promise<void> {
+async function ownRoute(store: RequestPath, request: FastifyRequest, reply: FastifyReply, route: RouteId): Promise<void> {
   request.ctx.route = route;
   await admitByAddress(store, request, reply);
   if (request.method !== 'GET' && request.method !== 'HEAD') {
@@ -158,7 +158,7 @@ const failure = (err: unknown): Error => (err instanceof Error ? err : new Error
 
 /** The rest of the pipeline, once the key is known (or known to be no key). */
 function authenticated(
-  store: QuotaStore,
+  store: RequestPath,
   request: FastifyRequest,
   reply: FastifyReply,
   ctx: RequestContext,
@@ -186,7 +186,7 @@ function authenticated(
  * its GatewayError; this is the one place that throws them.
  */
 export function requestPipeline(
-  store: QuotaStore,
+  store: RequestPath,
   config: () => GatewayConfig,
   record: (reqId: string, entry: AccessEntry) => void,
   keys?: KeyLookup,

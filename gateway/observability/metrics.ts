@@ -2,7 +2,7 @@ import type { WebhookMetrics } from '../usage/webhooks.js';
 import type { ExportMetrics } from '../usage/exporter.js';
 import { Counter, collectDefaultMetrics, Gauge, Histogram, type Metric, Registry } from 'prom-client';
 import type { Refusal } from '../quota/decision.js';
-import type { QuotaStore, StoreCounts } from '../quota/store.js';
+import type { Operations, StoreCounts } from '../quota/store.js';
 
 /** Why a request was refused: its quota's outcome, no valid key, or a quota store failing closed. */
 export type RejectionReason = Refusal | 'unauthenticated' | 'unavailable';
@@ -92,7 +92,7 @@ export class GatewayMetrics {
   }
 
   /** The store's state, read when metrics are scraped. */
-  watch(store: Pick<QuotaStore, 'degraded' | 'activeBans' | 'counts'>): void {
+  watch(store: Pick<Operations, 'degraded' | 'activeBans' | 'counts'>): void {
     const registers = [this.registry];
     const counter = (name: string, help: string, read: (c: StoreCounts) => number, labels: Record<string, string> = {}) =>
       new Counter({

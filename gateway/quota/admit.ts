@@ -1,7 +1,7 @@
 import { GatewayError, type GatewayErrorCode } from '../errors.js';
 import type { AdmissionOutcome, Decision, EventTag, QuotaSubject, Refusal } from './decision.js';
 import { rateLimitHeaders, reportedWindow, retryAfterSeconds } from './headers.js';
-import { type QuotaStore, QuotaStoreUnavailable } from './store.js';
+import { QuotaStoreUnavailable, type RequestPath } from './store.js';
 
 /** What admission tells the caller: the outcome, the headers every answer carries, and the 429 if refused. */
 export interface Admission {
@@ -129,7 +129,7 @@ function failed(err: unknown, subject: QuotaSubject): Admission {
  * it, like authentication and routing; the caller decides how to answer. Synchronously when
  * the store decided without I/O (a lease, a known ban): no promise on that path.
  */
-export function admit(store: QuotaStore, subject: QuotaSubject, cost = 1, tag?: EventTag): Admission | Promise<Admission> {
+export function admit(store: RequestPath, subject: QuotaSubject, cost = 1, tag?: EventTag): Admission | Promise<Admission> {
   let decided: Decision | Promise<Decision>;
   try {
     decided = store.consume(subject, cost, tag);

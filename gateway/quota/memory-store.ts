@@ -2,10 +2,12 @@ import { type CreditState, spend, withGrants } from './credits.js';
 import { DAY_MS, type Decision, decision, MINUTE_MS, type QuotaSubject, softQuota, type WindowCounts, windowStart } from './decision.js';
 import { billingPeriod, type Period } from './period.js';
 import {
+  type AccountBook,
   type Counters,
   countsAt,
   type LedgerEntry,
-  type QuotaStore,
+  type Operations,
+  type RequestPath,
   type TopUp,
   type TopUpResult,
   topUpFingerprint,
@@ -36,7 +38,7 @@ interface Account {
  * The in-process store: the same rules as quota.lua, step for step, on a Map. Used when no
  * REDIS_URL is set and as the fallback while Redis fails; its limits are per process.
  */
-export class MemoryQuotaStore implements QuotaStore {
+export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
   readonly degraded = false;
   private readonly states = new Map<string, MemoryState>();
   private readonly accounts = new Map<string, Account>();

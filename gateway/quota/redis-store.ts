@@ -24,12 +24,14 @@ import { type Lease, LeaseBook, leaseOf } from './lease-book.js';
 import { type Clock, RedisClock, SYSTEM_CLOCK } from './redis-clock.js';
 import { LATE, RedisHealth, within } from './redis-health.js';
 import {
+  type AccountBook,
   type Counters,
   countsAt,
   type ExportState,
   type LedgerEntry,
-  type QuotaStore,
+  type Operations,
   QuotaStoreUnavailable,
+  type RequestPath,
   type StoreCounts,
   type TopUp,
   type TopUpResult,
@@ -200,7 +202,7 @@ function countsOf(r: Reply): WindowCounts {
  * (degraded-budget.ts), written back once Redis answers. A request that needs Redis waits
  * for it, however slow, until Redis is declared failing. Bans seen are answered from memory.
  */
-export class RedisQuotaStore implements QuotaStore {
+export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private readonly redis: QuotaRedis;
   private readonly clock: Clock;
   private readonly redisClock: RedisClock;

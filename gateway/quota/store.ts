@@ -1,8 +1,11 @@
 import { DAY_MS, type Decision, type EventTag, MINUTE_MS, type QuotaSubject, windowStart } from './decision.js';
 import type { Period } from './period.js';
 
-/** The contract both stores keep: one decision per request, and a read that counts nothing. */
-export interface QuotaStore {
+// The contract both stores keep, in three parts by who calls them: each caller depends on the
+// part it uses, and a new store (or a test's) sees which members make up each job.
+
+/** The per-request path: one decision per request, its final status, and a refund (http/, admit.ts). */
+export interface RequestPath {
   /**
    * One decision: admitted only if every window has room for the request's whole `cost` (units,
    * default 1). Returned as it is, not in a promise, when the store needs no I/O to make it.
@@ -10,7 +13,6 @@ export interface QuotaStore {
   consume(subject: QuotaSubject, cost?: number, tag?: EventTag): Decision | Promise<Decision>;
   /** The final status of an admitted request whose usage event was written (a store that records events). */
   settle?(subject: QuotaSubject, eventId: string, status: number): void;
-  peek(subject: QuotaSubject): Promise<Usage>;
   /**
    * Gives an admitted request (its `cost` units) back to the windows it was counted in (at `countedAtMs`, the
    * decision's time), if they are still current, and to its credits: the gateway failed it (502/504), so the client
@@ -18,26 +20,38 @@ export interface QuotaStore {
    * whether or not this request was billed as overage. Best effort: a refund that cannot be made leaves the unit counted.
    */
   refund(subject: QuotaSubject, countedAtMs: number, cost?: number, eventId?: string): Promise<void>;
-  /** Lifts the subject's ban and forgets its recent 429s (an operator's call); false when no ban was in force. */
-  unban(subject: QuotaSubject): Promise<boolean>;
+}
+
+/** The account book: what a subject has used and holds, read without counting, and top-ups (admin/usage.ts, credits.ts). */
+export interface AccountBook {
+  peek(subject: QuotaSubject): Promise<Usage>;
   /**
    * Adds purchased credits to a subject that has credits, once per idempotency key: a retry,
    * however concurrent, adds nothing and answers what the first one did.
    */
   topUp(subject: QuotaSubject, topUp: TopUp): Promise<TopUpResult>;
-  /** Its usage events: sent to the sink, waiting in its stream, dropped by the cap (a store that records events). */
-  exportState?(subject: QuotaSubject): Promise<ExportState>;
   /** The subject's credits ledger, oldest first: every grant and top-up. */
   ledger(subject: QuotaSubject): Promise<LedgerEntry[]>;
+  /** Its usage events: sent to the sink, waiting in its stream, dropped by the cap (a store that records events). */
+  exportState?(subject: QuotaSubject): Promise<ExportState>;
+}
+
+/** Operations: the store's health and counts, an operator's unban, and its close (admin/app.ts, metrics, the wiring). */
+export interface Operations {
   /** True while Redis is declared failing: decisions come from the degraded budget. */
   readonly degraded: boolean;
   /** Bans this instance knows to be in force now. */
   activeBans(): number;
   /** A shared store's counts of what Redis failing cost (for the metrics). */
   readonly counts?: Readonly<StoreCounts>;
+  /** Lifts the subject's ban and forgets its recent 429s (an operator's call); false when no ban was in force. */
+  unban(subject: QuotaSubject): Promise<boolean>;
   /** Stops its timers (the heartbeat) and leaves what it registered. */
   close?(): Promise<void>;
 }
+
+/** A whole store: what the wiring builds and hands out, each part to the caller that needs it. */
+export interface QuotaStore extends RequestPath, AccountBook, Operations {}
 
 export interface StoreCounts {
   /** Decisions made from the degraded budget while Redis failed. */
