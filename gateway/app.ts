@@ -2,7 +2,7 @@ import type { FastifyBaseLogger, FastifyInstance, FastifyRequest } from 'fastify
 import type { DestinationStream } from 'pino';
 import { createLogger } from '../runtime/process.js';
 import { KeyRegistry } from './auth/registry.js';
-import type { GatewayConfig } from './config/config.js';
+import type { GatewayConfig, UsageExport } from './config/config.js';
 import { ackReplicas, type GatewaySettings } from './config/settings.js';
 import { buildPublicApp, type PublicSettings } from './http/app.js';
 import { accessLog } from './observability/access-log.js';
@@ -14,6 +14,7 @@ import type { QuotaStore } from './quota/store.js';
 import type { RedisClient } from './redis/client.js';
 import { activityMarks } from './usage/active.js';
 import { UsageExporter } from './usage/exporter.js';
+import { HttpCloudEventsSink } from './usage/http-sink.js';
 import { WebhookDispatcher } from './usage/webhooks.js';
 
 // The wiring: the one file that knows every capability. From settings and a Redis client it
@@ -114,7 +115,9 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   const store = quotaStore(settings, deps.redis, log, metrics, current);
   metrics.watch(store);
   // Usage events to the billing sink, when the config names one: one exporter per deployment leads.
-  const exporter = deps.redis ? new UsageExporter({ redis: deps.redis, config: current, log, metrics: metrics.usage }) : undefined;
+  // The config's usage.export.url names an HTTP CloudEvents sink, the one kind there is so far.
+  const sink = (target: UsageExport) => new HttpCloudEventsSink(target.url);
+  const exporter = deps.redis ? new UsageExporter({ redis: deps.redis, config: current, log, metrics: metrics.usage, sink }) : undefined;
   const webhooks = deps.redis ? new WebhookDispatcher({ redis: deps.redis, config: current, log, metrics: metrics.webhooks }) : undefined;
   exporter?.start();
   webhooks?.start();

@@ -5,7 +5,8 @@ import { accountsOf, ActiveIndex, type Marked } from './active.js';
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
 import { type CloudEvent, toCloudEvents } from './events.js';
 import { Sweep } from './sweep.js';
-import { DeliveryFailed, type Lead, LeaderLoop, LeadLost, POST_TIMEOUT_MS } from './leader.js';
+import { DeliveryFailed, type Lead, LeaderLoop, LeadLost } from './leader.js';
+import type { Accepted, UsageSink } from './sink.js';
 
 /** What the exporter reports (observability/metrics.ts). */
 export interface ExportMetrics {
@@ -40,13 +41,15 @@ export interface ExporterDeps {
   config: () => GatewayConfig;
   log: FastifyBaseLogger;
   metrics: ExportMetrics;
+  /** The sink the config's usage export names (the wiring picks it: the HTTP CloudEvents sink). */
+  sink: (target: UsageExport) => UsageSink;
 }
 
 /**
  * The usage exporter. Every gateway instance runs one; the one leading (leader.ts) reads the
  * usage streams of the accounts marked active (active.ts) from their cursors, turns the entries
- * into CloudEvents, posts them to the sink in batches shared fairly among the accounts, and
- * only then moves the cursors on and trims what was sent: at least once,
+ * into CloudEvents, delivers them to the sink (sink.ts) in batches shared fairly among the
+ * accounts, and only once the sink accepted a batch moves the cursors on and trims what was sent: at least once,
  * with stable ids, so a sink that dedupes by id counts each request once. The cursors survive
  * restarts and a change of leader, in Redis, beside each stream (one Cluster slot per account).
  */
@@ -54,10 +57,14 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
   private readonly metrics: ExportMetrics;
   private readonly index: ActiveIndex;
   private readonly sweep: Sweep;
+  private readonly sinkFor: (target: UsageExport) => UsageSink;
+  /** The sink of the config's current target: made again only when a reload changes the target. */
+  private sink?: { target: UsageExport; sink: UsageSink };
 
   constructor(deps: ExporterDeps) {
     super(deps.redis, deps.config, deps.log, 'usage-export', () => deps.metrics.round());
     this.metrics = deps.metrics;
+    this.sinkFor = deps.sink;
     this.index = new ActiveIndex(deps.redis, 'usage-export');
     this.sweep = new Sweep(deps.redis, 'usage-export', EXPORT_SWEEP_PER_SECOND, usagePending);
   }
@@ -66,18 +73,23 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     return config.usageExport;
   }
 
+  private sinkOf(target: UsageExport): UsageSink {
+    if (this.sink?.target !== target) this.sink = { target, sink: this.sinkFor(target) };
+    return this.sink.sink;
+  }
+
   protected failed(target: UsageExport, err: Error, retryInMs: number): void {
     this.metrics.failed();
-    this.log.warn({ sink: target.url, cause: err.message, retryInMs: Math.round(retryInMs) }, 'usage export: a batch failed');
+    this.log.warn({ sink: this.sinkOf(target).name, cause: err.message, retryInMs: Math.round(retryInMs) }, 'usage export: a batch failed');
   }
 
   protected override recovered(target: UsageExport): void {
-    this.log.info({ sink: target.url }, 'usage export: the sink takes events again');
+    this.log.info({ sink: this.sinkOf(target).name }, 'usage export: the sink takes events again');
   }
 
   /**
-   * One batch from the next marked accounts (and those the sweep found): read, post, then move
-   * the cursors, each only if this lead is still the newest; an account whose read was all sent
+   * One batch from the next marked accounts (and those the sweep found): read, deliver, then
+   * move the cursors, each only if the sink accepted the batch and this lead is still the newest; an account whose read was all sent
    * is unmarked. Returns the events sent.
    */
   protected async round(config: GatewayConfig, target: UsageExport, lead: Lead): Promise<{ sent: number; full: boolean }> {
@@ -101,7 +113,7 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     }
     await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9).map((r) => this.countDropped(r.name)));
     this.metrics.lag((now - oldest) / 1000);
-    if (batch.length > 0) await this.post(target.url, batch, lead.signal);
+    if (batch.length > 0) await this.deliver(this.sinkOf(target), batch, lead.signal);
     if (this.stopped) return { sent: 0, full: false };
     lead.signal.throwIfAborted();
     const moved = await Promise.all(moves.map(({ name, move }) => moveUsageCursor(this.redis, name, { ...move, token: lead.token })));
@@ -157,23 +169,20 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     return reads;
   }
 
-  /** Posts a batch; the lead's loss aborts it (LeadLost), the sink's failure is a DeliveryFailed. */
-  private async post(url: string, batch: CloudEvent[], lost: AbortSignal): Promise<void> {
+  /**
+   * Hands a batch to the sink; the lead's loss aborts it (LeadLost). A refusal, or a sink that
+   * throws, is a DeliveryFailed: no cursor moves, and the batch comes again after the backoff.
+   */
+  private async deliver(sink: UsageSink, batch: CloudEvent[], lost: AbortSignal): Promise<void> {
     lost.throwIfAborted();
-    let res: Response;
+    let answer: Accepted;
     try {
-      res = await fetch(url, {
-        method: 'POST',
-        headers: { 'content-type': 'application/cloudevents-batch+json' },
-        body: JSON.stringify(batch),
-        signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
-      });
-      await res.arrayBuffer();
+      answer = await sink.deliver(batch, lost);
     } catch (err) {
       lost.throwIfAborted();
       throw new DeliveryFailed((err as Error).message, { cause: err });
     }
-    if (!res.ok) throw new DeliveryFailed(`the sink answered ${res.status}`);
+    if (answer.accepted !== 'all') throw new DeliveryFailed(answer.reason, { retryAfterMs: answer.retryAfterMs });
   }
 
   /**

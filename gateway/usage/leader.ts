@@ -53,8 +53,18 @@ export interface Lead {
 /** The lead was lost (or could not be renewed) during a round: the round sends nothing more and moves nothing. */
 export class LeadLost extends Error {}
 
-/** The far end (the sink, a receiver) failed, timed out or refused: what the loop's failure metric counts. */
-export class DeliveryFailed extends Error {}
+/**
+ * The far end (the sink, a receiver) failed, timed out or refused: what the loop's failure
+ * metric counts. `retryAfterMs`: the far end asked for at least that long before the next try.
+ */
+export class DeliveryFailed extends Error {
+  readonly retryAfterMs?: number;
+
+  constructor(message: string, options?: ErrorOptions & { retryAfterMs?: number }) {
+    super(message, options);
+    this.retryAfterMs = options?.retryAfterMs;
+  }
+}
 
 type LeaderRedis = RedisClient & {
   lead(lock: string, fence: string, me: string, ms: number): Promise<number>;
@@ -157,8 +167,10 @@ export abstract class LeaderLoop<Target> {
       if (holder) await this.redis.releaseLead(lock, holder).catch(() => {});
       return 1000;
     }
-    const wait = backoffMs(++this.failures);
+    let wait = backoffMs(++this.failures);
     if (err instanceof DeliveryFailed) {
+      // What the far end asked for, within the backoff's own ceiling.
+      wait = Math.max(wait, Math.min(err.retryAfterMs ?? 0, MAX_BACKOFF_MS));
       this.deliveryFailing = true;
       this.failed(target, err, wait);
     } else {
@@ -212,7 +224,9 @@ export abstract class LeaderLoop<Target> {
   }
 }
 
+const MAX_BACKOFF_MS = 30_000;
+
 /** Exponential backoff with full jitter: up to 0.5 s, 1 s, 2 s ... 30 s. */
 export function backoffMs(failures: number): number {
-  return Math.random() * Math.min(30_000, 500 * 2 ** Math.max(0, failures - 1));
+  return Math.random() * Math.min(MAX_BACKOFF_MS, 500 * 2 ** Math.max(0, failures - 1));
 }
