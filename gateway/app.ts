@@ -1,6 +1,6 @@
 import type { FastifyBaseLogger, FastifyInstance, FastifyRequest } from 'fastify';
 import type { DestinationStream } from 'pino';
-import { createLogger } from '../runtime/process.js';
+import { createLogOutput } from '../runtime/process.js';
 import { KeyRegistry } from './auth/registry.js';
 import type { GatewayConfig, UsageExport } from './config/config.js';
 import { ackReplicas, type GatewaySettings } from './config/settings.js';
@@ -105,13 +105,14 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   let config = deps.config;
   const current = () => config;
   const metrics = new GatewayMetrics(settings.metricsKeyIds);
-  const log: FastifyBaseLogger = createLogger(
+  const output = createLogOutput(
     'gateway',
     settings.logLevel,
     settings.logPretty,
     (lines) => metrics.logLinesDropped.inc(lines),
     deps.logStream,
   );
+  const log: FastifyBaseLogger = output.log;
   const store = quotaStore(settings, deps.redis, log, metrics, current);
   metrics.watch(store);
   // Usage events to the billing sink, when the config names one: one exporter per deployment leads.
@@ -132,7 +133,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     config: current,
     store,
     metrics,
-    access: accessLog(metrics, log, settle),
+    access: accessLog(metrics, output, settle),
     tracing,
     keys,
     close: async () => {

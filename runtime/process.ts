@@ -2,13 +2,16 @@ import cluster from 'node:cluster';
 import { hostname } from 'node:os';
 import closeWithGrace from 'close-with-grace';
 import type { FastifyBaseLogger, FastifyInstance } from 'fastify';
-import { type DestinationStream, destination, type Logger, pino } from 'pino';
+import { type DestinationStream, destination, type Logger, pino, stdTimeFunctions, transport } from 'pino';
 
 // How a service process runs, the same for the backend and the gateway: its logger and its
 // graceful stop on signals. (Settings: runtime/settings.ts.)
 
 /** Which process wrote a line: `npm start` and compose put both services in one stream. */
 export type Service = 'gateway' | 'backend' | 'stack';
+
+/** The time field of every line (pino's default, named so a line written beside pino has the same). */
+const LOG_TIME = stdTimeFunctions.epochTime;
 
 /**
  * pino options of both services: each line names its service; credentials and cookies are
@@ -18,6 +21,7 @@ export type Service = 'gateway' | 'backend' | 'stack';
 export function loggerOptions(service: Service, level: string, pretty = false) {
   return {
     level,
+    timestamp: LOG_TIME,
     base: { pid: process.pid, hostname: hostname(), service },
     redact: {
       paths: ['req.headers.authorization', 'req.headers.cookie', 'headers.authorization', 'headers.cookie'],
@@ -126,6 +130,33 @@ class LineBatch implements DestinationStream {
   }
 }
 
+/**
+ * A logger, and what a line written beside it needs to be the line pino would write: where its
+ * lines go, its time field, and the fields it writes on every line after level and time
+ * (`,"pid":…,"hostname":…,"service":…`), as JSON text. The access line is written so
+ * (gateway/observability/access-log.ts): all of it from here, none from pino's internals.
+ */
+export interface LogOutput {
+  log: Logger;
+  destination: DestinationStream;
+  time: () => string;
+  fixedFields: string;
+}
+
+/** A service's logger and its output: pretty through pino-pretty, else JSON lines to `stream` or to asyncStdout. */
+export function createLogOutput(
+  service: Service,
+  level: string,
+  pretty: boolean,
+  onDrop: (lines: number) => void,
+  stream?: DestinationStream,
+): LogOutput {
+  const { transport: prettyTarget, ...options } = loggerOptions(service, level, pretty && !stream);
+  const destination: DestinationStream = prettyTarget ? transport(prettyTarget) : (stream ?? asyncStdout(onDrop));
+  const fixedFields = `,${JSON.stringify(options.base).slice(1, -1)}`;
+  return { log: pino(options, destination), destination, time: LOG_TIME, fixedFields };
+}
+
 /** A service's logger: pretty through pino-pretty, else JSON lines to `stream` or to asyncStdout. */
 export function createLogger(
   service: Service,
@@ -134,8 +165,7 @@ export function createLogger(
   onDrop: (lines: number) => void,
   stream?: DestinationStream,
 ): Logger {
-  const options = loggerOptions(service, level, pretty && !stream);
-  return options.transport ? pino(options) : pino(options, stream ?? asyncStdout(onDrop));
+  return createLogOutput(service, level, pretty, onDrop, stream).log;
 }
 
 /** The names of the settings that place a listener, for messages that say which one to change. */

@@ -1,9 +1,9 @@
-import type { FastifyBaseLogger, FastifyReply, FastifyRequest } from 'fastify';
-import { type Logger, symbols } from 'pino';
+import type { FastifyReply, FastifyRequest } from 'fastify';
 import type { Consumer } from '../config/config.js';
 import type { GatewayMetrics, RejectionReason } from './metrics.js';
 import type { AdmissionOutcome } from '../quota/decision.js';
 import type { RouteId } from '../routes.js';
+import type { LogOutput } from '../../runtime/process.js';
 
 /** What the gateway decided for a request: its quota's outcome, or that it had no valid key (counted by address). */
 export type AccessOutcome = AdmissionOutcome | 'unauthenticated';
@@ -45,23 +45,21 @@ export function tenths(ms: number): string {
 
 /**
  * The access line, built from its fixed fields: the line `log.info(fields, 'request')` writes
- * (pino's level, time and bindings, then the fields in this order, undefined ones left out, then
- * msg; a test compares the two), handed to the logger's destination as pino would. pino's own
- * path serializes any object, key by key: twice the CPU in a tight loop (2.8 against 1.4 us).
+ * (pino's level, time and fixed fields, then these fields in this order, undefined ones left out,
+ * then msg; a test compares the two), handed to the logger's destination as pino would. pino's
+ * own path serializes any object, key by key: twice the CPU in a tight loop (2.8 against 1.4 us).
+ * What pino would put around the fields comes from where the logger was made (LogOutput).
  */
-export function accessLine(log: FastifyBaseLogger): (reqId: string, e: AccessEntry) => void {
-  const pinoLog = log as unknown as Logger & Record<symbol, unknown>;
-  const stream = pinoLog[symbols.streamSym] as { write(line: string): unknown };
-  const time = pinoLog[symbols.timeSym] as () => string;
-  const bindings = pinoLog[symbols.chindingsSym] as string;
+export function accessLine(output: LogOutput): (reqId: string, e: AccessEntry) => void {
+  const { log, destination, time, fixedFields } = output;
   return function writeAccessLine(reqId: string, e: AccessEntry): void {
-    if (!pinoLog.isLevelEnabled('info')) return;
-    let line = `{"level":30${time()}${bindings},"reqId":${JSON.stringify(reqId)}`;
+    if (!log.isLevelEnabled('info')) return;
+    let line = `{"level":30${time()}${fixedFields},"reqId":${JSON.stringify(reqId)}`;
     if (e.consumer) line += keyFields(e.consumer);
     line += `,"route":${e.route === undefined ? 'null' : quoted(e.route)},"method":${quoted(e.method)},"status":${e.status},"ms":${tenths(e.ms)}`;
     if (e.outcome !== undefined) line += `,"outcome":"${e.outcome}"`;
     if (e.overage !== undefined) line += `,"overage":${e.overage}`;
-    stream.write(`${line},"msg":"request"}\n`);
+    destination.write(`${line},"msg":"request"}\n`);
   };
 }
 
@@ -93,8 +91,8 @@ function quoted(name: string): string {
  * for the root logger with the request id as its first field (the same line a request's child
  * logger would write), so no child logger is made for it.
  */
-export function accessLog(metrics: GatewayMetrics, log: FastifyBaseLogger, settle?: (request: FastifyRequest, status: number) => void) {
-  const line = accessLine(log);
+export function accessLog(metrics: GatewayMetrics, output: LogOutput, settle?: (request: FastifyRequest, status: number) => void) {
+  const line = accessLine(output);
   function record(reqId: string, e: AccessEntry): void {
     metrics.request(e.route ?? 'none', e.status, e.consumer?.plan ?? 'none', e.consumer?.id, rejection(e));
     if (e.consumer && e.outcome?.startsWith('would_')) metrics.wouldReject.inc({ reason: e.outcome.slice(6), plan: e.consumer.plan });
