@@ -19,6 +19,29 @@ function build(keys: TestKey[], over: Partial<TestGatewayOptions> = {}): Promise
   return buildTestGateway({ config: testConfig(keys), admin: { token: ADMIN_TOKEN }, ...over });
 }
 
+/**
+ * The gateway's calls of two of its scripts on its Redis client, counted as they are sent: the
+ * quota decision, and the heartbeat (also the probe while Redis is declared failing). A frozen
+ * Redis answers neither: what a test waits on instead of a pause.
+ */
+function watchScripts(gw: TestGateway) {
+  const seen = { quota: 0, quotaInFlight: 0, heartbeat: 0, heartbeatInFlight: 0 };
+  const client = gw.redis as unknown as Record<'quota' | 'heartbeat', (...a: unknown[]) => Promise<unknown>>;
+  const quota = client.quota.bind(client);
+  const heartbeat = client.heartbeat.bind(client);
+  client.quota = (...a) => {
+    seen.quota++;
+    seen.quotaInFlight++;
+    return quota(...a).finally(() => seen.quotaInFlight--);
+  };
+  client.heartbeat = (...a) => {
+    seen.heartbeat++;
+    seen.heartbeatInFlight++;
+    return heartbeat(...a).finally(() => seen.heartbeatInFlight--);
+  };
+  return seen;
+}
+
 const admin = (gw: TestGateway, path: string, token?: string) =>
   fetch(`${gw.adminUrl}${path}`, { headers: token ? { authorization: `Bearer ${token}` } : {} });
 const metrics = async (gw: TestGateway) => (await admin(gw, '/metrics')).text();
@@ -397,6 +420,7 @@ describe('a frozen Redis', () => {
     const timeoutMs = 600;
     const gw = await build([k], { redis: redis.url, settings: { redisTimeoutMs: timeoutMs } });
     expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
+    const scripts = watchScripts(gw);
     const timed = async () => {
       const t = performance.now();
       expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
@@ -405,21 +429,21 @@ describe('a frozen Redis', () => {
     redis.proc.kill('SIGSTOP');
     try {
       expect(await timed()).toBeGreaterThanOrEqual(timeoutMs * 0.9); // the one in flight waits its timeout
-      // Then for 2.5 s (the probe tries Redis every second meanwhile), each request is decided
-      // in-process, from the degraded budget, and none sends a quota call to wait on (each call
-      // is timed in gateway_redis_duration_seconds; the probe is not). Counted, not timed: on a
-      // loaded machine any request may take longer than a fraction of the timeout.
+      // Then over four probes of Redis (each a heartbeat it leaves unanswered), a steady client
+      // sends one request per probe: each is decided in-process, from the degraded budget, and
+      // none sends a quota call to wait on (each call is timed in gateway_redis_duration_seconds;
+      // the probe is not). Counted, not timed: on a loaded machine any request may take longer
+      // than a fraction of the timeout.
       const before = await quotaCounts(gw);
       expect(before.calls).toBeGreaterThanOrEqual(2); // the request before the freeze, and the one that waited
       let later = 0;
-      const end = performance.now() + 2500;
-      while (performance.now() < end) {
+      for (; later < 4; later++) {
+        const probes = scripts.heartbeat;
         expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
-        later++;
-        await new Promise((r) => setTimeout(r, 100)); // pacing: a steady client
+        await eventually(() => scripts.heartbeat > probes, 5000, 'the next probe of Redis');
       }
-      expect(later).toBeGreaterThan(3);
       expect(await quotaCounts(gw)).toEqual({ calls: before.calls, local: before.local + later });
+      expect(scripts.quota).toBe(1); // the one that waited
     } finally {
       redis.proc.kill('SIGCONT');
     }
@@ -429,19 +453,28 @@ describe('a frozen Redis', () => {
     const redis = await spawnRedis();
     onTestFinished(() => redis.stop());
     const k = { ...makeKey('enterprise'), limits: { perMinute: 100, perDay: 100_000 } }; // below 200: no lease, every request asks
-    // REDIS_TIMEOUT_MS far above the 300 ms stall, so a late thaw on a loaded machine stays "slow", never "failing".
+    // REDIS_TIMEOUT_MS far above the stall (until the next heartbeat, about 1 s), so a late thaw on a loaded machine stays "slow", never "failing".
     const gw = await build([k], { redis: redis.url, settings: { redisTimeoutMs: 5000 } });
     expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
+    const scripts = watchScripts(gw);
+    // Frozen between heartbeats: one in flight would hold the next back until REDIS_TIMEOUT_MS.
+    await eventually(() => scripts.heartbeatInFlight === 0, 5000, 'no heartbeat in flight');
     redis.proc.kill('SIGSTOP');
-    const thaw = setTimeout(() => redis.proc.kill('SIGCONT'), 300);
-    const t = performance.now();
+    let thawed = false;
+    const answer = gw.call('/v1/pets', k.key).then((res) => ({ status: res.status, afterThaw: thawed }));
     try {
-      expect((await gw.call('/v1/pets', k.key)).status).toBe(200);
+      // Slow: silent while the request's quota call waits and the heartbeat after it is sent
+      // (a second later), then it answers both.
+      await eventually(() => scripts.quotaInFlight === 1, 5000, "the request's quota call sent");
+      const beats = scripts.heartbeat;
+      await eventually(() => scripts.heartbeat > beats, 5000, 'the next heartbeat sent');
+      expect(scripts.quotaInFlight).toBe(1);
     } finally {
-      clearTimeout(thaw);
+      thawed = true;
       redis.proc.kill('SIGCONT');
     }
-    expect(performance.now() - t).toBeGreaterThanOrEqual(250); // it waited for Redis's own decision
+    // Answered once Redis was: it waited for Redis's own decision.
+    expect(await answer).toEqual({ status: 200, afterThaw: true });
     expect(gw.gateway.store.degraded).toBe(false);
     expect(await metrics(gw)).toMatch(/^gateway_quota_local_decisions_total\{reason="failing"\} 0$/m);
     expect((await usage(gw, k.id)).windows.day.used).toBe(2);
