@@ -25,11 +25,14 @@ function rssMb(pid: number): number {
   return Math.round(Number(kb ?? 0) / 1024);
 }
 
-/** The longest event-loop delay (ms) the gateway saw since the previous scrape. */
-async function loopLagMaxMs(gw: Gateway): Promise<number> {
+/** The longest event-loop delay (ms) the gateway saw since the previous scrape, and its connections cut (none before the limits). */
+async function scrape(gw: Gateway): Promise<{ lagMs: number; cut: number }> {
   const text = await fetch(`${gw.admin}/metrics`, { signal: AbortSignal.timeout(30_000) }).then((r) => r.text());
-  return Math.round(Number(/^nodejs_eventloop_lag_max_seconds (\S+)$/m.exec(text)?.[1] ?? Number.NaN) * 1000);
+  const lag = Number(/^nodejs_eventloop_lag_max_seconds (\S+)$/m.exec(text)?.[1] ?? Number.NaN);
+  const cut = [...text.matchAll(/^gateway_pushback_total\{reason="(?:pipeline|unread)"\} (\S+)$/gm)].reduce((n, m) => n + Number(m[1]), 0);
+  return { lagMs: Math.round(lag * 1000), cut };
 }
+const loopLagMaxMs = async (gw: Gateway) => (await scrape(gw)).lagMs;
 
 /** A normal client: one request at a time with the key, its waits (ms) and statuses, until stopped. */
 function probe(url: string, headers: Record<string, string>) {
@@ -105,9 +108,8 @@ export async function floodPhase(gw: Gateway, headers: Record<string, string>) {
   }
   await sleep(FLOOD_SECONDS * 1000);
   const floodEnd = performance.now();
-  const lagMs = await loopLagMaxMs(gw).catch(() => Number.NaN);
+  const { lagMs, cut } = await scrape(gw).catch(() => ({ lagMs: Number.NaN, cut: Number.NaN }));
   const rssPeakMb = peak();
-  const cut = floods.filter((s) => s.readableEnded || s.destroyed || s.closed).length;
   for (const s of floods) s.destroy();
   await client.stop();
   return {
@@ -190,7 +192,7 @@ export function printHostile(flood: FloodResult | undefined, idle: IdleResult | 
       `   normal client during: ${flood.during.answered} answered, p99 ${flood.during.p99Ms} ms, max ${flood.during.maxMs} ms, not 200: ${flood.during.not200}`,
     );
     console.log(
-      `   gateway RSS ${flood.rssBeforeMb} -> ${flood.rssPeakMb} MB (+${flood.rssGrowthMb}); longest event-loop stall ${flood.loopLagMaxMs} ms; flood connections closed by the gateway: ${flood.floodConnectionsClosed}/${FLOOD_CONNECTIONS}`,
+      `   gateway RSS ${flood.rssBeforeMb} -> ${flood.rssPeakMb} MB (+${flood.rssGrowthMb}); longest event-loop stall ${flood.loopLagMaxMs} ms; flood connections cut by the gateway: ${flood.floodConnectionsClosed}/${FLOOD_CONNECTIONS}`,
     );
   }
   if (idle) {
