@@ -16,6 +16,7 @@ import {
 import { join } from 'node:path';
 import { Redis } from 'ioredis';
 import { freePort, waitForPort } from '../test/helpers/net.js';
+import { floodPhase, idlePhase, printHostile } from './hostile-clients.js';
 import {
   CONNECTIONS,
   type Gateway,
@@ -44,6 +45,10 @@ import {
 //      other than 200 (the key is never refused, so a 5xx or a 429 is Redis's doing and must
 //      not happen), decisions made from the degraded budget, and how many times the gateway
 //      declared Redis failed; against the backend direct under the same load, in the same run.
+//   3. Hostile clients (bench/hostile-clients.ts): a pipelined flood, then 10,000 idle
+//      connections timing out together, each beside a normal client, on a fresh gateway.
+// BENCH_FAULTS_PHASES=redis or hostile runs only those; BENCH_FAULTS_BUILD=<folder> runs the
+// build in <folder>/dist instead of this one's (to compare with an older commit's build).
 
 const PHASE_SECONDS = Number(process.env.BENCH_PHASE_SECONDS ?? 4);
 const RATE = Number(process.env.BENCH_RATE ?? 500);
@@ -153,7 +158,7 @@ async function snapshotBuild(dir: string): Promise<string> {
     try {
       rmSync(app, { recursive: true, force: true });
       mkdirSync(app);
-      cpSync(join(ROOT, 'dist'), join(app, 'dist'), { recursive: true });
+      cpSync(join(process.env.BENCH_FAULTS_BUILD ?? ROOT, 'dist'), join(app, 'dist'), { recursive: true });
       if (!existsSync(join(app, 'dist/.built'))) throw new Error('dist/ is being built');
       break;
     } catch (err) {
@@ -405,9 +410,24 @@ function printFaults(mode: Mode, phases: Phase[]): void {
   for (const p of phases.filter((x) => x.note)) console.log(`   ${p.phase}: ${p.note}`);
 }
 
+/** 3. The hostile-client phases, each on a gateway of its own at default settings. */
+async function hostile(bed: Bed) {
+  const flood = await startGateway(bed, 'flood');
+  const floodResult = await floodPhase(flood, bed.headers);
+  flood.stop();
+  const idle = await startGateway(bed, 'idle');
+  const idleResult = await idlePhase(idle, bed.headers);
+  idle.stop();
+  return { flood: floodResult, idle: idleResult };
+}
+
 async function main() {
   const bed = await setUp();
+  const only = process.env.BENCH_FAULTS_PHASES;
   try {
+    const hostileResults = only === 'redis' ? undefined : await hostile(bed);
+    printHostile(hostileResults?.flood, hostileResults?.idle);
+    if (only === 'hostile') return void writeResults('faults', { at: new Date().toISOString(), hostile: hostileResults });
     const healthy = await healthySaturated(bed);
     const modes = [];
     for (const mode of MODES) modes.push({ mode, phases: await faults(bed, mode) });
@@ -423,6 +443,7 @@ async function main() {
       phaseSeconds: PHASE_SECONDS,
       healthy,
       phases,
+      hostile: hostileResults,
     });
   } catch (err) {
     // A process that would not start names its log, which is in the folder about to be removed.

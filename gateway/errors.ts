@@ -31,6 +31,7 @@ export const GATEWAY_ERRORS = {
   bad_gateway: 502,
   not_ready: 503,
   quota_store_unavailable: 503,
+  gateway_busy: 503,
   gateway_timeout: 504,
 } as const;
 export type GatewayErrorCode = keyof typeof GATEWAY_ERRORS;

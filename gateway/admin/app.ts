@@ -10,6 +10,7 @@ import { plainClientErrorHandler } from '../http/raw-answers.js';
 import type { AccountBook, Operations } from '../quota/store.js';
 import { fileKeys, type KeyStore } from '../auth/key-file.js';
 import { type KeyFinder, keyFinder } from '../auth/registry.js';
+import { AuthThrottle, FAILURES_PER_MINUTE } from './auth-throttle.js';
 import { keyApi } from './keys.js';
 import { failure, Health, Ready, SharedError } from './schemas.js';
 import { alertRoutes, usageRoutes } from './usage.js';
@@ -127,7 +128,7 @@ function adminServer(log: FastifyBaseLogger) {
   app.setErrorHandler(handleError);
   app.addHook('onResponse', async (request, reply) => {
     const ms = Math.round(reply.elapsedTime * 10) / 10;
-    request.log.info({ method: request.method, url: request.url, status: reply.statusCode, ms }, 'admin request');
+    request.log.info({ method: request.method, url: request.url, status: reply.statusCode, ms, address: request.ip }, 'admin request');
   });
   app.setNotFoundHandler(() => {
     throw new GatewayError('route_not_found', 'No such admin route');
@@ -169,16 +170,31 @@ function guard(scope: FastifyInstance, adminToken: string | undefined): void {
   const token = adminToken ? digest(adminToken) : undefined;
   if (!token) scope.log.warn('ADMIN_TOKEN is not set: /admin/* answers 401 to everyone');
   const unauthorized = failure('unauthorized: the admin token is missing or wrong, or ADMIN_TOKEN is not set');
+  const throttled = failure(
+    `rate_limited: ${FAILURES_PER_MINUTE} failed authentications from this address in a minute; Retry-After says when to try again`,
+  );
   scope.addHook('onRoute', (route) => {
     route.schema = {
       ...route.schema,
       security: [{ adminToken: [] }],
-      response: { ...(route.schema?.response as object), 401: unauthorized },
+      response: { ...(route.schema?.response as object), 401: unauthorized, 429: throttled },
     };
   });
+  const throttle = new AuthThrottle();
   scope.addHook('onRequest', async (request) => {
+    const retry = throttle.retryAfter(request.ip);
+    if (retry > 0) {
+      throw new GatewayError('rate_limited', `Too many failed admin authentications from this address; retry after ${retry} s`, {
+        'retry-after': String(retry),
+      });
+    }
     const given = /^Bearer (\S+)$/i.exec(request.headers.authorization ?? '')?.[1];
     if (!token || !given || !timingSafeEqual(digest(given), token)) {
+      if (throttle.failed(request.ip))
+        request.log.warn(
+          { address: request.ip },
+          `admin: ${FAILURES_PER_MINUTE} failed authentications in a minute; address refused until it ends`,
+        );
       throw new GatewayError('unauthorized', token ? 'Admin token missing or wrong' : 'ADMIN_TOKEN is not configured', {
         'www-authenticate': 'Bearer realm="pet-store-admin"',
       });

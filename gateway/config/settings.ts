@@ -77,6 +77,14 @@ export const GatewaySettingsSchema = Type.Object({
   // A client's whole request (headers and body) must arrive within this; then 408 (slow clients).
   requestTimeoutMs: Ms('GATEWAY_REQUEST_TIMEOUT_MS', 30_000),
   upstreamTimeoutMs: Ms('UPSTREAM_TIMEOUT_MS', 10_000),
+  // Hostile clients (docs/operators.md#hostile-clients). Past either cap: 503 gateway_busy. Keep
+  // the connections below the open-file limit (ulimit -n), less the backend's and Redis's.
+  maxConnections: Type.Integer({ env: 'GATEWAY_MAX_CONNECTIONS', minimum: 1, default: 16_384 }),
+  maxInFlight: Type.Integer({ env: 'GATEWAY_MAX_IN_FLIGHT', minimum: 1, default: 1024 }),
+  // Requests in progress per connection: 1, as nginx; the rest of a pipeline waits its turn unread.
+  pipelined: Type.Integer({ env: 'GATEWAY_MAX_PIPELINED', minimum: 1, maximum: 64, default: 1 }),
+  // A response its client has not taken this long after it was written: the connection is cut.
+  unreadTimeoutMs: Ms('GATEWAY_UNREAD_TIMEOUT_MS', 10_000),
   // A Redis call unanswered this long declares Redis failing; until then requests wait for it.
   // 1 s: a Redis Cluster node under CPU contention was seen to stall for 300-400 ms, and a
   // stall taken for a failure lets each instance admit from its budget (exactness test).

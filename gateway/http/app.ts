@@ -15,12 +15,24 @@ import { USAGE_ROUTE } from '../routes.js';
 import { documentServer, OPENAPI_PATH } from './openapi.js';
 import { type RequestContext, requestPipeline } from './pipeline.js';
 import { registerProxy } from './proxy.js';
+import { type ConnectionCounts, limitedServer } from './connections.js';
 import { clientErrorHandler, installRawHandlers, type RawDeps, requestId } from './raw-answers.js';
 
 // The public port, built from what the wiring (../app.ts) gives it: the request pipeline in
 // order, the API document, the usage route and the proxy. It builds no store and starts no loop.
 
-export type PublicSettings = Pick<GatewaySettings, 'backendUrl' | 'bodyLimit' | 'requestTimeoutMs' | 'upstreamTimeoutMs' | 'trustProxy'>;
+export type PublicSettings = Pick<
+  GatewaySettings,
+  | 'backendUrl'
+  | 'bodyLimit'
+  | 'requestTimeoutMs'
+  | 'upstreamTimeoutMs'
+  | 'trustProxy'
+  | 'maxConnections'
+  | 'maxInFlight'
+  | 'pipelined'
+  | 'unreadTimeoutMs'
+>;
 
 export interface PublicParts {
   log: FastifyBaseLogger;
@@ -53,8 +65,14 @@ function publicApp(
   log: FastifyBaseLogger,
   raw: RawDeps,
   frameworkErrors: FastifyServerOptions['frameworkErrors'],
+  metrics: GatewayMetrics,
 ) {
+  const counts: ConnectionCounts = { open: 0, inFlight: 0 };
+  metrics.watchConnections(counts);
+  const pushback = (reason: string) => metrics.pushback.inc({ reason });
   return Fastify({
+    // Our own http.Server: per-connection pipelines, the caps on connections and requests in progress.
+    serverFactory: limitedServer(settings, { record: raw.record, pushback }, counts),
     loggerInstance: log,
     // One access line per request (access-log.ts) instead of fastify's two.
     logController: new LogController({ disableRequestLogging: true }),
@@ -91,7 +109,7 @@ export async function buildPublicApp(settings: PublicSettings, parts: PublicPart
     record,
   };
 
-  const app = publicApp(settings, parts.log, raw, pipeline.onFrameworkError);
+  const app = publicApp(settings, parts.log, raw, pipeline.onFrameworkError, metrics);
   installRawHandlers(app.server, raw);
   app.decorateRequest('ctx', null as never);
   app.setErrorHandler(handleError);

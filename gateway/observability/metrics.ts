@@ -18,6 +18,8 @@ export class GatewayMetrics {
   /** Shadow mode's refusals not made; only keys on a plan or key with `enforce: false` add to it, so labels stay few. */
   readonly wouldReject: Counter<'reason' | 'plan'>;
   readonly overage: Counter<'plan'>;
+  /** Requests and connections turned away (503 gateway_busy) or cut, by reason (http/connections.ts). */
+  readonly pushback: Counter<'reason'>;
   /** The usage exporter's: events sent, failed batches, events dropped by the streams' cap, and its lag. */
   readonly usage: ExportMetrics;
   readonly webhooks: WebhookMetrics;
@@ -59,6 +61,12 @@ export class GatewayMetrics {
       name: 'gateway_overage_requests_total',
       help: "Requests admitted past their quota within the plan's overage (billed extra), by plan",
       labelNames: ['plan'],
+      registers,
+    });
+    this.pushback = new Counter({
+      name: 'gateway_pushback_total',
+      help: 'Turned away with 503 gateway_busy (connections: GATEWAY_MAX_CONNECTIONS, in_flight: GATEWAY_MAX_IN_FLIGHT) or cut (pipeline: too many pipelined requests waiting, unread: a response not taken within GATEWAY_UNREAD_TIMEOUT_MS), by reason',
+      labelNames: ['reason'],
       registers,
     });
     ({ usage: this.usage, webhooks: this.webhooks } = exportMetrics(registers));
@@ -148,6 +156,27 @@ export class GatewayMetrics {
       aggregator: 'max', // 1 if any worker is degraded
       collect() {
         this.set(store.degraded ? 1 : 0);
+      },
+    });
+  }
+
+  /** The public port's open connections and requests in progress, read when scraped. */
+  watchConnections(counts: { open: number; inFlight: number }): void {
+    const registers = [this.registry];
+    new Gauge({
+      name: 'gateway_connections_open',
+      help: 'Connections open on the public port',
+      registers,
+      collect() {
+        this.set(counts.open);
+      },
+    });
+    new Gauge({
+      name: 'gateway_requests_in_flight',
+      help: 'Requests in progress on the public port (GATEWAY_MAX_IN_FLIGHT caps them)',
+      registers,
+      collect() {
+        this.set(counts.inFlight);
       },
     });
   }

@@ -1,3 +1,4 @@
+import { LRUCache } from 'lru-cache';
 import { DAY_MS, degradedShare, MINUTE_MS, periodOf, type QuotaSubject, type WindowCounts, windowStart } from './decision.js';
 import type { Period } from './period.js';
 import { type Counters, countsAt, QuotaStoreUnavailable } from './store.js';
@@ -34,6 +35,14 @@ interface Spent {
   periodWritten: number;
 }
 
+/**
+ * Subjects whose last counters are kept (about 200 B each: 20 MB at most), least recently used
+ * out. Each source address is a subject, and a client has as many addresses as it likes (IPv6):
+ * unbounded, they were kept until the day's end. One forgotten while Redis fails is decided as a
+ * subject never seen: its share of the whole window.
+ */
+export const SEEN_MAX = 100_000;
+
 /** Redis's last counters of a subject, with its billing period's count (a subject with a month window). */
 interface Seen extends Counters {
   periodStart: number;
@@ -51,7 +60,7 @@ interface Seen extends Counters {
  */
 export class DegradedBudget {
   /** Per subject, the counters of Redis's last reply: what was left when Redis failed. */
-  private readonly seen = new Map<string, Seen>();
+  private readonly seen = new LRUCache<string, Seen>({ max: SEEN_MAX });
   private readonly spent = new Map<string, Spent>();
   private fleet = { instances: 1, rank: 0 };
   private batch = 0;
@@ -68,6 +77,11 @@ export class DegradedBudget {
 
   get instances(): number {
     return this.fleet.instances;
+  }
+
+  /** Subjects whose last counters are kept (SEEN_MAX at most). */
+  get seenSubjects(): number {
+    return this.seen.size;
   }
 
   /** A reply's counts: the latest Redis knows. A subject whose budget is all written back starts afresh. */
@@ -197,7 +211,8 @@ export class DegradedBudget {
     this.lastSweep = nowMs;
     const today = windowStart(nowMs, DAY_MS);
     // A subject's last month count is kept until its period ends: the degraded budget needs it all period.
-    for (const [name, c] of this.seen) if (c.dayStart < today && c.periodEnd <= nowMs) this.seen.delete(name);
+    const stale = [...this.seen.entries()].filter(([, c]) => c.dayStart < today && c.periodEnd <= nowMs);
+    for (const [name] of stale) this.seen.delete(name);
     for (const [name, s] of this.spent)
       if (s.dayStart < today && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten && s.periodCount === s.periodWritten)
         this.spent.delete(name);

@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { DAY_MS, degradedShare, MINUTE_MS, NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { QuotaStoreUnavailable } from '../../gateway/quota/store.js';
-import { DegradedBudget } from '../../gateway/quota/degraded-budget.js';
+import { DegradedBudget, SEEN_MAX } from '../../gateway/quota/degraded-budget.js';
 import { LeaseBook, leaseOf } from '../../gateway/quota/lease-book.js';
 import { RedisClock } from '../../gateway/quota/redis-clock.js';
 
@@ -44,6 +44,22 @@ describe('degradedShare', () => {
 });
 
 describe('the degraded budget', () => {
+  const reply = (minuteUsed: number) => ({ outcome: 'allowed' as const, nowMs: T0 + 5, minuteUsed, dayUsed: minuteUsed, banUntilMs: 0 });
+
+  it(`keeps the last counts of at most ${SEEN_MAX} subjects, however many addresses are seen`, () => {
+    const b = new DegradedBudget('me');
+    for (let i = 0; i < 2 * SEEN_MAX; i++) b.see(`addr:${i}`, reply(1));
+    expect(b.seenSubjects).toBe(SEEN_MAX);
+  });
+
+  it('still refuses a subject within the cap that Redis said was spent, after others came and went', () => {
+    const b = new DegradedBudget('me');
+    const s = subject(10, 1000);
+    b.see('s', reply(10));
+    for (let i = 1; i < SEEN_MAX; i++) b.see(`addr:${i}`, reply(1));
+    expect(b.consume(s, 1, T0 + 10).outcome).toBe('minute');
+  });
+
   it("admits this instance's share of what Redis last said was left, in each window", () => {
     const b = new DegradedBudget('me');
     b.setFleet(3, 2);
