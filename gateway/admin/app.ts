@@ -3,7 +3,7 @@ import swagger, { type SwaggerOptions } from '@fastify/swagger';
 import { type FastifyPluginAsyncTypebox, type TypeBoxTypeProvider, TypeBoxValidatorCompiler } from '@fastify/type-provider-typebox';
 import { Type } from '@sinclair/typebox';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifySchemaValidationError, LogController } from 'fastify';
-import type { RedisClient } from '../redis/client.js';
+import { connectionRefusal, isRefusal, type RedisClient } from '../redis/client.js';
 import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../errors.js';
 import { plainClientErrorHandler } from '../http/raw-answers.js';
@@ -58,9 +58,16 @@ function redisName(redis: RedisClient): string {
 /** Why Redis is not usable, in an operator's words rather than the client library's. */
 async function redisProblems(redis: RedisClient, store: Operations): Promise<string[]> {
   const what = redisName(redis);
-  if (redis.status !== 'ready') return [`${what}: not connected (${redis.status}); the gateway keeps trying`];
+  const alone = 'each instance counts alone meanwhile';
+  if (redis.status !== 'ready') {
+    const refused = connectionRefusal(redis);
+    return [refused ? `${what}: refused: ${refused}; ${alone}` : `${what}: not connected (${redis.status}); the gateway keeps trying`];
+  }
   // Declared failing by the quota store: no need to wait for a PING's own timeout to say so.
-  if (store.degraded) return [`${what}: connected but not answering in time`];
+  if (store.degraded) {
+    const reason = store.degradedReason;
+    return [reason && isRefusal(reason) ? `${what}: refused: ${reason}; ${alone}` : `${what}: connected but not answering in time`];
+  }
   return redis.ping().then(
     () => [],
     (err: Error) => [/timed out/i.test(err.message) ? `${what}: connected but not answering in time` : `${what}: ${err.message}`],

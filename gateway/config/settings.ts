@@ -1,7 +1,8 @@
+import { readFileSync } from 'node:fs';
 import { isIP } from 'node:net';
 import { Type } from '@sinclair/typebox';
 import { flag, logLevel, oneOf, readSettings } from '../../runtime/settings.js';
-import type { RedisTarget } from '../redis/client.js';
+import type { RedisAuth, RedisTarget } from '../redis/client.js';
 
 // The gateway's process settings: each one's variable, default and rule side by side.
 
@@ -34,9 +35,81 @@ function parseTracesUrl(value: string): string {
   return value;
 }
 
-/** `host:port,host:port,...` */
-const HOST_PORTS = '^[^,:\\s]+:[0-9]{1,5}(,[^,:\\s]+:[0-9]{1,5})*$';
-const HOST_PORTS_HINT = 'host:port pairs separated by commas, e.g. 10.0.0.1:7000,10.0.0.2:7000';
+/** A Redis URL as an error may show it: never its password. */
+const withoutPassword = (value: string) => value.replace(/\/\/[^@/,]*@/g, '//***@');
+
+/** A REDIS_CLUSTER_NODES or REDIS_SENTINELS entry: host:port, or a redis:// or rediss:// URL (its credentials and TLS). */
+interface NodeEntry {
+  host: string;
+  port: number;
+  username?: string;
+  password?: string;
+  tls: boolean;
+  /** Written as a URL (its scheme and credentials said), not host:port. */
+  url: boolean;
+}
+
+function parseNodeEntry(entry: string): NodeEntry {
+  if (/^rediss?:\/\//.test(entry)) {
+    const url = new URL(parseRedisUrl(entry));
+    const port = Number(url.port || 6379);
+    return {
+      host: url.hostname.replace(/^\[(.*)\]$/, '$1'),
+      port,
+      username: url.username ? decodeURIComponent(url.username) : undefined,
+      password: url.password ? decodeURIComponent(url.password) : undefined,
+      tls: url.protocol === 'rediss:',
+      url: true,
+    };
+  }
+  const at = entry.lastIndexOf(':');
+  const port = Number(entry.slice(at + 1));
+  if (at <= 0 || !/^[0-9]{1,5}$/.test(entry.slice(at + 1)) || !/^[A-Za-z0-9._-]+$/.test(entry.slice(0, at)))
+    throw new Error(`not host:port or a redis:// URL: ${withoutPassword(entry)}`);
+  if (port < 1 || port > 65535) throw new Error(`port out of range (1 to 65535): ${entry}`);
+  return { host: entry.slice(0, at), port, tls: false, url: false };
+}
+
+/**
+ * REDIS_CLUSTER_NODES, REDIS_SENTINELS: entries separated by commas, each host:port or a
+ * redis:// (rediss://) URL. The first entry's credentials and TLS apply to every node of the
+ * list (a managed Cluster's nodes share them), so a URL further on may not say otherwise.
+ */
+function parseNodeList(value: string): string {
+  const entries = value.split(',').map((e) => parseNodeEntry(e.trim()));
+  const [first] = entries;
+  // host:port entries take the first's; a URL further on must not say otherwise.
+  const differ = entries.find((e) => e.url && (e.tls !== first!.tls || e.password !== first!.password || e.username !== first!.username));
+  if (differ)
+    throw new Error(
+      `${withoutPassword(value)}: the first entry's credentials and scheme apply to every node; write them once, on the first`,
+    );
+  return value;
+}
+const NODES_HINT = 'e.g. 10.0.0.1:7000,10.0.0.2:7000, or rediss://user:password@10.0.0.1:7000,10.0.0.2:7000';
+
+/** REDIS_CLUSTER_NAT_MAP: `announced-host:port=reachable-host:port,...` (a managed Cluster behind NAT). */
+function parseNatMap(value: string): string {
+  for (const pair of value.split(',')) {
+    const [from, to, ...rest] = pair.split('=');
+    if (rest.length > 0 || !from || !to) throw new Error(`not announced-host:port=reachable-host:port: ${pair}`);
+    parseNodeEntry(from.trim());
+    parseNodeEntry(to.trim());
+  }
+  return value;
+}
+
+/** REDIS_TLS_CA_FILE: read once, here, so a missing or unreadable file stops the boot with its path. */
+function readCaFile(path: string): string {
+  let pem: string;
+  try {
+    pem = readFileSync(path, 'utf8');
+  } catch (err) {
+    throw new Error(`cannot read ${path}: ${(err as NodeJS.ErrnoException).code ?? (err as Error).message}`, { cause: err });
+  }
+  if (!pem.includes('-----BEGIN CERTIFICATE-----')) throw new Error(`${path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)`);
+  return pem;
+}
 
 const Port = (env: string, fallback: number) =>
   Type.Integer({ env, minimum: 0, maximum: 65535, default: fallback, hint: 'a port number, 0 to 65535 (0: any free port)' });
@@ -49,7 +122,7 @@ function parseRedisUrl(value: string): string {
   try {
     url = new URL(value);
   } catch {
-    throw new Error(`not a URL: ${value} (e.g. redis://127.0.0.1:6379)`);
+    throw new Error(`not a URL: ${withoutPassword(value)} (e.g. redis://127.0.0.1:6379)`);
   }
   if (url.protocol !== 'redis:' && url.protocol !== 'rediss:') throw new Error(`not a redis:// or rediss:// URL: ${url.protocol}//...`);
   if (!url.hostname) throw new Error('no host (e.g. redis://127.0.0.1:6379)');
@@ -66,9 +139,36 @@ export const GatewaySettingsSchema = Type.Object({
       .Encode(String),
   ),
   // A Redis Cluster from its seed nodes, or a Sentinel group: instead of REDIS_URL.
-  redisClusterNodes: Type.Optional(Type.String({ env: 'REDIS_CLUSTER_NODES', pattern: HOST_PORTS, hint: HOST_PORTS_HINT })),
-  redisSentinels: Type.Optional(Type.String({ env: 'REDIS_SENTINELS', pattern: HOST_PORTS, hint: HOST_PORTS_HINT })),
+  // Entries are host:port or URLs; a URL's credentials and TLS are the first entry's, for all.
+  redisClusterNodes: Type.Optional(
+    Type.Transform(Type.String({ env: 'REDIS_CLUSTER_NODES', minLength: 1, hint: NODES_HINT }))
+      .Decode(parseNodeList)
+      .Encode(String),
+  ),
+  // The sentinels themselves: a URL's credentials here are the sentinels' own (sentinel.conf's requirepass).
+  redisSentinels: Type.Optional(
+    Type.Transform(Type.String({ env: 'REDIS_SENTINELS', minLength: 1, hint: NODES_HINT }))
+      .Decode(parseNodeList)
+      .Encode(String),
+  ),
   redisSentinelName: Type.Optional(Type.String({ env: 'REDIS_SENTINEL_NAME', pattern: '^[A-Za-z0-9_.-]{1,64}$' })),
+  // The data nodes' credentials (an ACL user, or requirepass), where no REDIS_URL or
+  // REDIS_CLUSTER_NODES URL carries them: a Sentinel group's master and replicas, or any topology.
+  redisUsername: Type.Optional(Type.String({ env: 'REDIS_USERNAME', minLength: 1 })),
+  redisPassword: Type.Optional(Type.String({ env: 'REDIS_PASSWORD', minLength: 1, secret: true })),
+  // A private CA for rediss:// (PEM), in place of NODE_EXTRA_CA_CERTS; the system's CAs without it.
+  redisTlsCa: Type.Optional(
+    Type.Transform(Type.String({ env: 'REDIS_TLS_CA_FILE', minLength: 1 }))
+      .Decode(readCaFile)
+      .Encode(String),
+  ),
+  redisClusterNatMap: Type.Optional(
+    Type.Transform(
+      Type.String({ env: 'REDIS_CLUSTER_NAT_MAP', minLength: 1, hint: 'announced-host:port=reachable-host:port pairs, by commas' }),
+    )
+      .Decode(parseNatMap)
+      .Encode(String),
+  ),
   configFile: Type.String({ env: 'GATEWAY_CONFIG', minLength: 1, default: 'config/gateway.yaml' }),
   // Where keys live: the config file (the default, and the GitOps path), or also a key registry
   // in Redis for deployments past a file (docs/keys.md): a key change then costs one key.
@@ -152,20 +252,68 @@ export function loadSettings(env: NodeJS.ProcessEnv = process.env) {
   return settings;
 }
 
-/** Which Redis the settings name, if any: a single node, a Cluster or a Sentinel group. */
-export function redisTarget(
-  s: Pick<GatewaySettings, 'redisUrl' | 'redisClusterNodes' | 'redisSentinels' | 'redisSentinelName'>,
-): RedisTarget | undefined {
-  const nodes = (list: string) =>
-    list.split(',').map((n) => ({ host: n.slice(0, n.lastIndexOf(':')), port: Number(n.slice(n.lastIndexOf(':') + 1)) }));
-  if (s.redisClusterNodes) return { kind: 'cluster' as const, nodes: nodes(s.redisClusterNodes) };
-  if (s.redisSentinels) return { kind: 'sentinel' as const, sentinels: nodes(s.redisSentinels), name: s.redisSentinelName! };
-  if (s.redisUrl) return { kind: 'single' as const, url: s.redisUrl };
+type RedisSettings = Pick<
+  GatewaySettings,
+  | 'redisUrl'
+  | 'redisClusterNodes'
+  | 'redisSentinels'
+  | 'redisSentinelName'
+  | 'redisUsername'
+  | 'redisPassword'
+  | 'redisTlsCa'
+  | 'redisClusterNatMap'
+>;
+
+/**
+ * Which Redis the settings name, if any: a single node, a Cluster or a Sentinel group, with
+ * the credentials and TLS of each connection. A URL's own credentials come first; then
+ * REDIS_USERNAME and REDIS_PASSWORD. TLS is a rediss:// scheme, checked against
+ * REDIS_TLS_CA_FILE when it is set.
+ */
+export function redisTarget(s: Partial<RedisSettings>): RedisTarget | undefined {
+  const tls = (on: boolean) => (on ? { ca: s.redisTlsCa } : undefined);
+  const auth = (e?: { username?: string; password?: string }): RedisAuth | undefined => {
+    const username = e?.username ?? (e?.password ? undefined : s.redisUsername);
+    const password = e?.password ?? s.redisPassword;
+    return password || username ? { username, password } : undefined;
+  };
+  const list = (v: string) => v.split(',').map((e) => parseNodeEntry(e.trim()));
+  if (s.redisClusterNodes) {
+    const entries = list(s.redisClusterNodes);
+    const natMap = s.redisClusterNatMap
+      ? Object.fromEntries(
+          s.redisClusterNatMap.split(',').map((pair) => {
+            const [from, to] = pair.split('=').map((e) => parseNodeEntry(e!.trim()));
+            return [`${from!.host}:${from!.port}`, { host: to!.host, port: to!.port }];
+          }),
+        )
+      : undefined;
+    const nodes = entries.map(({ host, port }) => ({ host, port }));
+    return { kind: 'cluster', nodes, auth: auth(entries[0]), tls: tls(entries[0]!.tls), natMap };
+  }
+  if (s.redisSentinels) {
+    const entries = list(s.redisSentinels);
+    const first = entries[0]!;
+    const sentinelAuth = first.password || first.username ? { username: first.username, password: first.password } : undefined;
+    const sentinels = entries.map(({ host, port }) => ({ host, port }));
+    // rediss:// sentinels: the data nodes they name are reached over TLS too (one trust for the group).
+    return { kind: 'sentinel', sentinels, name: s.redisSentinelName!, auth: auth(), tls: tls(first.tls), sentinelAuth };
+  }
+  if (s.redisUrl) {
+    const url = new URL(s.redisUrl);
+    // A URL with credentials keeps them (ioredis reads them from it); else the settings' own.
+    return {
+      kind: 'single',
+      url: s.redisUrl,
+      auth: url.password || url.username ? undefined : auth(),
+      tls: tls(url.protocol === 'rediss:'),
+    };
+  }
   return undefined;
 }
 
 /** Replicas a top-up waits for before it is acknowledged (CREDITS_ACK_REPLICAS, or its default for the topology). */
-export function ackReplicas(s: Parameters<typeof redisTarget>[0] & Pick<GatewaySettings, 'creditsAckReplicas'>): number {
+export function ackReplicas(s: Partial<RedisSettings> & Pick<GatewaySettings, 'creditsAckReplicas'>): number {
   const kind = redisTarget(s)?.kind;
   return s.creditsAckReplicas ?? (kind === 'cluster' || kind === 'sentinel' ? 1 : 0);
 }

@@ -62,11 +62,17 @@ export class RedisHealth {
   private timer: NodeJS.Timeout | undefined;
   private ticking = false;
   private closed = false;
+  private lastReason: string | undefined;
 
   constructor(private readonly o: HealthOptions) {}
 
   get failing(): boolean {
     return this.failingSince !== 0;
+  }
+
+  /** While failing: why, as the last failed call or probe said it. */
+  get reason(): string | undefined {
+    return this.failing ? this.lastReason : undefined;
   }
 
   /** Starts the heartbeat now (on connecting), then every heartbeatMs. */
@@ -76,9 +82,11 @@ export class RedisHealth {
 
   /** Redis failed a call or left it unanswered: declared once, then probed until it answers. */
   failed(err: unknown): void {
-    if (this.failingSince !== 0 || this.closed) return;
+    if (this.closed) return;
+    this.lastReason = this.o.describe(err);
+    if (this.failingSince !== 0) return;
     this.failingSince = Date.now();
-    const reason = this.o.describe(err);
+    const reason = this.lastReason;
     this.o.log.warn({ reason }, 'quota store: Redis failed; each instance decides from its share of what was left until Redis answers');
     this.schedule(this.o.probeMs);
   }

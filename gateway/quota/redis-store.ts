@@ -275,6 +275,11 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     return this.health.failing;
   }
 
+  /** While degraded: the last failure, in one line (a refusal such as NOPERM named as one). */
+  get degradedReason(): string | undefined {
+    return this.health.reason;
+  }
+
   get counts(): Readonly<StoreCounts> {
     return { ...this.tally, instances: this.budget.instances };
   }

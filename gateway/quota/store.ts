@@ -40,6 +40,8 @@ export interface AccountBook {
 export interface Operations {
   /** True while Redis is declared failing: decisions come from the degraded budget. */
   readonly degraded: boolean;
+  /** While degraded, why (the last failure in one line); absent where the store cannot fail. */
+  readonly degradedReason?: string;
   /** Bans this instance knows to be in force now. */
   activeBans(): number;
   /** A shared store's counts of what Redis failing cost (for the metrics). */

@@ -9,9 +9,20 @@ export type RedisClient = Redis | Cluster;
 
 /** Which Redis: one node by URL, a Cluster by its seed nodes, or a Sentinel group's master (settings.ts reads it from the env). */
 export type RedisTarget =
-  | { kind: 'single'; url: string }
-  | { kind: 'cluster'; nodes: RedisNode[] }
-  | { kind: 'sentinel'; sentinels: RedisNode[]; name: string };
+  | { kind: 'single'; url: string; auth?: RedisAuth; tls?: RedisTls }
+  | { kind: 'cluster'; nodes: RedisNode[]; auth?: RedisAuth; tls?: RedisTls; natMap?: Record<string, RedisNode> }
+  | { kind: 'sentinel'; sentinels: RedisNode[]; name: string; auth?: RedisAuth; tls?: RedisTls; sentinelAuth?: RedisAuth };
+
+/** An ACL user and its password, or requirepass's password alone. */
+export interface RedisAuth {
+  username?: string;
+  password?: string;
+}
+
+/** TLS on, checked against this CA (PEM) or, without one, the system's. */
+export interface RedisTls {
+  ca?: string;
+}
 
 export interface RedisNode {
   host: string;
@@ -26,7 +37,10 @@ export interface RedisNode {
  */
 export function connectRedis(target: RedisTarget | undefined, timeoutMs: number): RedisClient | undefined {
   if (!target) return undefined;
+  const tls = target.tls && (target.tls.ca ? { ca: target.tls.ca } : {});
   const node = {
+    ...target.auth,
+    ...(tls && { tls }),
     maxRetriesPerRequest: 1,
     // A backstop that empties the queue of a Redis that never answers. The quota store gives
     // up on its own calls at REDIS_TIMEOUT_MS, after reading the sockets; this one comes
@@ -42,20 +56,31 @@ export function connectRedis(target: RedisTarget | undefined, timeoutMs: number)
   const backoff = (times: number) => Math.min(times * 100, 2000);
   const redis: RedisClient =
     target.kind === 'cluster'
-      ? new Cluster(target.nodes, { ...common, clusterRetryStrategy: backoff, slotsRefreshTimeout: 2000, redisOptions: node })
+      ? new Cluster(target.nodes, {
+          ...common,
+          clusterRetryStrategy: backoff,
+          slotsRefreshTimeout: 2000,
+          redisOptions: node,
+          natMap: target.natMap,
+        })
       : target.kind === 'sentinel'
         ? new Redis({
             ...common,
             ...node,
             sentinels: target.sentinels,
             name: target.name,
+            sentinelUsername: target.sentinelAuth?.username,
+            sentinelPassword: target.sentinelAuth?.password,
+            ...(tls && { sentinelTLS: tls, enableTLSForSentinelMode: true }),
             sentinelRetryStrategy: backoff,
             retryStrategy: backoff,
             failoverDetector: true,
           })
         : new Redis(target.url, { ...common, ...node, retryStrategy: backoff });
   // Reported through the store's degraded line and the start's line (redisProblem), not per event.
-  redis.on('error', (err: Error) => lastErrors.set(redis, err.message));
+  redis.on('error', (err: Error) => remember(redis, err));
+  // A Cluster's own error only says "Failed to refresh slots cache"; its nodes' say why (NOAUTH...).
+  if (redis instanceof Cluster) redis.on('node error', (err: Error) => remember(redis, err));
   redis.on('ready', () => lastErrors.delete(redis));
   if (redis instanceof Redis) reconnectWhenEnded(redis, backoff);
   return redis;
@@ -63,6 +88,38 @@ export function connectRedis(target: RedisTarget | undefined, timeoutMs: number)
 
 /** The last connection error of each client, until it is ready again. */
 const lastErrors = new WeakMap<RedisClient, string>();
+
+/** Redis's refusals of who we are: the one fix is in the settings, not in waiting. */
+const REFUSED = /^(NOAUTH|WRONGPASS|NOPERM)\b/;
+
+/** Keeps a refusal over the vaguer errors that follow it (a Cluster's slots refresh, a closed socket). */
+function remember(redis: RedisClient, err: Error): void {
+  const kept = lastErrors.get(redis);
+  if (kept && REFUSED.test(kept) && !REFUSED.test(err.message)) return;
+  lastErrors.set(redis, err.message);
+}
+
+/**
+ * A refusal by Redis of the gateway's credentials or rights, in an operator's words with what
+ * to change; undefined for any other error.
+ */
+export function refusal(message: string): string | undefined {
+  const code = REFUSED.exec(message)?.[1];
+  if (code === 'NOAUTH') return `${message} Redis asks for a password: give it in the URL (redis://:password@host:port) or REDIS_PASSWORD`;
+  if (code === 'WRONGPASS') return `${message} The username or password is wrong: check REDIS_USERNAME and REDIS_PASSWORD, or the URL's`;
+  if (code === 'NOPERM')
+    return `${message} The Redis user may not run what the gateway needs (docs/operators.md, "Managed Redis", lists the ACL)`;
+  return undefined;
+}
+
+/** Whether a line (a failure as redisProblem words it) tells of such a refusal. */
+export const isRefusal = (line: string) => /\b(NOAUTH|WRONGPASS|NOPERM)\b/.test(line);
+
+/** Why this client is not connected, when Redis refused its credentials or rights; else undefined. */
+export function connectionRefusal(redis: RedisClient): string | undefined {
+  const last = lastErrors.get(redis);
+  return last === undefined || redis.status === 'ready' ? undefined : refusal(last);
+}
 
 /** The setting that named this Redis. */
 function settingOf(redis: RedisClient): string {
@@ -84,7 +141,8 @@ export function redisWhere(redis: RedisClient): string {
  */
 export function redisProblem(redis: RedisClient, err: unknown): string {
   const connection = redis.status === 'ready' ? undefined : (lastErrors.get(redis) ?? `not connected (${redis.status})`);
-  return `${redisWhere(redis)}: ${connection ?? (err instanceof Error ? err.message : String(err))}`;
+  const message = connection ?? (err instanceof Error ? err.message : String(err));
+  return `${redisWhere(redis)}: ${refusal(message) ?? message}`;
 }
 
 /**
@@ -145,8 +203,12 @@ export async function awaitRedis(redis: RedisClient | undefined, log: FastifyBas
     redis.once('error', done);
   });
   if ((redis.status as string) !== 'ready') {
+    const refused = connectionRefusal(redis);
+    // Refused credentials will not mend by waiting: said as such, and that counting is now per instance.
     log.warn(
-      `${redisProblem(redis, 'not ready yet')}: is Redis running there, and is ${settingOf(redis)} right? Until it answers, each instance decides from its share of the quota`,
+      refused
+        ? `${redisWhere(redis)} refused the gateway: ${refused}. Until it accepts, each instance counts alone, from its share of the quota`
+        : `${redisProblem(redis, 'not ready yet')}: is Redis running there, and is ${settingOf(redis)} right? Until it answers, each instance counts alone, from its share of the quota`,
     );
   }
 }

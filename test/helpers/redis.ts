@@ -16,18 +16,31 @@ const NO_TITLE = ['--set-proc-title', 'no'];
  * run's own (`inRunGroup`) stays in vitest's process group, as it always did: a Ctrl-C, which
  * ends vitest before its teardown, reaches it too.
  */
-export async function spawnRedis({ inRunGroup = false, at }: { inRunGroup?: boolean; at?: number } = {}): Promise<{
+export async function spawnRedis({
+  inRunGroup = false,
+  at,
+  args: extra = [],
+  tlsPort,
+}: {
+  inRunGroup?: boolean;
+  at?: number;
+  /** More redis-server arguments (a password, an ACL user, TLS files). */
+  args?: string[];
+  /** Serve TLS only, on this port (the plain port closed): `args` must name the certificate files. */
+  tlsPort?: number;
+} = {}): Promise<{
   url: string;
   proc: ChildProcess;
   stop: () => Promise<void>;
 }> {
-  const port = at ?? (await freePort()); // `at`: a port a gateway already tries
-  const args = ['--port', String(port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', ...NO_TITLE];
+  const port = tlsPort ?? at ?? (await freePort()); // `at`: a port a gateway already tries
+  const listen = tlsPort ? ['--port', '0', '--tls-port', String(tlsPort)] : ['--port', String(port)];
+  const args = [...listen, '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', ...NO_TITLE, ...extra];
   const proc = spawnOwned('redis-server', args, { stdio: 'ignore', detached: !inRunGroup });
   await waitForPort(port, 5000);
   const exited = new Promise<void>((r) => proc.once('exit', () => r()));
   return {
-    url: `redis://127.0.0.1:${port}`,
+    url: `${tlsPort ? 'rediss' : 'redis'}://127.0.0.1:${port}`,
     proc,
     /** SIGTERM (after SIGCONT: it may be frozen); resolves once it has exited. */
     stop: () => {
@@ -57,8 +70,19 @@ async function clusterPort(taken: Set<number>): Promise<number> {
   }
 }
 
-const cli = (port: number, ...args: string[]) =>
-  execFileSync('redis-cli', ['-h', '127.0.0.1', '-p', String(port), ...args], { encoding: 'utf8', timeout: 10_000 }).trim();
+/** redis-cli against a node; `password` for a node with requirepass (never on a command line a test prints). */
+const cliAs =
+  (password: string | undefined) =>
+  (port: number, ...args: string[]) =>
+    execFileSync(
+      'redis-cli',
+      ['-h', '127.0.0.1', '-p', String(port), ...(password ? ['--no-auth-warning', '-a', password] : []), ...args],
+      {
+        encoding: 'utf8',
+        timeout: 10_000,
+      },
+    ).trim();
+const cli = cliAs(undefined);
 
 async function until(what: string, quietMs: number, check: () => boolean): Promise<void> {
   const ms = scaled(quietMs);
@@ -87,7 +111,10 @@ export interface RedisNode {
  */
 export async function spawnCluster(
   nodeTimeoutMs = 1000,
+  { password }: { password?: string } = {},
 ): Promise<{ nodes: string; all: RedisNode[]; masterOf(key: string): RedisNode; stop(): void }> {
+  const cli = cliAs(password);
+  const auth = password ? ['--requirepass', password, '--masterauth', password] : [];
   const dir = mkdtempSync(join(tmpdir(), 'redis-cluster-'));
   const taken = new Set<number>();
   const all: RedisNode[] = [];
@@ -123,6 +150,7 @@ export async function spawnCluster(
           '--repl-diskless-sync-delay',
           '0',
           ...NO_TITLE,
+          ...auth,
         ],
         { stdio: 'ignore' },
       );
@@ -131,7 +159,15 @@ export async function spawnCluster(
     for (const n of all) await waitForPort(n.port, 5000);
     execFileSync(
       'redis-cli',
-      ['--cluster', 'create', ...all.map((n) => `127.0.0.1:${n.port}`), '--cluster-replicas', '1', '--cluster-yes'],
+      [
+        ...(password ? ['--no-auth-warning', '-a', password] : []),
+        '--cluster',
+        'create',
+        ...all.map((n) => `127.0.0.1:${n.port}`),
+        '--cluster-replicas',
+        '1',
+        '--cluster-yes',
+      ],
       {
         stdio: 'ignore',
         timeout: 30_000,
@@ -187,7 +223,15 @@ export async function spawnCluster(
  * A real Sentinel group on loopback: a master, a replica and three sentinels (quorum 2) that
  * fail over one second after the master stops answering.
  */
-export async function spawnSentinels(): Promise<{
+export async function spawnSentinels({
+  password,
+  sentinelPassword,
+}: {
+  /** The master's and replica's requirepass (and masterauth). */
+  password?: string;
+  /** The sentinels' own requirepass. */
+  sentinelPassword?: string;
+} = {}): Promise<{
   sentinels: string;
   name: string;
   master: RedisNode;
@@ -205,6 +249,9 @@ export async function spawnSentinels(): Promise<{
     rmSync(dir, { recursive: true, force: true });
   };
   const name = 'petstore';
+  const cli = cliAs(password);
+  const sentinelCli = cliAs(sentinelPassword);
+  const auth = password ? ['--requirepass', password, '--masterauth', password] : [];
   try {
     const [mPort, rPort] = [await freePort(), await freePort()];
     const server = (port: number, ...extra: string[]) => {
@@ -226,6 +273,7 @@ export async function spawnSentinels(): Promise<{
           '--dir',
           own,
           ...NO_TITLE,
+          ...auth,
           ...extra,
         ],
         {
@@ -254,6 +302,8 @@ export async function spawnSentinels(): Promise<{
           `sentinel monitor ${name} 127.0.0.1 ${mPort} 2`,
           `sentinel down-after-milliseconds ${name} 1000`,
           `sentinel failover-timeout ${name} 2000`,
+          ...(password ? [`sentinel auth-pass ${name} ${password}`] : []),
+          ...(sentinelPassword ? [`requirepass ${sentinelPassword}`, `sentinel sentinel-pass ${sentinelPassword}`] : []),
           '',
         ].join('\n'),
       );
@@ -265,8 +315,8 @@ export async function spawnSentinels(): Promise<{
     await until('sentinels see the replica and each other', 20_000, () =>
       ports.every(
         (p) =>
-          cli(p, 'sentinel', 'replicas', name).includes(String(rPort)) &&
-          Number(cli(p, 'sentinel', 'ckquorum', name).match(/(\d+) usable/)?.[1]) >= 3,
+          sentinelCli(p, 'sentinel', 'replicas', name).includes(String(rPort)) &&
+          Number(sentinelCli(p, 'sentinel', 'ckquorum', name).match(/(\d+) usable/)?.[1]) >= 3,
       ),
     );
     // What the sentinels did (their +sdown, +odown, +vote, +failover... lines), for a failure message.

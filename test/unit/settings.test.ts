@@ -1,3 +1,6 @@
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { Type } from '@sinclair/typebox';
 import { describe, expect, it } from 'vitest';
 import { loadBackendSettings } from '../../backend/settings.js';
@@ -42,9 +45,19 @@ describe('settings', () => {
     ]);
     expect(problems({ REDIS_URL: 'localhost:6379' })).toEqual(['REDIS_URL: not a redis:// or rediss:// URL: localhost://...']);
     expect(problems({ REDIS_URL: 'redis://r:639000' })).toEqual(['REDIS_URL: not a URL: redis://r:639000 (e.g. redis://127.0.0.1:6379)']);
-    expect(problems({ REDIS_CLUSTER_NODES: 'a:1;b:2' })).toEqual([
-      'REDIS_CLUSTER_NODES: host:port pairs separated by commas, e.g. 10.0.0.1:7000,10.0.0.2:7000 (got "a:1;b:2")',
+    expect(problems({ REDIS_CLUSTER_NODES: 'a:1;b:2' })).toEqual(['REDIS_CLUSTER_NODES: not host:port or a redis:// URL: a:1;b:2']);
+    // A URL's password is never repeated, mistyped or not; nor a CA file's absence mistaken for a default.
+    expect(problems({ REDIS_CLUSTER_NODES: 'redis://u:hunter2hunter2@a:1,b;2' })).toEqual([
+      'REDIS_CLUSTER_NODES: not host:port or a redis:// URL: b;2',
     ]);
+    expect(problems({ REDIS_URL: 'redis://u:hunter2hunter2@a b:1' })).toEqual([
+      'REDIS_URL: not a URL: redis://***@a b:1 (e.g. redis://127.0.0.1:6379)',
+    ]);
+    expect(problems({ REDIS_SENTINELS: 'rediss://:pw1pw1pw1@s1:1,redis://s2:2', REDIS_SENTINEL_NAME: 'm' })).toEqual([
+      "REDIS_SENTINELS: rediss://***@s1:1,redis://s2:2: the first entry's credentials and scheme apply to every node; write them once, on the first",
+    ]);
+    expect(problems({ REDIS_TLS_CA_FILE: '/nonexistent/ca.pem' })).toEqual(['REDIS_TLS_CA_FILE: cannot read /nonexistent/ca.pem: ENOENT']);
+    expect(problems({ REDIS_PASSWORD: '' })).toEqual([]); // unset, as an empty variable is
     expect(problems({ KEY_STORE: 'redis' })).toEqual([
       'KEY_STORE=redis: the key registry lives in Redis: set REDIS_URL (or REDIS_CLUSTER_NODES, or REDIS_SENTINELS)',
     ]);
@@ -146,6 +159,52 @@ describe('settings from their schema', () => {
       name: 'mymaster',
     });
     expect(redisTarget(loadSettings({}))).toBeUndefined();
+    // Managed Redis: the first URL's credentials and TLS for every Cluster node; the sentinels'
+    // own password apart from the data nodes'; REDIS_PASSWORD where no URL carries one.
+    const ca = join(mkdtempSync(join(tmpdir(), 'ca-')), 'ca.pem');
+    writeFileSync(ca, '-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n');
+    expect(
+      redisTarget(
+        loadSettings({
+          REDIS_CLUSTER_NODES: 'rediss://gw:p%40ss@10.0.0.1:7000,10.0.0.2:7000',
+          REDIS_TLS_CA_FILE: ca,
+          REDIS_CLUSTER_NAT_MAP: '10.0.0.1:7000=203.0.113.5:17000',
+        }),
+      ),
+    ).toEqual({
+      kind: 'cluster',
+      nodes: [
+        { host: '10.0.0.1', port: 7000 },
+        { host: '10.0.0.2', port: 7000 },
+      ],
+      auth: { username: 'gw', password: 'p@ss' },
+      tls: { ca: readFileSync(ca, 'utf8') },
+      natMap: { '10.0.0.1:7000': { host: '203.0.113.5', port: 17000 } },
+    });
+    expect(
+      redisTarget(
+        loadSettings({ REDIS_SENTINELS: 'redis://:sentinel-pw@s1:26379,s2:26379', REDIS_SENTINEL_NAME: 'm', REDIS_PASSWORD: 'data-pw' }),
+      ),
+    ).toEqual({
+      kind: 'sentinel',
+      sentinels: [
+        { host: 's1', port: 26379 },
+        { host: 's2', port: 26379 },
+      ],
+      name: 'm',
+      auth: { password: 'data-pw' },
+      sentinelAuth: { password: 'sentinel-pw' },
+    });
+    expect(redisTarget(loadSettings({ REDIS_URL: 'redis://r:6379', REDIS_USERNAME: 'gw', REDIS_PASSWORD: 'pw' }))).toEqual({
+      kind: 'single',
+      url: 'redis://r:6379',
+      auth: { username: 'gw', password: 'pw' },
+    });
+    // A URL's own credentials win: ioredis reads them from it.
+    expect(redisTarget(loadSettings({ REDIS_URL: 'redis://:own@r:6379', REDIS_PASSWORD: 'pw' }))).toEqual({
+      kind: 'single',
+      url: 'redis://:own@r:6379',
+    });
     expect(() => loadSettings({ REDIS_URL: 'redis://r:6379', REDIS_CLUSTER_NODES: 'a:1' })).toThrow(
       /REDIS_URL, REDIS_CLUSTER_NODES: set one of them, not 2/,
     );
