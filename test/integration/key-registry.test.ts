@@ -3,7 +3,7 @@ import { join } from 'node:path';
 import { promisify } from 'node:util';
 import { Redis } from 'ioredis';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
-import { generateKey } from '../../gateway/auth/keys.js';
+import { generateKey, hashKey } from '../../gateway/auth/keys.js';
 import { RegistryKeys } from '../../gateway/auth/registry.js';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
@@ -86,17 +86,49 @@ describe('the key registry', () => {
     const { key } = await issue(gw!, { plan: 'free' });
     await eventually(() => gw!.gateway.keys!.announced === 1, 5000, 'the new key announced');
     expect(await statusOn(gw!, key)).toBe(200);
-    const probe = new Redis(own.url);
-    onTestFinished(() => probe.disconnect());
-    const lookups = async () => Number((await probe.info('commandstats')).match(/cmdstat_hgetall:calls=(\d+)/)?.[1] ?? 0);
-    const before = await lookups();
-    for (let i = 0; i < 300; i++) {
-      const res = await gw!.call('/v1/pets', generateKey('production').key); // well formed, never issued
+    // What Redis is asked, command by command: a count of all lookups would also see one the
+    // gateway rightly makes for the issued key (its cache entry timing out on a slow machine).
+    const monitor = await new Redis(own.url).on('error', () => {}).monitor(); // resolves once MONITOR is on
+    onTestFinished(() => monitor.disconnect());
+    monitor.on('error', () => {}); // its Redis stops with the test
+    const looked: string[] = [];
+    monitor.on('monitor', (_time: string, args: string[]) => {
+      if (args[0]?.toLowerCase() === 'hgetall') looked.push(args[1]!);
+    });
+    const never = Array.from({ length: 300 }, () => generateKey('production'));
+    for (const k of never) {
+      const res = await gw!.call('/v1/pets', k.key); // well formed, never issued
       expect(res.status).toBe(401);
       await res.arrayBuffer();
     }
-    expect(await lookups()).toBe(before);
-    expect(await statusOn(gw!, key)).toBe(200); // the issued one, from the cache: no lookup either
+    expect(await statusOn(gw!, key)).toBe(200);
+    const issued = hashKey(key);
+    // A marker after the flood: every command before it has been seen once the marker has.
+    const mark = `marker-${Date.now()}`;
+    const seen = new Promise<void>((resolve) => monitor.on('monitor', (_t: string, args: string[]) => args[1] === mark && resolve()));
+    const probe = new Redis(own.url).on('error', () => {});
+    onTestFinished(() => probe.disconnect());
+    await probe.hgetall(mark);
+    await seen;
+    const asked = looked.filter((name) => name !== mark);
+    expect(never.filter((k) => asked.some((name) => name.endsWith(k.hash)))).toEqual([]);
+    expect(asked.every((name) => name.endsWith(issued))).toBe(true);
+  });
+
+  it('serves a key it has read from its cache, without asking Redis again', async () => {
+    const own = await spawnRedis();
+    onTestFinished(() => own.stop());
+    const [gw] = await deployment(1, testConfig([]), {}, own.url);
+    await gw!.gateway.keys!.ready();
+    const { key } = await issue(gw!, { plan: 'free' });
+    await eventually(() => gw!.gateway.keys!.announced === 1, 5000, 'the new key announced');
+    const probe = new Redis(own.url).on('error', () => {});
+    onTestFinished(() => probe.disconnect());
+    const lookups = async () => Number((await probe.info('commandstats')).match(/cmdstat_hgetall:calls=(\d+)/)?.[1] ?? 0);
+    expect(await statusOn(gw!, key)).toBe(200); // read from Redis once
+    const before = await lookups();
+    // Back to back, well within the cache's minute: from the cache.
+    for (let i = 0; i < 3; i++) expect(await statusOn(gw!, key)).toBe(200); // within the free plan's 5 a minute
     expect(await lookups()).toBe(before);
   });
 
