@@ -34,9 +34,11 @@ function parseTracesUrl(value: string): string {
   return value;
 }
 
+/** A port a Redis listens on: 1 to 65535 (a pattern, so the error is the hint's words). */
+const REDIS_PORT = '([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])';
 /** `host:port,host:port,...` */
-const HOST_PORTS = '^[^,:\\s]+:[0-9]{1,5}(,[^,:\\s]+:[0-9]{1,5})*$';
-const HOST_PORTS_HINT = 'host:port pairs separated by commas, e.g. 10.0.0.1:7000,10.0.0.2:7000';
+const HOST_PORTS = `^[^,:\\s]+:${REDIS_PORT}(,[^,:\\s]+:${REDIS_PORT})*$`;
+const HOST_PORTS_HINT = 'host:port pairs separated by commas, ports 1 to 65535, e.g. 10.0.0.1:7000,10.0.0.2:7000';
 
 const Port = (env: string, fallback: number) =>
   Type.Integer({ env, minimum: 0, maximum: 65535, default: fallback, hint: 'a port number, 0 to 65535 (0: any free port)' });
@@ -49,8 +51,11 @@ function parseRedisUrl(value: string): string {
   try {
     url = new URL(value);
   } catch {
+    const port = /:([0-9]+)(?:[/?#]|$)/.exec(value.replace(/^[a-z]+:\/\//, ''))?.[1];
+    if (port && Number(port) > 65535) throw new Error(`port ${port} is out of range: 1 to 65535`);
     throw new Error(`not a URL: ${value} (e.g. redis://127.0.0.1:6379)`);
   }
+  if (url.port === '0') throw new Error('port 0 is out of range: 1 to 65535');
   if (url.protocol !== 'redis:' && url.protocol !== 'rediss:') throw new Error(`not a redis:// or rediss:// URL: ${url.protocol}//...`);
   if (!url.hostname) throw new Error('no host (e.g. redis://127.0.0.1:6379)');
   return value;

@@ -41,10 +41,16 @@ describe('settings', () => {
       'ADMIN_TOKEN: at least 16 characters: a long random string (openssl rand -hex 24)',
     ]);
     expect(problems({ REDIS_URL: 'localhost:6379' })).toEqual(['REDIS_URL: not a redis:// or rediss:// URL: localhost://...']);
-    expect(problems({ REDIS_URL: 'redis://r:639000' })).toEqual(['REDIS_URL: not a URL: redis://r:639000 (e.g. redis://127.0.0.1:6379)']);
-    expect(problems({ REDIS_CLUSTER_NODES: 'a:1;b:2' })).toEqual([
-      'REDIS_CLUSTER_NODES: host:port pairs separated by commas, e.g. 10.0.0.1:7000,10.0.0.2:7000 (got "a:1;b:2")',
-    ]);
+    expect(problems({ REDIS_URL: 'redis://r:a' })).toEqual(['REDIS_URL: not a URL: redis://r:a (e.g. redis://127.0.0.1:6379)']);
+    // Redis ports in range: 63900 is a port (whether anything listens there is for the boot to say), 70000 and 0 are not.
+    expect(problems({ REDIS_URL: 'redis://r:63900' })).toEqual([]);
+    expect(problems({ REDIS_URL: 'redis://:1234@r:70000/0' })).toEqual(['REDIS_URL: port 70000 is out of range: 1 to 65535']);
+    expect(problems({ REDIS_URL: 'redis://r:0' })).toEqual(['REDIS_URL: port 0 is out of range: 1 to 65535']);
+    const pairs = 'host:port pairs separated by commas, ports 1 to 65535, e.g. 10.0.0.1:7000,10.0.0.2:7000';
+    expect(problems({ REDIS_CLUSTER_NODES: 'a:1;b:2' })).toEqual([`REDIS_CLUSTER_NODES: ${pairs} (got "a:1;b:2")`]);
+    expect(problems({ REDIS_CLUSTER_NODES: 'a:63900,b:65535' })).toEqual([]);
+    for (const bad of ['a:7000,b:70000', 'a:0', 'a:65536'])
+      expect(problems({ REDIS_CLUSTER_NODES: bad })).toEqual([`REDIS_CLUSTER_NODES: ${pairs} (got "${bad}")`]);
     expect(problems({ KEY_STORE: 'redis' })).toEqual([
       'KEY_STORE=redis: the key registry lives in Redis: set REDIS_URL (or REDIS_CLUSTER_NODES, or REDIS_SENTINELS)',
     ]);
