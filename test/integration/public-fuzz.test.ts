@@ -68,4 +68,18 @@ describe('the public port against its own document (a fuzzer)', () => {
       );
     }
   });
+
+  it('answers a malformed chunk in a body it is reading with 400 in the Error shape (it waited for ever)', async () => {
+    const res = await send(gw.port, {
+      method: 'POST',
+      path: '/v1/pets',
+      headers: [
+        ['Authorization', `Bearer ${key.key}`],
+        ['Content-Type', 'application/json'],
+      ],
+      framing: 'chunked',
+      body: 'zz\r\nabc\r\n0\r\n\r\n',
+    });
+    expect([res.status, res.body]).toEqual([400, '{"code":"bad_request","message":"Malformed HTTP request","status":400}']);
+  });
 });
