@@ -3,6 +3,7 @@ import { createServer, isIPv6 } from 'node:net';
 import { resolve } from 'node:path';
 import { Type } from '@sinclair/typebox';
 import { loadBackendSettings } from './backend/settings.js';
+import { loadGatewayStart } from './gateway/config/boot.js';
 import { loadSettings } from './gateway/config/settings.js';
 import { createLogger, type ListenSettings, listenProblem } from './runtime/process.js';
 import { SERVICES } from './runtime/services.js';
@@ -16,6 +17,8 @@ import { flag, logLevel, readSettings } from './runtime/settings.js';
 // group, so a terminal's Ctrl-C reaches them once, through this file.
 
 const root = import.meta.dirname.endsWith('dist') ? resolve(import.meta.dirname, '..') : import.meta.dirname;
+// Where the children run, so a relative GATEWAY_CONFIG or PETS_DB is checked here as they will read it.
+process.chdir(root);
 // Bad values are the children's to report, each naming its variable; here they fall back.
 let logSettings: { logLevel: string; logPretty: boolean };
 try {
@@ -146,6 +149,26 @@ function backendUrl(): string | undefined {
 const derived = backendUrl();
 const gatewayEnv = derived ? { ...process.env, BACKEND_URL: derived } : process.env;
 
+/** Both services' setting problems and the gateway config file's, each service's in its own words. */
+function startProblems(): string[] {
+  const problems: string[] = [];
+  for (const check of [() => loadBackendSettings(), () => loadGatewayStart(gatewayEnv)]) {
+    try {
+      check();
+    } catch (err) {
+      problems.push(err instanceof Error ? err.message : String(err));
+    }
+  }
+  return problems;
+}
+
+// Before anything starts: a bad gateway setting printed after the backend's start-up lines
+// reads as a failure of the backend, and leaves a backend to stop.
+const problems = startProblems();
+if (problems.length > 0) {
+  for (const problem of problems) console.error(problem);
+  process.exit(1);
+}
 const inUse = await clashes();
 if (inUse.length > 0) {
   for (const line of inUse) console.error(line);

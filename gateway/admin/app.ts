@@ -6,7 +6,7 @@ import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifySche
 import { connectionRefusal, isRefusal, type RedisClient } from '../redis/client.js';
 import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../errors.js';
-import { plainClientErrorHandler } from '../http/raw-answers.js';
+import { installPlainRawHandlers, plainClientErrorHandler } from '../http/raw-answers.js';
 import type { AccountBook, Operations } from '../quota/store.js';
 import { fileKeys, type KeyStore } from '../auth/key-file.js';
 import { type KeyFinder, keyFinder } from '../auth/registry.js';
@@ -140,6 +140,7 @@ function adminServer(log: FastifyBaseLogger) {
   app.setNotFoundHandler(() => {
     throw new GatewayError('route_not_found', 'No such admin route');
   });
+  installPlainRawHandlers(app.server);
   return app;
 }
 

@@ -122,8 +122,11 @@ function parseRedisUrl(value: string): string {
   try {
     url = new URL(value);
   } catch {
+    const port = /:([0-9]+)(?:[/?#]|$)/.exec(value.replace(/^[a-z]+:\/\//, ''))?.[1];
+    if (port && Number(port) > 65535) throw new Error(`port ${port} is out of range: 1 to 65535`);
     throw new Error(`not a URL: ${withoutPassword(value)} (e.g. redis://127.0.0.1:6379)`);
   }
+  if (url.port === '0') throw new Error('port 0 is out of range: 1 to 65535');
   if (url.protocol !== 'redis:' && url.protocol !== 'rediss:') throw new Error(`not a redis:// or rediss:// URL: ${url.protocol}//...`);
   if (!url.hostname) throw new Error('no host (e.g. redis://127.0.0.1:6379)');
   return value;

@@ -82,21 +82,33 @@ const PARSER_ERRORS: Record<string, [GatewayErrorCode, string]> = {
 };
 
 /**
- * GATEWAY_REQUEST_TIMEOUT_MS passed while fastify is still reading the request's body (it
- * trickles): fail that read, so fastify answers 408 itself (with the key's headers, one access
- * line), then close the connection. False when the timed-out request is not in fastify.
+ * The parser failed while fastify was still reading the request's body (GATEWAY_REQUEST_TIMEOUT_MS
+ * passed as it trickled, or a chunk was malformed): fail that read, so fastify answers the
+ * error itself (with the key's headers, one access line), then close the connection. False when
+ * no request is being read. Answering on the socket instead would wait forever for that
+ * request's own answer, which waits for the rest of its body.
  */
-function timeoutInFastify(socket: Socket): boolean {
+function failInFastify(socket: Socket, error: GatewayError): boolean {
   const inFlight = (socket as Socket & { _httpMessage?: ServerResponse })._httpMessage;
   if (!inFlight || inFlight.req.complete) return false;
-  if (inFlight.headersSent || inFlight.req.listenerCount('error') === 0) {
+  if (inFlight.headersSent) {
     socket.destroy();
     return true;
   }
   inFlight.setHeader('connection', 'close');
   inFlight.once('finish', () => socket.destroy());
-  setTimeout(() => socket.destroy(), 1000).unref();
-  inFlight.req.emit('error', new GatewayError('request_timeout', 'The request was not received in time'));
+  setTimeout(() => socket.destroy(), 5000).unref();
+  // Not reading the body yet (a hook still runs): fail the read when it starts; a route that
+  // never reads it answers as usual.
+  const { req } = inFlight;
+  const fail = () => req.emit('error', error);
+  if (req.listenerCount('error') > 0) fail();
+  else
+    req.on('newListener', function waitForReader(event) {
+      if (event !== 'error') return;
+      req.off('newListener', waitForReader);
+      process.nextTick(fail);
+    });
   return true;
 }
 
@@ -115,10 +127,24 @@ function silentTimeout(socket: Socket): boolean {
 export function clientErrorHandler(deps: RawDeps) {
   return (err: Error & { code?: string }, socket: Socket): void => {
     if (err.code === 'ECONNRESET' || socket.destroyed) return void socket.destroy();
-    if (err.code === 'ERR_HTTP_REQUEST_TIMEOUT' && (silentTimeout(socket) || timeoutInFastify(socket))) return;
+    // A connection that sent nothing is closed without a word (connections.ts); a started request gets its 408.
+    if (err.code === 'ERR_HTTP_REQUEST_TIMEOUT' && silentTimeout(socket)) return;
     const [code, message] = PARSER_ERRORS[err.code ?? ''] ?? ['bad_request', 'Malformed HTTP request'];
+    if (failInFastify(socket, new GatewayError(code, message))) return;
     answer(deps, { address: socket.remoteAddress ?? 'unknown', method: 'unknown' }, code, message, toSocket(socket));
   };
+}
+
+/** An answer in the Error shape with no quota to count it against and no access line (the admin port's). */
+function plainAnswer(send: Send, code: GatewayErrorCode, message: string): void {
+  const body = renderError(code, message);
+  const headers = {
+    'content-type': 'application/json; charset=utf-8',
+    'cache-control': 'no-store',
+    'content-length': String(Buffer.byteLength(body)),
+    connection: 'close',
+  };
+  send(GATEWAY_ERRORS[code], headers, body);
 }
 
 /**
@@ -128,17 +154,20 @@ export function clientErrorHandler(deps: RawDeps) {
 export function plainClientErrorHandler(err: Error & { code?: string }, socket: Socket): void {
   if (err.code === 'ECONNRESET' || socket.destroyed) return void socket.destroy();
   const [code, message] = PARSER_ERRORS[err.code ?? ''] ?? ['bad_request', 'Malformed HTTP request'];
-  const body = renderError(code, message);
-  toSocket(socket)(
-    GATEWAY_ERRORS[code],
-    {
-      'content-type': 'application/json; charset=utf-8',
-      'cache-control': 'no-store',
-      'content-length': String(Buffer.byteLength(body)),
-      connection: 'close',
-    },
-    body,
+  if (failInFastify(socket, new GatewayError(code, message))) return;
+  plainAnswer(toSocket(socket), code, message);
+}
+
+/** The admin port's twin of installRawHandlers: an unsupported Expect and CONNECT in the Error shape, not Node's empty 417. */
+export function installPlainRawHandlers(server: Server): void {
+  server.on('checkExpectation', (_req, res: ServerResponse) =>
+    plainAnswer(
+      (status, headers, body) => res.writeHead(status, headers).end(body),
+      'expectation_failed',
+      'Only Expect: 100-continue is supported',
+    ),
   );
+  server.on('connect', (_req, socket: Socket) => plainAnswer(toSocket(socket), 'method_not_allowed', 'CONNECT is not supported'));
 }
 
 // The address is the socket's: these requests never reach fastify, so TRUST_PROXY does not apply.

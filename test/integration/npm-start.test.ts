@@ -89,31 +89,71 @@ describe('npm start (stack.ts)', () => {
 });
 
 describe('npm start compiles only when needed (runtime/build-if-stale.mjs)', () => {
+  /** A stand-in project whose build leaves a mark, and waits for a file `go` while a file `hold` is there. */
+  function standIn(dir: string) {
+    for (const d of ['backend', 'gateway/http', 'runtime', 'dist']) mkdirSync(join(dir, d), { recursive: true });
+    writeFileSync(
+      join(dir, 'build.cjs'),
+      [
+        "const fs = require('fs');",
+        "fs.appendFileSync('built', 'x');",
+        "const done = () => { fs.writeFileSync('dist/.built', ''); process.exit(0); };",
+        "if (!fs.existsSync('hold')) done();",
+        "setInterval(() => fs.existsSync('go') && done(), 20);",
+      ].join('\n'),
+    );
+    writeFileSync(join(dir, 'package.json'), JSON.stringify({ scripts: { build: 'node build.cjs' } }));
+    for (const f of ['stack.ts', 'package-lock.json', 'tsconfig.json', 'tsconfig.build.json', 'gateway/http/app.ts'])
+      writeFileSync(join(dir, f), '');
+  }
+
   it('a second start does not compile again; a changed source does', () => {
     const { dir, cleanup } = tempDir();
     try {
-      // A stand-in project whose build only leaves a mark, with the real prestart script.
-      for (const d of ['backend', 'gateway/http', 'runtime', 'dist']) mkdirSync(join(dir, d), { recursive: true });
-      writeFileSync(
-        join(dir, 'package.json'),
-        JSON.stringify({
-          scripts: { build: "node -e \"require('fs').appendFileSync('built', 'x'); require('fs').writeFileSync('dist/.built', '')\"" },
-        }),
-      );
-      for (const f of ['stack.ts', 'package-lock.json', 'tsconfig.json', 'tsconfig.build.json', 'gateway/http/app.ts'])
-        writeFileSync(join(dir, f), '');
+      standIn(dir);
       // What the user sees on stderr: a line before each compile, so a first start does not look stuck.
       const prestart = () =>
         spawnSync(process.execPath, [resolve(ROOT, 'runtime/build-if-stale.mjs')], { cwd: dir, encoding: 'utf8' }).stderr;
       const builds = () => (existsSync(join(dir, 'built')) ? readFileSync(join(dir, 'built'), 'utf8').length : 0);
-      expect(prestart()).toBe('building (no build yet)...\n');
+      expect(prestart()).toMatch(/^building \(first start\)\.\.\.\nbuilt in \d+ s\n$/);
       expect(builds()).toBe(1); // no build yet: compiled
       expect(prestart()).toBe('');
       expect(builds()).toBe(1); // nothing changed: not again
       const later = new Date(Date.now() + 5000);
       utimesSync(join(dir, 'gateway/http/app.ts'), later, later);
-      expect(prestart()).toBe('building: a source changed since the last build...\n');
+      expect(prestart()).toMatch(/^building: a source changed since the last build\.\.\.\nbuilt in \d+ s\n$/);
       expect(builds()).toBe(2); // a source changed
+    } finally {
+      cleanup();
+    }
+  });
+
+  it('says the elapsed time while a build runs, and a failed build by its exit code', async () => {
+    const { dir, cleanup } = tempDir();
+    try {
+      standIn(dir);
+      writeFileSync(join(dir, 'hold'), '');
+      // Ticks every 50 ms instead of 10 s, so the test sees one without waiting for it.
+      const run = spawnOwned(process.execPath, [resolve(ROOT, 'runtime/build-if-stale.mjs')], {
+        cwd: dir,
+        env: { ...process.env, BUILD_TICK_MS: '50' },
+        stdio: ['ignore', 'ignore', 'pipe'],
+      });
+      let text = '';
+      const ended = new Promise<number | null>((r) => run.once('close', r));
+      run.stderr!.on('data', (chunk) => {
+        text += String(chunk);
+      });
+      await eventually(() => text.includes('still building:'), undefined, 'a tick while the build runs');
+      writeFileSync(join(dir, 'go'), ''); // the build may end now
+      expect(await ended).toBe(0);
+      expect(text).toMatch(/^building \(first start\)\.\.\.\n( {2}still building: \d+ s\n)+built in \d+ s\n$/);
+
+      // A build that fails: its code passed on, and said.
+      writeFileSync(join(dir, 'package.json'), JSON.stringify({ scripts: { build: 'node -e "process.exit(3)"' } }));
+      const failed = spawnSync(process.execPath, [resolve(ROOT, 'runtime/build-if-stale.mjs')], { cwd: dir, encoding: 'utf8' });
+      expect(failed.status).toBe(3);
+      expect(failed.stderr).toMatch(/build failed \(exit code 3\) after \d+ s\n$/);
     } finally {
       cleanup();
     }

@@ -14,11 +14,11 @@ beforeAll(async () => {
 });
 afterAll(() => new Promise<void>((r) => busy.close(() => r())));
 
-/** A service run to its end (it must refuse to start), without blocking this worker: its stderr's lines. */
+/** A service run to its end (it must refuse to start), without blocking this worker: its stderr's lines, and its stdout. */
 async function start(entry: string, env: Record<string, string>) {
   const run = await runToEnd(process.execPath, [entry], { env: { PATH: process.env.PATH ?? '', ...env } });
   const lines = run.stderr.trim().split('\n').filter(Boolean);
-  return { status: run.code, lines };
+  return { status: run.code, lines, stdout: run.stdout };
 }
 
 describe('startup errors', () => {
@@ -79,6 +79,41 @@ describe('startup errors', () => {
     });
     expect(status).toBe(1);
     expect(lines).toEqual([`BACKEND_PORT=${port}: 127.0.0.1:${port} is already in use (is another one running?)`]);
+  });
+
+  it('npm start with bad gateway settings: every problem, before any service starts (no backend line)', async () => {
+    const { status, lines, stdout } = await start('dist/stack.js', {
+      BACKEND_PORT: '0',
+      PETS_DB: ':memory:',
+      GATEWAY_PORT: '70000',
+      REDIS_URL: 'redis://127.0.0.1:70000',
+      ADMIN_TOKEN: 'short-secret',
+    });
+    expect(status).toBe(1);
+    expect(lines).toEqual([
+      'Invalid gateway settings:',
+      '  GATEWAY_PORT: a port number, 0 to 65535 (0: any free port) (got "70000")',
+      '  ADMIN_TOKEN: at least 16 characters: a long random string (openssl rand -hex 24)',
+      '  REDIS_URL: port 70000 is out of range: 1 to 65535',
+    ]);
+    expect(stdout).toBe(''); // the services log on stdout: neither started
+  });
+
+  it('npm start with a bad backend setting and a missing gateway config: both said, nothing started', async () => {
+    const { status, lines, stdout } = await start('dist/stack.js', {
+      BACKEND_PORT: '70000',
+      PETS_DB: ':memory:',
+      GATEWAY_PORT: '0',
+      ADMIN_PORT: '0',
+      GATEWAY_CONFIG: 'config/nope.yaml',
+    });
+    expect(status).toBe(1);
+    expect(lines).toEqual([
+      'Invalid backend settings:',
+      '  BACKEND_PORT: a port number, 0 to 65535 (0: any free port) (got "70000")',
+      'GATEWAY_CONFIG=config/nope.yaml: cannot read it: no such file',
+    ]);
+    expect(stdout).toBe('');
   });
 
   it('a gateway address this machine does not have: names GATEWAY_HOST', async () => {

@@ -44,7 +44,15 @@ describe('settings', () => {
       'ADMIN_TOKEN: at least 16 characters: a long random string (openssl rand -hex 24)',
     ]);
     expect(problems({ REDIS_URL: 'localhost:6379' })).toEqual(['REDIS_URL: not a redis:// or rediss:// URL: localhost://...']);
-    expect(problems({ REDIS_URL: 'redis://r:639000' })).toEqual(['REDIS_URL: not a URL: redis://r:639000 (e.g. redis://127.0.0.1:6379)']);
+    expect(problems({ REDIS_URL: 'redis://r:a' })).toEqual(['REDIS_URL: not a URL: redis://r:a (e.g. redis://127.0.0.1:6379)']);
+    // Redis ports in range: 63900 is a port (whether anything listens there is for the boot to say), 70000 and 0 are not.
+    expect(problems({ REDIS_URL: 'redis://r:63900' })).toEqual([]);
+    expect(problems({ REDIS_URL: 'redis://:1234@r:70000/0' })).toEqual(['REDIS_URL: port 70000 is out of range: 1 to 65535']);
+    expect(problems({ REDIS_URL: 'redis://r:0' })).toEqual(['REDIS_URL: port 0 is out of range: 1 to 65535']);
+    expect(problems({ REDIS_CLUSTER_NODES: 'a:63900,b:65535' })).toEqual([]);
+    expect(problems({ REDIS_CLUSTER_NODES: 'a:7000,b:70000' })).toEqual(['REDIS_CLUSTER_NODES: port out of range (1 to 65535): b:70000']);
+    expect(problems({ REDIS_CLUSTER_NODES: 'a:0' })).toEqual(['REDIS_CLUSTER_NODES: port out of range (1 to 65535): a:0']);
+    expect(problems({ REDIS_CLUSTER_NODES: 'a:65536' })).toEqual(['REDIS_CLUSTER_NODES: port out of range (1 to 65535): a:65536']);
     expect(problems({ REDIS_CLUSTER_NODES: 'a:1;b:2' })).toEqual(['REDIS_CLUSTER_NODES: not host:port or a redis:// URL: a:1;b:2']);
     // A URL's password is never repeated, mistyped or not; nor a CA file's absence mistaken for a default.
     expect(problems({ REDIS_CLUSTER_NODES: 'redis://u:hunter2hunter2@a:1,b;2' })).toEqual([
@@ -231,7 +239,9 @@ describe('settings from their schema', () => {
 
   it('reads the backend settings the same way', () => {
     expect(loadBackendSettings({ BACKEND_PORT: '4001' })).toMatchObject({ port: 4001, dbFile: 'data/pets.db', logPretty: false });
-    expect(() => loadBackendSettings({ BACKEND_PORT: 'seventy', PETS_DB: '' })).toThrow(/BACKEND_PORT: Expected integer/);
+    expect(() => loadBackendSettings({ BACKEND_PORT: 'seventy', PETS_DB: '' })).toThrow(
+      'BACKEND_PORT: a port number, 0 to 65535 (0: any free port) (got "seventy")',
+    );
   });
 });
 
