@@ -6,6 +6,7 @@ import type { Environment } from '../auth/keys.js';
 import { compileDeprecation, type Deprecation } from '../http/deprecation.js';
 import { type Billing, type Limits, NO_BILLING, type QuotaSubject } from '../quota/decision.js';
 import { policyHeader } from '../quota/headers.js';
+import { accountName, accountOfName, addressName, deploymentPrefix, gatewaysKey } from '../redis/keys.js';
 import { ROUTES, type RouteId } from '../routes.js';
 
 // The config file the operator edits (plans, keys, bans, deprecations): read, validated with
@@ -302,7 +303,7 @@ function accountSubjects(consumers: ReadonlyMap<string, Consumer>): ReadonlyMap<
 
 /** Turns a valid file into the structures the hot path reads. */
 export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayConfig {
-  const redisPrefix = `${redisKeyPrefix}:${file.environment}`;
+  const redisPrefix = deploymentPrefix(redisKeyPrefix, file.environment);
   const bans = {
     afterRejected: file.bans.afterRejected,
     withinMs: file.bans.withinSeconds * 1000,
@@ -324,7 +325,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       costs: routeCosts({ ...plan.costs, ...k.costs }),
       // Named by the account: a key without one keeps the name (and the counters) it always had.
       subject: {
-        name: `${redisPrefix}:{k:${account}}`, // accountOf below reads it back
+        name: accountName(redisPrefix, account),
         limits,
         bans,
         policy: policyHeader(limits),
@@ -356,15 +357,14 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
   const anonymousPolicy = policyHeader(anonymous);
   return Object.freeze({
     environment: file.environment,
-    registryKey: `${redisPrefix}:{gateways}`,
+    registryKey: gatewaysKey(redisPrefix),
     redisPrefix,
     plans: file.plans,
     consumers,
     consumerOf,
-    accountOf: (name: string) =>
-      name.startsWith(`${redisPrefix}:{k:`) && name.endsWith('}') ? name.slice(redisPrefix.length + 4, -1) : undefined,
+    accountOf: (name: string) => accountOfName(redisPrefix, name),
     addressSubject: (address: string) => ({
-      name: `${redisPrefix}:{a:${address}}`,
+      name: addressName(redisPrefix, address),
       limits: anonymous,
       bans: null,
       policy: anonymousPolicy,

@@ -1,8 +1,8 @@
 import { randomUUID } from 'node:crypto';
-import { readFileSync } from 'node:fs';
 import type { FastifyBaseLogger } from 'fastify';
 import { Cluster } from 'ioredis';
 import { type RedisClient, redisProblem, secondConnection } from '../redis/client.js';
+import { subjectKey } from '../redis/keys.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
 import { type CreditState, withGrants } from './credits.js';
 import { billingPeriod, type Period } from './period.js';
@@ -13,15 +13,25 @@ import {
   type EventTag,
   leaseSize,
   MINUTE_MS,
-  OUTCOMES,
   type QuotaSubject,
-  softQuota,
   type WindowCounts,
   windowStart,
 } from './decision.js';
 import { DegradedBudget, type WriteBack } from './degraded-budget.js';
 import { type Lease, LeaseBook, leaseOf } from './lease-book.js';
 import { type Clock, RedisClock, SYSTEM_CLOCK } from './redis-clock.js';
+import {
+  countsOf,
+  defineScripts,
+  defineTopUp,
+  type QuotaCall,
+  type QuotaReply,
+  quotaArgs,
+  quotaReply,
+  refundArgs,
+  topUpArgs,
+  writeBackArgs,
+} from './script.js';
 import { LATE, RedisHealth, within } from './redis-health.js';
 import {
   type Counters,
@@ -37,29 +47,11 @@ import {
   type Usage,
 } from './store.js';
 
-const lua = (file: string) => readFileSync(new URL(file, import.meta.url), 'utf8');
-const TOPUP_LUA = lua('./billing.lua') + lua('./topup.lua');
 /** Between heartbeats while Redis answers; a heartbeat counts for three of them. */
 const HEARTBEAT_MS = 1000;
 /** Between probes while Redis fails: decisions come back to Redis within this of it answering. */
 const PROBE_MS = 250;
 
-type Reply = [
-  outcome: number,
-  minuteUsed: number,
-  dayUsed: number,
-  nowMs: number,
-  banUntilMs: number,
-  taken?: number,
-  monthUsed?: number,
-  periodStart?: number,
-  periodEnd?: number,
-  balance?: number,
-  overageUsed?: number,
-  overageUnits?: number,
-  eventId?: string | null,
-  alerted?: number,
-];
 /** A pipeline of topup.lua and the WAIT after it: both go to the account's node. */
 interface TopUpPipeline {
   topup(...keysThenArgs: Array<string | number>): TopUpPipeline;
@@ -77,17 +69,12 @@ export class TopUpNotReplicated extends Error {
   }
 }
 
+type RawReply = Array<number | string | null>;
+/** The scripts as script.ts defines them: each takes its KEYS then ARGV as script.ts builds them. */
 type QuotaRedis = RedisClient & {
-  quota(
-    counters: string,
-    rejections: string,
-    credits: string,
-    ledger: string,
-    events: string,
-    ...args: Array<number | string>
-  ): Promise<Reply>;
-  refund(counters: string, credits: string, events: string, ...args: Array<number | string>): Promise<number>;
-  writeback(counters: string, applied: string, id: string, ...args: number[]): Promise<number>;
+  quota(...keysThenArgs: Array<number | string>): Promise<RawReply>;
+  refund(...keysThenArgs: Array<number | string>): Promise<number>;
+  writeback(...keysThenArgs: Array<number | string>): Promise<number>;
   heartbeat(registry: string, id: string, ttlMs?: number): Promise<[live: number, rank: number, nowMs: number]>;
   unban(counters: string, rejections: string): Promise<number>;
 };
@@ -172,24 +159,11 @@ function billingUsage(subject: QuotaSubject, now: number, stored: number[], cred
   return out;
 }
 
-/** quota.lua's ARGV 19-24 when no usage event is written. */
-const NO_EVENT = [0, '', '', '', '', ''];
-
 /** `d`, told how long it waited on Redis and whether a lease answered it: what its trace shows. */
 function waited(d: Decision, redisMs: number, leased = false): Decision {
   d.redisMs = redisMs;
   d.leased = leased;
   return d;
-}
-
-/** A reply's counts, in the one shape both stores decide from. */
-function countsOf(r: Reply): WindowCounts {
-  const c: WindowCounts = { outcome: OUTCOMES[r[0]]!, minuteUsed: r[1], dayUsed: r[2], nowMs: r[3], banUntilMs: r[4] };
-  if (r[7]) Object.assign(c, { monthUsed: r[6], period: { startMs: r[7], endMs: r[8] } });
-  if (r[9] !== undefined && r[9] >= 0) c.balance = r[9];
-  if (r[10] !== undefined) Object.assign(c, { overageUsed: r[10], overageUnits: r[11] });
-  if (r[12]) c.eventId = String(r[12]);
-  return c;
 }
 
 /**
@@ -247,12 +221,7 @@ export class RedisQuotaStore implements QuotaStore {
     this.redisClock = new RedisClock(this.clock);
     this.leases = new LeaseBook(this.clock);
     this.budget = new DegradedBudget(this.instanceId);
-    redis.defineCommand('quota', { numberOfKeys: 8, lua: lua('./billing.lua') + lua('./quota.lua') });
-    redis.defineCommand('refund', { numberOfKeys: 3, lua: lua('./refund.lua') });
-    redis.defineCommand('topup', { numberOfKeys: 7, lua: TOPUP_LUA });
-    redis.defineCommand('writeback', { numberOfKeys: 2, lua: lua('./writeback.lua') });
-    redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: lua('./heartbeat.lua') });
-    redis.defineCommand('unban', { numberOfKeys: 2, lua: lua('./unban.lua') });
+    defineScripts(redis);
     this.redis = redis as QuotaRedis;
     this.health = new RedisHealth({
       beat: () => this.beat(),
@@ -361,51 +330,9 @@ export class RedisQuotaStore implements QuotaStore {
     return d;
   }
 
-  /** One run of quota.lua (ARGV in its order): `back` the leases closed (their unused units and size), `refill` a lease taken ahead. */
-  private call(
-    subject: QuotaSubject,
-    lease: number,
-    back: Lease | undefined,
-    deadline: number,
-    cost: number,
-    refill: boolean,
-    tag?: EventTag,
-  ): Promise<Reply> {
-    const { name, limits, bans, billing } = subject;
-    const events = tag && subject.events > 0 ? [subject.events, tag.requestId, tag.keyId, tag.plan, tag.route, tag.method] : NO_EVENT;
-    const callId = `${this.instanceId}:${++this.calls}`;
-    return this.redis.quota(
-      name,
-      `${name}:rej`,
-      `${name}:credits`,
-      `${name}:ledger`,
-      `${name}:events`,
-      `${name}:alerted`,
-      `${name}:alerts`,
-      `${name}:call:${callId}`,
-      limits.perMinute,
-      limits.perDay,
-      bans?.afterRejected ?? 0,
-      bans?.withinMs ?? 0,
-      bans?.durationMs ?? 0,
-      lease,
-      back?.left ?? 0,
-      back?.windowEndMs ? back.windowEndMs - MINUTE_MS : 0,
-      back?.dayStartMs ?? 0,
-      deadline,
-      cost,
-      refill ? 1 : 0,
-      limits.perMonth ?? 0,
-      billing.billingDay,
-      softQuota(subject),
-      billing.credits ? billing.credits.grant : -1,
-      billing.credits?.rollover ? 1 : 0,
-      back?.period?.startMs ?? 0,
-      ...events,
-      subject.alerts,
-      back?.size ?? 0,
-      callId,
-    );
+  /** One run of quota.lua: `back` the leases closed (their unused units and size), `refill` a lease taken ahead. */
+  private call(subject: QuotaSubject, c: Omit<QuotaCall, 'callId'>): Promise<RawReply> {
+    return this.redis.quota(...quotaArgs(subject, { ...c, callId: `${this.instanceId}:${++this.calls}` }));
   }
 
   /**
@@ -423,14 +350,15 @@ export class RedisQuotaStore implements QuotaStore {
     const back = this.leases.takeUnused(subject.name); // if the call fails they stay counted: the safe side
     const sentMono = this.clock.mono();
     const sentAt = this.clock.wall();
-    let reply: Reply | typeof LATE;
+    let reply: QuotaReply | typeof LATE;
     try {
       const deadline = this.redisClock.deadline(sentAt, this.timeoutMs);
-      const call = this.call(subject, lease, back, deadline, cost, refill, tag);
-      reply = await within(call, this.timeoutMs);
+      const call = this.call(subject, { lease, back, deadline, cost, refill, tag });
+      const raw = await within(call, this.timeoutMs);
+      reply = raw === LATE ? LATE : quotaReply(raw);
       if (reply === LATE)
         call.then(
-          (late) => this.undo(subject, late, sentMono, cost),
+          (late) => this.undo(subject, quotaReply(late), sentMono, cost),
           () => {},
         );
     } catch (err) {
@@ -443,16 +371,16 @@ export class RedisQuotaStore implements QuotaStore {
     const waitedMs = this.clock.mono() - sentMono;
     this.observe(waitedMs / 1000);
     // Unanswered in time, or answered so late that Redis found its deadline passed.
-    if (reply === LATE || reply[0] < 0) {
+    if (reply === LATE || reply.outcome < 0) {
       this.health.failed(new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`));
       if (reply === LATE) this.markWritten(subject, tag);
       return { taken: 0, sentMono, waitedMs };
     }
     this.markWritten(subject, tag, reply);
-    this.redisClock.learn(reply[3], sentAt);
+    this.redisClock.learn(reply.nowMs, sentAt);
     const counts = countsOf(reply);
     this.budget.see(subject.name, counts);
-    return { counts, taken: reply[5] ?? 0, sentMono, waitedMs };
+    return { counts, taken: reply.taken, sentMono, waitedMs };
   }
 
   /**
@@ -461,12 +389,12 @@ export class RedisQuotaStore implements QuotaStore {
    * with the next call, as a lapsed lease's are; a request's units are refunded, with its
    * credits, its overage and its usage event. Never counted without being delivered.
    */
-  private undo(subject: QuotaSubject, late: Reply, sentMono: number, cost: number): void {
-    const taken = late[5] ?? 0;
-    if (late[0] !== 0 || taken === 0) return;
+  private undo(subject: QuotaSubject, late: QuotaReply, sentMono: number, cost: number): void {
+    const { taken } = late;
+    if (late.outcome !== 0 || taken === 0) return;
     this.tally.undone++;
-    if (taken > cost) return this.leases.giveBack(subject.name, leaseOf(taken, taken, sentMono, late[3], countsOf(late)));
-    void this.refundInRedis(subject, late[3], taken, late[12] ? String(late[12]) : undefined);
+    if (taken > cost) return this.leases.giveBack(subject.name, leaseOf(taken, taken, sentMono, late.nowMs, countsOf(late)));
+    void this.refundInRedis(subject, late.nowMs, taken, late.eventId);
   }
 
   /**
@@ -552,19 +480,7 @@ export class RedisQuotaStore implements QuotaStore {
   }
 
   private async writeOne(w: WriteBack): Promise<void> {
-    const call = this.redis.writeback(
-      w.name,
-      `${w.name}:wb`,
-      w.id,
-      w.minuteStart,
-      w.minuteUnits,
-      w.dayStart,
-      w.dayUnits,
-      w.hasDay ? 1 : 0,
-      w.periodStart,
-      w.periodEnd,
-      w.periodUnits,
-    );
+    const call = this.redis.writeback(...writeBackArgs(w));
     const applied = await within(call, this.timeoutMs);
     if (applied === LATE) throw new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`);
     this.budget.confirmed(w);
@@ -576,11 +492,11 @@ export class RedisQuotaStore implements QuotaStore {
    * (or, with credits, a grant's), an alert; without a reply (a call that failed or was given
    * up on), whatever it may have written.
    */
-  private markWritten(subject: QuotaSubject, tag: EventTag | undefined, reply?: Reply): void {
+  private markWritten(subject: QuotaSubject, tag: EventTag | undefined, reply?: QuotaReply): void {
     if (!this.marks) return;
     const events = tag !== undefined && subject.events > 0;
-    if (events && (!reply || reply[12] || subject.billing.credits)) this.mark('usage', subject);
-    if (subject.alerts && (!reply || reply[13] === 1)) this.mark('alerts', subject);
+    if (events && (!reply || reply.eventId || subject.billing.credits)) this.mark('usage', subject);
+    if (subject.alerts && (!reply || reply.alerted)) this.mark('alerts', subject);
   }
 
   private mark(loop: 'usage' | 'alerts', subject: QuotaSubject): void {
@@ -595,7 +511,7 @@ export class RedisQuotaStore implements QuotaStore {
    */
   settle(subject: QuotaSubject, eventId: string, status: number): void {
     if (this.statuses.length >= 10_000) return; // Redis failing for a while: the statuses wait no longer
-    this.statuses.push([`${subject.name}:statuses`, eventId, status]);
+    this.statuses.push([subjectKey.statuses(subject.name), eventId, status]);
     this.statusTimer ??= setTimeout(() => this.flush(), 100).unref();
   }
 
@@ -633,20 +549,8 @@ export class RedisQuotaStore implements QuotaStore {
   /** refund.lua: the units back to their windows, credits, overage, and a refund event for `eventId`. */
   private async refundInRedis(subject: QuotaSubject, countedAtMs: number, cost: number, eventId?: string): Promise<void> {
     try {
-      await this.redis.refund(
-        subject.name,
-        `${subject.name}:credits`,
-        `${subject.name}:events`,
-        windowStart(countedAtMs, MINUTE_MS),
-        windowStart(countedAtMs, DAY_MS),
-        subject.limits.perMonth ? countedAtMs : 0,
-        cost,
-        subject.billing.credits ? 1 : 0,
-        softQuota(subject),
-        subject.limits.perMonth ? 1 : 2,
-        eventId ? subject.events : 0,
-        eventId ?? '',
-      );
+      const units = { minuteStart: windowStart(countedAtMs, MINUTE_MS), dayStart: windowStart(countedAtMs, DAY_MS), countedAtMs };
+      await this.redis.refund(...refundArgs(subject, { ...units, units: cost, eventId }));
     } catch (err) {
       this.tally.refundsFailed++;
       this.log.warn(
@@ -661,7 +565,7 @@ export class RedisQuotaStore implements QuotaStore {
 
   /** Lifts the subject's ban in Redis (every instance sees it within a second); false when none was in force. */
   async unban(subject: QuotaSubject): Promise<boolean> {
-    const until = await this.redis.unban(subject.name, `${subject.name}:rej`);
+    const until = await this.redis.unban(subjectKey.counters(subject.name), subjectKey.rejections(subject.name));
     this.bans.forget(subject.name);
     return Number(until) > 0;
   }
@@ -697,27 +601,7 @@ export class RedisQuotaStore implements QuotaStore {
 
   /** topup.lua, then WAIT with `ackReplicas`, in one pipeline: both reach the account's node, WAIT on the connection that wrote. */
   private async topUpCalls(redis: RedisClient, subject: QuotaSubject, t: TopUp): Promise<Array<[Error | null, unknown]>> {
-    const { name, billing } = subject;
-    const credits = billing.credits ?? { grant: 0, rollover: false };
-    const pipe = (redis.pipeline() as unknown as TopUpPipeline).topup(
-      `${name}:credits`,
-      `${name}:ledger`,
-      `${name}:topups`,
-      `${name}:alerted`,
-      `${name}:alerts`,
-      `${name}:topup:${t.idempotencyKey}`,
-      `${name}:events`,
-      t.amount,
-      t.reason,
-      t.idempotencyKey,
-      topUpFingerprint(t),
-      billing.billingDay,
-      credits.grant,
-      credits.rollover ? 1 : 0,
-      subject.alerts,
-      this.idempotencyMs,
-      subject.events,
-    );
+    const pipe = (redis.pipeline() as unknown as TopUpPipeline).topup(...topUpArgs(subject, t, this.idempotencyMs));
     if (this.ackReplicas > 0) pipe.wait(this.ackReplicas, this.ackTimeoutMs);
     const results = (await pipe.exec()) ?? [];
     for (const [err] of results) if (err) throw err;
@@ -729,7 +613,7 @@ export class RedisQuotaStore implements QuotaStore {
     if (this.ackReplicas === 0) return this.redis;
     if (!this.acking) {
       this.acking = secondConnection(this.redis);
-      this.acking.defineCommand('topup', { numberOfKeys: 7, lua: TOPUP_LUA });
+      defineTopUp(this.acking);
     }
     return this.acking;
   }
@@ -742,8 +626,8 @@ export class RedisQuotaStore implements QuotaStore {
   async exportState(subject: QuotaSubject): Promise<ExportState> {
     const results = await this.redis
       .multi()
-      .xlen(`${subject.name}:events`)
-      .hmget(`${subject.name}:events:cursor`, 'consumed', 'dropped')
+      .xlen(subjectKey.events(subject.name))
+      .hmget(subjectKey.eventsCursor(subject.name), 'consumed', 'dropped')
       .exec();
     const [pending, counts] = (results ?? []).map(([err, value]) => {
       if (err) throw err;
@@ -754,7 +638,7 @@ export class RedisQuotaStore implements QuotaStore {
 
   /** The ledger stream, oldest first. */
   async ledger(subject: QuotaSubject): Promise<LedgerEntry[]> {
-    const entries = await this.redis.xrange(`${subject.name}:ledger`, '-', '+');
+    const entries = await this.redis.xrange(subjectKey.ledger(subject.name), '-', '+');
     return entries.map(([id, fields]) => ledgerEntry(id, fields));
   }
 
@@ -780,9 +664,9 @@ export class RedisQuotaStore implements QuotaStore {
     const results = await this.redis
       .multi()
       .time()
-      .hmget(subject.name, 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
-      .lrange(`${subject.name}:rej`, 0, -1)
-      .hmget(`${subject.name}:credits`, 'g', 'p', 'gp', 'ge')
+      .hmget(subjectKey.counters(subject.name), 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
+      .lrange(subjectKey.rejections(subject.name), 0, -1)
+      .hmget(subjectKey.credits(subject.name), 'g', 'p', 'gp', 'ge')
       .exec();
     const values = (results ?? []).map(([err, value]) => {
       if (err) throw err;
