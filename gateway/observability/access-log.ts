@@ -3,6 +3,7 @@ import { type Logger, symbols } from 'pino';
 import type { Consumer } from '../config/config.js';
 import type { GatewayMetrics, RejectionReason } from './metrics.js';
 import type { AdmissionOutcome } from '../quota/decision.js';
+import { isWindow } from '../quota/windows.js';
 import type { RouteId } from '../routes.js';
 
 /** What the gateway decided for a request: its quota's outcome, or that it had no valid key (counted by address). */
@@ -26,9 +27,7 @@ function rejection(e: AccessEntry): RejectionReason | undefined {
   if (e.outcome === 'unavailable') return 'unavailable';
   const { outcome } = e;
   if (e.status === 402 && outcome === 'credits') return outcome;
-  return e.status === 429 && (outcome === 'minute' || outcome === 'day' || outcome === 'month' || outcome === 'banned')
-    ? outcome
-    : undefined;
+  return e.status === 429 && outcome !== undefined && (isWindow(outcome) || outcome === 'banned') ? outcome : undefined;
 }
 
 /**

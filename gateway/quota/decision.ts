@@ -2,6 +2,7 @@
 // (one Outcome, and the windows as they stand after it). Pure: plain values and `now`.
 
 import { billingPeriod, type Period } from './period.js';
+import { type UsedCounts, WINDOWS, type WindowName } from './windows.js';
 
 export const MINUTE_MS = 60_000;
 export const DAY_MS = 86_400_000;
@@ -84,7 +85,7 @@ export function softQuota({ limits, billing }: QuotaSubject): number {
 
 /** One window's state after the decision. `used` counts admitted requests only. */
 export interface WindowState {
-  name: 'minute' | 'day' | 'month';
+  name: WindowName;
   limit: number;
   used: number;
   resetMs: number;
@@ -149,20 +150,20 @@ export function windowStart(nowMs: number, sizeMs: number): number {
   return nowMs - (nowMs % sizeMs);
 }
 
-/** The windows of a subject from the admitted counts of the current windows (the month's needs its period). */
-export function windows(limits: Limits, nowMs: number, minuteUsed: number, dayUsed: number, monthUsed = 0, period?: Period): WindowState[] {
-  const list: WindowState[] = [
-    { name: 'minute', limit: limits.perMinute, used: minuteUsed, resetMs: windowStart(nowMs, MINUTE_MS) + MINUTE_MS },
-  ];
-  if (limits.perDay > 0) {
-    list.push({ name: 'day', limit: limits.perDay, used: dayUsed, resetMs: windowStart(nowMs, DAY_MS) + DAY_MS });
+/** The windows of a subject (windows.ts, shortest first) from the admitted counts of the current windows (the month's needs its period). */
+export function windows(limits: Limits, nowMs: number, used: UsedCounts, period?: Period): WindowState[] {
+  const list: WindowState[] = [];
+  for (const w of WINDOWS) {
+    const limit = limits[w.limit] ?? 0;
+    if (!w.always && limit <= 0) continue;
+    const resetMs = w.lengthMs ? windowStart(nowMs, w.lengthMs) + w.lengthMs : period?.endMs;
+    if (resetMs !== undefined) list.push({ name: w.name, limit, used: used[w.used] ?? 0, resetMs });
   }
-  if (limits.perMonth && period) list.push({ name: 'month', limit: limits.perMonth, used: monthUsed, resetMs: period.endMs });
   return list;
 }
 
 export function decision({ limits, billing }: QuotaSubject, c: WindowCounts): Decision {
-  const list = windows(limits, c.nowMs, c.minuteUsed, c.dayUsed, c.monthUsed, c.period);
+  const list = windows(limits, c.nowMs, c, c.period);
   const d: Decision = { outcome: c.outcome, nowMs: c.nowMs, banUntilMs: c.banUntilMs, windows: list, overage: 0 };
   if (c.period) d.period = c.period;
   // Counted where decided, one request at a time (no lease reaches past the quota): exact.
@@ -185,8 +186,11 @@ export function decision({ limits, billing }: QuotaSubject, c: WindowCounts): De
  * (the rest of the current lease, and the one taken ahead once half of it was handed out).
  */
 export function leaseSize(limits: Limits, max: number): number {
-  let smallest = limits.perDay > 0 ? Math.min(limits.perMinute, limits.perDay) : limits.perMinute;
-  if (limits.perMonth) smallest = Math.min(smallest, limits.perMonth);
+  let smallest = Number.POSITIVE_INFINITY;
+  for (const w of WINDOWS) {
+    const limit = limits[w.limit] ?? 0;
+    if (w.always || limit > 0) smallest = Math.min(smallest, limit);
+  }
   return Math.max(1, Math.min(max, Math.floor(smallest / 100)));
 }
 

@@ -3,6 +3,7 @@ import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { type EventTag, MINUTE_MS, OUTCOMES, type QuotaSubject, softQuota, type WindowCounts } from './decision.js';
 import type { Lease } from './lease-book.js';
+import { WINDOWS } from './windows.js';
 import type { WriteBack } from './degraded-budget.js';
 import { type TopUp, topUpFingerprint } from './store.js';
 
@@ -133,9 +134,8 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   const a = (arg: QuotaArg, value: string | number) => {
     out[QUOTA.keys.length + QA[arg]] = value;
   };
-  a('perMinute', limits.perMinute);
-  a('perDay', limits.perDay);
-  a('perMonth', limits.perMonth ?? 0);
+  // Each window's limit travels under its limit's name (windows.ts): a row without its ARG does not compile.
+  for (const w of WINDOWS) a(w.limit satisfies QuotaArg, limits[w.limit] ?? 0);
   a('banAfter', bans?.afterRejected ?? 0);
   a('banWithinMs', bans?.withinMs ?? 0);
   a('banForMs', bans?.durationMs ?? 0);

@@ -1,0 +1,86 @@
+// The windows a quota counts in, as a table (STYLE.md, "limits are data"; envoy's
+// UnitToDivider, Kong's EXPIRATIONS): config, decisions, headers, the script's arguments, the
+// usage view and the error catalogue read a window from its row. Pure: it imports nothing.
+
+/** A window's name: its RateLimit-Policy item, its key in the usage view, its refusal's outcome. */
+export type WindowName = 'minute' | 'day' | 'month';
+
+/** The error code of a 429 for a window (gateway/errors.ts holds them with their status). */
+export type WindowCode = 'rate_limited' | 'daily_quota_exceeded' | 'monthly_quota_exceeded';
+
+export interface WindowRow {
+  name: WindowName;
+  /** Its limit's field in plans, keys and Limits. */
+  limit: 'perMinute' | 'perDay' | 'perMonth';
+  /** A fixed length, aligned to UTC (a multiple of the length since the epoch); absent: the billing period's calendar (period.ts). */
+  lengthMs?: number;
+  /** What the counters store of it (quota.lua's hash fields, kept short: stored data and tests read them): its start and its count. */
+  stored: { start: string; count: string };
+  /** The 429 when it is used up, and the word its message starts with. */
+  code: WindowCode;
+  word: string;
+  /** Whether every subject has it (the per-address limit has only the minute); else only those whose limit is set. */
+  always?: true;
+  /** Whether a plan with fixed limits (and a key's own limits) must give it. */
+  inPlans: 'required' | 'optional';
+  /** What its limit means, for the config and admin schemas. */
+  describe: string;
+  /** The field of a store's counts that holds its admitted count (WindowCounts, Usage). */
+  used: `${WindowName}Used`;
+}
+
+/** Shortest first: the order of RateLimit-Policy's items, the usage view and the lease's bound. */
+const ROWS = [
+  {
+    name: 'minute',
+    limit: 'perMinute',
+    lengthMs: 60_000,
+    stored: { start: 'ms', count: 'mc' },
+    code: 'rate_limited',
+    word: 'Minute',
+    always: true,
+    describe: 'Requests a minute (UTC minutes)',
+    inPlans: 'required',
+    used: 'minuteUsed',
+  },
+  {
+    name: 'day',
+    limit: 'perDay',
+    lengthMs: 86_400_000,
+    stored: { start: 'ds', count: 'dc' },
+    code: 'daily_quota_exceeded',
+    word: 'Daily',
+    describe: 'Requests a day (UTC days)',
+    inPlans: 'required',
+    used: 'dayUsed',
+  },
+  {
+    name: 'month',
+    limit: 'perMonth',
+    stored: { start: 'ps', count: 'pc' },
+    code: 'monthly_quota_exceeded',
+    word: 'Monthly',
+    describe: "Requests a billing period: a month from the account's billing day",
+    inPlans: 'optional',
+    used: 'monthUsed',
+  },
+] as const satisfies readonly WindowRow[];
+export const WINDOWS: readonly WindowRow[] = Object.freeze(ROWS);
+
+/** A limit's field name (perMinute, ...), and those a plan with fixed limits must give. */
+export type LimitField = (typeof ROWS)[number]['limit'];
+export type RequiredLimit = Extract<(typeof ROWS)[number], { inPlans: 'required' }>['limit'];
+/** A window's admitted count, by the counts' field name (minuteUsed, ...). */
+export type UsedCounts = Partial<Record<WindowRow['used'], number>>;
+
+/** A window's row by name. */
+export const windowRow = (name: WindowName): WindowRow => WINDOWS.find((w) => w.name === name)!;
+
+/** The limits a subject is refused at, one field per row (0 or absent: the subject has no such window). */
+export type WindowLimits = { perMinute: number } & Partial<Record<LimitField, number>>;
+
+/** The rows a subject with `limits` has, shortest first. */
+export const windowsOf = (limits: WindowLimits): WindowRow[] => WINDOWS.filter((w) => w.always || (limits[w.limit] ?? 0) > 0);
+
+/** Whether `name` is a window's (a refusal for a used-up window, rather than a ban or credits). */
+export const isWindow = (name: string): name is WindowName => WINDOWS.some((w) => w.name === name);
