@@ -2,7 +2,7 @@
 // (one Outcome, and the windows as they stand after it). Pure: plain values and `now`.
 
 import { billingPeriod, type Period } from './period.js';
-import { type UsedCounts, WINDOWS, type WindowName } from './windows.js';
+import { type Counts, type UsedCounts, WINDOWS, type WindowLimits, type WindowName } from './windows.js';
 
 export const MINUTE_MS = 60_000;
 export const DAY_MS = 86_400_000;
@@ -19,14 +19,12 @@ export type ShadowOutcome = `would_${Refusal}`;
 /** What admission ends with: a decision's outcome, a shadow refusal, or `unavailable` when a store failing closed could not decide. */
 export type AdmissionOutcome = Outcome | ShadowOutcome | 'unavailable';
 
-/** The limits a subject is refused at (with overage, a quota's ceiling: the quota plus its overage). */
-export interface Limits {
-  perMinute: number;
-  /** 0: no day window (the unauthenticated per-address limit has only a minute). */
-  perDay: number;
-  /** The billing period's window (a month from the account's billing day); 0 or absent: none. */
-  perMonth?: number;
-}
+/**
+ * The limits a subject is refused at (with overage, a quota's ceiling: the quota plus its
+ * overage), one field per window (windows.ts). perDay 0: no day window (the unauthenticated
+ * per-address limit has only a minute); the others 0 or absent: none.
+ */
+export type Limits = WindowLimits & { perDay: number };
 
 /** What an account is billed by, beyond its windows: its period, its overage and its prepaid credits. */
 export interface Billing {
@@ -118,15 +116,13 @@ export interface Decision {
   leased?: boolean;
 }
 
-/** What a store counted: the outcome and the admitted counts of the current windows. */
-export interface WindowCounts {
+/** What a store counted: the outcome and the admitted counts of the current windows (Counts: one per window). */
+export type WindowCounts = Counts & CountedBeyond;
+interface CountedBeyond {
   outcome: Outcome;
-  minuteUsed: number;
-  dayUsed: number;
   nowMs: number;
   banUntilMs: number;
-  /** The billing period's count and bounds, for a subject with a month window or credits. */
-  monthUsed?: number;
+  /** The billing period's bounds (its count is monthUsed), for a subject with a month window or credits. */
   period?: Period;
   /** Credits left; absent without credits. */
   balance?: number;

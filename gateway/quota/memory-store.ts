@@ -1,16 +1,11 @@
 import { type CreditState, spend, withGrants } from './credits.js';
 import { DAY_MS, type Decision, decision, MINUTE_MS, type QuotaSubject, softQuota, type WindowCounts, windowStart } from './decision.js';
 import { billingPeriod, type Period } from './period.js';
-import {
-  type Counters,
-  countsAt,
-  type LedgerEntry,
-  type QuotaStore,
-  type TopUp,
-  type TopUpResult,
-  topUpFingerprint,
-  type Usage,
-} from './store.js';
+import { type Counters, type LedgerEntry, type QuotaStore, type TopUp, type TopUpResult, topUpFingerprint, type Usage } from './store.js';
+import { type Counts, countsAt, FIXED, storedAt, windowRow } from './windows.js';
+
+/** The day's stored fields: the overage window of a subject without a month. */
+const DAY = windowRow('day').stored;
 
 interface MemoryState extends Counters {
   /** The month window's period (as quota.lua's ps, pe) and its count. */
@@ -56,7 +51,7 @@ export class MemoryQuotaStore implements QuotaStore {
     const usage: Usage = s
       ? {
           nowMs: now,
-          ...countsAt(s, now),
+          ...countsAt(s.stored, now),
           banUntilMs: s.ban > now ? s.ban : 0,
           recentRejections: bans ? s.rejections.filter((t) => t > now - bans.withinMs).length : 0,
         }
@@ -82,16 +77,19 @@ export class MemoryQuotaStore implements QuotaStore {
   async refund(subject: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
     const s = this.states.get(subject.name);
     if (s) {
-      if (s.minuteStart === windowStart(countedAtMs, MINUTE_MS)) s.minuteCount = Math.max(0, s.minuteCount - cost);
-      if (s.dayStart === windowStart(countedAtMs, DAY_MS)) s.dayCount = Math.max(0, s.dayCount - cost);
+      for (const w of FIXED) {
+        const { start, count } = w.stored;
+        if (s.stored[start] === windowStart(countedAtMs, w.lengthMs!)) s.stored[count] = Math.max(0, s.stored[count]! - cost);
+      }
       // The period it was counted in, if it is still the one stored (as refund.lua does).
       const inPeriod = subject.limits.perMonth !== undefined && s.periodStart <= countedAtMs && countedAtMs < s.periodEnd;
       if (inPeriod) s.periodCount = Math.max(0, s.periodCount - cost);
       // The overage takes back what no delivered unit is under any more, at most `cost` (as refund.lua does).
-      const sameDay = s.dayStart === windowStart(countedAtMs, DAY_MS);
+      const dayStart = s.stored[DAY.start]!;
+      const sameDay = dayStart === windowStart(countedAtMs, DAY_MS);
       const [long, from] = subject.limits.perMonth
         ? [s.periodCount, inPeriod ? s.periodStart : -1]
-        : [s.dayCount, sameDay ? s.dayStart : -1];
+        : [s.stored[DAY.count]!, sameDay ? dayStart : -1];
       if (s.overageStart === from) s.overageCount -= Math.min(cost, Math.max(0, s.overageCount - Math.max(0, long - softQuota(subject))));
     }
     // Given back as purchased credits, which never expire (as refund.lua does).
@@ -170,10 +168,7 @@ export class MemoryQuotaStore implements QuotaStore {
     let s = this.states.get(name);
     if (!s) {
       s = {
-        minuteStart: 0,
-        minuteCount: 0,
-        dayStart: 0,
-        dayCount: 0,
+        stored: storedAt({}, 0),
         ban: 0,
         periodStart: 0,
         periodEnd: 0,
@@ -185,31 +180,30 @@ export class MemoryQuotaStore implements QuotaStore {
       };
       this.states.set(name, s);
     }
-    const { minuteUsed, dayUsed } = countsAt(s, now);
+    const used = countsAt(s.stored, now);
     const account = billing.credits ? this.account(name) : undefined;
     const granted = account && this.grantDue(subject, account, billingPeriod(now, billing.billingDay), now);
     // The month's period in force (as quota.lua: the stored one until it ends); without a month, the grant's.
     const period = limits.perMonth ? monthPeriod(subject, s, now) : granted;
     const monthUsed = limits.perMonth && s.periodStart === period!.startMs ? s.periodCount : 0;
     const counts = (outcome: WindowCounts['outcome'], taken = 0, banUntilMs = 0): WindowCounts => {
-      const c: WindowCounts = { outcome, minuteUsed: minuteUsed + taken, dayUsed: dayUsed + taken, nowMs: now, banUntilMs };
+      const c: WindowCounts = { outcome, ...added(used, taken), nowMs: now, banUntilMs };
       if (period) Object.assign(c, { period, monthUsed: limits.perMonth ? monthUsed + taken : 0 });
       if (account) c.balance = account.credits.granted + account.credits.purchased;
       return c;
     };
     if (s.ban > now) return counts('banned', 0, s.ban);
-    const minuteStart = windowStart(now, MINUTE_MS);
-    const dayStart = windowStart(now, DAY_MS);
-    let expireAt = limits.perDay > 0 ? dayStart + DAY_MS : minuteStart + MINUTE_MS;
+    // The state lasts until the end of its longest window; the longest window used up is the one reported.
+    let expireAt = 0;
+    let violated: WindowCounts['outcome'] | undefined;
+    for (const w of FIXED) {
+      const limit = limits[w.limit] ?? 0;
+      if (!w.always && limit <= 0) continue;
+      expireAt = windowStart(now, w.lengthMs!) + w.lengthMs!;
+      if (used[w.used]! + cost > limit) violated = w.name;
+    }
     if (limits.perMonth && period) expireAt = period.endMs;
-    const violated =
-      limits.perMonth && monthUsed + cost > limits.perMonth
-        ? 'month'
-        : limits.perDay > 0 && dayUsed + cost > limits.perDay
-          ? 'day'
-          : minuteUsed + cost > limits.perMinute
-            ? 'minute'
-            : undefined;
+    if (limits.perMonth && monthUsed + cost > limits.perMonth) violated = 'month';
     if (violated) {
       if (bans) {
         s.rejections = [now, ...s.rejections.filter((t) => t > now - bans.withinMs)].slice(0, bans.afterRejected + 1);
@@ -226,17 +220,12 @@ export class MemoryQuotaStore implements QuotaStore {
     // Every window has room; the balance must cover the cost too (a 402, which bans no one).
     if (account && account.credits.granted + account.credits.purchased < cost) return counts('credits');
     if (account) spend(account.credits, cost);
-    Object.assign(s, {
-      minuteStart,
-      minuteCount: minuteUsed + cost,
-      dayStart,
-      dayCount: dayUsed + cost,
-      expiresAt: Math.max(s.expiresAt, expireAt, s.ban),
-    });
+    s.stored = storedAt(added(used, cost), now);
+    s.expiresAt = Math.max(s.expiresAt, expireAt, s.ban);
     if (limits.perMonth && period)
       Object.assign(s, { periodStart: period.startMs, periodEnd: period.endMs, periodCount: monthUsed + cost });
-    const overageFrom = limits.perMonth ? period!.startMs : dayStart;
-    const overage = this.billOverage(subject, s, overageFrom, limits.perMonth ? monthUsed : dayUsed, cost);
+    const overageFrom = limits.perMonth ? period!.startMs : windowStart(now, DAY_MS);
+    const overage = this.billOverage(subject, s, overageFrom, limits.perMonth ? monthUsed : used.dayUsed, cost);
     return Object.assign(counts('allowed', cost), overage);
   }
 
@@ -256,6 +245,13 @@ export class MemoryQuotaStore implements QuotaStore {
     this.lastSweep = now;
     for (const [k, s] of this.states) if (s.expiresAt <= now) this.states.delete(k);
   }
+}
+
+/** `counts` with `units` more in every fixed window. */
+function added(counts: Counts, units: number): Counts {
+  const out = { ...counts };
+  for (const w of FIXED) out[w.used] = (counts[w.used] ?? 0) + units;
+  return out;
 }
 
 /** The month window's period in force at `now`: the stored one until it ends (a billing day changed meanwhile applies from the next), else the billing day's. */

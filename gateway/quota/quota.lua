@@ -37,16 +37,30 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- itself, so nothing changes here, and the request is counted once, where it was decided.
 local deadline = tonumber(ARG.deadline) or 0
 if deadline > 0 and now > deadline then return packed{outcome = -1, nowMs = now} end
-local perMinute, perDay, perMonth = tonumber(ARG.perMinute), tonumber(ARG.perDay), tonumber(ARG.perMonth) or 0
+local perMonth = tonumber(ARG.perMonth) or 0
 local banAfter, banWithin, banFor = tonumber(ARG.banAfter), tonumber(ARG.banWithinMs), tonumber(ARG.banForMs)
 local lease = tonumber(ARG.lease) or 1
 local cost = tonumber(ARG.cost) or 1
 local soft = tonumber(ARG.soft) or 0
 local grant = tonumber(ARG.grant) or -1
 
-local h = redis.call('HMGET', KEY.counters, 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls')
-local ms = now - now % 60000
-local ds = now - now % DAY
+-- The counters hash, by field: the fixed windows' (FIXED, from windows.ts) and the others.
+local fields = {'ban', 'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls'}
+for _, w in ipairs(FIXED) do
+  table.insert(fields, w.start)
+  table.insert(fields, w.count)
+end
+local h = {}
+for i, v in ipairs(redis.call('HMGET', KEY.counters, unpack(fields))) do h[fields[i]] = v end
+-- Each fixed window now: its start, its stored start, its admitted count, its limit, whether the subject has it.
+local win = {}
+for _, w in ipairs(FIXED) do
+  local start, stored, limit = now - now % w.len, tonumber(h[w.start]), tonumber(ARG[w.limit]) or 0
+  win[w.name] = {start = start, stored = stored, count = (stored == start) and tonumber(h[w.count]) or 0, limit = limit,
+    on = w.always or limit > 0}
+end
+-- The day: the overage window without a month, and alerts' window.
+local day = win.day
 local ps, pe, pidx = 0, 0, 0
 if perMonth > 0 or grant >= 0 then ps, pe, pidx = period(now, tonumber(ARG.billingDay) or 1) end
 local g, p, gp, ge, replaced = 0, 0, 0, 0, nil
@@ -59,27 +73,25 @@ end
 -- The stored period stays in force until its end, even if the billing day moved since: a new
 -- billing day applies from the next period, and a period's count is never reset early.
 if perMonth > 0 then
-  local sps, spe = tonumber(h[6]), tonumber(h[10])
+  local sps, spe = tonumber(h.ps), tonumber(h.pe)
   if sps and spe and sps <= now and now < spe then ps, pe = sps, spe end
 end
 -- Threshold alerts: those of a day or month that ended are resolved by the first request after it.
 local thresholds = fractions(ARG.alerts)
 local alerting = #thresholds > 0
 local alertsBefore = alerting and redis.call('XLEN', KEY.alerts)
-if alerting and perDay > 0 then resolveEnded(KEY.alerted, KEY.alerts, now, thresholds, 'day', tonumber(h[3]), ds) end
-if alerting and perMonth > 0 then resolveEnded(KEY.alerted, KEY.alerts, now, thresholds, 'month', tonumber(h[6]), ps) end
+if alerting and day.on then resolveEnded(KEY.alerted, KEY.alerts, now, thresholds, 'day', day.stored, day.start) end
+if alerting and perMonth > 0 then resolveEnded(KEY.alerted, KEY.alerts, now, thresholds, 'month', tonumber(h.ps), ps) end
 if alerting and replaced then resolveEnded(KEY.alerted, KEY.alerts, now, thresholds, 'credits', replaced, gp) end
-local mc = (tonumber(h[1]) == ms) and tonumber(h[2]) or 0
-local dc = (tonumber(h[3]) == ds) and tonumber(h[4]) or 0
-local pc = (perMonth > 0 and tonumber(h[6]) == ps) and tonumber(h[7]) or 0
-local ban = tonumber(h[5]) or 0
+local pc = (perMonth > 0 and tonumber(h.ps) == ps) and tonumber(h.pc) or 0
+local ban = tonumber(h.ban) or 0
 -- Overage billed so far in the overage window (the month's, else the day's): `os` its start.
-local ow = ds
+local ow = day.start
 if perMonth > 0 then ow = ps end
-local oc = (soft > 0 and tonumber(h[8]) == ow) and tonumber(h[9]) or 0
+local oc = (soft > 0 and tonumber(h.os) == ow) and tonumber(h.oc) or 0
 -- Units of leases taken in the overage window and not closed yet (`ls` its start): counted in
 -- the windows, but how many of them were delivered is known only when their holder closes them.
-local lo = (tonumber(h[12]) == ow) and tonumber(h[11]) or 0
+local lo = (tonumber(h.ls) == ow) and tonumber(h.lo) or 0
 local mine = 0
 local eventId = false
 local function reply(outcome, taken, banUntil)
@@ -87,25 +99,34 @@ local function reply(outcome, taken, banUntil)
   if grant >= 0 then balance = g + p end
   local alerted = 0
   if alerting and redis.call('XLEN', KEY.alerts) ~= alertsBefore then alerted = 1 end
-  local out = packed{outcome = outcome, minuteUsed = mc, dayUsed = dc, nowMs = now, banUntilMs = banUntil, taken = taken,
-    monthUsed = pc, periodStart = ps, periodEnd = pe, balance = balance, overageUsed = oc, overageUnits = mine, eventId = eventId,
-    alerted = alerted}
+  local r = {outcome = outcome, nowMs = now, banUntilMs = banUntil, taken = taken, monthUsed = pc, periodStart = ps,
+    periodEnd = pe, balance = balance, overageUsed = oc, overageUnits = mine, eventId = eventId, alerted = alerted}
+  for _, w in ipairs(FIXED) do r[w.used] = win[w.name].count end
+  local out = packed(r)
   if callKey then redis.call('SET', callKey, cjson.encode(out), 'PX', 10000) end
   return out
 end
 local function save()
-  redis.call('HSET', KEY.counters, 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc, 'lo', lo, 'ls', ow)
+  local set = {'lo', lo, 'ls', ow}
+  for _, w in ipairs(FIXED) do
+    local c = win[w.name]
+    for _, v in ipairs({w.start, c.start, w.count, c.count}) do table.insert(set, v) end
+  end
+  redis.call('HSET', KEY.counters, unpack(set))
   if perMonth > 0 then redis.call('HSET', KEY.counters, 'ps', ps, 'pc', pc, 'pe', pe) end
 end
-local expireAt = ms + 60000
-if perDay > 0 then expireAt = ds + DAY end
+-- The counters last until the end of the subject's longest window.
+local expireAt = 0
+for _, w in ipairs(FIXED) do
+  if win[w.name].on then expireAt = math.max(expireAt, win[w.name].start + w.len) end
+end
 if perMonth > 0 then expireAt = pe end
 local function keep() redis.call('PEXPIREAT', KEY.counters, math.max(expireAt, ban)) end
 
 -- The overage window's count.
 local function long()
   if perMonth > 0 then return pc end
-  return dc
+  return day.count
 end
 -- Overage is billed for units known to be delivered past the quota: the overage window's
 -- count less the units of leases not closed yet. `units`: those this call makes known (a
@@ -126,10 +147,12 @@ end
 -- in, and the units handed out are known delivered.
 local back, closed = tonumber(ARG.backUnused) or 0, tonumber(ARG.backSize) or 0
 if back > 0 or closed > 0 then
-  if tonumber(ARG.backDayStart) == ds and dc >= back then dc = dc - back end
-  if tonumber(ARG.backMinuteStart) == ms and mc >= back then mc = mc - back end
+  for _, w in ipairs(FIXED) do
+    local c = win[w.name]
+    if tonumber(ARG['back_' .. w.name]) == c.start and c.count >= back then c.count = c.count - back end
+  end
   if perMonth > 0 and tonumber(ARG.backPeriodStart) == ps and pc >= back then pc = pc - back end
-  local leasedIn = tonumber(ARG.backDayStart)
+  local leasedIn = tonumber(ARG.back_day)
   if perMonth > 0 then leasedIn = tonumber(ARG.backPeriodStart) end
   if closed > 0 and leasedIn == ow then
     lo = math.max(0, lo - closed)
@@ -143,16 +166,18 @@ if ban > now then return reply(3, 0, ban) end
 
 -- Room for a lease: what every window has left, and none at or past the overage line.
 local function room()
-  local r = perMinute - mc
-  if perDay > 0 then r = math.min(r, perDay - dc) end
+  local r = win.minute.limit - win.minute.count
+  for _, w in ipairs(FIXED) do
+    local c = win[w.name]
+    if c.on then r = math.min(r, c.limit - c.count) end
+  end
   if perMonth > 0 then r = math.min(r, perMonth - pc) end
   if soft > 0 then r = math.min(r, soft - long()) end
   return r
 end
 -- Units taken: a request's (`leased` false), known delivered, or a lease's, not closed yet.
 local function take(units, leased)
-  mc = mc + units
-  dc = dc + units
+  for _, w in ipairs(FIXED) do win[w.name].count = win[w.name].count + units end
   if perMonth > 0 then pc = pc + units end
   if leased then lo = lo + units else bill(units) end
   if grant >= 0 then
@@ -166,10 +191,10 @@ local function take(units, leased)
 end
 -- Units taken (a request's, or a lease's: a lease's crossing fires when the lease is taken), and the thresholds they reach.
 local function takeAndAlert(units, leased)
-  local d, m, b = dc, pc, g + p
+  local d, m, b = day.count, pc, g + p
   take(units, leased)
   if not alerting then return end
-  if perDay > 0 then crossings(KEY.alerted, KEY.alerts, now, thresholds, 'day', ds, d, dc, perDay) end
+  if day.on then crossings(KEY.alerted, KEY.alerts, now, thresholds, 'day', day.start, d, day.count, day.limit) end
   if perMonth > 0 then crossings(KEY.alerted, KEY.alerts, now, thresholds, 'month', ps, m, pc, perMonth) end
   if grant > 0 then crossings(KEY.alerted, KEY.alerts, now, thresholds, 'credits', gp, grant - b, grant - (g + p), grant) end
 end
@@ -184,9 +209,11 @@ end
 
 -- The longest window is checked first: when several are full, it is what the client must wait for.
 local violated = 0
-if perMonth > 0 and pc + cost > perMonth then violated = 4
-elseif perDay > 0 and dc + cost > perDay then violated = 2
-elseif mc + cost > perMinute then violated = 1 end
+if perMonth > 0 and pc + cost > perMonth then violated = 4 end
+for i = #FIXED, 1, -1 do
+  local w, c = FIXED[i], win[FIXED[i].name]
+  if violated == 0 and c.on and c.count + cost > c.limit then violated = w.outcome end
+end
 
 if violated > 0 then
   -- Refused: counted in no window, only in the list of recent 429s.
@@ -219,7 +246,7 @@ if cap > 0 then
   local balance = -1
   if grant >= 0 then balance = g + p end
   eventId = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'request', 'rid', ARG.requestId, 'key', ARG.keyId,
-    'plan', ARG.plan, 'route', ARG.route, 'method', ARG.method, 'units', cost, 'at', now, 'minute', mc, 'day', dc,
+    'plan', ARG.plan, 'route', ARG.route, 'method', ARG.method, 'units', cost, 'at', now, 'minute', win.minute.count, 'day', day.count,
     'month', pc, 'overage', mine, 'credits', balance)
 end
 return reply(0, units)

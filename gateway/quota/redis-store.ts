@@ -12,7 +12,6 @@ import {
   decision,
   type EventTag,
   leaseSize,
-  MINUTE_MS,
   type QuotaSubject,
   type WindowCounts,
   windowStart,
@@ -33,9 +32,9 @@ import {
   writeBackArgs,
 } from './script.js';
 import { LATE, RedisHealth, within } from './redis-health.js';
+import { type Counts, countsAt, FIXED } from './windows.js';
 import {
   type Counters,
-  countsAt,
   type ExportState,
   type LedgerEntry,
   type QuotaStore,
@@ -156,6 +155,16 @@ function billingUsage(subject: QuotaSubject, now: number, stored: number[], cred
   }
   if (period) out.period = period;
   if (billing.overage > 0) out.overageUsed = os === (limits.perMonth ? period!.startMs : windowStart(now, DAY_MS)) ? oc : 0;
+  return out;
+}
+
+/** The fixed windows' fields of the counters hash (windows.ts): each one's start and count. */
+const COUNTER_FIELDS = FIXED.flatMap((w) => [w.stored.start, w.stored.count]);
+
+/** A lease's counts: every window's, as Redis held them after it. */
+function countsOfLease(lease: Lease): Counts {
+  const out: Counts = { minuteUsed: 0, dayUsed: 0, monthUsed: lease.monthUsed };
+  for (const w of FIXED) out[w.used] = lease[w.used] ?? 0;
   return out;
 }
 
@@ -302,7 +311,7 @@ export class RedisQuotaStore implements QuotaStore {
   }
 
   private bannedDecision(subject: QuotaSubject, ban: Counters & { billing: BillingCounts }, now: number): Decision {
-    return decision(subject, { outcome: 'banned', ...countsAt(ban, now), nowMs: now, banUntilMs: ban.ban, ...ban.billing });
+    return decision(subject, { outcome: 'banned', ...countsAt(ban.stored, now), nowMs: now, banUntilMs: ban.ban, ...ban.billing });
   }
 
   /**
@@ -318,9 +327,7 @@ export class RedisQuotaStore implements QuotaStore {
     if (shared && shared.second === second && shared.subject === subject) return shared.decision;
     const d = decision(subject, {
       outcome: 'allowed',
-      minuteUsed: lease.minuteUsed,
-      dayUsed: lease.dayUsed,
-      monthUsed: lease.monthUsed,
+      ...countsOfLease(lease),
       period: lease.period,
       nowMs: now,
       banUntilMs: 0,
@@ -411,7 +418,7 @@ export class RedisQuotaStore implements QuotaStore {
 
   private learnBan(name: string, c: WindowCounts): void {
     if (c.outcome !== 'banned') return this.bans.forget(name);
-    this.bans.remember(name, c.minuteUsed, c.dayUsed, c.nowMs, c.banUntilMs, {
+    this.bans.remember(name, c, c.nowMs, c.banUntilMs, {
       monthUsed: c.monthUsed,
       period: c.period,
       balance: c.balance,
@@ -484,7 +491,7 @@ export class RedisQuotaStore implements QuotaStore {
     const applied = await within(call, this.timeoutMs);
     if (applied === LATE) throw new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`);
     this.budget.confirmed(w);
-    if (applied === 1) this.tally.writtenBack += Math.max(w.minuteUnits, w.dayUnits);
+    if (applied === 1) this.tally.writtenBack += Math.max(...Object.values(w.units));
   }
 
   /**
@@ -549,8 +556,7 @@ export class RedisQuotaStore implements QuotaStore {
   /** refund.lua: the units back to their windows, credits, overage, and a refund event for `eventId`. */
   private async refundInRedis(subject: QuotaSubject, countedAtMs: number, cost: number, eventId?: string): Promise<void> {
     try {
-      const units = { minuteStart: windowStart(countedAtMs, MINUTE_MS), dayStart: windowStart(countedAtMs, DAY_MS), countedAtMs };
-      await this.redis.refund(...refundArgs(subject, { ...units, units: cost, eventId }));
+      await this.redis.refund(...refundArgs(subject, { countedAtMs, units: cost, eventId }));
     } catch (err) {
       this.tally.refundsFailed++;
       this.log.warn(
@@ -664,7 +670,7 @@ export class RedisQuotaStore implements QuotaStore {
     const results = await this.redis
       .multi()
       .time()
-      .hmget(subjectKey.counters(subject.name), 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
+      .hmget(subjectKey.counters(subject.name), ...COUNTER_FIELDS, 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
       .lrange(subjectKey.rejections(subject.name), 0, -1)
       .hmget(subjectKey.credits(subject.name), 'g', 'p', 'gp', 'ge')
       .exec();
@@ -674,15 +680,17 @@ export class RedisQuotaStore implements QuotaStore {
     });
     const [time, fields, rejections, credited] = values as [[string, string], Array<string | null>, string[], Array<string | null>];
     const now = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
-    const [minuteStart, minuteCount, dayStart, dayCount, ban] = fields.map(Number) as [number, number, number, number, number];
+    const numbers = fields.map(Number);
+    const stored = Object.fromEntries(COUNTER_FIELDS.map((f, i) => [f, numbers[i]!]));
+    const [ban, ...billed] = numbers.slice(COUNTER_FIELDS.length) as [number, ...number[]];
     const withinMs = subject.bans?.withinMs ?? 0;
     const usage: Usage = {
       nowMs: now,
-      ...countsAt({ minuteStart, minuteCount, dayStart, dayCount }, now),
+      ...countsAt(stored, now),
       banUntilMs: ban > now ? ban : 0,
       recentRejections: rejections.filter((t) => Number(t) > now - withinMs).length,
     };
-    return { ...usage, ...billingUsage(subject, now, fields.slice(5).map(Number), credited) };
+    return { ...usage, ...billingUsage(subject, now, billed, credited) };
   }
 
   activeBans(): number {

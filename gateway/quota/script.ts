@@ -1,9 +1,9 @@
 import { readFileSync } from 'node:fs';
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
-import { type EventTag, MINUTE_MS, OUTCOMES, type QuotaSubject, softQuota, type WindowCounts } from './decision.js';
+import { type EventTag, OUTCOMES, type QuotaSubject, softQuota, type WindowCounts } from './decision.js';
 import type { Lease } from './lease-book.js';
-import { WINDOWS } from './windows.js';
+import { type Counts, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from './windows.js';
 import type { WriteBack } from './degraded-budget.js';
 import { type TopUp, topUpFingerprint } from './store.js';
 
@@ -45,62 +45,75 @@ function positions<N extends string>(names: readonly N[]): Readonly<Record<N, nu
 
 const source = (file: string) => readFileSync(new URL(file, import.meta.url), 'utf8');
 
+/**
+ * The fixed windows (windows.ts) as Lua reads them: FIXED, shortest first, each with its stored
+ * fields, length, limit's ARG, reply field and refusal's outcome index; FIXED.<name> by name.
+ * The scripts loop over it, so a new fixed window is a row in windows.ts, not a change here.
+ */
+const FIXED_LUA = `local FIXED = {
+${FIXED.map(
+  (w) =>
+    `  {name = '${w.name}', start = '${w.stored.start}', count = '${w.stored.count}', len = ${w.lengthMs}, limit = '${w.limit}', ` +
+    `used = '${w.used}', outcome = ${OUTCOMES.indexOf(w.name)}, always = ${w.always === true}},`,
+).join('\n')}
+}
+for _, w in ipairs(FIXED) do FIXED[w.name] = w end
+`;
+
 /** A script as Redis runs it: the prelude, then its files (billing.lua is a library of functions prepended). */
-const script = (w: Wires<string, string, string>, ...files: string[]) => prelude(w) + files.map(source).join('');
+const script = (w: Wires<string, string, string>, ...files: string[]) => prelude(w) + FIXED_LUA + files.map(source).join('');
 
 // quota.lua: one decision.
+const QUOTA_ARGV = [
+  'banAfter',
+  'banWithinMs',
+  'banForMs',
+  'lease',
+  'backUnused',
+  'deadline',
+  'cost',
+  'refill',
+  'billingDay',
+  'soft',
+  'grant',
+  'rollover',
+  'backPeriodStart',
+  'eventsCap',
+  'requestId',
+  'keyId',
+  'plan',
+  'route',
+  'method',
+  'alerts',
+  'backSize',
+  'callId',
+] as const;
+const QUOTA_REPLY = [
+  'outcome',
+  'nowMs',
+  'banUntilMs',
+  'taken',
+  'periodStart',
+  'periodEnd',
+  'balance',
+  'overageUsed',
+  'overageUnits',
+  'eventId',
+  'alerted',
+] as const;
+/** A fixed window's ARG: the start of the leases given back in it. */
+const backArg = (w: WindowRow) => `back_${w.name}` as const;
 export const QUOTA = {
-  keys: ['counters', 'rejections', 'credits', 'ledger', 'events', 'alerted', 'alerts', 'call'],
-  argv: [
-    'perMinute',
-    'perDay',
-    'banAfter',
-    'banWithinMs',
-    'banForMs',
-    'lease',
-    'backUnused',
-    'backMinuteStart',
-    'backDayStart',
-    'deadline',
-    'cost',
-    'refill',
-    'perMonth',
-    'billingDay',
-    'soft',
-    'grant',
-    'rollover',
-    'backPeriodStart',
-    'eventsCap',
-    'requestId',
-    'keyId',
-    'plan',
-    'route',
-    'method',
-    'alerts',
-    'backSize',
-    'callId',
-  ],
-  reply: [
-    'outcome',
-    'minuteUsed',
-    'dayUsed',
-    'nowMs',
-    'banUntilMs',
-    'taken',
-    'monthUsed',
-    'periodStart',
-    'periodEnd',
-    'balance',
-    'overageUsed',
-    'overageUnits',
-    'eventId',
-    'alerted',
-  ],
-} as const satisfies Wires<string, string, string>;
-export type QuotaArg = (typeof QUOTA.argv)[number];
+  keys: ['counters', 'rejections', 'credits', 'ledger', 'events', 'alerted', 'alerts', 'call'] as const,
+  // Each window's limit under its limit's name, and each fixed window's lease start given back (windows.ts).
+  argv: [...QUOTA_ARGV, ...WINDOWS.map((w) => w.limit), ...FIXED.map(backArg)],
+  reply: [...QUOTA_REPLY, ...WINDOWS.map((w) => w.used)],
+} satisfies Wires<string, string, string>;
+export type QuotaArg = (typeof QUOTA_ARGV)[number] | LimitField | `back_${WindowName}`;
 const QK = positions(QUOTA.keys);
-const QA = positions(QUOTA.argv);
-const QR = positions(QUOTA.reply);
+const QA = positions<QuotaArg>(QUOTA.argv);
+type QuotaReplyField = (typeof QUOTA_REPLY)[number] | WindowRow['used'];
+const QR = positions<QuotaReplyField>(QUOTA.reply);
 
 /** What one run of quota.lua is asked beside its subject. */
 export interface QuotaCall {
@@ -151,8 +164,7 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   a('callId', c.callId);
   const back = c.back;
   a('backUnused', back?.left ?? 0);
-  a('backMinuteStart', back?.windowEndMs ? back.windowEndMs - MINUTE_MS : 0);
-  a('backDayStart', back?.dayStartMs ?? 0);
+  for (const w of FIXED) a(backArg(w), back?.starts[w.name] ?? 0);
   a('backPeriodStart', back?.period?.startMs ?? 0);
   a('backSize', back?.size ?? 0);
   const tag = c.tag && subject.events > 0 ? c.tag : undefined;
@@ -168,16 +180,13 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
 /** One ARGV of a quota.lua call, by name, from the arguments it was sent (KEYS first): for tests and traces. */
 export const quotaArg = (args: readonly unknown[], arg: QuotaArg): unknown => args[QUOTA.keys.length + QA[arg]];
 
-/** quota.lua's reply by name. `outcome` < 0: the call ran past its deadline and changed nothing. */
-export interface QuotaReply {
+/** quota.lua's reply by name, each window's count (Counts) included. `outcome` < 0: the call ran past its deadline and changed nothing. */
+export interface QuotaReply extends Counts {
   outcome: number;
-  minuteUsed: number;
-  dayUsed: number;
   nowMs: number;
   banUntilMs: number;
   /** Units taken: the request's cost, a lease's size, or 0. */
   taken: number;
-  monthUsed: number;
   /** The billing period (0: none). */
   periodStart: number;
   periodEnd: number;
@@ -192,16 +201,15 @@ export interface QuotaReply {
 }
 
 export function quotaReply(raw: ReadonlyArray<number | string | null>): QuotaReply {
-  const n = (field: keyof typeof QR) => Number(raw[QR[field]] ?? 0);
+  const n = (field: QuotaReplyField) => Number(raw[QR[field]] ?? 0);
   const event = raw[QR.eventId];
   const reply: QuotaReply = {
     outcome: n('outcome'),
-    minuteUsed: n('minuteUsed'),
-    dayUsed: n('dayUsed'),
+    minuteUsed: 0,
+    dayUsed: 0,
     nowMs: n('nowMs'),
     banUntilMs: n('banUntilMs'),
     taken: n('taken'),
-    monthUsed: n('monthUsed'),
     periodStart: n('periodStart'),
     periodEnd: n('periodEnd'),
     balance: n('balance'),
@@ -209,19 +217,15 @@ export function quotaReply(raw: ReadonlyArray<number | string | null>): QuotaRep
     overageUnits: n('overageUnits'),
     alerted: n('alerted') === 1,
   };
+  for (const w of WINDOWS) reply[w.used] = n(w.used);
   if (event) reply.eventId = String(event);
   return reply;
 }
 
 /** A reply's counts, in the one shape both stores decide from. */
 export function countsOf(r: QuotaReply): WindowCounts {
-  const c: WindowCounts = {
-    outcome: OUTCOMES[r.outcome]!,
-    minuteUsed: r.minuteUsed,
-    dayUsed: r.dayUsed,
-    nowMs: r.nowMs,
-    banUntilMs: r.banUntilMs,
-  };
+  const c: WindowCounts = { outcome: OUTCOMES[r.outcome]!, minuteUsed: 0, dayUsed: 0, nowMs: r.nowMs, banUntilMs: r.banUntilMs };
+  for (const w of FIXED) c[w.used] = r[w.used] ?? 0;
   if (r.periodStart) Object.assign(c, { monthUsed: r.monthUsed, period: { startMs: r.periodStart, endMs: r.periodEnd } });
   if (r.balance >= 0) c.balance = r.balance;
   Object.assign(c, { overageUsed: r.overageUsed, overageUnits: r.overageUnits });
@@ -232,13 +236,11 @@ export function countsOf(r: QuotaReply): WindowCounts {
 // refund.lua: a failed request's units back.
 export const REFUND = {
   keys: ['counters', 'credits', 'events'],
-  argv: ['minuteStart', 'dayStart', 'countedAt', 'units', 'paidWithCredits', 'soft', 'overageWindow', 'eventsCap', 'eventId'],
+  argv: ['countedAt', 'units', 'month', 'paidWithCredits', 'soft', 'overageWindow', 'eventsCap', 'eventId'],
 } as const satisfies Wires<string, string>;
 
-/** What a refund gives back: `units` counted at `countedAtMs` (the decision's time), in windows starting at these. */
+/** What a refund gives back: `units` counted at `countedAtMs` (the decision's time). */
 export interface RefundCall {
-  minuteStart: number;
-  dayStart: number;
   countedAtMs: number;
   units: number;
   eventId?: string;
@@ -247,10 +249,9 @@ export interface RefundCall {
 export function refundArgs(subject: QuotaSubject, c: RefundCall): Array<string | number> {
   const { name, limits, billing } = subject;
   const argv: Record<(typeof REFUND.argv)[number], string | number> = {
-    minuteStart: c.minuteStart,
-    dayStart: c.dayStart,
-    countedAt: limits.perMonth ? c.countedAtMs : 0,
+    countedAt: c.countedAtMs,
     units: c.units,
+    month: limits.perMonth ? 1 : 0,
     paidWithCredits: billing.credits ? 1 : 0,
     soft: softQuota(subject),
     overageWindow: limits.perMonth ? 1 : 2,
@@ -264,22 +265,22 @@ export function refundArgs(subject: QuotaSubject, c: RefundCall): Array<string |
 // writeback.lua: what an instance admitted on its own while Redis failed.
 export const WRITEBACK = {
   keys: ['counters', 'applied'],
-  argv: ['id', 'minuteStart', 'minuteUnits', 'dayStart', 'dayUnits', 'hasDay', 'periodStart', 'periodEnd', 'periodUnits'],
-} as const satisfies Wires<string, string>;
+  argv: ['id', 'longestMs', 'periodStart', 'periodEnd', 'periodUnits', ...FIXED.flatMap((w) => [`start_${w.name}`, `units_${w.name}`])],
+} satisfies Wires<string, string>;
 
 export function writeBackArgs(w: WriteBack): Array<string | number> {
-  const argv: Record<(typeof WRITEBACK.argv)[number], string | number> = {
+  const argv: Record<string, string | number> = {
     id: w.id,
-    minuteStart: w.minuteStart,
-    minuteUnits: w.minuteUnits,
-    dayStart: w.dayStart,
-    dayUnits: w.dayUnits,
-    hasDay: w.hasDay ? 1 : 0,
+    longestMs: w.longestMs,
     periodStart: w.periodStart,
     periodEnd: w.periodEnd,
     periodUnits: w.periodUnits,
   };
-  return [subjectKey.counters(w.name), subjectKey.writtenBack(w.name), ...WRITEBACK.argv.map((a) => argv[a])];
+  for (const f of FIXED) {
+    argv[`start_${f.name}`] = w.starts[f.name] ?? 0;
+    argv[`units_${f.name}`] = w.units[f.name] ?? 0;
+  }
+  return [subjectKey.counters(w.name), subjectKey.writtenBack(w.name), ...WRITEBACK.argv.map((a) => argv[a]!)];
 }
 
 // topup.lua: a top-up, once per idempotency key.

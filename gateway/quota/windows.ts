@@ -84,3 +84,29 @@ export const windowsOf = (limits: WindowLimits): WindowRow[] => WINDOWS.filter((
 
 /** Whether `name` is a window's (a refusal for a used-up window, rather than a ban or credits). */
 export const isWindow = (name: string): name is WindowName => WINDOWS.some((w) => w.name === name);
+
+/** The fixed-length windows (UTC-aligned), shortest first: what every store counts alike. The calendar window (the month) has its own code. */
+export const FIXED: readonly WindowRow[] = Object.freeze(WINDOWS.filter((w) => w.lengthMs));
+
+/** The admitted counts a store reports: the minute's and the day's always (0 without a day window), the others where kept. */
+export type Counts = { minuteUsed: number; dayUsed: number } & UsedCounts;
+
+/** The fixed windows' starts and counts as stored, by the row's stored names (quota.lua's hash fields: ms, mc, ...). */
+export type Stored = Record<string, number>;
+
+/** Admitted counts of the fixed windows current at `now` from stored ones: a stored count of an older window is 0. */
+export function countsAt(stored: Readonly<Stored>, now: number): Counts {
+  const out = { minuteUsed: 0, dayUsed: 0 } as Counts;
+  for (const w of FIXED) out[w.used] = stored[w.stored.start] === now - (now % w.lengthMs!) ? (stored[w.stored.count] ?? 0) : 0;
+  return out;
+}
+
+/** The fixed windows current at `now`, stored with the given counts. */
+export function storedAt(counts: UsedCounts, now: number): Stored {
+  const out: Stored = {};
+  for (const w of FIXED) {
+    out[w.stored.start] = now - (now % w.lengthMs!);
+    out[w.stored.count] = counts[w.used] ?? 0;
+  }
+  return out;
+}

@@ -3,6 +3,7 @@ import calculateSlot from 'cluster-key-slot';
 import { describe, expect, it } from 'vitest';
 import { compileConfig } from '../../gateway/config/config.js';
 import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
+import { FIXED, WINDOWS } from '../../gateway/quota/windows.js';
 import { QUOTA, quotaArg, quotaArgs, REFUND, refundArgs, TOPUP, topUpArgs, WRITEBACK, writeBackArgs } from '../../gateway/quota/script.js';
 import {
   accountName,
@@ -99,7 +100,12 @@ const lua = (file: string) => readFileSync(new URL(`../../gateway/quota/${file}`
 const used = (text: string, re: RegExp) => [...new Set([...text.matchAll(re)].map((m) => m[1]!))].sort();
 
 describe('the scripts read their wires by name (gateway/quota/script.ts)', () => {
-  // A misspelt name reads nil in Lua, silently: every name a script reads must be declared, and every declared one read.
+  // A misspelt name reads nil in Lua, silently: every name a script reads must be declared, and every declared one read
+  // (those of the windows' rows through the FIXED table the prelude gives it: ARG[w.limit], ARG['back_' .. w.name]).
+  const perWindow = new Set([
+    ...WINDOWS.map((w) => w.limit),
+    ...FIXED.flatMap((w) => [`back_${w.name}`, `start_${w.name}`, `units_${w.name}`]),
+  ]);
   it.each([
     ['quota.lua', QUOTA],
     ['refund.lua', REFUND],
@@ -108,12 +114,15 @@ describe('the scripts read their wires by name (gateway/quota/script.ts)', () =>
   ] as const)('%s reads exactly the KEYS and ARGV its wires name', (file, wires) => {
     const text = lua(file);
     expect(used(text, /\bKEY\.(\w+)/g)).toEqual([...wires.keys].sort());
-    expect(used(text, /\bARG\.(\w+)/g)).toEqual([...wires.argv].sort());
+    const named = used(text, /\bARG\.(\w+)/g);
+    expect(named.filter((a) => !(wires.argv as readonly string[]).includes(a))).toEqual([]);
+    expect(wires.argv.filter((a) => !named.includes(a) && !perWindow.has(a))).toEqual([]);
   });
 
-  it("quota.lua's reply is built of its named fields", () => {
-    const fields = [...lua('quota.lua').matchAll(/packed\{([^}]*)\}/g)].flatMap((m) => [...m[1]!.matchAll(/(\w+) =/g)].map((f) => f[1]!));
-    expect(new Set(fields)).toEqual(new Set(QUOTA.reply));
+  it("quota.lua's reply is built of its named fields, each fixed window's count by the FIXED table", () => {
+    const reply = /local r = \{([^}]*)\}/.exec(lua('quota.lua'))![1]!;
+    const fields = [...reply.matchAll(/(\w+) =/g)].map((f) => f[1]!);
+    expect(new Set([...fields, ...FIXED.map((w) => w.used)])).toEqual(new Set(QUOTA.reply));
   });
 
   const subject: QuotaSubject = {
@@ -133,25 +142,24 @@ describe('the scripts read their wires by name (gateway/quota/script.ts)', () =>
     expect(args).toHaveLength(QUOTA.keys.length + QUOTA.argv.length);
     expect(args.every((a) => a !== undefined)).toBe(true);
     expect(args.slice(0, 2)).toEqual(['gw:production:{k:acme}', 'gw:production:{k:acme}:rej']);
-    expect(args[QUOTA.keys.length]).toBe(60); // quota.lua's first ARG is perMinute
     expect([quotaArg(args, 'perDay'), quotaArg(args, 'banForMs'), quotaArg(args, 'refill'), quotaArg(args, 'grant')]).toEqual([
       1000, 900_000, 1, -1,
     ]);
-    const refund = refundArgs(subject, { minuteStart: 60_000, dayStart: 0, countedAtMs: 61_000, units: 2 });
+    const refund = refundArgs(subject, { countedAtMs: 61_000, units: 2 });
     expect(refund).toHaveLength(REFUND.keys.length + REFUND.argv.length);
     const wb = writeBackArgs({
       name: subject.name,
       id: 'i:1',
-      minuteStart: 1,
-      minuteUnits: 2,
-      dayStart: 3,
-      dayUnits: 4,
-      hasDay: true,
+      starts: { minute: 1, day: 3 },
+      units: { minute: 2, day: 4 },
+      longestMs: 86_400_000,
       periodStart: 0,
       periodEnd: 0,
       periodUnits: 0,
     });
-    expect(wb).toEqual(['gw:production:{k:acme}', 'gw:production:{k:acme}:wb', 'i:1', 1, 2, 3, 4, 1, 0, 0, 0]);
+    expect(wb.slice(0, 3)).toEqual(['gw:production:{k:acme}', 'gw:production:{k:acme}:wb', 'i:1']);
+    expect(wb).toHaveLength(WRITEBACK.keys.length + WRITEBACK.argv.length);
+    expect(wb[WRITEBACK.keys.length + WRITEBACK.argv.indexOf('units_day')]).toBe(4);
     const topUp = topUpArgs(subject, { amount: 5, reason: 'r', idempotencyKey: 'k' }, 1000);
     expect(topUp).toHaveLength(TOPUP.keys.length + TOPUP.argv.length);
     expect(topUp[5]).toBe('gw:production:{k:acme}:topup:k');
