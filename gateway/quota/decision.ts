@@ -11,7 +11,7 @@ export const DAY_MS = 86_400_000;
  * Why a request was admitted or refused: the one vocabulary of quota.lua (which returns the
  * index), the in-process store, the headers, the error codes, the access line and the metrics.
  */
-export const OUTCOMES = ['allowed', 'minute', 'day', 'banned', 'month', 'credits'] as const;
+export const OUTCOMES = ['allowed', 'minute', 'day', 'banned', 'month', 'credits', 'hour'] as const;
 export type Outcome = (typeof OUTCOMES)[number];
 export type Refusal = Exclude<Outcome, 'allowed'>;
 /** A refusal a subject in shadow mode (`enforce: false`) would have had: counted and reported, but admitted. */

@@ -3,15 +3,15 @@
 // usage view and the error catalogue read a window from its row. Pure: it imports nothing.
 
 /** A window's name: its RateLimit-Policy item, its key in the usage view, its refusal's outcome. */
-export type WindowName = 'minute' | 'day' | 'month';
+export type WindowName = 'minute' | 'hour' | 'day' | 'month';
 
 /** The error code of a 429 for a window (gateway/errors.ts holds them with their status). */
-export type WindowCode = 'rate_limited' | 'daily_quota_exceeded' | 'monthly_quota_exceeded';
+export type WindowCode = 'rate_limited' | 'hourly_quota_exceeded' | 'daily_quota_exceeded' | 'monthly_quota_exceeded';
 
 export interface WindowRow {
   name: WindowName;
   /** Its limit's field in plans, keys and Limits. */
-  limit: 'perMinute' | 'perDay' | 'perMonth';
+  limit: 'perMinute' | 'perHour' | 'perDay' | 'perMonth';
   /** A fixed length, aligned to UTC (a multiple of the length since the epoch); absent: the billing period's calendar (period.ts). */
   lengthMs?: number;
   /** What the counters store of it (quota.lua's hash fields, kept short: stored data and tests read them): its start and its count. */
@@ -42,6 +42,17 @@ const ROWS = [
     describe: 'Requests a minute (UTC minutes)',
     inPlans: 'required',
     used: 'minuteUsed',
+  },
+  {
+    name: 'hour',
+    limit: 'perHour',
+    lengthMs: 3_600_000,
+    stored: { start: 'hs', count: 'hc' },
+    code: 'hourly_quota_exceeded',
+    word: 'Hourly',
+    describe: 'Requests an hour (UTC hours)',
+    inPlans: 'optional',
+    used: 'hourUsed',
   },
   {
     name: 'day',
