@@ -2,7 +2,7 @@
 // (one Outcome, and the windows as they stand after it). Pure: plain values and `now`.
 
 import { billingPeriod, type Period } from './period.js';
-import { type Counts, type UsedCounts, WINDOWS, type WindowLimits, type WindowName } from './windows.js';
+import { type Counts, type UsedCounts, type WindowLimits, type WindowName, windowsOf } from './windows.js';
 
 export const MINUTE_MS = 60_000;
 export const DAY_MS = 86_400_000;
@@ -149,9 +149,7 @@ export function windowStart(nowMs: number, sizeMs: number): number {
 /** The windows of a subject (windows.ts, shortest first) from the admitted counts of the current windows (the month's needs its period). */
 export function windows(limits: Limits, nowMs: number, used: UsedCounts, period?: Period): WindowState[] {
   const list: WindowState[] = [];
-  for (const w of WINDOWS) {
-    const limit = limits[w.limit] ?? 0;
-    if (!w.always && limit <= 0) continue;
+  for (const { row: w, limit } of windowsOf(limits)) {
     const resetMs = w.lengthMs ? windowStart(nowMs, w.lengthMs) + w.lengthMs : period?.endMs;
     if (resetMs !== undefined) list.push({ name: w.name, limit, used: used[w.used] ?? 0, resetMs });
   }
@@ -183,10 +181,7 @@ export function decision({ limits, billing }: QuotaSubject, c: WindowCounts): De
  */
 export function leaseSize(limits: Limits, max: number): number {
   let smallest = Number.POSITIVE_INFINITY;
-  for (const w of WINDOWS) {
-    const limit = limits[w.limit] ?? 0;
-    if (w.always || limit > 0) smallest = Math.min(smallest, limit);
-  }
+  for (const { limit } of windowsOf(limits)) smallest = Math.min(smallest, limit);
   return Math.max(1, Math.min(max, Math.floor(smallest / 100)));
 }
 

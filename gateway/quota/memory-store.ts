@@ -1,13 +1,20 @@
 import { type CreditState, spend, withGrants } from './credits.js';
 import { DAY_MS, type Decision, decision, MINUTE_MS, type QuotaSubject, softQuota, type WindowCounts, windowStart } from './decision.js';
 import { billingPeriod, type Period } from './period.js';
-import { type Counters, type LedgerEntry, type QuotaStore, type TopUp, type TopUpResult, topUpFingerprint, type Usage } from './store.js';
-import { type Counts, countsAt, FIXED, storedAt, windowRow } from './windows.js';
+import { type LedgerEntry, type QuotaStore, type TopUp, type TopUpResult, topUpFingerprint, type Usage } from './store.js';
+import { type Counts, countsFrom, FIXED, fixedLimits, windowRow } from './windows.js';
 
-/** The day's stored fields: the overage window of a subject without a month. */
-const DAY = windowRow('day').stored;
+// The fixed windows (windows.ts) by position: a state keeps each one's start and count in arrays in this order.
+const LENGTH = FIXED.map((w) => w.lengthMs!);
+const NAME = FIXED.map((w) => w.name);
+/** The day's position: the overage window of a subject without a month. */
+const DAY = FIXED.indexOf(windowRow('day'));
 
-interface MemoryState extends Counters {
+interface MemoryState {
+  /** Each fixed window's start and admitted count (as quota.lua's ms/mc, ds/dc, ...). */
+  starts: number[];
+  counts: number[];
+  ban: number;
   /** The month window's period (as quota.lua's ps, pe) and its count. */
   periodStart: number;
   periodEnd: number;
@@ -37,6 +44,8 @@ export class MemoryQuotaStore implements QuotaStore {
   private readonly accounts = new Map<string, Account>();
   private lastSweep = 0;
   private entries = 0;
+  /** The fixed windows' counts of the step under way (one at a time: steps are synchronous). */
+  private readonly used: number[] = LENGTH.map(() => 0);
 
   constructor(private readonly clock: () => number = Date.now) {}
 
@@ -51,7 +60,7 @@ export class MemoryQuotaStore implements QuotaStore {
     const usage: Usage = s
       ? {
           nowMs: now,
-          ...countsAt(s.stored, now),
+          ...countsOf(s, now, 0),
           banUntilMs: s.ban > now ? s.ban : 0,
           recentRejections: bans ? s.rejections.filter((t) => t > now - bans.withinMs).length : 0,
         }
@@ -77,19 +86,18 @@ export class MemoryQuotaStore implements QuotaStore {
   async refund(subject: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
     const s = this.states.get(subject.name);
     if (s) {
-      for (const w of FIXED) {
-        const { start, count } = w.stored;
-        if (s.stored[start] === windowStart(countedAtMs, w.lengthMs!)) s.stored[count] = Math.max(0, s.stored[count]! - cost);
+      for (let i = 0; i < LENGTH.length; i++) {
+        if (s.starts[i] === windowStart(countedAtMs, LENGTH[i]!)) s.counts[i] = Math.max(0, s.counts[i]! - cost);
       }
       // The period it was counted in, if it is still the one stored (as refund.lua does).
       const inPeriod = subject.limits.perMonth !== undefined && s.periodStart <= countedAtMs && countedAtMs < s.periodEnd;
       if (inPeriod) s.periodCount = Math.max(0, s.periodCount - cost);
       // The overage takes back what no delivered unit is under any more, at most `cost` (as refund.lua does).
-      const dayStart = s.stored[DAY.start]!;
+      const dayStart = s.starts[DAY]!;
       const sameDay = dayStart === windowStart(countedAtMs, DAY_MS);
       const [long, from] = subject.limits.perMonth
         ? [s.periodCount, inPeriod ? s.periodStart : -1]
-        : [s.stored[DAY.count]!, sameDay ? dayStart : -1];
+        : [s.counts[DAY]!, sameDay ? dayStart : -1];
       if (s.overageStart === from) s.overageCount -= Math.min(cost, Math.max(0, s.overageCount - Math.max(0, long - softQuota(subject))));
     }
     // Given back as purchased credits, which never expire (as refund.lua does).
@@ -168,7 +176,8 @@ export class MemoryQuotaStore implements QuotaStore {
     let s = this.states.get(name);
     if (!s) {
       s = {
-        stored: storedAt({}, 0),
+        starts: LENGTH.map(() => 0),
+        counts: LENGTH.map(() => 0),
         ban: 0,
         periodStart: 0,
         periodEnd: 0,
@@ -180,14 +189,20 @@ export class MemoryQuotaStore implements QuotaStore {
       };
       this.states.set(name, s);
     }
-    const used = countsAt(s.stored, now);
+    // Each fixed window's admitted count now (0 in a window that has started since), and its limit (0: none).
+    const used = this.used;
+    for (let i = 0; i < LENGTH.length; i++) used[i] = s.starts[i] === now - (now % LENGTH[i]!) ? s.counts[i]! : 0;
+    const fixed = fixedLimits(limits);
     const account = billing.credits ? this.account(name) : undefined;
     const granted = account && this.grantDue(subject, account, billingPeriod(now, billing.billingDay), now);
     // The month's period in force (as quota.lua: the stored one until it ends); without a month, the grant's.
     const period = limits.perMonth ? monthPeriod(subject, s, now) : granted;
     const monthUsed = limits.perMonth && s.periodStart === period!.startMs ? s.periodCount : 0;
     const counts = (outcome: WindowCounts['outcome'], taken = 0, banUntilMs = 0): WindowCounts => {
-      const c: WindowCounts = { outcome, ...added(used, taken), nowMs: now, banUntilMs };
+      const c = countsFrom(used, taken) as WindowCounts;
+      c.outcome = outcome;
+      c.nowMs = now;
+      c.banUntilMs = banUntilMs;
       if (period) Object.assign(c, { period, monthUsed: limits.perMonth ? monthUsed + taken : 0 });
       if (account) c.balance = account.credits.granted + account.credits.purchased;
       return c;
@@ -196,11 +211,10 @@ export class MemoryQuotaStore implements QuotaStore {
     // The state lasts until the end of its longest window; the longest window used up is the one reported.
     let expireAt = 0;
     let violated: WindowCounts['outcome'] | undefined;
-    for (const w of FIXED) {
-      const limit = limits[w.limit] ?? 0;
-      if (!w.always && limit <= 0) continue;
-      expireAt = windowStart(now, w.lengthMs!) + w.lengthMs!;
-      if (used[w.used]! + cost > limit) violated = w.name;
+    for (let i = 0; i < LENGTH.length; i++) {
+      if (fixed[i] === 0) continue;
+      expireAt = windowStart(now, LENGTH[i]!) + LENGTH[i]!;
+      if (used[i]! + cost > fixed[i]!) violated = NAME[i];
     }
     if (limits.perMonth && period) expireAt = period.endMs;
     if (limits.perMonth && monthUsed + cost > limits.perMonth) violated = 'month';
@@ -220,12 +234,15 @@ export class MemoryQuotaStore implements QuotaStore {
     // Every window has room; the balance must cover the cost too (a 402, which bans no one).
     if (account && account.credits.granted + account.credits.purchased < cost) return counts('credits');
     if (account) spend(account.credits, cost);
-    s.stored = storedAt(added(used, cost), now);
+    for (let i = 0; i < LENGTH.length; i++) {
+      s.starts[i] = windowStart(now, LENGTH[i]!);
+      s.counts[i] = used[i]! + cost;
+    }
     s.expiresAt = Math.max(s.expiresAt, expireAt, s.ban);
     if (limits.perMonth && period)
       Object.assign(s, { periodStart: period.startMs, periodEnd: period.endMs, periodCount: monthUsed + cost });
     const overageFrom = limits.perMonth ? period!.startMs : windowStart(now, DAY_MS);
-    const overage = this.billOverage(subject, s, overageFrom, limits.perMonth ? monthUsed : used.dayUsed, cost);
+    const overage = this.billOverage(subject, s, overageFrom, limits.perMonth ? monthUsed : used[DAY]!, cost);
     return Object.assign(counts('allowed', cost), overage);
   }
 
@@ -247,11 +264,12 @@ export class MemoryQuotaStore implements QuotaStore {
   }
 }
 
-/** `counts` with `units` more in every fixed window. */
-function added(counts: Counts, units: number): Counts {
-  const out = { ...counts };
-  for (const w of FIXED) out[w.used] = (counts[w.used] ?? 0) + units;
-  return out;
+/** A state's admitted counts of the fixed windows current at `now`, each with `taken` more. */
+function countsOf(s: MemoryState, now: number, taken: number): Counts {
+  return countsFrom(
+    LENGTH.map((length, i) => (s.starts[i] === now - (now % length) ? s.counts[i]! : 0)),
+    taken,
+  );
 }
 
 /** The month window's period in force at `now`: the stored one until it ends (a billing day changed meanwhile applies from the next), else the billing day's. */

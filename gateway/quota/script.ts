@@ -3,7 +3,7 @@ import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { type EventTag, OUTCOMES, type QuotaSubject, softQuota, type WindowCounts } from './decision.js';
 import type { Lease } from './lease-book.js';
-import { type Counts, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from './windows.js';
+import { type Counts, countsFrom, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from './windows.js';
 import type { WriteBack } from './degraded-budget.js';
 import { type TopUp, topUpFingerprint } from './store.js';
 
@@ -203,29 +203,34 @@ export interface QuotaReply extends Counts {
 export function quotaReply(raw: ReadonlyArray<number | string | null>): QuotaReply {
   const n = (field: QuotaReplyField) => Number(raw[QR[field]] ?? 0);
   const event = raw[QR.eventId];
-  const reply: QuotaReply = {
-    outcome: n('outcome'),
-    minuteUsed: 0,
-    dayUsed: 0,
-    nowMs: n('nowMs'),
-    banUntilMs: n('banUntilMs'),
-    taken: n('taken'),
-    periodStart: n('periodStart'),
-    periodEnd: n('periodEnd'),
-    balance: n('balance'),
-    overageUsed: n('overageUsed'),
-    overageUnits: n('overageUnits'),
-    alerted: n('alerted') === 1,
-  };
-  for (const w of WINDOWS) reply[w.used] = n(w.used);
+  const reply = countsFrom(
+    FIXED.map((w) => n(w.used)),
+    0,
+  ) as QuotaReply;
+  reply.monthUsed = n('monthUsed');
+  reply.outcome = n('outcome');
+  reply.nowMs = n('nowMs');
+  reply.banUntilMs = n('banUntilMs');
+  reply.taken = n('taken');
+  reply.periodStart = n('periodStart');
+  reply.periodEnd = n('periodEnd');
+  reply.balance = n('balance');
+  reply.overageUsed = n('overageUsed');
+  reply.overageUnits = n('overageUnits');
+  reply.alerted = n('alerted') === 1;
   if (event) reply.eventId = String(event);
   return reply;
 }
 
 /** A reply's counts, in the one shape both stores decide from. */
 export function countsOf(r: QuotaReply): WindowCounts {
-  const c: WindowCounts = { outcome: OUTCOMES[r.outcome]!, minuteUsed: 0, dayUsed: 0, nowMs: r.nowMs, banUntilMs: r.banUntilMs };
-  for (const w of FIXED) c[w.used] = r[w.used] ?? 0;
+  const c = countsFrom(
+    FIXED.map((w) => r[w.used] ?? 0),
+    0,
+  ) as WindowCounts;
+  c.outcome = OUTCOMES[r.outcome]!;
+  c.nowMs = r.nowMs;
+  c.banUntilMs = r.banUntilMs;
   if (r.periodStart) Object.assign(c, { monthUsed: r.monthUsed, period: { startMs: r.periodStart, endMs: r.periodEnd } });
   if (r.balance >= 0) c.balance = r.balance;
   Object.assign(c, { overageUsed: r.overageUsed, overageUnits: r.overageUnits });

@@ -84,17 +84,47 @@ export type RequiredLimit = Extract<(typeof ROWS)[number], { inPlans: 'required'
 /** A window's admitted count, by the counts' field name (minuteUsed, ...). */
 export type UsedCounts = Partial<Record<WindowRow['used'], number>>;
 
+const BY_NAME: ReadonlyMap<string, WindowRow> = new Map(WINDOWS.map((w) => [w.name, w]));
 /** A window's row by name. */
-export const windowRow = (name: WindowName): WindowRow => WINDOWS.find((w) => w.name === name)!;
+export const windowRow = (name: WindowName): WindowRow => BY_NAME.get(name)!;
 
 /** The limits a subject is refused at, one field per row (0 or absent: the subject has no such window). */
 export type WindowLimits = { perMinute: number } & Partial<Record<LimitField, number>>;
 
-/** The rows a subject with `limits` has, shortest first. */
-export const windowsOf = (limits: WindowLimits): WindowRow[] => WINDOWS.filter((w) => w.always || (limits[w.limit] ?? 0) > 0);
+/** A window a subject has, with its limit. */
+export interface ActiveWindow {
+  row: WindowRow;
+  limit: number;
+}
+const active = new WeakMap<WindowLimits, readonly ActiveWindow[]>();
+/**
+ * The windows a subject with `limits` has, shortest first, with their limits: worked out once
+ * per limits object (built at config load; the per-address one is shared), not per request.
+ */
+export function windowsOf(limits: WindowLimits): readonly ActiveWindow[] {
+  let list = active.get(limits);
+  if (!list) {
+    list = Object.freeze(
+      WINDOWS.filter((w) => w.always || (limits[w.limit] ?? 0) > 0).map((row) => ({ row, limit: limits[row.limit] ?? 0 })),
+    );
+    active.set(limits, list);
+  }
+  return list;
+}
+
+const fixedLimitsOf = new WeakMap<WindowLimits, readonly number[]>();
+/** The fixed windows' limits of a subject with `limits`, in FIXED's order (0: it has no such window), worked out once per limits object. */
+export function fixedLimits(limits: WindowLimits): readonly number[] {
+  let list = fixedLimitsOf.get(limits);
+  if (!list) {
+    list = Object.freeze(FIXED.map((w) => (w.always || (limits[w.limit] ?? 0) > 0 ? (limits[w.limit] ?? 0) : 0)));
+    fixedLimitsOf.set(limits, list);
+  }
+  return list;
+}
 
 /** Whether `name` is a window's (a refusal for a used-up window, rather than a ban or credits). */
-export const isWindow = (name: string): name is WindowName => WINDOWS.some((w) => w.name === name);
+export const isWindow = (name: string): name is WindowName => BY_NAME.has(name);
 
 /** The fixed-length windows (UTC-aligned), shortest first: what every store counts alike. The calendar window (the month) has its own code. */
 export const FIXED: readonly WindowRow[] = Object.freeze(WINDOWS.filter((w) => w.lengthMs));
@@ -105,19 +135,27 @@ export type Counts = { minuteUsed: number; dayUsed: number } & UsedCounts;
 /** The fixed windows' starts and counts as stored, by the row's stored names (quota.lua's hash fields: ms, mc, ...). */
 export type Stored = Record<string, number>;
 
+// The three functions below are built once from the rows, so each makes objects of one shape
+// as fast as a literal written by hand: a loop of keyed stores adding the fields cost ~100 ns per
+// object on the request path (measured with node on a 3-field object: 98 ns against 8 ns).
+// The names are the rows' own identifiers, never input.
+const compiled = <F>(params: string, body: string): F => new Function(params, body) as F;
+const start = (w: WindowRow, now: string) => `${now} - ${now} % ${w.lengthMs}`;
+
+/** Counts from the fixed windows' admitted counts in FIXED's order, each plus `taken`. */
+export const countsFrom = compiled<(used: ArrayLike<number>, taken: number) => Counts>(
+  'used, taken',
+  `return { ${FIXED.map((w, i) => `${w.used}: used[${i}] + taken`).join(', ')} };`,
+);
+
 /** Admitted counts of the fixed windows current at `now` from stored ones: a stored count of an older window is 0. */
-export function countsAt(stored: Readonly<Stored>, now: number): Counts {
-  const out = { minuteUsed: 0, dayUsed: 0 } as Counts;
-  for (const w of FIXED) out[w.used] = stored[w.stored.start] === now - (now % w.lengthMs!) ? (stored[w.stored.count] ?? 0) : 0;
-  return out;
-}
+export const countsAt = compiled<(stored: Readonly<Stored>, now: number) => Counts>(
+  'stored, now',
+  `return { ${FIXED.map((w) => `${w.used}: stored.${w.stored.start} === ${start(w, 'now')} ? (stored.${w.stored.count} ?? 0) : 0`).join(', ')} };`,
+);
 
 /** The fixed windows current at `now`, stored with the given counts. */
-export function storedAt(counts: UsedCounts, now: number): Stored {
-  const out: Stored = {};
-  for (const w of FIXED) {
-    out[w.stored.start] = now - (now % w.lengthMs!);
-    out[w.stored.count] = counts[w.used] ?? 0;
-  }
-  return out;
-}
+export const storedAt = compiled<(counts: UsedCounts, now: number) => Stored>(
+  'counts, now',
+  `return { ${FIXED.map((w) => `${w.stored.start}: ${start(w, 'now')}, ${w.stored.count}: counts.${w.used} ?? 0`).join(', ')} };`,
+);
