@@ -23,6 +23,7 @@ export const GATEWAY_ERRORS = {
   expectation_failed: 417,
   idempotency_key_reused: 422,
   rate_limited: 429,
+  hourly_quota_exceeded: 429,
   daily_quota_exceeded: 429,
   monthly_quota_exceeded: 429,
   key_banned: 429,

@@ -1,6 +1,6 @@
 import { UsageView } from '../quota/usage-view.js';
 import { type Static, type TSchema, Type } from '@sinclair/typebox';
-import { CreditsSchema } from '../config/config.js';
+import { CreditsSchema, limitFields, optionalLimitFields } from '../config/config.js';
 import { ErrorBody } from '../errors.js';
 
 // The admin port's request and response shapes: route validation, handler types and the
@@ -29,14 +29,7 @@ export const Ready = described(
   'Redis (if configured) and the backend answer',
 );
 
-const Limits = Type.Object(
-  {
-    perMinute: Type.Integer({ minimum: 1 }),
-    perDay: Type.Integer({ minimum: 1 }),
-    perMonth: Type.Optional(Type.Integer({ minimum: 1, description: "A month from the account's billing day" })),
-  },
-  { additionalProperties: false, description: "The key's own limits instead of its plan's" },
-);
+const Limits = Type.Object(limitFields(), { additionalProperties: false, description: "The key's own limits instead of its plan's" });
 
 export const NewKey = Type.Object(
   {
@@ -83,11 +76,7 @@ const KeyRow = Type.Object(
     id: Type.String(),
     account: Type.String(),
     plan: Type.String(),
-    limits: Type.Object({
-      perMinute: Type.Optional(Type.Integer()),
-      perDay: Type.Optional(Type.Integer()),
-      perMonth: Type.Optional(Type.Integer()),
-    }),
+    limits: Type.Object(optionalLimitFields()),
     status: Type.Union([Type.Literal('active'), Type.Literal('expired'), Type.Literal('revoked')]),
     // As written in the file, where seconds may be left out: not always RFC 3339's date-time.
     createdAt: Type.Optional(Type.String()),

@@ -4,6 +4,7 @@ import { parseArgs } from 'node:util';
 import { ConfigError, parseConfigText } from '../config/config.js';
 import { configFilePath, loadSettings, redisTarget } from '../config/settings.js';
 import { closeRedis, connectRedis, type RedisClient } from '../redis/client.js';
+import { deploymentPrefix } from '../redis/keys.js';
 import {
   type AccountChange,
   type AccountSettings,
@@ -132,7 +133,7 @@ async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ key
     throw new Refusal('KEY_STORE=redis: Redis did not answer within 5 s (is it running, and is REDIS_URL right?)');
   }
   const current = parseConfigText(readFileSync(file, 'utf8'), file);
-  return { keys: new RegistryKeys(redis, () => current, `${settings.redisKeyPrefix}:${current.environment}`), redis };
+  return { keys: new RegistryKeys(redis, () => current, deploymentPrefix(settings.redisKeyPrefix, current.environment)), redis };
 }
 
 /** A command on keys: in the registry when there is one, else in the file. */

@@ -7,7 +7,8 @@ import ms from 'ms';
 import lockfile from 'proper-lockfile';
 import writeFileAtomic from 'write-file-atomic';
 import { type Document, isMap, isScalar, isSeq, parseDocument, type YAMLMap, type YAMLSeq } from 'yaml';
-import { AccountSchema, ConfigFile, parseConfigText } from '../config/config.js';
+import { AccountSchema, ConfigFile, type KeyLimits, parseConfigText } from '../config/config.js';
+import { type LimitField, WINDOWS } from '../quota/windows.js';
 import { generateKey } from './keys.js';
 
 // Keys in the config file, for the keys command and the admin API alike: each change edits
@@ -36,7 +37,7 @@ export interface NewKey {
   plan: string;
   id?: string;
   account?: string;
-  limits?: { perMinute: number; perDay: number; perMonth?: number };
+  limits?: KeyLimits;
   expiresAt?: string;
 }
 
@@ -50,7 +51,7 @@ export interface KeyRow {
   id: string;
   account: string;
   plan: string;
-  limits: { perMinute?: number; perDay?: number; perMonth?: number };
+  limits: Partial<Record<LimitField, number>>;
   status: 'active' | 'expired' | 'revoked';
   createdAt?: string;
   expiresAt?: string;
@@ -87,9 +88,11 @@ export function rowOf(k: ConfigFile['keys'][number], plans: ConfigFile['plans'])
   };
 }
 
-/** A plan's limits as a key row shows them: perMonth only where the plan has one. */
+/** A plan's limits as a key row shows them: the optional windows only where the plan has them. */
 function planLimits(plan: ConfigFile['plans'][string] | undefined): KeyRow['limits'] {
-  return { perMinute: plan?.perMinute, perDay: plan?.perDay, ...(plan?.perMonth !== undefined && { perMonth: plan.perMonth }) };
+  const limits: KeyRow['limits'] = {};
+  for (const w of WINDOWS) if (w.inPlans === 'required' || plan?.[w.limit] !== undefined) limits[w.limit] = plan?.[w.limit];
+  return limits;
 }
 
 export function createKey(file: string, request: NewKey): Promise<{ id: string; key: string }> {

@@ -3,6 +3,7 @@ import type { FastifyBaseLogger } from 'fastify';
 import { LRUCache } from 'lru-cache';
 import type { ConfigFile, Consumer, GatewayConfig, KeyEntry } from '../config/config.js';
 import { type RedisClient, secondConnection } from '../redis/client.js';
+import { registryKeys } from '../redis/keys.js';
 import { checkRequest, KeyFileError, type KeyRow, type KeyStore, type NewKey, rowOf } from './key-file.js';
 import { generateKey } from './keys.js';
 
@@ -13,22 +14,7 @@ import { generateKey } from './keys.js';
 // "unknown" for a key that was never issued without asking Redis. Plans and accounts stay in
 // the config file.
 
-/** The registry's Redis names, all in one Cluster slot (`{keys}`): its scripts touch several at once. */
-export function registryNames(redisPrefix: string) {
-  const base = `${redisPrefix}:{keys}`;
-  return {
-    record: (digest: string) => `${base}:key:${digest}`,
-    id: (id: string) => `${base}:id:${id}`,
-    /** The ids of an account's keys (a set). */
-    account: (account: string) => `${base}:account:${account}`,
-    /** Every id, for listing in order (a sorted set, all scores 0). */
-    ids: `${base}:ids`,
-    bloom: `${base}:bloom`,
-    /** The channel a change's digest is published on. */
-    changed: `${base}:changed`,
-  };
-}
-type Names = ReturnType<typeof registryNames>;
+type Names = ReturnType<typeof registryKeys>;
 
 /** Bits of the Bloom filter (2 MiB): with 7 bits a key, 0.05% false positives at 1,000,000 keys, 1.5% at 4,000,000. */
 const BLOOM_BITS = 2 ** 24;
@@ -105,7 +91,7 @@ export class RegistryKeys implements KeyStore {
     redisPrefix: string,
   ) {
     this.redis = withScripts(redis);
-    this.names = registryNames(redisPrefix);
+    this.names = registryKeys(redisPrefix);
   }
 
   async create(request: NewKey): Promise<{ id: string; key: string }> {
@@ -247,7 +233,7 @@ export class KeyRegistry {
     private readonly log: FastifyBaseLogger,
   ) {
     this.redis = redis;
-    this.names = registryNames(config().redisPrefix);
+    this.names = registryKeys(config().redisPrefix);
     this.subscriber = secondConnection(redis);
     this.subscriber.on('message', (_channel: string, digest: string) => this.changed(digest));
     let loaded = () => {};

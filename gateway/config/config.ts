@@ -1,19 +1,33 @@
 import { readFileSync } from 'node:fs';
-import { type Static, Type } from '@sinclair/typebox';
+import { type Static, type TOptional, Type } from '@sinclair/typebox';
 import { Value } from '@sinclair/typebox/value';
 import { parse as parseYaml } from 'yaml';
 import type { Environment } from '../auth/keys.js';
 import { compileDeprecation, type Deprecation } from '../http/deprecation.js';
 import { type Billing, type Limits, NO_BILLING, type QuotaSubject } from '../quota/decision.js';
 import { policyHeader } from '../quota/headers.js';
+import { type LimitField, type RequiredLimit, WINDOWS } from '../quota/windows.js';
+import { accountName, accountOfName, addressName, deploymentPrefix, gatewaysKey } from '../redis/keys.js';
 import { ROUTES, type RouteId } from '../routes.js';
 
 // The config file the operator edits (plans, keys, bans, deprecations): read, validated with
 // every problem named by its path, and compiled into the frozen structures the hot path reads.
 
 const Count = Type.Integer({ minimum: 1 });
-/** A key's own limits (a custom plan's, or over its plan's): perMonth adds the billing period's window. */
-const LimitsSchema = Type.Object({ perMinute: Count, perDay: Count, perMonth: Type.Optional(Count) }, { additionalProperties: false });
+type CountSchema = typeof Count;
+/** The limits' fields, one per window (quota/windows.ts), required where the row says a plan must give it. */
+export const limitFields = () =>
+  Object.fromEntries(
+    WINDOWS.map((w) => [w.limit, w.inPlans === 'required' ? Count : Type.Optional(Type.Integer({ minimum: 1, description: w.describe }))]),
+  ) as { [K in RequiredLimit]: CountSchema } & { [K in Exclude<LimitField, RequiredLimit>]: TOptional<CountSchema> };
+/** The same fields, every one optional: a plan gives them all, or (custom) none. */
+export const optionalLimitFields = () =>
+  Object.fromEntries(WINDOWS.map((w) => [w.limit, Type.Optional(Type.Integer({ minimum: 1, description: w.describe }))])) as {
+    [K in LimitField]: TOptional<CountSchema>;
+  };
+/** A key's own limits (a custom plan's, or over its plan's). */
+const LimitsSchema = Type.Object(limitFields(), { additionalProperties: false });
+export type KeyLimits = Static<typeof LimitsSchema>;
 /** Prepaid credits: `grant` units each billing period, added to what is left with `rollover` (else in place of it). */
 export const CreditsSchema = Type.Object(
   { grant: Type.Integer({ minimum: 0 }), every: Type.Literal('month'), rollover: Type.Optional(Type.Boolean()) },
@@ -38,10 +52,7 @@ export const ConfigFile = Type.Object(
       Type.String({ pattern: '^[a-z0-9_-]{1,64}$' }),
       Type.Object(
         {
-          perMinute: Type.Optional(Count),
-          perDay: Type.Optional(Count),
-          /** The billing period's window: a month from each account's billingDay. */
-          perMonth: Type.Optional(Count),
+          ...optionalLimitFields(),
           /** Units admitted past the month's quota (the day's, without perMonth), billed extra. */
           overage: Type.Optional(Type.Object({ upTo: Count }, { additionalProperties: false })),
           credits: Type.Optional(CreditsSchema),
@@ -202,13 +213,18 @@ export function validateConfigFile(raw: unknown, source: string): ConfigFile {
   return value as ConfigFile;
 }
 
+/** What a plan with fixed limits gives: `perMinute and perDay (and perMonth)`. */
+const PLAN_LIMITS = (() => {
+  const [required, optional] = [WINDOWS.filter((w) => w.inPlans === 'required'), WINDOWS.filter((w) => w.inPlans === 'optional')];
+  return `${required.map((w) => w.limit).join(' and ')} (and ${optional.map((w) => w.limit).join(', ')})`;
+})();
+
 function crossChecks(file: ConfigFile): string[] {
   const problems: string[] = [];
   for (const [name, plan] of Object.entries(file.plans)) {
-    const fixed = plan.perMinute !== undefined && plan.perDay !== undefined;
-    if (plan.custom ? plan.perMinute !== undefined || plan.perDay !== undefined || plan.perMonth !== undefined : !fixed) {
-      problems.push(`plans.${name}: give either perMinute and perDay (and perMonth), or custom: true`);
-    }
+    const given = WINDOWS.filter((w) => plan[w.limit] !== undefined);
+    const fixed = WINDOWS.every((w) => w.inPlans === 'optional' || plan[w.limit] !== undefined);
+    if (plan.custom ? given.length > 0 : !fixed) problems.push(`plans.${name}: give either ${PLAN_LIMITS}, or custom: true`);
   }
   const ids = new Set<string>();
   const hashes = new Set<string>();
@@ -286,9 +302,10 @@ function billingOf(plan: PlanEntry, account: AccountEntry | undefined): Billing 
 }
 
 /** The limits a key is refused at: with overage, the month's quota (the day's, without one) plus the overage. */
-function ceilings(quota: Limits, overage: number): Limits {
-  const limits: Limits = { perMinute: quota.perMinute, perDay: quota.perDay };
-  if (quota.perMonth) limits.perMonth = quota.perMonth + overage;
+function ceilings(quota: Partial<Record<LimitField, number>>, overage: number): Limits {
+  const limits = { perDay: 0 } as Limits;
+  for (const w of WINDOWS) if (quota[w.limit] !== undefined) limits[w.limit] = quota[w.limit]!;
+  if (limits.perMonth) limits.perMonth += overage;
   else limits.perDay += overage;
   return limits;
 }
@@ -302,7 +319,7 @@ function accountSubjects(consumers: ReadonlyMap<string, Consumer>): ReadonlyMap<
 
 /** Turns a valid file into the structures the hot path reads. */
 export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayConfig {
-  const redisPrefix = `${redisKeyPrefix}:${file.environment}`;
+  const redisPrefix = deploymentPrefix(redisKeyPrefix, file.environment);
   const bans = {
     afterRejected: file.bans.afterRejected,
     withinMs: file.bans.withinSeconds * 1000,
@@ -314,7 +331,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
     const plan = file.plans[k.plan]!;
     const account = k.account ?? k.id;
     const billing = billingOf(plan, file.accounts && Object.hasOwn(file.accounts, account) ? file.accounts[account] : undefined);
-    const limits = ceilings(k.limits ?? { perMinute: plan.perMinute!, perDay: plan.perDay!, perMonth: plan.perMonth }, billing.overage);
+    const limits = ceilings(k.limits ?? plan, billing.overage);
     return {
       id: k.id,
       account,
@@ -324,7 +341,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       costs: routeCosts({ ...plan.costs, ...k.costs }),
       // Named by the account: a key without one keeps the name (and the counters) it always had.
       subject: {
-        name: `${redisPrefix}:{k:${account}}`, // accountOf below reads it back
+        name: accountName(redisPrefix, account),
         limits,
         bans,
         policy: policyHeader(limits),
@@ -356,15 +373,14 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
   const anonymousPolicy = policyHeader(anonymous);
   return Object.freeze({
     environment: file.environment,
-    registryKey: `${redisPrefix}:{gateways}`,
+    registryKey: gatewaysKey(redisPrefix),
     redisPrefix,
     plans: file.plans,
     consumers,
     consumerOf,
-    accountOf: (name: string) =>
-      name.startsWith(`${redisPrefix}:{k:`) && name.endsWith('}') ? name.slice(redisPrefix.length + 4, -1) : undefined,
+    accountOf: (name: string) => accountOfName(redisPrefix, name),
     addressSubject: (address: string) => ({
-      name: `${redisPrefix}:{a:${address}}`,
+      name: addressName(redisPrefix, address),
       limits: anonymous,
       bans: null,
       policy: anonymousPolicy,

@@ -49,7 +49,7 @@ const HEADERS: Record<string, Json> = {
   'RateLimit-Policy': {
     required: true,
     description:
-      "The key's windows (or the client address's without a key), IETF draft-ietf-httpapi-ratelimit-headers-10: minute, day, and the billing period's month (w: its length in seconds) when the plan has one. With overage, q is the quota plus the overage",
+      "The key's windows (or the client address's without a key), IETF draft-ietf-httpapi-ratelimit-headers-10: minute, hour when the plan has one, day, and the billing period's month (w: its length in seconds) when the plan has one. With overage, q is the quota plus the overage",
     schema: text,
     example: '"minute";q=60;w=60, "day";q=1000;w=86400, "month";q=20000;w=2592000',
   },
@@ -140,7 +140,7 @@ const DESCRIPTIONS: Record<string, string> = {
   '415': 'unsupported_media_type: the body is not application/json',
   '422': 'idempotency_key_reused: the same Idempotency-Key with another body',
   '429':
-    'rate_limited (the minute is used up), daily_quota_exceeded (the day), monthly_quota_exceeded (the billing period), or key_banned (the key kept sending after 429s)',
+    'rate_limited (the minute is used up), hourly_quota_exceeded (the hour, a plan with perHour), daily_quota_exceeded (the day), monthly_quota_exceeded (the billing period), or key_banned (the key kept sending after 429s)',
   '502': 'bad_gateway: the backend could not be reached',
   '503':
     'quota_store_unavailable: the quota store is not answering and the gateway is set to fail closed (QUOTA_STORE_FAILURE=closed), or the account has prepaid credits or a month window it cannot decide without it; retry after Retry-After',

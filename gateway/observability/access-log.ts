@@ -2,6 +2,7 @@ import type { FastifyReply, FastifyRequest } from 'fastify';
 import type { Consumer } from '../config/config.js';
 import type { GatewayMetrics, RejectionReason } from './metrics.js';
 import type { AdmissionOutcome } from '../quota/decision.js';
+import { isWindow } from '../quota/windows.js';
 import type { RouteId } from '../routes.js';
 import type { LogOutput } from '../../runtime/process.js';
 
@@ -26,9 +27,7 @@ function rejection(e: AccessEntry): RejectionReason | undefined {
   if (e.outcome === 'unavailable') return 'unavailable';
   const { outcome } = e;
   if (e.status === 402 && outcome === 'credits') return outcome;
-  return e.status === 429 && (outcome === 'minute' || outcome === 'day' || outcome === 'month' || outcome === 'banned')
-    ? outcome
-    : undefined;
+  return e.status === 429 && outcome !== undefined && (isWindow(outcome) || outcome === 'banned') ? outcome : undefined;
 }
 
 /**

@@ -46,7 +46,7 @@ export class GatewayMetrics {
     });
     new Counter({
       name: 'gateway_rejections_total',
-      help: 'Requests refused, by reason: minute, day, month, credits (402), banned, unauthenticated, unavailable (QUOTA_STORE_FAILURE=closed)',
+      help: 'Requests refused, by reason: minute, hour, day, month, credits (402), banned, unauthenticated, unavailable (QUOTA_STORE_FAILURE=closed)',
       labelNames: ['reason'],
       registers,
       collect: collectFrom(this.rejections),

@@ -2,6 +2,7 @@ import { GatewayError, type GatewayErrorCode } from '../errors.js';
 import type { AdmissionOutcome, Decision, EventTag, QuotaSubject, Refusal } from './decision.js';
 import { rateLimitHeaders, reportedWindow, retryAfterSeconds } from './headers.js';
 import { QuotaStoreUnavailable, type RequestPath } from './store.js';
+import { WINDOWS, windowRow } from './windows.js';
 
 /** What admission tells the caller: the outcome, the headers every answer carries, and the 429 if refused. */
 export interface Admission {
@@ -19,15 +20,11 @@ export interface Admission {
   leased?: boolean;
 }
 
-const REFUSAL_CODES: Record<Refusal, GatewayErrorCode> = {
-  minute: 'rate_limited',
-  day: 'daily_quota_exceeded',
+const REFUSAL_CODES = {
   banned: 'key_banned',
-  month: 'monthly_quota_exceeded',
   credits: 'credits_exhausted',
-};
-
-const WINDOW_WORD = { minute: 'Minute', day: 'Daily', month: 'Monthly' } as const;
+  ...Object.fromEntries(WINDOWS.map((w) => [w.name, w.code])),
+} as Record<Refusal, GatewayErrorCode>;
 
 /** The 429 a decision calls for, if any. */
 function refusal(d: Decision): GatewayError | undefined {
@@ -40,7 +37,7 @@ function refusal(d: Decision): GatewayError | undefined {
   const why =
     d.outcome === 'banned'
       ? 'Banned for sending after repeated 429s'
-      : `${WINDOW_WORD[d.outcome]} limit of ${reportedWindow(d).limit} requests reached`;
+      : `${windowRow(d.outcome).word} limit of ${reportedWindow(d).limit} requests reached`;
   return new GatewayError(REFUSAL_CODES[d.outcome], `${why}; retry after ${wait} s`);
 }
 
@@ -51,11 +48,15 @@ const last = new WeakMap<
     decision: Decision;
     admission: Admission;
     second: number;
-    minuteUsed: number;
-    dayUsed: number;
-    monthUsed: number;
   }
 >();
+
+/** Whether two decisions of one subject count the same in every window: their headers are the same within a second. */
+function sameCounts(a: Decision, b: Decision): boolean {
+  if (a.windows.length !== b.windows.length) return false;
+  for (let i = 0; i < a.windows.length; i++) if (a.windows[i]!.used !== b.windows[i]!.used) return false;
+  return true;
+}
 
 /**
  * The admission of an allowed decision of a lasting subject (a key's), shared while it can be.
@@ -71,15 +72,12 @@ function sharedAdmission(d: Decision, subject: QuotaSubject): Admission {
   const was = last.get(subject);
   if (was?.decision === d) return was.admission;
   const second = Math.floor(d.nowMs / 1000);
-  const minuteUsed = d.windows[0]!.used;
-  const dayUsed = d.windows[1]?.used ?? 0;
-  const monthUsed = d.windows[2]?.used ?? 0;
   const headers =
-    was && was.second === second && was.minuteUsed === minuteUsed && was.dayUsed === dayUsed && was.monthUsed === monthUsed
+    was && was.second === second && sameCounts(was.decision, d)
       ? was.admission.headers
       : Object.freeze(rateLimitHeaders(d, subject.policy));
   const admission = Object.freeze(allowed(d, headers));
-  last.set(subject, { decision: d, admission, second, minuteUsed, dayUsed, monthUsed });
+  last.set(subject, { decision: d, admission, second });
   return admission;
 }
 

@@ -1,5 +1,6 @@
-import { DAY_MS, MINUTE_MS, type WindowCounts, windowStart } from './decision.js';
+import type { WindowCounts } from './decision.js';
 import type { Counters } from './store.js';
+import { type Counts, storedAt } from './windows.js';
 
 /** What a ban's reply said of the billing period and credits, so a refusal from memory reports them as Redis did. */
 export type BillingCounts = Pick<WindowCounts, 'monthUsed' | 'period' | 'balance'>;
@@ -15,16 +16,9 @@ export class BanCache {
 
   constructor(private readonly recheckMs = 1000) {}
 
-  remember(name: string, minuteUsed: number, dayUsed: number, nowMs: number, banUntilMs: number, billing: BillingCounts = {}): void {
-    this.bans.set(name, {
-      billing,
-      minuteStart: windowStart(nowMs, MINUTE_MS),
-      minuteCount: minuteUsed,
-      dayStart: windowStart(nowMs, DAY_MS),
-      dayCount: dayUsed,
-      ban: banUntilMs,
-      seenAt: nowMs,
-    });
+  /** A ban Redis answered with at `nowMs`, with the windows' counts it came with. */
+  remember(name: string, counts: Counts, nowMs: number, banUntilMs: number, billing: BillingCounts = {}): void {
+    this.bans.set(name, { billing, stored: storedAt(counts, nowMs), ban: banUntilMs, seenAt: nowMs });
   }
 
   /** Redis said this subject is not banned (any more). */

@@ -2,6 +2,7 @@
 // (one Outcome, and the windows as they stand after it). Pure: plain values and `now`.
 
 import { billingPeriod, type Period } from './period.js';
+import { type Counts, type UsedCounts, type WindowLimits, type WindowName, windowsOf } from './windows.js';
 
 export const MINUTE_MS = 60_000;
 export const DAY_MS = 86_400_000;
@@ -10,7 +11,7 @@ export const DAY_MS = 86_400_000;
  * Why a request was admitted or refused: the one vocabulary of quota.lua (which returns the
  * index), the in-process store, the headers, the error codes, the access line and the metrics.
  */
-export const OUTCOMES = ['allowed', 'minute', 'day', 'banned', 'month', 'credits'] as const;
+export const OUTCOMES = ['allowed', 'minute', 'day', 'banned', 'month', 'credits', 'hour'] as const;
 export type Outcome = (typeof OUTCOMES)[number];
 export type Refusal = Exclude<Outcome, 'allowed'>;
 /** A refusal a subject in shadow mode (`enforce: false`) would have had: counted and reported, but admitted. */
@@ -18,14 +19,12 @@ export type ShadowOutcome = `would_${Refusal}`;
 /** What admission ends with: a decision's outcome, a shadow refusal, or `unavailable` when a store failing closed could not decide. */
 export type AdmissionOutcome = Outcome | ShadowOutcome | 'unavailable';
 
-/** The limits a subject is refused at (with overage, a quota's ceiling: the quota plus its overage). */
-export interface Limits {
-  perMinute: number;
-  /** 0: no day window (the unauthenticated per-address limit has only a minute). */
-  perDay: number;
-  /** The billing period's window (a month from the account's billing day); 0 or absent: none. */
-  perMonth?: number;
-}
+/**
+ * The limits a subject is refused at (with overage, a quota's ceiling: the quota plus its
+ * overage), one field per window (windows.ts). perDay 0: no day window (the unauthenticated
+ * per-address limit has only a minute); the others 0 or absent: none.
+ */
+export type Limits = WindowLimits & { perDay: number };
 
 /** What an account is billed by, beyond its windows: its period, its overage and its prepaid credits. */
 export interface Billing {
@@ -84,7 +83,7 @@ export function softQuota({ limits, billing }: QuotaSubject): number {
 
 /** One window's state after the decision. `used` counts admitted requests only. */
 export interface WindowState {
-  name: 'minute' | 'day' | 'month';
+  name: WindowName;
   limit: number;
   used: number;
   resetMs: number;
@@ -117,15 +116,13 @@ export interface Decision {
   leased?: boolean;
 }
 
-/** What a store counted: the outcome and the admitted counts of the current windows. */
-export interface WindowCounts {
+/** What a store counted: the outcome and the admitted counts of the current windows (Counts: one per window). */
+export type WindowCounts = Counts & CountedBeyond;
+interface CountedBeyond {
   outcome: Outcome;
-  minuteUsed: number;
-  dayUsed: number;
   nowMs: number;
   banUntilMs: number;
-  /** The billing period's count and bounds, for a subject with a month window or credits. */
-  monthUsed?: number;
+  /** The billing period's bounds (its count is monthUsed), for a subject with a month window or credits. */
   period?: Period;
   /** Credits left; absent without credits. */
   balance?: number;
@@ -149,20 +146,18 @@ export function windowStart(nowMs: number, sizeMs: number): number {
   return nowMs - (nowMs % sizeMs);
 }
 
-/** The windows of a subject from the admitted counts of the current windows (the month's needs its period). */
-export function windows(limits: Limits, nowMs: number, minuteUsed: number, dayUsed: number, monthUsed = 0, period?: Period): WindowState[] {
-  const list: WindowState[] = [
-    { name: 'minute', limit: limits.perMinute, used: minuteUsed, resetMs: windowStart(nowMs, MINUTE_MS) + MINUTE_MS },
-  ];
-  if (limits.perDay > 0) {
-    list.push({ name: 'day', limit: limits.perDay, used: dayUsed, resetMs: windowStart(nowMs, DAY_MS) + DAY_MS });
+/** The windows of a subject (windows.ts, shortest first) from the admitted counts of the current windows (the month's needs its period). */
+export function windows(limits: Limits, nowMs: number, used: UsedCounts, period?: Period): WindowState[] {
+  const list: WindowState[] = [];
+  for (const { row: w, limit } of windowsOf(limits)) {
+    const resetMs = w.lengthMs ? windowStart(nowMs, w.lengthMs) + w.lengthMs : period?.endMs;
+    if (resetMs !== undefined) list.push({ name: w.name, limit, used: used[w.used] ?? 0, resetMs });
   }
-  if (limits.perMonth && period) list.push({ name: 'month', limit: limits.perMonth, used: monthUsed, resetMs: period.endMs });
   return list;
 }
 
 export function decision({ limits, billing }: QuotaSubject, c: WindowCounts): Decision {
-  const list = windows(limits, c.nowMs, c.minuteUsed, c.dayUsed, c.monthUsed, c.period);
+  const list = windows(limits, c.nowMs, c, c.period);
   const d: Decision = { outcome: c.outcome, nowMs: c.nowMs, banUntilMs: c.banUntilMs, windows: list, overage: 0 };
   if (c.period) d.period = c.period;
   // Counted where decided, one request at a time (no lease reaches past the quota): exact.
@@ -185,8 +180,8 @@ export function decision({ limits, billing }: QuotaSubject, c: WindowCounts): De
  * (the rest of the current lease, and the one taken ahead once half of it was handed out).
  */
 export function leaseSize(limits: Limits, max: number): number {
-  let smallest = limits.perDay > 0 ? Math.min(limits.perMinute, limits.perDay) : limits.perMinute;
-  if (limits.perMonth) smallest = Math.min(smallest, limits.perMonth);
+  let smallest = Number.POSITIVE_INFINITY;
+  for (const { limit } of windowsOf(limits)) smallest = Math.min(smallest, limit);
   return Math.max(1, Math.min(max, Math.floor(smallest / 100)));
 }
 

@@ -1,33 +1,30 @@
 import { LRUCache } from 'lru-cache';
 import { DAY_MS, degradedShare, MINUTE_MS, periodOf, type QuotaSubject, type WindowCounts, windowStart } from './decision.js';
 import type { Period } from './period.js';
-import { type Counters, countsAt, QuotaStoreUnavailable } from './store.js';
+import { QuotaStoreUnavailable } from './store.js';
+import { type Counts, countsAt, FIXED, type Stored, storedAt, type WindowName, windowRow } from './windows.js';
 
-/** Units admitted while Redis failed and not yet written back, for one subject and window pair. */
+/** Units admitted while Redis failed and not yet written back, for one subject: per fixed window (windows.ts), its start and units. */
 export interface WriteBack {
   name: string;
   /** Unique per instance and batch: Redis applies each write-back once, however often it is sent. */
   id: string;
-  minuteStart: number;
-  minuteUnits: number;
-  dayStart: number;
-  dayUnits: number;
-  hasDay: boolean;
+  starts: Partial<Record<WindowName, number>>;
+  units: Partial<Record<WindowName, number>>;
+  /** The longest fixed window the subject has (ms): the counters last until its end. */
+  longestMs: number;
   /** The billing period (a subject with a month window), its end, and the units admitted in it, days of the outage before this one included; 0: none. */
   periodStart: number;
   periodEnd: number;
   periodUnits: number;
 }
 
-/** What a subject spent of its degraded budget in the current windows, and how much of it is written back. */
+/** What a subject spent of its degraded budget in the current fixed windows, and how much of it is written back. */
 interface Spent {
-  minuteStart: number;
-  minuteCount: number;
-  dayStart: number;
-  dayCount: number;
-  minuteWritten: number;
-  dayWritten: number;
-  hasDay: boolean;
+  start: Partial<Record<WindowName, number>>;
+  count: Partial<Record<WindowName, number>>;
+  written: Partial<Record<WindowName, number>>;
+  longestMs: number;
   periodStart: number;
   periodEnd: number;
   /** Units this instance admitted from the budget in the billing period (not reset with the day), and written back. */
@@ -44,11 +41,18 @@ interface Spent {
 export const SEEN_MAX = 100_000;
 
 /** Redis's last counters of a subject, with its billing period's count (a subject with a month window). */
-interface Seen extends Counters {
+interface Seen {
+  stored: Stored;
   periodStart: number;
   periodEnd: number;
   monthCount: number;
 }
+
+/** The stored name of the day's start: what a last count is forgotten by. */
+const DAY_START = windowRow('day').stored.start;
+
+/** Whether a subject's spending is all written back. */
+const settled = (s: Spent) => s.periodCount === s.periodWritten && FIXED.every((w) => s.count[w.name] === s.written[w.name]);
 
 /**
  * The degraded budget: while Redis is declared failing, an instance admits in each window at
@@ -85,19 +89,16 @@ export class DegradedBudget {
   }
 
   /** A reply's counts: the latest Redis knows. A subject whose budget is all written back starts afresh. */
-  see(name: string, { nowMs, minuteUsed, dayUsed, monthUsed, period }: WindowCounts): void {
+  see(name: string, counts: WindowCounts): void {
+    const { nowMs, monthUsed, period } = counts;
     this.seen.set(name, {
-      minuteStart: windowStart(nowMs, MINUTE_MS),
-      minuteCount: minuteUsed,
-      dayStart: windowStart(nowMs, DAY_MS),
-      dayCount: dayUsed,
-      ban: 0,
+      stored: storedAt(counts, nowMs),
       periodStart: period?.startMs ?? 0,
       periodEnd: period?.endMs ?? 0,
       monthCount: monthUsed ?? 0,
     });
     const s = this.spent.get(name);
-    if (s && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten && s.periodCount === s.periodWritten) this.spent.delete(name);
+    if (s && settled(s)) this.spent.delete(name);
     this.sweep(nowMs);
   }
 
@@ -109,64 +110,70 @@ export class DegradedBudget {
     // A month this instance has no count of (it never heard from Redis in this period) could be
     // used up already: nothing is admitted from it without Redis.
     if (period && known?.periodStart !== period.startMs) throw new QuotaStoreUnavailable();
-    const s = this.current(name, nowMs, limits.perDay > 0, period);
-    const { minuteUsed: knownM, dayUsed: knownD } = known ? countsAt(known, nowMs) : { minuteUsed: 0, dayUsed: 0 };
+    const s = this.current(subject, nowMs, period);
+    const knownUsed: Counts = known ? countsAt(known.stored, nowMs) : { minuteUsed: 0, dayUsed: 0 };
     const { instances, rank } = this.fleet;
-    const shareM = degradedShare(limits.perMinute - knownM, instances, rank);
-    const shareD = limits.perDay > 0 ? degradedShare(limits.perDay - knownD, instances, rank) : Number.POSITIVE_INFINITY;
+    // Reported as used: all but this instance's share, then what it admitted of it; the longest window violated is reported.
+    const counts = { minuteUsed: 0, dayUsed: 0 } as Counts;
+    let violated: WindowCounts['outcome'] | undefined;
+    for (const w of FIXED) {
+      const limit = limits[w.limit] ?? 0;
+      if (!w.always && limit <= 0) continue;
+      const share = degradedShare(limit - (knownUsed[w.used] ?? 0), instances, rank);
+      const own = s.count[w.name] ?? 0;
+      counts[w.used] = limit - share + own;
+      if (own + cost > share) violated = w.name;
+    }
     // The period's share is of what it had left when Redis last answered, for the whole outage, midnights included.
-    const shareP = period ? degradedShare(limits.perMonth! - known!.monthCount, instances, rank) : Number.POSITIVE_INFINITY;
-    // Reported as used: all but this instance's share, then what it admitted of it.
-    const minuteUsed = limits.perMinute - shareM + s.minuteCount;
-    const dayUsed = limits.perDay > 0 ? limits.perDay - shareD + s.dayCount : 0;
-    const violated =
-      s.periodCount + cost > shareP ? 'month' : s.dayCount + cost > shareD ? 'day' : s.minuteCount + cost > shareM ? 'minute' : undefined;
-    if (violated) return { outcome: violated, minuteUsed, dayUsed, nowMs, banUntilMs: 0 };
-    s.minuteCount += cost;
-    s.dayCount += cost;
+    if (period && s.periodCount + cost > degradedShare(limits.perMonth! - known!.monthCount, instances, rank)) violated = 'month';
+    if (violated) return { outcome: violated, ...counts, nowMs, banUntilMs: 0 };
+    for (const w of FIXED) {
+      s.count[w.name] = (s.count[w.name] ?? 0) + cost;
+      if (w.always || (limits[w.limit] ?? 0) > 0) counts[w.used]! += cost;
+    }
     s.periodCount += cost;
-    return { outcome: 'allowed', minuteUsed: minuteUsed + cost, dayUsed: limits.perDay > 0 ? dayUsed + cost : 0, nowMs, banUntilMs: 0 };
+    return { outcome: 'allowed', ...counts, nowMs, banUntilMs: 0 };
   }
 
   /** A refund of a request admitted from the budget, if its windows are current (what is written back stays). */
   refund(name: string, countedAtMs: number, cost: number): void {
     const s = this.spent.get(name);
     if (!s) return;
-    if (s.minuteStart === windowStart(countedAtMs, MINUTE_MS)) s.minuteCount = Math.max(s.minuteWritten, s.minuteCount - cost);
-    if (s.dayStart === windowStart(countedAtMs, DAY_MS)) s.dayCount = Math.max(s.dayWritten, s.dayCount - cost);
+    for (const w of FIXED) {
+      if (s.start[w.name] !== windowStart(countedAtMs, w.lengthMs!)) continue;
+      s.count[w.name] = Math.max(s.written[w.name] ?? 0, (s.count[w.name] ?? 0) - cost);
+    }
   }
 
   /** The counts as this instance sees them while Redis fails: Redis's last, plus its own admissions. */
-  usage(name: string, nowMs: number): { minuteUsed: number; dayUsed: number } {
+  usage(name: string, nowMs: number): Counts {
     const known = this.seen.get(name);
-    const k = known ? countsAt(known, nowMs) : { minuteUsed: 0, dayUsed: 0 };
+    const out: Counts = known ? countsAt(known.stored, nowMs) : { minuteUsed: 0, dayUsed: 0 };
     const s = this.spent.get(name);
-    const own = s ? countsAt(s, nowMs) : { minuteUsed: 0, dayUsed: 0 };
-    return { minuteUsed: k.minuteUsed + own.minuteUsed, dayUsed: k.dayUsed + own.dayUsed };
+    if (s)
+      for (const w of FIXED)
+        if (s.start[w.name] === windowStart(nowMs, w.lengthMs!)) out[w.used] = (out[w.used] ?? 0) + (s.count[w.name] ?? 0);
+    return out;
   }
 
   /** What is to be written back: new admissions as a new batch, and every earlier batch Redis has not confirmed. */
   drain(): WriteBack[] {
     const id = `${this.instanceId}:${++this.batch}`;
     for (const [name, s] of this.spent) {
-      const minuteUnits = s.minuteCount - s.minuteWritten;
-      const dayUnits = s.dayCount - s.dayWritten;
-      const periodUnits = s.periodCount - s.periodWritten;
-      if (minuteUnits === 0 && dayUnits === 0 && periodUnits === 0) continue;
+      if (settled(s)) continue;
+      const units: WriteBack['units'] = {};
+      for (const w of FIXED) units[w.name] = (s.count[w.name] ?? 0) - (s.written[w.name] ?? 0);
       this.unconfirmed.set(`${id}:${name}`, {
         name,
         id,
-        minuteStart: s.minuteStart,
-        minuteUnits,
-        dayStart: s.dayStart,
-        dayUnits,
-        hasDay: s.hasDay,
+        starts: { ...s.start },
+        units,
+        longestMs: s.longestMs,
         periodStart: s.periodStart,
         periodEnd: s.periodEnd,
-        periodUnits,
+        periodUnits: s.periodCount - s.periodWritten,
       });
-      s.minuteWritten = s.minuteCount;
-      s.dayWritten = s.dayCount;
+      s.written = { ...s.count };
       s.periodWritten = s.periodCount;
     }
     return [...this.unconfirmed.values()];
@@ -178,29 +185,22 @@ export class DegradedBudget {
   }
 
   /** The subject's spending in the windows current at `nowMs`. */
-  private current(name: string, nowMs: number, hasDay: boolean, period: Period | undefined): Spent {
-    const minuteStart = windowStart(nowMs, MINUTE_MS);
-    const dayStart = windowStart(nowMs, DAY_MS);
+  private current(subject: QuotaSubject, nowMs: number, period: Period | undefined): Spent {
     const [periodStart, periodEnd] = period ? [period.startMs, period.endMs] : [0, 0];
-    let s = this.spent.get(name);
+    let s = this.spent.get(subject.name);
     if (!s) {
-      s = {
-        minuteStart,
-        minuteCount: 0,
-        dayStart,
-        dayCount: 0,
-        minuteWritten: 0,
-        dayWritten: 0,
-        hasDay,
-        periodStart,
-        periodEnd,
-        periodCount: 0,
-        periodWritten: 0,
-      };
-      this.spent.set(name, s);
+      // The counters last until the end of the longest fixed window the subject has.
+      const longestMs = Math.max(...FIXED.filter((w) => w.always || (subject.limits[w.limit] ?? 0) > 0).map((w) => w.lengthMs!));
+      s = { start: {}, count: {}, written: {}, longestMs, periodStart, periodEnd, periodCount: 0, periodWritten: 0 };
+      this.spent.set(subject.name, s);
     }
-    if (s.minuteStart !== minuteStart) Object.assign(s, { minuteStart, minuteCount: 0, minuteWritten: 0 });
-    if (s.dayStart !== dayStart) Object.assign(s, { dayStart, dayCount: 0, dayWritten: 0 });
+    for (const w of FIXED) {
+      const start = windowStart(nowMs, w.lengthMs!);
+      if (s.start[w.name] === start) continue;
+      s.start[w.name] = start;
+      s.count[w.name] = 0;
+      s.written[w.name] = 0;
+    }
     if (s.periodStart !== periodStart) Object.assign(s, { periodStart, periodEnd, periodCount: 0, periodWritten: 0 });
     return s;
   }
@@ -211,10 +211,9 @@ export class DegradedBudget {
     this.lastSweep = nowMs;
     const today = windowStart(nowMs, DAY_MS);
     // A subject's last month count is kept until its period ends: the degraded budget needs it all period.
-    const stale = [...this.seen.entries()].filter(([, c]) => c.dayStart < today && c.periodEnd <= nowMs);
+    // Collected first: the LRU of addresses is not changed while it is walked.
+    const stale = [...this.seen.entries()].filter(([, c]) => (c.stored[DAY_START] ?? 0) < today && c.periodEnd <= nowMs);
     for (const [name] of stale) this.seen.delete(name);
-    for (const [name, s] of this.spent)
-      if (s.dayStart < today && s.minuteCount === s.minuteWritten && s.dayCount === s.dayWritten && s.periodCount === s.periodWritten)
-        this.spent.delete(name);
+    for (const [name, s] of this.spent) if ((s.start.day ?? 0) < today && settled(s)) this.spent.delete(name);
   }
 }

@@ -1,23 +1,27 @@
 import type { Decision, Limits, WindowState } from './decision.js';
+import { isWindow, WINDOWS, windowRow } from './windows.js';
 
 // Pure header math: a decision in, header values out. No clock, no I/O.
 
 /**
- * `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers-10) of the minute and day windows:
- * constant per limits, built at load. A month window's item depends on the period's length
- * (28 to 31 days), so rateLimitHeaders appends it per decision.
+ * `RateLimit-Policy` (draft-ietf-httpapi-ratelimit-headers-10) of the fixed-length windows
+ * (windows.ts): constant per limits, built at load. A calendar window's item (the month)
+ * depends on the period's length (28 to 31 days), so rateLimitHeaders appends it per decision.
  */
 export function policyHeader(limits: Limits): string {
-  const parts = [`"minute";q=${limits.perMinute};w=60`];
-  if (limits.perDay > 0) parts.push(`"day";q=${limits.perDay};w=86400`);
+  const parts: string[] = [];
+  for (const w of WINDOWS) {
+    const limit = limits[w.limit] ?? 0;
+    if (w.lengthMs && (w.always || limit > 0)) parts.push(`"${w.name}";q=${limit};w=${w.lengthMs / 1000}`);
+  }
   return parts.join(', ');
 }
 
-/** The policy with the month's item, if the decision has a month window: its `w` is the period's length in seconds. */
+/** The policy with the calendar window's item, if the decision has one: its `w` is the period's length in seconds. */
 function fullPolicy(d: Decision, policy: string): string {
-  const month = d.windows[2];
-  if (!month || !d.period) return policy;
-  return `${policy}, "month";q=${month.limit};w=${(d.period.endMs - d.period.startMs) / 1000}`;
+  const month = d.windows.at(-1);
+  if (!month || !d.period || windowRow(month.name).lengthMs) return policy;
+  return `${policy}, "${month.name}";q=${month.limit};w=${(d.period.endMs - d.period.startMs) / 1000}`;
 }
 
 const remaining = (w: WindowState) => Math.max(0, w.limit - w.used);
@@ -26,8 +30,7 @@ const secondsUntil = (atMs: number, nowMs: number) => Math.max(1, Math.ceil((atM
 
 /** The window the X- headers describe: the violated one, else the fewest remaining, the shorter on a tie. */
 export function reportedWindow(d: Decision): WindowState {
-  const violated =
-    d.outcome === 'minute' || d.outcome === 'day' || d.outcome === 'month' ? d.windows.find((w) => w.name === d.outcome) : undefined;
+  const violated = isWindow(d.outcome) ? d.windows.find((w) => w.name === d.outcome) : undefined;
   return violated ?? d.windows.reduce((best, w) => (remaining(w) < remaining(best) ? w : best));
 }
 

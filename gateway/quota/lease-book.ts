@@ -1,20 +1,22 @@
 import { DAY_MS, type Decision, MINUTE_MS, type QuotaSubject, windowStart } from './decision.js';
 import type { Period } from './period.js';
 import type { Clock } from './redis-clock.js';
+import { type Counts, FIXED, type WindowName } from './windows.js';
 
-/** Units Redis granted this instance in one admission and not handed out yet (see leaseSize). */
-export interface Lease {
+/**
+ * Units Redis granted this instance in one admission and not handed out yet (see leaseSize),
+ * with the counts Redis held after the lease (what headers report; monthUsed the billing
+ * period's, a subject with a month window). A lease lives within one Redis minute, the shortest
+ * window, so no window rolls over under it: it never hands out past any window's room.
+ */
+export interface Lease extends Counts {
   left: number;
   /** Monotonic time before which the lease is surely still in its Redis minute. */
   until: number;
-  /** The Redis minute's end, and the counts Redis held after the lease: what headers report. */
+  /** The Redis minute's end. */
   windowEndMs: number;
-  /** The lease's day start, so unused units can be given back to that day. */
-  dayStartMs: number;
-  minuteUsed: number;
-  dayUsed: number;
-  /** The billing period's count after the lease, and the period (a subject with a month window). */
-  monthUsed: number;
+  /** The starts of the fixed windows it was counted in (windows.ts), so unused units go back to them; 0: to none of that window. */
+  starts: Partial<Record<WindowName, number>>;
   period?: Period;
   /**
    * The lease's size when taken: the next one is asked for once half of it is handed out. Of
@@ -30,27 +32,17 @@ export interface Lease {
  * A lease of `units` from a reply at Redis time `nowMs` to a call sent at monotonic `sentMono`:
  * timed from the sending, so it ends no later than its Redis minute.
  */
-export function leaseOf(
-  units: number,
-  size: number,
-  sentMono: number,
-  nowMs: number,
-  counts: { minuteUsed: number; dayUsed: number; monthUsed?: number; period?: Period },
-): Lease {
+export function leaseOf(units: number, size: number, sentMono: number, nowMs: number, counts: Counts & { period?: Period }): Lease {
   const windowEndMs = windowStart(nowMs, MINUTE_MS) + MINUTE_MS;
-  const { minuteUsed, dayUsed, monthUsed = 0, period } = counts;
-  return {
-    left: units,
-    until: sentMono + windowEndMs - nowMs,
-    windowEndMs,
-    dayStartMs: windowStart(nowMs, DAY_MS),
-    minuteUsed,
-    dayUsed,
-    monthUsed,
-    period,
-    size,
-    shared: undefined,
-  };
+  const starts: Lease['starts'] = {};
+  const lease = { left: units, until: sentMono + windowEndMs - nowMs, windowEndMs, starts, size, shared: undefined } as Lease;
+  for (const w of FIXED) {
+    starts[w.name] = windowStart(nowMs, w.lengthMs!);
+    lease[w.used] = counts[w.used] ?? 0;
+  }
+  lease.monthUsed = counts.monthUsed ?? 0;
+  lease.period = counts.period;
+  return lease;
 }
 
 /**
@@ -132,17 +124,18 @@ export class LeaseBook {
   /**
    * Keeps a lease to close, with its unused units to give back. Two leases to close at once
    * (the current one and the one taken ahead, both expired) merge when they counted in the
-   * same windows; otherwise the older stays counted and open: under-admission and, past the
-   * quota, under-billing of its delivered units, never over.
+   * same day and billing period (the windows overage is billed in); otherwise the older stays
+   * counted and open: under-admission and, past the quota, under-billing of its delivered
+   * units, never over.
    */
   private keepUnused(name: string, lease: Lease): void {
     const held = this.unused.get(name);
-    if (held && held.dayStartMs === lease.dayStartMs && held.period?.startMs === lease.period?.startMs) {
-      // Of two minutes, neither is given its units back (they stay counted there: the safe side).
-      if (held.windowEndMs !== lease.windowEndMs) held.windowEndMs = 0;
+    if (held && held.starts.day === lease.starts.day && held.period?.startMs === lease.period?.startMs) {
+      // Of two minutes (or hours), neither is given its units back (they stay counted there: the safe side).
+      for (const w of FIXED) if (held.starts[w.name] !== lease.starts[w.name]) held.starts[w.name] = 0;
       held.left += lease.left;
       held.size += lease.size;
-    } else this.unused.set(name, { ...lease });
+    } else this.unused.set(name, { ...lease, starts: { ...lease.starts } });
   }
 
   /**
@@ -162,7 +155,7 @@ export class LeaseBook {
       }
     }
     for (const [name, lease] of this.unused) {
-      if (lease.dayStartMs + DAY_MS <= wallNow && (lease.period?.endMs ?? 0) <= wallNow) this.unused.delete(name);
+      if ((lease.starts.day ?? 0) + DAY_MS <= wallNow && (lease.period?.endMs ?? 0) <= wallNow) this.unused.delete(name);
     }
   }
 }

@@ -3,8 +3,6 @@ import { DAY_MS, type Decision, decision, MINUTE_MS, type QuotaSubject, softQuot
 import { billingPeriod, type Period } from './period.js';
 import {
   type AccountBook,
-  type Counters,
-  countsAt,
   type LedgerEntry,
   type Operations,
   type RequestPath,
@@ -13,8 +11,19 @@ import {
   topUpFingerprint,
   type Usage,
 } from './store.js';
+import { type Counts, countsFrom, FIXED, fixedLimits, windowRow } from './windows.js';
 
-interface MemoryState extends Counters {
+// The fixed windows (windows.ts) by position: a state keeps each one's start and count in arrays in this order.
+const LENGTH = FIXED.map((w) => w.lengthMs!);
+const NAME = FIXED.map((w) => w.name);
+/** The day's position: the overage window of a subject without a month. */
+const DAY = FIXED.indexOf(windowRow('day'));
+
+interface MemoryState {
+  /** Each fixed window's start and admitted count (as quota.lua's ms/mc, ds/dc, ...). */
+  starts: number[];
+  counts: number[];
+  ban: number;
   /** The month window's period (as quota.lua's ps, pe) and its count. */
   periodStart: number;
   periodEnd: number;
@@ -44,6 +53,8 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
   private readonly accounts = new Map<string, Account>();
   private lastSweep = 0;
   private entries = 0;
+  /** The fixed windows' counts of the step under way (one at a time: steps are synchronous). */
+  private readonly used: number[] = LENGTH.map(() => 0);
 
   constructor(private readonly clock: () => number = Date.now) {}
 
@@ -58,7 +69,7 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
     const usage: Usage = s
       ? {
           nowMs: now,
-          ...countsAt(s, now),
+          ...countsOf(s, now, 0),
           banUntilMs: s.ban > now ? s.ban : 0,
           recentRejections: bans ? s.rejections.filter((t) => t > now - bans.withinMs).length : 0,
         }
@@ -84,16 +95,18 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
   async refund(subject: QuotaSubject, countedAtMs: number, cost = 1): Promise<void> {
     const s = this.states.get(subject.name);
     if (s) {
-      if (s.minuteStart === windowStart(countedAtMs, MINUTE_MS)) s.minuteCount = Math.max(0, s.minuteCount - cost);
-      if (s.dayStart === windowStart(countedAtMs, DAY_MS)) s.dayCount = Math.max(0, s.dayCount - cost);
+      for (let i = 0; i < LENGTH.length; i++) {
+        if (s.starts[i] === windowStart(countedAtMs, LENGTH[i]!)) s.counts[i] = Math.max(0, s.counts[i]! - cost);
+      }
       // The period it was counted in, if it is still the one stored (as refund.lua does).
       const inPeriod = subject.limits.perMonth !== undefined && s.periodStart <= countedAtMs && countedAtMs < s.periodEnd;
       if (inPeriod) s.periodCount = Math.max(0, s.periodCount - cost);
       // The overage takes back what no delivered unit is under any more, at most `cost` (as refund.lua does).
-      const sameDay = s.dayStart === windowStart(countedAtMs, DAY_MS);
+      const dayStart = s.starts[DAY]!;
+      const sameDay = dayStart === windowStart(countedAtMs, DAY_MS);
       const [long, from] = subject.limits.perMonth
         ? [s.periodCount, inPeriod ? s.periodStart : -1]
-        : [s.dayCount, sameDay ? s.dayStart : -1];
+        : [s.counts[DAY]!, sameDay ? dayStart : -1];
       if (s.overageStart === from) s.overageCount -= Math.min(cost, Math.max(0, s.overageCount - Math.max(0, long - softQuota(subject))));
     }
     // Given back as purchased credits, which never expire (as refund.lua does).
@@ -172,10 +185,8 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
     let s = this.states.get(name);
     if (!s) {
       s = {
-        minuteStart: 0,
-        minuteCount: 0,
-        dayStart: 0,
-        dayCount: 0,
+        starts: LENGTH.map(() => 0),
+        counts: LENGTH.map(() => 0),
         ban: 0,
         periodStart: 0,
         periodEnd: 0,
@@ -187,31 +198,35 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
       };
       this.states.set(name, s);
     }
-    const { minuteUsed, dayUsed } = countsAt(s, now);
+    // Each fixed window's admitted count now (0 in a window that has started since), and its limit (0: none).
+    const used = this.used;
+    for (let i = 0; i < LENGTH.length; i++) used[i] = s.starts[i] === now - (now % LENGTH[i]!) ? s.counts[i]! : 0;
+    const fixed = fixedLimits(limits);
     const account = billing.credits ? this.account(name) : undefined;
     const granted = account && this.grantDue(subject, account, billingPeriod(now, billing.billingDay), now);
     // The month's period in force (as quota.lua: the stored one until it ends); without a month, the grant's.
     const period = limits.perMonth ? monthPeriod(subject, s, now) : granted;
     const monthUsed = limits.perMonth && s.periodStart === period!.startMs ? s.periodCount : 0;
     const counts = (outcome: WindowCounts['outcome'], taken = 0, banUntilMs = 0): WindowCounts => {
-      const c: WindowCounts = { outcome, minuteUsed: minuteUsed + taken, dayUsed: dayUsed + taken, nowMs: now, banUntilMs };
+      const c = countsFrom(used, taken) as WindowCounts;
+      c.outcome = outcome;
+      c.nowMs = now;
+      c.banUntilMs = banUntilMs;
       if (period) Object.assign(c, { period, monthUsed: limits.perMonth ? monthUsed + taken : 0 });
       if (account) c.balance = account.credits.granted + account.credits.purchased;
       return c;
     };
     if (s.ban > now) return counts('banned', 0, s.ban);
-    const minuteStart = windowStart(now, MINUTE_MS);
-    const dayStart = windowStart(now, DAY_MS);
-    let expireAt = limits.perDay > 0 ? dayStart + DAY_MS : minuteStart + MINUTE_MS;
+    // The state lasts until the end of its longest window; the longest window used up is the one reported.
+    let expireAt = 0;
+    let violated: WindowCounts['outcome'] | undefined;
+    for (let i = 0; i < LENGTH.length; i++) {
+      if (fixed[i] === 0) continue;
+      expireAt = windowStart(now, LENGTH[i]!) + LENGTH[i]!;
+      if (used[i]! + cost > fixed[i]!) violated = NAME[i];
+    }
     if (limits.perMonth && period) expireAt = period.endMs;
-    const violated =
-      limits.perMonth && monthUsed + cost > limits.perMonth
-        ? 'month'
-        : limits.perDay > 0 && dayUsed + cost > limits.perDay
-          ? 'day'
-          : minuteUsed + cost > limits.perMinute
-            ? 'minute'
-            : undefined;
+    if (limits.perMonth && monthUsed + cost > limits.perMonth) violated = 'month';
     if (violated) {
       if (bans) {
         s.rejections = [now, ...s.rejections.filter((t) => t > now - bans.withinMs)].slice(0, bans.afterRejected + 1);
@@ -228,17 +243,15 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
     // Every window has room; the balance must cover the cost too (a 402, which bans no one).
     if (account && account.credits.granted + account.credits.purchased < cost) return counts('credits');
     if (account) spend(account.credits, cost);
-    Object.assign(s, {
-      minuteStart,
-      minuteCount: minuteUsed + cost,
-      dayStart,
-      dayCount: dayUsed + cost,
-      expiresAt: Math.max(s.expiresAt, expireAt, s.ban),
-    });
+    for (let i = 0; i < LENGTH.length; i++) {
+      s.starts[i] = windowStart(now, LENGTH[i]!);
+      s.counts[i] = used[i]! + cost;
+    }
+    s.expiresAt = Math.max(s.expiresAt, expireAt, s.ban);
     if (limits.perMonth && period)
       Object.assign(s, { periodStart: period.startMs, periodEnd: period.endMs, periodCount: monthUsed + cost });
-    const overageFrom = limits.perMonth ? period!.startMs : dayStart;
-    const overage = this.billOverage(subject, s, overageFrom, limits.perMonth ? monthUsed : dayUsed, cost);
+    const overageFrom = limits.perMonth ? period!.startMs : windowStart(now, DAY_MS);
+    const overage = this.billOverage(subject, s, overageFrom, limits.perMonth ? monthUsed : used[DAY]!, cost);
     return Object.assign(counts('allowed', cost), overage);
   }
 
@@ -258,6 +271,14 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
     this.lastSweep = now;
     for (const [k, s] of this.states) if (s.expiresAt <= now) this.states.delete(k);
   }
+}
+
+/** A state's admitted counts of the fixed windows current at `now`, each with `taken` more. */
+function countsOf(s: MemoryState, now: number, taken: number): Counts {
+  return countsFrom(
+    LENGTH.map((length, i) => (s.starts[i] === now - (now % length) ? s.counts[i]! : 0)),
+    taken,
+  );
 }
 
 /** The month window's period in force at `now`: the stored one until it ends (a billing day changed meanwhile applies from the next), else the billing day's. */

@@ -1,41 +1,33 @@
 -- One atomic decision per request: ban check, the minute, day and billing-period windows, then
 -- the prepaid credits. billing.lua is prepended (period, credits).
--- KEYS: the subject's counters (hash), times of its recent 429s (list), its credits (hash),
--- their ledger (stream), its usage events (stream), and its alerts fired (hash) and to send (stream). All share one hash tag, so they live in
--- one Redis Cluster slot.
--- ARGV, in order:
---   1-5   perMinute, perDay (0: no day window), banAfter (0: no bans), banWithinMs, banForMs;
---   6     lease: units an admitted request may take at once (1, or more for a lease);
---   7-9   the unused units of this instance's last lease, with that lease's minute and day starts, given back;
---   10    the deadline (Redis time, ms; 0: none) after which the gateway has given up waiting;
---   11    the request's cost in units (1 unless its route costs more; a costly request takes no lease);
---   12    refill: 1 when no request is admitted, the call only takes a whole lease ahead of need,
---         or nothing, and is never a refusal;
---   13-14 perMonth (0: no billing-period window; with overage, the ceiling), billingDay (1-31);
---   15    soft: the quota of the window that has overage (the month's, else the day's), past which
---         units are billed as overage (0: none); no lease reaches past it, so every unit past it
---         is decided here, one request at a time, and counted in `oc` (exact: what is billed);
---   16-17 the credits granted each period (-1: no credits), and 1 if what is left rolls over;
---   18    the period start of the lease given back (7-9);
---   19-24 usage events: the most the stream keeps (0: no event), and the request's id, key id,
---         plan, route and method: an admitted request's event is written here, with its count;
---   25    alert thresholds, as fractions in a comma list ('' none), for the day, the month and
---         credits: KEYS[6] remembers the alerts fired, KEYS[7] is their stream (billing.lua);
---   26    the size of the leases given back (7-9, 18) when they were taken: closing them tells
---         how many of their units were delivered (size less unused), sent even when none is unused.
---   27    this call's id, unique per instance and call ('' none): KEYS[8] keeps its reply.
--- Returns {outcome, minuteUsed, dayUsed, nowMs, banUntilMs, taken, periodUsed, periodStart,
--- periodEnd, balance (-1: no credits), overage units billed in the window so far, this request's,
--- its usage event's id (or false), 1 if an alert was written (the gateway marks the account for
--- the dispatcher: usage/active.ts)}; outcome is an index into OUTCOMES in decision.ts: 0
--- allowed, 1 minute, 2 day, 3 banned, 4 month, 5 credits. Time is Redis's own, so skewed
--- gateways agree.
+-- Its wires are named in script.ts (QUOTA: KEYS, ARGV and the reply's fields, in order), bound
+-- here as KEY.<name> and ARG.<name>; the reply is built by name with packed{...}.
+-- KEY: the subject's counters (hash), its recent 429s (list), credits (hash), their ledger
+-- (stream), usage events (stream), alerts fired (hash) and to send (stream), and this call's
+-- reply. All share one hash tag, so they live in one Redis Cluster slot.
+-- ARG: the limits (perDay 0: no day window; perMonth 0: no billing-period window, with overage
+-- the ceiling) and the ban policy (banAfter 0: no bans); `lease`, the units an admitted request
+-- may take at once; `back*`, the leases this instance closes with the call: their unused units,
+-- minute, day and period starts, and their size when taken (size less unused: units delivered,
+-- sent even when none is unused); `deadline` (Redis time, ms; 0: none) past which the gateway
+-- has given up waiting; `cost` in units (a costly request takes no lease); `refill` 1 when the
+-- call only takes a whole lease ahead of need, or nothing, and is never a refusal; `soft`, the
+-- quota of the overage window (the month's, else the day's) past which units are billed as
+-- overage (0: none): no lease reaches past it, so every unit past it is decided here and
+-- counted in `oc`; `grant` each period (-1: no credits) and `rollover`; `eventsCap` (0: no
+-- event) with the request's id, key id, plan, route and method for its usage event; `alerts`,
+-- thresholds as a comma list ('' none); `callId` ('' none).
+-- The reply: the outcome (an index into OUTCOMES in decision.ts; -1: past the deadline), the
+-- windows' counts, Redis's time, the ban's end, the units taken, the period, the balance (-1:
+-- no credits), the overage billed so far and this request's, its usage event's id (or false)
+-- and 1 if an alert was written (the gateway marks the account: usage/active.ts). Time is
+-- Redis's own, so skewed gateways agree.
 -- A call sent twice (the client sends again what was unanswered when its connection dropped)
--- gets the first run's reply: never counted twice. KEYS[8] holds it, named by the call's id
--- (ARGV 27), for 10 s: past its deadline a call changes nothing anyway.
+-- gets the first run's reply: never counted twice. KEY.call holds it for 10 s: past its
+-- deadline a call changes nothing anyway.
 local callKey = nil
-if ARGV[27] and ARGV[27] ~= '' then
-  callKey = KEYS[8]
+if ARG.callId and ARG.callId ~= '' then
+  callKey = KEY.call
   local seen = redis.call('GET', callKey)
   if seen then return cjson.decode(seen) end
 end
@@ -43,75 +35,98 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- Run after the gateway stopped waiting (a frozen or stalled Redis): it decided the request
 -- itself, so nothing changes here, and the request is counted once, where it was decided.
-local deadline = tonumber(ARGV[10]) or 0
-if deadline > 0 and now > deadline then return {-1, 0, 0, now, 0} end
-local perMinute, perDay, perMonth = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[13]) or 0
-local banAfter, banWithin, banFor = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local lease = tonumber(ARGV[6]) or 1
-local cost = tonumber(ARGV[11]) or 1
-local soft = tonumber(ARGV[15]) or 0
-local grant = tonumber(ARGV[16]) or -1
+local deadline = tonumber(ARG.deadline) or 0
+if deadline > 0 and now > deadline then return packed{outcome = -1, nowMs = now} end
+local perMonth = tonumber(ARG.perMonth) or 0
+local banAfter, banWithin, banFor = tonumber(ARG.banAfter), tonumber(ARG.banWithinMs), tonumber(ARG.banForMs)
+local lease = tonumber(ARG.lease) or 1
+local cost = tonumber(ARG.cost) or 1
+local soft = tonumber(ARG.soft) or 0
+local grant = tonumber(ARG.grant) or -1
 
-local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls')
-local ms = now - now % 60000
-local ds = now - now % DAY
+-- The counters hash, by field: the fixed windows' (FIXED, from windows.ts) and the others.
+local fields = {'ban', 'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls'}
+for _, w in ipairs(FIXED) do
+  table.insert(fields, w.start)
+  table.insert(fields, w.count)
+end
+local h = {}
+for i, v in ipairs(redis.call('HMGET', KEY.counters, unpack(fields))) do h[fields[i]] = v end
+-- Each fixed window now: its start, its stored start, its admitted count, its limit, whether the subject has it.
+local win = {}
+for _, w in ipairs(FIXED) do
+  local start, stored, limit = now - now % w.len, tonumber(h[w.start]), tonumber(ARG[w.limit]) or 0
+  win[w.name] = {start = start, stored = stored, count = (stored == start) and tonumber(h[w.count]) or 0, limit = limit,
+    on = w.always or limit > 0}
+end
+-- The day: the overage window without a month, and alerts' window.
+local day = win.day
 local ps, pe, pidx = 0, 0, 0
-if perMonth > 0 or grant >= 0 then ps, pe, pidx = period(now, tonumber(ARGV[14]) or 1) end
+if perMonth > 0 or grant >= 0 then ps, pe, pidx = period(now, tonumber(ARG.billingDay) or 1) end
 local g, p, gp, ge, replaced = 0, 0, 0, 0, nil
 if grant >= 0 then
-  local book = { ledger = KEYS[4], events = KEYS[5], eventsCap = tonumber(ARGV[19]) or 0 }
-  g, p, gp, ge, replaced = credits(KEYS[3], book, now, ps, pe, pidx, grant, tonumber(ARGV[17]) == 1)
+  local book = { ledger = KEY.ledger, events = KEY.events, eventsCap = tonumber(ARG.eventsCap) or 0 }
+  g, p, gp, ge, replaced = credits(KEY.credits, book, now, ps, pe, pidx, grant, tonumber(ARG.rollover) == 1)
   -- Without a month window, the period shown is the grant's.
   if perMonth == 0 then ps, pe = gp, ge end
 end
 -- The stored period stays in force until its end, even if the billing day moved since: a new
 -- billing day applies from the next period, and a period's count is never reset early.
 if perMonth > 0 then
-  local sps, spe = tonumber(h[6]), tonumber(h[10])
+  local sps, spe = tonumber(h.ps), tonumber(h.pe)
   if sps and spe and sps <= now and now < spe then ps, pe = sps, spe end
 end
 -- Threshold alerts: those of a day or month that ended are resolved by the first request after it.
-local thresholds = fractions(ARGV[25])
+local thresholds = fractions(ARG.alerts)
 local alerting = #thresholds > 0
-local alertsBefore = alerting and redis.call('XLEN', KEYS[7])
-if alerting and perDay > 0 then resolveEnded(KEYS[6], KEYS[7], now, thresholds, 'day', tonumber(h[3]), ds) end
-if alerting and perMonth > 0 then resolveEnded(KEYS[6], KEYS[7], now, thresholds, 'month', tonumber(h[6]), ps) end
-if alerting and replaced then resolveEnded(KEYS[6], KEYS[7], now, thresholds, 'credits', replaced, gp) end
-local mc = (tonumber(h[1]) == ms) and tonumber(h[2]) or 0
-local dc = (tonumber(h[3]) == ds) and tonumber(h[4]) or 0
-local pc = (perMonth > 0 and tonumber(h[6]) == ps) and tonumber(h[7]) or 0
-local ban = tonumber(h[5]) or 0
+local alertsBefore = alerting and redis.call('XLEN', KEY.alerts)
+if alerting and day.on then resolveEnded(KEY.alerted, KEY.alerts, now, thresholds, 'day', day.stored, day.start) end
+if alerting and perMonth > 0 then resolveEnded(KEY.alerted, KEY.alerts, now, thresholds, 'month', tonumber(h.ps), ps) end
+if alerting and replaced then resolveEnded(KEY.alerted, KEY.alerts, now, thresholds, 'credits', replaced, gp) end
+local pc = (perMonth > 0 and tonumber(h.ps) == ps) and tonumber(h.pc) or 0
+local ban = tonumber(h.ban) or 0
 -- Overage billed so far in the overage window (the month's, else the day's): `os` its start.
-local ow = ds
+local ow = day.start
 if perMonth > 0 then ow = ps end
-local oc = (soft > 0 and tonumber(h[8]) == ow) and tonumber(h[9]) or 0
+local oc = (soft > 0 and tonumber(h.os) == ow) and tonumber(h.oc) or 0
 -- Units of leases taken in the overage window and not closed yet (`ls` its start): counted in
 -- the windows, but how many of them were delivered is known only when their holder closes them.
-local lo = (tonumber(h[12]) == ow) and tonumber(h[11]) or 0
+local lo = (tonumber(h.ls) == ow) and tonumber(h.lo) or 0
 local mine = 0
 local eventId = false
 local function reply(outcome, taken, banUntil)
   local balance = -1
   if grant >= 0 then balance = g + p end
   local alerted = 0
-  if alerting and redis.call('XLEN', KEYS[7]) ~= alertsBefore then alerted = 1 end
-  local out = {outcome, mc, dc, now, banUntil or 0, taken or 0, pc, ps, pe, balance, oc, mine, eventId, alerted}
+  if alerting and redis.call('XLEN', KEY.alerts) ~= alertsBefore then alerted = 1 end
+  local r = {outcome = outcome, nowMs = now, banUntilMs = banUntil, taken = taken, monthUsed = pc, periodStart = ps,
+    periodEnd = pe, balance = balance, overageUsed = oc, overageUnits = mine, eventId = eventId, alerted = alerted}
+  for _, w in ipairs(FIXED) do r[w.used] = win[w.name].count end
+  local out = packed(r)
   if callKey then redis.call('SET', callKey, cjson.encode(out), 'PX', 10000) end
   return out
 end
 local function save()
-  redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc, 'lo', lo, 'ls', ow)
-  if perMonth > 0 then redis.call('HSET', KEYS[1], 'ps', ps, 'pc', pc, 'pe', pe) end
+  local set = {'lo', lo, 'ls', ow}
+  for _, w in ipairs(FIXED) do
+    local c = win[w.name]
+    for _, v in ipairs({w.start, c.start, w.count, c.count}) do table.insert(set, v) end
+  end
+  redis.call('HSET', KEY.counters, unpack(set))
+  if perMonth > 0 then redis.call('HSET', KEY.counters, 'ps', ps, 'pc', pc, 'pe', pe) end
 end
-local expireAt = ms + 60000
-if perDay > 0 then expireAt = ds + DAY end
+-- The counters last until the end of the subject's longest window.
+local expireAt = 0
+for _, w in ipairs(FIXED) do
+  if win[w.name].on then expireAt = math.max(expireAt, win[w.name].start + w.len) end
+end
 if perMonth > 0 then expireAt = pe end
-local function keep() redis.call('PEXPIREAT', KEYS[1], math.max(expireAt, ban)) end
+local function keep() redis.call('PEXPIREAT', KEY.counters, math.max(expireAt, ban)) end
 
 -- The overage window's count.
 local function long()
   if perMonth > 0 then return pc end
-  return dc
+  return day.count
 end
 -- Overage is billed for units known to be delivered past the quota: the overage window's
 -- count less the units of leases not closed yet. `units`: those this call makes known (a
@@ -124,19 +139,21 @@ local function bill(units)
   if due > 0 then
     mine = mine + due
     oc = oc + due
-    redis.call('HSET', KEYS[1], 'os', ow, 'oc', oc)
+    redis.call('HSET', KEY.counters, 'os', ow, 'oc', oc)
   end
 end
 
 -- Leases closed by their holder: units never handed out leave the windows they were counted
 -- in, and the units handed out are known delivered.
-local back, closed = tonumber(ARGV[7]) or 0, tonumber(ARGV[26]) or 0
+local back, closed = tonumber(ARG.backUnused) or 0, tonumber(ARG.backSize) or 0
 if back > 0 or closed > 0 then
-  if tonumber(ARGV[9]) == ds and dc >= back then dc = dc - back end
-  if tonumber(ARGV[8]) == ms and mc >= back then mc = mc - back end
-  if perMonth > 0 and tonumber(ARGV[18]) == ps and pc >= back then pc = pc - back end
-  local leasedIn = tonumber(ARGV[9])
-  if perMonth > 0 then leasedIn = tonumber(ARGV[18]) end
+  for _, w in ipairs(FIXED) do
+    local c = win[w.name]
+    if tonumber(ARG['back_' .. w.name]) == c.start and c.count >= back then c.count = c.count - back end
+  end
+  if perMonth > 0 and tonumber(ARG.backPeriodStart) == ps and pc >= back then pc = pc - back end
+  local leasedIn = tonumber(ARG.back_day)
+  if perMonth > 0 then leasedIn = tonumber(ARG.backPeriodStart) end
   if closed > 0 and leasedIn == ow then
     lo = math.max(0, lo - closed)
     bill(closed - back)
@@ -149,40 +166,42 @@ if ban > now then return reply(3, 0, ban) end
 
 -- Room for a lease: what every window has left, and none at or past the overage line.
 local function room()
-  local r = perMinute - mc
-  if perDay > 0 then r = math.min(r, perDay - dc) end
+  local r = win.minute.limit - win.minute.count
+  for _, w in ipairs(FIXED) do
+    local c = win[w.name]
+    if c.on then r = math.min(r, c.limit - c.count) end
+  end
   if perMonth > 0 then r = math.min(r, perMonth - pc) end
   if soft > 0 then r = math.min(r, soft - long()) end
   return r
 end
 -- Units taken: a request's (`leased` false), known delivered, or a lease's, not closed yet.
 local function take(units, leased)
-  mc = mc + units
-  dc = dc + units
+  for _, w in ipairs(FIXED) do win[w.name].count = win[w.name].count + units end
   if perMonth > 0 then pc = pc + units end
   if leased then lo = lo + units else bill(units) end
   if grant >= 0 then
     local fromGrant = math.min(g, units)
     g = g - fromGrant
     p = p - (units - fromGrant)
-    redis.call('HSET', KEYS[3], 'g', g, 'p', p)
+    redis.call('HSET', KEY.credits, 'g', g, 'p', p)
   end
   save()
   keep()
 end
 -- Units taken (a request's, or a lease's: a lease's crossing fires when the lease is taken), and the thresholds they reach.
 local function takeAndAlert(units, leased)
-  local d, m, b = dc, pc, g + p
+  local d, m, b = day.count, pc, g + p
   take(units, leased)
   if not alerting then return end
-  if perDay > 0 then crossings(KEYS[6], KEYS[7], now, thresholds, 'day', ds, d, dc, perDay) end
-  if perMonth > 0 then crossings(KEYS[6], KEYS[7], now, thresholds, 'month', ps, m, pc, perMonth) end
-  if grant > 0 then crossings(KEYS[6], KEYS[7], now, thresholds, 'credits', gp, grant - b, grant - (g + p), grant) end
+  if day.on then crossings(KEY.alerted, KEY.alerts, now, thresholds, 'day', day.start, d, day.count, day.limit) end
+  if perMonth > 0 then crossings(KEY.alerted, KEY.alerts, now, thresholds, 'month', ps, m, pc, perMonth) end
+  if grant > 0 then crossings(KEY.alerted, KEY.alerts, now, thresholds, 'credits', gp, grant - b, grant - (g + p), grant) end
 end
 
 -- A refill, while the instance still hands out its current lease: a whole lease while every
 -- window keeps room for two, else nothing (the requests then ask one by one, as below).
-if tonumber(ARGV[12]) == 1 then
+if tonumber(ARG.refill) == 1 then
   if grant >= 0 or room() < 2 * lease then return reply(0, 0) end
   takeAndAlert(lease, true)
   return reply(0, lease)
@@ -190,22 +209,24 @@ end
 
 -- The longest window is checked first: when several are full, it is what the client must wait for.
 local violated = 0
-if perMonth > 0 and pc + cost > perMonth then violated = 4
-elseif perDay > 0 and dc + cost > perDay then violated = 2
-elseif mc + cost > perMinute then violated = 1 end
+if perMonth > 0 and pc + cost > perMonth then violated = 4 end
+for i = #FIXED, 1, -1 do
+  local w, c = FIXED[i], win[FIXED[i].name]
+  if violated == 0 and c.on and c.count + cost > c.limit then violated = w.outcome end
+end
 
 if violated > 0 then
   -- Refused: counted in no window, only in the list of recent 429s.
   if banAfter > 0 then
-    redis.call('LPUSH', KEYS[2], now)
-    redis.call('LTRIM', KEYS[2], 0, banAfter)
-    redis.call('PEXPIRE', KEYS[2], banWithin)
-    local oldest = tonumber(redis.call('LINDEX', KEYS[2], banAfter))
+    redis.call('LPUSH', KEY.rejections, now)
+    redis.call('LTRIM', KEY.rejections, 0, banAfter)
+    redis.call('PEXPIRE', KEY.rejections, banWithin)
+    local oldest = tonumber(redis.call('LINDEX', KEY.rejections, banAfter))
     if oldest and oldest > now - banWithin then
       ban = now + banFor
-      redis.call('HSET', KEYS[1], 'ban', ban)
+      redis.call('HSET', KEY.counters, 'ban', ban)
       keep()
-      redis.call('DEL', KEYS[2])
+      redis.call('DEL', KEY.rejections)
       return reply(3, 0, ban)
     end
   end
@@ -220,12 +241,12 @@ local units = cost
 if lease > 1 and cost == 1 and grant < 0 and room() >= 2 * lease then units = lease end
 takeAndAlert(units, units > cost)
 -- The request's usage event, in the same step as its count: what is enforced is what is billed.
-local cap = tonumber(ARGV[19]) or 0
+local cap = tonumber(ARG.eventsCap) or 0
 if cap > 0 then
   local balance = -1
   if grant >= 0 then balance = g + p end
-  eventId = redis.call('XADD', KEYS[5], 'MAXLEN', '~', cap, '*', 'kind', 'request', 'rid', ARGV[20], 'key', ARGV[21],
-    'plan', ARGV[22], 'route', ARGV[23], 'method', ARGV[24], 'units', cost, 'at', now, 'minute', mc, 'day', dc,
+  eventId = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'request', 'rid', ARG.requestId, 'key', ARG.keyId,
+    'plan', ARG.plan, 'route', ARG.route, 'method', ARG.method, 'units', cost, 'at', now, 'minute', win.minute.count, 'day', day.count,
     'month', pc, 'overage', mine, 'credits', balance)
 end
 return reply(0, units)

@@ -1,8 +1,8 @@
 import { randomUUID } from 'node:crypto';
-import { readFileSync } from 'node:fs';
 import type { FastifyBaseLogger } from 'fastify';
 import { Cluster } from 'ioredis';
 import { type RedisClient, redisProblem, secondConnection } from '../redis/client.js';
+import { subjectKey } from '../redis/keys.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
 import { type CreditState, withGrants } from './credits.js';
 import { billingPeriod, type Period } from './period.js';
@@ -12,21 +12,30 @@ import {
   decision,
   type EventTag,
   leaseSize,
-  MINUTE_MS,
-  OUTCOMES,
   type QuotaSubject,
-  softQuota,
   type WindowCounts,
   windowStart,
 } from './decision.js';
 import { DegradedBudget, type WriteBack } from './degraded-budget.js';
 import { type Lease, LeaseBook, leaseOf } from './lease-book.js';
 import { type Clock, RedisClock, SYSTEM_CLOCK } from './redis-clock.js';
+import {
+  countsOf,
+  defineScripts,
+  defineTopUp,
+  type QuotaCall,
+  type QuotaReply,
+  quotaArgs,
+  quotaReply,
+  refundArgs,
+  topUpArgs,
+  writeBackArgs,
+} from './script.js';
 import { LATE, RedisHealth, within } from './redis-health.js';
+import { type Counts, countsAt, FIXED } from './windows.js';
 import {
   type AccountBook,
   type Counters,
-  countsAt,
   type ExportState,
   type LedgerEntry,
   type Operations,
@@ -39,29 +48,11 @@ import {
   type Usage,
 } from './store.js';
 
-const lua = (file: string) => readFileSync(new URL(file, import.meta.url), 'utf8');
-const TOPUP_LUA = lua('./billing.lua') + lua('./topup.lua');
 /** Between heartbeats while Redis answers; a heartbeat counts for three of them. */
 const HEARTBEAT_MS = 1000;
 /** Between probes while Redis fails: decisions come back to Redis within this of it answering. */
 const PROBE_MS = 250;
 
-type Reply = [
-  outcome: number,
-  minuteUsed: number,
-  dayUsed: number,
-  nowMs: number,
-  banUntilMs: number,
-  taken?: number,
-  monthUsed?: number,
-  periodStart?: number,
-  periodEnd?: number,
-  balance?: number,
-  overageUsed?: number,
-  overageUnits?: number,
-  eventId?: string | null,
-  alerted?: number,
-];
 /** A pipeline of topup.lua and the WAIT after it: both go to the account's node. */
 interface TopUpPipeline {
   topup(...keysThenArgs: Array<string | number>): TopUpPipeline;
@@ -79,17 +70,12 @@ export class TopUpNotReplicated extends Error {
   }
 }
 
+type RawReply = Array<number | string | null>;
+/** The scripts as script.ts defines them: each takes its KEYS then ARGV as script.ts builds them. */
 type QuotaRedis = RedisClient & {
-  quota(
-    counters: string,
-    rejections: string,
-    credits: string,
-    ledger: string,
-    events: string,
-    ...args: Array<number | string>
-  ): Promise<Reply>;
-  refund(counters: string, credits: string, events: string, ...args: Array<number | string>): Promise<number>;
-  writeback(counters: string, applied: string, id: string, ...args: number[]): Promise<number>;
+  quota(...keysThenArgs: Array<number | string>): Promise<RawReply>;
+  refund(...keysThenArgs: Array<number | string>): Promise<number>;
+  writeback(...keysThenArgs: Array<number | string>): Promise<number>;
   heartbeat(registry: string, id: string, ttlMs?: number): Promise<[live: number, rank: number, nowMs: number]>;
   unban(counters: string, rejections: string): Promise<number>;
 };
@@ -174,24 +160,21 @@ function billingUsage(subject: QuotaSubject, now: number, stored: number[], cred
   return out;
 }
 
-/** quota.lua's ARGV 19-24 when no usage event is written. */
-const NO_EVENT = [0, '', '', '', '', ''];
+/** The fixed windows' fields of the counters hash (windows.ts): each one's start and count. */
+const COUNTER_FIELDS = FIXED.flatMap((w) => [w.stored.start, w.stored.count]);
+
+/** A lease's counts: every window's, as Redis held them after it. */
+function countsOfLease(lease: Lease): Counts {
+  const out: Counts = { minuteUsed: 0, dayUsed: 0, monthUsed: lease.monthUsed };
+  for (const w of FIXED) out[w.used] = lease[w.used] ?? 0;
+  return out;
+}
 
 /** `d`, told how long it waited on Redis and whether a lease answered it: what its trace shows. */
 function waited(d: Decision, redisMs: number, leased = false): Decision {
   d.redisMs = redisMs;
   d.leased = leased;
   return d;
-}
-
-/** A reply's counts, in the one shape both stores decide from. */
-function countsOf(r: Reply): WindowCounts {
-  const c: WindowCounts = { outcome: OUTCOMES[r[0]]!, minuteUsed: r[1], dayUsed: r[2], nowMs: r[3], banUntilMs: r[4] };
-  if (r[7]) Object.assign(c, { monthUsed: r[6], period: { startMs: r[7], endMs: r[8] } });
-  if (r[9] !== undefined && r[9] >= 0) c.balance = r[9];
-  if (r[10] !== undefined) Object.assign(c, { overageUsed: r[10], overageUnits: r[11] });
-  if (r[12]) c.eventId = String(r[12]);
-  return c;
 }
 
 /**
@@ -249,12 +232,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.redisClock = new RedisClock(this.clock);
     this.leases = new LeaseBook(this.clock);
     this.budget = new DegradedBudget(this.instanceId);
-    redis.defineCommand('quota', { numberOfKeys: 8, lua: lua('./billing.lua') + lua('./quota.lua') });
-    redis.defineCommand('refund', { numberOfKeys: 3, lua: lua('./refund.lua') });
-    redis.defineCommand('topup', { numberOfKeys: 7, lua: TOPUP_LUA });
-    redis.defineCommand('writeback', { numberOfKeys: 2, lua: lua('./writeback.lua') });
-    redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: lua('./heartbeat.lua') });
-    redis.defineCommand('unban', { numberOfKeys: 2, lua: lua('./unban.lua') });
+    defineScripts(redis);
     this.redis = redis as QuotaRedis;
     this.health = new RedisHealth({
       beat: () => this.beat(),
@@ -340,7 +318,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   }
 
   private bannedDecision(subject: QuotaSubject, ban: Counters & { billing: BillingCounts }, now: number): Decision {
-    return decision(subject, { outcome: 'banned', ...countsAt(ban, now), nowMs: now, banUntilMs: ban.ban, ...ban.billing });
+    return decision(subject, { outcome: 'banned', ...countsAt(ban.stored, now), nowMs: now, banUntilMs: ban.ban, ...ban.billing });
   }
 
   /**
@@ -356,9 +334,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     if (shared && shared.second === second && shared.subject === subject) return shared.decision;
     const d = decision(subject, {
       outcome: 'allowed',
-      minuteUsed: lease.minuteUsed,
-      dayUsed: lease.dayUsed,
-      monthUsed: lease.monthUsed,
+      ...countsOfLease(lease),
       period: lease.period,
       nowMs: now,
       banUntilMs: 0,
@@ -368,51 +344,9 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     return d;
   }
 
-  /** One run of quota.lua (ARGV in its order): `back` the leases closed (their unused units and size), `refill` a lease taken ahead. */
-  private call(
-    subject: QuotaSubject,
-    lease: number,
-    back: Lease | undefined,
-    deadline: number,
-    cost: number,
-    refill: boolean,
-    tag?: EventTag,
-  ): Promise<Reply> {
-    const { name, limits, bans, billing } = subject;
-    const events = tag && subject.events > 0 ? [subject.events, tag.requestId, tag.keyId, tag.plan, tag.route, tag.method] : NO_EVENT;
-    const callId = `${this.instanceId}:${++this.calls}`;
-    return this.redis.quota(
-      name,
-      `${name}:rej`,
-      `${name}:credits`,
-      `${name}:ledger`,
-      `${name}:events`,
-      `${name}:alerted`,
-      `${name}:alerts`,
-      `${name}:call:${callId}`,
-      limits.perMinute,
-      limits.perDay,
-      bans?.afterRejected ?? 0,
-      bans?.withinMs ?? 0,
-      bans?.durationMs ?? 0,
-      lease,
-      back?.left ?? 0,
-      back?.windowEndMs ? back.windowEndMs - MINUTE_MS : 0,
-      back?.dayStartMs ?? 0,
-      deadline,
-      cost,
-      refill ? 1 : 0,
-      limits.perMonth ?? 0,
-      billing.billingDay,
-      softQuota(subject),
-      billing.credits ? billing.credits.grant : -1,
-      billing.credits?.rollover ? 1 : 0,
-      back?.period?.startMs ?? 0,
-      ...events,
-      subject.alerts,
-      back?.size ?? 0,
-      callId,
-    );
+  /** One run of quota.lua: `back` the leases closed (their unused units and size), `refill` a lease taken ahead. */
+  private call(subject: QuotaSubject, c: Omit<QuotaCall, 'callId'>): Promise<RawReply> {
+    return this.redis.quota(...quotaArgs(subject, { ...c, callId: `${this.instanceId}:${++this.calls}` }));
   }
 
   /**
@@ -430,14 +364,15 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     const back = this.leases.takeUnused(subject.name); // if the call fails they stay counted: the safe side
     const sentMono = this.clock.mono();
     const sentAt = this.clock.wall();
-    let reply: Reply | typeof LATE;
+    let reply: QuotaReply | typeof LATE;
     try {
       const deadline = this.redisClock.deadline(sentAt, this.timeoutMs);
-      const call = this.call(subject, lease, back, deadline, cost, refill, tag);
-      reply = await within(call, this.timeoutMs);
+      const call = this.call(subject, { lease, back, deadline, cost, refill, tag });
+      const raw = await within(call, this.timeoutMs);
+      reply = raw === LATE ? LATE : quotaReply(raw);
       if (reply === LATE)
         call.then(
-          (late) => this.undo(subject, late, sentMono, cost),
+          (late) => this.undo(subject, quotaReply(late), sentMono, cost),
           () => {},
         );
     } catch (err) {
@@ -450,16 +385,16 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     const waitedMs = this.clock.mono() - sentMono;
     this.observe(waitedMs / 1000);
     // Unanswered in time, or answered so late that Redis found its deadline passed.
-    if (reply === LATE || reply[0] < 0) {
+    if (reply === LATE || reply.outcome < 0) {
       this.health.failed(new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`));
       if (reply === LATE) this.markWritten(subject, tag);
       return { taken: 0, sentMono, waitedMs };
     }
     this.markWritten(subject, tag, reply);
-    this.redisClock.learn(reply[3], sentAt);
+    this.redisClock.learn(reply.nowMs, sentAt);
     const counts = countsOf(reply);
     this.budget.see(subject.name, counts);
-    return { counts, taken: reply[5] ?? 0, sentMono, waitedMs };
+    return { counts, taken: reply.taken, sentMono, waitedMs };
   }
 
   /**
@@ -468,12 +403,12 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * with the next call, as a lapsed lease's are; a request's units are refunded, with its
    * credits, its overage and its usage event. Never counted without being delivered.
    */
-  private undo(subject: QuotaSubject, late: Reply, sentMono: number, cost: number): void {
-    const taken = late[5] ?? 0;
-    if (late[0] !== 0 || taken === 0) return;
+  private undo(subject: QuotaSubject, late: QuotaReply, sentMono: number, cost: number): void {
+    const { taken } = late;
+    if (late.outcome !== 0 || taken === 0) return;
     this.tally.undone++;
-    if (taken > cost) return this.leases.giveBack(subject.name, leaseOf(taken, taken, sentMono, late[3], countsOf(late)));
-    void this.refundInRedis(subject, late[3], taken, late[12] ? String(late[12]) : undefined);
+    if (taken > cost) return this.leases.giveBack(subject.name, leaseOf(taken, taken, sentMono, late.nowMs, countsOf(late)));
+    void this.refundInRedis(subject, late.nowMs, taken, late.eventId);
   }
 
   /**
@@ -490,7 +425,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
 
   private learnBan(name: string, c: WindowCounts): void {
     if (c.outcome !== 'banned') return this.bans.forget(name);
-    this.bans.remember(name, c.minuteUsed, c.dayUsed, c.nowMs, c.banUntilMs, {
+    this.bans.remember(name, c, c.nowMs, c.banUntilMs, {
       monthUsed: c.monthUsed,
       period: c.period,
       balance: c.balance,
@@ -559,23 +494,11 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   }
 
   private async writeOne(w: WriteBack): Promise<void> {
-    const call = this.redis.writeback(
-      w.name,
-      `${w.name}:wb`,
-      w.id,
-      w.minuteStart,
-      w.minuteUnits,
-      w.dayStart,
-      w.dayUnits,
-      w.hasDay ? 1 : 0,
-      w.periodStart,
-      w.periodEnd,
-      w.periodUnits,
-    );
+    const call = this.redis.writeback(...writeBackArgs(w));
     const applied = await within(call, this.timeoutMs);
     if (applied === LATE) throw new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`);
     this.budget.confirmed(w);
-    if (applied === 1) this.tally.writtenBack += Math.max(w.minuteUnits, w.dayUnits);
+    if (applied === 1) this.tally.writtenBack += Math.max(...Object.values(w.units));
   }
 
   /**
@@ -583,11 +506,11 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * (or, with credits, a grant's), an alert; without a reply (a call that failed or was given
    * up on), whatever it may have written.
    */
-  private markWritten(subject: QuotaSubject, tag: EventTag | undefined, reply?: Reply): void {
+  private markWritten(subject: QuotaSubject, tag: EventTag | undefined, reply?: QuotaReply): void {
     if (!this.marks) return;
     const events = tag !== undefined && subject.events > 0;
-    if (events && (!reply || reply[12] || subject.billing.credits)) this.mark('usage', subject);
-    if (subject.alerts && (!reply || reply[13] === 1)) this.mark('alerts', subject);
+    if (events && (!reply || reply.eventId || subject.billing.credits)) this.mark('usage', subject);
+    if (subject.alerts && (!reply || reply.alerted)) this.mark('alerts', subject);
   }
 
   private mark(loop: 'usage' | 'alerts', subject: QuotaSubject): void {
@@ -602,7 +525,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    */
   settle(subject: QuotaSubject, eventId: string, status: number): void {
     if (this.statuses.length >= 10_000) return; // Redis failing for a while: the statuses wait no longer
-    this.statuses.push([`${subject.name}:statuses`, eventId, status]);
+    this.statuses.push([subjectKey.statuses(subject.name), eventId, status]);
     this.statusTimer ??= setTimeout(() => this.flush(), 100).unref();
   }
 
@@ -640,20 +563,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   /** refund.lua: the units back to their windows, credits, overage, and a refund event for `eventId`. */
   private async refundInRedis(subject: QuotaSubject, countedAtMs: number, cost: number, eventId?: string): Promise<void> {
     try {
-      await this.redis.refund(
-        subject.name,
-        `${subject.name}:credits`,
-        `${subject.name}:events`,
-        windowStart(countedAtMs, MINUTE_MS),
-        windowStart(countedAtMs, DAY_MS),
-        subject.limits.perMonth ? countedAtMs : 0,
-        cost,
-        subject.billing.credits ? 1 : 0,
-        softQuota(subject),
-        subject.limits.perMonth ? 1 : 2,
-        eventId ? subject.events : 0,
-        eventId ?? '',
-      );
+      await this.redis.refund(...refundArgs(subject, { countedAtMs, units: cost, eventId }));
     } catch (err) {
       this.tally.refundsFailed++;
       this.log.warn(
@@ -668,7 +578,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
 
   /** Lifts the subject's ban in Redis (every instance sees it within a second); false when none was in force. */
   async unban(subject: QuotaSubject): Promise<boolean> {
-    const until = await this.redis.unban(subject.name, `${subject.name}:rej`);
+    const until = await this.redis.unban(subjectKey.counters(subject.name), subjectKey.rejections(subject.name));
     this.bans.forget(subject.name);
     return Number(until) > 0;
   }
@@ -704,27 +614,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
 
   /** topup.lua, then WAIT with `ackReplicas`, in one pipeline: both reach the account's node, WAIT on the connection that wrote. */
   private async topUpCalls(redis: RedisClient, subject: QuotaSubject, t: TopUp): Promise<Array<[Error | null, unknown]>> {
-    const { name, billing } = subject;
-    const credits = billing.credits ?? { grant: 0, rollover: false };
-    const pipe = (redis.pipeline() as unknown as TopUpPipeline).topup(
-      `${name}:credits`,
-      `${name}:ledger`,
-      `${name}:topups`,
-      `${name}:alerted`,
-      `${name}:alerts`,
-      `${name}:topup:${t.idempotencyKey}`,
-      `${name}:events`,
-      t.amount,
-      t.reason,
-      t.idempotencyKey,
-      topUpFingerprint(t),
-      billing.billingDay,
-      credits.grant,
-      credits.rollover ? 1 : 0,
-      subject.alerts,
-      this.idempotencyMs,
-      subject.events,
-    );
+    const pipe = (redis.pipeline() as unknown as TopUpPipeline).topup(...topUpArgs(subject, t, this.idempotencyMs));
     if (this.ackReplicas > 0) pipe.wait(this.ackReplicas, this.ackTimeoutMs);
     const results = (await pipe.exec()) ?? [];
     for (const [err] of results) if (err) throw err;
@@ -736,7 +626,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     if (this.ackReplicas === 0) return this.redis;
     if (!this.acking) {
       this.acking = secondConnection(this.redis);
-      this.acking.defineCommand('topup', { numberOfKeys: 7, lua: TOPUP_LUA });
+      defineTopUp(this.acking);
     }
     return this.acking;
   }
@@ -749,8 +639,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   async exportState(subject: QuotaSubject): Promise<ExportState> {
     const results = await this.redis
       .multi()
-      .xlen(`${subject.name}:events`)
-      .hmget(`${subject.name}:events:cursor`, 'consumed', 'dropped')
+      .xlen(subjectKey.events(subject.name))
+      .hmget(subjectKey.eventsCursor(subject.name), 'consumed', 'dropped')
       .exec();
     const [pending, counts] = (results ?? []).map(([err, value]) => {
       if (err) throw err;
@@ -761,7 +651,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
 
   /** The ledger stream, oldest first. */
   async ledger(subject: QuotaSubject): Promise<LedgerEntry[]> {
-    const entries = await this.redis.xrange(`${subject.name}:ledger`, '-', '+');
+    const entries = await this.redis.xrange(subjectKey.ledger(subject.name), '-', '+');
     return entries.map(([id, fields]) => ledgerEntry(id, fields));
   }
 
@@ -787,9 +677,9 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     const results = await this.redis
       .multi()
       .time()
-      .hmget(subject.name, 'ms', 'mc', 'ds', 'dc', 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
-      .lrange(`${subject.name}:rej`, 0, -1)
-      .hmget(`${subject.name}:credits`, 'g', 'p', 'gp', 'ge')
+      .hmget(subjectKey.counters(subject.name), ...COUNTER_FIELDS, 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
+      .lrange(subjectKey.rejections(subject.name), 0, -1)
+      .hmget(subjectKey.credits(subject.name), 'g', 'p', 'gp', 'ge')
       .exec();
     const values = (results ?? []).map(([err, value]) => {
       if (err) throw err;
@@ -797,15 +687,17 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     });
     const [time, fields, rejections, credited] = values as [[string, string], Array<string | null>, string[], Array<string | null>];
     const now = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
-    const [minuteStart, minuteCount, dayStart, dayCount, ban] = fields.map(Number) as [number, number, number, number, number];
+    const numbers = fields.map(Number);
+    const stored = Object.fromEntries(COUNTER_FIELDS.map((f, i) => [f, numbers[i]!]));
+    const [ban, ...billed] = numbers.slice(COUNTER_FIELDS.length) as [number, ...number[]];
     const withinMs = subject.bans?.withinMs ?? 0;
     const usage: Usage = {
       nowMs: now,
-      ...countsAt({ minuteStart, minuteCount, dayStart, dayCount }, now),
+      ...countsAt(stored, now),
       banUntilMs: ban > now ? ban : 0,
       recentRejections: rejections.filter((t) => Number(t) > now - withinMs).length,
     };
-    return { ...usage, ...billingUsage(subject, now, fields.slice(5).map(Number), credited) };
+    return { ...usage, ...billingUsage(subject, now, billed, credited) };
   }
 
   activeBans(): number {

@@ -1,41 +1,50 @@
 -- A request's units back to the windows that counted it, if they are still current, and to
 -- its account's credits: the gateway failed it (502/504), so the client is not charged.
--- KEYS[1]: the subject's counters (hash); KEYS[2]: its credits (hash); KEYS[3]: its usage events (stream). ARGV: the minute and day
--- starts it was counted in (Redis time, ms); when it was counted, if the subject has a month
--- window (0: none): the stored period is the one in force if it holds that moment; its units;
--- 1 if it paid with credits (given back as purchased credits, which never expire); the quota
--- past which units are billed as overage (0: none), and that overage's window (1: the month,
--- 2: the day); the usage events' cap (0: none) and its event's id: the refund is an event of its
--- own, cancelling that one's charge and the overage it takes back.
+-- Wires named in script.ts (REFUND). KEY: the subject's counters, credits and usage events.
+-- ARG: `countedAt`, when it was counted (Redis time, ms): each fixed window (FIXED, windows.ts)
+-- it was counted in is given the units back if it is still the stored one, and with `month` 1
+-- the stored period if it holds that moment; its units; `paidWithCredits` (given back as
+-- purchased credits, which never expire); `soft`, the quota past which units are billed as
+-- overage (0: none), and `overageWindow` (1: the month, 2: the day); `eventsCap` (0: none) and
+-- `eventId`: the refund is an event of its own, cancelling that one's charge and the overage it takes back.
 -- Returns the overage units taken back.
-local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls')
-local n = tonumber(ARGV[4])
-local at = tonumber(ARGV[3])
-local ps, pe = tonumber(h[5]) or 0, tonumber(h[9]) or 0
-local inPeriod = at > 0 and ps <= at and at < pe
-local sameDay = tonumber(h[3]) == tonumber(ARGV[2])
-local dc, pc = math.max(0, (tonumber(h[4]) or 0) - n), math.max(0, (tonumber(h[6]) or 0) - n)
-if tonumber(h[1]) == tonumber(ARGV[1]) then redis.call('HSET', KEYS[1], 'mc', math.max(0, (tonumber(h[2]) or 0) - n)) end
-if sameDay then redis.call('HSET', KEYS[1], 'dc', dc) end
-if inPeriod then redis.call('HSET', KEYS[1], 'pc', pc) end
-if tonumber(ARGV[5]) == 1 then redis.call('HINCRBY', KEYS[2], 'p', n) end
+local fields = {'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls'}
+for _, w in ipairs(FIXED) do
+  table.insert(fields, w.start)
+  table.insert(fields, w.count)
+end
+local h = {}
+for i, v in ipairs(redis.call('HMGET', KEY.counters, unpack(fields))) do h[fields[i]] = v end
+local n = tonumber(ARG.units)
+local at = tonumber(ARG.countedAt)
+local ps, pe = tonumber(h.ps) or 0, tonumber(h.pe) or 0
+local inPeriod = tonumber(ARG.month) == 1 and ps <= at and at < pe
+local current = {}
+for _, w in ipairs(FIXED) do
+  current[w.name] = tonumber(h[w.start]) == at - at % w.len
+  if current[w.name] then redis.call('HSET', KEY.counters, w.count, math.max(0, (tonumber(h[w.count]) or 0) - n)) end
+end
+local sameDay = current.day
+local dc, pc = math.max(0, (tonumber(h[FIXED.day.count]) or 0) - n), math.max(0, (tonumber(h.pc) or 0) - n)
+if inPeriod then redis.call('HSET', KEY.counters, 'pc', pc) end
+if tonumber(ARG.paidWithCredits) == 1 then redis.call('HINCRBY', KEY.credits, 'p', n) end
 -- The overage billed is at most what is known delivered past the quota (quota.lua's bill):
 -- a refunded unit takes back the overage that no longer has a delivered unit under it, at
 -- most its own units, whether or not the request itself was billed as overage.
-local soft, window = tonumber(ARGV[6]) or 0, tonumber(ARGV[7]) or 0
-local os, oc = tonumber(h[7]), tonumber(h[8]) or 0
+local soft, window = tonumber(ARG.soft) or 0, tonumber(ARG.overageWindow) or 0
+local os, oc = tonumber(h.os), tonumber(h.oc) or 0
 local over = 0
 local long, start = pc, ps
-if window == 2 then long, start = dc, tonumber(ARGV[2]) end
+if window == 2 then long, start = dc, at - at % FIXED.day.len end
 if soft > 0 and os == start and ((window == 1 and inPeriod) or (window == 2 and sameDay)) then
-  local lo = (tonumber(h[11]) == start) and tonumber(h[10]) or 0
+  local lo = (tonumber(h.ls) == start) and tonumber(h.lo) or 0
   over = math.min(n, math.max(0, oc - math.max(0, long - lo - soft)))
-  if over > 0 then redis.call('HSET', KEYS[1], 'oc', oc - over) end
+  if over > 0 then redis.call('HSET', KEY.counters, 'oc', oc - over) end
 end
-local cap = tonumber(ARGV[8]) or 0
-if cap > 0 and ARGV[9] and ARGV[9] ~= '' then
+local cap = tonumber(ARG.eventsCap) or 0
+if cap > 0 and ARG.eventId and ARG.eventId ~= '' then
   local t = redis.call('TIME')
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', cap, '*', 'kind', 'refund', 'ref', ARGV[9], 'units', n,
+  redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'refund', 'ref', ARG.eventId, 'units', n,
     'overage', over, 'at', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 end
 return over

@@ -1,5 +1,6 @@
-import { DAY_MS, type Decision, type EventTag, MINUTE_MS, type QuotaSubject, windowStart } from './decision.js';
+import type { Decision, EventTag, QuotaSubject } from './decision.js';
 import type { Period } from './period.js';
+import type { Counts, Stored } from './windows.js';
 
 // The contract both stores keep, in three parts by who calls them: each caller depends on the
 // part it uses, and a new store (or a test's) sees which members make up each job.
@@ -73,11 +74,10 @@ export class QuotaStoreUnavailable extends Error {
   }
 }
 
-/** A subject's counters as they stand, read without counting (for the admin usage lookup). */
-export interface Usage {
+/** A subject's counters as they stand, read without counting (for the admin usage lookup): each window's admitted count. */
+export type Usage = Counts & UsageBeyondCounts;
+interface UsageBeyondCounts {
   nowMs: number;
-  minuteUsed: number;
-  dayUsed: number;
   /** 0 when not banned. */
   banUntilMs: number;
   /** 429s within the ban window so far. */
@@ -131,21 +131,10 @@ export interface LedgerEntry {
 export const topUpFingerprint = (t: TopUp) => `${t.amount}:${Buffer.from(t.reason).toString('base64url')}`;
 
 /**
- * A subject's stored counters: window starts, admitted counts, ban end. In Redis they are
- * quota.lua's hash fields ms, mc, ds, dc and ban, in this order, kept short there: stored data and tests read them.
+ * A subject's stored counters: each fixed window's start and admitted count under its stored
+ * names (windows.ts: quota.lua's hash fields ms, mc, ds, dc, ...), and the ban's end.
  */
 export interface Counters {
-  minuteStart: number;
-  minuteCount: number;
-  dayStart: number;
-  dayCount: number;
+  stored: Stored;
   ban: number;
-}
-
-/** Admitted counts of the windows current at `now`: a stored count of an older window is 0. */
-export function countsAt(c: Omit<Counters, 'ban'>, now: number): { minuteUsed: number; dayUsed: number } {
-  return {
-    minuteUsed: c.minuteStart === windowStart(now, MINUTE_MS) ? c.minuteCount : 0,
-    dayUsed: c.dayStart === windowStart(now, DAY_MS) ? c.dayCount : 0,
-  };
 }

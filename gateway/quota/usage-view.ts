@@ -1,6 +1,7 @@
-import { type Static, Type } from '@sinclair/typebox';
+import { type Static, type TInteger, type TOptional, Type } from '@sinclair/typebox';
 import { overageWindow, type QuotaSubject, softQuota, windows, type WindowState } from './decision.js';
 import type { Usage } from './store.js';
+import { type LimitField, type RequiredLimit, WINDOWS, type WindowName } from './windows.js';
 
 // An account's quota as a reader sees it: the consumer's own GET /v1/me/usage and the admin
 // usage lookups show the same view, from the store the gateway enforces with. Its schema is
@@ -14,16 +15,24 @@ const Window = Type.Object({
   resetAt: Type.String({ format: 'date-time', description: 'When it starts again (UTC-aligned; the month at the billing day)' }),
 });
 
+/** A limit per window (windows.ts): those every plan gives, and the optional ones where set. */
+const limitFields = () =>
+  Object.fromEntries(WINDOWS.map((w) => [w.limit, w.inPlans === 'required' ? Type.Integer() : Type.Optional(Type.Integer())])) as {
+    [K in RequiredLimit]: TInteger;
+  } & { [K in Exclude<LimitField, RequiredLimit>]: TOptional<TInteger> };
+/** A window's state per window the subject has: the minute always. */
+const windowFields = () =>
+  Object.fromEntries(WINDOWS.map((w) => [w.name, w.always ? Window : Type.Optional(Window)])) as { minute: typeof Window } & {
+    [K in Exclude<WindowName, 'minute'>]: TOptional<typeof Window>;
+  };
+
 export const UsageView = Type.Object(
   {
     account: Type.String(),
     plan: Type.String(),
-    limits: Type.Object(
-      { perMinute: Type.Integer(), perDay: Type.Integer(), perMonth: Type.Optional(Type.Integer()) },
-      { description: 'The quotas sold (without overage)' },
-    ),
+    limits: Type.Object(limitFields(), { description: 'The quotas sold (without overage)' }),
     enforced: Type.Boolean({ description: 'False in shadow mode: refusals are counted and reported, not made' }),
-    windows: Type.Object({ minute: Window, day: Type.Optional(Window), month: Type.Optional(Window) }),
+    windows: Type.Object(windowFields()),
     period: Type.Optional(
       Type.Object(
         { start: Instant, end: Instant, billingDay: Type.Integer({ minimum: 1, maximum: 31 }) },
@@ -76,18 +85,19 @@ interface Reader {
 
 export function usageView({ account, plan, subject }: Reader, usage: Usage): UsageView {
   const { limits, billing } = subject;
-  const list = windows(limits, usage.nowMs, usage.minuteUsed, usage.dayUsed, usage.monthUsed, usage.period);
-  const byName = Object.fromEntries(list.map((w) => [w.name, view(w)]));
+  const list = windows(limits, usage.nowMs, usage, usage.period);
+  const byName = Object.fromEntries(list.map((w) => [w.name, view(w)])) as UsageView['windows'];
   const soft = softQuota(subject);
   const long = overageWindow(limits);
-  const quotas = { perMinute: limits.perMinute, perDay: limits.perDay, ...(limits.perMonth && { perMonth: limits.perMonth }) };
+  const quotas = {} as UsageView['limits'];
+  for (const w of WINDOWS) if (w.inPlans === 'required' || limits[w.limit]) quotas[w.limit] = limits[w.limit] ?? 0;
   if (soft > 0) quotas[long === 'month' ? 'perMonth' : 'perDay'] = soft;
   const out: UsageView = {
     account,
     plan,
     limits: quotas,
     enforced: subject.enforce,
-    windows: { minute: byName.minute!, ...(byName.day && { day: byName.day }), ...(byName.month && { month: byName.month }) },
+    windows: byName,
     ban: { active: usage.banUntilMs > 0, until: usage.banUntilMs > 0 ? iso(usage.banUntilMs) : null },
     recentRejections: usage.recentRejections,
     at: iso(usage.nowMs),

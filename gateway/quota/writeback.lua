@@ -1,32 +1,40 @@
 -- What one gateway instance admitted on its own while Redis failed, added to the windows it
 -- was admitted in, if they are still current: once, whatever the retries.
--- KEYS[1]: the subject's counters (hash); KEYS[2]: the write-backs already applied (hash of
--- ids), in the same Cluster slot (one hash tag).
--- ARGV: the write-back's id (instance and batch), the minute start and its units, the day
--- start and its units (Redis time, ms), 1 if the subject has a day window, and the billing
--- period (0: no month window), its end, and the units admitted in it (the outage's earlier days included).
-if redis.call('HSETNX', KEYS[2], ARGV[1], 1) == 0 then return 0 end
+-- Wires named in script.ts (WRITEBACK). KEY: the subject's counters (hash) and the write-backs
+-- already applied (hash of ids), in the same Cluster slot (one hash tag).
+-- ARG: the write-back's id (instance and batch); for each fixed window (FIXED, windows.ts) the
+-- start it was admitted in and its units (`start_<name>`, `units_<name>`, Redis time, ms); the
+-- length of the subject's longest fixed window (the counters last until its end); and the
+-- billing period (0: no month window), its end, and the units admitted in it (the outage's earlier days included).
+if redis.call('HSETNX', KEY.applied, ARG.id, 1) == 0 then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ms = now - now % 60000
-local ds = now - now % 86400000
-redis.call('PEXPIREAT', KEYS[2], ds + 86400000)
-local h = redis.call('HMGET', KEYS[1], 'ms', 'mc', 'ds', 'dc', 'ban', 'ps')
-local mc = (tonumber(h[1]) == ms) and tonumber(h[2]) or 0
-local dc = (tonumber(h[3]) == ds) and tonumber(h[4]) or 0
-if tonumber(ARGV[2]) == ms then mc = mc + tonumber(ARGV[3]) end
-if tonumber(ARGV[4]) == ds then dc = dc + tonumber(ARGV[5]) end
-redis.call('HSET', KEYS[1], 'ms', ms, 'mc', mc, 'ds', ds, 'dc', dc)
--- Periods are ordered: a later one than the stored starts afresh; an earlier one is over.
-local ps = tonumber(ARGV[7]) or 0
-if ps > 0 then
-  local stored = tonumber(h[6]) or 0
-  if stored == ps then redis.call('HINCRBY', KEYS[1], 'pc', tonumber(ARGV[9]))
-  elseif stored < ps then redis.call('HSET', KEYS[1], 'ps', ps, 'pc', tonumber(ARGV[9])) end
+redis.call('PEXPIREAT', KEY.applied, now - now % 86400000 + 86400000)
+local fields = {'ban', 'ps'}
+for _, w in ipairs(FIXED) do
+  table.insert(fields, w.start)
+  table.insert(fields, w.count)
 end
-local expireAt = ms + 60000
-if tonumber(ARGV[6]) == 1 then expireAt = ds + 86400000 end
+local h = {}
+for i, v in ipairs(redis.call('HMGET', KEY.counters, unpack(fields))) do h[fields[i]] = v end
+local set = {}
+for _, w in ipairs(FIXED) do
+  local start = now - now % w.len
+  local count = (tonumber(h[w.start]) == start) and tonumber(h[w.count]) or 0
+  if tonumber(ARG['start_' .. w.name]) == start then count = count + tonumber(ARG['units_' .. w.name]) end
+  for _, v in ipairs({w.start, start, w.count, count}) do table.insert(set, v) end
+end
+redis.call('HSET', KEY.counters, unpack(set))
+-- Periods are ordered: a later one than the stored starts afresh; an earlier one is over.
+local ps = tonumber(ARG.periodStart) or 0
+if ps > 0 then
+  local stored = tonumber(h.ps) or 0
+  if stored == ps then redis.call('HINCRBY', KEY.counters, 'pc', tonumber(ARG.periodUnits))
+  elseif stored < ps then redis.call('HSET', KEY.counters, 'ps', ps, 'pc', tonumber(ARG.periodUnits)) end
+end
+local longest = tonumber(ARG.longestMs)
+local expireAt = now - now % longest + longest
 -- The hash holds the period's count too: it lasts the period.
-expireAt = math.max(expireAt, tonumber(ARGV[8]) or 0)
-redis.call('PEXPIREAT', KEYS[1], math.max(expireAt, tonumber(h[5]) or 0))
+expireAt = math.max(expireAt, tonumber(ARG.periodEnd) or 0)
+redis.call('PEXPIREAT', KEY.counters, math.max(expireAt, tonumber(h.ban) or 0))
 return 1

@@ -1,5 +1,6 @@
 import type { GatewayConfig } from '../config/config.js';
 import type { RedisClient } from '../redis/client.js';
+import { loopKey } from '../redis/keys.js';
 
 // The accounts with something to send, so a round costs what has traffic, not what is
 // configured (issue 30). Per loop, a sorted set in the loop's own slot
@@ -19,9 +20,7 @@ export interface Marked {
 }
 
 /** A key of the loop's, beside its lock, in the loop's own slot: its index (`active`), its sweep's position (`sweep`). */
-export const loopKey = (config: GatewayConfig, loop: Loop, what: 'active' | 'sweep') =>
-  `${config.registryKey.replace(/\{gateways\}$/, `{${loop}}`)}:${what}`;
-const activeKey = (config: GatewayConfig, loop: Loop) => loopKey(config, loop, 'active');
+const activeKey = (config: GatewayConfig, loop: Loop) => loopKey(config.redisPrefix, loop, 'active');
 
 /** KEYS: the index. ARGV: account names. Each one's score grows by one: a mark the leader has not read keeps it there. */
 const MARK = `for i = 1, #ARGV do redis.call('ZINCRBY', KEYS[1], 1, ARGV[i]) end

@@ -1,4 +1,5 @@
 import type { RedisClient } from '../redis/client.js';
+import { subjectKey } from '../redis/keys.js';
 import { nextId, type StreamEntry } from './events.js';
 
 // The streams' cursors, moved only under the lead in force: each move carries the fencing
@@ -113,9 +114,9 @@ export interface UsageRead {
 /** Up to `count` entries of the account's usage stream after `after` (undefined: after its cursor), with their statuses. */
 export async function readUsage(redis: RedisClient, name: string, after: string | undefined, count: number): Promise<UsageRead> {
   const [cursor, entries, found, length] = await (redis as CursorRedis).readUsage(
-    `${name}:events:cursor`,
-    `${name}:events`,
-    `${name}:statuses`,
+    subjectKey.eventsCursor(name),
+    subjectKey.events(name),
+    subjectKey.statuses(name),
     after ?? '',
     count,
   );
@@ -126,7 +127,7 @@ export async function readUsage(redis: RedisClient, name: string, after: string 
 
 /** Whether each account's usage stream holds anything: a move trims what it sent, so an empty stream has nothing unsent. */
 export function usagePending(redis: RedisClient, names: string[]): Promise<boolean[]> {
-  return Promise.all(names.map(async (name) => (await redis.xlen(`${name}:events`)) > 0));
+  return Promise.all(names.map(async (name) => (await redis.xlen(subjectKey.events(name))) > 0));
 }
 
 /** Whether each account's alerts stream has an entry past its cursor (delivered alerts stay in the stream). */
@@ -134,8 +135,8 @@ export function alertsPending(redis: RedisClient, names: string[]): Promise<bool
   return Promise.all(
     names.map(async (name) => {
       const [cursor, last] = await Promise.all([
-        redis.get(`${name}:alerts:cursor`),
-        redis.xrevrange(`${name}:alerts`, '+', '-', 'COUNT', 1),
+        redis.get(subjectKey.alertsCursor(name)),
+        redis.xrevrange(subjectKey.alerts(name), '+', '-', 'COUNT', 1),
       ]);
       return last.length > 0 && idAfter(last[0]![0], cursor ?? '0-0');
     }),
@@ -165,9 +166,9 @@ export interface UsageMove {
 export async function moveUsageCursor(redis: RedisClient, name: string, m: UsageMove): Promise<Moved> {
   const r = redis as CursorRedis;
   const n = await r.moveUsage(
-    `${name}:events:cursor`,
-    `${name}:events`,
-    `${name}:statuses`,
+    subjectKey.eventsCursor(name),
+    subjectKey.events(name),
+    subjectKey.statuses(name),
     m.token,
     m.from,
     m.to,
@@ -180,10 +181,12 @@ export async function moveUsageCursor(redis: RedisClient, name: string, m: Usage
 
 /** The account's alerts cursor moved to the entry delivered, if `token` still leads. */
 export async function moveAlertsCursor(redis: RedisClient, name: string, token: number, from: string, to: string): Promise<Moved> {
-  return outcome(Number(await (redis as CursorRedis).moveAlerts(`${name}:alerts:cursor`, `${name}:alerts:fence`, token, from, to)));
+  return outcome(
+    Number(await (redis as CursorRedis).moveAlerts(subjectKey.alertsCursor(name), subjectKey.alertsFence(name), token, from, to)),
+  );
 }
 
 /** Events of the account's usage stream its cap dropped since last counted (recorded in the cursor's `dropped`). */
 export async function countDropped(redis: RedisClient, name: string): Promise<number> {
-  return Number(await (redis as CursorRedis).countDropped(`${name}:events`, `${name}:events:cursor`));
+  return Number(await (redis as CursorRedis).countDropped(subjectKey.events(name), subjectKey.eventsCursor(name)));
 }

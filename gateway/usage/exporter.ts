@@ -1,6 +1,7 @@
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig, UsageExport } from '../config/config.js';
 import type { RedisClient } from '../redis/client.js';
+import { subjectKey } from '../redis/keys.js';
 import { accountsOf, ActiveIndex, type Marked } from './active.js';
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
 import { type CloudEvent, toCloudEvents } from './events.js';
@@ -119,7 +120,8 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     const moved = await Promise.all(moves.map(({ name, move }) => moveUsageCursor(this.redis, name, { ...move, token: lead.token })));
     moves.forEach(({ events }, i) => moved[i] === 'moved' && this.metrics.exported(events));
     const refused = moved.findIndex((m) => m !== 'moved');
-    if (refused >= 0) throw new LeadLost(`the cursor of ${moves[refused]!.name}:events was ${REFUSED[moved[refused] as 'fenced']}`);
+    if (refused >= 0)
+      throw new LeadLost(`the cursor of ${subjectKey.events(moves[refused]!.name)} was ${REFUSED[moved[refused] as 'fenced']}`);
     // Sent all it read, and read less than it asked for: nothing of it was left when the score was read.
     const done = new Set(reads.filter((r) => !r.more && r.consumed === r.entries.length).map((r) => r.name));
     await this.index.unmark(
@@ -194,7 +196,7 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     const dropped = await countDropped(this.redis, name);
     if (dropped > 0) {
       this.metrics.dropped(dropped);
-      this.log.warn({ stream: `${name}:events`, dropped }, 'usage export: the stream was full; its oldest events were dropped');
+      this.log.warn({ stream: subjectKey.events(name), dropped }, 'usage export: the stream was full; its oldest events were dropped');
     }
   }
 }

@@ -2,6 +2,7 @@ import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig } from '../config/config.js';
 import { type RedisClient, redisProblem } from '../redis/client.js';
+import { loopKey } from '../redis/keys.js';
 import { defineCursorScripts } from './cursors.js';
 
 /**
@@ -140,7 +141,7 @@ export abstract class LeaderLoop<Target> {
     // ioredis refuses every command until its connection is ready (no offline queue): at boot,
     // or while Redis is away, there is nothing a round could do.
     if (!target || this.redis.status !== 'ready') return this.schedule(1000);
-    const lock = `${config.registryKey.replace(/\{gateways\}$/, `{${this.name}}`)}:lock`;
+    const lock = loopKey(config.redisPrefix, this.name, 'lock');
     let holder: string | undefined;
     try {
       const since = performance.now();

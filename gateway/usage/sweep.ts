@@ -1,6 +1,7 @@
 import type { GatewayConfig } from '../config/config.js';
 import type { RedisClient } from '../redis/client.js';
-import { accountsOf, type Loop, loopKey, markActive } from './active.js';
+import { loopKey } from '../redis/keys.js';
+import { accountsOf, type Loop, markActive } from './active.js';
 
 // The backstop for marks that were lost (an instance died between its script call and its
 // 100 ms mark flush; a Redis failure lost the flush): the leader walks the config's accounts at
@@ -38,7 +39,7 @@ export class Sweep {
     const n = Math.min(Math.floor(due), names.length);
     this.carry = n === names.length ? 0 : due - n;
     if (n === 0) return [];
-    const end = Number(await this.redis.incrby(loopKey(config, this.loop, 'sweep'), n));
+    const end = Number(await this.redis.incrby(loopKey(config.redisPrefix, this.loop, 'sweep'), n));
     const batch = Array.from({ length: n }, (_, i) => names[(((end - n + i) % names.length) + names.length) % names.length]!);
     const found = await this.pending(this.redis, batch);
     const marked = batch.filter((_, i) => found[i]);

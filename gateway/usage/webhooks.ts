@@ -2,6 +2,7 @@ import { createHmac } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig } from '../config/config.js';
 import type { RedisClient } from '../redis/client.js';
+import { loopKey, subjectKey } from '../redis/keys.js';
 import { accountsOf, ActiveIndex } from './active.js';
 import { alertsPending, moveAlertsCursor, REFUSED } from './cursors.js';
 import type { StreamEntry } from './events.js';
@@ -110,8 +111,8 @@ export class WebhookDispatcher extends LeaderLoop<Target> {
     const reads = await Promise.all(
       picked.map(async (m) => {
         if (account(m.name) === undefined) return { from: '0-0', entries: [] as StreamEntry[] };
-        const from = (await this.redis.get(`${m.name}:alerts:cursor`)) ?? '0-0';
-        const entries = (await this.redis.xrange(`${m.name}:alerts`, `(${from}`, '+', 'COUNT', ALERTS_PER_ACCOUNT)) as StreamEntry[];
+        const from = (await this.redis.get(subjectKey.alertsCursor(m.name))) ?? '0-0';
+        const entries = (await this.redis.xrange(subjectKey.alerts(m.name), `(${from}`, '+', 'COUNT', ALERTS_PER_ACCOUNT)) as StreamEntry[];
         return { from, entries };
       }),
     );
@@ -123,7 +124,7 @@ export class WebhookDispatcher extends LeaderLoop<Target> {
         await this.deliver(config, target, account(m.name)!, entryId, fieldsOf(list), lead.signal);
         lead.signal.throwIfAborted();
         const moved = await moveAlertsCursor(this.redis, m.name, lead.token, from, entryId);
-        if (moved !== 'moved') throw new LeadLost(`the cursor of ${m.name}:alerts was ${REFUSED[moved]}`);
+        if (moved !== 'moved') throw new LeadLost(`the cursor of ${subjectKey.alerts(m.name)} was ${REFUSED[moved]}`);
         from = entryId;
         sent++;
       }
@@ -184,7 +185,7 @@ export class WebhookDispatcher extends LeaderLoop<Target> {
   }
 }
 
-const deliveriesKey = (config: GatewayConfig) => config.registryKey.replace(/\{gateways\}$/, '{alerts}:deliveries');
+const deliveriesKey = (config: GatewayConfig) => loopKey(config.redisPrefix, 'alerts', 'deliveries');
 
 /** The last deliveries, newest first (kept in Redis: any instance's admin port shows them). */
 export async function recentDeliveries(redis: RedisClient, config: GatewayConfig): Promise<Delivery[]> {

@@ -1,7 +1,8 @@
 import { Redis } from 'ioredis';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
-import { ActiveIndex, loopKey, markActive } from '../../gateway/usage/active.js';
+import { loopKey } from '../../gateway/redis/keys.js';
+import { ActiveIndex, markActive } from '../../gateway/usage/active.js';
 import { makeKey, type TestKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
@@ -154,7 +155,7 @@ describe('the active index', () => {
     // An event of account-a written after the leader read its score, marked by its instance.
     await markActive(redis, config, 'usage-export', ['account-a']);
     await index.unmark(config, first.picked);
-    const key = loopKey(config, 'usage-export', 'active');
+    const key = loopKey(config.redisPrefix, 'usage-export', 'active');
     expect(await redis.zrange(key, 0, -1)).toEqual(['account-a']);
     const second = await index.take(config, 10);
     await index.unmark(config, second.picked);

@@ -10,6 +10,7 @@ import { DAY_MS, type Decision, MINUTE_MS, NO_BILLING, type QuotaSubject } from 
 import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
 import { type QuotaStore, QuotaStoreUnavailable } from '../../gateway/quota/store.js';
+import { quotaArg, writeBackArgs } from '../../gateway/quota/script.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
 
@@ -383,9 +384,48 @@ describe('redis store', () => {
       const now = Number(sec) * 1000;
       const [ms, ds] = [now - (now % MINUTE_MS), now - (now % DAY_MS)];
       await redis.hset(s.name, 'ms', ms, 'mc', 7, 'ds', ds, 'dc', 40);
-      expect(await client.writeback(s.name, `${s.name}:wb`, 'inst-a:1', ms, 3, ds, 5, 1)).toBe(1);
-      expect(await client.writeback(s.name, `${s.name}:wb`, 'inst-a:1', ms, 3, ds, 5, 1)).toBe(0); // a retry: nothing more
-      expect(await client.writeback(s.name, `${s.name}:wb`, 'inst-b:1', ms - MINUTE_MS, 2, ds, 2, 1)).toBe(1); // an old minute: the day only
+      expect(
+        await client.writeback(
+          ...writeBackArgs({
+            name: s.name,
+            id: 'inst-a:1',
+            starts: { minute: ms, day: ds },
+            units: { minute: 3, day: 5 },
+            longestMs: DAY_MS,
+            periodStart: 0,
+            periodEnd: 0,
+            periodUnits: 0,
+          }),
+        ),
+      ).toBe(1);
+      expect(
+        await client.writeback(
+          ...writeBackArgs({
+            name: s.name,
+            id: 'inst-a:1',
+            starts: { minute: ms, day: ds },
+            units: { minute: 3, day: 5 },
+            longestMs: DAY_MS,
+            periodStart: 0,
+            periodEnd: 0,
+            periodUnits: 0,
+          }),
+        ),
+      ).toBe(0); // a retry: nothing more
+      expect(
+        await client.writeback(
+          ...writeBackArgs({
+            name: s.name,
+            id: 'inst-b:1',
+            starts: { minute: ms - MINUTE_MS, day: ds },
+            units: { minute: 2, day: 2 },
+            longestMs: DAY_MS,
+            periodStart: 0,
+            periodEnd: 0,
+            periodUnits: 0,
+          }),
+        ),
+      ).toBe(1); // an old minute: the day only
       expect(await redis.hmget(s.name, 'mc', 'dc')).toEqual(['10', '47']);
       expect(Number(await redis.call('PEXPIRETIME', s.name))).toBe(ds + DAY_MS);
     });
@@ -402,13 +442,52 @@ describe('redis store', () => {
     const [older, stored, later] = [ds - 40 * DAY_MS, ds - 10 * DAY_MS, ds - DAY_MS];
     await redis.hset(s.name, 'ps', stored, 'pc', 30);
     const periodEnd = ds + 20 * DAY_MS;
-    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:1', ms, 3, ds, 3, 1, stored, periodEnd, 3)).toBe(1);
+    expect(
+      await client.writeback(
+        ...writeBackArgs({
+          name: s.name,
+          id: 'i:1',
+          starts: { minute: ms, day: ds },
+          units: { minute: 3, day: 3 },
+          longestMs: DAY_MS,
+          periodStart: stored,
+          periodEnd: periodEnd,
+          periodUnits: 3,
+        }),
+      ),
+    ).toBe(1);
     expect(await redis.hmget(s.name, 'ps', 'pc')).toEqual([String(stored), '33']);
     // The hash holds the period's count: it lasts the period, not the day.
     expect(Number(await redis.call('PEXPIRETIME', s.name))).toBe(periodEnd);
-    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:2', ms, 2, ds, 2, 1, older, older + 30 * DAY_MS, 2)).toBe(1); // an earlier period: over
+    expect(
+      await client.writeback(
+        ...writeBackArgs({
+          name: s.name,
+          id: 'i:2',
+          starts: { minute: ms, day: ds },
+          units: { minute: 2, day: 2 },
+          longestMs: DAY_MS,
+          periodStart: older,
+          periodEnd: older + 30 * DAY_MS,
+          periodUnits: 2,
+        }),
+      ),
+    ).toBe(1); // an earlier period: over
     expect(await redis.hmget(s.name, 'ps', 'pc')).toEqual([String(stored), '33']);
-    expect(await client.writeback(s.name, `${s.name}:wb`, 'i:3', ms, 4, ds, 4, 1, later, later + 30 * DAY_MS, 4)).toBe(1); // a later one starts afresh
+    expect(
+      await client.writeback(
+        ...writeBackArgs({
+          name: s.name,
+          id: 'i:3',
+          starts: { minute: ms, day: ds },
+          units: { minute: 4, day: 4 },
+          longestMs: DAY_MS,
+          periodStart: later,
+          periodEnd: later + 30 * DAY_MS,
+          periodUnits: 4,
+        }),
+      ),
+    ).toBe(1); // a later one starts afresh
     expect(await redis.hmget(s.name, 'ps', 'pc')).toEqual([String(later), '4']);
     await store.close();
   });
@@ -503,7 +582,7 @@ describe('redis store with leases', () => {
           // fixed pause may be shorter than that).
           await eventually(() => calls.inFlight === 0, 2000, 'the call ahead landed');
         }
-        const kinds = calls.args.map((a) => (a[8 + 11] === 1 ? 'ahead' : 'asked')); // after the 8 keys, ARGV[12]: refill
+        const kinds = calls.args.map((a) => (quotaArg(a, 'refill') === 1 ? 'ahead' : 'asked'));
         expect(kinds[0]).toBe('asked');
         expect(kinds.slice(1)).toEqual(Array(kinds.length - 1).fill('ahead'));
         // 60 requests, six leases handed out; the sixth's half-way point took a seventh ahead.

@@ -103,7 +103,7 @@ describe('the degraded budget', () => {
     // The next day of the same outage: a new day's share, but the period's share stays spent.
     expect(b.consume(monthly, 1, T0 + DAY_MS).outcome).toBe('month');
     // Written back: nothing to today (yesterday's units are yesterday's), both to the period.
-    expect(b.drain().map((w) => [w.dayUnits, w.periodStart, w.periodEnd, w.periodUnits])).toEqual([[0, period.startMs, period.endMs, 2]]);
+    expect(b.drain().map((w) => [w.units.day, w.periodStart, w.periodEnd, w.periodUnits])).toEqual([[0, period.startMs, period.endMs, 2]]);
   });
 
   it('admits nothing from a month it has no count of: it may be used up already', () => {
@@ -117,10 +117,10 @@ describe('the degraded budget', () => {
     const s = subject(10, 1000);
     admitted(b, s, 3);
     const first = b.drain();
-    expect(first.map((w) => [w.id, w.minuteUnits, w.dayUnits])).toEqual([['me:1', 3, 3]]);
+    expect(first.map((w) => [w.id, w.units.minute, w.units.day])).toEqual([['me:1', 3, 3]]);
     admitted(b, s, 1);
     const second = b.drain(); // not confirmed: the first again, and the new unit in a batch of its own
-    expect(second.map((w) => [w.id, w.minuteUnits, w.dayUnits])).toEqual([
+    expect(second.map((w) => [w.id, w.units.minute, w.units.day])).toEqual([
       ['me:1', 3, 3],
       ['me:2', 1, 1],
     ]);
@@ -163,7 +163,7 @@ describe('the lease book', () => {
     book.grantAhead('s', leaseOf(3, 3, 0, T0 + 90_000, { minuteUsed: 3, dayUsed: 6 })); // the next minute
     mono = 100_000; // both over
     expect(book.take('s')).toBeUndefined();
-    expect(book.takeUnused('s')).toMatchObject({ left: 5, size: 6, windowEndMs: 0 });
+    expect(book.takeUnused('s')).toMatchObject({ left: 5, size: 6, starts: { minute: 0, day: T0 - (T0 % DAY_MS) } });
   });
 
   it('keeps the leases of subjects that stopped sending to close, and forgets them once their day and period are over', () => {

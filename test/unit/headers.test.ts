@@ -16,7 +16,7 @@ const at = (outcome: Outcome, m: number, d: number, banUntilMs = 0, nowMs = now)
   outcome,
   nowMs,
   banUntilMs,
-  windows: windows(free, nowMs, m, d),
+  windows: windows(free, nowMs, { minuteUsed: m, dayUsed: d }),
   overage: 0,
 });
 const allowed = (m: number, d: number) => at('allowed', m, d);
@@ -82,8 +82,8 @@ describe('rate-limit headers', () => {
 
   it('rolls over at the UTC minute and day boundaries', () => {
     const lastMs = Date.UTC(2026, 10, 22, 23, 59, 59, 999);
-    const [m1, d1] = windows(free, lastMs, 1, 1);
-    const [m2, d2] = windows(free, lastMs + 1, 1, 1);
+    const [m1, d1] = windows(free, lastMs, { minuteUsed: 1, dayUsed: 1 });
+    const [m2, d2] = windows(free, lastMs + 1, { minuteUsed: 1, dayUsed: 1 });
     expect(m1!.resetMs).toBe(lastMs + 1);
     expect(d1!.resetMs).toBe(lastMs + 1);
     expect(m2!.resetMs).toBe(lastMs + 1 + 60_000);
@@ -135,7 +135,7 @@ describe('headers shared within a second', () => {
       outcome: 'allowed',
       nowMs: now,
       banUntilMs: 0,
-      windows: windows(s.limits, now, 1, 1),
+      windows: windows(s.limits, now, { minuteUsed: 1, dayUsed: 1 }),
       overage: 0,
     });
     const key = config.consumers.get(k.hash)!.subject;

@@ -1,0 +1,338 @@
+import { readFileSync } from 'node:fs';
+import type { RedisClient } from '../redis/client.js';
+import { subjectKey } from '../redis/keys.js';
+import { type EventTag, OUTCOMES, type QuotaSubject, softQuota, type WindowCounts } from './decision.js';
+import type { Lease } from './lease-book.js';
+import { type Counts, countsFrom, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from './windows.js';
+import type { WriteBack } from './degraded-budget.js';
+import { type TopUp, topUpFingerprint } from './store.js';
+
+// The wires to the Lua scripts, by name (STYLE.md, "name every wire"). Each script's KEYS, ARGV
+// and reply fields are listed once, here, in the order they travel; the scripts read them by
+// name (`KEY.counters`, `ARG.perMinute`: the prelude below binds them) and build their reply
+// with `packed{...}`, and the TypeScript side reads replies by name. No other file knows a position.
+
+/** A script's wires: its KEYS and ARGV in order, and its reply's fields if it returns a record. */
+interface Wires<K extends string, A extends string, R extends string = never> {
+  keys: readonly K[];
+  argv: readonly A[];
+  reply?: readonly R[];
+}
+
+const luaList = (names: readonly string[]) => `{${names.map((n) => `'${n}'`).join(', ')}}`;
+
+/** Lua run before a script: KEY and ARG by name, and `packed(t)`, the reply's fields in order (nil as 0). */
+function prelude(w: Wires<string, string, string>): string {
+  let lua = `local KEY, ARG = {}, {}
+for i, n in ipairs(${luaList(w.keys)}) do KEY[n] = KEYS[i] end
+for i, n in ipairs(${luaList(w.argv)}) do ARG[n] = ARGV[i] end
+`;
+  if (w.reply) {
+    lua += `local function packed(r)
+  local out = {}
+  for i, n in ipairs(${luaList(w.reply)}) do if r[n] == nil then out[i] = 0 else out[i] = r[n] end end
+  return out
+end
+`;
+  }
+  return lua;
+}
+
+/** Each name's position in its list: the one place positions come from. */
+function positions<N extends string>(names: readonly N[]): Readonly<Record<N, number>> {
+  return Object.freeze(Object.fromEntries(names.map((n, i) => [n, i]))) as Record<N, number>;
+}
+
+const source = (file: string) => readFileSync(new URL(file, import.meta.url), 'utf8');
+
+/**
+ * The fixed windows (windows.ts) as Lua reads them: FIXED, shortest first, each with its stored
+ * fields, length, limit's ARG, reply field and refusal's outcome index; FIXED.<name> by name.
+ * The scripts loop over it, so a new fixed window is a row in windows.ts, not a change here.
+ */
+const FIXED_LUA = `local FIXED = {
+${FIXED.map(
+  (w) =>
+    `  {name = '${w.name}', start = '${w.stored.start}', count = '${w.stored.count}', len = ${w.lengthMs}, limit = '${w.limit}', ` +
+    `used = '${w.used}', outcome = ${OUTCOMES.indexOf(w.name)}, always = ${w.always === true}},`,
+).join('\n')}
+}
+for _, w in ipairs(FIXED) do FIXED[w.name] = w end
+`;
+
+/** A script as Redis runs it: the prelude, then its files (billing.lua is a library of functions prepended). */
+const script = (w: Wires<string, string, string>, ...files: string[]) => prelude(w) + FIXED_LUA + files.map(source).join('');
+
+// quota.lua: one decision.
+const QUOTA_ARGV = [
+  'banAfter',
+  'banWithinMs',
+  'banForMs',
+  'lease',
+  'backUnused',
+  'deadline',
+  'cost',
+  'refill',
+  'billingDay',
+  'soft',
+  'grant',
+  'rollover',
+  'backPeriodStart',
+  'eventsCap',
+  'requestId',
+  'keyId',
+  'plan',
+  'route',
+  'method',
+  'alerts',
+  'backSize',
+  'callId',
+] as const;
+const QUOTA_REPLY = [
+  'outcome',
+  'nowMs',
+  'banUntilMs',
+  'taken',
+  'periodStart',
+  'periodEnd',
+  'balance',
+  'overageUsed',
+  'overageUnits',
+  'eventId',
+  'alerted',
+] as const;
+/** A fixed window's ARG: the start of the leases given back in it. */
+const backArg = (w: WindowRow) => `back_${w.name}` as const;
+export const QUOTA = {
+  keys: ['counters', 'rejections', 'credits', 'ledger', 'events', 'alerted', 'alerts', 'call'] as const,
+  // Each window's limit under its limit's name, and each fixed window's lease start given back (windows.ts).
+  argv: [...QUOTA_ARGV, ...WINDOWS.map((w) => w.limit), ...FIXED.map(backArg)],
+  reply: [...QUOTA_REPLY, ...WINDOWS.map((w) => w.used)],
+} satisfies Wires<string, string, string>;
+export type QuotaArg = (typeof QUOTA_ARGV)[number] | LimitField | `back_${WindowName}`;
+const QK = positions(QUOTA.keys);
+const QA = positions<QuotaArg>(QUOTA.argv);
+type QuotaReplyField = (typeof QUOTA_REPLY)[number] | WindowRow['used'];
+const QR = positions<QuotaReplyField>(QUOTA.reply);
+
+/** What one run of quota.lua is asked beside its subject. */
+export interface QuotaCall {
+  /** Units an admitted request may take at once (1, or a lease's size). */
+  lease: number;
+  /** The leases closed with this call: their unused units given back, their size told. */
+  back?: Lease;
+  /** Redis time (ms) past which the gateway has given up: the script then changes nothing. 0: none. */
+  deadline: number;
+  cost: number;
+  /** Only a whole lease ahead of need, or nothing: never a refusal. */
+  refill: boolean;
+  /** The request's usage event, if the subject records events. */
+  tag?: EventTag;
+  /** Unique per instance and call: a resend finds the first run's reply. */
+  callId: string;
+}
+
+/** quota.lua's KEYS then ARGV for `subject` and `call`, in the order the script takes them. */
+export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | number> {
+  const { name, limits, bans, billing } = subject;
+  const out = new Array<string | number>(QUOTA.keys.length + QUOTA.argv.length);
+  out[QK.counters] = subjectKey.counters(name);
+  out[QK.rejections] = subjectKey.rejections(name);
+  out[QK.credits] = subjectKey.credits(name);
+  out[QK.ledger] = subjectKey.ledger(name);
+  out[QK.events] = subjectKey.events(name);
+  out[QK.alerted] = subjectKey.alerted(name);
+  out[QK.alerts] = subjectKey.alerts(name);
+  out[QK.call] = subjectKey.call(name, c.callId);
+  const a = (arg: QuotaArg, value: string | number) => {
+    out[QUOTA.keys.length + QA[arg]] = value;
+  };
+  // Each window's limit travels under its limit's name (windows.ts): a row without its ARG does not compile.
+  for (const w of WINDOWS) a(w.limit satisfies QuotaArg, limits[w.limit] ?? 0);
+  a('banAfter', bans?.afterRejected ?? 0);
+  a('banWithinMs', bans?.withinMs ?? 0);
+  a('banForMs', bans?.durationMs ?? 0);
+  a('lease', c.lease);
+  a('deadline', c.deadline);
+  a('cost', c.cost);
+  a('refill', c.refill ? 1 : 0);
+  a('billingDay', billing.billingDay);
+  a('soft', softQuota(subject));
+  a('grant', billing.credits ? billing.credits.grant : -1);
+  a('rollover', billing.credits?.rollover ? 1 : 0);
+  a('alerts', subject.alerts);
+  a('callId', c.callId);
+  const back = c.back;
+  a('backUnused', back?.left ?? 0);
+  for (const w of FIXED) a(backArg(w), back?.starts[w.name] ?? 0);
+  a('backPeriodStart', back?.period?.startMs ?? 0);
+  a('backSize', back?.size ?? 0);
+  const tag = c.tag && subject.events > 0 ? c.tag : undefined;
+  a('eventsCap', tag ? subject.events : 0);
+  a('requestId', tag?.requestId ?? '');
+  a('keyId', tag?.keyId ?? '');
+  a('plan', tag?.plan ?? '');
+  a('route', tag?.route ?? '');
+  a('method', tag?.method ?? '');
+  return out;
+}
+
+/** One ARGV of a quota.lua call, by name, from the arguments it was sent (KEYS first): for tests and traces. */
+export const quotaArg = (args: readonly unknown[], arg: QuotaArg): unknown => args[QUOTA.keys.length + QA[arg]];
+
+/** quota.lua's reply by name, each window's count (Counts) included. `outcome` < 0: the call ran past its deadline and changed nothing. */
+export interface QuotaReply extends Counts {
+  outcome: number;
+  nowMs: number;
+  banUntilMs: number;
+  /** Units taken: the request's cost, a lease's size, or 0. */
+  taken: number;
+  /** The billing period (0: none). */
+  periodStart: number;
+  periodEnd: number;
+  /** Credits left (-1: no credits). */
+  balance: number;
+  overageUsed: number;
+  overageUnits: number;
+  /** The usage event written with the admission, if any. */
+  eventId?: string;
+  /** An alert was written: the account is marked for the dispatcher. */
+  alerted: boolean;
+}
+
+export function quotaReply(raw: ReadonlyArray<number | string | null>): QuotaReply {
+  const n = (field: QuotaReplyField) => Number(raw[QR[field]] ?? 0);
+  const event = raw[QR.eventId];
+  const reply = countsFrom(
+    FIXED.map((w) => n(w.used)),
+    0,
+  ) as QuotaReply;
+  reply.monthUsed = n('monthUsed');
+  reply.outcome = n('outcome');
+  reply.nowMs = n('nowMs');
+  reply.banUntilMs = n('banUntilMs');
+  reply.taken = n('taken');
+  reply.periodStart = n('periodStart');
+  reply.periodEnd = n('periodEnd');
+  reply.balance = n('balance');
+  reply.overageUsed = n('overageUsed');
+  reply.overageUnits = n('overageUnits');
+  reply.alerted = n('alerted') === 1;
+  if (event) reply.eventId = String(event);
+  return reply;
+}
+
+/** A reply's counts, in the one shape both stores decide from. */
+export function countsOf(r: QuotaReply): WindowCounts {
+  const c = countsFrom(
+    FIXED.map((w) => r[w.used] ?? 0),
+    0,
+  ) as WindowCounts;
+  c.outcome = OUTCOMES[r.outcome]!;
+  c.nowMs = r.nowMs;
+  c.banUntilMs = r.banUntilMs;
+  if (r.periodStart) Object.assign(c, { monthUsed: r.monthUsed, period: { startMs: r.periodStart, endMs: r.periodEnd } });
+  if (r.balance >= 0) c.balance = r.balance;
+  Object.assign(c, { overageUsed: r.overageUsed, overageUnits: r.overageUnits });
+  if (r.eventId) c.eventId = r.eventId;
+  return c;
+}
+
+// refund.lua: a failed request's units back.
+export const REFUND = {
+  keys: ['counters', 'credits', 'events'],
+  argv: ['countedAt', 'units', 'month', 'paidWithCredits', 'soft', 'overageWindow', 'eventsCap', 'eventId'],
+} as const satisfies Wires<string, string>;
+
+/** What a refund gives back: `units` counted at `countedAtMs` (the decision's time). */
+export interface RefundCall {
+  countedAtMs: number;
+  units: number;
+  eventId?: string;
+}
+
+export function refundArgs(subject: QuotaSubject, c: RefundCall): Array<string | number> {
+  const { name, limits, billing } = subject;
+  const argv: Record<(typeof REFUND.argv)[number], string | number> = {
+    countedAt: c.countedAtMs,
+    units: c.units,
+    month: limits.perMonth ? 1 : 0,
+    paidWithCredits: billing.credits ? 1 : 0,
+    soft: softQuota(subject),
+    overageWindow: limits.perMonth ? 1 : 2,
+    eventsCap: c.eventId ? subject.events : 0,
+    eventId: c.eventId ?? '',
+  };
+  const keys = { counters: subjectKey.counters(name), credits: subjectKey.credits(name), events: subjectKey.events(name) };
+  return [...REFUND.keys.map((k) => keys[k]), ...REFUND.argv.map((a) => argv[a])];
+}
+
+// writeback.lua: what an instance admitted on its own while Redis failed.
+export const WRITEBACK = {
+  keys: ['counters', 'applied'],
+  argv: ['id', 'longestMs', 'periodStart', 'periodEnd', 'periodUnits', ...FIXED.flatMap((w) => [`start_${w.name}`, `units_${w.name}`])],
+} satisfies Wires<string, string>;
+
+export function writeBackArgs(w: WriteBack): Array<string | number> {
+  const argv: Record<string, string | number> = {
+    id: w.id,
+    longestMs: w.longestMs,
+    periodStart: w.periodStart,
+    periodEnd: w.periodEnd,
+    periodUnits: w.periodUnits,
+  };
+  for (const f of FIXED) {
+    argv[`start_${f.name}`] = w.starts[f.name] ?? 0;
+    argv[`units_${f.name}`] = w.units[f.name] ?? 0;
+  }
+  return [subjectKey.counters(w.name), subjectKey.writtenBack(w.name), ...WRITEBACK.argv.map((a) => argv[a]!)];
+}
+
+// topup.lua: a top-up, once per idempotency key.
+export const TOPUP = {
+  keys: ['credits', 'ledger', 'topUps', 'alerted', 'alerts', 'topUp', 'events'],
+  argv: ['amount', 'reason', 'idempotencyKey', 'fingerprint', 'billingDay', 'grant', 'rollover', 'alerts', 'keepMs', 'eventsCap'],
+} as const satisfies Wires<string, string>;
+
+export function topUpArgs(subject: QuotaSubject, t: TopUp, keepMs: number): Array<string | number> {
+  const { name, billing } = subject;
+  const credits = billing.credits ?? { grant: 0, rollover: false };
+  const keys: Record<(typeof TOPUP.keys)[number], string> = {
+    credits: subjectKey.credits(name),
+    ledger: subjectKey.ledger(name),
+    topUps: subjectKey.topUps(name),
+    alerted: subjectKey.alerted(name),
+    alerts: subjectKey.alerts(name),
+    topUp: subjectKey.topUp(name, t.idempotencyKey),
+    events: subjectKey.events(name),
+  };
+  const argv: Record<(typeof TOPUP.argv)[number], string | number> = {
+    amount: t.amount,
+    reason: t.reason,
+    idempotencyKey: t.idempotencyKey,
+    fingerprint: topUpFingerprint(t),
+    billingDay: billing.billingDay,
+    grant: credits.grant,
+    rollover: credits.rollover ? 1 : 0,
+    alerts: subject.alerts,
+    keepMs,
+    eventsCap: subject.events,
+  };
+  return [...TOPUP.keys.map((k) => keys[k]), ...TOPUP.argv.map((a) => argv[a])];
+}
+
+/** The scripts' commands on a connection: `redis.quota(...quotaArgs(...))` and so on. */
+export function defineScripts(redis: RedisClient): void {
+  redis.defineCommand('quota', { numberOfKeys: QUOTA.keys.length, lua: script(QUOTA, './billing.lua', './quota.lua') });
+  redis.defineCommand('refund', { numberOfKeys: REFUND.keys.length, lua: script(REFUND, './refund.lua') });
+  defineTopUp(redis);
+  redis.defineCommand('writeback', { numberOfKeys: WRITEBACK.keys.length, lua: script(WRITEBACK, './writeback.lua') });
+  // Two wires each: the keys and at most two arguments, described in the scripts themselves.
+  redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: source('./heartbeat.lua') });
+  redis.defineCommand('unban', { numberOfKeys: 2, lua: source('./unban.lua') });
+}
+
+/** topup.lua alone: top-ups with CREDITS_ACK_REPLICAS go on a connection of their own. */
+export function defineTopUp(redis: RedisClient): void {
+  redis.defineCommand('topup', { numberOfKeys: TOPUP.keys.length, lua: script(TOPUP, './billing.lua', './topup.lua') });
+}
