@@ -45,13 +45,7 @@ local soft = tonumber(ARG.soft) or 0
 local grant = tonumber(ARG.grant) or -1
 
 -- The counters hash, by field: the fixed windows' (FIXED, from windows.ts) and the others.
-local fields = {'ban', 'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls'}
-for _, w in ipairs(FIXED) do
-  table.insert(fields, w.start)
-  table.insert(fields, w.count)
-end
-local h = {}
-for i, v in ipairs(redis.call('HMGET', KEY.counters, unpack(fields))) do h[fields[i]] = v end
+local h = read_counters(KEY.counters, {'ban', 'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls'})
 -- Each fixed window now: its start, its stored start, its admitted count, its limit, whether the subject has it.
 local win = {}
 for _, w in ipairs(FIXED) do

@@ -8,13 +8,7 @@
 -- overage (0: none), and `overageWindow` (1: the month, 2: the day); `eventsCap` (0: none) and
 -- `eventId`: the refund is an event of its own, cancelling that one's charge and the overage it takes back.
 -- Returns the overage units taken back.
-local fields = {'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls'}
-for _, w in ipairs(FIXED) do
-  table.insert(fields, w.start)
-  table.insert(fields, w.count)
-end
-local h = {}
-for i, v in ipairs(redis.call('HMGET', KEY.counters, unpack(fields))) do h[fields[i]] = v end
+local h = read_counters(KEY.counters, {'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls'})
 local n = tonumber(ARG.units)
 local at = tonumber(ARG.countedAt)
 local ps, pe = tonumber(h.ps) or 0, tonumber(h.pe) or 0

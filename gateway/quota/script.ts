@@ -58,6 +58,17 @@ ${FIXED.map(
 ).join('\n')}
 }
 for _, w in ipairs(FIXED) do FIXED[w.name] = w end
+-- The counters hash's fields \`others\` and every fixed window's start and count, by field name.
+local function read_counters(key, others)
+  local fields = others
+  for _, w in ipairs(FIXED) do
+    table.insert(fields, w.start)
+    table.insert(fields, w.count)
+  end
+  local h = {}
+  for i, v in ipairs(redis.call('HMGET', key, unpack(fields))) do h[fields[i]] = v end
+  return h
+end
 `;
 
 /** A script as Redis runs it: the prelude, then its files (billing.lua is a library of functions prepended). */

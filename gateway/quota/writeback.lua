@@ -10,13 +10,7 @@ if redis.call('HSETNX', KEY.applied, ARG.id, 1) == 0 then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('PEXPIREAT', KEY.applied, now - now % 86400000 + 86400000)
-local fields = {'ban', 'ps'}
-for _, w in ipairs(FIXED) do
-  table.insert(fields, w.start)
-  table.insert(fields, w.count)
-end
-local h = {}
-for i, v in ipairs(redis.call('HMGET', KEY.counters, unpack(fields))) do h[fields[i]] = v end
+local h = read_counters(KEY.counters, {'ban', 'ps'})
 local set = {}
 for _, w in ipairs(FIXED) do
   local start = now - now % w.len
