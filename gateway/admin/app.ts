@@ -21,6 +21,8 @@ import { recentDeliveries } from '../usage/webhooks.js';
 export interface AdminSettings {
   backendUrl: string;
   adminToken?: string;
+  /** GATEWAY_REQUEST_TIMEOUT_MS: a request's headers and body must arrive within it, as on the public port. */
+  requestTimeoutMs: number;
   /** The config file the account settings edit (the same locked, validated edit as the keys command). */
   configFile?: string;
 }
@@ -118,9 +120,13 @@ const DOCUMENT: SwaggerOptions = {
 };
 
 /** The server itself: TypeBox validation, the one error renderer, one access line per request. */
-function adminServer(log: FastifyBaseLogger) {
+function adminServer(log: FastifyBaseLogger, requestTimeoutMs: number) {
   const app = Fastify({
     loggerInstance: log,
+    // A body that stops arriving is cut with 408 (in the Error shape, by the client error handler)
+    // instead of holding its connection for good: fastify's default is no timeout at all.
+    requestTimeout: requestTimeoutMs,
+    http: { headersTimeout: requestTimeoutMs, connectionsCheckingInterval: Math.min(1000, requestTimeoutMs) },
     // One line per request, as on the public port, instead of fastify's two.
     logController: new LogController({ disableRequestLogging: true }),
     return503OnClosing: false,
@@ -222,7 +228,7 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
     find: parts.find ?? keyFinder(parts.config),
     keys: parts.keys ?? (settings.configFile ? fileKeys(settings.configFile) : undefined),
   };
-  const app = adminServer(deps.log);
+  const app = adminServer(deps.log, deps.requestTimeoutMs);
   await app.register(swagger, DOCUMENT);
   await app.register(operations, deps);
   await app.register(async (scope) => {

@@ -8,6 +8,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { buildAdmin } from '../../gateway/admin/app.js';
 import { compileConfig, validateConfigFile } from '../../gateway/config/config.js';
 import { ErrorBody } from '../../gateway/errors.js';
+import { loadSettings } from '../../gateway/config/settings.js';
 import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
 import { echoBackend } from '../helpers/backends.js';
 import { makeKey, tempDir, testConfig, writeConfig } from '../helpers/config.js';
@@ -37,7 +38,7 @@ beforeAll(async () => {
   closers.push(() => backend.close());
   const config = compileConfig(validateConfigFile(file, 'test config'));
   const admin = await buildAdmin(
-    { backendUrl: backend.url, adminToken: TOKEN, configFile },
+    { backendUrl: backend.url, adminToken: TOKEN, configFile, requestTimeoutMs: loadSettings({}).requestTimeoutMs },
     {
       config: () => config,
       store: new MemoryQuotaStore(),

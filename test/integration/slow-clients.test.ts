@@ -1,7 +1,7 @@
 import { connect } from 'node:net';
 import { describe, expect, it } from 'vitest';
 import { makeKey, testConfig } from '../helpers/config.js';
-import { useTestGateway } from '../helpers/gateway.js';
+import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
 import { eventually } from '../helpers/time.js';
 
 // Slow clients (Slowloris): a request whose headers or body trickle in is cut once
@@ -11,25 +11,27 @@ const k = makeKey('free');
 const gw = useTestGateway({ config: testConfig([k], { unauthenticated: { perMinute: 1000 } }), settings: { requestTimeoutMs: 1000 } });
 
 /** Sends `head` at once, then `drip` every 200 ms; resolves with what came back and when the socket closed. */
-function trickle(head: string, drip: string): Promise<{ text: string; ms: number }> {
+function trickle(head: string, drip: string, port = gw.port): Promise<{ text: string; ms: number }> {
   return new Promise((resolve, reject) => {
     const started = performance.now();
-    const s = connect(gw.port, '127.0.0.1');
+    const s = connect(port, '127.0.0.1');
     let text = '';
     s.on('data', (c) => {
       text += c;
     });
     const timer = setInterval(() => s.writable && s.write(drip), 200);
-    s.on('close', () => {
-      clearInterval(timer);
-      resolve({ text, ms: performance.now() - started });
-    });
-    s.on('error', () => {});
-    s.setTimeout(10_000, () => {
+    // A deadline, not an idle timeout: the drip itself keeps the socket busy.
+    const deadline = setTimeout(() => {
       clearInterval(timer);
       s.destroy();
       reject(new Error(`not cut within 10 s; got: ${text}`));
+    }, 10_000);
+    s.on('close', () => {
+      clearInterval(timer);
+      clearTimeout(deadline);
+      resolve({ text, ms: performance.now() - started });
     });
+    s.on('error', () => {});
     s.write(head);
   });
 }
@@ -56,5 +58,23 @@ describe('slow clients', () => {
     expect(text.toLowerCase()).toContain('\r\nx-ratelimit-limit: ');
     await eventually(() => lines408() > before, 2000, 'the access line of the 408'); // written in batches
     expect(lines408()).toBe(before + 1); // one access line, as for any request
+  });
+});
+
+describe('slow clients on the admin port', () => {
+  it('a body that stops arriving: 408 request_timeout in the Error shape, connection closed', async () => {
+    // The same 1 s timeout as above, so the test waits a second, not the shipped 30.
+    const token = 'admin-token-0123456789';
+    const admin = await buildTestGateway({ config: testConfig([k]), settings: { requestTimeoutMs: 1000 }, admin: { token } });
+    const head =
+      `POST /admin/keys HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer ${token}\r\n` +
+      'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{';
+    const { text } = await trickle(head, ' ', Number(new URL(admin.adminUrl).port));
+    expect(text).toMatch(/^HTTP\/1\.1 408 /);
+    expect(JSON.parse(text.slice(text.indexOf('\r\n\r\n') + 4))).toEqual({
+      code: 'request_timeout',
+      message: expect.any(String),
+      status: 408,
+    });
   });
 });
