@@ -2,6 +2,7 @@ import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import { Redis } from 'ioredis';
 import { describe, expect, inject, it } from 'vitest';
+import { loadSettings } from '../../gateway/config/settings.js';
 import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { policyHeader } from '../../gateway/quota/headers.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
@@ -86,12 +87,12 @@ describe('the hour window through the gateway, in-process store', () => {
   });
 });
 
-describe('the hour window and leases (Redis store, QUOTA_LEASE_MAX 20)', () => {
+describe('the hour window and leases (Redis store, at the shipped QUOTA_LEASE_MAX)', () => {
   it('admits exactly the hour across two instances taking leases: no lease reaches past the hour', async () => {
     // A minute far above the hour, so only the hour bounds the leases (leaseSize: 1% of 251, 2 units).
     const limits = { perMinute: 10_000, perHour: 251, perDay: 1_000_000 }; // odd: leases of 2 would step over it
     const redis = new Redis(inject('redisUrl'));
-    const stores = [0, 1].map(() => new RedisQuotaStore(redis, silent, { leaseMax: 20 }));
+    const stores = [0, 1].map(() => new RedisQuotaStore(redis, silent, { leaseMax: loadSettings({}).quotaLeaseMax }));
     try {
       await inOneMinute(async () => {
         const s: QuotaSubject = {
