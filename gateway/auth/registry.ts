@@ -2,7 +2,7 @@ import { randomBytes } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import { LRUCache } from 'lru-cache';
 import type { ConfigFile, Consumer, GatewayConfig, KeyEntry } from '../config/config.js';
-import { type RedisClient, secondConnection } from '../redis/client.js';
+import { closeRedis, type RedisClient, secondConnection } from '../redis/client.js';
 import { registryKeys } from '../redis/keys.js';
 import { checkRequest, KeyFileError, type KeyRow, type KeyStore, type NewKey, rowOf } from './key-file.js';
 import { generateKey } from './keys.js';
@@ -300,7 +300,7 @@ export class KeyRegistry {
   }
 
   close(): void {
-    this.subscriber.disconnect();
+    void closeRedis(this.subscriber, 'now');
   }
 }
 

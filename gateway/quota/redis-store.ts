@@ -1,7 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import { Cluster } from 'ioredis';
-import { type RedisClient, redisProblem, secondConnection } from '../redis/client.js';
+import { closeRedis, type RedisClient, redisProblem, secondConnection } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
 import { type CreditState, withGrants } from './credits.js';
@@ -707,7 +707,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   /** Stops the heartbeat and leaves the registry, so the others' shares grow at once. */
   async close(): Promise<void> {
     this.health.close();
-    this.acking?.disconnect();
+    if (this.acking) void closeRedis(this.acking, 'now');
     if (this.statusTimer) clearTimeout(this.statusTimer);
     this.flush();
     if (this.registry && !this.health.failing && this.redis.status === 'ready') {

@@ -53,7 +53,6 @@ export function connectRedis(target: RedisTarget | undefined, timeoutMs: number)
   // Redis that does not answer (measured: a false failure under CPU contention). A command
   // leaves when it is made; with leases, that is about once per hundred requests of a busy key.
   const common = { enableOfflineQueue: false, enableAutoPipelining: false };
-  const backoff = (times: number) => Math.min(times * 100, 2000);
   const redis: RedisClient =
     target.kind === 'cluster'
       ? new Cluster(target.nodes, {
@@ -82,9 +81,12 @@ export function connectRedis(target: RedisTarget | undefined, timeoutMs: number)
   // A Cluster's own error only says "Failed to refresh slots cache"; its nodes' say why (NOAUTH...).
   if (redis instanceof Cluster) redis.on('node error', (err: Error) => remember(redis, err));
   redis.on('ready', () => lastErrors.delete(redis));
-  if (redis instanceof Redis) reconnectWhenEnded(redis, backoff);
+  if (redis instanceof Redis) reconnectWhenEnded(redis);
   return redis;
 }
+
+/** The wait before the n-th reconnect attempt in a row: 100 ms more each time, at most 2 s. */
+const backoff = (times: number) => Math.min(times * 100, 2000);
 
 /** The last connection error of each client, until it is ready again. */
 const lastErrors = new WeakMap<RedisClient, string>();
@@ -153,6 +155,8 @@ export function secondConnection(redis: RedisClient): RedisClient {
   const twin =
     redis instanceof Cluster ? redis.duplicate(undefined, { enableOfflineQueue: true }) : redis.duplicate({ enableOfflineQueue: true });
   twin.on('error', () => {}); // the first connection reports Redis's failures
+  // The twin meets the same Sentinel race as the first (see reconnectWhenEnded): top-ups would fail until a restart.
+  if (twin instanceof Redis) reconnectWhenEnded(twin);
   return twin;
 }
 
@@ -173,7 +177,7 @@ export async function closeRedis(redis: RedisClient, how: 'quit' | 'now' = 'quit
  * and the gateway would then decide locally until restarted. Only closeRedis should end a
  * client, so any other end is followed by a new connect, with the usual backoff.
  */
-function reconnectWhenEnded(redis: Redis, backoff: (times: number) => number): void {
+function reconnectWhenEnded(redis: Redis): void {
   let ends = 0;
   redis.on('ready', () => (ends = 0));
   redis.on('end', () => {
