@@ -5,6 +5,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
+import { BUDGET, scaled, timeoutFor } from '../helpers/budget.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { freePort, waitForPort } from '../helpers/net.js';
@@ -33,6 +34,8 @@ function topUp(gw: TestGateway, account: string, idempotencyKey: string, amount 
     method: 'POST',
     headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', 'idempotency-key': idempotencyKey },
     body: JSON.stringify({ amount, reason: `invoice ${idempotencyKey}` }),
+    // A top-up is answered within its WAIT and a Redis timeout; one that is not is the failure a wait reports, not a hang.
+    signal: AbortSignal.timeout(scaled(BUDGET.change)),
   });
 }
 
@@ -118,7 +121,7 @@ describe('top-ups that survive', () => {
     expect(safe.logs.filter((l) => String(l.msg).includes('on disk'))).toEqual([]);
   });
 
-  it('a Redis restarted from its AOF keeps every acknowledged top-up', { timeout: 60_000 }, async () => {
+  it('a Redis restarted from its AOF keeps every acknowledged top-up', { timeout: scaled(60_000) }, async () => {
     const redis = await ownRedis('--appendonly', 'yes', '--save', '');
     const { config, account } = creditsConfig();
     const gw = await buildTestGateway({ config, redis: redis.url, admin: { token: TOKEN } });
@@ -138,7 +141,7 @@ describe('top-ups that survive', () => {
   });
 
   it('on a Sentinel group, a top-up the replica does not hold is not acknowledged (503); its retry is, once', {
-    timeout: 60_000,
+    timeout: scaled(60_000),
   }, async () => {
     const group = await spawnSentinels();
     onTestFinished(() => group.stop());
@@ -165,22 +168,25 @@ describe('top-ups that survive', () => {
       const group = await spawnSentinels();
       onTestFinished(() => group.stop());
       const settings = { redisSentinels: group.sentinels, redisSentinelName: group.name };
-      return { settings, kill: () => group.master.proc.kill('SIGKILL') };
+      return { settings, kill: () => group.master.proc.kill('SIGKILL'), log: group.log };
     },
     'a Redis Cluster': async () => {
       const cluster = await spawnCluster();
       onTestFinished(() => cluster.stop());
-      return { settings: { redisClusterNodes: cluster.nodes }, kill: (credits: string) => cluster.masterOf(credits).proc.kill('SIGKILL') };
+      return {
+        settings: { redisClusterNodes: cluster.nodes },
+        kill: (credits: string) => cluster.masterOf(credits).proc.kill('SIGKILL'),
+        log: () => '',
+      };
     },
   };
 
   it.each(Object.entries(topologies))(
     'on %s, every top-up acknowledged before the master is killed is on the promoted replica',
-    {
-      timeout: 90_000,
-    },
+    // The topology's start, 20 top-ups, the failover, the ledger read again.
+    { timeout: timeoutFor(30_000, 20_000, 60_000, 30_000) },
     async (_, topology) => {
-      const { settings, kill } = await topology();
+      const { settings, kill, log } = await topology();
       const { config, account } = creditsConfig();
       const gw = await buildTestGateway({ config, admin: { token: TOKEN }, settings });
       const traffic = topUpsUntil(gw, account);
@@ -191,7 +197,7 @@ describe('top-ups that survive', () => {
       // The promoted replica has no replica of its own: its top-ups are recorded, never acknowledged.
       await eventually(() => traffic.seen.alone > 0, 60_000, 'a top-up reaching the promoted replica').catch((err: Error) => {
         const causes = new Set(gw.logs.filter((l) => l.cause).map((l) => `${l.msg}: ${l.cause}`));
-        throw new Error(`${err.message}; the gateway said: ${[...causes].join('; ')}`);
+        throw new Error(`${err.message}; the gateway said: ${[...causes].join('; ')}; ${log()}`);
       });
       await traffic.stop();
       await expectKept(gw, account, traffic.acked);
@@ -203,7 +209,7 @@ describe('top-ups that survive', () => {
 });
 
 describe('the credits ledger', () => {
-  it('goes to the usage sink entry by entry, grants and top-ups, as CloudEvents', { timeout: 30_000 }, async () => {
+  it('goes to the usage sink entry by entry, grants and top-ups, as CloudEvents', { timeout: scaled(30_000) }, async () => {
     const sink = await startSink();
     onTestFinished(() => sink.close());
     const { config, account } = creditsConfig();
@@ -227,7 +233,7 @@ describe('the credits ledger', () => {
     expect(sink.state.invalid).toEqual([]);
   });
 
-  it('keeps its last ~1,000 entries, and each idempotency key for IDEMPOTENCY_KEY_HOURS (24)', { timeout: 60_000 }, async () => {
+  it('keeps its last ~1,000 entries, and each idempotency key for IDEMPOTENCY_KEY_HOURS (24)', { timeout: scaled(60_000) }, async () => {
     const { config, account } = creditsConfig();
     const gw = await buildTestGateway({ config, admin: { token: TOKEN } });
     const name = gw.gateway.config().accounts.get(account)!.name;

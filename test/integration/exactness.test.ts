@@ -4,6 +4,7 @@ import { busyCores } from '../helpers/contention.js';
 import { call, makeKey, tempDir, testConfig, type TestKey, uniquePrefix, writeConfig } from '../helpers/config.js';
 import { type Started, startProcess } from '../helpers/processes.js';
 import { spawnCluster, spawnSentinels } from '../helpers/redis.js';
+import { scaled } from '../helpers/budget.js';
 
 // Exactness at the shipped settings (no quota setting is changed here): several gateway
 // processes on one Redis, a Redis Cluster and a Sentinel group, under CPU contention (one busy
@@ -132,7 +133,7 @@ describe.each(topologies)('exact at the shipped settings, under CPU contention, 
     ['three gateway processes', [1, 1, 1]],
     ['GATEWAY_WORKERS=2 beside another process', [2, 1]],
   ] as const) {
-    it(`${what}: every burst admits exactly the limit`, { timeout: 180_000 }, async () => {
+    it(`${what}: every burst admits exactly the limit`, { timeout: scaled(180_000) }, async () => {
       const d = await deployment([...workers]);
       const busy = busyCores(170_000);
       try {

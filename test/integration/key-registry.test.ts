@@ -11,6 +11,7 @@ import { makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../help
 import { spawnCluster, spawnRedis } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
+import { scaled } from '../helpers/budget.js';
 
 // The key registry (KEY_STORE=redis): keys in Redis, each instance caching the keys in use and
 // told of every change on a channel. A key change costs one key; a key issued on one instance
@@ -169,7 +170,7 @@ describe('the key registry', () => {
     expect(sink.requests().map((e) => e.subject)).toEqual(['registry-only', 'registry-only', 'registry-only']);
   });
 
-  it('on a Redis Cluster, a key issued on one instance works on another', { timeout: 60_000 }, async () => {
+  it('on a Redis Cluster, a key issued on one instance works on another', { timeout: scaled(60_000) }, async () => {
     const cluster = await spawnCluster();
     onTestFinished(() => cluster.stop());
     const [a, b] = await deployment(2, testConfig([]), { redisClusterNodes: cluster.nodes });
@@ -177,7 +178,9 @@ describe('the key registry', () => {
     await eventually(async () => (await statusOn(b!, key)) === 200, 10_000, 'the new key accepted on the other instance');
   });
 
-  it('keys import and export move keys between the file and the registry (the compiled keys command)', { timeout: 60_000 }, async () => {
+  it('keys import and export move keys between the file and the registry (the compiled keys command)', {
+    timeout: scaled(60_000),
+  }, async () => {
     const dir = tempDir();
     onTestFinished(dir.cleanup);
     const file = join(dir.dir, 'gateway.yaml');

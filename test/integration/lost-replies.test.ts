@@ -5,6 +5,7 @@ import { buildTestGateway } from '../helpers/gateway.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
+import { scaled } from '../helpers/budget.js';
 
 // A quota script that ran but whose reply never came back in time is counted once and billed
 // only if delivered: a reply lost with its connection is sent again by the client and gets the
@@ -65,7 +66,7 @@ async function lossyProxy() {
 
 describe('a quota reply lost or late', () => {
   it('is counted and billed once when its connection drops (the client sends it again), and undone when it comes after a 503', {
-    timeout: 30_000,
+    timeout: scaled(30_000),
   }, async () => {
     const sink = await startSink();
     onTestFinished(() => sink.close());

@@ -9,6 +9,7 @@ import { freePort } from '../helpers/net.js';
 import { spawnCluster, spawnRedis, spawnSentinels } from '../helpers/redis.js';
 import { startStack } from '../helpers/stack.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
+import { scaled } from '../helpers/budget.js';
 
 // A managed Redis asks for a password, an ACL user and TLS, on a single node, a Cluster and a
 // Sentinel group alike. Each topology here is real redis-server processes with requirepass (and
@@ -94,7 +95,9 @@ async function readyzSays(adminUrl: string, match: RegExp): Promise<string> {
 }
 
 describe('a Redis Cluster with requirepass', () => {
-  it("takes the first URL's password for every node: two instances exact, the password in no log line", { timeout: 90_000 }, async () => {
+  it("takes the first URL's password for every node: two instances exact, the password in no log line", {
+    timeout: scaled(90_000),
+  }, async () => {
     const cluster = await spawnCluster(1000, { password: PASSWORD });
     onTestFinished(() => cluster.stop());
     const [first, ...rest] = cluster.nodes.split(',');
@@ -104,7 +107,7 @@ describe('a Redis Cluster with requirepass', () => {
     noSecretLogged(pair, PASSWORD);
   });
 
-  it('without the password, says NOAUTH and what to set, at boot and on /readyz', { timeout: 90_000 }, async () => {
+  it('without the password, says NOAUTH and what to set, at boot and on /readyz', { timeout: scaled(90_000) }, async () => {
     const cluster = await spawnCluster(1000, { password: PASSWORD });
     onTestFinished(() => cluster.stop());
     const echo = await echoBackend();
@@ -120,7 +123,7 @@ describe('a Redis Cluster with requirepass', () => {
 });
 
 describe('a Sentinel group with the sentinels’ and the data nodes’ passwords', () => {
-  it('reaches the master with each password in its place: two instances exact, no secret logged', { timeout: 90_000 }, async () => {
+  it('reaches the master with each password in its place: two instances exact, no secret logged', { timeout: scaled(90_000) }, async () => {
     const group = await spawnSentinels({ password: PASSWORD, sentinelPassword: SENTINEL_PASSWORD });
     onTestFinished(() => group.stop());
     const [first, ...rest] = group.sentinels.split(',');
@@ -135,7 +138,7 @@ describe('a Sentinel group with the sentinels’ and the data nodes’ passwords
     noSecretLogged(pair, PASSWORD, SENTINEL_PASSWORD);
   });
 
-  it('with a wrong data password, names WRONGPASS on /readyz', { timeout: 90_000 }, async () => {
+  it('with a wrong data password, names WRONGPASS on /readyz', { timeout: scaled(90_000) }, async () => {
     const group = await spawnSentinels({ password: PASSWORD, sentinelPassword: SENTINEL_PASSWORD });
     onTestFinished(() => group.stop());
     const [first, ...rest] = group.sentinels.split(',');
@@ -155,7 +158,7 @@ describe('a Sentinel group with the sentinels’ and the data nodes’ passwords
 });
 
 describe('TLS with a private CA, and an ACL user', () => {
-  it('connects with REDIS_TLS_CA_FILE alone (no NODE_EXTRA_CA_CERTS): two instances exact', { timeout: 60_000 }, async () => {
+  it('connects with REDIS_TLS_CA_FILE alone (no NODE_EXTRA_CA_CERTS): two instances exact', { timeout: scaled(60_000) }, async () => {
     const tls = privateCa();
     const port = await freePort();
     const files = ['--tls-cert-file', tls.cert, '--tls-key-file', tls.key, '--tls-ca-cert-file', tls.ca, '--tls-auth-clients', 'no'];
@@ -169,7 +172,7 @@ describe('TLS with a private CA, and an ACL user', () => {
     noSecretLogged(pair, PASSWORD);
   });
 
-  it('names NOPERM when the ACL user may not run scripts, instead of "not answering in time"', { timeout: 60_000 }, async () => {
+  it('names NOPERM when the ACL user may not run scripts, instead of "not answering in time"', { timeout: scaled(60_000) }, async () => {
     const redis = await spawnRedis({ args: ['--user', 'limited', 'on', `>${PASSWORD}`, '~*', '&*', '+@all', '-@scripting'] });
     onTestFinished(() => redis.stop());
     const echo = await echoBackend();

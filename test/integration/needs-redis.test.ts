@@ -6,6 +6,7 @@ import type { ConfigFile } from '../../gateway/config/config.js';
 import { loadSettings } from '../../gateway/config/settings.js';
 import { reloader } from '../../gateway/process/config-watch.js';
 import { makeKey, tempDir, testConfig, writeConfig } from '../helpers/config.js';
+import { scaled } from '../helpers/budget.js';
 
 // Money and the bill live only in Redis: without it, a config that asks for credits, usage
 // export or alerts is refused at boot with one line per part naming what to set, and a reload
@@ -43,7 +44,7 @@ describe('billing without Redis', () => {
     const run = spawnSync(process.execPath, ['dist/gateway/server.js'], {
       env: { PATH: process.env.PATH ?? '', GATEWAY_CONFIG: file, GATEWAY_PORT: '0', ADMIN_PORT: '0' },
       encoding: 'utf8',
-      timeout: 15_000,
+      timeout: scaled(15_000),
     });
     expect(run.status).toBe(1);
     const lines = run.stderr.trim().split('\n');

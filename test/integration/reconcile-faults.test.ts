@@ -9,6 +9,7 @@ import { spawnDurableSentinels } from '../helpers/durable-sentinels.js';
 import { type Started, startProcess } from '../helpers/processes.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually, sleep } from '../helpers/time.js';
+import { scaled } from '../helpers/budget.js';
 
 // Issue 29, item 6: the bill reconciles after every fault at once. Three gateway processes
 // (real SIGKILL) on a Sentinel group whose nodes keep an AOF, exporting usage to a real sink,
@@ -142,7 +143,7 @@ describe('the bill under faults', () => {
     // Each step waits for its event: the dead leader's lock lapses (15 s), a failover (a few s,
     // up to 45 s when a vote is lost), then the export's backoff after Redis failed (up to 30 s)
     // and the 10 s an event waits for its status; on a busy 2-core machine, twice that.
-    timeout: 300_000,
+    timeout: scaled(300_000),
   }, async () => {
     const ctx = await setUp();
     const t0 = performance.now();

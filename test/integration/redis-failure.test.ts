@@ -5,6 +5,7 @@ import { makeKey, redisKeyOf, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
+import { scaled } from '../helpers/budget.js';
 
 // Three gateway instances on one Redis of their own, which the tests freeze (SIGSTOP) or kill
 // (SIGKILL) mid-traffic, at the shipped settings. While Redis fails, each instance admits only
@@ -41,7 +42,7 @@ async function fleet(config: ConfigFile) {
 const tenAMinute = () => ({ ...makeKey('enterprise'), limits: { perMinute: 10, perDay: 100_000 } });
 
 describe('Redis failing under three instances', () => {
-  it('frozen: together they admit at most what each last knew was left, and write it back once', { timeout: 30_000 }, async () => {
+  it('frozen: together they admit at most what each last knew was left, and write it back once', { timeout: scaled(30_000) }, async () => {
     const keys = [tenAMinute(), tenAMinute(), tenAMinute()];
     const { redis, all, share, counted } = await fleet(testConfig(keys));
     let run = 0;
@@ -74,7 +75,7 @@ describe('Redis failing under three instances', () => {
   });
 
   for (const fault of ['frozen', 'killed'] as const) {
-    it(`${fault} mid-burst: no 5xx, and at most twice the limit in that minute`, { timeout: 30_000 }, async () => {
+    it(`${fault} mid-burst: no 5xx, and at most twice the limit in that minute`, { timeout: scaled(30_000) }, async () => {
       const keys = [tenAMinute(), tenAMinute(), tenAMinute()];
       const { redis, all, share, counted, echo } = await fleet(testConfig(keys));
       let run = 0;

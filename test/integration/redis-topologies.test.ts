@@ -4,6 +4,7 @@ import { makeKey, redisKeyOf, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { role, spawnCluster, spawnSentinels } from '../helpers/redis.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
+import { scaled } from '../helpers/budget.js';
 
 // The gateway on a real Redis Cluster (3 masters, 3 replicas) and a real Sentinel group, both
 // started here from the redis-server binary on loopback ports. Limits stay exact; a master
@@ -37,7 +38,9 @@ function load(gw: TestGateway, key: string) {
 }
 
 describe('Redis Cluster', () => {
-  it('admits exactly the limit, with every key of a consumer in one slot, on the master serving it', { timeout: 60_000 }, async () => {
+  it('admits exactly the limit, with every key of a consumer in one slot, on the master serving it', {
+    timeout: scaled(60_000),
+  }, async () => {
     const cluster = await spawnCluster();
     onTestFinished(() => cluster.stop());
     const keys = [makeKey('free'), makeKey('free'), makeKey('free')]; // 5 a minute each
@@ -67,7 +70,7 @@ describe('Redis Cluster', () => {
   });
 
   it('three instances on the Cluster, leases on, under concurrent load: exactly the limit, the ban shared', {
-    timeout: 60_000,
+    timeout: scaled(60_000),
   }, async () => {
     const cluster = await spawnCluster();
     onTestFinished(() => cluster.stop());
@@ -103,7 +106,7 @@ describe('Redis Cluster', () => {
     }, share);
   });
 
-  it('a master killed under load: no 5xx, and enforcement moves to the promoted replica', { timeout: 60_000 }, async () => {
+  it('a master killed under load: no 5xx, and enforcement moves to the promoted replica', { timeout: scaled(60_000) }, async () => {
     const cluster = await spawnCluster();
     onTestFinished(() => cluster.stop());
     const roomy = { ...makeKey('enterprise'), limits: { perMinute: 1_000_000, perDay: 10_000_000 } };
@@ -156,7 +159,9 @@ describe('Redis Cluster', () => {
 });
 
 describe('Redis Sentinel', () => {
-  it('decides on the master the sentinels name, and on the promoted replica once the master dies', { timeout: 60_000 }, async () => {
+  it('decides on the master the sentinels name, and on the promoted replica once the master dies', {
+    timeout: scaled(60_000),
+  }, async () => {
     const group = await spawnSentinels();
     onTestFinished(() => group.stop());
     const k = makeKey('free'); // 5 a minute
