@@ -4,6 +4,8 @@ import { parseArgs } from 'node:util';
 import { ConfigError, parseConfigText } from '../config/config.js';
 import { configFilePath, loadSettings, redisTarget } from '../config/settings.js';
 import { closeRedis, connectRedis, type RedisClient } from '../redis/client.js';
+import type { Limits } from '../quota/decision.js';
+import { WINDOWS, type WindowLimits, type WindowName } from '../quota/windows.js';
 import { deploymentPrefix } from '../redis/keys.js';
 import {
   type AccountChange,
@@ -23,8 +25,14 @@ import { RegistryKeys } from './registry.js';
 // key is printed once. `keysCommand` is the whole command with its output and environment passed in,
 // so a test can run it in the test's own process; run as a file, this module runs it on argv.
 
+/** A key's own limits, one option a window (windows.ts): those plans must give go together, the others with them. */
+const LIMIT_OPTIONS = WINDOWS.map((row) => ({ row, option: `--per-${row.name}` }));
+const REQUIRED = LIMIT_OPTIONS.filter((o) => o.row.inPlans === 'required').map((o) => o.option);
+const OPTIONAL = LIMIT_OPTIONS.filter((o) => o.row.inPlans === 'optional').map((o) => o.option);
+const both = (names: string[]) => names.join(' and ');
+
 const USAGE = `usage:
-  keys create --plan PLAN [--id ID] [--account ACCOUNT] [--per-minute N --per-day N [--per-month N]] [--expires-at ISO-DATE] [--config FILE]
+  keys create --plan PLAN [--id ID] [--account ACCOUNT] [${REQUIRED.map((o) => `${o} N`).join(' ')} [${OPTIONAL.map((o) => `${o} N`).join('] [')}]] [--expires-at ISO-DATE] [--config FILE]
   keys list [--config FILE]
   keys revoke --id ID [--config FILE]
   keys rotate --id ID [--grace DURATION (24h; s, m, h, d)] [--config FILE]
@@ -44,7 +52,7 @@ const OPTION: Record<NonNullable<KeyFileError['field']>, string> = {
   plan: '--plan',
   id: '--id',
   account: '--account',
-  limits: '--per-minute and --per-day',
+  limits: both(REQUIRED),
   expiresAt: '--expires-at',
   grace: '--grace',
   billingDay: '--billing-day',
@@ -63,8 +71,10 @@ function checkFile(file: string): void {
 
 /** What to print for a refusal: one plain line, naming the option or the file at fault. */
 function explain(err: unknown, argv: string[]): string {
-  if (err instanceof KeyFileError && err.field === 'limits' && argv.includes('--per-month'))
-    return `--per-minute, --per-day and --per-month: ${err.reason}`;
+  if (err instanceof KeyFileError && err.field === 'limits') {
+    const given = LIMIT_OPTIONS.map((o) => o.option).filter((o) => REQUIRED.includes(o) || argv.includes(o));
+    return `${given.slice(0, -1).join(', ')} and ${given.at(-1)}: ${err.reason}`;
+  }
   if (err instanceof KeyFileError) return err.field ? `${OPTION[err.field]}: ${err.reason}` : err.message;
   if (err instanceof ConfigError || err instanceof Refusal) return err.message;
   return `error: ${(err as Error).message}`;
@@ -74,9 +84,6 @@ const OPTIONS = {
   config: { type: 'string' },
   plan: { type: 'string' },
   id: { type: 'string' },
-  'per-minute': { type: 'string' },
-  'per-day': { type: 'string' },
-  'per-month': { type: 'string' },
   'expires-at': { type: 'string' },
   account: { type: 'string' },
   grace: { type: 'string' },
@@ -84,6 +91,7 @@ const OPTIONS = {
   'credits-grant': { type: 'string' },
   rollover: { type: 'boolean' },
   'no-credits': { type: 'boolean' },
+  ...(Object.fromEntries(WINDOWS.map((w) => [`per-${w.name}`, { type: 'string' }])) as Record<`per-${WindowName}`, { type: 'string' }>),
 } as const;
 
 type Values = ReturnType<typeof parseArgs<{ options: typeof OPTIONS; allowPositionals: true }>>['values'];
@@ -186,8 +194,7 @@ async function list(keys: KeyStore, io: KeysOutput): Promise<void> {
           : k.expiresAt
             ? `active, expires ${k.expiresAt}`
             : 'active';
-    const month = k.limits.perMonth === undefined ? '' : ` ${k.limits.perMonth}/month`;
-    return [k.id, k.account, k.plan, `${k.limits.perMinute}/min ${k.limits.perDay}/day${month}`, status, k.createdAt ?? ''];
+    return [k.id, k.account, k.plan, limitsText(k.limits), status, k.createdAt ?? ''];
   });
   const all = [['ID', 'ACCOUNT', 'PLAN', 'LIMITS', 'STATUS', 'CREATED'], ...rows];
   const widths = all[0]!.map((_, i) => Math.max(...all.map((r) => r[i]!.length)));
@@ -202,13 +209,7 @@ async function list(keys: KeyStore, io: KeysOutput): Promise<void> {
 
 async function create(keys: KeyStore, values: Values, io: KeysOutput): Promise<void> {
   if (!values.plan) throw new UsageError('create needs --plan');
-  const [perMinute, perDay, perMonth] = [values['per-minute'], values['per-day'], values['per-month']];
-  if ((perMinute === undefined) !== (perDay === undefined)) throw new UsageError('give both --per-minute and --per-day, or neither');
-  if (perMonth !== undefined && perMinute === undefined) throw new UsageError('--per-month goes with --per-minute and --per-day');
-  const limits =
-    perMinute !== undefined
-      ? { perMinute: Number(perMinute), perDay: Number(perDay), ...(perMonth !== undefined && { perMonth: Number(perMonth) }) }
-      : undefined;
+  const limits = limitsOf(values);
   const { id, key } = await keys.create({
     plan: values.plan,
     id: values.id,
@@ -218,6 +219,27 @@ async function create(keys: KeyStore, values: Values, io: KeysOutput): Promise<v
   });
   io.err(`created key "${id}" (plan ${values.plan}) in ${keys.where}; it is shown only now:`);
   io.out(key);
+}
+
+/** A key's own limits from the --per-<window> options: the required ones all or none, the others only with them. */
+function limitsOf(values: Values): Limits | undefined {
+  const given = LIMIT_OPTIONS.filter((o) => values[o.option.slice(2) as `per-${WindowName}`] !== undefined);
+  const required = given.filter((o) => REQUIRED.includes(o.option));
+  if (required.length > 0 && required.length < REQUIRED.length) throw new UsageError(`give both ${both(REQUIRED)}, or neither`);
+  const extra = given.find((o) => !REQUIRED.includes(o.option));
+  if (extra && required.length === 0) throw new UsageError(`${extra.option} goes with ${both(REQUIRED)}`);
+  if (given.length === 0) return undefined;
+  const limits = {} as Limits;
+  for (const o of given) limits[o.row.limit] = Number(values[o.option.slice(2) as `per-${WindowName}`]);
+  return limits;
+}
+
+/** A key's limits as `list` shows them: `10/min 100/day`, each window it has, shortest first. */
+function limitsText(limits: Partial<WindowLimits>): string {
+  const unit = (name: WindowName) => (name === 'minute' ? 'min' : name);
+  return WINDOWS.filter((w) => limits[w.limit] !== undefined)
+    .map((w) => `${limits[w.limit]}/${unit(w.name)}`)
+    .join(' ');
 }
 
 /** A whole number as typed (`15`), or NaN for anything else (`1e1`, `15.0`, ``), for key-file.ts to refuse by name. */

@@ -161,6 +161,21 @@ describe("the keys command's account settings", () => {
     expect(alone).toMatchObject({ code: 2, stdout: '' });
     expect(alone.stderr).toMatch(/^--per-month goes with --per-minute and --per-day\n/);
   });
+
+  it('creates a key with an hour limit (the windows table gives the option), checked beside its other windows, and lists it', async () => {
+    const file = shippedConfig();
+    const made = ['create', '--plan', 'enterprise', '--id', 'hourly', '--per-minute', '10', '--per-hour', '300', '--per-day', '1000'];
+    expect((await keys([...made, '--config', file])).code).toBe(0);
+    expect(parseConfigText(readFileSync(file, 'utf8'), file).keys[0]!.limits).toEqual({ perMinute: 10, perHour: 300, perDay: 1000 });
+    expect((await keys(['list', '--config', file])).stdout).toMatch(
+      /^hourly\s+hourly\s+enterprise\s+10\/min 300\/hour 1000\/day\s+active/m,
+    );
+    const alone = await keys(['create', '--plan', 'free', '--per-hour', '300', '--config', file]);
+    expect(alone.stderr).toMatch(/^--per-hour goes with --per-minute and --per-day\n/);
+    const zero = await keys(['create', '--plan', 'free', '--per-minute', '10', '--per-hour', '0', '--per-day', '100', '--config', file]);
+    expect(zero).toMatchObject({ code: 1, stdout: '' });
+    expect(zero.stderr).toMatch(/^--per-minute, --per-hour and --per-day: /);
+  });
 });
 
 describe('npm run keys', () => {
