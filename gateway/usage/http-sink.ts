@@ -6,7 +6,7 @@ import { ALL_ACCEPTED, type Accepted, type UsageSink } from './sink.js';
  * The HTTP CloudEvents sink: one POST per batch in batched mode
  * (application/cloudevents-batch+json, what OpenMeter's ingest takes). A 2xx accepts it all;
  * any other answer, a reset or a timeout (POST_TIMEOUT_MS) accepts none, and the exporter's
- * backoff says when it comes again.
+ * backoff says when it comes again: no sooner than the answer's Retry-After, when it has one.
  */
 export class HttpCloudEventsSink implements UsageSink {
   constructor(readonly url: string) {}
@@ -30,6 +30,21 @@ export class HttpCloudEventsSink implements UsageSink {
       lost.throwIfAborted();
       return { accepted: 'none', reason: (err as Error).message };
     }
-    return res.ok ? ALL_ACCEPTED : { accepted: 'none', reason: `the sink answered ${res.status}` };
+    if (res.ok) return ALL_ACCEPTED;
+    const retryAfter = retryAfterMs(res.headers.get('retry-after'));
+    return { accepted: 'none', reason: `the sink answered ${res.status}`, ...(retryAfter !== undefined && { retryAfterMs: retryAfter }) };
   }
+}
+
+/**
+ * A Retry-After (RFC 9110, section 10.2.3: delay-seconds or an HTTP-date) as milliseconds from
+ * `now`; undefined when there is none or it is neither.
+ */
+export function retryAfterMs(value: string | null, now = Date.now()): number | undefined {
+  if (value === null) return undefined;
+  const text = value.trim();
+  if (/^\d+$/.test(text)) return Number(text) * 1000;
+  // An HTTP-date is always in GMT; Date.parse reads the IMF-fixdate and the two obsolete forms.
+  const at = /GMT$/.test(text) ? Date.parse(text) : Number.NaN;
+  return Number.isNaN(at) ? undefined : Math.max(0, at - now);
 }

@@ -1,0 +1,46 @@
+import { createServer } from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { describe, expect, it, onTestFinished } from 'vitest';
+import type { CloudEvent } from '../../gateway/usage/events.js';
+import { HttpCloudEventsSink } from '../../gateway/usage/http-sink.js';
+
+// The HTTP sink against a real HTTP server that refuses with a Retry-After: the refusal carries
+// the wait the sink asked for, which the exporter keeps to (within its 30 s ceiling).
+
+/** A server answering every POST with `status` and the given headers. */
+async function refusing(status: number, headers: Record<string, string>): Promise<string> {
+  const server = createServer((req, res) => {
+    req.resume().on('end', () => res.writeHead(status, headers).end());
+  });
+  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+  onTestFinished(() => new Promise<void>((r) => server.close(() => r())));
+  return `http://127.0.0.1:${(server.address() as AddressInfo).port}/events`;
+}
+
+const batch = [{ id: 'e1', type: 'com.petstore.gateway.request' }] as unknown as CloudEvent[];
+const deliver = async (url: string) => new HttpCloudEventsSink(url).deliver(batch, new AbortController().signal);
+
+describe('the HTTP usage sink', () => {
+  it('reads Retry-After in seconds from a 429 or 503', async () => {
+    expect(await deliver(await refusing(503, { 'retry-after': '7' }))).toEqual({
+      accepted: 'none',
+      reason: 'the sink answered 503',
+      retryAfterMs: 7000,
+    });
+    expect(await deliver(await refusing(429, { 'retry-after': '120' }))).toMatchObject({ retryAfterMs: 120_000 });
+  });
+
+  it('reads Retry-After as an HTTP-date, a wait from now', async () => {
+    const at = new Date(Math.ceil(Date.now() / 1000) * 1000 + 60_000);
+    const answer = await deliver(await refusing(503, { 'retry-after': at.toUTCString() }));
+    expect(answer).toMatchObject({ accepted: 'none' });
+    const wait = (answer as { retryAfterMs: number }).retryAfterMs;
+    expect(wait).toBeGreaterThan(55_000);
+    expect(wait).toBeLessThanOrEqual(61_000);
+  });
+
+  it('takes no wait from an answer without a readable Retry-After', async () => {
+    expect(await deliver(await refusing(503, {}))).toEqual({ accepted: 'none', reason: 'the sink answered 503' });
+    expect(await deliver(await refusing(503, { 'retry-after': 'soon' }))).toEqual({ accepted: 'none', reason: 'the sink answered 503' });
+  });
+});
