@@ -3,6 +3,7 @@ import swagger, { type SwaggerOptions } from '@fastify/swagger';
 import { type FastifyPluginAsyncTypebox, type TypeBoxTypeProvider, TypeBoxValidatorCompiler } from '@fastify/type-provider-typebox';
 import { Type } from '@sinclair/typebox';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifySchemaValidationError, LogController } from 'fastify';
+import { clientOf } from '../auth/address.js';
 import { connectionRefusal, isRefusal, type RedisClient } from '../redis/client.js';
 import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../errors.js';
@@ -196,7 +197,8 @@ function guard(scope: FastifyInstance, adminToken: string | undefined): void {
   });
   const throttle = new AuthThrottle();
   scope.addHook('onRequest', async (request) => {
-    const retry = throttle.retryAfter(request.ip);
+    const client = clientOf(request.ip); // a guesser's IPv6 addresses are one client: its /64
+    const retry = throttle.retryAfter(client);
     if (retry > 0) {
       throw new GatewayError('rate_limited', `Too many failed admin authentications from this address; retry after ${retry} s`, {
         'retry-after': String(retry),
@@ -204,7 +206,7 @@ function guard(scope: FastifyInstance, adminToken: string | undefined): void {
     }
     const given = /^Bearer (\S+)$/i.exec(request.headers.authorization ?? '')?.[1];
     if (!token || !given || !timingSafeEqual(digest(given), token)) {
-      if (throttle.failed(request.ip))
+      if (throttle.failed(client))
         request.log.warn(
           { address: request.ip },
           `admin: ${FAILURES_PER_MINUTE} failed authentications in a minute; address refused until it ends`,

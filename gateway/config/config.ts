@@ -2,6 +2,7 @@ import { readFileSync } from 'node:fs';
 import { type Static, type TOptional, Type } from '@sinclair/typebox';
 import { Value } from '@sinclair/typebox/value';
 import { parse as parseYaml } from 'yaml';
+import { clientOf } from '../auth/address.js';
 import type { Environment } from '../auth/keys.js';
 import { compileDeprecation, type Deprecation } from '../http/deprecation.js';
 import { type Billing, type Limits, NO_BILLING, type QuotaSubject } from '../quota/decision.js';
@@ -176,7 +177,7 @@ export interface GatewayConfig {
   consumerOf(key: KeyEntry): Consumer | undefined;
   /** The account a key subject's Redis name is of (`<prefix>:<environment>:{k:<account>}`), or undefined for another name. */
   accountOf(subjectName: string): string | undefined;
-  /** The quota of requests without a valid key, per client address. */
+  /** The quota of requests without a valid key, per client (auth/address.ts: an IPv6 address by its /64). */
   addressSubject(address: string): QuotaSubject;
   deprecations: ReadonlyMap<RouteId, Deprecation>;
   /** Origins allowed by CORS (exact `scheme://host[:port]`). */
@@ -380,7 +381,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
     consumerOf,
     accountOf: (name: string) => accountOfName(redisPrefix, name),
     addressSubject: (address: string) => ({
-      name: addressName(redisPrefix, address),
+      name: addressName(redisPrefix, clientOf(address)),
       limits: anonymous,
       bans: null,
       policy: anonymousPolicy,

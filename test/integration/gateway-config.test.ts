@@ -324,6 +324,21 @@ describe('client address behind a proxy', () => {
       expect(await spoofed('203.0.113.8')).toBe(trustProxy === false ? 429 : 401);
     }, gw.freshCounters);
   });
+
+  it('counts an IPv6 client by its /64: new addresses within it do not get new limits', async () => {
+    const gw = await buildTestGateway({
+      config: testConfig([], { unauthenticated: { perMinute: 2 } }),
+      // A proxy on loopback that tells the gateway the client's IPv6 address: this machine's tests have no other IPv6 source.
+      settings: { trustProxy: '127.0.0.1' },
+    });
+    const from = async (address: string) => (await gw.call('/v1/pets', undefined, { headers: { 'x-forwarded-for': address } })).status;
+    await inOneMinute(async () => {
+      const got = [];
+      for (let i = 1; i <= 4; i++) got.push(await from(`2001:db8:1:2::${i}`));
+      expect(got).toEqual([401, 401, 429, 429]);
+      expect(await from('2001:db8:1:3::1')).toBe(401); // the next /64: another client
+    }, gw.freshCounters);
+  });
 });
 
 describe('the key API on the admin port', () => {

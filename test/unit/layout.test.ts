@@ -12,7 +12,7 @@ const ROOT = resolve(import.meta.dirname, '../../gateway');
 function floorOf(file: string): number {
   if (/^(errors|routes)\.ts$|^redis\//.test(file)) return 0;
   // Pure maths and formats: functions of plain values, importing only leaves.
-  if (/^quota\/(decision|headers|period|windows)\.ts$|^auth\/keys\.ts$|^http\/deprecation\.ts$/.test(file)) return 0;
+  if (/^quota\/(decision|headers|period|windows)\.ts$|^auth\/(keys|address)\.ts$|^http\/deprecation\.ts$/.test(file)) return 0;
   if (file.startsWith('config/')) return 1;
   if (/^(app|server)\.ts$|^process\//.test(file)) return 3;
   return 2;
