@@ -119,9 +119,8 @@ function leaveReplicas(redis: Redis): void {
 /** The last connection error of each client, until it is ready again. */
 const lastErrors = new WeakMap<RedisClient, string>();
 /**
- * The last refusal of each client, until a probe is let through (probeAccess). Kept past
- * 'ready': without the ready check, ioredis says ready even after a refused AUTH, just
- * before it drops the connection to try again.
+ * The last refusal of each client, until a probe is let through (probeAccess). Not cleared by
+ * 'ready': without the ready check, ioredis says ready before AUTH is answered, on every attempt.
  */
 const refusals = new WeakMap<RedisClient, string>();
 

@@ -272,6 +272,10 @@ describe('TLS with a private CA, and an ACL user', () => {
       timeout: 10_000,
     });
     await eventually(async () => (await readyz(g!.admin)).status === 200, 10_000, '/readyz 200 once the password is let in');
+    // Let in, the refusal is forgotten: Redis stopping now is said as what it is.
+    await redis.stop();
+    await eventually(async () => (await readyz(g!.admin)).status === 503, 10_000, '/readyz 503 once Redis is stopped');
+    expect((await readyz(g!.admin)).message).toMatch(/^Not ready: redis: not connected \(\w+\); the gateway keeps trying$/);
     cleanOutput(procs, PASSWORD);
   });
 
