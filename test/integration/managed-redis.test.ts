@@ -279,7 +279,9 @@ describe('TLS with a private CA, and an ACL user', () => {
     cleanOutput(procs, PASSWORD);
   });
 
-  it('names NOPERM when the ACL user may not run scripts, instead of "not answering in time"', { timeout: scaled(60_000) }, async () => {
+  it('names NOPERM when the ACL user may not run scripts, at boot and on /readyz, instead of "not answering in time"', {
+    timeout: scaled(60_000),
+  }, async () => {
     const redis = await spawnRedis({ args: ['--user', 'limited', 'on', `>${PASSWORD}`, '~*', '&*', '+@all', '-@scripting'] });
     onTestFinished(() => redis.stop());
     const echo = await echoBackend();
@@ -287,9 +289,11 @@ describe('TLS with a private CA, and an ACL user', () => {
     const port = new URL(redis.url).port;
     const stack = await startStack(testConfig([makeKey('free')]), { REDIS_URL: `redis://limited:${PASSWORD}@127.0.0.1:${port}` }, echo.url);
     onTestFinished(() => stack.stop());
-    expect(await readyzSays(stack.gateway.adminUrl, /NOPERM/)).toMatch(
-      /^Not ready: redis: refused: .*NOPERM .*may not run what the gateway needs/,
-    );
+    // Said at boot too: the start probes a script call before any request meets the refusal.
+    const boot = stack.gateway.logs.find((l) => /refused the gateway/.test(String(l.msg)));
+    expect(boot?.msg).toMatch(/^Redis at 127\.0\.0\.1:\d+ refused the gateway: NOPERM .*'eval(sha)?' command.*each instance counts alone/);
+    const ready = await readyzSays(stack.gateway.adminUrl, /NOPERM/);
+    expect(ready).toMatch(/^Not ready: redis: refused: .*NOPERM .*may not run what the gateway needs/);
     expect(stack.gateway.output()).not.toContain(PASSWORD);
   });
 });
