@@ -4,7 +4,7 @@ import { type FastifyPluginAsyncTypebox, type TypeBoxTypeProvider, TypeBoxValida
 import { Type } from '@sinclair/typebox';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifySchemaValidationError, LogController } from 'fastify';
 import { clientOf } from '../auth/address.js';
-import { connectionRefusal, isRefusal, type RedisClient } from '../redis/client.js';
+import { connectionRefusal, isRefusal, probeAccess, type RedisClient } from '../redis/client.js';
 import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../errors.js';
 import { installPlainRawHandlers, plainClientErrorHandler } from '../http/raw-answers.js';
@@ -62,19 +62,23 @@ function redisName(redis: RedisClient): string {
 async function redisProblems(redis: RedisClient, store: Operations): Promise<string[]> {
   const what = redisName(redis);
   const alone = 'each instance counts alone meanwhile';
+  const refused = () => connectionRefusal(redis);
   if (redis.status !== 'ready') {
-    const refused = connectionRefusal(redis);
-    return [refused ? `${what}: refused: ${refused}; ${alone}` : `${what}: not connected (${redis.status}); the gateway keeps trying`];
+    const r = refused();
+    return [r ? `${what}: refused: ${r}; ${alone}` : `${what}: not connected (${redis.status}); the gateway keeps trying`];
   }
-  // Declared failing by the quota store: no need to wait for a PING's own timeout to say so.
+  // Declared failing by the quota store: no need to wait for a call's own timeout to say so.
   if (store.degraded) {
     const reason = store.degradedReason;
-    return [reason && isRefusal(reason) ? `${what}: refused: ${reason}; ${alone}` : `${what}: connected but not answering in time`];
+    const r = refused() ?? (reason && isRefusal(reason) ? reason : undefined);
+    return [r ? `${what}: refused: ${r}; ${alone}` : `${what}: connected but not answering in time`];
   }
-  return redis.ping().then(
-    () => [],
-    (err: Error) => [/timed out/i.test(err.message) ? `${what}: connected but not answering in time` : `${what}: ${err.message}`],
-  );
+  // A call the gateway's user must be allowed (a script), in place of PING: NOAUTH and NOPERM show before a request meets them.
+  const problem = await probeAccess(redis);
+  if (problem === undefined) return [];
+  const r = refused();
+  if (r) return [`${what}: refused: ${r}; ${alone}`];
+  return [/timed out/i.test(problem) ? `${what}: connected but not answering in time` : `${what}: ${problem}`];
 }
 
 /** Everything that keeps this instance from taking traffic; none when it is ready. */

@@ -1,3 +1,4 @@
+import { createHash } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import { Cluster, Redis } from 'ioredis';
 
@@ -47,6 +48,15 @@ export function connectRedis(target: RedisTarget | undefined, timeoutMs: number)
     // later, so a stall of this process cannot turn a reply already in into a timeout.
     commandTimeout: Math.max(1000, 4 * timeoutMs),
     connectTimeout: 2000,
+    // ioredis's ready check asks INFO, which managed Redis and restricted ACL users often
+    // refuse; ioredis then prints a line of its own to the console, not a JSON log line. The
+    // probe below (EVALSHA) asks what the gateway does need; a Sentinel's master is checked by ROLE.
+    enableReadyCheck: false,
+    // Without the ready check, ioredis says ready once its CLIENT SETINFO calls are answered:
+    // after a refused AUTH that is after the connection closed, and the client then stays
+    // "ready" on a dead socket, its reconnect refused as "already connected" (seen on a real
+    // Redis whose password was fixed). Without them, ready comes before AUTH's answer.
+    disableClientInfo: true,
   };
   // No auto-pipelining: it holds a command back until the event loop's check phase, after
   // every request of a busy poll, and a call held there for REDIS_TIMEOUT_MS would look like a
@@ -82,21 +92,52 @@ export function connectRedis(target: RedisTarget | undefined, timeoutMs: number)
   if (redis instanceof Cluster) redis.on('node error', (err: Error) => remember(redis, err));
   redis.on('ready', () => lastErrors.delete(redis));
   if (redis instanceof Redis) reconnectWhenEnded(redis);
+  if (target.kind === 'sentinel') leaveReplicas(redis as Redis);
   return redis;
 }
 
 /** The wait before the n-th reconnect attempt in a row: 100 ms more each time, at most 2 s. */
 const backoff = (times: number) => Math.min(times * 100, 2000);
 
+/**
+ * The check ioredis's ready check made on a Sentinel group's master, by ROLE instead of INFO:
+ * a sentinel that has not yet seen a failover may name a node that is a replica now, and the
+ * client must ask again rather than stay there, its writes refused. A user denied ROLE keeps
+ * the node the sentinels named.
+ */
+function leaveReplicas(redis: Redis): void {
+  redis.on('ready', () => {
+    redis.role().then(
+      (role) => {
+        if (Array.isArray(role) && role[0] !== 'master') redis.disconnect(true);
+      },
+      () => {},
+    );
+  });
+}
+
 /** The last connection error of each client, until it is ready again. */
 const lastErrors = new WeakMap<RedisClient, string>();
+/**
+ * The last refusal of each client, until a probe is let through (probeAccess). Not cleared by
+ * 'ready': without the ready check, ioredis says ready before AUTH is answered, on every attempt.
+ */
+const refusals = new WeakMap<RedisClient, string>();
 
 /** Redis's refusals of who we are: the one fix is in the settings, not in waiting. */
 const REFUSED = /^(NOAUTH|WRONGPASS|NOPERM)\b/;
 
+/** Keeps a refusal; a NOAUTH (a call on a connection whose login failed) does not hide the WRONGPASS that caused it. */
+function keepRefusal(redis: RedisClient, message: string): void {
+  if (!REFUSED.test(message)) return;
+  if (message.startsWith('NOAUTH') && refusals.get(redis)?.startsWith('WRONGPASS')) return;
+  refusals.set(redis, message);
+}
+
 /** Keeps a refusal over the vaguer errors that follow it (a Cluster's slots refresh, a closed socket). */
 function remember(redis: RedisClient, err: Error): void {
   const kept = lastErrors.get(redis);
+  keepRefusal(redis, err.message);
   if (kept && REFUSED.test(kept) && !REFUSED.test(err.message)) return;
   lastErrors.set(redis, err.message);
 }
@@ -117,10 +158,31 @@ export function refusal(message: string): string | undefined {
 /** Whether a line (a failure as redisProblem words it) tells of such a refusal. */
 export const isRefusal = (line: string) => /\b(NOAUTH|WRONGPASS|NOPERM)\b/.test(line);
 
-/** Why this client is not connected, when Redis refused its credentials or rights; else undefined. */
+/** Redis's refusal of this client's credentials or rights, in refusal's words, until a probe is let through; else undefined. */
 export function connectionRefusal(redis: RedisClient): string | undefined {
-  const last = lastErrors.get(redis);
-  return last === undefined || redis.status === 'ready' ? undefined : refusal(last);
+  const kept = refusals.get(redis);
+  return kept === undefined ? undefined : refusal(kept);
+}
+
+/** A script nobody loads: EVALSHA answers NOSCRIPT to a user who may run scripts, NOAUTH or NOPERM to one who may not. */
+const PROBE_SHA = createHash('sha1').update('-- the gateway asks whether it may run scripts').digest('hex');
+
+/**
+ * Whether this client may log in and run the gateway's scripts: undefined, or the call's own
+ * error. A refusal is kept (connectionRefusal) until a probe is let through.
+ */
+export async function probeAccess(redis: RedisClient): Promise<string | undefined> {
+  try {
+    await redis.evalsha(PROBE_SHA, 0);
+  } catch (err) {
+    const said = err instanceof Error ? err.message : String(err);
+    if (!said.startsWith('NOSCRIPT')) {
+      keepRefusal(redis, said);
+      return said;
+    }
+  }
+  refusals.delete(redis);
+  return undefined;
 }
 
 /** The setting that named this Redis. */
@@ -142,8 +204,10 @@ export function redisWhere(redis: RedisClient): string {
  * neither where nor why).
  */
 export function redisProblem(redis: RedisClient, err: unknown): string {
-  const connection = redis.status === 'ready' ? undefined : (lastErrors.get(redis) ?? `not connected (${redis.status})`);
+  const connection =
+    redis.status === 'ready' ? undefined : (refusals.get(redis) ?? lastErrors.get(redis) ?? `not connected (${redis.status})`);
   const message = connection ?? (err instanceof Error ? err.message : String(err));
+  keepRefusal(redis, message);
   return `${redisWhere(redis)}: ${refusal(message) ?? message}`;
 }
 
@@ -192,29 +256,41 @@ function reconnectWhenEnded(redis: Redis): void {
  * Waits for Redis so the first requests are decided by it, but never holds up listening: it
  * stops waiting at the first failed attempt (a Redis that is down refuses at once) or after
  * 1 s (one that does not answer), says so, and the store decides locally until Redis is back.
+ * Connected, it asks once whether the gateway may log in and run its scripts (probeAccess).
  */
 export async function awaitRedis(redis: RedisClient | undefined, log: FastifyBaseLogger): Promise<void> {
-  if (!redis || redis.status === 'ready') return;
-  await new Promise<void>((resolve) => {
+  if (!redis) return;
+  if (redis.status !== 'ready') await firstOutcome(redis, 1000);
+  if (redis.status === 'ready') {
+    let timer: NodeJS.Timeout | undefined;
+    const late = new Promise<void>((resolve) => (timer = setTimeout(resolve, 1000)));
+    await Promise.race([probeAccess(redis), late]).finally(() => clearTimeout(timer));
+  }
+  const refused = connectionRefusal(redis);
+  // Refused credentials will not mend by waiting: said as such, and that counting is now per instance.
+  if (refused)
+    log.warn(
+      `${redisWhere(redis)} refused the gateway: ${refused}. Until it accepts, each instance counts alone, from its share of the quota`,
+    );
+  else if ((redis.status as string) !== 'ready')
+    log.warn(
+      `${redisProblem(redis, 'not ready yet')}: is Redis running there, and is ${settingOf(redis)} right? Until it answers, each instance counts alone, from its share of the quota`,
+    );
+}
+
+/** Resolves when the client is ready, fails an attempt, or after `ms`. */
+function firstOutcome(redis: RedisClient, ms: number): Promise<void> {
+  return new Promise<void>((resolve) => {
     const done = () => {
       clearTimeout(timer);
       redis.off('ready', done);
       redis.off('error', done);
       resolve();
     };
-    const timer = setTimeout(done, 1000);
+    const timer = setTimeout(done, ms);
     redis.once('ready', done);
     redis.once('error', done);
   });
-  if ((redis.status as string) !== 'ready') {
-    const refused = connectionRefusal(redis);
-    // Refused credentials will not mend by waiting: said as such, and that counting is now per instance.
-    log.warn(
-      refused
-        ? `${redisWhere(redis)} refused the gateway: ${refused}. Until it accepts, each instance counts alone, from its share of the quota`
-        : `${redisProblem(redis, 'not ready yet')}: is Redis running there, and is ${settingOf(redis)} right? Until it answers, each instance counts alone, from its share of the quota`,
-    );
-  }
 }
 
 /**

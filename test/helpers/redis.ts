@@ -5,6 +5,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { scaled } from './budget.js';
 import { freePort, waitForPort } from './net.js';
+import type { RedisTls } from './private-ca.js';
 import { spawnOwned } from './processes.js';
 
 // Every redis-server here runs with --set-proc-title no: Redis writes its title over its argv and
@@ -70,19 +71,25 @@ async function clusterPort(taken: Set<number>): Promise<number> {
   }
 }
 
-/** redis-cli against a node; `password` for a node with requirepass (never on a command line a test prints). */
+/** redis-cli's login and TLS: `password` for a node with requirepass (never on a command line a test prints). */
+const cliLogin = (password?: string, tls?: RedisTls) => [
+  ...(password ? ['--no-auth-warning', '-a', password] : []),
+  ...(tls?.cliArgs ?? []),
+];
+
+/** redis-cli against a node. */
 const cliAs =
-  (password: string | undefined) =>
+  (password: string | undefined, tls?: RedisTls) =>
   (port: number, ...args: string[]) =>
-    execFileSync(
-      'redis-cli',
-      ['-h', '127.0.0.1', '-p', String(port), ...(password ? ['--no-auth-warning', '-a', password] : []), ...args],
-      {
-        encoding: 'utf8',
-        timeout: 10_000,
-      },
-    ).trim();
+    execFileSync('redis-cli', ['-h', '127.0.0.1', '-p', String(port), ...cliLogin(password, tls), ...args], {
+      encoding: 'utf8',
+      timeout: 10_000,
+    }).trim();
 const cli = cliAs(undefined);
+
+/** A node's listening arguments: its port, or on TLS its tls-port with the plain port closed and replication on TLS. */
+const listenOn = (port: number, tls?: RedisTls) =>
+  tls ? ['--port', '0', '--tls-port', String(port), ...tls.serverArgs, '--tls-replication', 'yes'] : ['--port', String(port)];
 
 async function until(what: string, quietMs: number, check: () => boolean): Promise<void> {
   const ms = scaled(quietMs);
@@ -111,9 +118,22 @@ export interface RedisNode {
  */
 export async function spawnCluster(
   nodeTimeoutMs = 1000,
-  { password }: { password?: string } = {},
+  {
+    password,
+    tls,
+    announce,
+    args: extra = [],
+  }: {
+    password?: string;
+    /** Every node on TLS only, its bus and replication too. */
+    tls?: RedisTls;
+    /** The name a node announces to clients (CLUSTER SLOTS) in place of its address, as behind NAT. */
+    announce?: (port: number) => string;
+    /** More redis-server arguments for every node (an ACL user). */
+    args?: string[];
+  } = {},
 ): Promise<{ nodes: string; all: RedisNode[]; masterOf(key: string): RedisNode; stop(): void }> {
-  const cli = cliAs(password);
+  const cli = cliAs(password, tls);
   const auth = password ? ['--requirepass', password, '--masterauth', password] : [];
   const dir = mkdtempSync(join(tmpdir(), 'redis-cluster-'));
   const taken = new Set<number>();
@@ -131,8 +151,9 @@ export async function spawnCluster(
       const proc = spawnOwned(
         'redis-server',
         [
-          '--port',
-          String(port),
+          ...listenOn(port, tls),
+          ...(tls ? ['--tls-cluster', 'yes'] : []),
+          ...(announce ? ['--cluster-announce-hostname', announce(port), '--cluster-preferred-endpoint-type', 'hostname'] : []),
           '--bind',
           '127.0.0.1',
           '--cluster-enabled',
@@ -151,6 +172,7 @@ export async function spawnCluster(
           '0',
           ...NO_TITLE,
           ...auth,
+          ...extra,
         ],
         { stdio: 'ignore' },
       );
@@ -160,7 +182,7 @@ export async function spawnCluster(
     execFileSync(
       'redis-cli',
       [
-        ...(password ? ['--no-auth-warning', '-a', password] : []),
+        ...cliLogin(password, tls),
         '--cluster',
         'create',
         ...all.map((n) => `127.0.0.1:${n.port}`),
@@ -226,11 +248,14 @@ export async function spawnCluster(
 export async function spawnSentinels({
   password,
   sentinelPassword,
+  tls,
 }: {
   /** The master's and replica's requirepass (and masterauth). */
   password?: string;
   /** The sentinels' own requirepass. */
   sentinelPassword?: string;
+  /** Data nodes and sentinels on TLS only (a sentinel's own tls-port; TLS to the data nodes: tls-replication). */
+  tls?: RedisTls;
 } = {}): Promise<{
   sentinels: string;
   name: string;
@@ -249,8 +274,8 @@ export async function spawnSentinels({
     rmSync(dir, { recursive: true, force: true });
   };
   const name = 'petstore';
-  const cli = cliAs(password);
-  const sentinelCli = cliAs(sentinelPassword);
+  const cli = cliAs(password, tls);
+  const sentinelCli = cliAs(sentinelPassword, tls);
   const auth = password ? ['--requirepass', password, '--masterauth', password] : [];
   try {
     const [mPort, rPort] = [await freePort(), await freePort()];
@@ -260,8 +285,7 @@ export async function spawnSentinels({
       const proc = spawnOwned(
         'redis-server',
         [
-          '--port',
-          String(port),
+          ...listenOn(port, tls),
           '--bind',
           '127.0.0.1',
           '--save',
@@ -295,7 +319,7 @@ export async function spawnSentinels({
       writeFileSync(
         conf,
         [
-          `port ${port}`,
+          ...(tls ? ['port 0', `tls-port ${port}`, ...confLines(tls.serverArgs), 'tls-replication yes'] : [`port ${port}`]),
           'bind 127.0.0.1',
           `dir ${dir}`,
           `logfile ${join(dir, `sentinel-${port}.log`)}`,
@@ -337,6 +361,9 @@ export async function spawnSentinels({
     throw err;
   }
 }
+
+/** `--name value` arguments as redis.conf lines. */
+const confLines = (args: string[]) => args.flatMap((a, i) => (i % 2 === 0 ? [`${a.slice(2)} ${args[i + 1]}`] : []));
 
 /** What a node says it is: master or slave (Redis's word). */
 export const role = (port: number) => cli(port, 'role').split('\n')[0];
