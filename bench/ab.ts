@@ -240,7 +240,9 @@ async function instrRound(v: Variant, dir: string, headers: Record<string, strin
   );
   let running: Proxy;
   try {
-    running = await v.launch(['--single-threaded', ...ALLOC_ARGS], { ALLOC_PROBE_FILE: file });
+    // No memory reducer: its collections come on a timer (seconds of a slow mutator), and under
+    // valgrind on a loaded machine the window lasts a minute or more, so every round dropped.
+    running = await v.launch(['--single-threaded', '--no-memory-reducer', ...ALLOC_ARGS], { ALLOC_PROBE_FILE: file });
   } finally {
     launcher.length = 0;
   }
@@ -258,7 +260,9 @@ async function instrRound(v: Variant, dir: string, headers: Record<string, strin
     const { all, work } = instructions(join(dir, dump));
     if (!noCollectionBetween(a, b)) {
       // Said with its figure: a bisect run whose rounds all drop still shows where they fell.
-      process.stderr.write(`${v.name}: a collection fell in the instruction window; round dropped (work ${fmt(work / INSTR_REQUESTS)}/req)\n`);
+      process.stderr.write(
+        `${v.name}: a collection fell in the instruction window; round dropped (work ${fmt(work / INSTR_REQUESTS)}/req)\n`,
+      );
       return;
     }
     s.instr.push(all / INSTR_REQUESTS);
