@@ -240,9 +240,7 @@ async function instrRound(v: Variant, dir: string, headers: Record<string, strin
   );
   let running: Proxy;
   try {
-    // No memory reducer: its collections come on a timer (seconds of a slow mutator), and under
-    // valgrind on a loaded machine the window lasts a minute or more, so every round dropped.
-    running = await v.launch(['--single-threaded', '--no-memory-reducer', ...ALLOC_ARGS], { ALLOC_PROBE_FILE: file });
+    running = await v.launch(['--single-threaded', ...ALLOC_ARGS], { ALLOC_PROBE_FILE: file });
   } finally {
     launcher.length = 0;
   }
