@@ -255,11 +255,14 @@ async function instrRound(v: Variant, dir: string, headers: Record<string, strin
     const b = await mark(2);
     const dump = readdirSync(dir).find((f) => f.startsWith(`${out.slice(dir.length + 1)}.${running.pid}.`));
     if (!dump) throw new Error(`${v.name}: callgrind wrote no dump`);
+    const { all, work } = instructions(join(dir, dump));
     if (!noCollectionBetween(a, b)) {
-      process.stderr.write(`${v.name}: a collection fell in the instruction window; round dropped\n`);
+      // Said with its figure: a bisect run whose rounds all drop still shows where they fell.
+      process.stderr.write(
+        `${v.name}: a collection fell in the instruction window; round dropped (work ${fmt(work / INSTR_REQUESTS)}/req)\n`,
+      );
       return;
     }
-    const { all, work } = instructions(join(dir, dump));
     s.instr.push(all / INSTR_REQUESTS);
     s.work.push(work / INSTR_REQUESTS);
   } finally {

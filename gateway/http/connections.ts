@@ -60,13 +60,16 @@ interface Pipeline {
   waiting: Array<[IncomingMessage, ServerResponse]>;
   closed: boolean;
   paused: boolean;
-  /** Bytes of the socket's writes the kernel had taken at the last look, and since when. */
+  /** Bytes of the socket's writes the kernel had taken at the last look (-1: not looked at since a request started), and since when. */
   flushed: number;
   flushedAt: number;
 }
 
+/** Where a socket keeps its pipeline: a property, not a WeakMap, which costs a hash lookup per request. */
+const PIPELINE = Symbol('pipeline');
+
 /** Node's http server stops reading a socket with this flag set, and resumes with it cleared (its own backpressure, socketOnDrain). */
-type HttpSocket = Socket & { _paused?: boolean; parser?: { resume(): void } | null };
+type HttpSocket = Socket & { _paused?: boolean; parser?: { resume(): void } | null; [PIPELINE]?: Pipeline };
 
 type Handler = (req: IncomingMessage, res: ServerResponse) => void;
 
@@ -95,28 +98,44 @@ export function limitedServer(limits: ConnectionLimits, deps: ConnectionDeps, co
   };
 }
 
-/** The pipelines of one server, and the counts they share. */
+/**
+ * The pipelines of one server, and the counts they share. Per request it does no more than
+ * count: no clock, no collection, one shared 'close' listener (a request's own closure and
+ * `once`'s wrapper cost more than the rest of the guard).
+ */
 class ConnectionGuard {
-  private readonly pipelines = new WeakMap<Socket, Pipeline>();
-  /** Pipelines with a request in progress: those whose responses may go unread. */
-  private readonly inProgress = new Set<Pipeline>();
+  /** Open pipelines: the watch looks at those with a request in progress. */
+  private readonly open = new Set<Pipeline>();
+  /** res 'close' of a counted request, and of one answered busy: `this` is the response. */
+  private readonly countedClosed: (this: ServerResponse) => void;
+  private readonly busyClosed: (this: ServerResponse) => void;
 
   constructor(
     private readonly limits: ConnectionLimits,
     private readonly deps: ConnectionDeps,
     private readonly counts: ConnectionCounts,
     private readonly handler: Handler,
-  ) {}
+  ) {
+    const finished = (res: ServerResponse) => this.finished(res.req.socket as HttpSocket);
+    this.countedClosed = function (this: ServerResponse) {
+      counts.inFlight--;
+      finished(this);
+    };
+    this.busyClosed = function (this: ServerResponse) {
+      finished(this);
+    };
+  }
 
-  connected(socket: Socket, requestTimeoutMs: number): void {
+  connected(socket: HttpSocket, requestTimeoutMs: number): void {
     this.counts.open++;
     socket.once('close', () => this.counts.open--);
     if (this.counts.open > this.limits.maxConnections) return this.refuse(socket);
-    const p: Pipeline = { socket, active: 0, waiting: [], closed: false, paused: false, flushed: 0, flushedAt: 0 };
-    this.pipelines.set(socket, p);
+    const p: Pipeline = { socket, active: 0, waiting: [], closed: false, paused: false, flushed: -1, flushedAt: 0 };
+    socket[PIPELINE] = p;
+    this.open.add(p);
     const silent = setTimeout(() => socket.bytesRead === 0 && closeSoon(socket), requestTimeoutMs).unref();
     socket.once('close', () => {
-      this.inProgress.delete(p);
+      this.open.delete(p);
       p.closed = true;
       p.waiting.length = 0;
       clearTimeout(silent);
@@ -124,7 +143,7 @@ class ConnectionGuard {
   }
 
   request(req: IncomingMessage, res: ServerResponse): void {
-    const p = this.pipelines.get(req.socket);
+    const p = (req.socket as HttpSocket)[PIPELINE];
     if (!p || p.closed) return; // refused or cut: what is left of its pipeline is dropped with it
     if (p.active < this.limits.pipelined) return this.start(p, req, res);
     p.waiting.push([req, res]);
@@ -134,7 +153,7 @@ class ConnectionGuard {
 
   cutUnread(): void {
     const now = performance.now();
-    for (const p of this.inProgress) if (stalled(p, now, this.limits.unreadTimeoutMs)) this.cut(p.socket, 'unread');
+    for (const p of this.open) if (p.active > 0 && stalled(p, now, this.limits.unreadTimeoutMs)) this.cut(p.socket, 'unread');
   }
 
   private refuse(socket: Socket): void {
@@ -146,31 +165,30 @@ class ConnectionGuard {
 
   private cut(socket: Socket, reason: Pushback): void {
     this.deps.pushback(reason);
-    const p = this.pipelines.get(socket);
+    const p = (socket as HttpSocket)[PIPELINE];
     // Node may still emit the rest of the read it is parsing: they are dropped, not started.
     if (p) p.closed = true;
     socket.destroy();
   }
 
   private start(p: Pipeline, req: IncomingMessage, res: ServerResponse): void {
-    if (++p.active === 1) {
-      // Its stall is counted from now, not from its last look while it was idle.
-      p.flushed = p.socket.bytesWritten - p.socket.writableLength;
-      p.flushedAt = performance.now();
+    // Its stall is counted from the first look after it started, not from a look while it was idle.
+    if (++p.active === 1) p.flushed = -1;
+    // Node emits a response's 'close' once (emitCloseNT checks _closed): one decrement each.
+    if (this.counts.inFlight >= this.limits.maxInFlight) {
+      res.on('close', this.busyClosed);
+      return this.busy(req, res);
     }
-    this.inProgress.add(p);
-    const counted = this.counts.inFlight < this.limits.maxInFlight;
-    let done = false;
-    res.once('close', () => {
-      if (done) return;
-      done = true;
-      if (counted) this.counts.inFlight--;
-      if (--p.active === 0) this.inProgress.delete(p);
-      if (!p.closed) this.next(p);
-    });
-    if (!counted) return this.busy(req, res);
+    res.on('close', this.countedClosed);
     this.counts.inFlight++;
     this.handler(req, res);
+  }
+
+  /** A started request's response closed: the next of its pipeline may start. */
+  private finished(socket: HttpSocket): void {
+    const p = socket[PIPELINE]!;
+    p.active--;
+    if (!p.closed) this.next(p);
   }
 
   private next(p: Pipeline): void {
@@ -207,7 +225,11 @@ function closeSlice(): void {
   if (closing.length > 0) setImmediate(closeSlice);
 }
 
-/** Whether the socket has had writes waiting, none of them taken by the kernel, for `ms`. */
+/**
+ * Whether the socket has had writes waiting, none of them taken by the kernel, for `ms`: counted
+ * from the first look after its request started (a start reads no clock), so a cut comes at
+ * most one look (a second) later than `ms`, never earlier.
+ */
 function stalled(p: Pipeline, now: number, ms: number): boolean {
   const waiting = p.socket.writableLength;
   const flushed = p.socket.bytesWritten - waiting;
