@@ -53,19 +53,22 @@ export type TracingSettings = Pick<GatewaySettings, 'tracingServiceName' | 'trac
 /** How long a shutdown waits for the last spans to reach the collector: within the runner's close margin (5 s). */
 const FLUSH_MS = 3000;
 
-/** Route templates by id: a span's name and http.route never carry a request's own ids. */
-const TEMPLATES = new Map<RouteId, string>([...ROUTES, DOCUMENT_ROUTE, USAGE_ROUTE].map((r) => [r.id, r.path]));
-
 /** The methods HTTP semantic conventions know; any other is `_OTHER`, in a span named `HTTP`. */
 const KNOWN_METHODS = new Set(['CONNECT', 'DELETE', 'GET', 'HEAD', 'OPTIONS', 'PATCH', 'POST', 'PUT', 'TRACE']);
+
+/** Per route, built once: its template (a span's name and http.route never carry a request's own ids) and its span's name. */
+const ROUTE_SPANS = new Map<RouteId, { method: string; template: string; name: string }>(
+  [...ROUTES, DOCUMENT_ROUTE, USAGE_ROUTE].map((r) => [r.id, { method: r.method, template: r.path, name: `${r.method} ${r.path}` }]),
+);
 
 const propagator = new W3CTraceContextPropagator();
 
 /** `GET /v1/pets/{petId}`; the method alone without a route (refused before routing, unknown path). */
 function spanName(method: string, route: RouteId | undefined): string {
+  const r = route && ROUTE_SPANS.get(route);
+  if (r && r.method === method) return r.name;
   if (!KNOWN_METHODS.has(method)) return 'HTTP';
-  const template = route && TEMPLATES.get(route);
-  return template ? `${method} ${template}` : method;
+  return r ? `${method} ${r.template}` : method;
 }
 
 /** `http.request.method` into `attributes`: a method the conventions do not know as `_OTHER`, with the original beside it. */
@@ -78,23 +81,37 @@ function methodAttributes(method: string, attributes: Attributes): Attributes {
   return attributes;
 }
 
-/** The answer's status, ERROR for a 5xx (a 4xx is the client's, not the server's, per the HTTP conventions); then the span ends. */
-function finish(span: Span, status: number, end: number): void {
-  span.setAttribute(ATTR_HTTP_RESPONSE_STATUS_CODE, status);
+/**
+ * The answer's status into `attributes`, which the span takes in one call, and ERROR for a 5xx
+ * (a 4xx is the client's, not the server's, per the HTTP conventions); then the span ends.
+ */
+function finish(span: Span, attributes: Attributes, status: number, end: number): void {
+  attributes[ATTR_HTTP_RESPONSE_STATUS_CODE] = status;
   if (status >= 500) {
-    span.setAttribute(ATTR_ERROR_TYPE, String(status));
+    attributes[ATTR_ERROR_TYPE] = String(status);
     span.setStatus({ code: SpanStatusCode.ERROR });
   }
+  span.setAttributes(attributes);
   span.end(end);
 }
 
 /** Milliseconds to the microsecond: the clock's noise past that only lengthens the export. */
 const ms = (t: number) => Math.round(t * 1000) / 1000;
 
-/** What the gateway decided, as the pipeline left it in the context; the key's id, never the key. */
-function decisionAttributes(request: FastifyRequest, end: number): Attributes {
-  const { consumer, outcome, cost, redisMs, leased, overage, sentAt } = request.ctx;
-  const a: Attributes = { 'gateway.request_id': request.id };
+/**
+ * All of a request's attributes, made once at its end: the request's (HTTP conventions), then
+ * what the gateway decided, as the pipeline left it in the context; the key's id, never the key.
+ */
+function requestAttributes(request: FastifyRequest, end: number): Attributes {
+  const { route, consumer, outcome, cost, redisMs, leased, overage, sentAt } = request.ctx;
+  const q = request.url.indexOf('?');
+  // The query is left out: it is the client's and may carry anything.
+  const a = methodAttributes(request.method, {
+    [ATTR_URL_PATH]: q === -1 ? request.url : request.url.slice(0, q),
+    [ATTR_URL_SCHEME]: request.protocol,
+  });
+  if (route) a[ATTR_HTTP_ROUTE] = ROUTE_SPANS.get(route)?.template;
+  a['gateway.request_id'] = request.id;
   if (outcome !== undefined) a['gateway.outcome'] = outcome;
   if (consumer) {
     a['gateway.key_id'] = consumer.id;
@@ -195,17 +212,10 @@ export class RequestTracing {
     this.tracer = this.provider.getTracer('pet-store-gateway');
   }
 
+  /** A request's span, dated from its arrival; its attributes come at its end (finish). */
   private start(request: FastifyRequest, startTime: number): Span {
     const parent = propagator.extract(ROOT_CONTEXT, request.headers, defaultTextMapGetter);
-    const { route } = request.ctx;
-    const q = request.url.indexOf('?');
-    // The query is left out: it is the client's and may carry anything.
-    const attributes = methodAttributes(request.method, {
-      [ATTR_URL_PATH]: q === -1 ? request.url : request.url.slice(0, q),
-      [ATTR_URL_SCHEME]: request.protocol,
-    });
-    if (route) attributes[ATTR_HTTP_ROUTE] = TEMPLATES.get(route);
-    return this.tracer.startSpan(spanName(request.method, route), { kind: SpanKind.SERVER, startTime, attributes }, parent);
+    return this.tracer.startSpan(spanName(request.method, request.ctx.route), { kind: SpanKind.SERVER, startTime }, parent);
   }
 
   /**
@@ -217,12 +227,12 @@ export class RequestTracing {
     done();
   };
 
-  /** onResponse: the decision's attributes, the status, the end; a refused request's span is made here, dated from its arrival. */
+  /** onResponse: the request's attributes and the decision's, the status, the end; a refused request's span is made here, dated from its arrival. */
   readonly onResponse = (request: FastifyRequest, reply: FastifyReply, done: () => void): void => {
     const end = performance.now();
     const span = request.ctx.span ?? this.start(request, end - reply.elapsedTime);
-    if (span.isRecording()) span.setAttributes(decisionAttributes(request, end));
-    finish(span, reply.statusCode, end);
+    if (span.isRecording()) finish(span, requestAttributes(request, end), reply.statusCode, end);
+    else span.end(end);
     done();
   };
 
@@ -250,7 +260,7 @@ export class RequestTracing {
         { kind: SpanKind.SERVER, startTime: end - e.ms, attributes },
         ROOT_CONTEXT,
       );
-      finish(span, e.status, end);
+      finish(span, attributes, e.status, end);
     };
   }
 
