@@ -10,7 +10,7 @@ import {
   trace,
   type Tracer,
 } from '@opentelemetry/api';
-import { type ExportResult, ExportResultCode, W3CTraceContextPropagator } from '@opentelemetry/core';
+import { type ExportResult, ExportResultCode, getNumberFromEnv, W3CTraceContextPropagator } from '@opentelemetry/core';
 import { OTLPExporterBase } from '@opentelemetry/otlp-exporter-base';
 import { convertLegacyHttpOptions, createOtlpHttpExportDelegate } from '@opentelemetry/otlp-exporter-base/node-http';
 import { ProtobufTraceSerializer, TraceExporterMetricsHelper } from '@opentelemetry/otlp-transformer';
@@ -52,6 +52,14 @@ export type TracingSettings = Pick<GatewaySettings, 'tracingServiceName' | 'trac
 
 /** How long a shutdown waits for the last spans to reach the collector: within the runner's close margin (5 s). */
 const FLUSH_MS = 3000;
+
+/**
+ * Spans a batch holds, unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE says otherwise (read as the SDK
+ * reads it): a quarter of the SDK's 512. A full batch is serialised within a request's hook,
+ * so 512 held the event loop some 2 ms, and spans waiting for a batch that long outlived a
+ * young-generation collection or two and were promoted (docs/performance.md).
+ */
+const BATCH_SIZE = getNumberFromEnv('OTEL_BSP_MAX_EXPORT_BATCH_SIZE') ?? 128;
 
 /** The methods HTTP semantic conventions know; any other is `_OTHER`, in a span named `HTTP`. */
 const KNOWN_METHODS = new Set(['CONNECT', 'DELETE', 'GET', 'HEAD', 'OPTIONS', 'PATCH', 'POST', 'PUT', 'TRACE']);
@@ -207,7 +215,7 @@ export class RequestTracing {
       resource: defaultResource().merge(resourceFromAttributes({ [ATTR_SERVICE_NAME]: settings.tracingServiceName })),
       // A trace the client started is sampled as the client said; a new one at the ratio.
       sampler: new ParentBasedSampler({ root: rootSampler(settings.tracingSampleRatio) }),
-      spanProcessors: [new BatchSpanProcessor(exporter, { scheduledDelayMillis: settings.tracingDelayMs })],
+      spanProcessors: [new BatchSpanProcessor(exporter, { scheduledDelayMillis: settings.tracingDelayMs, maxExportBatchSize: BATCH_SIZE })],
     });
     this.tracer = this.provider.getTracer('pet-store-gateway');
   }

@@ -77,7 +77,15 @@ function decode(body: Buffer): ExportRequest {
  * `hold` leaves exports unanswered until `up` again.
  */
 export async function startCollector() {
-  const state = { mode: 'up' as 'up' | 'refuse' | 'hold', posts: 0, refused: 0, bodies: [] as Buffer[], contentTypes: [] as string[] };
+  const state = {
+    mode: 'up' as 'up' | 'refuse' | 'hold',
+    posts: 0,
+    refused: 0,
+    bodies: [] as Buffer[],
+    contentTypes: [] as string[],
+    /** Spans in each export taken, in order. */
+    batches: [] as number[],
+  };
   const spans: ReceivedSpan[] = [];
   const held: Array<() => void> = [];
   const server = createServer(async (req, res) => {
@@ -95,11 +103,13 @@ export async function startCollector() {
     }
     const take = () => {
       state.bodies.push(body);
+      const before = spans.length;
       for (const rs of decode(body).resourceSpans ?? []) {
         const resource = attributesOf(rs.resource?.attributes);
         for (const ss of rs.scopeSpans ?? [])
           for (const s of ss.spans ?? []) spans.push({ ...s, attributes: attributesOf(s.attributes), resource });
       }
+      state.batches.push(spans.length - before);
       // An empty ExportTraceServiceResponse: full success.
       if (!res.destroyed) res.writeHead(200, { 'content-type': 'application/x-protobuf' }).end();
     };

@@ -294,6 +294,27 @@ describe('tracing on, at shutdown', () => {
   });
 });
 
+describe('tracing on, under load', () => {
+  it('exports at most 128 spans a batch: a full one leaves before the delay', async () => {
+    const collector = await startCollector();
+    try {
+      const key = makeKey('pro');
+      // A delay of ten minutes, so that the batch size alone can send a batch while the test runs.
+      const settings = { tracingUrl: collector.url, tracingDelayMs: 600_000 };
+      const gw = await buildTestGateway({ config: testConfig([key], { plans }), settings });
+      try {
+        for (let i = 0; i < 129; i++) expect((await send(gw, '/v1/pets', key.key)).status).toBe(200);
+        await eventually(() => collector.state.batches.length > 0, 5000, 'a full batch');
+        expect(collector.state.batches[0]).toBe(128);
+      } finally {
+        await gw.close();
+      }
+    } finally {
+      await collector.close();
+    }
+  });
+});
+
 describe('tracing off (no OTEL_EXPORTER_OTLP_TRACES_ENDPOINT setting)', () => {
   let collector: Collector;
   let gw: TestGateway;
