@@ -248,7 +248,9 @@ export async function startOtlpSink(bed: Pick<Bed, 'onClose'>): Promise<string> 
   const port = await freePort();
   const server = createServer((req, res) => {
     req.resume();
-    req.on('end', () => res.writeHead(200, { 'content-type': 'application/json' }).end('{}'));
+    // Full success in the export's own encoding: `{}` in JSON, an empty message in protobuf.
+    const json = req.headers['content-type'] === 'application/json';
+    req.on('end', () => res.writeHead(200, { 'content-type': String(req.headers['content-type']) }).end(json ? '{}' : undefined));
   });
   await new Promise<void>((r) => server.listen(port, '127.0.0.1', r));
   bed.onClose(() => server.close());

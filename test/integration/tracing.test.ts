@@ -8,7 +8,7 @@ import { type Collector, type ReceivedSpan, startCollector } from '../helpers/co
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
 
-// OpenTelemetry tracing: a real HTTP server stands in for the collector (OTLP/HTTP, JSON) and
+// OpenTelemetry tracing: a real HTTP server stands in for the collector (OTLP/HTTP, protobuf) and
 // the echo backend records what reaches it. Spans leave in batches: the tests poll the
 // collector until the spans they wait for are there, never sleep. OTEL_BSP_SCHEDULE_DELAY is a
 // setting of the gateway (validated like any other), so the tests set it to 20 ms: with the
@@ -158,9 +158,17 @@ describe('tracing on', () => {
       expect(atBackend(gw, answer.id).parent).toEqual({ traceId: span.traceId, spanId: span.spanId, traceFlags: TraceFlags.SAMPLED });
     }
     // Neither a key nor the Authorization header in anything exported.
-    const exported = collector.state.bodies.join('\n');
+    const exported = Buffer.concat(collector.state.bodies).toString('utf8');
     for (const secret of [pro.key, tiny.key, 'Bearer', 'authorization']) expect(exported).not.toContain(secret);
     expect(exported).not.toContain('name=secret');
+  });
+
+  it('exports OTLP in protobuf: every export is application/x-protobuf and decodes by the OTLP schema', async () => {
+    const { id } = await send(gw, '/v1/pets', pro.key);
+    const [span] = await spansFor(collector, [id]); // decoded by protobufjs from the body as received
+    expect(span).toMatchObject({ name: 'GET /v1/pets', kind: SERVER });
+    expect(span!.attributes).toMatchObject({ 'gateway.request_id': id, 'http.response.status_code': 200 });
+    expect(new Set(collector.state.contentTypes)).toEqual(new Set(['application/x-protobuf']));
   });
 
   it("gives a route's cost, and ERROR with error.type on a 5xx (the backend unreachable)", async () => {
@@ -280,6 +288,27 @@ describe('tracing on, at shutdown', () => {
       expect(collector.spans).toEqual([]);
       await gw.close();
       expect(ids.map((id) => collector.spansOf(id).map((s) => s.name))).toEqual([['GET /v1/pets'], ['GET /v1/pets/{petId}']]);
+    } finally {
+      await collector.close();
+    }
+  });
+});
+
+describe('tracing on, under load', () => {
+  it('exports at most 128 spans a batch: a full one leaves before the delay', async () => {
+    const collector = await startCollector();
+    try {
+      const key = makeKey('pro');
+      // A delay of ten minutes, so that the batch size alone can send a batch while the test runs.
+      const settings = { tracingUrl: collector.url, tracingDelayMs: 600_000 };
+      const gw = await buildTestGateway({ config: testConfig([key], { plans }), settings });
+      try {
+        for (let i = 0; i < 129; i++) expect((await send(gw, '/v1/pets', key.key)).status).toBe(200);
+        await eventually(() => collector.state.batches.length > 0, 5000, 'a full batch');
+        expect(collector.state.batches[0]).toBe(128);
+      } finally {
+        await gw.close();
+      }
     } finally {
       await collector.close();
     }
