@@ -488,9 +488,13 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     const holder = this.creditHolders.get(name);
     if (!holder) return;
     holder.timer = undefined;
-    if (this.leases.lapse(name) && !this.health.failing && !this.leases.inFlight(name)) void this.timedCall(holder.subject, 1, 1, true);
-    // A lease still running (taken in a later minute) gets a timer of its own: its holder stays known.
-    if (this.leases.hasCurrent(name) || this.leases.hasAhead(name)) {
+    let waiting = this.leases.lapse(name);
+    if (waiting && !this.health.failing && !this.leases.inFlight(name)) {
+      void this.timedCall(holder.subject, 1, 1, true);
+      waiting = false;
+    }
+    // Leases still running (taken in a later minute), or to close once Redis answers: asked again in a second.
+    if (waiting || this.leases.hasCurrent(name) || this.leases.hasAhead(name)) {
       holder.timer = setTimeout(() => this.closeLapsed(name), 1000).unref();
     } else this.creditHolders.delete(name);
   }
