@@ -131,7 +131,7 @@ function scriptCommands(): Set<string> {
 /**
  * The bed's config with keys more: `refused`, whose day one request spends, `banned`, and two
  * never refused that pay for the billing features: `monthly` (a third window, leased like the
- * others) and `prepaid` (credits, which are never leased: one Redis call per request).
+ * others) and `prepaid` (credits, leased with the windows: a lease also takes 1% of the balance).
  */
 function writeKeys(bed: Bed) {
   const [refused, banned, monthly, prepaid] = [legacyKey('refused'), legacyKey('banned'), legacyKey('monthly'), legacyKey('prepaid')];

@@ -16,7 +16,9 @@ const Entry = Type.Object(
   {
     id: Type.String({ description: 'The ledger entry id (a Redis stream id: time, then sequence)' }),
     at: Instant,
-    kind: Type.Union([Type.Literal('grant'), Type.Literal('topup')]),
+    kind: Type.Union([Type.Literal('grant'), Type.Literal('topup'), Type.Literal('lapsed')], {
+      description: 'lapsed: a credit lease its gateway instance never closed (it died), given back whole once it lapsed',
+    }),
     amount: Type.Integer({ description: 'Units added' }),
     balance: Type.Integer({ description: 'The balance right after it' }),
     periods: Type.Optional(Type.Integer({ description: 'A grant: the periods it covers (more than 1 after idle periods, with rollover)' })),
@@ -35,6 +37,10 @@ const Credits = Type.Object(
       description: "What is left of the period's grant (spent first; it expires at the period's end unless it rolls over)",
     }),
     purchased: Type.Integer({ description: 'What is left of the top-ups (spent after the grant; never expires)' }),
+    reserved: Type.Integer({
+      description:
+        'Taken from the balance by leases gateway instances hold (not in `balance`): spent as they deliver, the rest given back when each lease closes or lapses',
+    }),
     ledger: Type.Array(Entry, {
       description:
         'The last grants and top-ups (about 1,000), oldest first; with usage export on, every entry also goes to the sink as a CloudEvent',
@@ -124,8 +130,8 @@ export const creditRoutes: FastifyPluginAsyncTypebox<CreditParts> = async (app, 
       const [usage, ledger] = await fromStore(Promise.all([parts.store.peek(subject), parts.store.ledger(subject)]), 'credits');
       // Read while Redis fails: the store knows no balance, and 0 would be a wrong answer.
       if (!usage.credits) throw new GatewayError('quota_store_unavailable', 'The quota store did not answer; ask again');
-      const { granted, purchased } = usage.credits;
-      return { account: request.params.account, balance: granted + purchased, granted, purchased, ledger: ledger.map(asEntry) };
+      const { granted, purchased, reserved = 0 } = usage.credits;
+      return { account: request.params.account, balance: granted + purchased, granted, purchased, reserved, ledger: ledger.map(asEntry) };
     },
   );
 

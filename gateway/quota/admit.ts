@@ -53,7 +53,7 @@ const last = new WeakMap<
 
 /** Whether two decisions of one subject count the same in every window: their headers are the same within a second. */
 function sameCounts(a: Decision, b: Decision): boolean {
-  if (a.windows.length !== b.windows.length) return false;
+  if (a.windows.length !== b.windows.length || a.balance !== b.balance) return false;
   for (let i = 0; i < a.windows.length; i++) if (a.windows[i]!.used !== b.windows[i]!.used) return false;
   return true;
 }
@@ -66,7 +66,7 @@ function sameCounts(a: Decision, b: Decision): boolean {
  * whole seconds), are shared while those stay the same. Shared objects are frozen:
  * `reply.headers()` and the raw answers copy their values. An address's subject is built per
  * request, so no later admission could find its entry: it has none. A balance changes with
- * every admission (credits are never leased): nothing to share.
+ * every admission Redis decides: only a lease's (whose balance is the lease's) are shared.
  */
 function sharedAdmission(d: Decision, subject: QuotaSubject): Admission {
   const was = last.get(subject);
@@ -97,7 +97,8 @@ function allowed(d: Decision, headers: Readonly<Record<string, string>>): Admiss
 /** What admission makes of a decision. */
 function admissionOf(d: Decision, subject: QuotaSubject): Admission {
   if (d.outcome === 'allowed') {
-    return subject.lasting && d.balance === undefined ? sharedAdmission(d, subject) : allowed(d, rateLimitHeaders(d, subject.policy));
+    const shared = subject.lasting && (d.balance === undefined || d.leased === true);
+    return shared ? sharedAdmission(d, subject) : allowed(d, rateLimitHeaders(d, subject.policy));
   }
   if (!subject.enforce) return shadow(d, d.outcome, subject);
   return {

@@ -24,6 +24,12 @@ export interface Lease extends Counts {
    * their units were delivered (size less left), which is what overage bills.
    */
   size: number;
+  /** A credit lease's id in Redis (its call's), under which its credits are held until it is closed. */
+  id?: string;
+  /** Credits left in Redis when it was taken, beside those it holds (a subject with credits). */
+  balance?: number;
+  /** Of leases to close: each credit lease's id and units not handed out, which go back to the balance. */
+  credits?: Array<[id: string, left: number]>;
   /** The decision its units share within one second of Redis time, for one subject (see RedisStore.fromLease). */
   shared?: { second: number; subject: QuotaSubject; decision: Decision };
 }
@@ -32,7 +38,14 @@ export interface Lease extends Counts {
  * A lease of `units` from a reply at Redis time `nowMs` to a call sent at monotonic `sentMono`:
  * timed from the sending, so it ends no later than its Redis minute.
  */
-export function leaseOf(units: number, size: number, sentMono: number, nowMs: number, counts: Counts & { period?: Period }): Lease {
+export function leaseOf(
+  units: number,
+  size: number,
+  sentMono: number,
+  nowMs: number,
+  counts: Counts & { period?: Period; balance?: number },
+  id?: string,
+): Lease {
   const windowEndMs = windowStart(nowMs, MINUTE_MS) + MINUTE_MS;
   const starts: Lease['starts'] = {};
   const lease = { left: units, until: sentMono + windowEndMs - nowMs, windowEndMs, starts, size, shared: undefined } as Lease;
@@ -42,6 +55,8 @@ export function leaseOf(units: number, size: number, sentMono: number, nowMs: nu
   }
   lease.monthUsed = counts.monthUsed ?? 0;
   lease.period = counts.period;
+  // Credits are held in Redis under the lease's id only when the subject has credits.
+  if (counts.balance !== undefined) Object.assign(lease, { id, balance: counts.balance });
   return lease;
 }
 
@@ -130,12 +145,40 @@ export class LeaseBook {
    */
   private keepUnused(name: string, lease: Lease): void {
     const held = this.unused.get(name);
+    // Credits are not counted per window: every credit lease is closed, merged or not.
+    const credits: Lease['credits'] = [...(held?.credits ?? []), ...(lease.id ? [[lease.id, lease.left] as [string, number]] : [])];
     if (held && held.starts.day === lease.starts.day && held.period?.startMs === lease.period?.startMs) {
       // Of two minutes (or hours), neither is given its units back (they stay counted there: the safe side).
       for (const w of FIXED) if (held.starts[w.name] !== lease.starts[w.name]) held.starts[w.name] = 0;
       held.left += lease.left;
       held.size += lease.size;
-    } else this.unused.set(name, { ...lease, starts: { ...lease.starts } });
+      held.credits = credits;
+    } else this.unused.set(name, { ...lease, starts: { ...lease.starts }, credits });
+  }
+
+  /** The subject's leases past their time, kept to close (a credit lease's holder closes it before Redis gives it back whole). */
+  lapse(name: string): boolean {
+    const mono = this.clock.mono();
+    for (const held of [this.current, this.ahead]) {
+      const lease = held.get(name);
+      if (lease && mono >= lease.until) {
+        held.delete(name);
+        this.keepUnused(name, lease);
+      }
+    }
+    return this.unused.has(name);
+  }
+
+  /** Every lease of the subject closed now, handed out or not (the instance stops): whether there are any to close. */
+  closeAll(name: string): boolean {
+    for (const held of [this.current, this.ahead]) {
+      const lease = held.get(name);
+      if (lease) {
+        held.delete(name);
+        this.keepUnused(name, lease);
+      }
+    }
+    return this.unused.has(name);
   }
 
   /**

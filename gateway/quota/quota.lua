@@ -16,7 +16,8 @@
 -- overage (0: none): no lease reaches past it, so every unit past it is decided here and
 -- counted in `oc`; `grant` each period (-1: no credits) and `rollover`; `eventsCap` (0: no
 -- event) with the request's id, key id, plan, route and method for its usage event; `alerts`,
--- thresholds as a comma list ('' none); `callId` ('' none).
+-- thresholds as a comma list ('' none); `callId` ('' none), also a credit lease's id;
+-- `backCredits`, the credit leases closed with the call, `id=unused` comma-separated.
 -- The reply: the outcome (an index into OUTCOMES in decision.ts; -1: past the deadline), the
 -- windows' counts, Redis's time, the ban's end, the units taken, the period, the balance (-1:
 -- no credits), the overage billed so far and this request's, its usage event's id (or false)
@@ -77,6 +78,59 @@ local alertsBefore = alerting and redis.call('XLEN', KEY.alerts)
 if alerting and day.on then resolveEnded(KEY.alerted, KEY.alerts, now, thresholds, 'day', day.stored, day.start) end
 if alerting and perMonth > 0 then resolveEnded(KEY.alerted, KEY.alerts, now, thresholds, 'month', tonumber(h.ps), ps) end
 if alerting and replaced then resolveEnded(KEY.alerted, KEY.alerts, now, thresholds, 'credits', replaced, gp) end
+-- Credit leases: each one's units are taken from the balance when it is granted and held in
+-- the credits hash (`h:<call id>`: size, its granted part, the grant period, when it lapses),
+-- `r` their sum and `rx` the first to lapse. Its holder closes it with a later call (`backCredits`:
+-- each lease's id and units not handed out, which go back to the balance). One its holder never
+-- closed (the instance died, or Redis failed past it) goes back whole once it lapsed, written
+-- to the ledger as `lapsed`: what its holder delivered from it is then not charged, never the
+-- reverse. HOLD_GRACE: the time past its minute a live holder has to close it.
+local HOLD_GRACE = 10000
+local held, heldNext = 0, nil
+if grant >= 0 then
+  local c = redis.call('HMGET', KEY.credits, 'r', 'rx')
+  held, heldNext = tonumber(c[1]) or 0, tonumber(c[2])
+end
+-- `units` of the reservation `v` (as stored) back to the balance: its purchased part first, the
+-- rest to the grant if it is still the one in force, else as purchased credits (a refund's way).
+local function unhold(field, v, units)
+  local size, fromGrant, from = string.match(v, '^(%d+) (%d+) (%d+)')
+  size, fromGrant = tonumber(size), tonumber(fromGrant)
+  redis.call('HDEL', KEY.credits, field)
+  held = math.max(0, held - size)
+  units = math.min(units, size)
+  local toPurchased = math.min(units, size - fromGrant)
+  local toGrant = units - toPurchased
+  if tonumber(from) ~= gp then toPurchased, toGrant = units, 0 end
+  g, p = g + toGrant, p + toPurchased
+  return units
+end
+local function saveHeld()
+  if held > 0 then redis.call('HSET', KEY.credits, 'g', g, 'p', p, 'r', held, 'rx', heldNext)
+  else redis.call('HSET', KEY.credits, 'g', g, 'p', p, 'r', 0) redis.call('HDEL', KEY.credits, 'rx') end
+end
+if grant >= 0 and ARG.backCredits and ARG.backCredits ~= '' then
+  for id, left in string.gmatch(ARG.backCredits, '([^,=]+)=(%d+)') do
+    local v = redis.call('HGET', KEY.credits, 'h:' .. id)
+    if v then unhold('h:' .. id, v, tonumber(left)) end
+  end
+  saveHeld()
+end
+if grant >= 0 and held > 0 and heldNext and now >= heldNext then
+  local all, first = redis.call('HGETALL', KEY.credits), nil
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, 2) == 'h:' then
+      local x = tonumber(string.match(all[i + 1], '(%d+)$'))
+      if now >= x then
+        local units = unhold(all[i], all[i + 1], math.huge)
+        record({ ledger = KEY.ledger, events = KEY.events, eventsCap = 0 }, now, 'lapsed',
+          {'amount', units, 'balance', g + p, 'lease', string.sub(all[i], 3)})
+      elseif not first or x < first then first = x end
+    end
+  end
+  heldNext = first
+  saveHeld()
+end
 local pc = (perMonth > 0 and tonumber(h.ps) == ps) and tonumber(h.pc) or 0
 local ban = tonumber(h.ban) or 0
 -- Overage billed so far in the overage window (the month's, else the day's): `os` its start.
@@ -179,6 +233,13 @@ local function take(units, leased)
     g = g - fromGrant
     p = p - (units - fromGrant)
     redis.call('HSET', KEY.credits, 'g', g, 'p', p)
+    if leased then
+      local x = win.minute.start + FIXED.minute.len + HOLD_GRACE
+      redis.call('HSET', KEY.credits, 'h:' .. ARG.callId, units .. ' ' .. fromGrant .. ' ' .. gp .. ' ' .. x)
+      held = held + units
+      if not heldNext or x < heldNext then heldNext = x end
+      saveHeld()
+    end
   end
   save()
   keep()
@@ -195,8 +256,10 @@ end
 
 -- A refill, while the instance still hands out its current lease: a whole lease while every
 -- window keeps room for two, else nothing (the requests then ask one by one, as below).
+-- With credits, a lease is also at most 1% of the balance: near its end, one decision per request.
+if grant >= 0 then lease = math.min(lease, math.floor((g + p) / 100)) end
 if tonumber(ARG.refill) == 1 then
-  if grant >= 0 or room() < 2 * lease then return reply(0, 0) end
+  if lease <= 1 or room() < 2 * lease then return reply(0, 0) end
   takeAndAlert(lease, true)
   return reply(0, lease)
 end
@@ -230,9 +293,9 @@ end
 if grant >= 0 and g + p < cost then return reply(5, 0) end
 
 -- A lease takes several units at once, for the instance to hand out itself, only while every
--- window keeps room for two leases: near a limit, one decision per request. Credits are never leased.
+-- window keeps room for two leases: near a limit, one decision per request.
 local units = cost
-if lease > 1 and cost == 1 and grant < 0 and room() >= 2 * lease then units = lease end
+if lease > 1 and cost == 1 and room() >= 2 * lease then units = lease end
 takeAndAlert(units, units > cost)
 -- The request's usage event, in the same step as its count: what is enforced is what is billed.
 local cap = tonumber(ARG.eventsCap) or 0

@@ -128,14 +128,14 @@ function ledgerEntry(id: string, fields: string[]): LedgerEntry {
     balance: Number(f.balance),
   };
   if (f.kind === 'grant') Object.assign(entry, { periods: Number(f.periods), expired: Number(f.expired) });
-  else Object.assign(entry, { reason: f.reason, idempotencyKey: f.idempotencyKey });
+  else if (f.kind === 'topup') Object.assign(entry, { reason: f.reason, idempotencyKey: f.idempotencyKey });
   return entry;
 }
 
 /**
  * The billing part of a usage read, as the next decision will find it (the read changes
  * nothing): the month's period in force and its count, the overage, and the credits with the
- * grants due applied. `stored`: the counters' ps, pc, os, oc, pe; `credited`: g, p, gp, ge.
+ * grants due applied. `stored`: the counters' ps, pc, os, oc, pe; `credited`: g, p, gp, ge, r.
  */
 function billingUsage(subject: QuotaSubject, now: number, stored: number[], credited: Array<string | null>): Partial<Usage> {
   const { limits, billing } = subject;
@@ -148,11 +148,11 @@ function billingUsage(subject: QuotaSubject, now: number, stored: number[], cred
     out.monthUsed = ps === period.startMs ? pc : 0;
   }
   if (billing.credits) {
-    const [g, p, gp, ge] = credited;
+    const [g, p, gp, ge, r] = credited;
     const state: CreditState = { granted: Number(g ?? 0), purchased: Number(p ?? 0) };
     if (gp != null && ge != null) Object.assign(state, { grantedFor: Number(gp), grantedUntil: Number(ge) });
     const due = withGrants(state, billingPeriod(now, billing.billingDay), billing.credits, now);
-    out.credits = { granted: due.state.granted, purchased: due.state.purchased };
+    out.credits = { granted: due.state.granted, purchased: due.state.purchased, reserved: Number(r ?? 0) };
     period ??= due.inForce;
   }
   if (period) out.period = period;
@@ -163,10 +163,11 @@ function billingUsage(subject: QuotaSubject, now: number, stored: number[], cred
 /** The fixed windows' fields of the counters hash (windows.ts): each one's start and count. */
 const COUNTER_FIELDS = FIXED.flatMap((w) => [w.stored.start, w.stored.count]);
 
-/** A lease's counts: every window's, as Redis held them after it. */
-function countsOfLease(lease: Lease): Counts {
-  const out: Counts = { minuteUsed: 0, dayUsed: 0, monthUsed: lease.monthUsed };
+/** A lease's counts: every window's, as Redis held them after it; with credits, its balance and the units it still holds. */
+function countsOfLease(lease: Lease): Counts & { balance?: number } {
+  const out: Counts & { balance?: number } = { minuteUsed: 0, dayUsed: 0, monthUsed: lease.monthUsed };
   for (const w of FIXED) out[w.used] = lease[w.used] ?? 0;
+  if (lease.balance !== undefined) out.balance = lease.balance + lease.left;
   return out;
 }
 
@@ -211,6 +212,10 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private readonly statuses: Array<[hash: string, eventId: string, status: number]> = [];
   private statusTimer?: NodeJS.Timeout;
   private readonly marks?: (active: ActiveAccounts) => Promise<unknown>;
+  /** Subjects holding credit leases, each with the timer that closes them once they lapse. */
+  private readonly creditHolders = new Map<string, { subject: QuotaSubject; timer?: NodeJS.Timeout }>();
+  /** Set by close: no lease is taken any more. */
+  private closing = false;
   /** Accounts to mark for the usage loops at the next flush. */
   private active: { usage: Set<string>; alerts: Set<string> } = { usage: new Set(), alerts: new Set() };
 
@@ -292,8 +297,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     let waitedMs = 0;
     for (;;) {
       this.leases.sweep(this.redisClock.now());
-      // Credits are money, and a usage event is written with its count: every such unit is decided by Redis, never leased.
-      const size = cost === 1 && !solo && !subject.billing.credits && subject.events === 0 ? leaseSize(limits, this.leaseMax) : 1;
+      // A usage event is written with its count: every such unit is decided by Redis, never leased.
+      const size = cost === 1 && !solo && !this.closing && subject.events === 0 ? leaseSize(limits, this.leaseMax) : 1;
       if (size === 1) return this.ask(subject, 1, cost, tag, waitedMs);
       const pending = this.leases.inFlight(name);
       if (pending) {
@@ -345,8 +350,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   }
 
   /** One run of quota.lua: `back` the leases closed (their unused units and size), `refill` a lease taken ahead. */
-  private call(subject: QuotaSubject, c: Omit<QuotaCall, 'callId'>): Promise<RawReply> {
-    return this.redis.quota(...quotaArgs(subject, { ...c, callId: `${this.instanceId}:${++this.calls}` }));
+  private call(subject: QuotaSubject, c: QuotaCall): Promise<RawReply> {
+    return this.redis.quota(...quotaArgs(subject, c));
   }
 
   /**
@@ -360,19 +365,22 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     cost: number,
     refill: boolean,
     tag?: EventTag,
-  ): Promise<{ counts?: WindowCounts; taken: number; sentMono: number; waitedMs: number }> {
-    const back = this.leases.takeUnused(subject.name); // if the call fails they stay counted: the safe side
+  ): Promise<{ counts?: WindowCounts; taken: number; sentMono: number; waitedMs: number; id: string }> {
+    // If the call fails they stay counted (the safe side); a credit lease's credits go back when it lapses in Redis.
+    const back = this.leases.takeUnused(subject.name);
     const sentMono = this.clock.mono();
     const sentAt = this.clock.wall();
+    // The call's id, and the id of a credit lease it takes.
+    const id = `${this.instanceId}:${++this.calls}`;
     let reply: QuotaReply | typeof LATE;
     try {
       const deadline = this.redisClock.deadline(sentAt, this.timeoutMs);
-      const call = this.call(subject, { lease, back, deadline, cost, refill, tag });
+      const call = this.call(subject, { lease, back, deadline, cost, refill, tag, callId: id });
       const raw = await within(call, this.timeoutMs);
       reply = raw === LATE ? LATE : quotaReply(raw);
       if (reply === LATE)
         call.then(
-          (late) => this.undo(subject, quotaReply(late), sentMono, cost),
+          (late) => this.undo(subject, quotaReply(late), sentMono, cost, id),
           () => {},
         );
     } catch (err) {
@@ -380,7 +388,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       this.observe(waitedMs / 1000);
       this.health.failed(err);
       this.markWritten(subject, tag);
-      return { taken: 0, sentMono, waitedMs };
+      return { taken: 0, sentMono, waitedMs, id };
     }
     const waitedMs = this.clock.mono() - sentMono;
     this.observe(waitedMs / 1000);
@@ -388,13 +396,13 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     if (reply === LATE || reply.outcome < 0) {
       this.health.failed(new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`));
       if (reply === LATE) this.markWritten(subject, tag);
-      return { taken: 0, sentMono, waitedMs };
+      return { taken: 0, sentMono, waitedMs, id };
     }
     this.markWritten(subject, tag, reply);
     this.redisClock.learn(reply.nowMs, sentAt);
     const counts = countsOf(reply);
     this.budget.see(subject.name, counts);
-    return { counts, taken: reply.taken, sentMono, waitedMs };
+    return { counts, taken: reply.taken, sentMono, waitedMs, id };
   }
 
   /**
@@ -403,11 +411,11 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * with the next call, as a lapsed lease's are; a request's units are refunded, with its
    * credits, its overage and its usage event. Never counted without being delivered.
    */
-  private undo(subject: QuotaSubject, late: QuotaReply, sentMono: number, cost: number): void {
+  private undo(subject: QuotaSubject, late: QuotaReply, sentMono: number, cost: number, id: string): void {
     const { taken } = late;
     if (late.outcome !== 0 || taken === 0) return;
     this.tally.undone++;
-    if (taken > cost) return this.leases.giveBack(subject.name, leaseOf(taken, taken, sentMono, late.nowMs, countsOf(late)));
+    if (taken > cost) return this.giveBack(subject, leaseOf(taken, taken, sentMono, late.nowMs, countsOf(late), id));
     void this.refundInRedis(subject, late.nowMs, taken, late.eventId);
   }
 
@@ -416,9 +424,9 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * fails meanwhile. `waitedMs`: what the request already waited on a sibling's call.
    */
   private async ask(subject: QuotaSubject, lease: number, cost: number, tag: EventTag | undefined, waitedMs: number): Promise<Decision> {
-    const { counts, taken, sentMono, waitedMs: callMs } = await this.timedCall(subject, lease, cost, false, tag);
+    const { counts, taken, sentMono, waitedMs: callMs, id } = await this.timedCall(subject, lease, cost, false, tag);
     if (!counts) return waited(this.degradedDecision(subject, cost), waitedMs + callMs);
-    if (taken > cost) this.leases.grant(subject.name, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts));
+    if (taken > cost) this.hold(subject, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts, id), false);
     this.learnBan(subject.name, counts);
     return waited(decision(subject, counts), waitedMs + callMs);
   }
@@ -440,13 +448,66 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private refill(subject: QuotaSubject, size: number): void {
     const { name } = subject;
     if (this.leases.inFlight(name) || this.leases.hasAhead(name)) return;
-    const done = this.timedCall(subject, size, 1, true).then(({ counts, taken, sentMono }) => {
+    const done = this.timedCall(subject, size, 1, true).then(({ counts, taken, sentMono, id }) => {
       if (!counts) return false;
       this.learnBan(name, counts);
-      if (counts.outcome !== 'banned' && taken > 0) this.leases.grantAhead(name, leaseOf(taken, size, sentMono, counts.nowMs, counts));
+      // With credits, a lease may be smaller than asked (1% of the balance): its size is what was taken.
+      if (counts.outcome !== 'banned' && taken > 0) this.hold(subject, leaseOf(taken, taken, sentMono, counts.nowMs, counts, id), true);
       return taken > 0;
     });
     this.leases.track(name, done);
+  }
+
+  /** A lease granted (or taken ahead); a credit lease is closed by a timer once it lapses, if no call closed it before. */
+  private hold(subject: QuotaSubject, lease: Lease, ahead: boolean): void {
+    if (ahead) this.leases.grantAhead(subject.name, lease);
+    else this.leases.grant(subject.name, lease);
+    if (lease.id) this.closeWhenLapsed(subject, lease);
+  }
+
+  /** A lease never handed out, closed with the next call (a credit lease's timer closes it if none comes). */
+  private giveBack(subject: QuotaSubject, lease: Lease): void {
+    this.leases.giveBack(subject.name, lease);
+    if (lease.id) this.closeWhenLapsed(subject, lease);
+  }
+
+  /**
+   * One timer per subject holding credit leases, at the end of the latest lease's time: then its
+   * lapsed leases are closed in a call of their own, their unused credits back to the balance
+   * well before Redis would give them back whole (quota.lua, HOLD_GRACE).
+   */
+  private closeWhenLapsed(subject: QuotaSubject, lease: Lease): void {
+    const holder = this.creditHolders.get(subject.name) ?? { subject };
+    holder.subject = subject;
+    this.creditHolders.set(subject.name, holder);
+    if (holder.timer) return;
+    holder.timer = setTimeout(() => this.closeLapsed(subject.name), Math.max(0, lease.until - this.clock.mono()) + 1).unref();
+  }
+
+  private closeLapsed(name: string): void {
+    const holder = this.creditHolders.get(name);
+    if (!holder) return;
+    holder.timer = undefined;
+    let waiting = this.leases.lapse(name);
+    if (waiting && !this.health.failing && !this.leases.inFlight(name)) {
+      void this.timedCall(holder.subject, 1, 1, true);
+      waiting = false;
+    }
+    // Leases still running (taken in a later minute), or to close once Redis answers: asked again in a second.
+    if (waiting || this.leases.hasCurrent(name) || this.leases.hasAhead(name)) {
+      holder.timer = setTimeout(() => this.closeLapsed(name), 1000).unref();
+    } else this.creditHolders.delete(name);
+  }
+
+  /** On stopping: every credit lease closed, its credits not handed out back to the balance. */
+  private async closeCredits(): Promise<void> {
+    this.closing = true;
+    const calls = [...this.creditHolders.values()].map(({ subject, timer }) => {
+      clearTimeout(timer);
+      return this.leases.closeAll(subject.name) ? this.timedCall(subject, 1, 1, true) : undefined;
+    });
+    this.creditHolders.clear();
+    await Promise.all(calls);
   }
 
   /**
@@ -679,7 +740,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       .time()
       .hmget(subjectKey.counters(subject.name), ...COUNTER_FIELDS, 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
       .lrange(subjectKey.rejections(subject.name), 0, -1)
-      .hmget(subjectKey.credits(subject.name), 'g', 'p', 'gp', 'ge')
+      .hmget(subjectKey.credits(subject.name), 'g', 'p', 'gp', 'ge', 'r')
       .exec();
     const values = (results ?? []).map(([err, value]) => {
       if (err) throw err;
@@ -706,6 +767,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
 
   /** Stops the heartbeat and leaves the registry, so the others' shares grow at once. */
   async close(): Promise<void> {
+    if (!this.health.failing) await this.closeCredits().catch(() => {});
     this.health.close();
     if (this.acking) void closeRedis(this.acking, 'now');
     if (this.statusTimer) clearTimeout(this.statusTimer);

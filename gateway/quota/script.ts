@@ -98,6 +98,7 @@ const QUOTA_ARGV = [
   'alerts',
   'backSize',
   'callId',
+  'backCredits',
 ] as const;
 const QUOTA_REPLY = [
   'outcome',
@@ -178,6 +179,7 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   for (const w of FIXED) a(backArg(w), back?.starts[w.name] ?? 0);
   a('backPeriodStart', back?.period?.startMs ?? 0);
   a('backSize', back?.size ?? 0);
+  a('backCredits', back?.credits ? back.credits.map(([id, left]) => `${id}=${left}`).join(',') : '');
   const tag = c.tag && subject.events > 0 ? c.tag : undefined;
   a('eventsCap', tag ? subject.events : 0);
   a('requestId', tag?.requestId ?? '');

@@ -85,8 +85,11 @@ interface UsageBeyondCounts {
   /** The billing period and its count, for a subject with a month window or credits. */
   period?: Period;
   monthUsed?: number;
-  /** The credits as they stand (grants due applied), for a subject with credits. */
-  credits?: { granted: number; purchased: number };
+  /**
+   * The credits as they stand (grants due applied), for a subject with credits; `reserved`: taken
+   * from them by leases not closed yet (Redis), spent or given back when they close.
+   */
+  credits?: { granted: number; purchased: number; reserved?: number };
   /** Units billed as overage in the current overage window (a subject with overage). */
   overageUsed?: number;
 }
@@ -112,11 +115,14 @@ export interface TopUpResult {
   conflict: boolean;
 }
 
-/** One entry of the credits ledger (append-only): a period's grant or a top-up, and the balance after it. */
+/**
+ * One entry of the credits ledger (append-only): a period's grant, a top-up, or a credit lease its
+ * holder never closed, given back whole once it lapsed (`lapsed`); and the balance after it.
+ */
 export interface LedgerEntry {
   id: string;
   atMs: number;
-  kind: 'grant' | 'topup';
+  kind: 'grant' | 'topup' | 'lapsed';
   amount: number;
   balance: number;
   /** A grant: the periods it covers, and what was left of the last grant and expired (without rollover). */

@@ -1,0 +1,245 @@
+import { randomUUID } from 'node:crypto';
+import fc from 'fast-check';
+import type { FastifyBaseLogger } from 'fastify';
+import { Redis } from 'ioredis';
+import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import type { Decision, QuotaSubject } from '../../gateway/quota/decision.js';
+import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
+import { echoBackend, type EchoBackend } from '../helpers/backends.js';
+import { call, makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
+import { startProcess } from '../helpers/processes.js';
+import { BUDGET, timeoutFor } from '../helpers/budget.js';
+import { eventually } from '../helpers/time.js';
+
+// Credits at lease speed, exact: a lease reserves its credits from the balance in the same
+// script (at most 1% of the balance), its holder spends them locally and gives back what it did
+// not hand out when the lease closes; a lease its holder never closes (a killed instance) goes
+// back whole once it lapsed in Redis. Spent = delivered, at every step and at the end.
+
+const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
+/** The shipped QUOTA_LEASE_MAX: with a balance of 2,000 a lease is 20 units (1% of it). */
+const LEASE_MAX = 100;
+// A billing day half a month away, so no run crosses its period's start (a new grant).
+const billingDay = ((new Date().getUTCDate() + 14) % 28) + 1;
+const subject = (grant: number): QuotaSubject => ({
+  name: `gw:test:{k:${randomUUID()}}`,
+  // Windows far roomier than the balance: only the credits decide.
+  limits: { perMinute: 100_000, perDay: 1_000_000 },
+  bans: null,
+  policy: '',
+  lasting: true,
+  enforce: true,
+  billing: { billingDay, overage: 0, credits: { grant, rollover: false } },
+  events: 0,
+  alerts: '',
+});
+
+/** One gateway instance: its store, on a monotonic clock the test moves on to make its leases lapse. */
+class Instance {
+  store: RedisQuotaStore;
+  private shift = 0;
+  readonly admitted: Decision[] = [];
+
+  constructor(redis: Redis) {
+    this.store = new RedisQuotaStore(redis, silent, {
+      leaseMax: LEASE_MAX,
+      // A stall of this busy machine must not turn a decision into a 503: not what this test is about.
+      timeoutMs: 30_000,
+      clock: { wall: Date.now, mono: () => performance.now() + this.shift },
+    });
+  }
+
+  /** Its leases' time is over, as far as it can tell (Redis's own minute is untouched). */
+  lapse(): void {
+    this.shift += 61_000;
+  }
+}
+
+let redis: Redis;
+beforeAll(() => {
+  redis = new Redis(inject('redisUrl'), { enableOfflineQueue: true });
+});
+afterAll(() => redis.quit());
+
+const steps = fc.array(
+  fc.oneof(
+    { weight: 5, arbitrary: fc.record({ kind: fc.constant('send' as const), at: fc.nat(1), n: fc.integer({ min: 1, max: 300 }) }) },
+    { weight: 2, arbitrary: fc.record({ kind: fc.constant('lapse' as const), at: fc.nat(1) }) },
+    { weight: 1, arbitrary: fc.record({ kind: fc.constant('refund' as const), at: fc.nat(1) }) },
+  ),
+  { minLength: 1, maxLength: 20 },
+);
+
+describe('credit leases on two instances', () => {
+  it('spend exactly what was delivered: at every step within what the open leases hold, and exactly once they close', async () => {
+    const B0 = 2000;
+    await fc.assert(
+      fc.asyncProperty(steps, async (plan) => {
+        const s = subject(B0);
+        const fleet = [new Instance(redis), new Instance(redis)];
+        const credits = async () => (await fleet[0]!.store.peek(s)).credits!;
+        let delivered = 0;
+        const send = async (at: Instance) => {
+          const d = await at.store.consume(s);
+          if (d.outcome === 'allowed') {
+            delivered++;
+            at.admitted.push(d);
+          } else expect(d.outcome).toBe('credits');
+        };
+        for (const step of plan) {
+          const at = fleet[step.at]!;
+          if (step.kind === 'send') for (let i = 0; i < step.n; i++) await send(at);
+          else if (step.kind === 'lapse') at.lapse();
+          else {
+            const d = at.admitted.pop();
+            if (d) {
+              await at.store.refund(s, d.nowMs, 1);
+              delivered--;
+            }
+          }
+          // What left the balance is what was delivered, give or take what the open leases hold.
+          const { granted, purchased, reserved = 0 } = await credits();
+          const spent = B0 - granted - purchased;
+          expect(delivered, JSON.stringify(step)).toBeLessThanOrEqual(spent);
+          expect(delivered, JSON.stringify(step)).toBeGreaterThanOrEqual(spent - reserved);
+        }
+        // Each instance stops, closing its leases.
+        for (const at of fleet) await at.store.close();
+        const { granted, purchased, reserved } = await credits();
+        expect({ spent: B0 - granted - purchased, reserved }).toEqual({ spent: delivered, reserved: 0 });
+      }),
+      { numRuns: 15 },
+    );
+  });
+
+  it('answer 402 only once the balance is spent but for what the other instance holds (at most 1% of it), and admit that once it is given back', async () => {
+    const s = subject(1000);
+    const [a, b] = [new Instance(redis), new Instance(redis)];
+    expect((await a.store.consume(s)).outcome).toBe('allowed'); // a lease of 10 (1% of 1,000): A holds 9
+    let byB = 0;
+    while ((await b.store.consume(s)).outcome === 'allowed') byB++;
+    expect(byB).toBe(990);
+    // The 402 came with A's lease reserved: that is the bound, 1% of the balance A took it from.
+    expect((await b.store.peek(s)).credits).toMatchObject({ granted: 0, reserved: 10 });
+    a.lapse();
+    expect((await a.store.consume(s)).outcome).toBe('allowed'); // closes its lease (9 back), then one of them
+    let more = 0;
+    while ((await b.store.consume(s)).outcome === 'allowed') more++;
+    expect(more).toBe(8);
+    expect((await b.store.peek(s)).credits).toMatchObject({ granted: 0, purchased: 0, reserved: 0 });
+  });
+
+  it('a refunded unit of a lease gives its credit back, and the lease closes without counting it twice', async () => {
+    const s = subject(2000);
+    const a = new Instance(redis);
+    const first = await a.store.consume(s); // a lease of 20
+    expect(first.leased).toBe(false);
+    const fromLease = await a.store.consume(s);
+    expect(fromLease.leased).toBe(true);
+    await a.store.refund(s, fromLease.nowMs, 1); // its backend answered 502
+    await a.store.close(); // closes the lease: its 18 not handed out back
+    const { granted, purchased, reserved } = (await a.store.peek(s)).credits!;
+    // Delivered: the first; the refunded one is not charged, nor counted again when its lease closes.
+    expect({ spent: 2000 - granted - purchased, reserved }).toEqual({ spent: 1, reserved: 0 });
+  });
+});
+
+describe('a gateway process killed holding a credit lease', () => {
+  let echo: EchoBackend;
+  beforeAll(async () => {
+    echo = await echoBackend();
+  });
+  afterAll(() => echo?.close());
+
+  it("gives the lease back whole once it lapses in Redis (ledger: lapsed): the customer loses nothing, the units it delivered go unpaid; a live holder's lapsed lease is closed by its holder", {
+    timeout: timeoutFor(61_000, 90_000, BUDGET.change),
+  }, async () => {
+    const key = { ...makeKey('prepaid') };
+    const other = { ...makeKey('prepaid') };
+    const token = 'admin-token-0123456789';
+    const { dir, cleanup } = tempDir();
+    const file = `${dir}/gateway.json`;
+    // 2,000 credits: leases of 20. The windows are far roomier: only the credits decide.
+    writeConfig(
+      file,
+      testConfig([key, other], {
+        plans: { prepaid: { perMinute: 100_000, perDay: 1_000_000, credits: { grant: 2000, every: 'month' } } },
+        accounts: { [key.id]: { billingDay }, [other.id]: { billingDay } },
+      }),
+    );
+    const env = {
+      REDIS_URL: inject('redisUrl'),
+      GATEWAY_CONFIG: file,
+      BACKEND_URL: echo.url,
+      REDIS_KEY_PREFIX: uniquePrefix(),
+      ADMIN_TOKEN: token,
+    };
+    const start = async () => {
+      const g = await startProcess(
+        'dist/gateway/server.js',
+        { GATEWAY_PORT: '0', ADMIN_PORT: '0', ...env },
+        (l) => l.msg === 'gateway ready',
+      );
+      const ready = g.logs.find((l) => l.msg === 'gateway ready')!;
+      return { ...g, url: String(ready.address), admin: String(ready.admin) };
+    };
+    try {
+      const [victim, survivor] = [await start(), await start()];
+      // A 503 (Redis slower than REDIS_TIMEOUT_MS on this loaded machine) is not charged: asked again, as a client would.
+      const status = async (url: string, k: string): Promise<number> => {
+        for (;;) {
+          const res = await call(`${url}/v1/pets`, k);
+          await res.arrayBuffer();
+          if (res.status !== 503) return res.status;
+        }
+      };
+      const creditsOf = async (id: string) =>
+        (await (
+          await fetch(`${survivor.admin}/admin/accounts/${id}/credits`, { headers: { authorization: `Bearer ${token}` } })
+        ).json()) as {
+          balance: number;
+          reserved: number;
+          ledger: Array<{ kind: string; amount: number }>;
+        };
+      // The lease is taken early in a minute, so it lapses in Redis at least 65 s later: time for the
+      // survivor to spend the rest of the balance first, however loaded the machine.
+      await eventually(() => Date.now() % 60_000 < 5_000, 61_000, 'a minute starting');
+      // The victim takes a lease of 20 and delivers 3 of it; the survivor holds a lease of the other account.
+      for (let i = 0; i < 3; i++) expect(await status(victim.url, key.key)).toBe(200);
+      expect(await status(survivor.url, other.key)).toBe(200);
+      expect(await creditsOf(key.id)).toMatchObject({ balance: 1980, reserved: 20 });
+      victim.proc.kill('SIGKILL');
+      await new Promise((r) => victim.proc.once('exit', r));
+      // The survivor spends all the balance not held, then 402 while the dead lease is reserved (20 at a time).
+      const statuses = (
+        await Promise.all(
+          Array.from({ length: 20 }, async () => {
+            const mine: number[] = [];
+            while (mine.at(-1) !== 402) mine.push(await status(survivor.url, key.key));
+            return mine;
+          }),
+        )
+      ).flat();
+      let admitted = statuses.filter((s) => s === 200).length;
+      expect({ admitted, other: statuses.filter((s) => s !== 200 && s !== 402) }).toEqual({ admitted: 1980, other: [] });
+      expect(await creditsOf(key.id)).toMatchObject({ balance: 0, reserved: 20 });
+      // Once the dead lease lapses in Redis (its minute's end and the grace), the next call gives it back whole.
+      await eventually(async () => (await status(survivor.url, key.key)) === 200, 90_000, 'the dead lease given back');
+      admitted++;
+      while ((await status(survivor.url, key.key)) === 200) admitted++;
+      expect(admitted).toBe(2000);
+      const after = await creditsOf(key.id);
+      expect(after).toMatchObject({ balance: 0, reserved: 0 });
+      // 2,003 delivered for 2,000 paid: the 3 the victim delivered before dying, at most its lease.
+      expect(after.ledger.filter((e) => e.kind === 'lapsed').map((e) => e.amount)).toEqual([20]);
+      // The survivor's own lease of the other account lapsed too, but its holder closed it: no lapsed entry, nothing held.
+      // Its holder's timer closed it at its minute's end, before the dead lease (of the same minute) lapsed in Redis.
+      await eventually(async () => (await creditsOf(other.id)).reserved === 0, undefined, "the survivor's lease closed");
+      const closed = await creditsOf(other.id);
+      expect({ balance: closed.balance, lapsed: closed.ledger.filter((e) => e.kind === 'lapsed') }).toEqual({ balance: 1999, lapsed: [] });
+      await survivor.stop();
+    } finally {
+      cleanup();
+    }
+  });
+});
