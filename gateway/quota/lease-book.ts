@@ -24,6 +24,8 @@ export interface Lease extends Counts {
    * their units were delivered (size less left), which is what overage bills.
    */
   size: number;
+  /** Taken for a subject whose usage is exported: its units never handed out leave the account's `unsettled` when it closes. */
+  events?: boolean;
   /** The decision its units share within one second of Redis time, for one subject (see RedisStore.fromLease). */
   shared?: { second: number; subject: QuotaSubject; decision: Decision };
 }
@@ -130,7 +132,7 @@ export class LeaseBook {
    */
   private keepUnused(name: string, lease: Lease): void {
     const held = this.unused.get(name);
-    if (held && held.starts.day === lease.starts.day && held.period?.startMs === lease.period?.startMs) {
+    if (held && held.starts.day === lease.starts.day && held.period?.startMs === lease.period?.startMs && held.events === lease.events) {
       // Of two minutes (or hours), neither is given its units back (they stay counted there: the safe side).
       for (const w of FIXED) if (held.starts[w.name] !== lease.starts[w.name]) held.starts[w.name] = 0;
       held.left += lease.left;
