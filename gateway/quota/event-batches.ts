@@ -128,7 +128,7 @@ export class EventBatches {
     if (account) account.events.push(o.event);
     else this.ready.set(name, { subject: o.subject, events: [o.event] });
     // A full call's worth: written now rather than at the interval.
-    if (++this.readyCount >= PER_CALL) setImmediate(() => void this.flush());
+    if (++this.readyCount === PER_CALL) setImmediate(() => void this.flush());
   }
 
   private schedule(): void {

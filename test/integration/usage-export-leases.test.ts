@@ -192,3 +192,42 @@ describe('a batch Redis runs after its instance gave up on it', () => {
     expect(await gw.gateway.store.exportState!(subject)).toEqual({ exported: 2, pending: 0, dropped: 0, unsettled: 0 });
   }, 60_000);
 });
+
+describe('a lease that lapses with units not handed out', () => {
+  it('takes them out of unsettled when it closes: no event will come for them', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const key = makeKey('leased');
+    const gw = await buildTestGateway({
+      config: testConfig([key], { plans, usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 100 } } }),
+      redis: redis.url,
+    });
+    onTestFinished(() => gw.close());
+    const subject = [...gw.gateway.config().consumers.values()].find((c) => c.id === key.id)!.subject;
+    const once = async () => {
+      const res = await gw.call('/v1/pets', key.key);
+      await res.arrayBuffer();
+      expect(res.status).toBe(200);
+    };
+    await once(); // a lease of 2: one unit handed out, one left
+    await nextMinute(redis.url); // the lease lapses with its minute, its unit never handed out
+    await once(); // closes it (its unit back) and takes the next lease, one unit of it handed out
+    await eventually(async () => (await gw.gateway.store.exportState!(subject)).exported === 2, 20_000, 'both events exported');
+    const { dayUsed } = await gw.gateway.store.peek(subject);
+    // The day: 2 requests + the second lease's unit not handed out; unsettled: that unit alone.
+    expect({ dayUsed, state: await gw.gateway.store.exportState!(subject) }).toEqual({
+      dayUsed: 3,
+      state: { exported: 2, pending: 0, dropped: 0, unsettled: 1 },
+    });
+  }, 120_000); // up to a minute for the next one
+});
+
+/** Waits for the next minute on Redis's clock (the event a lease lapses on). */
+async function nextMinute(url: string) {
+  const redis = new Redis(url);
+  const [s, us] = await redis.time();
+  redis.disconnect();
+  await sleep(60_000 - ((Number(s) * 1000 + Math.floor(Number(us) / 1000)) % 60_000) + 50);
+}
