@@ -3,6 +3,7 @@ import fc from 'fast-check';
 import type { FastifyBaseLogger } from 'fastify';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import { loadSettings } from '../../gateway/config/settings.js';
 import type { Decision, QuotaSubject } from '../../gateway/quota/decision.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
 import { echoBackend, type EchoBackend } from '../helpers/backends.js';
@@ -17,8 +18,8 @@ import { eventually } from '../helpers/time.js';
 // back whole once it lapsed in Redis. Spent = delivered, at every step and at the end.
 
 const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
-/** The shipped QUOTA_LEASE_MAX: with a balance of 2,000 a lease is 20 units (1% of it). */
-const LEASE_MAX = 100;
+/** The shipped QUOTA_LEASE_MAX, as the settings give it (the store alone defaults to 1, no lease): with a balance of 2,000 a lease is 20 units (1% of it). */
+const LEASE_MAX = loadSettings({}).quotaLeaseMax;
 // A billing day half a month away, so no run crosses its period's start (a new grant).
 const billingDay = ((new Date().getUTCDate() + 14) % 28) + 1;
 const subject = (grant: number): QuotaSubject => ({
