@@ -126,6 +126,11 @@ export class GatewayMetrics {
       'Refunds (of 502/504 answers) Redis did not take: those requests stay counted',
       (c) => c.refundsFailed,
     );
+    counter(
+      'gateway_quota_calls_unsettled_total',
+      'Quota calls given up on without a reply whose fate Redis no longer knew when it answered again: what they counted stays counted',
+      (c) => c.unsettled,
+    );
     new Gauge({
       name: 'gateway_quota_instances',
       help: 'Live gateway instances (workers included) Redis knew of at the last heartbeat: the degraded budget divides by it',

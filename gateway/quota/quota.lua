@@ -24,7 +24,8 @@
 -- and 1 if an alert was written (the gateway marks the account: usage/active.ts). Time is
 -- Redis's own, so skewed gateways agree.
 -- A call sent twice (the client sends again what was unanswered when its connection dropped)
--- gets the first run's reply: never counted twice. KEY.call holds it for 10 s: past its
+-- gets the first run's reply: never counted twice. KEY.call holds it for CALL_KEEP_MS (script.ts),
+-- also for refund.lua to settle a call the gateway gave up on without a reply: past its
 -- deadline a call changes nothing anyway.
 local callKey = nil
 if ARG.callId and ARG.callId ~= '' then
@@ -151,7 +152,7 @@ local function reply(outcome, taken, banUntil)
     periodEnd = pe, balance = balance, overageUsed = oc, overageUnits = mine, eventId = eventId, alerted = alerted}
   for _, w in ipairs(FIXED) do r[w.used] = win[w.name].count end
   local out = packed(r)
-  if callKey then redis.call('SET', callKey, cjson.encode(out), 'PX', 10000) end
+  if callKey then redis.call('SET', callKey, cjson.encode(out), 'PX', CALL_KEEP_MS) end
   return out
 end
 local function save()

@@ -20,6 +20,7 @@ import { DegradedBudget, type WriteBack } from './degraded-budget.js';
 import { type Lease, LeaseBook, leaseOf } from './lease-book.js';
 import { type Clock, RedisClock, SYSTEM_CLOCK } from './redis-clock.js';
 import {
+  CALL_KEEP_MS,
   countsOf,
   defineScripts,
   defineTopUp,
@@ -28,6 +29,8 @@ import {
   quotaArgs,
   quotaReply,
   refundArgs,
+  type Settled,
+  settledFrom,
   topUpArgs,
   writeBackArgs,
 } from './script.js';
@@ -52,6 +55,12 @@ import {
 const HEARTBEAT_MS = 1000;
 /** Between probes while Redis fails: decisions come back to Redis within this of it answering. */
 const PROBE_MS = 250;
+/** Between tries to settle the calls given up on without a reply (doubts). */
+const SETTLE_EVERY_MS = 1000;
+/** Doubtful calls held at once: those in flight when Redis failed, so far fewer; one past it stays counted. */
+const MAX_DOUBTS = 10_000;
+/** ioredis's refusal of a command it never sent (no connection, and no offline queue). */
+const NOT_SENT = /enableOfflineQueue options is false/;
 
 /** A pipeline of topup.lua and the WAIT after it: both go to the account's node. */
 interface TopUpPipeline {
@@ -74,7 +83,7 @@ type RawReply = Array<number | string | null>;
 /** The scripts as script.ts defines them: each takes its KEYS then ARGV as script.ts builds them. */
 type QuotaRedis = RedisClient & {
   quota(...keysThenArgs: Array<number | string>): Promise<RawReply>;
-  refund(...keysThenArgs: Array<number | string>): Promise<number>;
+  refund(...keysThenArgs: Array<number | string>): Promise<unknown>;
   writeback(...keysThenArgs: Array<number | string>): Promise<number>;
   heartbeat(registry: string, id: string, ttlMs?: number): Promise<[live: number, rank: number, nowMs: number]>;
   unban(counters: string, rejections: string): Promise<number>;
@@ -207,7 +216,10 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   /** The connection top-ups wait for replicas on (WAIT holds it): made at the first top-up. */
   private acking?: RedisClient;
   private readonly registry?: () => string;
-  private readonly tally = { degraded: 0, refundsFailed: 0, writtenBack: 0, undone: 0 };
+  private readonly tally = { degraded: 0, refundsFailed: 0, writtenBack: 0, undone: 0, unsettled: 0 };
+  /** Calls given up on that ended without a reply, after they may have run: settled once Redis answers (settleDoubts). */
+  private readonly doubts = new Map<string, { subject: QuotaSubject; cost: number; sentMono: number }>();
+  private doubtTimer?: NodeJS.Timeout;
   /** Statuses of admitted requests to join to their usage events. */
   private readonly statuses: Array<[hash: string, eventId: string, status: number]> = [];
   private statusTimer?: NodeJS.Timeout;
@@ -381,11 +393,12 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       if (reply === LATE)
         call.then(
           (late) => this.undo(subject, quotaReply(late), sentMono, cost, id),
-          () => {},
+          (err: unknown) => this.doubt(subject, id, cost, sentMono, err),
         );
     } catch (err) {
       const waitedMs = this.clock.mono() - sentMono;
       this.observe(waitedMs / 1000);
+      this.doubt(subject, id, cost, sentMono, err);
       this.health.failed(err);
       this.markWritten(subject, tag);
       return { taken: 0, sentMono, waitedMs, id };
@@ -417,6 +430,68 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.tally.undone++;
     if (taken > cost) return this.giveBack(subject, leaseOf(taken, taken, sentMono, late.nowMs, countsOf(late), id));
     void this.refundInRedis(subject, late.nowMs, taken, late.eventId);
+  }
+
+  /**
+   * A call that ended without a reply after it may have run in Redis: its connection dropped
+   * with the reply, and the client library, sending it again, got an error or gave up (its
+   * retries or command timeout). The request was answered otherwise, so what the call counted,
+   * if anything, is undone once Redis answers, by the reply Redis kept (settleDoubts). A call
+   * refused before it left (no connection) has nothing to undo.
+   */
+  private doubt(subject: QuotaSubject, id: string, cost: number, sentMono: number, err: unknown): void {
+    if (err instanceof Error && NOT_SENT.test(err.message)) return;
+    if (this.doubts.size >= MAX_DOUBTS) {
+      this.tally.unsettled++;
+      return;
+    }
+    this.doubts.set(id, { subject, cost, sentMono });
+    this.settleSoon();
+  }
+
+  private settleSoon(): void {
+    this.doubtTimer ??= setTimeout(() => {
+      this.doubtTimer = undefined;
+      void this.settleDoubts();
+    }, SETTLE_EVERY_MS).unref();
+  }
+
+  /**
+   * Each doubtful call settled by refund.lua, from the reply Redis kept (CALL_KEEP_MS): a
+   * request it counted is refunded, with its credits, overage and usage event; a lease it took
+   * is given back with the next call. Tried each second while Redis fails; a call Redis may no
+   * longer remember (older than CALL_KEEP_MS) stays as Redis counted it, told by a warning and
+   * gateway_quota_calls_unsettled_total.
+   */
+  private async settleDoubts(): Promise<void> {
+    const now = this.clock.mono();
+    for (const [id, d] of this.doubts) {
+      if (now - d.sentMono < CALL_KEEP_MS - SETTLE_EVERY_MS) continue;
+      this.doubts.delete(id);
+      this.tally.unsettled++;
+      this.log.warn(
+        { subject: d.subject.name },
+        'quota store: a call given up on could not be settled while Redis kept its reply; what it counted stays counted',
+      );
+    }
+    if (!this.health.failing) await Promise.all([...this.doubts].map(([id, d]) => this.settleDoubt(id, d)));
+    if (this.doubts.size > 0) this.settleSoon();
+  }
+
+  private async settleDoubt(id: string, { subject, cost, sentMono }: { subject: QuotaSubject; cost: number; sentMono: number }): Promise<void> {
+    let done: Settled;
+    try {
+      const raw = await within(this.redis.refund(...refundArgs(subject, { countedAtMs: 0, units: cost, callId: id })), this.timeoutMs);
+      if (raw === LATE) return; // asked again: a second run finds the first's mark and does nothing
+      done = settledFrom(raw);
+    } catch {
+      return;
+    } finally {
+      if (subject.events > 0 && this.marks) this.mark('usage', subject);
+    }
+    this.doubts.delete(id);
+    if (done.kind === 'refunded') this.tally.undone++;
+    if (done.kind === 'lease') this.undo(subject, done.reply, sentMono, cost, id);
   }
 
   /**
@@ -767,6 +842,9 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
 
   /** Stops the heartbeat and leaves the registry, so the others' shares grow at once. */
   async close(): Promise<void> {
+    clearTimeout(this.doubtTimer);
+    if (!this.health.failing) await this.settleDoubts().catch(() => {});
+    clearTimeout(this.doubtTimer);
     if (!this.health.failing) await this.closeCredits().catch(() => {});
     this.health.close();
     if (this.acking) void closeRedis(this.acking, 'now');

@@ -8,9 +8,29 @@
 -- overage (0: none), and `overageWindow` (1: the month, 2: the day); `eventsCap` (0: none) and
 -- `eventId`: the refund is an event of its own, cancelling that one's charge and the overage it takes back.
 -- Returns the overage units taken back.
+-- With `callId` (KEY.call, its kept reply): a call the gateway gave up on whose reply never came
+-- (its connection dropped, or the client library gave up on it), so the request was answered
+-- otherwise (503, or the degraded budget). quota.lua keeps every call's reply for CALL_KEEP_MS:
+-- if it counted a request, that request is refunded here by the reply's own units, time and
+-- event. The record becomes a refusal (outcome -1), so the call sent again changes nothing and
+-- this happens once. Returns {kind}: 'unknown' (no record: it never ran, or ran longer ago
+-- than CALL_KEEP_MS), 'none' (it counted nothing), 'refunded', or {'lease', record}: units of a
+-- lease, which the gateway gives back with its next call as it does a late reply's.
+local n, at, eventId = tonumber(ARG.units), tonumber(ARG.countedAt), ARG.eventId
+local settling = ARG.callId ~= ''
+if settling then
+  local seen = redis.call('GET', KEY.call)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('SET', KEY.call, cjson.encode(packed_call{outcome = -1, nowMs = now}), 'PX', CALL_KEEP_MS)
+  if not seen then return {'unknown'} end
+  local r = unpacked_call(cjson.decode(seen))
+  if r.outcome ~= 0 or r.taken == 0 then return {'none'} end
+  if r.taken > n then return {'lease', seen} end
+  n, at, eventId = r.taken, r.nowMs, r.eventId
+  if not eventId then eventId = '' end
+end
 local h = read_counters(KEY.counters, {'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls'})
-local n = tonumber(ARG.units)
-local at = tonumber(ARG.countedAt)
 local ps, pe = tonumber(h.ps) or 0, tonumber(h.pe) or 0
 local inPeriod = tonumber(ARG.month) == 1 and ps <= at and at < pe
 local current = {}
@@ -36,9 +56,10 @@ if soft > 0 and os == start and ((window == 1 and inPeriod) or (window == 2 and 
   if over > 0 then redis.call('HSET', KEY.counters, 'oc', oc - over) end
 end
 local cap = tonumber(ARG.eventsCap) or 0
-if cap > 0 and ARG.eventId and ARG.eventId ~= '' then
+if cap > 0 and eventId and eventId ~= '' then
   local t = redis.call('TIME')
-  redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'refund', 'ref', ARG.eventId, 'units', n,
+  redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'refund', 'ref', eventId, 'units', n,
     'overage', over, 'at', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 end
+if settling then return {'refunded', over} end
 return over

@@ -12,26 +12,52 @@ import { type TopUp, topUpFingerprint } from './store.js';
 // name (`KEY.counters`, `ARG.perMinute`: the prelude below binds them) and build their reply
 // with `packed{...}`, and the TypeScript side reads replies by name. No other file knows a position.
 
-/** A script's wires: its KEYS and ARGV in order, and its reply's fields if it returns a record. */
+/**
+ * A script's wires: its KEYS and ARGV in order, its reply's fields if it returns a record, and
+ * the fields of a record another script kept that it reads (`call`: quota.lua's reply, kept under KEY.call).
+ */
 interface Wires<K extends string, A extends string, R extends string = never> {
   keys: readonly K[];
   argv: readonly A[];
   reply?: readonly R[];
+  call?: readonly string[];
 }
+
+/**
+ * How long Redis keeps each quota.lua call's reply (KEY.call): a call sent again within it gets
+ * the first run's reply, and a call this instance gave up on without a reply is settled by it
+ * (refund.lua). Longer than a Sentinel or Cluster failover takes to promote a replica (the
+ * record goes with replication), so a call lost in one is still known after it.
+ */
+export const CALL_KEEP_MS = 60_000;
 
 const luaList = (names: readonly string[]) => `{${names.map((n) => `'${n}'`).join(', ')}}`;
 
-/** Lua run before a script: KEY and ARG by name, and `packed(t)`, the reply's fields in order (nil as 0). */
+/** `name(t)`: a record's fields in order (nil as 0), as a script replies it. */
+const packer = (name: string, fields: readonly string[]) => `local function ${name}(r)
+  local out = {}
+  for i, n in ipairs(${luaList(fields)}) do if r[n] == nil then out[i] = 0 else out[i] = r[n] end end
+  return out
+end
+`;
+
+/**
+ * Lua run before a script: KEY and ARG by name, `packed(t)`, the reply's fields in order, and
+ * for a script that reads a kept call, `packed_call(t)` and `unpacked_call(list)` by its fields.
+ */
 function prelude(w: Wires<string, string, string>): string {
   let lua = `local KEY, ARG = {}, {}
 for i, n in ipairs(${luaList(w.keys)}) do KEY[n] = KEYS[i] end
 for i, n in ipairs(${luaList(w.argv)}) do ARG[n] = ARGV[i] end
+local CALL_KEEP_MS = ${CALL_KEEP_MS}
 `;
-  if (w.reply) {
-    lua += `local function packed(r)
-  local out = {}
-  for i, n in ipairs(${luaList(w.reply)}) do if r[n] == nil then out[i] = 0 else out[i] = r[n] end end
-  return out
+  if (w.reply) lua += packer('packed', w.reply);
+  if (w.call) {
+    lua += packer('packed_call', w.call);
+    lua += `local function unpacked_call(list)
+  local r = {}
+  for i, n in ipairs(${luaList(w.call)}) do r[n] = list[i] end
+  return r
 end
 `;
   }
@@ -253,16 +279,31 @@ export function countsOf(r: QuotaReply): WindowCounts {
 
 // refund.lua: a failed request's units back.
 export const REFUND = {
-  keys: ['counters', 'credits', 'events'],
-  argv: ['countedAt', 'units', 'month', 'paidWithCredits', 'soft', 'overageWindow', 'eventsCap', 'eventId'],
+  keys: ['counters', 'credits', 'events', 'call'],
+  argv: ['countedAt', 'units', 'month', 'paidWithCredits', 'soft', 'overageWindow', 'eventsCap', 'eventId', 'callId'],
+  call: QUOTA.reply,
 } as const satisfies Wires<string, string>;
 
-/** What a refund gives back: `units` counted at `countedAtMs` (the decision's time). */
+/**
+ * What a refund gives back: `units` counted at `countedAtMs` (the decision's time), or, with
+ * `callId`, what that call counted, as Redis kept its reply (a call given up on without one).
+ */
 export interface RefundCall {
   countedAtMs: number;
   units: number;
   eventId?: string;
+  callId?: string;
 }
+
+/** What refund.lua did with a call given up on: its kept reply says it counted nothing, a request it refunded, or a lease (given back by the gateway). */
+export type Settled = { kind: 'unknown' } | { kind: 'none' } | { kind: 'refunded' } | { kind: 'lease'; reply: QuotaReply };
+
+export function settledFrom(raw: unknown): Settled {
+  const [kind, record] = raw as [string, string | undefined];
+  if (kind === 'lease') return { kind, reply: quotaReply(JSON.parse(record!) as RawRecord) };
+  return { kind: kind as 'unknown' | 'none' | 'refunded' };
+}
+type RawRecord = ReadonlyArray<number | string | null>;
 
 export function refundArgs(subject: QuotaSubject, c: RefundCall): Array<string | number> {
   const { name, limits, billing } = subject;
@@ -273,10 +314,17 @@ export function refundArgs(subject: QuotaSubject, c: RefundCall): Array<string |
     paidWithCredits: billing.credits ? 1 : 0,
     soft: softQuota(subject),
     overageWindow: limits.perMonth ? 1 : 2,
-    eventsCap: c.eventId ? subject.events : 0,
+    // A settled call's event is named by its kept reply.
+    eventsCap: c.eventId || c.callId ? subject.events : 0,
     eventId: c.eventId ?? '',
+    callId: c.callId ?? '',
   };
-  const keys = { counters: subjectKey.counters(name), credits: subjectKey.credits(name), events: subjectKey.events(name) };
+  const keys = {
+    counters: subjectKey.counters(name),
+    credits: subjectKey.credits(name),
+    events: subjectKey.events(name),
+    call: subjectKey.call(name, c.callId ?? ''),
+  };
   return [...REFUND.keys.map((k) => keys[k]), ...REFUND.argv.map((a) => argv[a])];
 }
 

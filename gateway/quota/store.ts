@@ -61,6 +61,8 @@ export interface StoreCounts {
   degraded: number;
   /** Refunds Redis did not take: those requests stay counted. */
   refundsFailed: number;
+  /** Calls given up on without a reply that could not be settled while Redis kept their reply: what they counted stays counted. */
+  unsettled: number;
   /** Units admitted while Redis failed and written back to it since. */
   writtenBack: number;
   /** Live instances Redis knew of at the last heartbeat: what the degraded budget divides by. */

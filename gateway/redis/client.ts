@@ -46,7 +46,7 @@ export function connectRedis(target: RedisTarget | undefined, timeoutMs: number)
     // A backstop that empties the queue of a Redis that never answers. The quota store gives
     // up on its own calls at REDIS_TIMEOUT_MS, after reading the sockets; this one comes
     // later, so a stall of this process cannot turn a reply already in into a timeout.
-    commandTimeout: Math.max(1000, 4 * timeoutMs),
+    commandTimeout: commandTimeoutFor(timeoutMs),
     connectTimeout: 2000,
     // ioredis's ready check asks INFO, which managed Redis and restricted ACL users often
     // refuse; ioredis then prints a line of its own to the console, not a JSON log line. The
@@ -95,6 +95,9 @@ export function connectRedis(target: RedisTarget | undefined, timeoutMs: number)
   if (target.kind === 'sentinel') leaveReplicas(redis as Redis);
   return redis;
 }
+
+/** When ioredis itself gives up on a command (its promise rejected): well after the quota store's own REDIS_TIMEOUT_MS. */
+export const commandTimeoutFor = (timeoutMs: number) => Math.max(1000, 4 * timeoutMs);
 
 /** The wait before the n-th reconnect attempt in a row: 100 ms more each time, at most 2 s. */
 const backoff = (times: number) => Math.min(times * 100, 2000);

@@ -6,16 +6,22 @@ import { makeKey, testConfig } from '../helpers/config.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 import { scaled } from '../helpers/budget.js';
+import { loadSettings } from '../../gateway/config/settings.js';
+import { commandTimeoutFor } from '../../gateway/redis/client.js';
+
+/** The shipped settings: the gateway below runs at them. */
+const shipped = loadSettings({});
 
 // A quota script that ran but whose reply never came back in time is counted once and billed
 // only if delivered: a reply lost with its connection is sent again by the client and gets the
 // first run's answer (never counted twice); a reply that comes after the gateway gave up (and
-// answered 503) is undone. A real Redis behind a TCP proxy that loses or holds one reply.
+// answered 503) is undone; so is one whose reply never comes (the Redis client gave up on it),
+// by the reply Redis kept. A real Redis behind a TCP proxy that loses or holds one reply.
 
 /** A proxy to the run's Redis that, armed with a word, cuts or holds the replies after the command holding it. */
 async function lossyProxy() {
   const target = new URL(inject('redisUrl'));
-  const armed: { word?: string; mode?: 'cut' | 'hold' } = {};
+  const armed: { word?: string; mode?: 'cut' | 'hold'; holdMs?: number } = {};
   const sockets = new Set<Socket>();
   const server: Server = createServer((client) => {
     const upstream = connect(Number(target.port), target.hostname);
@@ -30,11 +36,10 @@ async function lossyProxy() {
         if (armed.mode === 'cut') cut = true;
         else {
           held = [];
-          // Longer than REDIS_TIMEOUT_MS (1 s): the gateway gives up before the reply arrives.
           setTimeout(() => {
             for (const b of held ?? []) client.write(b);
             held = undefined;
-          }, 1500);
+          }, armed.holdMs);
         }
         armed.word = undefined;
       }
@@ -60,13 +65,14 @@ async function lossyProxy() {
   );
   return {
     url: `redis://127.0.0.1:${(server.address() as { port: number }).port}`,
-    arm: (word: string, mode: 'cut' | 'hold') => Object.assign(armed, { word, mode }),
+    /** `holdMs`: how long a held reply (and every one after it on that connection) waits. */
+    arm: (word: string, mode: 'cut' | 'hold', holdMs = 0) => Object.assign(armed, { word, mode, holdMs }),
   };
 }
 
 describe('a quota reply lost or late', () => {
-  it('is counted and billed once when its connection drops (the client sends it again), and undone when it comes after a 503', {
-    timeout: scaled(30_000),
+  it('is counted and billed once when its connection drops (the client sends it again), and undone when it comes after a 503 or never', {
+    timeout: scaled(45_000),
   }, async () => {
     const sink = await startSink();
     onTestFinished(() => sink.close());
@@ -99,19 +105,28 @@ describe('a quota reply lost or late', () => {
     expect(await balance()).toBe(before - 1);
 
     await eventually(() => !gw.gateway.store.degraded, 10_000, 'Redis trusted again');
-    proxy.arm('request-late', 'hold');
+    // Longer than REDIS_TIMEOUT_MS: the gateway gives up before the reply arrives.
+    proxy.arm('request-late', 'hold', shipped.redisTimeoutMs + 500);
     expect(await send('request-late')).toBe(503); // credits are decided by Redis alone: no answer in time, no admission
     await eventually(async () => (await balance()) === before - 1, 10_000, 'the late admission undone');
 
+    // Held past the Redis client's own command timeout: the client rejects the call, so no reply
+    // ever reaches the gateway, though the script ran. Redis kept its reply: the gateway settles
+    // the call by it once Redis answers again.
+    await eventually(() => !gw.gateway.store.degraded, 10_000, 'Redis trusted again');
+    proxy.arm('request-dropped', 'hold', commandTimeoutFor(shipped.redisTimeoutMs) + 1000);
+    expect(await send('request-dropped')).toBe(503);
+    expect(await balance()).toBe(before - 2); // the script ran (the proxy holds only its reply)
+    await eventually(async () => (await balance()) === before - 1, 20_000, 'the dropped admission undone');
+
     // At the sink: each request once; the late one cancelled by its refund.
     const of = (rid: string) => sink.requests().filter((e) => e.data!.requestId === rid);
-    await eventually(() => of('request-lost').length === 1 && of('request-late').length === 1, 20_000, 'both requests at the sink');
-    const late = of('request-late')[0]!;
-    await eventually(
-      () => [...sink.events.values()].some((e) => e.type === 'com.petstore.gateway.request.refunded' && e.data!.refundOf === late.id),
-      20_000,
-      'the late request refunded',
-    );
-    expect(of('request-lost')).toHaveLength(1);
+    const rids = ['request-lost', 'request-late', 'request-dropped'];
+    await eventually(() => rids.every((rid) => of(rid).length === 1), 20_000, 'the three requests at the sink');
+    const refunded = (rid: string) =>
+      [...sink.events.values()].some((e) => e.type === 'com.petstore.gateway.request.refunded' && e.data!.refundOf === of(rid)[0]!.id);
+    await eventually(() => refunded('request-late') && refunded('request-dropped'), 20_000, 'the late and dropped requests refunded');
+    expect(rids.map((rid) => of(rid).length)).toEqual([1, 1, 1]);
+    expect(refunded('request-lost')).toBe(false);
   });
 });

@@ -239,9 +239,11 @@ describe('redis store', () => {
     const store = new RedisQuotaStore(redis, silent);
     for (let i = 0; i < 5; i++) await store.consume(consumer.subject); // admitted and refused: both keys exist
     const names = await redis.keys(`${prefix}:*`);
-    // Beside the counters and the recent 429s, each call's reply, kept 10 s for a call sent again.
+    // Beside the counters and the recent 429s, each call's reply, kept for a call sent again and
+    // for settling one given up on: longer than a failover takes (45 s at most in reconcile-faults).
     const calls = names.filter((n) => n.startsWith(`${prefix}:production:{k:acme}:call:`));
     expect(calls).toHaveLength(5);
+    expect(await redis.pttl(calls[0]!)).toBeGreaterThan(45_000);
     expect(names.filter((n) => !calls.includes(n)).sort()).toEqual([`${prefix}:production:{k:acme}`, `${prefix}:production:{k:acme}:rej`]);
     expect(new Set(names.map((n) => calculateSlot(n))).size).toBe(1);
   });

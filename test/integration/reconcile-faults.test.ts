@@ -451,8 +451,8 @@ function billOf(ctx: Ctx, key: TestKey) {
   const ofKilled = nulls.filter((e) => ctx.killed.includes(byRid.get(String(e.data!.requestId))?.via ?? -1)).length;
   const lost = unreplicated.filter((a) => !eventOf.has(a.rid)).length;
   // Answered 503 yet billed: its event not cancelled by a refund.
-  const billed503 = unsure.filter((a) => a.status === 503 && eventOf.has(a.rid) && !refundOf.has(eventOf.get(a.rid)!.id)).length;
-  expect(billed503).toBe(0);
+  const billed503 = unsure.filter((a) => a.status === 503 && eventOf.has(a.rid) && !refundOf.has(eventOf.get(a.rid)!.id));
+  expect(billed503.map((a) => when(a, ctx.faults))).toEqual([]);
   return {
     events,
     requests,
@@ -465,7 +465,7 @@ function billOf(ctx: Ctx, key: TestKey) {
     closed,
     unreplicated,
     lost,
-    billed503,
+    billed503: billed503.length,
     twice: twice.length,
     nulls: nulls.length,
     ofKilled,
