@@ -62,6 +62,13 @@ const MAX_DOUBTS = 10_000;
 /** ioredis's refusal of a command it never sent (no connection, and no offline queue). */
 const NOT_SENT = /enableOfflineQueue options is false/;
 
+/** A call given up on without a reply: its subject, its cost, and when it was sent (this process's clock). */
+interface Doubt {
+  subject: QuotaSubject;
+  cost: number;
+  sentMono: number;
+}
+
 /** A pipeline of topup.lua and the WAIT after it: both go to the account's node. */
 interface TopUpPipeline {
   topup(...keysThenArgs: Array<string | number>): TopUpPipeline;
@@ -218,7 +225,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private readonly registry?: () => string;
   private readonly tally = { degraded: 0, refundsFailed: 0, writtenBack: 0, undone: 0, unsettled: 0 };
   /** Calls given up on that ended without a reply, after they may have run: settled once Redis answers (settleDoubts). */
-  private readonly doubts = new Map<string, { subject: QuotaSubject; cost: number; sentMono: number }>();
+  private readonly doubts = new Map<string, Doubt>();
   private doubtTimer?: NodeJS.Timeout;
   /** Statuses of admitted requests to join to their usage events. */
   private readonly statuses: Array<[hash: string, eventId: string, status: number]> = [];
@@ -478,7 +485,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     if (this.doubts.size > 0) this.settleSoon();
   }
 
-  private async settleDoubt(id: string, { subject, cost, sentMono }: { subject: QuotaSubject; cost: number; sentMono: number }): Promise<void> {
+  private async settleDoubt(id: string, { subject, cost, sentMono }: Doubt): Promise<void> {
     let done: Settled;
     try {
       const raw = await within(this.redis.refund(...refundArgs(subject, { countedAtMs: 0, units: cost, callId: id })), this.timeoutMs);
