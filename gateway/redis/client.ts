@@ -63,11 +63,15 @@ export function connectRedis(target: RedisTarget | undefined, timeoutMs: number)
   // Redis that does not answer (measured: a false failure under CPU contention). A command
   // leaves when it is made; with leases, that is about once per hundred requests of a busy key.
   const common = { enableOfflineQueue: false, enableAutoPipelining: false };
+  // A refused login is retried at the backoff's longest wait: each attempt connects, so ioredis
+  // counts from one again, and without this a wrong password cost Redis ten logins a second.
+  // (Called on a close, so never before `redis` below is set.)
+  const retry = (times: number) => (refusals.has(redis) ? backoff(Number.POSITIVE_INFINITY) : backoff(times));
   const redis: RedisClient =
     target.kind === 'cluster'
       ? new Cluster(target.nodes, {
           ...common,
-          clusterRetryStrategy: backoff,
+          clusterRetryStrategy: retry,
           slotsRefreshTimeout: 2000,
           redisOptions: node,
           natMap: target.natMap,
@@ -82,10 +86,10 @@ export function connectRedis(target: RedisTarget | undefined, timeoutMs: number)
             sentinelPassword: target.sentinelAuth?.password,
             ...(tls && { sentinelTLS: tls, enableTLSForSentinelMode: true }),
             sentinelRetryStrategy: backoff,
-            retryStrategy: backoff,
+            retryStrategy: retry,
             failoverDetector: true,
           })
-        : new Redis(target.url, { ...common, ...node, retryStrategy: backoff });
+        : new Redis(target.url, { ...common, ...node, retryStrategy: retry });
   // Reported through the store's degraded line and the start's line (redisProblem), not per event.
   redis.on('error', (err: Error) => remember(redis, err));
   // A Cluster's own error only says "Failed to refresh slots cache"; its nodes' say why (NOAUTH...).

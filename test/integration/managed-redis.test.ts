@@ -2,6 +2,8 @@ import { execFileSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { echoBackend } from '../helpers/backends.js';
 import { call, makeKey, type TestKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
@@ -268,6 +270,15 @@ describe('TLS with a private CA, and an ACL user', () => {
     const said = new Set<string>();
     for (let i = 0; i < 30; i++) said.add((await readyz(g!.admin)).message.replace(/127\.0\.0\.1:\d+/, 'ADDRESS'));
     expect([...said]).toEqual([expect.stringMatching(/^Not ready: redis: refused: WRONGPASS .*; each instance counts alone meanwhile$/)]);
+    // A refused login is tried again at the backoff's longest wait (2 s), not ten times a second:
+    // three more logins take two waits at least. Counted on one connection of the test's own.
+    const watcher = new Redis(`redis://:${admin}@127.0.0.1:${port}`);
+    onTestFinished(() => watcher.disconnect());
+    const logins = async () => Number(/total_connections_received:(\d+)/.exec(await watcher.info('stats'))![1]);
+    const first = await logins();
+    const since = performance.now();
+    await eventually(async () => (await logins()) >= first + 3, 20_000, 'three more logins');
+    expect(performance.now() - since).toBeGreaterThan(3000);
     execFileSync('redis-cli', ['-p', port, '--no-auth-warning', '-a', admin, 'ACL', 'SETUSER', 'gateway', `>${PASSWORD}`], {
       timeout: 10_000,
     });
