@@ -1,5 +1,6 @@
 import { createServer, type Server } from 'node:http';
 import { type AddressInfo, connect, type Socket } from 'node:net';
+import { performance } from 'node:perf_hooks';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { MAX_WAITING } from '../../gateway/http/connections.js';
 import { makeKey, testConfig } from '../helpers/config.js';
@@ -122,6 +123,31 @@ describe('responses nobody reads', () => {
     c.socket.write(GET);
     await eventually(async () => (await metric(gw, 'gateway_pushback_total{reason="unread"}')) === 1, 10_000, 'the unread cut');
     await eventually(async () => (await metric(gw, 'gateway_connections_open')) === 0, undefined, 'the connection closed');
+    c.socket.destroy();
+  });
+});
+
+describe('responses read slowly', () => {
+  it('are not cut while the client keeps taking bytes, however long the whole body takes', async () => {
+    // 2 s instead of the shipped 10 s, so the slow read below outlasts it (and a look) in 5 s.
+    const unreadTimeoutMs = 2000;
+    const gw = await buildTestGateway({ config, settings: { unreadTimeoutMs } });
+    const size = 16 << 20;
+    gw.echo!.answer = (_req, res) => res.writeHead(200, { 'content-type': 'application/octet-stream' }).end(Buffer.alloc(size));
+    const c = raw(gw, false);
+    c.socket.write(GET);
+    // 128 KB every 25 ms: about 5 MB a second, so the body takes over twice the timeout to read.
+    let got = 0;
+    const started = performance.now();
+    const reader = setInterval(() => {
+      for (let chunk: Buffer | null, n = 0; n < 2 && (chunk = c.socket.read(65_536) as Buffer | null); n++) got += chunk.length;
+    }, 25);
+    let cut = false;
+    void c.closed.then(() => (cut = true));
+    await eventually(() => got >= size || cut, 30_000, 'the whole body read, or the connection cut');
+    clearInterval(reader);
+    expect({ got, unreadCuts: await metric(gw, 'gateway_pushback_total{reason="unread"}') }).toEqual({ got: size, unreadCuts: 0 });
+    expect(performance.now() - started).toBeGreaterThan(unreadTimeoutMs + 1000);
     c.socket.destroy();
   });
 });
