@@ -58,6 +58,10 @@ export const UsageView = Type.Object(
             description: "Left of this period's grant (spent first; expires at the period's end unless it rolls over)",
           }),
           purchased: Type.Integer({ description: 'Left of top-ups (never expire)' }),
+          reserved: Type.Integer({
+            description:
+              'Held by gateway instances for requests about to be served (not in `balance`): spent as they are, the rest back within a minute',
+          }),
           grant: Type.Integer({ description: 'Units granted at each period start' }),
           rollover: Type.Boolean(),
           nextGrantAt: Type.Union([Instant, Type.Null()], { description: 'When the next grant comes; null when none is due' }),
@@ -107,12 +111,13 @@ export function usageView({ account, plan, subject }: Reader, usage: Usage): Usa
     out.overage = { window: long, quota: soft, upTo: billing.overage, used: usage.overageUsed ?? 0 };
   }
   if (billing.credits && usage.credits) {
-    const { granted, purchased } = usage.credits;
+    const { granted, purchased, reserved = 0 } = usage.credits;
     const due = billing.credits.grant > 0 && usage.period;
     out.credits = {
       balance: granted + purchased,
       granted,
       purchased,
+      reserved,
       grant: billing.credits.grant,
       rollover: billing.credits.rollover,
       nextGrantAt: due ? iso(usage.period!.endMs) : null,

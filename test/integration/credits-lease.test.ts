@@ -6,6 +6,7 @@ import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import { loadSettings } from '../../gateway/config/settings.js';
 import type { Decision, QuotaSubject } from '../../gateway/quota/decision.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
+import { usageView } from '../../gateway/quota/usage-view.js';
 import { echoBackend, type EchoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
 import { startProcess } from '../helpers/processes.js';
@@ -122,6 +123,8 @@ describe('credit leases on two instances', () => {
     expect(byB).toBe(990);
     // The 402 came with A's lease reserved: that is the bound, 1% of the balance A took it from.
     expect((await b.store.peek(s)).credits).toMatchObject({ granted: 0, reserved: 10 });
+    // The client's own view (/v1/me/usage) says so too: nothing left, 10 held.
+    expect(usageView({ account: 'a', plan: 'p', subject: s }, await b.store.peek(s)).credits).toMatchObject({ balance: 0, reserved: 10 });
     a.lapse();
     expect((await a.store.consume(s)).outcome).toBe('allowed'); // closes its lease (9 back), then one of them
     let more = 0;
