@@ -197,7 +197,8 @@ async function startAll(bed: Bed, exportFile: string) {
     // The billing features, each on a process of its own (a key with a month window; one with credits).
     monthly: await gateway('gateway-month', redis),
     prepaid: await gateway('gateway-credits', redis),
-    // Usage export on: every admission one Redis call that writes its event, an exporter posting batches.
+    // Usage export on: every admission one Redis call that writes its event, an exporter posting
+    // batches; its config keeps the prepaid account's credits, for the row with both.
     exporting: await gateway('gateway-export', { ...redis, GATEWAY_CONFIG: exportFile, REDIS_KEY_PREFIX: 'gwx' }),
     // Tracing on: a span per request, batches posted to an OTLP sink in this process.
     tracing: await gateway('gateway-tracing', { ...redis, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: await startOtlpSink(bed) }),
@@ -237,6 +238,15 @@ function variantsOf(bed: Bed, p: Started, keys: ReturnType<typeof writeKeys>): V
       url: p.prepaid.url,
       headers: auth(keys.prepaid.key),
       pids: [p.prepaid.pid],
+      status: 200,
+      redis: true,
+    },
+    // Both billing features on one key: prepaid credits, and every admission exported.
+    {
+      name: 'gateway, Redis, credits + usage export',
+      url: p.exporting.url,
+      headers: auth(keys.prepaid.key),
+      pids: [p.exporting.pid],
       status: 200,
       redis: true,
     },
@@ -380,6 +390,10 @@ function printSummary(rows: Row[], rate: number, atRate: Map<string, AtRate>, ha
   const exporting = row('gateway, Redis, usage export');
   console.log(
     `usage export: ${(exporting.rps / gw.rps).toFixed(2)}x the gateway's req/s (${f(exporting.cpuUsPerReq)} against ${f(gw.cpuUsPerReq)} us CPU/req, ${f(exporting.redisCmdsPerReq, 2)} against ${f(gw.redisCmdsPerReq, 2)} Redis commands/req)`,
+  );
+  const both = row('gateway, Redis, credits + usage export');
+  console.log(
+    `credits + usage export: ${(both.rps / gw.rps).toFixed(2)}x the gateway's req/s (${f(both.cpuUsPerReq)} against ${f(gw.cpuUsPerReq)} us CPU/req, ${f(both.redisCmdsPerReq, 2)} Redis commands/req)`,
   );
   const tracing = row('gateway, Redis, tracing on');
   console.log(
