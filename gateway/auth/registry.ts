@@ -4,6 +4,7 @@ import { LRUCache } from 'lru-cache';
 import type { ConfigFile, Consumer, GatewayConfig, KeyEntry } from '../config/config.js';
 import { closeRedis, type RedisClient, secondConnection } from '../redis/client.js';
 import { registryKeys } from '../redis/keys.js';
+import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 import { checkRequest, KeyFileError, type KeyRow, type KeyStore, type NewKey, rowOf } from './key-file.js';
 import { generateKey } from './keys.js';
 
@@ -28,33 +29,43 @@ function bloomBits(digest: string): number[] {
 function setBits(bloom: Buffer, digest: string): void {
   for (const bit of bloomBits(digest)) bloom[bit >> 3]! |= 0x80 >> (bit & 7);
 }
-const BLOOM_LUA = `local hex = string.sub(ARGV[1], -64)
-for i = 0, 6 do redis.call('SETBIT', KEYS[4], tonumber(string.sub(hex, i * 6 + 1, i * 6 + 6), 16), 1) end`;
+/** Sets the digest's 7 bits in the Bloom filter (KEY.bloom), as bloomBits finds them. */
+const BLOOM_LUA = `local hex = string.sub(ARG.digest, -64)
+for i = 0, 6 do redis.call('SETBIT', KEY.bloom, tonumber(string.sub(hex, i * 6 + 1, i * 6 + 6), 16), 1) end`;
 
-// KEYS: the record (hash), the id (string), the ids (sorted set), the Bloom filter (bitmap), the
-// account's ids (set). ARGV: digest, id, channel, then the record's fields and values. 0: the id is taken.
-const CREATE = `if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-redis.call('SET', KEYS[2], ARGV[1])
-redis.call('SADD', KEYS[5], ARGV[2])
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-redis.call('ZADD', KEYS[3], 0, ARGV[2])
+/** A new key: its record's fields and values from REST on. 0: the id is taken. */
+const CREATE = {
+  // The record (hash), the id (string), the ids (sorted set), the Bloom filter (bitmap), the account's ids (set).
+  keys: ['record', 'id', 'ids', 'bloom', 'account'],
+  argv: ['digest', 'id', 'channel'],
+  lua: `if redis.call('EXISTS', KEY.id) == 1 then return 0 end
+redis.call('SET', KEY.id, ARG.digest)
+redis.call('SADD', KEY.account, ARG.id)
+redis.call('HSET', KEY.record, unpack(ARGV, REST))
+redis.call('ZADD', KEY.ids, 0, ARG.id)
 ${BLOOM_LUA}
-redis.call('PUBLISH', ARGV[3], ARGV[1])
-return 1`;
-// KEYS: the record, the id. ARGV: digest, channel, field, value: set only while the id still names that record.
-const UPDATE = `if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[3], ARGV[4])
-redis.call('PUBLISH', ARGV[2], ARGV[1])
-return 1`;
+redis.call('PUBLISH', ARG.channel, ARG.digest)
+return 1`,
+} as const satisfies Script<string, string>;
+
+/** One field of a key's record set, only while the id still names that record. */
+const UPDATE = {
+  keys: ['record', 'id'],
+  argv: ['digest', 'channel', 'field', 'value'],
+  lua: `if redis.call('GET', KEY.id) ~= ARG.digest then return 0 end
+redis.call('HSET', KEY.record, ARG.field, ARG.value)
+redis.call('PUBLISH', ARG.channel, ARG.digest)
+return 1`,
+} as const satisfies Script<string, string>;
 
 type RegistryRedis = RedisClient & {
-  registryCreate(record: string, id: string, ids: string, bloom: string, account: string, ...args: string[]): Promise<number>;
-  registryUpdate(record: string, id: string, ...args: string[]): Promise<number>;
+  registryCreate(...keysThenArgs: Array<string | number>): Promise<number>;
+  registryUpdate(...keysThenArgs: Array<string | number>): Promise<number>;
 };
 
 function withScripts(redis: RedisClient): RegistryRedis {
-  redis.defineCommand('registryCreate', { numberOfKeys: 5, lua: CREATE });
-  redis.defineCommand('registryUpdate', { numberOfKeys: 2, lua: UPDATE });
+  defineScript(redis, 'registryCreate', CREATE);
+  defineScript(redis, 'registryUpdate', UPDATE);
   return redis as RegistryRedis;
 }
 
@@ -113,15 +124,12 @@ export class RegistryKeys implements KeyStore {
     const n = this.names;
     const account = n.account(entry.account ?? entry.id);
     const made = await this.redis.registryCreate(
-      n.record(entry.hash),
-      n.id(entry.id),
-      n.ids,
-      n.bloom,
-      account,
-      entry.hash,
-      entry.id,
-      n.changed,
-      ...fieldsOf(entry),
+      ...wiresArgs(
+        CREATE,
+        { record: n.record(entry.hash), id: n.id(entry.id), ids: n.ids, bloom: n.bloom, account },
+        { digest: entry.hash, id: entry.id, channel: n.changed },
+        fieldsOf(entry),
+      ),
     );
     return made === 1;
   }
@@ -192,8 +200,12 @@ export class RegistryKeys implements KeyStore {
 
   private async set(entry: KeyEntry, field: string, value: string): Promise<void> {
     const n = this.names;
-    if ((await this.redis.registryUpdate(n.record(entry.hash), n.id(entry.id), entry.hash, n.changed, field, value)) !== 1)
-      throw new KeyFileError(`key "${entry.id}" changed meanwhile; try again`, 'busy');
+    const args = wiresArgs(
+      UPDATE,
+      { record: n.record(entry.hash), id: n.id(entry.id) },
+      { digest: entry.hash, channel: n.changed, field, value },
+    );
+    if ((await this.redis.registryUpdate(...args)) !== 1) throw new KeyFileError(`key "${entry.id}" changed meanwhile; try again`, 'busy');
   }
 }
 

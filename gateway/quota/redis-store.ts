@@ -24,6 +24,7 @@ import {
   countsOf,
   defineScripts,
   defineTopUp,
+  heartbeatArgs,
   type QuotaCall,
   type QuotaReply,
   quotaArgs,
@@ -32,6 +33,7 @@ import {
   type Settled,
   settledFrom,
   topUpArgs,
+  unbanArgs,
   writeBackArgs,
 } from './script.js';
 import { LATE, RedisHealth, within } from './redis-health.js';
@@ -92,8 +94,8 @@ type QuotaRedis = RedisClient & {
   quota(...keysThenArgs: Array<number | string>): Promise<RawReply>;
   refund(...keysThenArgs: Array<number | string>): Promise<unknown>;
   writeback(...keysThenArgs: Array<number | string>): Promise<number>;
-  heartbeat(registry: string, id: string, ttlMs?: number): Promise<[live: number, rank: number, nowMs: number]>;
-  unban(counters: string, rejections: string): Promise<number>;
+  heartbeat(...keysThenArgs: Array<number | string>): Promise<[live: number, rank: number, nowMs: number]>;
+  unban(...keysThenArgs: Array<number | string>): Promise<number>;
 };
 
 export interface RedisStoreOptions {
@@ -609,7 +611,9 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   /** A heartbeat: this instance is alive (if it decides), how many are, and Redis's time. */
   private async beat(): Promise<void> {
     const sentAt = this.clock.wall();
-    const call = this.registry ? this.redis.heartbeat(this.registry(), this.instanceId, 3 * HEARTBEAT_MS) : this.redis.time();
+    const call = this.registry
+      ? this.redis.heartbeat(...heartbeatArgs(this.registry(), this.instanceId, 3 * HEARTBEAT_MS))
+      : this.redis.time();
     const reply = await within(call as Promise<unknown>, this.timeoutMs);
     if (reply === LATE) throw new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`);
     if (this.registry) {
@@ -721,7 +725,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
 
   /** Lifts the subject's ban in Redis (every instance sees it within a second); false when none was in force. */
   async unban(subject: QuotaSubject): Promise<boolean> {
-    const until = await this.redis.unban(subjectKey.counters(subject.name), subjectKey.rejections(subject.name));
+    const until = await this.redis.unban(...unbanArgs(subject.name));
     this.bans.forget(subject.name);
     return Number(until) > 0;
   }
@@ -858,7 +862,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     if (this.statusTimer) clearTimeout(this.statusTimer);
     this.flush();
     if (this.registry && !this.health.failing && this.redis.status === 'ready') {
-      await within(this.redis.heartbeat(this.registry(), this.instanceId), this.timeoutMs).catch(() => {});
+      await within(this.redis.heartbeat(...heartbeatArgs(this.registry(), this.instanceId, 0)), this.timeoutMs).catch(() => {});
     }
   }
 }

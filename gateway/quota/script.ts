@@ -1,27 +1,17 @@
 import { readFileSync } from 'node:fs';
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
+import { luaList, packer, positions, prelude, type Wires, wiresArgs, wired } from '../redis/wires.js';
 import { type EventTag, OUTCOMES, type QuotaSubject, softQuota, type WindowCounts } from './decision.js';
 import type { Lease } from './lease-book.js';
 import { type Counts, countsFrom, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from './windows.js';
 import type { WriteBack } from './degraded-budget.js';
 import { type TopUp, topUpFingerprint } from './store.js';
 
-// The wires to the Lua scripts, by name (STYLE.md, "name every wire"). Each script's KEYS, ARGV
-// and reply fields are listed once, here, in the order they travel; the scripts read them by
-// name (`KEY.counters`, `ARG.perMinute`: the prelude below binds them) and build their reply
-// with `packed{...}`, and the TypeScript side reads replies by name. No other file knows a position.
-
-/**
- * A script's wires: its KEYS and ARGV in order, its reply's fields if it returns a record, and
- * the fields of a record another script kept that it reads (`call`: quota.lua's reply, kept under KEY.call).
- */
-interface Wires<K extends string, A extends string, R extends string = never> {
-  keys: readonly K[];
-  argv: readonly A[];
-  reply?: readonly R[];
-  call?: readonly string[];
-}
+// The wires to the quota scripts, by name (redis/wires.ts): each script's KEYS, ARGV and reply
+// fields are listed once, here, in the order they travel; the scripts read them by name
+// (`KEY.counters`, `ARG.perMinute`) and build their reply with `packed{...}`, and the TypeScript
+// side reads replies by name. No other file knows a position.
 
 /**
  * How long Redis keeps each quota.lua call's reply (KEY.call): a call sent again within it gets
@@ -31,27 +21,13 @@ interface Wires<K extends string, A extends string, R extends string = never> {
  */
 export const CALL_KEEP_MS = 60_000;
 
-const luaList = (names: readonly string[]) => `{${names.map((n) => `'${n}'`).join(', ')}}`;
-
-/** `name(t)`: a record's fields in order (nil as 0), as a script replies it. */
-const packer = (name: string, fields: readonly string[]) => `local function ${name}(r)
-  local out = {}
-  for i, n in ipairs(${luaList(fields)}) do if r[n] == nil then out[i] = 0 else out[i] = r[n] end end
-  return out
-end
-`;
-
 /**
- * Lua run before a script: KEY and ARG by name, `packed(t)`, the reply's fields in order, and
- * for a script that reads a kept call, `packed_call(t)` and `unpacked_call(list)` by its fields.
+ * The prelude (redis/wires.ts), CALL_KEEP_MS, and for a script that reads a kept call,
+ * `packed_call(t)` and `unpacked_call(list)` by its fields.
  */
-function prelude(w: Wires<string, string, string>): string {
-  let lua = `local KEY, ARG = {}, {}
-for i, n in ipairs(${luaList(w.keys)}) do KEY[n] = KEYS[i] end
-for i, n in ipairs(${luaList(w.argv)}) do ARG[n] = ARGV[i] end
-local CALL_KEEP_MS = ${CALL_KEEP_MS}
+function quotaPrelude(w: Wires<string, string, string>): string {
+  let lua = `${prelude(w)}local CALL_KEEP_MS = ${CALL_KEEP_MS}
 `;
-  if (w.reply) lua += packer('packed', w.reply);
   if (w.call) {
     lua += packer('packed_call', w.call);
     lua += `local function unpacked_call(list)
@@ -62,11 +38,6 @@ end
 `;
   }
   return lua;
-}
-
-/** Each name's position in its list: the one place positions come from. */
-function positions<N extends string>(names: readonly N[]): Readonly<Record<N, number>> {
-  return Object.freeze(Object.fromEntries(names.map((n, i) => [n, i]))) as Record<N, number>;
 }
 
 const source = (file: string) => readFileSync(new URL(file, import.meta.url), 'utf8');
@@ -98,7 +69,7 @@ end
 `;
 
 /** A script as Redis runs it: the prelude, then its files (billing.lua is a library of functions prepended). */
-const script = (w: Wires<string, string, string>, ...files: string[]) => prelude(w) + FIXED_LUA + files.map(source).join('');
+const script = (w: Wires<string, string, string>, ...files: string[]) => quotaPrelude(w) + FIXED_LUA + files.map(source).join('');
 
 // quota.lua: one decision.
 const QUOTA_ARGV = [
@@ -325,7 +296,7 @@ export function refundArgs(subject: QuotaSubject, c: RefundCall): Array<string |
     events: subjectKey.events(name),
     call: subjectKey.call(name, c.callId ?? ''),
   };
-  return [...REFUND.keys.map((k) => keys[k]), ...REFUND.argv.map((a) => argv[a])];
+  return wiresArgs(REFUND, keys, argv);
 }
 
 // writeback.lua: what an instance admitted on its own while Redis failed.
@@ -346,7 +317,7 @@ export function writeBackArgs(w: WriteBack): Array<string | number> {
     argv[`start_${f.name}`] = w.starts[f.name] ?? 0;
     argv[`units_${f.name}`] = w.units[f.name] ?? 0;
   }
-  return [subjectKey.counters(w.name), subjectKey.writtenBack(w.name), ...WRITEBACK.argv.map((a) => argv[a]!)];
+  return wiresArgs(WRITEBACK, { counters: subjectKey.counters(w.name), applied: subjectKey.writtenBack(w.name) }, argv);
 }
 
 // topup.lua: a top-up, once per idempotency key.
@@ -379,8 +350,20 @@ export function topUpArgs(subject: QuotaSubject, t: TopUp, keepMs: number): Arra
     keepMs,
     eventsCap: subject.events,
   };
-  return [...TOPUP.keys.map((k) => keys[k]), ...TOPUP.argv.map((a) => argv[a])];
+  return wiresArgs(TOPUP, keys, argv);
 }
+
+// heartbeat.lua: an instance alive (or leaving), the live count and its rank back.
+export const HEARTBEAT = { keys: ['registry'], argv: ['id', 'ttlMs'] } as const satisfies Wires<string, string>;
+
+/** heartbeat.lua's KEYS then ARGV: `ttlMs` 0, the instance leaves. */
+export const heartbeatArgs = (registry: string, id: string, ttlMs: number) => wiresArgs(HEARTBEAT, { registry }, { id, ttlMs });
+
+// unban.lua: a subject's ban lifted and its recent 429s forgotten.
+export const UNBAN = { keys: ['counters', 'rejections'], argv: [] } as const satisfies Wires<string, string>;
+
+export const unbanArgs = (name: string) =>
+  wiresArgs(UNBAN, { counters: subjectKey.counters(name), rejections: subjectKey.rejections(name) }, {});
 
 /** The scripts' commands on a connection: `redis.quota(...quotaArgs(...))` and so on. */
 export function defineScripts(redis: RedisClient): void {
@@ -388,9 +371,8 @@ export function defineScripts(redis: RedisClient): void {
   redis.defineCommand('refund', { numberOfKeys: REFUND.keys.length, lua: script(REFUND, './refund.lua') });
   defineTopUp(redis);
   redis.defineCommand('writeback', { numberOfKeys: WRITEBACK.keys.length, lua: script(WRITEBACK, './writeback.lua') });
-  // Two wires each: the keys and at most two arguments, described in the scripts themselves.
-  redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: source('./heartbeat.lua') });
-  redis.defineCommand('unban', { numberOfKeys: 2, lua: source('./unban.lua') });
+  redis.defineCommand('heartbeat', { numberOfKeys: HEARTBEAT.keys.length, lua: wired(HEARTBEAT, source('./heartbeat.lua')) });
+  redis.defineCommand('unban', { numberOfKeys: UNBAN.keys.length, lua: wired(UNBAN, source('./unban.lua')) });
 }
 
 /** topup.lua alone: top-ups with CREDITS_ACK_REPLICAS go on a connection of their own. */

@@ -1,6 +1,7 @@
 import type { GatewayConfig } from '../config/config.js';
 import type { RedisClient } from '../redis/client.js';
 import { loopKey } from '../redis/keys.js';
+import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 
 // The accounts with something to send, so a round costs what has traffic, not what is
 // configured (issue 30). Per loop, a sorted set in the loop's own slot
@@ -22,32 +23,40 @@ export interface Marked {
 /** A key of the loop's, beside its lock, in the loop's own slot: its index (`active`), its sweep's position (`sweep`). */
 const activeKey = (config: GatewayConfig, loop: Loop) => loopKey(config.redisPrefix, loop, 'active');
 
-/** KEYS: the index. ARGV: account names. Each one's score grows by one: a mark the leader has not read keeps it there. */
-const MARK = `for i = 1, #ARGV do redis.call('ZINCRBY', KEYS[1], 1, ARGV[i]) end
-return #ARGV`;
+/** Each account named from REST on has its score grow by one: a mark the leader has not read keeps it there. */
+const MARK = {
+  keys: ['index'],
+  argv: [],
+  lua: `for i = REST, #ARGV do redis.call('ZINCRBY', KEY.index, 1, ARGV[i]) end
+return #ARGV - REST + 1`,
+} as const satisfies Script<string, string>;
 
-/** KEYS: the index. ARGV: name, score read, ... Removes each whose score is still the one read; returns how many. */
-const UNMARK = `local n = 0
-for i = 1, #ARGV, 2 do
-  if redis.call('ZSCORE', KEYS[1], ARGV[i]) == ARGV[i + 1] then n = n + redis.call('ZREM', KEYS[1], ARGV[i]) end
+/** From REST on, pairs of a name and the score read: removes each whose score is still the one read; returns how many. */
+const UNMARK = {
+  keys: ['index'],
+  argv: [],
+  lua: `local n = 0
+for i = REST, #ARGV, 2 do
+  if redis.call('ZSCORE', KEY.index, ARGV[i]) == ARGV[i + 1] then n = n + redis.call('ZREM', KEY.index, ARGV[i]) end
 end
-return n`;
+return n`,
+} as const satisfies Script<string, string>;
 
 type IndexRedis = RedisClient & {
-  markActive(key: string, ...names: string[]): Promise<number>;
-  unmarkActive(key: string, ...nameScore: string[]): Promise<number>;
+  markActive(...keysThenArgs: Array<string | number>): Promise<number>;
+  unmarkActive(...keysThenArgs: Array<string | number>): Promise<number>;
 };
 
 /** Defines the scripts on a client (defining one twice is harmless). */
 export function defineActiveScripts(redis: RedisClient): void {
-  redis.defineCommand('markActive', { numberOfKeys: 1, lua: MARK });
-  redis.defineCommand('unmarkActive', { numberOfKeys: 1, lua: UNMARK });
+  defineScript(redis, 'markActive', MARK);
+  defineScript(redis, 'unmarkActive', UNMARK);
 }
 
 /** Marks accounts in a loop's index: one script call in the index's slot. */
 export async function markActive(redis: RedisClient, config: GatewayConfig, loop: Loop, names: Iterable<string>): Promise<void> {
   const list = [...names];
-  if (list.length > 0) await (redis as IndexRedis).markActive(activeKey(config, loop), ...list);
+  if (list.length > 0) await (redis as IndexRedis).markActive(...wiresArgs(MARK, { index: activeKey(config, loop) }, {}, list));
 }
 
 /**
@@ -122,7 +131,8 @@ export class ActiveIndex {
   /** Unmarks the accounts whose score is still the one read (no mark since): nothing of theirs is left unsent. */
   async unmark(config: GatewayConfig, done: Marked[]): Promise<void> {
     if (done.length === 0) return;
-    await (this.redis as IndexRedis).unmarkActive(activeKey(config, this.loop), ...done.flatMap((m) => [m.name, m.score]));
+    const pairs = done.flatMap((m) => [m.name, m.score]);
+    await (this.redis as IndexRedis).unmarkActive(...wiresArgs(UNMARK, { index: activeKey(config, this.loop) }, {}, pairs));
   }
 
   private restart(key: string): void {

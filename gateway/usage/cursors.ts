@@ -1,5 +1,6 @@
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
+import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 import { nextId, type StreamEntry } from './events.js';
 
 // The streams' cursors, moved only under the lead in force: each move carries the fencing
@@ -20,85 +21,100 @@ export const REFUSED: Record<Exclude<Moved, 'moved'>, string> = {
 const outcome = (n: number): Moved => (n === 1 ? 'moved' : n === 0 ? 'fenced' : 'raced');
 
 /**
- * KEYS: the account's usage cursor hash (`id`, `consumed`, `dropped`, `fence`), its stream, its
- * statuses. ARGV: token, the cursor id read, the last entry sent, how many entries that
- * consumes, the first id to keep, then the entries whose statuses go. One slot: `{k:<account>}`.
+ * The account's usage cursor hash (`id`, `consumed`, `dropped`, `fence`), its stream, its
+ * statuses, in one slot (`{k:<account>}`). The ids of the entries whose statuses go come from REST on.
  */
-const MOVE_USAGE = `local fence = tonumber(redis.call('HGET', KEYS[1], 'fence') or '0')
-if tonumber(ARGV[1]) < fence then return 0 end
-if (redis.call('HGET', KEYS[1], 'id') or '0-0') ~= ARGV[2] then return -1 end
-redis.call('HSET', KEYS[1], 'id', ARGV[3], 'fence', ARGV[1])
-redis.call('HINCRBY', KEYS[1], 'consumed', ARGV[4])
-redis.call('XTRIM', KEYS[2], 'MINID', ARGV[5])
-for i = 6, #ARGV, 500 do
-  redis.call('HDEL', KEYS[3], unpack(ARGV, i, math.min(i + 499, #ARGV)))
+const MOVE_USAGE = {
+  keys: ['cursor', 'stream', 'statuses'],
+  argv: ['token', 'read', 'sent', 'consumed', 'keepFrom'], // the cursor id read, the last entry sent, what it consumes, the first id kept
+  lua: `local fence = tonumber(redis.call('HGET', KEY.cursor, 'fence') or '0')
+if tonumber(ARG.token) < fence then return 0 end
+if (redis.call('HGET', KEY.cursor, 'id') or '0-0') ~= ARG.read then return -1 end
+redis.call('HSET', KEY.cursor, 'id', ARG.sent, 'fence', ARG.token)
+redis.call('HINCRBY', KEY.cursor, 'consumed', ARG.consumed)
+redis.call('XTRIM', KEY.stream, 'MINID', ARG.keepFrom)
+for i = REST, #ARGV, 500 do
+  redis.call('HDEL', KEY.statuses, unpack(ARGV, i, math.min(i + 499, #ARGV)))
 end
-return 1`;
+return 1`,
+} as const satisfies Script<string, string>;
 
-/** KEYS: the account's alerts cursor (a string, as it always was), the highest token that moved it. ARGV: token, the cursor id read, the entry delivered. */
-const MOVE_ALERTS = `local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
-if tonumber(ARGV[1]) < fence then return 0 end
-if (redis.call('GET', KEYS[1]) or '0-0') ~= ARGV[2] then return -1 end
-redis.call('SET', KEYS[1], ARGV[3])
-redis.call('SET', KEYS[2], ARGV[1])
-return 1`;
+/** The account's alerts cursor (a string, as it always was), the highest token that moved it. */
+const MOVE_ALERTS = {
+  keys: ['cursor', 'fence'],
+  argv: ['token', 'read', 'delivered'],
+  lua: `local fence = tonumber(redis.call('GET', KEY.fence) or '0')
+if tonumber(ARG.token) < fence then return 0 end
+if (redis.call('GET', KEY.cursor) or '0-0') ~= ARG.read then return -1 end
+redis.call('SET', KEY.cursor, ARG.delivered)
+redis.call('SET', KEY.fence, ARG.token)
+return 1`,
+} as const satisfies Script<string, string>;
 
 /**
- * KEYS: the account's usage stream, its cursor hash. What the stream's cap dropped, from one
- * consistent view: all it ever took, less what was consumed, less what it holds; recorded in
- * `dropped` when it grew, and the growth returned.
+ * What the usage stream's cap dropped, from one consistent view: all it ever took, less what
+ * was consumed, less what it holds; recorded in the cursor's `dropped` when it grew, and the growth returned.
  */
-const DROPPED = `local length = redis.call('XLEN', KEYS[1])
-local info = redis.call('XINFO', 'STREAM', KEYS[1])
+const DROPPED = {
+  keys: ['stream', 'cursor'],
+  argv: [],
+  lua: `local length = redis.call('XLEN', KEY.stream)
+local info = redis.call('XINFO', 'STREAM', KEY.stream)
 local added = 0
 for i = 1, #info, 2 do
   if info[i] == 'entries-added' then added = tonumber(info[i + 1]) end
 end
-local consumed = tonumber(redis.call('HGET', KEYS[2], 'consumed') or '0')
-local known = tonumber(redis.call('HGET', KEYS[2], 'dropped') or '0')
+local consumed = tonumber(redis.call('HGET', KEY.cursor, 'consumed') or '0')
+local known = tonumber(redis.call('HGET', KEY.cursor, 'dropped') or '0')
 local dropped = added - consumed - length
 if dropped <= known then return 0 end
-redis.call('HSET', KEYS[2], 'dropped', dropped)
-return dropped - known`;
+redis.call('HSET', KEY.cursor, 'dropped', dropped)
+return dropped - known`,
+} as const satisfies Script<string, string>;
 
 /**
- * KEYS: the account's usage cursor hash, its stream, its statuses. ARGV: the entry to read after
- * ('': the cursor), how many. Returns the cursor, the entries, their statuses (nil: none yet) and
- * the stream's length: what a round needs of an account, in one call in its slot.
+ * Up to `count` entries after `after` ('': the cursor), with the cursor, their statuses (nil:
+ * none yet) and the stream's length: what a round needs of an account, in one call in its slot.
  */
-const READ_USAGE = `local cursor = redis.call('HGET', KEYS[1], 'id') or '0-0'
-local after = ARGV[1]
+const READ_USAGE = {
+  keys: ['cursor', 'stream', 'statuses'],
+  argv: ['after', 'count'],
+  lua: `local cursor = redis.call('HGET', KEY.cursor, 'id') or '0-0'
+local after = ARG.after
 if after == '' then after = cursor end
-local entries = redis.call('XRANGE', KEYS[2], '(' .. after, '+', 'COUNT', ARGV[2])
+local entries = redis.call('XRANGE', KEY.stream, '(' .. after, '+', 'COUNT', ARG.count)
 local statuses = {}
 for i = 1, #entries, 500 do
   local ids = {}
   for j = i, math.min(i + 499, #entries) do ids[#ids + 1] = entries[j][1] end
-  local found = redis.call('HMGET', KEYS[3], unpack(ids))
+  local found = redis.call('HMGET', KEY.statuses, unpack(ids))
   for j = 1, #ids do statuses[#statuses + 1] = found[j] end
 end
-return {cursor, entries, statuses, redis.call('XLEN', KEYS[2])}`;
+return {cursor, entries, statuses, redis.call('XLEN', KEY.stream)}`,
+} as const satisfies Script<string, string>;
 
+type Args = Array<string | number>;
 type CursorRedis = RedisClient & {
-  readUsage(
-    cursor: string,
-    stream: string,
-    statuses: string,
-    after: string,
-    count: number,
-  ): Promise<[string, StreamEntry[], Array<string | null>, number]>;
-  moveUsage(cursor: string, stream: string, statuses: string, ...args: Array<string | number>): Promise<number>;
-  moveAlerts(cursor: string, fence: string, token: number, from: string, to: string): Promise<number>;
-  countDropped(stream: string, cursor: string): Promise<number>;
+  readUsage(...keysThenArgs: Args): Promise<[string, StreamEntry[], Array<string | null>, number]>;
+  moveUsage(...keysThenArgs: Args): Promise<number>;
+  moveAlerts(...keysThenArgs: Args): Promise<number>;
+  countDropped(...keysThenArgs: Args): Promise<number>;
 };
 
 /** Defines the scripts on a client (each loop calls it; defining one twice is harmless). */
 export function defineCursorScripts(redis: RedisClient): void {
-  redis.defineCommand('moveUsage', { numberOfKeys: 3, lua: MOVE_USAGE });
-  redis.defineCommand('moveAlerts', { numberOfKeys: 2, lua: MOVE_ALERTS });
-  redis.defineCommand('countDropped', { numberOfKeys: 2, lua: DROPPED });
-  redis.defineCommand('readUsage', { numberOfKeys: 3, lua: READ_USAGE });
+  defineScript(redis, 'moveUsage', MOVE_USAGE);
+  defineScript(redis, 'moveAlerts', MOVE_ALERTS);
+  defineScript(redis, 'countDropped', DROPPED);
+  defineScript(redis, 'readUsage', READ_USAGE);
 }
+
+/** The usage cursor's keys of an account. */
+const usageKeys = (name: string) => ({
+  cursor: subjectKey.eventsCursor(name),
+  stream: subjectKey.events(name),
+  statuses: subjectKey.statuses(name),
+});
 
 /** What a round read of an account's usage stream. */
 export interface UsageRead {
@@ -114,11 +130,7 @@ export interface UsageRead {
 /** Up to `count` entries of the account's usage stream after `after` (undefined: after its cursor), with their statuses. */
 export async function readUsage(redis: RedisClient, name: string, after: string | undefined, count: number): Promise<UsageRead> {
   const [cursor, entries, found, length] = await (redis as CursorRedis).readUsage(
-    subjectKey.eventsCursor(name),
-    subjectKey.events(name),
-    subjectKey.statuses(name),
-    after ?? '',
-    count,
+    ...wiresArgs(READ_USAGE, usageKeys(name), { after: after ?? '', count }),
   );
   const statuses = new Map<string, number>();
   entries.forEach(([id], i) => found[i] != null && statuses.set(id, Number(found[i])));
@@ -166,15 +178,12 @@ export interface UsageMove {
 export async function moveUsageCursor(redis: RedisClient, name: string, m: UsageMove): Promise<Moved> {
   const r = redis as CursorRedis;
   const n = await r.moveUsage(
-    subjectKey.eventsCursor(name),
-    subjectKey.events(name),
-    subjectKey.statuses(name),
-    m.token,
-    m.from,
-    m.to,
-    m.consumed,
-    nextId(m.to),
-    ...m.refs,
+    ...wiresArgs(
+      MOVE_USAGE,
+      usageKeys(name),
+      { token: m.token, read: m.from, sent: m.to, consumed: m.consumed, keepFrom: nextId(m.to) },
+      m.refs,
+    ),
   );
   return outcome(Number(n));
 }
@@ -182,11 +191,20 @@ export async function moveUsageCursor(redis: RedisClient, name: string, m: Usage
 /** The account's alerts cursor moved to the entry delivered, if `token` still leads. */
 export async function moveAlertsCursor(redis: RedisClient, name: string, token: number, from: string, to: string): Promise<Moved> {
   return outcome(
-    Number(await (redis as CursorRedis).moveAlerts(subjectKey.alertsCursor(name), subjectKey.alertsFence(name), token, from, to)),
+    Number(
+      await (redis as CursorRedis).moveAlerts(
+        ...wiresArgs(
+          MOVE_ALERTS,
+          { cursor: subjectKey.alertsCursor(name), fence: subjectKey.alertsFence(name) },
+          { token, read: from, delivered: to },
+        ),
+      ),
+    ),
   );
 }
 
 /** Events of the account's usage stream its cap dropped since last counted (recorded in the cursor's `dropped`). */
 export async function countDropped(redis: RedisClient, name: string): Promise<number> {
-  return Number(await (redis as CursorRedis).countDropped(subjectKey.events(name), subjectKey.eventsCursor(name)));
+  const keys = { stream: subjectKey.events(name), cursor: subjectKey.eventsCursor(name) };
+  return Number(await (redis as CursorRedis).countDropped(...wiresArgs(DROPPED, keys, {})));
 }

@@ -3,34 +3,46 @@ import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig } from '../config/config.js';
 import { type RedisClient, redisProblem } from '../redis/client.js';
 import { loopKey } from '../redis/keys.js';
+import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 import { defineCursorScripts } from './cursors.js';
 
 /**
- * Takes the lead, or keeps it. KEYS: the lock, its fence counter (one slot). ARGV: this loop's
- * id, the lease. The lock holds `<id>:<token>`; taking it draws a new fencing token, the
- * counter's next value but never below Redis's clock in ms, so a failover that lost the last
- * increment cannot hand the same token out twice. Returns the token, or 0.
+ * Takes the lead, or keeps it. The lock holds `<holder>:<token>`; taking it draws a new fencing
+ * token, the fence counter's next value but never below Redis's clock in ms, so a failover that
+ * lost the last increment cannot hand the same token out twice. Returns the token, or 0.
  */
-const LEAD = `local held = redis.call('GET', KEYS[1])
-local mine = ARGV[1] .. ':'
+const LEAD = {
+  keys: ['lock', 'fence'], // one slot
+  argv: ['holder', 'ms'], // this loop's id, the lease
+  lua: `local held = redis.call('GET', KEY.lock)
+local mine = ARG.holder .. ':'
 if held and string.sub(held, 1, #mine) == mine then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEY.lock, ARG.ms)
   return tonumber(string.sub(held, #mine + 1))
 end
 if held then return 0 end
 local t = redis.call('TIME')
-local token = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-redis.call('SET', KEYS[2], string.format('%d', token))
-redis.call('SET', KEYS[1], mine .. string.format('%d', token), 'PX', ARGV[2])
-return token`;
+local token = math.max(tonumber(redis.call('GET', KEY.fence) or '0') + 1, tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('SET', KEY.fence, string.format('%d', token))
+redis.call('SET', KEY.lock, mine .. string.format('%d', token), 'PX', ARG.ms)
+return token`,
+} as const satisfies Script<string, string>;
 
 /** Keeps the lead during a round, only if it is still this holder's (`<id>:<token>`): 1, or 0. */
-const RENEW = `if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-return redis.call('PEXPIRE', KEYS[1], ARGV[2])`;
+const RENEW = {
+  keys: ['lock'],
+  argv: ['holder', 'ms'],
+  lua: `if redis.call('GET', KEY.lock) ~= ARG.holder then return 0 end
+return redis.call('PEXPIRE', KEY.lock, ARG.ms)`,
+} as const satisfies Script<string, string>;
 
 /** Gives the lead up, if it is still this holder's. */
-const RELEASE = `if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0`;
+const RELEASE = {
+  keys: ['lock'],
+  argv: ['holder'],
+  lua: `if redis.call('GET', KEY.lock) == ARG.holder then return redis.call('DEL', KEY.lock) end
+return 0`,
+} as const satisfies Script<string, string>;
 
 /**
  * The lock's life. Longer than a POST may take (POST_TIMEOUT_MS), and renewed every third of
@@ -68,9 +80,9 @@ export class DeliveryFailed extends Error {
 }
 
 type LeaderRedis = RedisClient & {
-  lead(lock: string, fence: string, me: string, ms: number): Promise<number>;
-  renewLead(lock: string, holder: string, ms: number): Promise<number>;
-  releaseLead(lock: string, holder: string): Promise<number>;
+  lead(...keysThenArgs: Array<string | number>): Promise<number>;
+  renewLead(...keysThenArgs: Array<string | number>): Promise<number>;
+  releaseLead(...keysThenArgs: Array<string | number>): Promise<number>;
 };
 
 /**
@@ -103,9 +115,9 @@ export abstract class LeaderLoop<Target> {
     /** Told after each round that succeeded (what the rounds metric counts). */
     private readonly counted: () => void = () => {},
   ) {
-    redis.defineCommand('lead', { numberOfKeys: 2, lua: LEAD });
-    redis.defineCommand('renewLead', { numberOfKeys: 1, lua: RENEW });
-    redis.defineCommand('releaseLead', { numberOfKeys: 1, lua: RELEASE });
+    defineScript(redis, 'lead', LEAD);
+    defineScript(redis, 'renewLead', RENEW);
+    defineScript(redis, 'releaseLead', RELEASE);
     defineCursorScripts(redis);
     this.redis = redis as LeaderRedis;
   }
@@ -165,7 +177,7 @@ export abstract class LeaderLoop<Target> {
       this.log.warn({ cause: err.message }, `${this.name}: this instance lost the lead`);
       this.leading = false;
       // A lead whose token was refused is given up, so the next one draws a newer token.
-      if (holder) await this.redis.releaseLead(lock, holder).catch(() => {});
+      if (holder) await this.redis.releaseLead(...wiresArgs(RELEASE, { lock }, { holder })).catch(() => {});
       return 1000;
     }
     let wait = backoffMs(++this.failures);
@@ -182,7 +194,7 @@ export abstract class LeaderLoop<Target> {
 
   private async lead(lock: string): Promise<number> {
     const fence = lock.replace(/:lock$/, ':fence');
-    const token = Number(await this.redis.lead(lock, fence, this.me, LEASE_MS));
+    const token = Number(await this.redis.lead(...wiresArgs(LEAD, { lock, fence }, { holder: this.me, ms: LEASE_MS })));
     if (token && !this.leading) this.log.info({ pid: process.pid, token }, `${this.name}: this instance leads`);
     this.leading = token > 0;
     return token;
@@ -208,7 +220,7 @@ export abstract class LeaderLoop<Target> {
     const renew = async () => {
       const sent = performance.now();
       try {
-        if (Number(await this.redis.renewLead(lock, holder, LEASE_MS)) === 1) expireFrom(sent);
+        if (Number(await this.redis.renewLead(...wiresArgs(RENEW, { lock }, { holder, ms: LEASE_MS }))) === 1) expireFrom(sent);
         else lose('another instance holds the lock');
       } catch (err) {
         lose(`the lock could not be renewed: ${redisProblem(this.redis, err)}`);

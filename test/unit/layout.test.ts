@@ -55,4 +55,15 @@ describe('the floors of gateway/', () => {
   it('has the wiring imported by nothing but the process and the entry', () => {
     expect(edges.filter((e) => e.to === 'app.ts' && floorOf(e.from) < 3)).toEqual([]);
   });
+
+  it('names every wire to Redis: no script reads KEYS or ARGV at a fixed position (redis/wires.ts binds them by name)', () => {
+    const scripts = readdirSync(ROOT, { recursive: true, encoding: 'utf8' })
+      .filter((f) => /\.(ts|lua)$/.test(f) && f !== join('redis', 'wires.ts'))
+      .map((f) => ({ f, text: readFileSync(join(ROOT, f), 'utf8') }));
+    expect(scripts.filter(({ text }) => /redis\.call\(/.test(text)).length).toBeGreaterThan(8);
+    const byPosition = scripts.flatMap(({ f, text }) =>
+      [...text.matchAll(/\b(?:KEYS|ARGV)\[\s*\d+\s*\]|unpack\(ARGV,\s*\d/g)].map((m) => `${f}: ${m[0]}`),
+    );
+    expect(byPosition).toEqual([]);
+  });
 });
