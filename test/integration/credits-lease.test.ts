@@ -1,11 +1,9 @@
 import { randomUUID } from 'node:crypto';
 import fc from 'fast-check';
-import type { FastifyBaseLogger } from 'fastify';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
-import { loadSettings } from '../../gateway/config/settings.js';
-import type { Decision, QuotaSubject } from '../../gateway/quota/decision.js';
-import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
+import type { QuotaSubject } from '../../gateway/quota/decision.js';
+import { LeasingInstance } from '../helpers/lease-instance.js';
 import { usageView } from '../../gateway/quota/usage-view.js';
 import { echoBackend, type EchoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
@@ -18,9 +16,6 @@ import { eventually } from '../helpers/time.js';
 // not hand out when the lease closes; a lease its holder never closes (a killed instance) goes
 // back whole once it lapsed in Redis. Spent = delivered, at every step and at the end.
 
-const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
-/** The shipped QUOTA_LEASE_MAX, as the settings give it (the store alone defaults to 1, no lease): with a balance of 2,000 a lease is 20 units (1% of it). */
-const LEASE_MAX = loadSettings({}).quotaLeaseMax;
 // A billing day half a month away, so no run crosses its period's start (a new grant).
 const billingDay = ((new Date().getUTCDate() + 14) % 28) + 1;
 const subject = (grant: number): QuotaSubject => ({
@@ -35,27 +30,6 @@ const subject = (grant: number): QuotaSubject => ({
   events: 0,
   alerts: '',
 });
-
-/** One gateway instance: its store, on a monotonic clock the test moves on to make its leases lapse. */
-class Instance {
-  store: RedisQuotaStore;
-  private shift = 0;
-  readonly admitted: Decision[] = [];
-
-  constructor(redis: Redis) {
-    this.store = new RedisQuotaStore(redis, silent, {
-      leaseMax: LEASE_MAX,
-      // A stall of this busy machine must not turn a decision into a 503: not what this test is about.
-      timeoutMs: 30_000,
-      clock: { wall: Date.now, mono: () => performance.now() + this.shift },
-    });
-  }
-
-  /** Its leases' time is over, as far as it can tell (Redis's own minute is untouched). */
-  lapse(): void {
-    this.shift += 61_000;
-  }
-}
 
 let redis: Redis;
 beforeAll(() => {
@@ -78,10 +52,10 @@ describe('credit leases on two instances', () => {
     await fc.assert(
       fc.asyncProperty(steps, async (plan) => {
         const s = subject(B0);
-        const fleet = [new Instance(redis), new Instance(redis)];
+        const fleet = [new LeasingInstance(redis), new LeasingInstance(redis)];
         const credits = async () => (await fleet[0]!.store.peek(s)).credits!;
         let delivered = 0;
-        const send = async (at: Instance) => {
+        const send = async (at: LeasingInstance) => {
           const d = await at.store.consume(s);
           if (d.outcome === 'allowed') {
             delivered++;
@@ -116,7 +90,7 @@ describe('credit leases on two instances', () => {
 
   it('answer 402 only once the balance is spent but for what the other instance holds (at most 1% of it), and admit that once it is given back', async () => {
     const s = subject(1000);
-    const [a, b] = [new Instance(redis), new Instance(redis)];
+    const [a, b] = [new LeasingInstance(redis), new LeasingInstance(redis)];
     expect((await a.store.consume(s)).outcome).toBe('allowed'); // a lease of 10 (1% of 1,000): A holds 9
     let byB = 0;
     while ((await b.store.consume(s)).outcome === 'allowed') byB++;
@@ -135,7 +109,7 @@ describe('credit leases on two instances', () => {
 
   it('a refunded unit of a lease gives its credit back, and the lease closes without counting it twice', async () => {
     const s = subject(2000);
-    const a = new Instance(redis);
+    const a = new LeasingInstance(redis);
     const first = await a.store.consume(s); // a lease of 20
     expect(first.leased).toBe(false);
     const fromLease = await a.store.consume(s);

@@ -1,21 +1,18 @@
 import { randomUUID } from 'node:crypto';
 import fc from 'fast-check';
-import type { FastifyBaseLogger } from 'fastify';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
-import type { Decision, QuotaSubject } from '../../gateway/quota/decision.js';
-import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
+import type { QuotaSubject } from '../../gateway/quota/decision.js';
+import { LeasingInstance } from '../helpers/lease-instance.js';
 
 // Overage is billed for units delivered past the quota, whatever happens to leases: three
 // instances on one real Redis take leases, hand them out, let them lapse, give them back,
 // die holding them, and refund requests (502/504), in random orders; after every step the
 // bill is checked against a plain count of what was delivered.
 
-const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
 const QUOTA = 480;
 const UP_TO = 20;
-/** The shipped QUOTA_LEASE_MAX (the store's own default is 1: no leases); with these limits a lease is 5 units. */
-const LEASE_MAX = 100;
+/** A lease at the shipped QUOTA_LEASE_MAX with these limits. */
 const LEASE = 5;
 
 // A billing day half a month away, so no run crosses its period's start.
@@ -32,28 +29,6 @@ const subject = (): QuotaSubject => ({
   events: 0,
   alerts: '',
 });
-
-/** One gateway instance: its store, on a monotonic clock the test moves on to make its leases lapse. */
-class Instance {
-  store: RedisQuotaStore;
-  private shift = 0;
-  /** Its admitted requests not refunded yet, latest last. */
-  readonly admitted: Decision[] = [];
-
-  constructor(redis: Redis) {
-    this.store = new RedisQuotaStore(redis, silent, {
-      leaseMax: LEASE_MAX,
-      // A stall of this busy machine must not hand decisions to the degraded budget, which is not what this test is about.
-      timeoutMs: 30_000,
-      clock: { wall: Date.now, mono: () => performance.now() + this.shift },
-    });
-  }
-
-  /** Its leases' minutes are over, as far as it can tell (Redis's own minute is untouched). */
-  lapse(): void {
-    this.shift += 61_000;
-  }
-}
 
 type Step =
   | { kind: 'send'; at: number; n: number }
@@ -80,11 +55,11 @@ afterAll(() => redis.quit());
 /** Runs `plan` on three fresh instances; returns what was delivered, billed, and how many instances died. */
 async function run(plan: Step[]) {
   const s = subject();
-  const fleet = [0, 1, 2].map(() => new Instance(redis));
+  const fleet = [0, 1, 2].map(() => new LeasingInstance(redis));
   const billed = async () => (await fleet[0]!.store.peek(s)).overageUsed ?? 0;
   let delivered = 0;
   let kills = 0;
-  const send = async (at: Instance) => {
+  const send = async (at: LeasingInstance) => {
     const d = await at.store.consume(s);
     if (d.outcome === 'allowed') {
       delivered++;
@@ -97,7 +72,7 @@ async function run(plan: Step[]) {
     else if (step.kind === 'lapse') at.lapse();
     else if (step.kind === 'kill') {
       // Dies holding whatever it holds: a new instance takes its place.
-      fleet[step.at] = new Instance(redis);
+      fleet[step.at] = new LeasingInstance(redis);
       kills++;
     } else {
       const d = at.admitted.pop();
