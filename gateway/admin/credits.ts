@@ -5,6 +5,7 @@ import { GatewayError } from '../errors.js';
 import { TopUpNotReplicated } from '../quota/redis-store.js';
 import type { KeyFinder } from '../auth/registry.js';
 import type { AccountBook, LedgerEntry } from '../quota/store.js';
+import { CreditFields } from '../quota/usage-view.js';
 import { AccountParams, failure } from './schemas.js';
 
 // An account's prepaid credits on the admin port: its balance and ledger, and top-ups, each
@@ -32,15 +33,7 @@ const Entry = Type.Object(
 const Credits = Type.Object(
   {
     account: Type.String(),
-    balance: Type.Integer({ description: 'Granted plus purchased' }),
-    granted: Type.Integer({
-      description: "What is left of the period's grant (spent first; it expires at the period's end unless it rolls over)",
-    }),
-    purchased: Type.Integer({ description: 'What is left of the top-ups (spent after the grant; never expires)' }),
-    reserved: Type.Integer({
-      description:
-        'Taken from the balance by leases gateway instances hold (not in `balance`): spent as they deliver, the rest given back when each lease closes or lapses',
-    }),
+    ...CreditFields,
     ledger: Type.Array(Entry, {
       description:
         'The last grants and top-ups (about 1,000), oldest first; with usage export on, every entry also goes to the sink as a CloudEvent',

@@ -26,6 +26,19 @@ const windowFields = () =>
     [K in Exclude<WindowName, 'minute'>]: TOptional<typeof Window>;
   };
 
+/** An account's credits as every view shows them: the usage views and the admin credits view. */
+export const CreditFields = {
+  balance: Type.Integer({ description: 'Units left: granted plus purchased' }),
+  granted: Type.Integer({
+    description: "Left of this period's grant (spent first; expires at the period's end unless it rolls over)",
+  }),
+  purchased: Type.Integer({ description: 'Left of top-ups (spent after the grant; never expire)' }),
+  reserved: Type.Integer({
+    description:
+      'Held by leases gateway instances hold (not in `balance`): spent as they deliver, the rest back when each lease closes or lapses (within a minute)',
+  }),
+};
+
 export const UsageView = Type.Object(
   {
     account: Type.String(),
@@ -53,15 +66,7 @@ export const UsageView = Type.Object(
     credits: Type.Optional(
       Type.Object(
         {
-          balance: Type.Integer({ description: 'Units left: granted plus purchased' }),
-          granted: Type.Integer({
-            description: "Left of this period's grant (spent first; expires at the period's end unless it rolls over)",
-          }),
-          purchased: Type.Integer({ description: 'Left of top-ups (never expire)' }),
-          reserved: Type.Integer({
-            description:
-              'Held by gateway instances for requests about to be served (not in `balance`): spent as they are, the rest back within a minute',
-          }),
+          ...CreditFields,
           grant: Type.Integer({ description: 'Units granted at each period start' }),
           rollover: Type.Boolean(),
           nextGrantAt: Type.Union([Instant, Type.Null()], { description: 'When the next grant comes; null when none is due' }),
