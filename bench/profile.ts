@@ -2,12 +2,13 @@ import { spawn } from 'node:child_process';
 import { rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { benchBed, cpuUs, need, startGatewayBuild, startReference, thinkTime, wrk } from './lib.js';
+import { benchBed, cpuUs, need, startGatewayBuild, startOtlpSink, startReference, thinkTime, wrk } from './lib.js';
 
 // `npm run bench:profile`: where the gateway's CPU goes, against the bare proxy, per request.
 // Both run at the same held rate (wrk with think time, BENCH_PROFILE_RATE, default 1400/s,
 // about half saturation here) for BENCH_PROFILE_SECONDS (12) while `perf record` samples
-// their on-CPU time (Linux perf: apt-get install linux-perf). node's --cpu-prof would not do:
+// their on-CPU time (Linux perf: apt-get install linux-perf). BENCH_GATEWAY_TRACING=1: the
+// gateway traces every request to an OTLP sink in this process. node's --cpu-prof would not do:
 // it samples wall time, so a process waiting for a core on this crowded machine looks busy.
 // Prints microseconds per request by kind of code (self time), then the gateway's own entry
 // points with what they call (inclusive). Loopback only.
@@ -40,13 +41,15 @@ function kind(frame: string): string {
  * inlines into its caller has no frame of its own (authenticate, genReqId): it counts there.
  */
 const ROOTS: Array<[string, RegExp]> = [
-  ['onRequest (auth, route, quota, headers)', /JS:\S*onRequest \S*dist\/gateway\/pipeline/],
+  ['onRequest (auth, route, quota, headers)', /JS:\S*onRequest \S*dist\/gateway\/http\/pipeline/],
   ['  quota: consume (leases, Redis)', /JS:\S*consume \S*dist\/gateway\/quota/],
   ['  rateLimitHeaders', /JS:\S*rateLimitHeaders /],
-  ['access line + metrics (onResponse)', /JS:\S*onResponse \S*dist\/gateway\/access-log/],
+  ['access line + metrics (onResponse)', /JS:\S*onResponse \S*dist\/gateway\/observability\/access-log/],
   ['  the line', /JS:\S*writeAccessLine /],
-  ['proxy header rewrites', /JS:\S*rewrite(Request)?Headers \S*dist\/gateway\/proxy/],
+  ['proxy header rewrites', /JS:\S*rewrite(Request)?Headers \S*dist\/gateway\/http\/proxy/],
   ['ioredis (replies included)', /ioredis\//],
+  ['tracing: the SDK and its export', /@opentelemetry\//],
+  ['tracing: our hooks', /dist\/gateway\/observability\/tracing/],
 ];
 
 interface Profile {
@@ -96,9 +99,9 @@ async function main() {
   try {
     // --perf-basic-prof: JIT-compiled functions get their names in perf's samples.
     const bare = await startReference(bed, 'bare', {}, ['--perf-basic-prof']);
-    const gateway = await startGatewayBuild(bed, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js', { REDIS_URL: bed.redisUrl }, [
-      '--perf-basic-prof',
-    ]);
+    const env: Record<string, string> = { REDIS_URL: bed.redisUrl };
+    if (process.env.BENCH_GATEWAY_TRACING === '1') env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = await startOtlpSink(bed);
+    const gateway = await startGatewayBuild(bed, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js', env, ['--perf-basic-prof']);
     pids.push(bare.pid, gateway.pid);
 
     const headers = { authorization: `Bearer ${bed.key}` };
