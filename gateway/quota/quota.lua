@@ -303,8 +303,16 @@ local cap = tonumber(ARG.eventsCap) or 0
 if cap > 0 then
   local balance = -1
   if grant >= 0 then balance = g + p end
-  eventId = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'request', 'rid', ARG.requestId, 'key', ARG.keyId,
-    'plan', ARG.plan, 'route', ARG.route, 'method', ARG.method, 'units', cost, 'at', now, 'minute', win.minute.count, 'day', day.count,
-    'month', pc, 'overage', mine, 'credits', balance)
+  local entry = {'kind', 'request', 'rid', ARG.requestId, 'key', ARG.keyId, 'plan', ARG.plan, 'route', ARG.route,
+    'method', ARG.method, 'units', cost, 'at', now}
+  -- Each fixed window the plan has, by its name (the table in windows.ts), then the month.
+  for _, w in ipairs(FIXED) do
+    if win[w.name].on then
+      entry[#entry + 1] = w.name
+      entry[#entry + 1] = win[w.name].count
+    end
+  end
+  for _, v in ipairs({'month', pc, 'overage', mine, 'credits', balance}) do entry[#entry + 1] = v end
+  eventId = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', unpack(entry))
 end
 return reply(0, units)

@@ -2,6 +2,8 @@
 // batches (application/cloudevents-batch+json, the format OpenMeter's ingest takes). Pure: the
 // stream's entries in, the events out.
 
+import { FIXED } from '../quota/windows.js';
+
 /** An entry of an account's usage stream (Redis XRANGE): its id and its field list. */
 export type StreamEntry = [id: string, fields: string[]];
 
@@ -54,7 +56,8 @@ function requestEvent(account: string, source: string, id: string, f: Record<str
       method: f.method,
       units: Number(f.units),
       status,
-      windows: { minute: num(f.minute), day: num(f.day), month: Number(f.month) || null },
+      // Each fixed window by its name (windows.ts; null: the plan has none), then the billing period's.
+      windows: { ...Object.fromEntries(FIXED.map((w) => [w.name, num(f[w.name])])), month: Number(f.month) || null },
       overage: Number(f.overage),
       credits: credits >= 0 ? credits : null,
     },

@@ -7,8 +7,9 @@ import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { policyHeader } from '../../gateway/quota/headers.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
 import { makeKey, redisKeyOf, testConfig } from '../helpers/config.js';
-import { type TestGateway, useTestGateway } from '../helpers/gateway.js';
-import { inOneMinute } from '../helpers/time.js';
+import { buildTestGateway, type TestGateway, useTestGateway } from '../helpers/gateway.js';
+import { startSink } from '../helpers/sink.js';
+import { eventually, inOneMinute } from '../helpers/time.js';
 
 // The hour window as clients meet it, through the in-process gateway: on real Redis (quota.lua)
 // and on the in-process store. A run within one UTC minute is within one UTC hour.
@@ -73,6 +74,45 @@ describe('the hour window through the gateway, on Redis', () => {
     expect(JSON.stringify(pub)).toContain('hourly_quota_exceeded');
     const admin = await (await fetch(`${gw.adminUrl}/openapi.json`)).text();
     expect(admin).toMatch(/"perHour":\{[^}]*"description":"Requests an hour \(UTC hours\)"/);
+  });
+});
+
+describe('the hour window in usage events', () => {
+  it("counts each request in the event's windows by name, the hour with them; null for a window the plan has not", async () => {
+    const sink = await startSink();
+    const plain = makeKey('plain');
+    const gw = await buildTestGateway({
+      config: testConfig([hourly, plain], {
+        plans: { hourly: { perMinute: 10, perHour: 3, perDay: 100 }, plain: { perMinute: 10, perDay: 100 } },
+        usage: { export: { url: sink.url, maxEvents: 1000, batchSize: 50 } },
+      }),
+    });
+    try {
+      let attempt = 0;
+      await inOneMinute(async () => {
+        // Request ids of this attempt's own: a minute that turned leaves the last attempt's events at the sink.
+        const run = `run${++attempt}`;
+        for (const [i, key] of [hourly, hourly, plain].entries()) {
+          const res = await gw.call('/v1/pets', key.key, { headers: { 'x-request-id': `${run}-${i}` } });
+          expect(res.status).toBe(200);
+        }
+        const mine = () => sink.requests().filter((e) => String(e.data!.requestId).startsWith(`${run}-`));
+        await eventually(() => mine().length === 3, 20_000, 'the three events at the sink');
+        const windows = (id: string) =>
+          mine()
+            .filter((e) => e.data!.keyId === id)
+            .sort((a, b) => String(a.data!.requestId).localeCompare(String(b.data!.requestId)))
+            .map((e) => e.data!.windows);
+        expect(windows(hourly.id)).toEqual([
+          { minute: 1, hour: 1, day: 1, month: null },
+          { minute: 2, hour: 2, day: 2, month: null },
+        ]);
+        expect(windows(plain.id)).toEqual([{ minute: 1, hour: null, day: 1, month: null }]);
+      }, gw.freshCounters);
+    } finally {
+      await gw.close();
+      await sink.close();
+    }
   });
 });
 
