@@ -157,9 +157,10 @@ local function reply(outcome, taken, banUntil)
 end
 local function save()
   local set = {'lo', lo, 'ls', ow}
+  -- Only the windows the subject has: a plan without an hour stores no hour (at a million keys, 30 MB).
   for _, w in ipairs(FIXED) do
     local c = win[w.name]
-    for _, v in ipairs({w.start, c.start, w.count, c.count}) do table.insert(set, v) end
+    if c.on then for _, v in ipairs({w.start, c.start, w.count, c.count}) do table.insert(set, v) end end
   end
   redis.call('HSET', KEY.counters, unpack(set))
   if perMonth > 0 then redis.call('HSET', KEY.counters, 'ps', ps, 'pc', pc, 'pe', pe) end

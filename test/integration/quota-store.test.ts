@@ -275,6 +275,16 @@ describe('redis store', () => {
     expect(pexpireAt).toBe(Number(fields.ds) + DAY_MS);
   });
 
+  it('stores only the windows a subject has: no hour fields without perHour', async () => {
+    const store = new RedisQuotaStore(redis, silent);
+    const plain = subject(5, 10, false);
+    const hourly = { ...subject(5, 10, false), limits: { perMinute: 5, perHour: 7, perDay: 10 } };
+    await store.consume(plain);
+    await store.consume(hourly);
+    const hourFields = async (s: QuotaSubject) => Object.keys(await redis.hgetall(s.name)).filter((f) => f === 'hs' || f === 'hc');
+    expect({ plain: await hourFields(plain), hourly: (await hourFields(hourly)).sort() }).toEqual({ plain: [], hourly: ['hc', 'hs'] });
+  });
+
   it('starts a new minute when the stored window is an old one', async () => {
     await inOneMinute(async () => {
       const store = new RedisQuotaStore(redis, silent);
