@@ -57,7 +57,19 @@ interface Profile {
   cpuUs: number;
   self: Map<string, number>;
   roots: Map<string, number>;
+  /** Self time by function (the frame's symbol, its address left out). */
+  functions: Map<string, number>;
 }
+
+/** BENCH_PROFILE_TOP=n: also print the n functions with the most self time more in the gateway than in the bare proxy. */
+const TOP = Number(process.env.BENCH_PROFILE_TOP ?? 0);
+
+/** A frame's symbol: `JS:*onRequest file:///.../pipeline.js:12:3` or a native name, without perf's address and module. */
+const symbol = (frame: string) =>
+  frame
+    .replace(/^[0-9a-f]+\s+/, '')
+    .replace(/\s+\([^)]*\)$/, '')
+    .replace(/\+0x[0-9a-f]+$/, '');
 
 /** `perf record` on `pid` while `load` runs, then its samples folded into a Profile. */
 async function profile(pid: number, load: () => Promise<number>, dir: string, name: string): Promise<Profile> {
@@ -73,12 +85,15 @@ async function profile(pid: number, load: () => Promise<number>, dir: string, na
   await new Promise((r) => perf.once('exit', r));
   const self = new Map<string, number>();
   const roots = new Map<string, number>();
+  const functions = new Map<string, number>();
   const script = spawn('perf', ['script', '-i', data], { stdio: ['ignore', 'pipe', 'ignore'] });
   let frames: string[] = [];
   const fold = () => {
     if (frames.length === 0) return;
     const k = kind(frames[0]!);
     self.set(k, (self.get(k) ?? 0) + 1);
+    const f = symbol(frames[0]!);
+    functions.set(f, (functions.get(f) ?? 0) + 1);
     for (const [label, re] of ROOTS) if (frames.some((f) => re.test(f))) roots.set(label, (roots.get(label) ?? 0) + 1);
     frames = [];
   };
@@ -88,7 +103,7 @@ async function profile(pid: number, load: () => Promise<number>, dir: string, na
   }
   fold();
   const perRequest = (m: Map<string, number>) => new Map([...m].map(([k, n]) => [k, (n * 1e6) / HZ / requests]));
-  return { requests, cpuUs: cpu, self: perRequest(self), roots: perRequest(roots) };
+  return { requests, cpuUs: cpu, self: perRequest(self), roots: perRequest(roots), functions: perRequest(functions) };
 }
 
 async function main() {
@@ -140,6 +155,11 @@ async function main() {
     console.log(`\n${"the gateway's own entry points, inclusive".padEnd(44)}${'gateway'.padStart(8)}`);
     for (const [label] of ROOTS) console.log(`${label.padEnd(44)}${fmt(g.roots.get(label))}`);
     console.log('(a function V8 inlined has no frame of its own: it counts in its caller)');
+    if (TOP > 0) {
+      const more = [...g.functions].map(([f, us]) => [f, us - (b.functions.get(f) ?? 0)] as const).sort((x, y) => y[1] - x[1]);
+      console.log(`\n${'self time more than the bare proxy, by function'.padEnd(100)}${'us/req'.padStart(8)}`);
+      for (const [f, us] of more.slice(0, TOP)) console.log(`${f.slice(0, 100).padEnd(100)}${fmt(us)}`);
+    }
   } finally {
     await bed.close();
     for (const pid of pids) rmSync(`/tmp/perf-${pid}.map`, { force: true }); // --perf-basic-prof's symbol maps
