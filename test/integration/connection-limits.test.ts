@@ -5,6 +5,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { MAX_WAITING } from '../../gateway/http/connections.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
+import { scaled, timeoutFor } from '../helpers/budget.js';
 import { eventually } from '../helpers/time.js';
 
 // Hostile clients on the public port (gateway/http/connections.ts): a pipeline has one request
@@ -128,23 +129,28 @@ describe('responses nobody reads', () => {
 });
 
 describe('responses read slowly', () => {
-  it('are not cut while the client keeps taking bytes, however long the whole body takes', async () => {
-    // 2 s instead of the shipped 10 s, so the slow read below outlasts it (and a look) in 5 s.
-    const unreadTimeoutMs = 2000;
+  /** The unread timeout this test sets, before the machine's scale. */
+  const UNREAD_MS = 2000;
+  it('are not cut while the client keeps taking bytes, however long the whole body takes', {
+    timeout: timeoutFor(4 * UNREAD_MS),
+  }, async () => {
+    // 2 s (more on a slow machine: a stall of this process longer than it would cut the reader
+    // too) instead of the shipped 10 s, so the slow read below outlasts it and a look.
+    const unreadTimeoutMs = scaled(UNREAD_MS);
     const gw = await buildTestGateway({ config, settings: { unreadTimeoutMs } });
-    const size = 16 << 20;
+    // 64 KB every 25 ms at most: the body takes at least twice the timeout to read.
+    const size = Math.ceil((2 * unreadTimeoutMs) / 25) * (64 << 10);
     gw.echo!.answer = (_req, res) => res.writeHead(200, { 'content-type': 'application/octet-stream' }).end(Buffer.alloc(size));
     const c = raw(gw, false);
     c.socket.write(GET);
-    // 128 KB every 25 ms: about 5 MB a second, so the body takes over twice the timeout to read.
     let got = 0;
     const started = performance.now();
     const reader = setInterval(() => {
-      for (let chunk: Buffer | null, n = 0; n < 2 && (chunk = c.socket.read(65_536) as Buffer | null); n++) got += chunk.length;
+      got += (c.socket.read(65_536) as Buffer | null)?.length ?? 0;
     }, 25);
     let cut = false;
     void c.closed.then(() => (cut = true));
-    await eventually(() => got >= size || cut, 30_000, 'the whole body read, or the connection cut');
+    await eventually(() => got >= size || cut, 8 * UNREAD_MS, 'the whole body read, or the connection cut');
     clearInterval(reader);
     expect({ got, unreadCuts: await metric(gw, 'gateway_pushback_total{reason="unread"}') }).toEqual({ got: size, unreadCuts: 0 });
     expect(performance.now() - started).toBeGreaterThan(unreadTimeoutMs + 1000);
