@@ -1,3 +1,4 @@
+import { format } from 'node:util';
 import type closeWithGrace from 'close-with-grace';
 import type { FastifyBaseLogger, FastifyInstance } from 'fastify';
 import type { DestinationStream } from 'pino';
@@ -60,9 +61,20 @@ const ADMIN = { port: 'ADMIN_PORT', host: 'ADMIN_HOST' };
 const CLOSE_MARGIN_MS = 5000;
 
 export async function run(settings: GatewaySettings, initial: GatewayConfig, options: RunOptions): Promise<Running> {
+  // A library's console.warn (ioredis's "Redis server does not require a password") becomes a
+  // log line, so a process of ours writes JSON only; held until the logger exists.
+  const warned: string[] = [];
+  let warn = (line: string): void => {
+    warned.push(line);
+  };
+  if (options.ownProcess) console.warn = (...args: unknown[]) => warn(format(...args));
   const redis = connectRedis(redisTarget(settings), settings.redisTimeoutMs);
   const gateway = options.serve ? await buildGateway(settings, { config: initial, redis, logStream: options.logStream }) : undefined;
   const log = gateway?.app.log ?? createLogger('gateway', settings.logLevel, settings.logPretty, () => {}, options.logStream);
+  warn = (line) => {
+    log.warn({ source: 'console' }, line);
+  };
+  for (const line of warned.splice(0)) warn(line);
   // The gateway holds the config in force; the primary, which serves none, holds its own.
   let primaryConfig = initial;
   const config = gateway?.config ?? (() => primaryConfig);

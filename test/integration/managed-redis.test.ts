@@ -290,6 +290,20 @@ describe('TLS with a private CA, and an ACL user', () => {
     cleanOutput(procs, PASSWORD);
   });
 
+  it('says a password Redis does not ask for as a JSON log line (ioredis writes it to the console), and works', {
+    timeout: scaled(60_000),
+  }, async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const port = new URL(redis.url).port;
+    const { procs, keys } = await gatewayProcesses(1, { REDIS_URL: `redis://:${PASSWORD}@127.0.0.1:${port}` });
+    await processesExact(procs, keys);
+    const said = procs[0]!.logs.filter((l) => /does not require a password/.test(String(l.msg)));
+    expect(said.length).toBeGreaterThan(0); // once a connection
+    expect(said.filter((l) => l.level !== 40 || l.source !== 'console')).toEqual([]);
+    cleanOutput(procs, PASSWORD);
+  });
+
   it('names NOPERM when the ACL user may not run scripts, at boot and on /readyz, instead of "not answering in time"', {
     timeout: scaled(60_000),
   }, async () => {
