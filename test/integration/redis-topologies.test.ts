@@ -1,6 +1,9 @@
 import { Cluster, Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
-import { makeKey, redisKeyOf, testConfig } from '../helpers/config.js';
+import { join } from 'node:path';
+import { echoBackend } from '../helpers/backends.js';
+import { call, makeKey, redisKeyOf, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
+import { startProcess } from '../helpers/processes.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { role, spawnCluster, spawnSentinels } from '../helpers/redis.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
@@ -216,5 +219,60 @@ describe('Redis Sentinel', () => {
     await traffic.stop();
     console.log(`Redis Sentinel failover: enforcement back on the promoted replica ${backAfterMs} ms after the master was killed`);
     expect([...traffic.statuses.keys()]).toEqual([200]);
+  });
+
+  it('leaves a node the sentinels name that is a replica, and decides on the master once they name it, without a restart', {
+    timeout: scaled(60_000),
+  }, async () => {
+    const group = await spawnSentinels();
+    onTestFinished(() => group.stop());
+    const sentinels = group.sentinels
+      .split(',')
+      .map((at) => new Redis({ host: '127.0.0.1', port: Number(at.split(':')[1]) }).on('error', () => {}));
+    onTestFinished(() => sentinels.forEach((s) => s.disconnect()));
+    const monitor = (port: number) =>
+      Promise.all(
+        sentinels.map(async (s) => {
+          await s.call('SENTINEL', 'REMOVE', group.name);
+          await s.call('SENTINEL', 'MONITOR', group.name, '127.0.0.1', String(port), '2');
+        }),
+      );
+    // Sentinels that name a node which is a replica (as one that has not yet seen a failover
+    // does): they keep naming it, having no replica of its own to promote.
+    await monitor(group.replica.port);
+    expect(await sentinels[0]!.call('SENTINEL', 'GET-MASTER-ADDR-BY-NAME', group.name)).toEqual(['127.0.0.1', String(group.replica.port)]);
+    const onReplica = new Redis({ host: '127.0.0.1', port: group.replica.port }).on('error', () => {});
+    onTestFinished(() => onReplica.disconnect());
+    const logins = async () => Number(/total_connections_received:(\d+)/.exec(await onReplica.info('stats'))![1]);
+    // A gateway process at the shipped settings (a test gateway would wait for Redis ready first).
+    const k = makeKey('free');
+    const { dir, cleanup } = tempDir();
+    onTestFinished(cleanup);
+    writeConfig(join(dir, 'gateway.json'), testConfig([k]));
+    const prefix = uniquePrefix();
+    const env = { GATEWAY_CONFIG: join(dir, 'gateway.json'), REDIS_SENTINELS: group.sentinels, REDIS_SENTINEL_NAME: group.name };
+    const backend = await echoBackend();
+    onTestFinished(() => backend.close());
+    const first = await logins();
+    const gw = await startProcess(
+      'dist/gateway/server.js',
+      { ...env, REDIS_KEY_PREFIX: prefix, GATEWAY_PORT: '0', ADMIN_PORT: '0', BACKEND_URL: backend.url },
+      (l) => l.msg === 'gateway ready',
+    );
+    onTestFinished(() => gw.stop().then(() => undefined));
+    const url = String(gw.logs.find((l) => l.msg === 'gateway ready')!.address);
+    await eventually(async () => (await logins()) > first + 2, 10_000, 'the gateway leaving the replica and asking again');
+    // Named the master again (no +switch-master is published for that): the gateway gets there by itself.
+    await monitor(group.master.port);
+    const onMaster = new Redis({ host: '127.0.0.1', port: group.master.port }).on('error', () => {});
+    onTestFinished(() => onMaster.disconnect());
+    await eventually(
+      async () => {
+        await (await call(`${url}/v1/pets`, k.key)).arrayBuffer();
+        return (await onMaster.keys(`${prefix}:*`)).length > 0;
+      },
+      20_000,
+      'a request counted on the master',
+    );
   });
 });
