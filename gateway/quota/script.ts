@@ -125,6 +125,8 @@ const QUOTA_ARGV = [
   'backSize',
   'callId',
   'backCredits',
+  'pendEvents',
+  'backPending',
 ] as const;
 const QUOTA_REPLY = [
   'outcome',
@@ -142,7 +144,7 @@ const QUOTA_REPLY = [
 /** A fixed window's ARG: the start of the leases given back in it. */
 const backArg = (w: WindowRow) => `back_${w.name}` as const;
 export const QUOTA = {
-  keys: ['counters', 'rejections', 'credits', 'ledger', 'events', 'alerted', 'alerts', 'call'] as const,
+  keys: ['counters', 'rejections', 'credits', 'ledger', 'events', 'alerted', 'alerts', 'call', 'cursor'] as const,
   // Each window's limit under its limit's name, and each fixed window's lease start given back (windows.ts).
   argv: [...QUOTA_ARGV, ...WINDOWS.map((w) => w.limit), ...FIXED.map(backArg)],
   reply: [...QUOTA_REPLY, ...WINDOWS.map((w) => w.used)],
@@ -182,6 +184,7 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   out[QK.alerted] = subjectKey.alerted(name);
   out[QK.alerts] = subjectKey.alerts(name);
   out[QK.call] = subjectKey.call(name, c.callId);
+  out[QK.cursor] = subjectKey.eventsCursor(name);
   const a = (arg: QuotaArg, value: string | number) => {
     out[QUOTA.keys.length + QA[arg]] = value;
   };
@@ -206,6 +209,8 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   a('backPeriodStart', back?.period?.startMs ?? 0);
   a('backSize', back?.size ?? 0);
   a('backCredits', back?.credits ? back.credits.map(([id, left]) => `${id}=${left}`).join(',') : '');
+  a('pendEvents', subject.events > 0 ? 1 : 0);
+  a('backPending', back?.events ? back.left : 0);
   const tag = c.tag && subject.events > 0 ? c.tag : undefined;
   a('eventsCap', tag ? subject.events : 0);
   a('requestId', tag?.requestId ?? '');
@@ -382,12 +387,48 @@ export function topUpArgs(subject: QuotaSubject, t: TopUp, keepMs: number): Arra
   return [...TOPUP.keys.map((k) => keys[k]), ...TOPUP.argv.map((a) => argv[a])];
 }
 
+// usagebatch.lua: the events of leased admissions, a batch per account.
+export const USAGE_BATCH = {
+  keys: ['events', 'cursor', 'batch'],
+  argv: ['eventsCap'],
+} as const satisfies Wires<string, string>;
+/** One event's values in a batch, in order, after USAGE_BATCH.argv. */
+const EVENT_FIELDS = [
+  'requestId',
+  'keyId',
+  'plan',
+  'route',
+  'method',
+  'units',
+  'at',
+  'minute',
+  'day',
+  'month',
+  'status',
+  'refundUnits',
+  'refundOverage',
+] as const;
+export type BatchEvent = Record<(typeof EVENT_FIELDS)[number], string | number>;
+
+/** usagebatch.lua's KEYS then ARGV: an account's batch `batchId` of `events`, for a stream capped at `cap`. */
+export function usageBatchArgs(name: string, batchId: string, cap: number, events: readonly BatchEvent[]): Array<string | number> {
+  const out: Array<string | number> = [subjectKey.events(name), subjectKey.eventsCursor(name), subjectKey.usageBatch(name, batchId), cap];
+  for (const e of events) for (const f of EVENT_FIELDS) out.push(e[f]);
+  return out;
+}
+
+const USAGE_BATCH_LUA = `local FIRST, EVENT_FIELDS = ${USAGE_BATCH.argv.length + 1}, ${EVENT_FIELDS.length}\n`;
+
 /** The scripts' commands on a connection: `redis.quota(...quotaArgs(...))` and so on. */
 export function defineScripts(redis: RedisClient): void {
   redis.defineCommand('quota', { numberOfKeys: QUOTA.keys.length, lua: script(QUOTA, './billing.lua', './quota.lua') });
   redis.defineCommand('refund', { numberOfKeys: REFUND.keys.length, lua: script(REFUND, './refund.lua') });
   defineTopUp(redis);
   redis.defineCommand('writeback', { numberOfKeys: WRITEBACK.keys.length, lua: script(WRITEBACK, './writeback.lua') });
+  redis.defineCommand('usagebatch', {
+    numberOfKeys: USAGE_BATCH.keys.length,
+    lua: USAGE_BATCH_LUA + script(USAGE_BATCH, './usagebatch.lua'),
+  });
   // Two wires each: the keys and at most two arguments, described in the scripts themselves.
   redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: source('./heartbeat.lua') });
   redis.defineCommand('unban', { numberOfKeys: 2, lua: source('./unban.lua') });
