@@ -81,6 +81,7 @@ function quotaStore(
     observe: (s) => metrics.redisSeconds.observe(s),
     leaseMax: settings.quotaLeaseMax,
     usageBatchMs: settings.usageBatchMs,
+    upstreamTimeoutMs: settings.upstreamTimeoutMs,
     timeoutMs: settings.redisTimeoutMs,
     failClosed: settings.quotaStoreFailure === 'closed',
     ackReplicas: ackReplicas(settings),

@@ -9,16 +9,16 @@ const PER_CALL = 1000;
  * gets no event (its unit stays in the account's `unsettled`, so the reconcile still adds up).
  */
 const MAX_KEPT = 100_000;
-/** As usage/events.ts's STATUS_WAIT_MS: an admission with no status by then is written with none (`-`). */
-const STATUS_WAIT_MS = 10_000;
+/** The least an admission waits for its status (statusWaitMs). */
+const STATUS_WAIT_MS = 60_000;
+
+/** The ids of leased admissions' events start so (a stream's ids are `<ms>-<n>`). */
+const LEASED = 'lease:';
 
 /** A leased admission's event, from its admission until it is written. */
 interface Open {
   subject: QuotaSubject;
   event: BatchEvent;
-  settled: boolean;
-  /** Its refund is in flight: the event waits for the refund's overage. */
-  refunding: boolean;
   bornMono: number;
 }
 
@@ -40,6 +40,12 @@ export interface EventBatchDeps {
   instanceId: string;
   /** USAGE_BATCH_MS: an event settled is written within this; an instance that dies loses at most this much. */
   intervalMs: number;
+  /**
+   * UPSTREAM_TIMEOUT_MS: an admission with no status after three of it (connect, headers, and a
+   * request body's upload) or STATUS_WAIT_MS, whichever is longer, is written with none (`-`).
+   * A 502 or 504 comes before then, so its refund goes in its event's batch (refund()).
+   */
+  upstreamTimeoutMs: number;
   mono(): number;
 }
 
@@ -61,7 +67,11 @@ export class EventBatches {
   private timer?: NodeJS.Timeout;
   private droppedSince = 0;
 
-  constructor(private readonly deps: EventBatchDeps) {}
+  private readonly statusWaitMs: number;
+
+  constructor(private readonly deps: EventBatchDeps) {
+    this.statusWaitMs = Math.max(STATUS_WAIT_MS, 3 * deps.upstreamTimeoutMs);
+  }
 
   /** Opens the event of a leased admission (`counts`: the windows' counts the lease shows); its id, or undefined when none is kept. */
   admit(subject: QuotaSubject, tag: EventTag, atMs: number, counts: { minute: number; day: number; month: number }): string | undefined {
@@ -69,7 +79,7 @@ export class EventBatches {
       this.droppedSince++;
       return undefined;
     }
-    const id = `lease:${++this.ids}`;
+    const id = `${LEASED}${++this.ids}`;
     const event: BatchEvent = {
       requestId: tag.requestId,
       keyId: tag.keyId,
@@ -83,42 +93,39 @@ export class EventBatches {
       month: counts.month,
       status: '-',
       refundUnits: 0,
-      refundOverage: 0,
     };
-    this.open.set(id, { subject, event, settled: false, refunding: false, bornMono: this.deps.mono() });
+    this.open.set(id, { subject, event, bornMono: this.deps.mono() });
     this.kept++;
     this.schedule();
     return id;
   }
 
-  /** Whether `eventId` is one of these (a leased admission's, not yet written). */
-  has(eventId: string): boolean {
-    return this.open.has(eventId);
-  }
-
-  /** The request's final status: its event is ready to be written (once its refund, if any, is known). */
+  /** The request's final status: its event is ready to be written. */
   settle(eventId: string, status: number): boolean {
     const o = this.open.get(eventId);
     if (!o) return false;
     o.event.status = status;
-    o.settled = true;
-    if (!o.refunding) this.toReady(eventId, o);
+    this.toReady(eventId, o);
     return true;
   }
 
-  /** A refund of the admission is on its way: the event waits for it. */
-  refunding(eventId: string): void {
+  /**
+   * The admission failed (502, 504): its refund goes with its event, and usagebatch.lua gives
+   * the units back in the run that writes both and takes them out of `unsettled`. Until then
+   * they stay counted and unsettled: an instance that dies first leaves day = events written
+   * net of refunds + unsettled, exactly. False once the event has left (a request that outlived
+   * statusWaitMs): refunded now, the day would drop below that, so the unit stays counted.
+   */
+  refund(eventId: string, units: number): boolean {
     const o = this.open.get(eventId);
-    if (o) o.refunding = true;
+    if (!o) return false;
+    o.event.refundUnits = units;
+    return true;
   }
 
-  /** The refund done (its units and the overage it took back), or failed (undefined: the unit stays counted, no refund event). */
-  refunded(eventId: string, units: number, overage: number | undefined): void {
-    const o = this.open.get(eventId);
-    if (!o) return;
-    o.refunding = false;
-    if (overage !== undefined) Object.assign(o.event, { refundUnits: units, refundOverage: overage });
-    if (o.settled) this.toReady(eventId, o);
+  /** Whether `eventId` names a leased admission's event (written or not): never one refund.lua may refer to. */
+  static isLeased(eventId: string): boolean {
+    return eventId.startsWith(LEASED);
   }
 
   private toReady(eventId: string, o: Open): void {
@@ -138,10 +145,10 @@ export class EventBatches {
     }, this.deps.intervalMs).unref();
   }
 
-  /** Writes what is ready (and events past STATUS_WAIT_MS without a status), and sends again what failed. */
+  /** Writes what is ready (and events past statusWaitMs without a status), and sends again what failed. */
   async flush(all = false): Promise<void> {
     const now = this.deps.mono();
-    for (const [id, o] of this.open) if (all || now - o.bornMono >= STATUS_WAIT_MS) this.toReady(id, o);
+    for (const [id, o] of this.open) if (all || now - o.bornMono >= this.statusWaitMs) this.toReady(id, o);
     const ready = this.ready;
     this.ready = new Map();
     this.readyCount = 0;

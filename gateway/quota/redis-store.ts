@@ -130,6 +130,8 @@ export interface RedisStoreOptions {
   marks?: (active: ActiveAccounts) => Promise<unknown>;
   /** USAGE_BATCH_MS: leased admissions' usage events are written within this of their status (event-batches.ts). */
   usageBatchMs?: number;
+  /** UPSTREAM_TIMEOUT_MS: how long a leased admission's event waits for its status (event-batches.ts). */
+  upstreamTimeoutMs?: number;
 }
 
 /** Accounts written to since the last flush: their usage events, their alerts. */
@@ -270,6 +272,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       log,
       instanceId: this.instanceId,
       intervalMs: options.usageBatchMs ?? 1000,
+      upstreamTimeoutMs: options.upstreamTimeoutMs ?? 10_000,
       mono: () => this.clock.mono(),
     });
     defineScripts(redis);
@@ -382,7 +385,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
 
   /** usagebatch.lua for one account, bounded by timeoutMs like every call on the request's behalf. */
   private async sendBatch(subject: QuotaSubject, batchId: string, events: BatchEvent[]): Promise<void> {
-    const call = this.redis.usagebatch(...usageBatchArgs(subject.name, batchId, subject.events, events));
+    const call = this.redis.usagebatch(...usageBatchArgs(subject, batchId, events));
     if ((await within(call, this.timeoutMs)) === LATE) throw new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`);
   }
 
@@ -750,22 +753,20 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   }
 
   async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, eventId?: string): Promise<void> {
-    if (eventId !== undefined && this.batches.has(eventId)) return this.refundLeased(subject, countedAtMs, cost, eventId);
+    if (eventId !== undefined && EventBatches.isLeased(eventId)) return this.refundLeased(subject, eventId, cost);
     if (this.health.failing) return this.budget.refund(subject.name, countedAtMs, cost);
     await this.refundInRedis(subject, countedAtMs, cost, eventId);
   }
 
   /**
-   * A leased admission's refund: refund.lua gives its units back (no event: its request's is
-   * not written yet), and the refund event, with the overage it took back, goes in the same
-   * batch as the request's event, right after it.
+   * A leased admission's refund goes with its event (event-batches.ts): usagebatch.lua writes
+   * both and gives the units back in one run, so no instance death can part them. An event
+   * already written without its status (the request outlived the batches' wait) keeps its unit.
    */
-  private async refundLeased(subject: QuotaSubject, countedAtMs: number, cost: number, eventId: string): Promise<void> {
-    this.batches.refunding(eventId);
-    let over: number | undefined;
-    if (this.health.failing) this.budget.refund(subject.name, countedAtMs, cost);
-    else over = await this.refundInRedis(subject, countedAtMs, cost);
-    this.batches.refunded(eventId, cost, over);
+  private refundLeased(subject: QuotaSubject, eventId: string, cost: number): void {
+    if (this.batches.refund(eventId, cost)) return;
+    this.tally.refundsFailed++;
+    this.log.warn({ subject: subject.name }, 'quota store: a refund came after its usage event was written; the request stays counted');
   }
 
   /** refund.lua: the units back to their windows, credits, overage, and a refund event for `eventId`; the overage taken back, or undefined if it failed. */

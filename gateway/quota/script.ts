@@ -97,7 +97,7 @@ local function read_counters(key, others)
 end
 `;
 
-/** A script as Redis runs it: the prelude, then its files (billing.lua is a library of functions prepended). */
+/** A script as Redis runs it: the prelude, then its files (billing.lua and units-back.lua are libraries of functions prepended). */
 const script = (w: Wires<string, string, string>, ...files: string[]) => prelude(w) + FIXED_LUA + files.map(source).join('');
 
 // quota.lua: one decision.
@@ -387,10 +387,10 @@ export function topUpArgs(subject: QuotaSubject, t: TopUp, keepMs: number): Arra
   return [...TOPUP.keys.map((k) => keys[k]), ...TOPUP.argv.map((a) => argv[a])];
 }
 
-// usagebatch.lua: the events of leased admissions, a batch per account.
+// usagebatch.lua: the events of leased admissions, a batch per account, with their refunds.
 export const USAGE_BATCH = {
-  keys: ['events', 'cursor', 'batch'],
-  argv: ['eventsCap'],
+  keys: ['events', 'cursor', 'batch', 'counters'],
+  argv: ['eventsCap', 'month', 'soft', 'overageWindow'],
 } as const satisfies Wires<string, string>;
 /** One event's values in a batch, in order, after USAGE_BATCH.argv. */
 const EVENT_FIELDS = [
@@ -406,13 +406,25 @@ const EVENT_FIELDS = [
   'month',
   'status',
   'refundUnits',
-  'refundOverage',
 ] as const;
 export type BatchEvent = Record<(typeof EVENT_FIELDS)[number], string | number>;
 
-/** usagebatch.lua's KEYS then ARGV: an account's batch `batchId` of `events`, for a stream capped at `cap`. */
-export function usageBatchArgs(name: string, batchId: string, cap: number, events: readonly BatchEvent[]): Array<string | number> {
-  const out: Array<string | number> = [subjectKey.events(name), subjectKey.eventsCursor(name), subjectKey.usageBatch(name, batchId), cap];
+/** usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of `events` (a refund's overage taken back as refund.lua's). */
+export function usageBatchArgs(subject: QuotaSubject, batchId: string, events: readonly BatchEvent[]): Array<string | number> {
+  const { name, limits } = subject;
+  const keys: Record<(typeof USAGE_BATCH.keys)[number], string> = {
+    events: subjectKey.events(name),
+    cursor: subjectKey.eventsCursor(name),
+    batch: subjectKey.usageBatch(name, batchId),
+    counters: subjectKey.counters(name),
+  };
+  const argv: Record<(typeof USAGE_BATCH.argv)[number], number> = {
+    eventsCap: subject.events,
+    month: limits.perMonth ? 1 : 0,
+    soft: softQuota(subject),
+    overageWindow: limits.perMonth ? 1 : 2,
+  };
+  const out: Array<string | number> = [...USAGE_BATCH.keys.map((k) => keys[k]), ...USAGE_BATCH.argv.map((a) => argv[a])];
   for (const e of events) for (const f of EVENT_FIELDS) out.push(e[f]);
   return out;
 }
@@ -422,12 +434,12 @@ const USAGE_BATCH_LUA = `local FIRST, EVENT_FIELDS = ${USAGE_BATCH.argv.length +
 /** The scripts' commands on a connection: `redis.quota(...quotaArgs(...))` and so on. */
 export function defineScripts(redis: RedisClient): void {
   redis.defineCommand('quota', { numberOfKeys: QUOTA.keys.length, lua: script(QUOTA, './billing.lua', './quota.lua') });
-  redis.defineCommand('refund', { numberOfKeys: REFUND.keys.length, lua: script(REFUND, './refund.lua') });
+  redis.defineCommand('refund', { numberOfKeys: REFUND.keys.length, lua: script(REFUND, './units-back.lua', './refund.lua') });
   defineTopUp(redis);
   redis.defineCommand('writeback', { numberOfKeys: WRITEBACK.keys.length, lua: script(WRITEBACK, './writeback.lua') });
   redis.defineCommand('usagebatch', {
     numberOfKeys: USAGE_BATCH.keys.length,
-    lua: USAGE_BATCH_LUA + script(USAGE_BATCH, './usagebatch.lua'),
+    lua: USAGE_BATCH_LUA + script(USAGE_BATCH, './units-back.lua', './usagebatch.lua'),
   });
   // Two wires each: the keys and at most two arguments, described in the scripts themselves.
   redis.defineCommand('heartbeat', { numberOfKeys: 1, lua: source('./heartbeat.lua') });

@@ -47,7 +47,7 @@ async function roomInTheMinute(url: string) {
   if (left < 30_000) await sleep(left + 50); // the next minute's start on Redis's clock
 }
 
-async function setUp() {
+async function setUp(extraEnv: Record<string, string> = {}) {
   const redis = await spawnRedis();
   onTestFinished(() => redis.stop());
   const sink = await startSink();
@@ -70,6 +70,7 @@ async function setUp() {
     GATEWAY_PORT: '0',
     ADMIN_PORT: '0',
     ADMIN_TOKEN: TOKEN,
+    ...extraEnv,
   };
   const start = async () => {
     const proc = await startProcess('dist/gateway/server.js', env, (l) => l.msg === 'gateway ready');
@@ -155,6 +156,84 @@ describe('usage export with leases, two gateway processes', () => {
     expect(usage.windows.day.used).toBe(answers.length - 1);
     expect(usage.windows.day.used).toBe(events.size - 1 + usage.events.unsettled);
   });
+});
+
+describe('a leased admission refunded, its instance SIGKILLed before its batch', () => {
+  it('keeps the unit counted and unsettled: day = events written net of refunds + unsettled, exactly', {
+    timeout: scaled(60_000),
+  }, async () => {
+    // USAGE_BATCH_MS at its largest (10 s, not the shipped 1 s): the kill must come before B's
+    // first batch, and 10 s is far more than the two requests and the kill take.
+    const { redis, echo, key, A, B } = await setUp({ USAGE_BATCH_MS: '10000' });
+    await roomInTheMinute(redis.url);
+    // Through B: a 200, then a 502 (the backend resets the connection): one lease of 2, both units handed out.
+    const statuses: number[] = [];
+    const send = async () => {
+      const res = await call(`${B.url}/v1/pets`, key.key);
+      await res.arrayBuffer();
+      statuses.push(res.status);
+    };
+    await send();
+    const answer = echo.answer;
+    echo.answer = (_req, res) => res.socket?.destroy();
+    await send();
+    echo.answer = answer;
+    expect(statuses).toEqual([200, 502]);
+    const exited = new Promise((r) => B.proc.proc.once('exit', r));
+    B.proc.proc.kill('SIGKILL');
+    await exited;
+
+    const res = await fetch(`${A.admin}/admin/accounts/${key.id}/usage`, { headers: { authorization: `Bearer ${TOKEN}` } });
+    const usage = (await res.json()) as Usage;
+    // Neither event reached Redis, so the 502's unit was never given back: both units stay in the day and in unsettled.
+    expect({ day: usage.windows.day.used, events: usage.events }).toEqual({
+      day: 2,
+      events: { exported: 0, pending: 0, dropped: 0, unsettled: 2 },
+    });
+  });
+});
+
+describe('a leased admission the gateway answers 504 after a long wait on the backend', () => {
+  it('is refunded in its batch: its event waits for the status as long as a request may live', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const key = makeKey('leased');
+    // UPSTREAM_TIMEOUT_MS at 13 s (shipped: 10 s): the 504 then comes well after 10 s, how long
+    // an event once waited for its status; the event must still be open to take the refund.
+    const gw = await buildTestGateway({
+      config: testConfig([key], { plans, usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 100 } } }),
+      redis: redis.url,
+      settings: { upstreamTimeoutMs: 13_000 },
+    });
+    onTestFinished(() => gw.close());
+    const subject = [...gw.gateway.config().consumers.values()].find((c) => c.id === key.id)!.subject;
+    await roomInTheMinute(redis.url);
+    gw.echo!.answer = () => {}; // never answers: the gateway's own timeout ends the request
+    const res = await gw.call('/v1/pets', key.key);
+    await res.arrayBuffer();
+    expect(res.status).toBe(504);
+    const rid = res.headers.get('x-request-id');
+    await eventually(
+      async () => sink.requests().length === 1 && (await gw.gateway.store.exportState!(subject)).pending === 0,
+      20_000,
+      'the event at the sink',
+    );
+    const [event] = sink.requests();
+    const refunds = [...sink.events.values()].filter((e) => e.type === 'com.petstore.gateway.request.refunded');
+    expect({ rid: event!.data!.requestId, status: event!.data!.status, refundOf: refunds.map((e) => e.data!.refundOf) }).toEqual({
+      rid,
+      status: 504,
+      refundOf: [event!.id],
+    });
+    // The lease's other unit, not handed out, is the day's one count: events net of refunds (0) + unsettled.
+    const { dayUsed } = await gw.gateway.store.peek(subject);
+    expect({ dayUsed, state: await gw.gateway.store.exportState!(subject) }).toEqual({
+      dayUsed: 1,
+      state: { exported: 2, pending: 0, dropped: 0, unsettled: 1 },
+    });
+  }, 60_000);
 });
 
 describe('a batch Redis runs after its instance gave up on it', () => {
