@@ -8,12 +8,14 @@ const PER_CALL = 1000;
  * Events one instance keeps at most while Redis does not take them: past it, a leased admission
  * gets no event (its unit stays in the account's `unsettled`, so the reconcile still adds up).
  */
-const MAX_KEPT = 100_000;
+export const MAX_KEPT = 100_000;
 /** The least an admission waits for its status (statusWaitMs). */
 const STATUS_WAIT_MS = 60_000;
 
 /** The ids of leased admissions' events start so (a stream's ids are `<ms>-<n>`). */
 const LEASED = 'lease:';
+/** A leased admission's event not kept (MAX_KEPT): never opened. */
+const NOT_KEPT = `${LEASED}none`;
 
 /** A leased admission's event, from its admission until it is written. */
 interface Open {
@@ -73,11 +75,15 @@ export class EventBatches {
     this.statusWaitMs = Math.max(STATUS_WAIT_MS, 3 * deps.upstreamTimeoutMs);
   }
 
-  /** Opens the event of a leased admission (`counts`: the windows' counts the lease shows); its id, or undefined when none is kept. */
-  admit(subject: QuotaSubject, tag: EventTag, atMs: number, counts: { minute: number; day: number; month: number }): string | undefined {
+  /**
+   * Opens the event of a leased admission (`counts`: the windows' counts the lease shows); its
+   * id. Past MAX_KEPT, an id that names no event: its refund then finds none and keeps the
+   * unit counted, as it stays in `unsettled` (refunded in Redis, the day would drop below).
+   */
+  admit(subject: QuotaSubject, tag: EventTag, atMs: number, counts: { minute: number; day: number; month: number }): string {
     if (this.kept >= MAX_KEPT) {
       this.droppedSince++;
-      return undefined;
+      return NOT_KEPT;
     }
     const id = `${LEASED}${++this.ids}`;
     const event: BatchEvent = {

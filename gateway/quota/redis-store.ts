@@ -380,7 +380,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       day: counts.dayUsed,
       month: counts.monthUsed ?? 0,
     });
-    return eventId ? { ...d, eventId } : d;
+    return { ...d, eventId };
   }
 
   /** usagebatch.lua for one account, bounded by timeoutMs like every call on the request's behalf. */
@@ -719,8 +719,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * with the process if it dies first: the exporter then sends the event with `status: null`.
    */
   settle(subject: QuotaSubject, eventId: string, status: number): void {
-    // A leased admission's event: written with its status in the next batch.
-    if (this.batches.settle(eventId, status)) return;
+    // A leased admission's event: written with its status in the next batch (or already written without: none to join).
+    if (this.batches.settle(eventId, status) || EventBatches.isLeased(eventId)) return;
     if (this.statuses.length >= 10_000) return; // Redis failing for a while: the statuses wait no longer
     this.statuses.push([subjectKey.statuses(subject.name), eventId, status]);
     this.statusTimer ??= setTimeout(() => this.flush(), 100).unref();
