@@ -197,8 +197,8 @@ async function startAll(bed: Bed, exportFile: string) {
     // The billing features, each on a process of its own (a key with a month window; one with credits).
     monthly: await gateway('gateway-month', redis),
     prepaid: await gateway('gateway-credits', redis),
-    // Usage export on: every admission one Redis call that writes its event, an exporter posting
-    // batches; its config keeps the prepaid account's credits, for the row with both.
+    // Usage export on: leased like the plain key, the events written in batches (USAGE_BATCH_MS),
+    // an exporter posting them; its config keeps the prepaid account's credits, for the row with both.
     exporting: await gateway('gateway-export', { ...redis, GATEWAY_CONFIG: exportFile, REDIS_KEY_PREFIX: 'gwx' }),
     // Tracing on: a span per request, batches posted to an OTLP sink in this process.
     tracing: await gateway('gateway-tracing', { ...redis, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: await startOtlpSink(bed) }),

@@ -47,6 +47,7 @@ type AppSettings = PublicSettings &
     | 'logPretty'
     | 'metricsKeyIds'
     | 'quotaLeaseMax'
+    | 'usageBatchMs'
     | 'keyStore'
     | 'creditsAckReplicas'
     | 'creditsAckTimeoutMs'
@@ -79,6 +80,8 @@ function quotaStore(
   return new RedisQuotaStore(redis, log, {
     observe: (s) => metrics.redisSeconds.observe(s),
     leaseMax: settings.quotaLeaseMax,
+    usageBatchMs: settings.usageBatchMs,
+    upstreamTimeoutMs: settings.upstreamTimeoutMs,
     timeoutMs: settings.redisTimeoutMs,
     failClosed: settings.quotaStoreFailure === 'closed',
     ackReplicas: ackReplicas(settings),

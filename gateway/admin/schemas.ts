@@ -124,8 +124,15 @@ const Usage = Type.Composite([
           exported: Type.Integer({ description: 'Events (requests and refunds) the sink has taken' }),
           pending: Type.Integer({ description: 'Events waiting in the stream' }),
           dropped: Type.Integer({ description: "Events the stream's cap dropped before they were sent" }),
+          unsettled: Type.Integer({
+            description:
+              'Units counted in leases whose events are not written: still held by an instance (at most a lease and USAGE_BATCH_MS of events each), or lost with one that died',
+          }),
         },
-        { description: 'Usage export, reconciled: every event written is exported, pending or dropped' },
+        {
+          description:
+            'Usage export, reconciled: every event written is exported, pending or dropped; every unit counted is in an event written or unsettled',
+        },
       ),
     ),
   }),

@@ -195,6 +195,9 @@ export const GatewaySettingsSchema = Type.Object({
   // While Redis fails: decide from each instance's degraded budget (open) or answer 503 (closed).
   quotaStoreFailure: oneOf('QUOTA_STORE_FAILURE', ['open', 'closed'], 'open'),
   quotaLeaseMax: Type.Integer({ env: 'QUOTA_LEASE_MAX', minimum: 1, maximum: 1000, default: 100 }),
+  // Leased admissions' usage events are written in batches, this often (or every 1,000): an
+  // instance that dies loses at most this much of its events, counted as unsettled (docs/reference.md).
+  usageBatchMs: Type.Integer({ env: 'USAGE_BATCH_MS', minimum: 10, maximum: 10_000, default: 1000 }),
   // A top-up answers 201 once this many replicas hold it (WAIT), else 503 (a retry with the same
   // Idempotency-Key adds nothing and waits again). Unset: 1 on a Cluster or a Sentinel group,
   // whose replication is asynchronous (a failover could lose an unreplicated top-up); 0 on REDIS_URL.

@@ -30,6 +30,8 @@ export interface Lease extends Counts {
   balance?: number;
   /** Of leases to close: each credit lease's id and units not handed out, which go back to the balance. */
   credits?: Array<[id: string, left: number]>;
+  /** Taken for a subject whose usage is exported: its units never handed out leave the account's `unsettled` when it closes. */
+  events?: boolean;
   /** The decision its units share within one second of Redis time, for one subject (see RedisStore.fromLease). */
   shared?: { second: number; subject: QuotaSubject; decision: Decision };
 }
@@ -147,7 +149,7 @@ export class LeaseBook {
     const held = this.unused.get(name);
     // Credits are not counted per window: every credit lease is closed, merged or not.
     const credits: Lease['credits'] = [...(held?.credits ?? []), ...(lease.id ? [[lease.id, lease.left] as [string, number]] : [])];
-    if (held && held.starts.day === lease.starts.day && held.period?.startMs === lease.period?.startMs) {
+    if (held && held.starts.day === lease.starts.day && held.period?.startMs === lease.period?.startMs && held.events === lease.events) {
       // Of two minutes (or hours), neither is given its units back (they stay counted there: the safe side).
       for (const w of FIXED) if (held.starts[w.name] !== lease.starts[w.name]) held.starts[w.name] = 0;
       held.left += lease.left;

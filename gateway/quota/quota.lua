@@ -3,8 +3,8 @@
 -- Its wires are named in script.ts (QUOTA: KEYS, ARGV and the reply's fields, in order), bound
 -- here as KEY.<name> and ARG.<name>; the reply is built by name with packed{...}.
 -- KEY: the subject's counters (hash), its recent 429s (list), credits (hash), their ledger
--- (stream), usage events (stream), alerts fired (hash) and to send (stream), and this call's
--- reply. All share one hash tag, so they live in one Redis Cluster slot.
+-- (stream), usage events (stream), alerts fired (hash) and to send (stream), this call's
+-- reply, and the usage events' cursor (hash). All share one hash tag, so they live in one Redis Cluster slot.
 -- ARG: the limits (perDay 0: no day window; perMonth 0: no billing-period window, with overage
 -- the ceiling) and the ban policy (banAfter 0: no bans); `lease`, the units an admitted request
 -- may take at once; `back*`, the leases this instance closes with the call: their unused units,
@@ -17,7 +17,10 @@
 -- counted in `oc`; `grant` each period (-1: no credits) and `rollover`; `eventsCap` (0: no
 -- event) with the request's id, key id, plan, route and method for its usage event; `alerts`,
 -- thresholds as a comma list ('' none); `callId` ('' none), also a credit lease's id;
--- `backCredits`, the credit leases closed with the call, `id=unused` comma-separated.
+-- `backCredits`, the credit leases closed with the call, `id=unused` comma-separated;
+-- `pendEvents` 1 for a subject whose usage is exported: the units of its leases are added to
+-- `unsettled` in its events cursor (KEY.cursor) until their instance writes their events, and
+-- `backPending`, the closed leases' units never handed out, leave it.
 -- The reply: the outcome (an index into OUTCOMES in decision.ts; -1: past the deadline), the
 -- windows' counts, Redis's time, the ban's end, the units taken, the period, the balance (-1:
 -- no credits), the overage billed so far and this request's, its usage event's id (or false)
@@ -143,6 +146,7 @@ local oc = (soft > 0 and tonumber(h.os) == ow) and tonumber(h.oc) or 0
 local lo = (tonumber(h.ls) == ow) and tonumber(h.lo) or 0
 local mine = 0
 local eventId = false
+local pending = tonumber(ARG.pendEvents) == 1
 local function reply(outcome, taken, banUntil)
   local balance = -1
   if grant >= 0 then balance = g + p end
@@ -210,6 +214,9 @@ if back > 0 or closed > 0 then
   end
   save()
 end
+-- Units of the closed leases never handed out: no event will come for them.
+local backPending = tonumber(ARG.backPending) or 0
+if backPending > 0 then redis.call('HINCRBY', KEY.cursor, 'unsettled', -backPending) end
 -- A request during a ban neither counts nor extends it; the counts still tell whether
 -- a window stays closed past the ban's end.
 if ban > now then return reply(3, 0, ban) end
@@ -230,6 +237,8 @@ local function take(units, leased)
   for _, w in ipairs(FIXED) do win[w.name].count = win[w.name].count + units end
   if perMonth > 0 then pc = pc + units end
   if leased then lo = lo + units else bill(units) end
+  -- A lease of an exporting subject: its units' events come later, in their instance's batches (usagebatch.lua).
+  if leased and pending then redis.call('HINCRBY', KEY.cursor, 'unsettled', units) end
   if grant >= 0 then
     local fromGrant = math.min(g, units)
     g = g - fromGrant
@@ -300,8 +309,9 @@ local units = cost
 if lease > 1 and cost == 1 and room() >= 2 * lease then units = lease end
 takeAndAlert(units, units > cost)
 -- The request's usage event, in the same step as its count: what is enforced is what is billed.
+-- A lease's are written by its instance, as it hands out the units (usagebatch.lua).
 local cap = tonumber(ARG.eventsCap) or 0
-if cap > 0 then
+if cap > 0 and units == cost then
   local balance = -1
   if grant >= 0 then balance = g + p end
   local entry = {'kind', 'request', 'rid', ARG.requestId, 'key', ARG.keyId, 'plan', ARG.plan, 'route', ARG.route,

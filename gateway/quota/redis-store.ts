@@ -17,6 +17,7 @@ import {
   windowStart,
 } from './decision.js';
 import { DegradedBudget, type WriteBack } from './degraded-budget.js';
+import { EventBatches } from './event-batches.js';
 import { type Lease, LeaseBook, leaseOf } from './lease-book.js';
 import { type Clock, RedisClock, SYSTEM_CLOCK } from './redis-clock.js';
 import {
@@ -33,7 +34,9 @@ import {
   type Settled,
   settledFrom,
   topUpArgs,
+  type BatchEvent,
   unbanArgs,
+  usageBatchArgs,
   writeBackArgs,
 } from './script.js';
 import { LATE, RedisHealth, within } from './redis-health.js';
@@ -94,6 +97,7 @@ type QuotaRedis = RedisClient & {
   quota(...keysThenArgs: Array<number | string>): Promise<RawReply>;
   refund(...keysThenArgs: Array<number | string>): Promise<unknown>;
   writeback(...keysThenArgs: Array<number | string>): Promise<number>;
+  usagebatch(...keysThenArgs: Array<number | string>): Promise<number>;
   heartbeat(...keysThenArgs: Array<number | string>): Promise<[live: number, rank: number, nowMs: number]>;
   unban(...keysThenArgs: Array<number | string>): Promise<number>;
 };
@@ -126,6 +130,10 @@ export interface RedisStoreOptions {
    * loops read only those (usage/active.ts). Left out, nothing is told.
    */
   marks?: (active: ActiveAccounts) => Promise<unknown>;
+  /** USAGE_BATCH_MS: leased admissions' usage events are written within this of their status (event-batches.ts). */
+  usageBatchMs?: number;
+  /** UPSTREAM_TIMEOUT_MS: how long a leased admission's event waits for its status (event-batches.ts). */
+  upstreamTimeoutMs?: number;
 }
 
 /** Accounts written to since the last flush: their usage events, their alerts. */
@@ -239,6 +247,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private closing = false;
   /** Accounts to mark for the usage loops at the next flush. */
   private active: { usage: Set<string>; alerts: Set<string> } = { usage: new Set(), alerts: new Set() };
+  /** The usage events of admissions leases answered, written in batches. */
+  private readonly batches: EventBatches;
 
   constructor(
     redis: RedisClient,
@@ -258,6 +268,15 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.redisClock = new RedisClock(this.clock);
     this.leases = new LeaseBook(this.clock);
     this.budget = new DegradedBudget(this.instanceId);
+    this.batches = new EventBatches({
+      send: (subject, id, events) => this.sendBatch(subject, id, events),
+      written: (subject) => this.marks && this.mark('usage', subject),
+      log,
+      instanceId: this.instanceId,
+      intervalMs: options.usageBatchMs ?? 1000,
+      upstreamTimeoutMs: options.upstreamTimeoutMs ?? 10_000,
+      mono: () => this.clock.mono(),
+    });
     defineScripts(redis);
     this.redis = redis as QuotaRedis;
     this.health = new RedisHealth({
@@ -293,15 +312,15 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * known ban, the degraded budget while Redis fails); else the promise of Redis's.
    */
   consume(subject: QuotaSubject, cost = 1, tag?: EventTag): Decision | Promise<Decision> {
-    return this.settled(subject, cost) ?? this.fromRedis(subject, cost, tag);
+    return this.settled(subject, cost, tag) ?? this.fromRedis(subject, cost, tag);
   }
 
   /** What this instance can decide by itself, if anything. */
-  private settled(subject: QuotaSubject, cost: number): Decision | undefined {
+  private settled(subject: QuotaSubject, cost: number, tag?: EventTag): Decision | undefined {
     const { name } = subject;
     // A unit Redis granted this instance is handed out whatever else holds: it is counted.
     const lease = cost === 1 ? this.leases.take(name) : undefined;
-    if (lease) return this.fromLease(subject, lease);
+    if (lease) return this.withEvent(subject, this.fromLease(subject, lease), lease, tag);
     const now = this.redisClock.now();
     // While Redis answers, a ban is asked again once a second: it may have been lifted.
     const ban = this.bans.get(name, now, !this.health.failing);
@@ -318,20 +337,23 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     let waitedMs = 0;
     for (;;) {
       this.leases.sweep(this.redisClock.now());
-      // A usage event is written with its count: every such unit is decided by Redis, never leased.
-      const size = cost === 1 && !solo && !this.closing && subject.events === 0 ? leaseSize(limits, this.leaseMax) : 1;
+      // A leased unit's usage event comes in a batch, its credits from a credit lease; a subject
+      // with both is decided by Redis unit by unit (a lapsed credit lease has no usage event).
+      const both = subject.billing.credits !== undefined && subject.events > 0;
+      const size = cost === 1 && !solo && !this.closing && !both ? leaseSize(limits, this.leaseMax) : 1;
       if (size === 1) return this.ask(subject, 1, cost, tag, waitedMs);
       const pending = this.leases.inFlight(name);
       if (pending) {
         const since = this.clock.mono();
         solo = !(await pending);
         waitedMs += this.clock.mono() - since;
-        const now = this.settled(subject, cost);
+        const now = this.settled(subject, cost, tag);
         // A lease's decision is shared by its units: this one, which waited, gets a copy that says so.
         if (now) return { ...now, redisMs: waitedMs };
         continue;
       }
-      const call = this.ask(subject, size, cost, undefined, waitedMs);
+      // The tag goes with the lease call: if Redis grants no lease (near a limit), it writes this request's event itself.
+      const call = this.ask(subject, size, cost, subject.events > 0 ? tag : undefined, waitedMs);
       this.leases.track(
         name,
         call.then(
@@ -341,6 +363,28 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       );
       return call;
     }
+  }
+
+  /** A lease of `subject`'s, marked when its units' events are written in batches. */
+  private leaseFor(subject: QuotaSubject, lease: Lease): Lease {
+    if (subject.events > 0) lease.events = true;
+    return lease;
+  }
+
+  /**
+   * A leased admission of a subject whose usage is exported: its event opened in the batches,
+   * and a decision of its own that names it (the lease's shared one otherwise).
+   */
+  private withEvent(subject: QuotaSubject, d: Decision, counts: Counts, tag?: EventTag): Decision {
+    if (subject.events === 0 || !tag || d.outcome !== 'allowed') return d;
+    const eventId = this.batches.admit(subject, tag, d.nowMs, counts);
+    return { ...d, eventId };
+  }
+
+  /** usagebatch.lua for one account, bounded by timeoutMs like every call on the request's behalf. */
+  private async sendBatch(subject: QuotaSubject, batchId: string, events: BatchEvent[]): Promise<void> {
+    const call = this.redis.usagebatch(...usageBatchArgs(subject, batchId, events));
+    if ((await within(call, this.timeoutMs)) === LATE) throw new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`);
   }
 
   private bannedDecision(subject: QuotaSubject, ban: Counters & { billing: BillingCounts }, now: number): Decision {
@@ -437,7 +481,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     const { taken } = late;
     if (late.outcome !== 0 || taken === 0) return;
     this.tally.undone++;
-    if (taken > cost) return this.giveBack(subject, leaseOf(taken, taken, sentMono, late.nowMs, countsOf(late), id));
+    if (taken > cost)
+      return this.giveBack(subject, this.leaseFor(subject, leaseOf(taken, taken, sentMono, late.nowMs, countsOf(late), id)));
     void this.refundInRedis(subject, late.nowMs, taken, late.eventId);
   }
 
@@ -510,9 +555,11 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private async ask(subject: QuotaSubject, lease: number, cost: number, tag: EventTag | undefined, waitedMs: number): Promise<Decision> {
     const { counts, taken, sentMono, waitedMs: callMs, id } = await this.timedCall(subject, lease, cost, false, tag);
     if (!counts) return waited(this.degradedDecision(subject, cost), waitedMs + callMs);
-    if (taken > cost) this.hold(subject, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts, id), false);
+    const leased = taken > cost;
+    if (leased) this.hold(subject, this.leaseFor(subject, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts, id)), false);
     this.learnBan(subject.name, counts);
-    return waited(decision(subject, counts), waitedMs + callMs);
+    const d = waited(decision(subject, counts), waitedMs + callMs);
+    return leased ? this.withEvent(subject, d, counts, tag) : d;
   }
 
   private learnBan(name: string, c: WindowCounts): void {
@@ -536,7 +583,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       if (!counts) return false;
       this.learnBan(name, counts);
       // With credits, a lease may be smaller than asked (1% of the balance): its size is what was taken.
-      if (counts.outcome !== 'banned' && taken > 0) this.hold(subject, leaseOf(taken, taken, sentMono, counts.nowMs, counts, id), true);
+      if (counts.outcome !== 'banned' && taken > 0)
+        this.hold(subject, this.leaseFor(subject, leaseOf(taken, taken, sentMono, counts.nowMs, counts, id)), true);
       return taken > 0;
     });
     this.leases.track(name, done);
@@ -671,6 +719,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * with the process if it dies first: the exporter then sends the event with `status: null`.
    */
   settle(subject: QuotaSubject, eventId: string, status: number): void {
+    // A leased admission's event: written with its status in the next batch (or already written without: none to join).
+    if (this.batches.settle(eventId, status) || EventBatches.isLeased(eventId)) return;
     if (this.statuses.length >= 10_000) return; // Redis failing for a while: the statuses wait no longer
     this.statuses.push([subjectKey.statuses(subject.name), eventId, status]);
     this.statusTimer ??= setTimeout(() => this.flush(), 100).unref();
@@ -703,14 +753,26 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   }
 
   async refund(subject: QuotaSubject, countedAtMs: number, cost = 1, eventId?: string): Promise<void> {
+    if (eventId !== undefined && EventBatches.isLeased(eventId)) return this.refundLeased(subject, eventId, cost);
     if (this.health.failing) return this.budget.refund(subject.name, countedAtMs, cost);
-    return this.refundInRedis(subject, countedAtMs, cost, eventId);
+    await this.refundInRedis(subject, countedAtMs, cost, eventId);
   }
 
-  /** refund.lua: the units back to their windows, credits, overage, and a refund event for `eventId`. */
-  private async refundInRedis(subject: QuotaSubject, countedAtMs: number, cost: number, eventId?: string): Promise<void> {
+  /**
+   * A leased admission's refund goes with its event (event-batches.ts): usagebatch.lua writes
+   * both and gives the units back in one run, so no instance death can part them. An event
+   * already written without its status (the request outlived the batches' wait) keeps its unit.
+   */
+  private refundLeased(subject: QuotaSubject, eventId: string, cost: number): void {
+    if (this.batches.refund(eventId, cost)) return;
+    this.tally.refundsFailed++;
+    this.log.warn({ subject: subject.name }, 'quota store: a refund came after its usage event was written; the request stays counted');
+  }
+
+  /** refund.lua: the units back to their windows, credits, overage, and a refund event for `eventId`; the overage taken back, or undefined if it failed. */
+  private async refundInRedis(subject: QuotaSubject, countedAtMs: number, cost: number, eventId?: string): Promise<number | undefined> {
     try {
-      await this.redis.refund(...refundArgs(subject, { countedAtMs, units: cost, eventId }));
+      return Number(await this.redis.refund(...refundArgs(subject, { countedAtMs, units: cost, eventId })));
     } catch (err) {
       this.tally.refundsFailed++;
       this.log.warn(
@@ -781,19 +843,21 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   /**
    * Events sent (consumed by the exporter), still in the stream, and dropped by its cap (as
    * counted when the exporter saw it near the cap), read in one transaction (one slot): the
-   * exporter's move counts and trims in one script, so the three always add up.
+   * exporter's move counts and trims in one script, so the three always add up. And the units
+   * leased and not yet written as events (quota.lua adds a lease's units, usagebatch.lua and a
+   * lease's close take theirs out): held by live instances, or lost with a dead one.
    */
   async exportState(subject: QuotaSubject): Promise<ExportState> {
     const results = await this.redis
       .multi()
       .xlen(subjectKey.events(subject.name))
-      .hmget(subjectKey.eventsCursor(subject.name), 'consumed', 'dropped')
+      .hmget(subjectKey.eventsCursor(subject.name), 'consumed', 'dropped', 'unsettled')
       .exec();
     const [pending, counts] = (results ?? []).map(([err, value]) => {
       if (err) throw err;
       return value;
     }) as [number, Array<string | null>];
-    return { exported: Number(counts[0] ?? 0), pending, dropped: Number(counts[1] ?? 0) };
+    return { exported: Number(counts[0] ?? 0), pending, dropped: Number(counts[1] ?? 0), unsettled: Number(counts[2] ?? 0) };
   }
 
   /** The ledger stream, oldest first. */
@@ -858,6 +922,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     clearTimeout(this.doubtTimer);
     if (!this.health.failing) await this.closeCredits().catch(() => {});
     this.health.close();
+    // The events of leased admissions still in memory, written before the instance leaves.
+    await this.batches.close();
     if (this.acking) void closeRedis(this.acking, 'now');
     if (this.statusTimer) clearTimeout(this.statusTimer);
     this.flush();

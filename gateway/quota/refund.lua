@@ -1,4 +1,4 @@
--- A request's units back to the windows that counted it, if they are still current, and to
+-- A request's units back to the windows that counted it, if they are still current (units-back.lua), and to
 -- its account's credits: the gateway failed it (502/504), so the client is not charged.
 -- Wires named in script.ts (REFUND). KEY: the subject's counters, credits and usage events.
 -- ARG: `countedAt`, when it was counted (Redis time, ms): each fixed window (FIXED, windows.ts)
@@ -30,31 +30,8 @@ if settling then
   n, at, eventId = r.taken, r.nowMs, r.eventId
   if not eventId then eventId = '' end
 end
-local h = read_counters(KEY.counters, {'ps', 'pc', 'os', 'oc', 'pe', 'lo', 'ls'})
-local ps, pe = tonumber(h.ps) or 0, tonumber(h.pe) or 0
-local inPeriod = tonumber(ARG.month) == 1 and ps <= at and at < pe
-local current = {}
-for _, w in ipairs(FIXED) do
-  current[w.name] = tonumber(h[w.start]) == at - at % w.len
-  if current[w.name] then redis.call('HSET', KEY.counters, w.count, math.max(0, (tonumber(h[w.count]) or 0) - n)) end
-end
-local sameDay = current.day
-local dc, pc = math.max(0, (tonumber(h[FIXED.day.count]) or 0) - n), math.max(0, (tonumber(h.pc) or 0) - n)
-if inPeriod then redis.call('HSET', KEY.counters, 'pc', pc) end
 if tonumber(ARG.paidWithCredits) == 1 then redis.call('HINCRBY', KEY.credits, 'p', n) end
--- The overage billed is at most what is known delivered past the quota (quota.lua's bill):
--- a refunded unit takes back the overage that no longer has a delivered unit under it, at
--- most its own units, whether or not the request itself was billed as overage.
-local soft, window = tonumber(ARG.soft) or 0, tonumber(ARG.overageWindow) or 0
-local os, oc = tonumber(h.os), tonumber(h.oc) or 0
-local over = 0
-local long, start = pc, ps
-if window == 2 then long, start = dc, at - at % FIXED.day.len end
-if soft > 0 and os == start and ((window == 1 and inPeriod) or (window == 2 and sameDay)) then
-  local lo = (tonumber(h.ls) == start) and tonumber(h.lo) or 0
-  over = math.min(n, math.max(0, oc - math.max(0, long - lo - soft)))
-  if over > 0 then redis.call('HSET', KEY.counters, 'oc', oc - over) end
-end
+local over = units_back(KEY.counters, n, at, tonumber(ARG.month), tonumber(ARG.soft) or 0, tonumber(ARG.overageWindow) or 0)
 local cap = tonumber(ARG.eventsCap) or 0
 if cap > 0 and eventId and eventId ~= '' then
   local t = redis.call('TIME')

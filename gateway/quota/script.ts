@@ -68,7 +68,7 @@ local function read_counters(key, others)
 end
 `;
 
-/** A script as Redis runs it: the prelude, then its files (billing.lua is a library of functions prepended). */
+/** A script as Redis runs it: the prelude, then its files (billing.lua and units-back.lua are libraries of functions prepended). */
 const script = (w: Wires<string, string, string>, ...files: string[]) => quotaPrelude(w) + FIXED_LUA + files.map(source).join('');
 
 // quota.lua: one decision.
@@ -96,6 +96,8 @@ const QUOTA_ARGV = [
   'backSize',
   'callId',
   'backCredits',
+  'pendEvents',
+  'backPending',
 ] as const;
 const QUOTA_REPLY = [
   'outcome',
@@ -113,7 +115,7 @@ const QUOTA_REPLY = [
 /** A fixed window's ARG: the start of the leases given back in it. */
 const backArg = (w: WindowRow) => `back_${w.name}` as const;
 export const QUOTA = {
-  keys: ['counters', 'rejections', 'credits', 'ledger', 'events', 'alerted', 'alerts', 'call'] as const,
+  keys: ['counters', 'rejections', 'credits', 'ledger', 'events', 'alerted', 'alerts', 'call', 'cursor'] as const,
   // Each window's limit under its limit's name, and each fixed window's lease start given back (windows.ts).
   argv: [...QUOTA_ARGV, ...WINDOWS.map((w) => w.limit), ...FIXED.map(backArg)],
   reply: [...QUOTA_REPLY, ...WINDOWS.map((w) => w.used)],
@@ -153,6 +155,7 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   out[QK.alerted] = subjectKey.alerted(name);
   out[QK.alerts] = subjectKey.alerts(name);
   out[QK.call] = subjectKey.call(name, c.callId);
+  out[QK.cursor] = subjectKey.eventsCursor(name);
   const a = (arg: QuotaArg, value: string | number) => {
     out[QUOTA.keys.length + QA[arg]] = value;
   };
@@ -177,6 +180,8 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   a('backPeriodStart', back?.period?.startMs ?? 0);
   a('backSize', back?.size ?? 0);
   a('backCredits', back?.credits ? back.credits.map(([id, left]) => `${id}=${left}`).join(',') : '');
+  a('pendEvents', subject.events > 0 ? 1 : 0);
+  a('backPending', back?.events ? back.left : 0);
   const tag = c.tag && subject.events > 0 ? c.tag : undefined;
   a('eventsCap', tag ? subject.events : 0);
   a('requestId', tag?.requestId ?? '');
@@ -365,12 +370,66 @@ export const UNBAN = { keys: ['counters', 'rejections'], argv: [] } as const sat
 export const unbanArgs = (name: string) =>
   wiresArgs(UNBAN, { counters: subjectKey.counters(name), rejections: subjectKey.rejections(name) }, {});
 
+// usagebatch.lua: the events of leased admissions, a batch per account, with their refunds.
+export const USAGE_BATCH = {
+  keys: ['events', 'cursor', 'batch', 'counters'],
+  argv: ['eventsCap', 'month', 'soft', 'overageWindow'],
+} as const satisfies Wires<string, string>;
+/**
+ * One event's values in a batch, in order, after USAGE_BATCH.argv (usagebatch.lua reads them by
+ * name, at their offsets in EVENT): each fixed window's count by the windows' table ('' for a
+ * window the plan has not), as quota.lua writes an event's.
+ */
+const EVENT_FIELDS = [
+  'requestId',
+  'keyId',
+  'plan',
+  'route',
+  'method',
+  'units',
+  'at',
+  ...FIXED.map((w) => w.name),
+  'month',
+  'status',
+  'refundUnits',
+] as const;
+export type BatchEvent = Record<(typeof EVENT_FIELDS)[number], string | number>;
+
+/** usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of `events` (a refund's overage taken back as refund.lua's). */
+export function usageBatchArgs(subject: QuotaSubject, batchId: string, events: readonly BatchEvent[]): Array<string | number> {
+  const { name, limits } = subject;
+  const keys: Record<(typeof USAGE_BATCH.keys)[number], string> = {
+    events: subjectKey.events(name),
+    cursor: subjectKey.eventsCursor(name),
+    batch: subjectKey.usageBatch(name, batchId),
+    counters: subjectKey.counters(name),
+  };
+  const argv: Record<(typeof USAGE_BATCH.argv)[number], number> = {
+    eventsCap: subject.events,
+    month: limits.perMonth ? 1 : 0,
+    soft: softQuota(subject),
+    overageWindow: limits.perMonth ? 1 : 2,
+  };
+  const rest: Array<string | number> = [];
+  for (const e of events) for (const f of EVENT_FIELDS) rest.push(e[f]);
+  return wiresArgs(USAGE_BATCH, keys, argv, rest);
+}
+
+/** An event's fields' offsets from its first value (EVENT.requestId is 0), and how many values an event has. */
+const USAGE_BATCH_LUA = `local EVENT = {${EVENT_FIELDS.map((f, i) => `${f} = ${i}`).join(', ')}}
+local EVENT_FIELDS = ${EVENT_FIELDS.length}
+`;
+
 /** The scripts' commands on a connection: `redis.quota(...quotaArgs(...))` and so on. */
 export function defineScripts(redis: RedisClient): void {
   redis.defineCommand('quota', { numberOfKeys: QUOTA.keys.length, lua: script(QUOTA, './billing.lua', './quota.lua') });
-  redis.defineCommand('refund', { numberOfKeys: REFUND.keys.length, lua: script(REFUND, './refund.lua') });
+  redis.defineCommand('refund', { numberOfKeys: REFUND.keys.length, lua: script(REFUND, './units-back.lua', './refund.lua') });
   defineTopUp(redis);
   redis.defineCommand('writeback', { numberOfKeys: WRITEBACK.keys.length, lua: script(WRITEBACK, './writeback.lua') });
+  redis.defineCommand('usagebatch', {
+    numberOfKeys: USAGE_BATCH.keys.length,
+    lua: USAGE_BATCH_LUA + script(USAGE_BATCH, './units-back.lua', './usagebatch.lua'),
+  });
   redis.defineCommand('heartbeat', { numberOfKeys: HEARTBEAT.keys.length, lua: wired(HEARTBEAT, source('./heartbeat.lua')) });
   redis.defineCommand('unban', { numberOfKeys: UNBAN.keys.length, lua: wired(UNBAN, source('./unban.lua')) });
 }

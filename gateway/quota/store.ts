@@ -96,11 +96,19 @@ interface UsageBeyondCounts {
   overageUsed?: number;
 }
 
-/** The reconciliation of an account's usage events: every event written is exported, pending or dropped. */
+/**
+ * The reconciliation of an account's usage events: every event written is exported, pending or
+ * dropped; every unit counted is in an event written or unsettled.
+ */
 export interface ExportState {
   exported: number;
   pending: number;
   dropped: number;
+  /**
+   * Units counted in leases whose events are not written: held by an instance (not handed out
+   * yet, or waiting for their batch, at most USAGE_BATCH_MS), or lost with an instance that died.
+   */
+  unsettled: number;
 }
 
 export interface TopUp {

@@ -58,6 +58,8 @@ export const subjectKey = {
   writtenBack: (name: string) => `${name}:wb`,
   /** One quota.lua call's reply, by the call's id, for a resend to find. */
   call: (name: string, callId: string) => `${name}:call:${callId}`,
+  /** One batch of leased admissions' usage events, by its id, once written: a resend writes nothing. */
+  usageBatch: (name: string, batchId: string) => `${name}:ub:${batchId}`,
 } as const;
 
 /** The key registry's names (KEY_STORE=redis), all in one slot (`{keys}`): its scripts touch several at once. */

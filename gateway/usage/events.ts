@@ -115,7 +115,8 @@ export function toCloudEvents(
   for (const [id, f] of parsed) {
     if (events.length >= max) break;
     if (f.kind === 'request') {
-      const status = statuses.get(id);
+      // A leased admission's event carries its status ('-': none known); another's is joined from `statuses`.
+      const status = f.status !== undefined ? (f.status === '-' ? null : Number(f.status)) : statuses.get(id);
       if (status === undefined && nowMs - Number(f.at) < STATUS_WAIT_MS) break;
       events.push(requestEvent(account, source, id, f, status ?? null));
     } else if (f.kind === 'refund') {

@@ -81,9 +81,14 @@ describe('the hour window in usage events', () => {
   it("counts each request in the event's windows by name, the hour with them; null for a window the plan has not", async () => {
     const sink = await startSink();
     const plain = makeKey('plain');
+    const roomy = makeKey('roomy'); // large limits: leased, its events written in the instance's batches
     const gw = await buildTestGateway({
-      config: testConfig([hourly, plain], {
-        plans: { hourly: { perMinute: 10, perHour: 3, perDay: 100 }, plain: { perMinute: 10, perDay: 100 } },
+      config: testConfig([hourly, plain, roomy], {
+        plans: {
+          hourly: { perMinute: 10, perHour: 3, perDay: 100 },
+          plain: { perMinute: 10, perDay: 100 },
+          roomy: { perMinute: 100_000, perHour: 1_000_000, perDay: 10_000_000 },
+        },
         usage: { export: { url: sink.url, maxEvents: 1000, batchSize: 50 } },
       }),
     });
@@ -92,12 +97,12 @@ describe('the hour window in usage events', () => {
       await inOneMinute(async () => {
         // Request ids of this attempt's own: a minute that turned leaves the last attempt's events at the sink.
         const run = `run${++attempt}`;
-        for (const [i, key] of [hourly, hourly, plain].entries()) {
+        for (const [i, key] of [hourly, hourly, plain, roomy].entries()) {
           const res = await gw.call('/v1/pets', key.key, { headers: { 'x-request-id': `${run}-${i}` } });
           expect(res.status).toBe(200);
         }
         const mine = () => sink.requests().filter((e) => String(e.data!.requestId).startsWith(`${run}-`));
-        await eventually(() => mine().length === 3, 20_000, 'the three events at the sink');
+        await eventually(() => mine().length === 4, 20_000, 'the four events at the sink');
         const windows = (id: string) =>
           mine()
             .filter((e) => e.data!.keyId === id)
@@ -108,6 +113,10 @@ describe('the hour window in usage events', () => {
           { minute: 2, hour: 2, day: 2, month: null },
         ]);
         expect(windows(plain.id)).toEqual([{ minute: 1, hour: null, day: 1, month: null }]);
+        // A leased unit's event shows its lease's counts, the hour with them: fresh windows, all alike.
+        const [leased] = windows(roomy.id) as Array<{ minute: number; hour: number; day: number; month: null }>;
+        expect(leased).toEqual({ minute: leased!.minute, hour: leased!.minute, day: leased!.minute, month: null });
+        expect(leased!.minute).toBeGreaterThan(0);
       }, gw.freshCounters);
     } finally {
       await gw.close();

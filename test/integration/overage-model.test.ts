@@ -3,6 +3,7 @@ import fc from 'fast-check';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import type { QuotaSubject } from '../../gateway/quota/decision.js';
+import { subjectKey } from '../../gateway/redis/keys.js';
 import { LeasingInstance } from '../helpers/lease-instance.js';
 
 // Overage is billed for units delivered past the quota, whatever happens to leases: three
@@ -143,5 +144,39 @@ describe('overage with leases on three instances', () => {
     // A's 2 delivered units are never known to Redis: billed for what it knows, never more.
     expect(billed).toBe(UP_TO - 5);
     expect(billed).toBeLessThanOrEqual(delivered - QUOTA);
+  });
+});
+
+describe('overage with usage exported: a leased refund goes in its event batch', () => {
+  it('takes back its unit of overage in the run of usagebatch.lua that writes the request and its refund', async () => {
+    const s: QuotaSubject = { ...subject(), events: 10_000 };
+    const [a, b] = [new LeasingInstance(redis), new LeasingInstance(redis)] as const;
+    let delivered = 0;
+    let n = 0;
+    const send = async (at: LeasingInstance) => {
+      const d = await at.store.consume(s, 1, { requestId: `r${n++}`, keyId: 'k', plan: 'p', route: 'listPets', method: 'GET' });
+      if (d.outcome === 'allowed') delivered++;
+      return d;
+    };
+    const first = await send(a); // within the quota, a unit of A's lease: its event waits in A
+    expect(first.eventId).toMatch(/^lease:/);
+    for (let i = 0; i < QUOTA + UP_TO; i++) await send(b);
+    // The backend failed A's request after all (502): refunded, then its status.
+    await a.store.refund(s, first.nowMs, 1, first.eventId);
+    a.store.settle(s, first.eventId!, 502);
+    delivered--;
+    // Both close their leases with a call after they lapse, then write every event they hold.
+    for (const at of [a, b]) {
+      at.lapse();
+      await send(at);
+      await at.store.close();
+    }
+    expect(delivered).toBeGreaterThan(QUOTA);
+    expect((await a.store.peek(s)).overageUsed).toBe(delivered - QUOTA);
+    const stream = await redis.xrange(subjectKey.events(s.name), '-', '+');
+    const fields = (f: string[]) => Object.fromEntries(f.flatMap((v, i) => (i % 2 ? [] : [[v, f[i + 1]]])));
+    const request = stream.find(([, f]) => fields(f).rid === 'r0')!;
+    const refunds = stream.map(([, f]) => fields(f)).filter((f) => f.kind === 'refund');
+    expect(refunds).toEqual([expect.objectContaining({ ref: request[0], units: '1', overage: '1' })]);
   });
 });

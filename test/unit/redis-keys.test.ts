@@ -54,6 +54,7 @@ describe('Redis key names (gateway/redis/keys.ts)', () => {
       alertsFence: subjectKey.alertsFence(acme),
       writtenBack: subjectKey.writtenBack(acme),
       call: subjectKey.call(acme, 'i-1:42'),
+      usageBatch: subjectKey.usageBatch(acme, 'i-1:7'),
     };
     expect(names).toEqual({
       rejections: 'gw:production:{k:acme}:rej',
@@ -70,6 +71,7 @@ describe('Redis key names (gateway/redis/keys.ts)', () => {
       alertsFence: 'gw:production:{k:acme}:alerts:fence',
       writtenBack: 'gw:production:{k:acme}:wb',
       call: 'gw:production:{k:acme}:call:i-1:42',
+      usageBatch: 'gw:production:{k:acme}:ub:i-1:7',
     });
     expect(subjectKey.counters(acme)).toBe(acme);
     for (const name of Object.values(names)) expect(calculateSlot(name)).toBe(calculateSlot(acme));

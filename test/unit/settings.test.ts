@@ -90,6 +90,7 @@ describe('settings from their schema', () => {
       redisTimeoutMs: 1000,
       quotaStoreFailure: 'open',
       quotaLeaseMax: 100,
+      usageBatchMs: 1000,
       creditsAckTimeoutMs: 2000,
       idempotencyKeyHours: 24,
       redisKeyPrefix: 'gw',

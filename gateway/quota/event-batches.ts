@@ -1,0 +1,212 @@
+import type { FastifyBaseLogger } from 'fastify';
+import type { EventTag, QuotaSubject } from './decision.js';
+import type { BatchEvent } from './script.js';
+import { type Counts, FIXED, type WindowName } from './windows.js';
+
+/** Each fixed window's count by its name, '' for one the subject has not: what quota.lua writes in an event. */
+function windowsOf(subject: QuotaSubject, counts: Counts): Record<WindowName, number | string> {
+  const out = {} as Record<WindowName, number | string>;
+  for (const w of FIXED) out[w.name] = w.always || (subject.limits[w.limit] ?? 0) > 0 ? (counts[w.used] ?? 0) : '';
+  return out;
+}
+
+/** Events in one script call at most: its ARGV stays a few hundred kB. */
+const PER_CALL = 1000;
+/**
+ * Events one instance keeps at most while Redis does not take them: past it, a leased admission
+ * gets no event (its unit stays in the account's `unsettled`, so the reconcile still adds up).
+ */
+export const MAX_KEPT = 100_000;
+/** The least an admission waits for its status (statusWaitMs). */
+const STATUS_WAIT_MS = 60_000;
+
+/** The ids of leased admissions' events start so (a stream's ids are `<ms>-<n>`). */
+const LEASED = 'lease:';
+/** A leased admission's event not kept (MAX_KEPT): never opened. */
+const NOT_KEPT = `${LEASED}none`;
+
+/** A leased admission's event, from its admission until it is written. */
+interface Open {
+  subject: QuotaSubject;
+  event: BatchEvent;
+  bornMono: number;
+}
+
+/** One call of usagebatch.lua: sent again with the same id until Redis answers it, so written once. */
+interface Batch {
+  subject: QuotaSubject;
+  id: string;
+  events: BatchEvent[];
+  sending: boolean;
+  attempts: number;
+}
+
+export interface EventBatchDeps {
+  /** usagebatch.lua for an account: rejects on any failure (the batch is then sent again). */
+  send(subject: QuotaSubject, batchId: string, events: BatchEvent[]): Promise<unknown>;
+  /** The account's stream was written to: mark it for the exporter. */
+  written(subject: QuotaSubject): void;
+  log: FastifyBaseLogger;
+  instanceId: string;
+  /** USAGE_BATCH_MS: an event settled is written within this; an instance that dies loses at most this much. */
+  intervalMs: number;
+  /**
+   * UPSTREAM_TIMEOUT_MS: an admission with no status after three of it (connect, headers, and a
+   * request body's upload) or STATUS_WAIT_MS, whichever is longer, is written with none (`-`).
+   * A 502 or 504 comes before then, so its refund goes in its event's batch (refund()).
+   */
+  upstreamTimeoutMs: number;
+  mono(): number;
+}
+
+/**
+ * The usage events of admissions a lease answered: kept in memory from the admission until
+ * their status is known, then written per account in batches, every `intervalMs` or every
+ * PER_CALL events, whichever comes first, by one atomic script each (usagebatch.lua), which also
+ * takes their units out of the account's `unsettled`, where quota.lua put them with the lease.
+ * Events lost with the process stay counted there: counted = exported + pending + dropped + unsettled.
+ */
+export class EventBatches {
+  private readonly open = new Map<string, Open>();
+  private ready = new Map<string, { subject: QuotaSubject; events: BatchEvent[] }>();
+  private readyCount = 0;
+  private readonly outbox: Batch[] = [];
+  private kept = 0;
+  private ids = 0;
+  private batches = 0;
+  private timer?: NodeJS.Timeout;
+  private droppedSince = 0;
+
+  private readonly statusWaitMs: number;
+
+  constructor(private readonly deps: EventBatchDeps) {
+    this.statusWaitMs = Math.max(STATUS_WAIT_MS, 3 * deps.upstreamTimeoutMs);
+  }
+
+  /**
+   * Opens the event of a leased admission (`counts`: the windows' counts the lease shows); its
+   * id. Past MAX_KEPT, an id that names no event: its refund then finds none and keeps the
+   * unit counted, as it stays in `unsettled` (refunded in Redis, the day would drop below).
+   */
+  admit(subject: QuotaSubject, tag: EventTag, atMs: number, counts: Counts): string {
+    if (this.kept >= MAX_KEPT) {
+      this.droppedSince++;
+      return NOT_KEPT;
+    }
+    const id = `${LEASED}${++this.ids}`;
+    const event: BatchEvent = {
+      requestId: tag.requestId,
+      keyId: tag.keyId,
+      plan: tag.plan,
+      route: tag.route,
+      method: tag.method,
+      units: 1,
+      at: atMs,
+      ...windowsOf(subject, counts),
+      month: counts.monthUsed ?? 0,
+      status: '-',
+      refundUnits: 0,
+    };
+    this.open.set(id, { subject, event, bornMono: this.deps.mono() });
+    this.kept++;
+    this.schedule();
+    return id;
+  }
+
+  /** The request's final status: its event is ready to be written. */
+  settle(eventId: string, status: number): boolean {
+    const o = this.open.get(eventId);
+    if (!o) return false;
+    o.event.status = status;
+    this.toReady(eventId, o);
+    return true;
+  }
+
+  /**
+   * The admission failed (502, 504): its refund goes with its event, and usagebatch.lua gives
+   * the units back in the run that writes both and takes them out of `unsettled`. Until then
+   * they stay counted and unsettled: an instance that dies first leaves day = events written
+   * net of refunds + unsettled, exactly. False once the event has left (a request that outlived
+   * statusWaitMs): refunded now, the day would drop below that, so the unit stays counted.
+   */
+  refund(eventId: string, units: number): boolean {
+    const o = this.open.get(eventId);
+    if (!o) return false;
+    o.event.refundUnits = units;
+    return true;
+  }
+
+  /** Whether `eventId` names a leased admission's event (written or not): never one refund.lua may refer to. */
+  static isLeased(eventId: string): boolean {
+    return eventId.startsWith(LEASED);
+  }
+
+  private toReady(eventId: string, o: Open): void {
+    this.open.delete(eventId);
+    const name = o.subject.name;
+    const account = this.ready.get(name);
+    if (account) account.events.push(o.event);
+    else this.ready.set(name, { subject: o.subject, events: [o.event] });
+    // A full call's worth: written now rather than at the interval.
+    if (++this.readyCount === PER_CALL) setImmediate(() => void this.flush());
+  }
+
+  private schedule(): void {
+    this.timer ??= setTimeout(() => {
+      this.timer = undefined;
+      void this.flush();
+    }, this.deps.intervalMs).unref();
+  }
+
+  /** Writes what is ready (and events past statusWaitMs without a status), and sends again what failed. */
+  async flush(all = false): Promise<void> {
+    const now = this.deps.mono();
+    for (const [id, o] of this.open) if (all || now - o.bornMono >= this.statusWaitMs) this.toReady(id, o);
+    const ready = this.ready;
+    this.ready = new Map();
+    this.readyCount = 0;
+    for (const { subject, events } of ready.values()) {
+      for (let i = 0; i < events.length; i += PER_CALL) {
+        const id = `${this.deps.instanceId}:${++this.batches}`;
+        this.outbox.push({ subject, id, events: events.slice(i, i + PER_CALL), sending: false, attempts: 0 });
+      }
+    }
+    if (this.droppedSince > 0) {
+      this.deps.log.warn(
+        { dropped: this.droppedSince },
+        'usage events: Redis has not taken the batches; new events are counted as unsettled',
+      );
+      this.droppedSince = 0;
+    }
+    await Promise.all(this.outbox.filter((b) => !b.sending).map((b) => this.send(b)));
+    if (this.kept > 0) this.schedule();
+  }
+
+  private async send(b: Batch): Promise<void> {
+    b.sending = true;
+    try {
+      await this.deps.send(b.subject, b.id, b.events);
+      this.outbox.splice(this.outbox.indexOf(b), 1);
+      this.kept -= b.events.length;
+      this.deps.written(b.subject);
+    } catch (err) {
+      // Kept with its id, sent again at the next flush: written once however often it is sent.
+      b.attempts++;
+      this.deps.log.warn(
+        { account: b.subject.name, batch: b.id, events: b.events.length, attempts: b.attempts, cause: (err as Error).message },
+        'usage events: a batch was not written; it is sent again',
+      );
+      this.deps.written(b.subject);
+    } finally {
+      b.sending = false;
+    }
+  }
+
+  /** At shutdown: every event written, with the statuses known (in-flight requests have ended by then). */
+  async close(): Promise<void> {
+    if (this.timer) clearTimeout(this.timer);
+    this.timer = undefined;
+    await this.flush(true);
+    if (this.timer) clearTimeout(this.timer);
+  }
+}

@@ -1,0 +1,44 @@
+-- The usage events of leased admissions, written by their instance in one batch, with their
+-- final statuses and refunds: once, whatever the retries (a batch's id is kept a day).
+-- Wires named in script.ts (USAGE_BATCH). KEY: the account's usage events (stream), the
+-- exporter's cursor over it (hash: `unsettled` lives there), this batch's id, and the account's
+-- counters. One hash tag: one Cluster slot, with the counters quota.lua leased the units from.
+-- ARG: the stream's cap; `month`, `soft` and `overageWindow` as refund.lua's; then, from REST,
+-- EVENT_FIELDS values per event, read at their offsets by name (EVENT, script.ts): the request's
+-- id, key id, plan, route, method, units, when it was admitted (Redis time, ms), each fixed
+-- window's count the lease showed ('' for a window the plan has not), the month's, its status
+-- ('-': none known), and the units of its refund (0: none). Each event's units leave
+-- `unsettled`, where quota.lua put them when it leased them; a refund's units leave the windows
+-- here too (units-back.lua), in the same run: until then they stay counted and unsettled, so
+-- what the day counted = events written net of refunds + unsettled, whenever the instance dies.
+-- Returns the events written (0: a batch sent again, already written).
+if not redis.call('SET', KEY.batch, 1, 'NX', 'PX', 86400000) then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cap = tonumber(ARG.eventsCap)
+local month, soft, window = tonumber(ARG.month), tonumber(ARG.soft), tonumber(ARG.overageWindow)
+local units, written = 0, 0
+for i = REST, #ARGV, EVENT_FIELDS do
+  local function at(field) return ARGV[i + EVENT[field]] end
+  local entry = {'kind', 'request', 'rid', at('requestId'), 'key', at('keyId'), 'plan', at('plan'), 'route', at('route'),
+    'method', at('method'), 'units', at('units'), 'at', at('at')}
+  -- Each fixed window the plan has, by its name, as quota.lua writes an event's.
+  for _, w in ipairs(FIXED) do
+    if at(w.name) ~= '' then
+      entry[#entry + 1] = w.name
+      entry[#entry + 1] = at(w.name)
+    end
+  end
+  for _, v in ipairs({'month', at('month'), 'overage', 0, 'credits', -1, 'status', at('status')}) do entry[#entry + 1] = v end
+  local id = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', unpack(entry))
+  local refunded = tonumber(at('refundUnits'))
+  if refunded > 0 then
+    local over = units_back(KEY.counters, refunded, tonumber(at('at')), month, soft, window)
+    redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'refund', 'ref', id, 'units', refunded,
+      'overage', over, 'at', now)
+  end
+  units = units + tonumber(at('units'))
+  written = written + 1
+end
+redis.call('HINCRBY', KEY.cursor, 'unsettled', -units)
+return written
