@@ -112,6 +112,22 @@ describe('usage export across three instances', () => {
     const before = sink.requests().length;
     sink.state.mode = 'down';
     const answers = await traffic([gateways[0]!.url], over.key, 1300); // the cap is 1,000 (approximately: Redis trims whole nodes)
+    const events = async () =>
+      (
+        (await (
+          await fetch(`${gateways[1]!.adminUrl}/admin/accounts/${over.id}/usage`, { headers: { authorization: `Bearer ${TOKEN}` } })
+        ).json()) as { events: { exported: number; pending: number; dropped: number } }
+      ).events;
+    // The sink stays down until every event is in the stream: a leased admission's event is
+    // written with its instance's next batch (USAGE_BATCH_MS), so the stream passes the cap only then.
+    await eventually(
+      async () => {
+        const e = await events();
+        return e.exported + e.pending + e.dropped === 1300;
+      },
+      20_000,
+      'every event written',
+    );
     sink.state.mode = 'up';
     const name = [...gateways[0]!.gateway.config().consumers.values()].find((c) => c.id === over.id)!.subject.name;
     await eventually(async () => (await gateways[0]!.redis!.xlen(`${name}:events`)) === 0, 40_000, 'the stream sent');
