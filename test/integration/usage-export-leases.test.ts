@@ -82,6 +82,26 @@ async function setUp(extraEnv: Record<string, string> = {}) {
   return { redis, sink, echo, key, A: A!, B: B! };
 }
 
+/**
+ * One test gateway with a Redis of its own (a test may freeze it) and a sink, exporting a key of
+ * the leased plan; `settings` as each test says why.
+ */
+async function leasedGateway(settings: Parameters<typeof buildTestGateway>[0]['settings'] = {}) {
+  const redis = await spawnRedis();
+  onTestFinished(() => redis.stop());
+  const sink = await startSink();
+  onTestFinished(() => sink.close());
+  const key = makeKey('leased');
+  const gw = await buildTestGateway({
+    config: testConfig([key], { plans, usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 100 } } }),
+    redis: redis.url,
+    settings,
+  });
+  onTestFinished(() => gw.close());
+  const subject = [...gw.gateway.config().consumers.values()].find((c) => c.id === key.id)!.subject;
+  return { redis, sink, key, gw, subject };
+}
+
 describe('usage export with leases, two gateway processes', () => {
   it('writes every event once with its status; the events a SIGKILLed instance lost are exactly the unsettled units', {
     // Up to 30 s for a roomy minute, the export leader's lock lapsing if B led it (15 s), and the export's rounds.
@@ -194,113 +214,94 @@ describe('a leased admission refunded, its instance SIGKILLed before its batch',
 });
 
 describe('a leased admission the gateway answers 504 after a long wait on the backend', () => {
-  it('is refunded in its batch: its event waits for the status as long as a request may live', async () => {
-    const redis = await spawnRedis();
-    onTestFinished(() => redis.stop());
-    const sink = await startSink();
-    onTestFinished(() => sink.close());
-    const key = makeKey('leased');
-    // UPSTREAM_TIMEOUT_MS at 13 s (shipped: 10 s): the 504 then comes well after 10 s, how long
-    // an event once waited for its status; the event must still be open to take the refund.
-    const gw = await buildTestGateway({
-      config: testConfig([key], { plans, usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 100 } } }),
-      redis: redis.url,
-      settings: { upstreamTimeoutMs: 13_000 },
-    });
-    onTestFinished(() => gw.close());
-    const subject = [...gw.gateway.config().consumers.values()].find((c) => c.id === key.id)!.subject;
-    await roomInTheMinute(redis.url);
-    gw.echo!.answer = () => {}; // never answers: the gateway's own timeout ends the request
-    const res = await gw.call('/v1/pets', key.key);
-    await res.arrayBuffer();
-    expect(res.status).toBe(504);
-    const rid = res.headers.get('x-request-id');
-    await eventually(
-      async () => sink.requests().length === 1 && (await gw.gateway.store.exportState!(subject)).pending === 0,
-      20_000,
-      'the event at the sink',
-    );
-    const [event] = sink.requests();
-    const refunds = [...sink.events.values()].filter((e) => e.type === 'com.petstore.gateway.request.refunded');
-    expect({ rid: event!.data!.requestId, status: event!.data!.status, refundOf: refunds.map((e) => e.data!.refundOf) }).toEqual({
-      rid,
-      status: 504,
-      refundOf: [event!.id],
-    });
-    // The lease's other unit, not handed out, is the day's one count: events net of refunds (0) + unsettled.
-    const { dayUsed } = await gw.gateway.store.peek(subject);
-    expect({ dayUsed, state: await gw.gateway.store.exportState!(subject) }).toEqual({
-      dayUsed: 1,
-      state: { exported: 2, pending: 0, dropped: 0, unsettled: 1 },
-    });
-  }, 60_000);
+  it(
+    'is refunded in its batch: its event waits for the status as long as a request may live',
+    async () => {
+      // UPSTREAM_TIMEOUT_MS at 13 s (shipped: 10 s): the 504 then comes well after 10 s, how long
+      // an event once waited for its status; the event must still be open to take the refund.
+      const { redis, sink, key, gw, subject } = await leasedGateway({ upstreamTimeoutMs: 13_000 });
+      await roomInTheMinute(redis.url);
+      gw.echo!.answer = () => {}; // never answers: the gateway's own timeout ends the request
+      const res = await gw.call('/v1/pets', key.key);
+      await res.arrayBuffer();
+      expect(res.status).toBe(504);
+      const rid = res.headers.get('x-request-id');
+      await eventually(
+        async () => sink.requests().length === 1 && (await gw.gateway.store.exportState!(subject)).pending === 0,
+        20_000,
+        'the event at the sink',
+      );
+      const [event] = sink.requests();
+      const refunds = [...sink.events.values()].filter((e) => e.type === 'com.petstore.gateway.request.refunded');
+      expect({ rid: event!.data!.requestId, status: event!.data!.status, refundOf: refunds.map((e) => e.data!.refundOf) }).toEqual({
+        rid,
+        status: 504,
+        refundOf: [event!.id],
+      });
+      // The lease's other unit, not handed out, is the day's one count: events net of refunds (0) + unsettled.
+      const { dayUsed } = await gw.gateway.store.peek(subject);
+      expect({ dayUsed, state: await gw.gateway.store.exportState!(subject) }).toEqual({
+        dayUsed: 1,
+        state: { exported: 2, pending: 0, dropped: 0, unsettled: 1 },
+      });
+    },
+    scaled(60_000),
+  );
 });
 
 describe('a batch Redis runs after its instance gave up on it', () => {
-  it('is written once: sent again with its id while Redis is frozen, it writes nothing the second time', async () => {
-    const redis = await spawnRedis(); // its own Redis, so this test can freeze it
-    onTestFinished(() => redis.stop());
-    const sink = await startSink();
-    onTestFinished(() => sink.close());
-    const key = makeKey('leased');
-    const gw = await buildTestGateway({
-      config: testConfig([key], { plans, usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 100 } } }),
-      redis: redis.url,
-    });
-    onTestFinished(() => gw.close());
-    await roomInTheMinute(redis.url);
-    // Two requests: one lease of 2, both its units handed out; their events wait for the batch.
-    const rids: string[] = [];
-    for (let i = 0; i < 2; i++) {
-      const res = await gw.call('/v1/pets', key.key);
-      expect(res.status).toBe(200);
-      await res.arrayBuffer();
-      rids.push(res.headers.get('x-request-id')!);
-    }
-    redis.proc.kill('SIGSTOP');
-    await gw.waitForLog((l) => l.msg === 'usage events: a batch was not written; it is sent again' && Number(l.attempts) >= 2, 15_000);
-    redis.proc.kill('SIGCONT'); // Redis runs every send it holds: the batch's first, then its resends
-    const subject = [...gw.gateway.config().consumers.values()].find((c) => c.id === key.id)!.subject;
-    await eventually(
-      async () => sink.requests().length >= 2 && (await gw.gateway.store.exportState!(subject)).pending === 0,
-      20_000,
-      'the batch at the sink',
-    );
-    expect(sink.requests().map((e) => e.data!.requestId)).toEqual(rids);
-    expect(sink.requests().map((e) => e.data!.status)).toEqual([200, 200]);
-    expect(await gw.gateway.store.exportState!(subject)).toEqual({ exported: 2, pending: 0, dropped: 0, unsettled: 0 });
-  }, 60_000);
+  it(
+    'is written once: sent again with its id while Redis is frozen, it writes nothing the second time',
+    async () => {
+      const { redis, sink, key, gw, subject } = await leasedGateway(); // its own Redis, so this test can freeze it
+      await roomInTheMinute(redis.url);
+      // Two requests: one lease of 2, both its units handed out; their events wait for the batch.
+      const rids: string[] = [];
+      for (let i = 0; i < 2; i++) {
+        const res = await gw.call('/v1/pets', key.key);
+        expect(res.status).toBe(200);
+        await res.arrayBuffer();
+        rids.push(res.headers.get('x-request-id')!);
+      }
+      redis.proc.kill('SIGSTOP');
+      await gw.waitForLog((l) => l.msg === 'usage events: a batch was not written; it is sent again' && Number(l.attempts) >= 2, 15_000);
+      redis.proc.kill('SIGCONT'); // Redis runs every send it holds: the batch's first, then its resends
+      await eventually(
+        async () => sink.requests().length >= 2 && (await gw.gateway.store.exportState!(subject)).pending === 0,
+        20_000,
+        'the batch at the sink',
+      );
+      expect(sink.requests().map((e) => e.data!.requestId)).toEqual(rids);
+      expect(sink.requests().map((e) => e.data!.status)).toEqual([200, 200]);
+      expect(await gw.gateway.store.exportState!(subject)).toEqual({ exported: 2, pending: 0, dropped: 0, unsettled: 0 });
+    },
+    scaled(60_000),
+  );
 });
 
 describe('a lease that lapses with units not handed out', () => {
-  it('takes them out of unsettled when it closes: no event will come for them', async () => {
-    const redis = await spawnRedis();
-    onTestFinished(() => redis.stop());
-    const sink = await startSink();
-    onTestFinished(() => sink.close());
-    const key = makeKey('leased');
-    const gw = await buildTestGateway({
-      config: testConfig([key], { plans, usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 100 } } }),
-      redis: redis.url,
-    });
-    onTestFinished(() => gw.close());
-    const subject = [...gw.gateway.config().consumers.values()].find((c) => c.id === key.id)!.subject;
-    const once = async () => {
-      const res = await gw.call('/v1/pets', key.key);
-      await res.arrayBuffer();
-      expect(res.status).toBe(200);
-    };
-    await once(); // a lease of 2: one unit handed out, one left
-    await nextMinute(redis.url); // the lease lapses with its minute, its unit never handed out
-    await once(); // closes it (its unit back) and takes the next lease, one unit of it handed out
-    await eventually(async () => (await gw.gateway.store.exportState!(subject)).exported === 2, 20_000, 'both events exported');
-    const { dayUsed } = await gw.gateway.store.peek(subject);
-    // The day: 2 requests + the second lease's unit not handed out; unsettled: that unit alone.
-    expect({ dayUsed, state: await gw.gateway.store.exportState!(subject) }).toEqual({
-      dayUsed: 3,
-      state: { exported: 2, pending: 0, dropped: 0, unsettled: 1 },
-    });
-  }, 120_000); // up to a minute for the next one
+  it(
+    'takes them out of unsettled when it closes: no event will come for them',
+    async () => {
+      const { redis, key, gw, subject } = await leasedGateway();
+      const once = async () => {
+        const res = await gw.call('/v1/pets', key.key);
+        await res.arrayBuffer();
+        expect(res.status).toBe(200);
+      };
+      await once(); // a lease of 2: one unit handed out, one left
+      await nextMinute(redis.url); // the lease lapses with its minute, its unit never handed out
+      await once(); // closes it (its unit back) and takes the next lease, one unit of it handed out
+      await eventually(async () => (await gw.gateway.store.exportState!(subject)).exported === 2, 20_000, 'both events exported');
+      const { dayUsed } = await gw.gateway.store.peek(subject);
+      // The day: 2 requests + the second lease's unit not handed out; unsettled: that unit alone.
+      expect({ dayUsed, state: await gw.gateway.store.exportState!(subject) }).toEqual({
+        dayUsed: 3,
+        state: { exported: 2, pending: 0, dropped: 0, unsettled: 1 },
+      });
+    },
+    scaled(120_000),
+  ); // up to a minute for the next one
 });
 
 /** Waits for the next minute on Redis's clock (the event a lease lapses on). */
