@@ -26,6 +26,8 @@ describe('event batches past MAX_KEPT (Redis not taking them)', () => {
       written: () => {},
       log: silent,
       instanceId: 'i',
+      // Never sent (send never settles): an interval long enough that no batch leaves during
+      // the test, and the shipped UPSTREAM_TIMEOUT_MS; the clock stands still, so nothing lapses.
       intervalMs: 10_000,
       upstreamTimeoutMs: 10_000,
       mono: () => 0,
