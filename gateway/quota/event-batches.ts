@@ -1,13 +1,15 @@
 import type { FastifyBaseLogger } from 'fastify';
+import { eventWindows, type RequestData } from '../usage/events.js';
 import type { EventTag, QuotaSubject } from './decision.js';
 import type { BatchEvent } from './script.js';
-import { type Counts, FIXED, type WindowName } from './windows.js';
+import { type Counts, windowRow, type WindowName } from './windows.js';
 
-/** Each fixed window's count by its name, '' for one the subject has not: what quota.lua writes in an event. */
-function windowsOf(subject: QuotaSubject, counts: Counts): Record<WindowName, number | string> {
-  const out = {} as Record<WindowName, number | string>;
-  for (const w of FIXED) out[w.name] = w.always || (subject.limits[w.limit] ?? 0) > 0 ? (counts[w.used] ?? 0) : '';
-  return out;
+/** Each fixed window's count the lease showed, by its name (null: the subject has none), as quota.lua's events carry them. */
+function windowsOf(subject: QuotaSubject, counts: Counts): RequestData['windows'] {
+  return eventWindows((name) => {
+    const w = windowRow(name as WindowName);
+    return w.always || (subject.limits[w.limit] ?? 0) > 0 ? (counts[w.used] ?? 0) : null;
+  }, counts.monthUsed ?? 0);
 }
 
 /** Events in one script call at most: its ARGV stays a few hundred kB. */
@@ -25,10 +27,12 @@ const LEASED = 'lease:';
 /** A leased admission's event not kept (MAX_KEPT): never opened. */
 const NOT_KEPT = `${LEASED}none`;
 
-/** A leased admission's event, from its admission until it is written. */
+/** A leased admission's event, from its admission until its status is known. */
 interface Open {
   subject: QuotaSubject;
-  event: BatchEvent;
+  data: RequestData;
+  at: number;
+  refundUnits: number;
   bornMono: number;
 }
 
@@ -94,20 +98,20 @@ export class EventBatches {
       return NOT_KEPT;
     }
     const id = `${LEASED}${++this.ids}`;
-    const event: BatchEvent = {
+    const data: RequestData = {
       requestId: tag.requestId,
       keyId: tag.keyId,
       plan: tag.plan,
       route: tag.route,
       method: tag.method,
       units: 1,
-      at: atMs,
-      ...windowsOf(subject, counts),
-      month: counts.monthUsed ?? 0,
-      status: '-',
-      refundUnits: 0,
+      status: null,
+      windows: windowsOf(subject, counts),
+      // A lease's units carry no overage and no balance (quota.lua leases none past a quota, nor of credits).
+      overage: 0,
+      credits: null,
     };
-    this.open.set(id, { subject, event, bornMono: this.deps.mono() });
+    this.open.set(id, { subject, data, at: atMs, refundUnits: 0, bornMono: this.deps.mono() });
     this.kept++;
     this.schedule();
     return id;
@@ -117,7 +121,7 @@ export class EventBatches {
   settle(eventId: string, status: number): boolean {
     const o = this.open.get(eventId);
     if (!o) return false;
-    o.event.status = status;
+    o.data.status = status;
     this.toReady(eventId, o);
     return true;
   }
@@ -132,7 +136,7 @@ export class EventBatches {
   refund(eventId: string, units: number): boolean {
     const o = this.open.get(eventId);
     if (!o) return false;
-    o.event.refundUnits = units;
+    o.refundUnits = units;
     return true;
   }
 
@@ -141,12 +145,14 @@ export class EventBatches {
     return eventId.startsWith(LEASED);
   }
 
+  /** Its status known (or waited for long enough): its data encoded, once, as the sink gets it (events.ts, DATA_FIELD). */
   private toReady(eventId: string, o: Open): void {
     this.open.delete(eventId);
+    const event: BatchEvent = { at: o.at, units: o.data.units, refundUnits: o.refundUnits, data: JSON.stringify(o.data) };
     const name = o.subject.name;
     const account = this.ready.get(name);
-    if (account) account.events.push(o.event);
-    else this.ready.set(name, { subject: o.subject, events: [o.event] });
+    if (account) account.events.push(event);
+    else this.ready.set(name, { subject: o.subject, events: [event] });
     // A full call's worth: written now rather than at the interval.
     if (++this.readyCount === PER_CALL) setImmediate(() => void this.flush());
   }

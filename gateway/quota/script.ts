@@ -377,22 +377,10 @@ export const USAGE_BATCH = {
 } as const satisfies Wires<string, string>;
 /**
  * One event's values in a batch, in order, after USAGE_BATCH.argv (usagebatch.lua reads them by
- * name, at their offsets in EVENT): each fixed window's count by the windows' table ('' for a
- * window the plan has not), as quota.lua writes an event's.
+ * name, at their offsets in EVENT): when it was admitted (Redis ms), its units, its refund's
+ * units (0: none), and its CloudEvent data, already in JSON (usage/events.ts, DATA_FIELD).
  */
-const EVENT_FIELDS = [
-  'requestId',
-  'keyId',
-  'plan',
-  'route',
-  'method',
-  'units',
-  'at',
-  ...FIXED.map((w) => w.name),
-  'month',
-  'status',
-  'refundUnits',
-] as const;
+const EVENT_FIELDS = ['at', 'units', 'refundUnits', 'data'] as const;
 export type BatchEvent = Record<(typeof EVENT_FIELDS)[number], string | number>;
 
 /** usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of `events` (a refund's overage taken back as refund.lua's). */
@@ -415,7 +403,7 @@ export function usageBatchArgs(subject: QuotaSubject, batchId: string, events: r
   return wiresArgs(USAGE_BATCH, keys, argv, rest);
 }
 
-/** An event's fields' offsets from its first value (EVENT.requestId is 0), and how many values an event has. */
+/** An event's fields' offsets from its first value (EVENT.at is 0), and how many values an event has. */
 const USAGE_BATCH_LUA = `local EVENT = {${EVENT_FIELDS.map((f, i) => `${f} = ${i}`).join(', ')}}
 local EVENT_FIELDS = ${EVENT_FIELDS.length}
 `;

@@ -4,10 +4,10 @@
 -- exporter's cursor over it (hash: `unsettled` lives there), this batch's id, and the account's
 -- counters. One hash tag: one Cluster slot, with the counters quota.lua leased the units from.
 -- ARG: the stream's cap; `month`, `soft` and `overageWindow` as refund.lua's; then, from REST,
--- EVENT_FIELDS values per event, read at their offsets by name (EVENT, script.ts): the request's
--- id, key id, plan, route, method, units, when it was admitted (Redis time, ms), each fixed
--- window's count the lease showed ('' for a window the plan has not), the month's, its status
--- ('-': none known), and the units of its refund (0: none). Each event's units leave
+-- EVENT_FIELDS values per event, read at their offsets by name (EVENT, script.ts): when it was
+-- admitted (Redis time, ms), its units, the units of its refund (0: none), and its CloudEvent
+-- data, encoded by its instance with its final status (usage/events.ts): the entry holds it as
+-- it is, so the exporter reads back three fields, not fifteen. Each event's units leave
 -- `unsettled`, where quota.lua put them when it leased them; a refund's units leave the windows
 -- here too (units-back.lua), in the same run: until then they stay counted and unsettled, so
 -- what the day counted = events written net of refunds + unsettled, whenever the instance dies.
@@ -20,17 +20,7 @@ local month, soft, window = tonumber(ARG.month), tonumber(ARG.soft), tonumber(AR
 local units, written = 0, 0
 for i = REST, #ARGV, EVENT_FIELDS do
   local function at(field) return ARGV[i + EVENT[field]] end
-  local entry = {'kind', 'request', 'rid', at('requestId'), 'key', at('keyId'), 'plan', at('plan'), 'route', at('route'),
-    'method', at('method'), 'units', at('units'), 'at', at('at')}
-  -- Each fixed window the plan has, by its name, as quota.lua writes an event's.
-  for _, w in ipairs(FIXED) do
-    if at(w.name) ~= '' then
-      entry[#entry + 1] = w.name
-      entry[#entry + 1] = at(w.name)
-    end
-  end
-  for _, v in ipairs({'month', at('month'), 'overage', 0, 'credits', -1, 'status', at('status')}) do entry[#entry + 1] = v end
-  local id = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', unpack(entry))
+  local id = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'request', 'at', at('at'), 'data', at('data'))
   local refunded = tonumber(at('refundUnits'))
   if refunded > 0 then
     local over = units_back(KEY.counters, refunded, tonumber(at('at')), month, soft, window)

@@ -7,6 +7,9 @@ import { FIXED } from '../quota/windows.js';
 /** An entry of an account's usage stream (Redis XRANGE): its id and its field list. */
 export type StreamEntry = [id: string, fields: string[]];
 
+/** One CloudEvent in structured JSON, as a sink is handed it (a batch of them is a JSON array). */
+export type EncodedEvent = string;
+
 export interface CloudEvent {
   specversion: '1.0';
   id: string;
@@ -26,6 +29,30 @@ export const CREDITS_TYPES: Readonly<Record<string, string>> = {
   grant: 'com.petstore.gateway.credits.granted',
 };
 
+/** A request event's `data`: what a sink bills by. */
+export interface RequestData {
+  requestId: string;
+  keyId: string;
+  plan: string;
+  route: string;
+  method: string;
+  units: number;
+  /** The answer's status; null: none known (its instance died first, or none came in time). */
+  status: number | null;
+  /** Each fixed window's count by its name (windows.ts; null: the plan has none), then the billing period's. */
+  windows: Record<string, number | null>;
+  overage: number;
+  /** The balance after it; null: the plan has no credits, or the admission came from a lease. */
+  credits: number | null;
+}
+
+/**
+ * A leased admission's event is written by its instance with its `data` already in JSON
+ * (event-batches.ts: encoded once there, with its status), and goes out as it is: the stream
+ * entry holds three fields where an entry of quota.lua's holds some fifteen, read back once.
+ */
+export const DATA_FIELD = 'data';
+
 /** How long an event waits for its status record before it is sent with `status: null` (its instance died first). */
 export const STATUS_WAIT_MS = 10_000;
 
@@ -38,41 +65,62 @@ const num = (v: string | undefined) => (v === undefined ? null : Number(v));
 /** An event's id: the account and its stream entry's id, unique and the same however often it is sent. */
 export const eventId = (account: string, entryId: string) => `${account}/${entryId}`;
 
+/** The windows of an event: each fixed window's count by its name (null: the plan has none), then the billing period's (null: none, or 0). */
+export function eventWindows(count: (name: string) => number | null, month: number): RequestData['windows'] {
+  const windows: RequestData['windows'] = {};
+  for (const w of FIXED) windows[w.name] = count(w.name);
+  windows.month = month || null;
+  return windows;
+}
+
 function requestEvent(account: string, source: string, id: string, f: Record<string, string>, status: number | null): CloudEvent {
   const credits = Number(f.credits);
+  const data: RequestData = {
+    requestId: f.rid!,
+    keyId: f.key!,
+    plan: f.plan!,
+    route: f.route!,
+    method: f.method!,
+    units: Number(f.units),
+    status,
+    windows: eventWindows((name) => num(f[name]), Number(f.month)),
+    overage: Number(f.overage),
+    credits: credits >= 0 ? credits : null,
+  };
+  return { ...head(account, source, id, REQUEST_TYPE, f.at!), data: data as unknown as Record<string, unknown> };
+}
+
+/** Every field of an event but its data. */
+function head(account: string, source: string, id: string, type: string, at: string): Omit<CloudEvent, 'data'> {
   return {
     specversion: '1.0',
     id: eventId(account, id),
     source,
-    type: REQUEST_TYPE,
+    type,
     subject: account,
-    time: new Date(Number(f.at)).toISOString(),
+    time: isoTime(at),
     datacontenttype: 'application/json',
-    data: {
-      requestId: f.rid,
-      keyId: f.key,
-      plan: f.plan,
-      route: f.route,
-      method: f.method,
-      units: Number(f.units),
-      status,
-      // Each fixed window by its name (windows.ts; null: the plan has none), then the billing period's.
-      windows: { ...Object.fromEntries(FIXED.map((w) => [w.name, num(f[w.name])])), month: Number(f.month) || null },
-      overage: Number(f.overage),
-      credits: credits >= 0 ? credits : null,
-    },
   };
 }
 
+/** The ISO time of a Redis ms time; the last one kept, as a lease's events share theirs a second at a time. */
+let lastAt = '';
+let lastIso = '';
+function isoTime(at: string): string {
+  if (at !== lastAt) {
+    lastIso = new Date(Number(at)).toISOString();
+    lastAt = at;
+  }
+  return lastIso;
+}
+
+/** A leased admission's event: its head in JSON, then its data as its instance encoded it. */
+const encodeLeased = (account: string, source: string, id: string, f: Record<string, string>): EncodedEvent =>
+  `${JSON.stringify(head(account, source, id, REQUEST_TYPE, f.at!)).slice(0, -1)},"data":${f[DATA_FIELD]}}`;
+
 function refundEvent(account: string, source: string, id: string, f: Record<string, string>): CloudEvent {
   return {
-    specversion: '1.0',
-    id: eventId(account, id),
-    source,
-    type: REFUND_TYPE,
-    subject: account,
-    time: new Date(Number(f.at)).toISOString(),
-    datacontenttype: 'application/json',
+    ...head(account, source, id, REFUND_TYPE, f.at!),
     // The overage the refund takes back, when it takes some (refund.lua).
     data: { refundOf: eventId(account, f.ref!), units: -Number(f.units), ...(Number(f.overage) > 0 && { overage: -Number(f.overage) }) },
   };
@@ -83,22 +131,40 @@ function creditsEvent(account: string, source: string, id: string, f: Record<str
   if (f.entry === 'grant') {
     Object.assign(data, { periods: Number(f.periods), expired: Number(f.expired), period: new Date(Number(f.period)).toISOString() });
   } else Object.assign(data, { reason: f.reason, idempotencyKey: f.idempotencyKey });
-  return {
-    specversion: '1.0',
-    id: eventId(account, id),
-    source,
-    type: CREDITS_TYPES[f.entry!]!,
-    subject: account,
-    time: new Date(Number(f.at)).toISOString(),
-    datacontenttype: 'application/json',
-    data,
-  };
+  return { ...head(account, source, id, CREDITS_TYPES[f.entry!]!, f.at!), data };
+}
+
+/** A request entry's status: carried by a leased admission's ('-': none known), joined from `statuses` for another's (undefined: not yet). */
+function statusOf(id: string, f: Record<string, string>, statuses: ReadonlyMap<string, number>): number | null | undefined {
+  if (f.status !== undefined) return f.status === '-' ? null : Number(f.status);
+  return f[DATA_FIELD] !== undefined ? null : statuses.get(id);
 }
 
 /**
- * The CloudEvents of an account's entries, in order, at most `max`, and the id of the last
- * entry they consume. A request's status is joined from `statuses` (by its entry's id); one still
- * without one, younger than STATUS_WAIT_MS, stops the batch there, to be read again next time.
+ * How many of an account's entries, in order, can go now (at most `max`): a request without a
+ * status yet, younger than STATUS_WAIT_MS, stops them there, to be read again next time.
+ */
+export function consumable(
+  entries: StreamEntry[],
+  statuses: ReadonlyMap<string, number>,
+  nowMs: number,
+  max = Number.POSITIVE_INFINITY,
+): number {
+  let n = 0;
+  for (const [id, list] of entries) {
+    if (n >= max) break;
+    const f = fieldsOf(list);
+    if (f.kind === 'request' && statusOf(id, f, statuses) === undefined && nowMs - Number(f.at) < STATUS_WAIT_MS) break;
+    n++;
+  }
+  return n;
+}
+
+/**
+ * The CloudEvents of an account's entries, in order, at most `max`, each in structured JSON,
+ * and the id of the last entry they consume. A request's status is joined from `statuses` (by
+ * its entry's id); one still without one, younger than STATUS_WAIT_MS, stops the batch there.
+ * `joined`: the ids whose statuses came from `statuses`, to be deleted once the batch went.
  */
 export function toCloudEvents(
   account: string,
@@ -107,27 +173,28 @@ export function toCloudEvents(
   statuses: ReadonlyMap<string, number>,
   nowMs: number,
   max = Number.POSITIVE_INFINITY,
-): { events: CloudEvent[]; last?: string; consumed: number } {
-  const parsed = entries.map(([id, list]) => [id, fieldsOf(list)] as const);
-  const events: CloudEvent[] = [];
+): { events: EncodedEvent[]; last?: string; consumed: number; joined: string[] } {
+  const events: EncodedEvent[] = [];
+  const joined: string[] = [];
   let last: string | undefined;
-  let consumed = 0;
-  for (const [id, f] of parsed) {
-    if (events.length >= max) break;
+  const consumed = consumable(entries, statuses, nowMs, max);
+  for (let i = 0; i < consumed; i++) {
+    const [id, list] = entries[i]!;
+    const f = fieldsOf(list);
     if (f.kind === 'request') {
-      // A leased admission's event carries its status ('-': none known); another's is joined from `statuses`.
-      const status = f.status !== undefined ? (f.status === '-' ? null : Number(f.status)) : statuses.get(id);
-      if (status === undefined && nowMs - Number(f.at) < STATUS_WAIT_MS) break;
-      events.push(requestEvent(account, source, id, f, status ?? null));
+      if (f[DATA_FIELD] !== undefined) events.push(encodeLeased(account, source, id, f));
+      else {
+        if (f.status === undefined) joined.push(id);
+        events.push(JSON.stringify(requestEvent(account, source, id, f, statusOf(id, f, statuses) ?? null)));
+      }
     } else if (f.kind === 'refund') {
-      events.push(refundEvent(account, source, id, f));
+      events.push(JSON.stringify(refundEvent(account, source, id, f)));
     } else if (f.kind === 'credits') {
-      events.push(creditsEvent(account, source, id, f));
+      events.push(JSON.stringify(creditsEvent(account, source, id, f)));
     }
     last = id;
-    consumed++;
   }
-  return { events, last, consumed };
+  return { events, last, consumed, joined };
 }
 
 /** The stream id right after `id`: XTRIM MINID of it removes `id` too. */

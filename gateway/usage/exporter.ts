@@ -4,7 +4,7 @@ import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { accountsOf, ActiveIndex, type Marked } from './active.js';
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
-import { type CloudEvent, toCloudEvents } from './events.js';
+import { consumable, type EncodedEvent, toCloudEvents } from './events.js';
 import { Sweep } from './sweep.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost } from './leader.js';
 import type { Accepted, UsageSink } from './sink.js';
@@ -101,16 +101,15 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     const now = Date.now();
     const reads = await this.fill(known, target.batchSize, now);
     const source = `/pet-store-gateway/${config.environment}`;
-    const batch: CloudEvent[] = [];
+    const batch: EncodedEvent[] = [];
     const moves: Array<{ name: string; events: number; move: Omit<UsageMove, 'token'> }> = [];
     let oldest = now;
     for (const r of reads) {
       if (r.entries.length === 0) continue;
       oldest = Math.min(oldest, Number(r.entries[0]![0].split('-')[0]));
-      const { events, last, consumed } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, now);
-      batch.push(...events);
-      const refs = r.entries.slice(0, consumed).map(([id]) => id);
-      if (last) moves.push({ name: r.name, events: events.length, move: { from: r.cursor, to: last, consumed, refs } });
+      const { events, last, consumed, joined } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, now, r.consumed);
+      for (const e of events) batch.push(e);
+      if (last) moves.push({ name: r.name, events: events.length, move: { from: r.cursor, to: last, consumed, refs: joined } });
     }
     await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9).map((r) => this.countDropped(r.name)));
     this.metrics.lag((now - oldest) / 1000);
@@ -163,7 +162,7 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
         r.more = read.entries.length === share;
         room -= read.entries.length;
         // An entry still waiting for its status stops its account's batch there: no more of it this round.
-        r.consumed = toCloudEvents('', '', r.entries, r.statuses, now).consumed;
+        r.consumed = consumable(r.entries, r.statuses, now);
         if (r.consumed < r.entries.length) r.more = false;
       });
       wanting = wanting.filter((r) => r.more);
@@ -175,7 +174,7 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
    * Hands a batch to the sink; the lead's loss aborts it (LeadLost). A refusal, or a sink that
    * throws, is a DeliveryFailed: no cursor moves, and the batch comes again after the backoff.
    */
-  private async deliver(sink: UsageSink, batch: CloudEvent[], lost: AbortSignal): Promise<void> {
+  private async deliver(sink: UsageSink, batch: EncodedEvent[], lost: AbortSignal): Promise<void> {
     lost.throwIfAborted();
     let answer: Accepted;
     try {

@@ -1,4 +1,4 @@
-import type { CloudEvent } from './events.js';
+import type { EncodedEvent } from './events.js';
 import { POST_TIMEOUT_MS } from './leader.js';
 import { ALL_ACCEPTED, type Accepted, type UsageSink } from './sink.js';
 
@@ -15,14 +15,14 @@ export class HttpCloudEventsSink implements UsageSink {
     return this.url;
   }
 
-  async deliver(batch: readonly CloudEvent[], lost: AbortSignal): Promise<Accepted> {
+  async deliver(batch: readonly EncodedEvent[], lost: AbortSignal): Promise<Accepted> {
     lost.throwIfAborted();
     let res: Response;
     try {
       res = await fetch(this.url, {
         method: 'POST',
         headers: { 'content-type': 'application/cloudevents-batch+json' },
-        body: JSON.stringify(batch),
+        body: `[${batch.join(',')}]`,
         signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
       });
       await res.arrayBuffer();

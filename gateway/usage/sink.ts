@@ -1,4 +1,4 @@
-import type { CloudEvent } from './events.js';
+import type { EncodedEvent } from './events.js';
 
 /**
  * What a sink took of a batch: all of it, or none of it (with why, and, when the sink says so,
@@ -19,5 +19,6 @@ export const ALL_ACCEPTED: Accepted = Object.freeze({ accepted: 'all' });
 export interface UsageSink {
   /** How log lines name it (the HTTP sink: its URL). */
   readonly name: string;
-  deliver(batch: readonly CloudEvent[], signal: AbortSignal): Promise<Accepted>;
+  /** `batch`: each CloudEvent in structured JSON (a Kafka producer sends each as it is; the HTTP sink, the array). */
+  deliver(batch: readonly EncodedEvent[], signal: AbortSignal): Promise<Accepted>;
 }

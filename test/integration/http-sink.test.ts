@@ -1,7 +1,6 @@
 import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { describe, expect, it, onTestFinished } from 'vitest';
-import type { CloudEvent } from '../../gateway/usage/events.js';
 import { HttpCloudEventsSink } from '../../gateway/usage/http-sink.js';
 
 // The HTTP sink against a real HTTP server that refuses with a Retry-After: the refusal carries
@@ -17,7 +16,7 @@ async function refusing(status: number, headers: Record<string, string>): Promis
   return `http://127.0.0.1:${(server.address() as AddressInfo).port}/events`;
 }
 
-const batch = [{ id: 'e1', type: 'com.petstore.gateway.request' }] as unknown as CloudEvent[];
+const batch = [JSON.stringify({ id: 'e1', type: 'com.petstore.gateway.request' })];
 const deliver = async (url: string) => new HttpCloudEventsSink(url).deliver(batch, new AbortController().signal);
 
 describe('the HTTP usage sink', () => {

@@ -175,7 +175,8 @@ describe('overage with usage exported: a leased refund goes in its event batch',
     expect((await a.store.peek(s)).overageUsed).toBe(delivered - QUOTA);
     const stream = await redis.xrange(subjectKey.events(s.name), '-', '+');
     const fields = (f: string[]) => Object.fromEntries(f.flatMap((v, i) => (i % 2 ? [] : [[v, f[i + 1]]])));
-    const request = stream.find(([, f]) => fields(f).rid === 'r0')!;
+    // A leased admission's entry carries its CloudEvent data as its instance encoded it (usagebatch.lua).
+    const request = stream.find(([, f]) => JSON.parse(fields(f).data ?? '{}').requestId === 'r0')!;
     const refunds = stream.map(([, f]) => fields(f)).filter((f) => f.kind === 'refund');
     expect(refunds).toEqual([expect.objectContaining({ ref: request[0], units: '1', overage: '1' })]);
   });

@@ -5,7 +5,7 @@ import { compileConfig, type ConfigFile, type GatewayConfig, validateConfigFile 
 import type { QuotaSubject } from '../../gateway/quota/decision.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
 import { activityMarks } from '../../gateway/usage/active.js';
-import type { CloudEvent } from '../../gateway/usage/events.js';
+import type { CloudEvent, EncodedEvent } from '../../gateway/usage/events.js';
 import { UsageExporter } from '../../gateway/usage/exporter.js';
 import { ALL_ACCEPTED, type Accepted, type UsageSink } from '../../gateway/usage/sink.js';
 import { makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
@@ -21,10 +21,10 @@ class ArraySink implements UsageSink {
   offered = 0;
   refusing?: { reason: string; retryAfterMs?: number };
 
-  async deliver(batch: readonly CloudEvent[]): Promise<Accepted> {
+  async deliver(batch: readonly EncodedEvent[]): Promise<Accepted> {
     this.offered++;
     if (this.refusing) return { accepted: 'none', ...this.refusing };
-    this.batches.push([...batch]);
+    this.batches.push(batch.map((e) => JSON.parse(e) as CloudEvent));
     return ALL_ACCEPTED;
   }
 
