@@ -114,9 +114,17 @@ function isoTime(at: string): string {
   return lastIso;
 }
 
-/** A leased admission's event: its head in JSON, then its data as its instance encoded it. */
-const encodeLeased = (account: string, source: string, id: string, f: Record<string, string>): EncodedEvent =>
-  `${JSON.stringify(head(account, source, id, REQUEST_TYPE, f.at!)).slice(0, -1)},"data":${f[DATA_FIELD]}}`;
+/**
+ * Leased admissions' events of one account in JSON: the parts the account and source fix
+ * escaped once, then per event its id (a stream id: digits and a dash), its time and its data
+ * as its instance encoded it. The same JSON as JSON.stringify of the event would give.
+ */
+function leasedEncoder(account: string, source: string): (id: string, f: Record<string, string>) => EncodedEvent {
+  const id = JSON.stringify(eventId(account, '')).slice(0, -1);
+  const after = `","source":${JSON.stringify(source)},"type":"${REQUEST_TYPE}","subject":${JSON.stringify(account)},"time":"`;
+  return (entryId, f) =>
+    `{"specversion":"1.0","id":${id}${entryId}${after}${isoTime(f.at!)}","datacontenttype":"application/json","data":${f[DATA_FIELD]}}`;
+}
 
 function refundEvent(account: string, source: string, id: string, f: Record<string, string>): CloudEvent {
   return {
@@ -178,11 +186,12 @@ export function toCloudEvents(
   const joined: string[] = [];
   let last: string | undefined;
   const consumed = consumable(entries, statuses, nowMs, max);
+  const leased = leasedEncoder(account, source);
   for (let i = 0; i < consumed; i++) {
     const [id, list] = entries[i]!;
     const f = fieldsOf(list);
     if (f.kind === 'request') {
-      if (f[DATA_FIELD] !== undefined) events.push(encodeLeased(account, source, id, f));
+      if (f[DATA_FIELD] !== undefined) events.push(leased(id, f));
       else {
         if (f.status === undefined) joined.push(id);
         events.push(JSON.stringify(requestEvent(account, source, id, f, statusOf(id, f, statuses) ?? null)));

@@ -111,6 +111,8 @@ describe('a second usage sink', () => {
     expect(sink.batches.flat().map((e) => [e.type, e.data.status])).toEqual(ids.map(() => ['com.petstore.gateway.request', 200]));
     expect(await d.store.exportState(d.subject)).toEqual({ exported: 12, pending: 0, dropped: 0, unsettled: 0 }); // no lease: leaseMax 1
     expect(counted).toEqual({ exported: 12, failed: 0 });
+    // The statuses these events joined went with their cursor's move: none left to grow with the traffic.
+    expect(await redis.hlen(`${d.subject.name}:statuses`)).toBe(0);
   });
 
   it('that refuses leaves the cursors where they were, and gets the same events again once it accepts', async () => {
