@@ -2,7 +2,7 @@ import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import { Type } from '@sinclair/typebox';
 import type { Consumer } from '../config/config.js';
 import { GatewayError } from '../errors.js';
-import { TopUpNotReplicated } from '../quota/redis-store.js';
+import { TopUpNotReplicated } from '../quota/redis-accounts.js';
 import type { KeyFinder } from '../auth/registry.js';
 import type { AccountBook, LedgerEntry } from '../quota/store.js';
 import { CreditFields } from '../quota/usage-view.js';

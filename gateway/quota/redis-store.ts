@@ -1,21 +1,10 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import { Cluster } from 'ioredis';
-import { closeRedis, type RedisClient, redisProblem, secondConnection } from '../redis/client.js';
+import { type RedisClient, redisProblem } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
-import { type CreditState, withGrants } from './credits.js';
-import { billingPeriod, type Period } from './period.js';
-import {
-  DAY_MS,
-  type Decision,
-  decision,
-  type EventTag,
-  leaseSize,
-  type QuotaSubject,
-  type WindowCounts,
-  windowStart,
-} from './decision.js';
+import { type Decision, decision, type EventTag, leaseSize, type QuotaSubject, type WindowCounts } from './decision.js';
 import { DegradedBudget, type WriteBack } from './degraded-budget.js';
 import { EventBatches } from './event-batches.js';
 import { type Lease, LeaseBook, leaseOf } from './lease-book.js';
@@ -24,7 +13,6 @@ import {
   CALL_KEEP_MS,
   countsOf,
   defineScripts,
-  defineTopUp,
   heartbeatArgs,
   type QuotaCall,
   type QuotaReply,
@@ -33,13 +21,13 @@ import {
   refundArgs,
   type Settled,
   settledFrom,
-  topUpArgs,
   type BatchEvent,
   unbanArgs,
   usageBatchArgs,
   writeBackArgs,
 } from './script.js';
 import { LATE, RedisHealth, within } from './redis-health.js';
+import { RedisAccounts } from './redis-accounts.js';
 import { type Counts, countsAt, FIXED } from './windows.js';
 import {
   type AccountBook,
@@ -52,7 +40,6 @@ import {
   type StoreCounts,
   type TopUp,
   type TopUpResult,
-  topUpFingerprint,
   type Usage,
 } from './store.js';
 
@@ -72,23 +59,6 @@ interface Doubt {
   subject: QuotaSubject;
   cost: number;
   sentMono: number;
-}
-
-/** A pipeline of topup.lua and the WAIT after it: both go to the account's node. */
-interface TopUpPipeline {
-  topup(...keysThenArgs: Array<string | number>): TopUpPipeline;
-  wait(replicas: number, timeoutMs: number): TopUpPipeline;
-  exec(): Promise<Array<[Error | null, unknown]> | null>;
-}
-
-/** A top-up written, but held by fewer replicas than CREDITS_ACK_REPLICAS within CREDITS_ACK_TIMEOUT_MS. */
-export class TopUpNotReplicated extends Error {
-  constructor(
-    readonly replicas: number,
-    readonly wanted: number,
-  ) {
-    super(`the top-up reached ${replicas} of the ${wanted} replica(s) CREDITS_ACK_REPLICAS asks for`);
-  }
 }
 
 type RawReply = Array<number | string | null>;
@@ -142,53 +112,6 @@ export interface ActiveAccounts {
   alerts: ReadonlySet<string>;
 }
 
-/** A ledger stream entry as the admin port shows it: numbers as numbers, the time from its id. */
-function ledgerEntry(id: string, fields: string[]): LedgerEntry {
-  const f: Record<string, string> = {};
-  for (let i = 0; i < fields.length; i += 2) f[fields[i]!] = fields[i + 1]!;
-  const entry: LedgerEntry = {
-    id,
-    atMs: Number(id.split('-')[0]),
-    kind: f.kind as LedgerEntry['kind'],
-    amount: Number(f.amount),
-    balance: Number(f.balance),
-  };
-  if (f.kind === 'grant') Object.assign(entry, { periods: Number(f.periods), expired: Number(f.expired) });
-  else if (f.kind === 'topup') Object.assign(entry, { reason: f.reason, idempotencyKey: f.idempotencyKey });
-  return entry;
-}
-
-/**
- * The billing part of a usage read, as the next decision will find it (the read changes
- * nothing): the month's period in force and its count, the overage, and the credits with the
- * grants due applied. `stored`: the counters' ps, pc, os, oc, pe; `credited`: g, p, gp, ge, r.
- */
-function billingUsage(subject: QuotaSubject, now: number, stored: number[], credited: Array<string | null>): Partial<Usage> {
-  const { limits, billing } = subject;
-  const [ps, pc, os, oc, pe] = stored as [number, number, number, number, number];
-  const out: Partial<Usage> = {};
-  let period: Period | undefined;
-  if (limits.perMonth) {
-    // As quota.lua: the stored period stays in force until its end.
-    period = ps <= now && now < pe ? { startMs: ps, endMs: pe } : billingPeriod(now, billing.billingDay);
-    out.monthUsed = ps === period.startMs ? pc : 0;
-  }
-  if (billing.credits) {
-    const [g, p, gp, ge, r] = credited;
-    const state: CreditState = { granted: Number(g ?? 0), purchased: Number(p ?? 0) };
-    if (gp != null && ge != null) Object.assign(state, { grantedFor: Number(gp), grantedUntil: Number(ge) });
-    const due = withGrants(state, billingPeriod(now, billing.billingDay), billing.credits, now);
-    out.credits = { granted: due.state.granted, purchased: due.state.purchased, reserved: Number(r ?? 0) };
-    period ??= due.inForce;
-  }
-  if (period) out.period = period;
-  if (billing.overage > 0) out.overageUsed = os === (limits.perMonth ? period!.startMs : windowStart(now, DAY_MS)) ? oc : 0;
-  return out;
-}
-
-/** The fixed windows' fields of the counters hash (windows.ts): each one's start and count. */
-const COUNTER_FIELDS = FIXED.flatMap((w) => [w.stored.start, w.stored.count]);
-
 /** A lease's counts: every window's, as Redis held them after it; with credits, its balance and the units it still holds. */
 function countsOfLease(lease: Lease): Counts & { balance?: number } {
   const out: Counts & { balance?: number } = { minuteUsed: 0, dayUsed: 0, monthUsed: lease.monthUsed };
@@ -227,11 +150,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private readonly leaseMax: number;
   private readonly timeoutMs: number;
   private readonly failClosed: boolean;
-  private readonly ackReplicas: number;
-  private readonly ackTimeoutMs: number;
-  private readonly idempotencyMs: number;
-  /** The connection top-ups wait for replicas on (WAIT holds it): made at the first top-up. */
-  private acking?: RedisClient;
+  /** Top-ups, the ledger, the export's state and the usage read: the account book's calls. */
+  private readonly accounts: RedisAccounts;
   private readonly registry?: () => string;
   private readonly tally = { degraded: 0, refundsFailed: 0, writtenBack: 0, undone: 0, unsettled: 0 };
   /** Calls given up on that ended without a reply, after they may have run: settled once Redis answers (settleDoubts). */
@@ -259,9 +179,6 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.leaseMax = options.leaseMax ?? 1;
     this.timeoutMs = options.timeoutMs ?? 1000;
     this.failClosed = options.failClosed ?? false;
-    this.ackReplicas = options.ackReplicas ?? 0;
-    this.ackTimeoutMs = options.ackTimeoutMs ?? 2000;
-    this.idempotencyMs = options.idempotencyMs ?? 24 * 3_600_000;
     this.registry = options.registry;
     this.marks = options.marks;
     this.clock = options.clock ?? SYSTEM_CLOCK;
@@ -279,6 +196,15 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     });
     defineScripts(redis);
     this.redis = redis as QuotaRedis;
+    const accounts = {
+      ackReplicas: options.ackReplicas ?? 0,
+      ackTimeoutMs: options.ackTimeoutMs ?? 2000,
+      idempotencyMs: options.idempotencyMs ?? 24 * 3_600_000,
+    };
+    this.accounts = new RedisAccounts(redis, accounts, (subject) => {
+      if (this.marks && subject.events > 0) this.mark('usage', subject);
+      if (this.marks && subject.alerts) this.mark('alerts', subject);
+    });
     this.health = new RedisHealth({
       beat: () => this.beat(),
       recover: (healthy) => this.writeBack(healthy),
@@ -794,83 +720,27 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
 
   /**
    * A top-up in one script (topup.lua): applied once per idempotency key, however the retries
-   * race; then, with `ackReplicas`, WAIT on the same connection until that many replicas hold it
-   * (a retry waits again), so an acknowledged top-up survives a failover.
+   * race; acknowledged once CREDITS_ACK_REPLICAS replicas hold it (redis-accounts.ts).
    */
-  async topUp(subject: QuotaSubject, t: TopUp): Promise<TopUpResult> {
-    const redis = this.topUpConnection();
-    let results: Array<[Error | null, unknown]>;
-    try {
-      results = await this.topUpCalls(redis, subject, t);
-    } catch (err) {
-      // A Cluster pipeline follows no redirection: after a failover, learn the new masters once and
-      // send it again (applied once: its idempotency key).
-      if (!(redis instanceof Cluster && /^MOVED /.test((err as Error).message))) throw err;
-      await new Promise((done) => redis.refreshSlotsCache(done));
-      results = await this.topUpCalls(redis, subject, t);
-    } finally {
-      // Its ledger entry as a usage event, a credits alert it resolves: written (or maybe), marked once the calls are over.
-      if (this.marks && subject.events > 0) this.mark('usage', subject);
-      if (this.marks && subject.alerts) this.mark('alerts', subject);
-    }
-    const [made, ...rest] = results[0]![1] as [number, ...string[]];
-    const acked = Number(results[1]?.[1] ?? 0);
-    if (this.ackReplicas > 0 && acked < this.ackReplicas) throw new TopUpNotReplicated(acked, this.ackReplicas);
-    if (Number(made) === 1) return { entryId: String(rest[0]), balance: Number(rest[1]), replayed: false, conflict: false };
-    const [first, entryId, balance] = String(rest[0]).split(' ') as [string, string, string];
-    return { entryId, balance: Number(balance), replayed: true, conflict: first !== topUpFingerprint(t) };
+  topUp(subject: QuotaSubject, t: TopUp): Promise<TopUpResult> {
+    return this.accounts.topUp(subject, t);
   }
 
-  /** topup.lua, then WAIT with `ackReplicas`, in one pipeline: both reach the account's node, WAIT on the connection that wrote. */
-  private async topUpCalls(redis: RedisClient, subject: QuotaSubject, t: TopUp): Promise<Array<[Error | null, unknown]>> {
-    const pipe = (redis.pipeline() as unknown as TopUpPipeline).topup(...topUpArgs(subject, t, this.idempotencyMs));
-    if (this.ackReplicas > 0) pipe.wait(this.ackReplicas, this.ackTimeoutMs);
-    const results = (await pipe.exec()) ?? [];
-    for (const [err] of results) if (err) throw err;
-    return results;
-  }
-
-  /** Where top-ups go: the store's connection, or with `ackReplicas` one of their own (WAIT holds the connection it is sent on). */
-  private topUpConnection(): RedisClient {
-    if (this.ackReplicas === 0) return this.redis;
-    if (!this.acking) {
-      this.acking = secondConnection(this.redis);
-      defineTopUp(this.acking);
-    }
-    return this.acking;
-  }
-
-  /**
-   * Events sent (consumed by the exporter), still in the stream, and dropped by its cap (as
-   * counted when the exporter saw it near the cap), read in one transaction (one slot): the
-   * exporter's move counts and trims in one script, so the three always add up. And the units
-   * leased and not yet written as events (quota.lua adds a lease's units, usagebatch.lua and a
-   * lease's close take theirs out): held by live instances, or lost with a dead one.
-   */
-  async exportState(subject: QuotaSubject): Promise<ExportState> {
-    const results = await this.redis
-      .multi()
-      .xlen(subjectKey.events(subject.name))
-      .hmget(subjectKey.eventsCursor(subject.name), 'consumed', 'dropped', 'unsettled')
-      .exec();
-    const [pending, counts] = (results ?? []).map(([err, value]) => {
-      if (err) throw err;
-      return value;
-    }) as [number, Array<string | null>];
-    return { exported: Number(counts[0] ?? 0), pending, dropped: Number(counts[1] ?? 0), unsettled: Number(counts[2] ?? 0) };
+  /** Events sent, pending, dropped, and the units leased whose events are not written (redis-accounts.ts). */
+  exportState(subject: QuotaSubject): Promise<ExportState> {
+    return this.accounts.exportState(subject);
   }
 
   /** The ledger stream, oldest first. */
-  async ledger(subject: QuotaSubject): Promise<LedgerEntry[]> {
-    const entries = await this.redis.xrange(subjectKey.ledger(subject.name), '-', '+');
-    return entries.map(([id, fields]) => ledgerEntry(id, fields));
+  ledger(subject: QuotaSubject): Promise<LedgerEntry[]> {
+    return this.accounts.ledger(subject);
   }
 
-  /** One MULTI: Redis time, the counters and the recent 429s, read together. */
+  /** The usage as Redis holds it, read in one MULTI; while Redis fails, the degraded budget's. */
   async peek(subject: QuotaSubject): Promise<Usage> {
     if (!this.health.failing) {
       try {
-        return await this.read(subject);
+        return await this.accounts.read(subject);
       } catch (err) {
         this.health.failed(err);
       }
@@ -882,33 +752,6 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       banUntilMs: this.bans.get(subject.name, now)?.ban ?? 0,
       recentRejections: 0,
     };
-  }
-
-  private async read(subject: QuotaSubject): Promise<Usage> {
-    const results = await this.redis
-      .multi()
-      .time()
-      .hmget(subjectKey.counters(subject.name), ...COUNTER_FIELDS, 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
-      .lrange(subjectKey.rejections(subject.name), 0, -1)
-      .hmget(subjectKey.credits(subject.name), 'g', 'p', 'gp', 'ge', 'r')
-      .exec();
-    const values = (results ?? []).map(([err, value]) => {
-      if (err) throw err;
-      return value;
-    });
-    const [time, fields, rejections, credited] = values as [[string, string], Array<string | null>, string[], Array<string | null>];
-    const now = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
-    const numbers = fields.map(Number);
-    const stored = Object.fromEntries(COUNTER_FIELDS.map((f, i) => [f, numbers[i]!]));
-    const [ban, ...billed] = numbers.slice(COUNTER_FIELDS.length) as [number, ...number[]];
-    const withinMs = subject.bans?.withinMs ?? 0;
-    const usage: Usage = {
-      nowMs: now,
-      ...countsAt(stored, now),
-      banUntilMs: ban > now ? ban : 0,
-      recentRejections: rejections.filter((t) => Number(t) > now - withinMs).length,
-    };
-    return { ...usage, ...billingUsage(subject, now, billed, credited) };
   }
 
   activeBans(): number {
@@ -924,7 +767,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.health.close();
     // The events of leased admissions still in memory, written before the instance leaves.
     await this.batches.close();
-    if (this.acking) void closeRedis(this.acking, 'now');
+    this.accounts.close();
     if (this.statusTimer) clearTimeout(this.statusTimer);
     this.flush();
     if (this.registry && !this.health.failing && this.redis.status === 'ready') {
