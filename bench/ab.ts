@@ -7,6 +7,7 @@ import {
   benchBed,
   CONNECTIONS,
   cpuNs,
+  exportConfig,
   hasCommand,
   launcher,
   median,
@@ -28,7 +29,8 @@ import { spin } from './spin.mjs';
 //     with Redis and with the in-process store); `peer` in place of a path is the usual
 //     alternative (@fastify/rate-limit on Redis, bench/reference-proxy.ts). A variant's ENV may say REDIS_URL=redis to
 //     get the Redis this run starts, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=sink to trace to an
-//     OTLP sink in this process, and BENCH_SPIN_US=5 to add 5 us of CPU to each request
+//     OTLP sink in this process, GATEWAY_CONFIG=export to export every request's usage event to
+//     a sink in this process (the bed's config with usage export on), and BENCH_SPIN_US=5 to add 5 us of CPU to each request
 //     (bench/spin.mjs): the same build made costlier by a known amount, to check the measure.
 //   BENCH_AB_ROUNDS (7), BENCH_AB_SECONDS (4): rounds and seconds per variant and round.
 //   BENCH_AB_RATE: requests per second to hold (wrk with think time) instead of saturating;
@@ -100,6 +102,7 @@ async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Va
     const env = Object.fromEntries(settings.map((s) => [s.slice(0, s.indexOf('=')), s.slice(s.indexOf('=') + 1)]));
     if (env.REDIS_URL === 'redis') env.REDIS_URL = bed.redisUrl;
     if (env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT === 'sink') env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = await startOtlpSink(bed);
+    if (env.GATEWAY_CONFIG === 'export') env.GATEWAY_CONFIG = await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8')));
     const spin = env.BENCH_SPIN_US ? ['--import', resolve('bench/spin.mjs')] : [];
     if (env.BENCH_SPIN_US) env.BENCH_SPIN_ITERS = String(spinTurns(Number(env.BENCH_SPIN_US)));
     // `peer` in place of a build: the usual alternative (@fastify/rate-limit on this run's Redis).

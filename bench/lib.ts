@@ -257,6 +257,24 @@ export async function startOtlpSink(bed: Pick<Bed, 'onClose'>): Promise<string> 
   return `http://127.0.0.1:${port}/v1/traces`;
 }
 
+/**
+ * A billing sink in this process (its CPU is not counted), taking every batch of usage events,
+ * and `config` with usage export to it, in a file of its own in the bed's folder: only a process
+ * started on that file records and exports events.
+ */
+export async function exportConfig(bed: Pick<Bed, 'dir' | 'onClose'>, config: object): Promise<string> {
+  const port = await freePort();
+  const server = createServer((req, res) => {
+    req.resume();
+    req.on('end', () => res.writeHead(200).end());
+  });
+  await new Promise<void>((r) => server.listen(port, '127.0.0.1', r));
+  bed.onClose(() => server.close());
+  const file = join(bed.dir, 'gateway-export.json');
+  writeFileSync(file, JSON.stringify({ ...config, usage: { export: { url: `http://127.0.0.1:${port}/events` } } }));
+  return file;
+}
+
 const TICK_US = 1e6 / Number(execFileSync('getconf', ['CLK_TCK']).toString().trim() || 100);
 
 /**

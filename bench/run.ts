@@ -11,6 +11,7 @@ import {
   benchBed,
   CONNECTIONS,
   cpuUs,
+  exportConfig,
   hasCommand,
   legacyKey,
   median,
@@ -152,24 +153,6 @@ function writeKeys(bed: Bed) {
   );
   writeFileSync(bed.file, JSON.stringify(config));
   return { refused, banned, monthly, prepaid, config };
-}
-
-/**
- * A billing sink in this process (its CPU is not counted), taking every batch of usage events,
- * and the bed's config with usage export to it, in a file of its own: only the process started
- * on it records and exports events.
- */
-async function exportConfig(bed: Bed, config: ReturnType<typeof writeKeys>['config']): Promise<string> {
-  const port = await freePort();
-  const server = createServer((req, res) => {
-    req.resume();
-    req.on('end', () => res.writeHead(200).end());
-  });
-  await new Promise<void>((r) => server.listen(port, '127.0.0.1', r));
-  bed.onClose(() => server.close());
-  const file = join(bed.dir, 'gateway-export.json');
-  writeFileSync(file, JSON.stringify({ ...config, usage: { export: { url: `http://127.0.0.1:${port}/events` } } }));
-  return file;
 }
 
 /** The bed's config without the prepaid account's credits, in a file of its own: what the in-process store may run. */
