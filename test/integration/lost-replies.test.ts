@@ -2,12 +2,15 @@ import { connect, createServer, type Server, type Socket } from 'node:net';
 import { Redis } from 'ioredis';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import { buildTestGateway } from '../helpers/gateway.js';
-import { makeKey, testConfig } from '../helpers/config.js';
+import { makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 import { scaled } from '../helpers/budget.js';
+import { compileConfig, validateConfigFile } from '../../gateway/config/config.js';
 import { loadSettings } from '../../gateway/config/settings.js';
 import { commandTimeoutFor } from '../../gateway/redis/client.js';
+import { subjectKey } from '../../gateway/redis/keys.js';
+import { defineScripts, quotaArgs, quotaReply, refundArgs, settledFrom } from '../../gateway/quota/script.js';
 
 /** The shipped settings: the gateway below runs at them. */
 const shipped = loadSettings({});
@@ -128,5 +131,65 @@ describe('a quota reply lost or late', () => {
     await eventually(() => refunded('request-late') && refunded('request-dropped'), 20_000, 'the late and dropped requests refunded');
     expect(rids.map((rid) => of(rid).length)).toEqual([1, 1, 1]);
     expect(refunded('request-lost')).toBe(false);
+  });
+});
+
+// The settle's tombstone: refund.lua, settling a call the gateway gave up on (settleDoubts in
+// redis-store.ts), replaces the reply Redis kept with a refusal (outcome -1). ioredis may still
+// send that call again (same call id) after the settle, when the connection it was lost with is
+// replaced: that resend must find the tombstone and change nothing, and a second settle of the
+// same call (the gateway tries again when Redis did not answer the first in time) must refund
+// nothing. The scripts as the store defines them (script.ts), on the run's real Redis: the
+// order of a resend after a settle is what the test needs, and no proxy can order ioredis's
+// resend against the store's settle on purpose.
+describe('a call settled without its reply', () => {
+  it('is a tombstone: the same call sent again changes nothing, and a second settle refunds nothing', async () => {
+    const redis = new Redis(inject('redisUrl'));
+    onTestFinished(() => redis.disconnect());
+    defineScripts(redis);
+    const scripts = redis as unknown as Record<'quota' | 'refund', (...args: Array<string | number>) => Promise<unknown>>;
+    const key = { ...makeKey('prepaid'), account: 'settled' };
+    const file = testConfig([key], {
+      plans: { prepaid: { perMinute: 1000, perDay: 100_000, credits: { grant: 100, every: 'month' } } },
+      usage: { export: { url: 'http://127.0.0.1:9/never-called', maxEvents: 1000, batchSize: 50 } },
+    });
+    const subject = compileConfig(validateConfigFile(file, 'test config'), uniquePrefix()).accounts.get('settled')!;
+    const { name } = subject;
+    const state = async () => ({
+      counters: await redis.hgetall(subjectKey.counters(name)),
+      credits: await redis.hmget(subjectKey.credits(name), 'g', 'p'),
+      events: await redis.xrange(subjectKey.events(name), '-', '+'),
+    });
+    const tag = { requestId: 'settled-1', keyId: key.id, plan: 'prepaid', route: 'listPets', method: 'GET' };
+    const call = quotaArgs(subject, { lease: 1, deadline: 0, cost: 1, refill: false, tag, callId: 'gw-1:7' });
+    const settle = async () => settledFrom(await scripts.refund(...refundArgs(subject, { countedAtMs: 0, units: 1, callId: 'gw-1:7' })));
+
+    const ran = quotaReply((await scripts.quota(...call)) as Array<number | string | null>);
+    expect({ outcome: ran.outcome, taken: ran.taken, balance: ran.balance, event: Boolean(ran.eventId) }).toEqual({
+      outcome: 0,
+      taken: 1,
+      balance: 99,
+      event: true,
+    });
+    expect(await settle()).toEqual({ kind: 'refunded' });
+    const settled = await state();
+    // The settle gave the unit back, and the credit as a purchased one (refund.lua), with a refund event naming the request's.
+    expect({ day: settled.counters.dc, credits: settled.credits, events: settled.events.map(([, f]) => f[1]) }).toEqual({
+      day: '0',
+      credits: ['99', '1'],
+      events: ['credits', 'request', 'refund'],
+    });
+    expect(settled.events[2]![1]).toEqual(expect.arrayContaining(['ref', ran.eventId]));
+
+    // The resend answered as a call past its deadline (the gateway takes it as changing nothing).
+    const resent = quotaReply((await scripts.quota(...call)) as Array<number | string | null>).outcome;
+    const afterResend = await state();
+    const again = await settle();
+    expect({ resent, afterResend, again, afterAgain: await state() }).toEqual({
+      resent: -1,
+      afterResend: settled,
+      again: { kind: 'none' },
+      afterAgain: settled,
+    });
   });
 });

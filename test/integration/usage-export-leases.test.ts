@@ -1,8 +1,14 @@
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
+import type { FastifyBaseLogger } from 'fastify';
 import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
-import type { ConfigFile } from '../../gateway/config/config.js';
+import { compileConfig, type ConfigFile, validateConfigFile } from '../../gateway/config/config.js';
+import { EventBatches } from '../../gateway/quota/event-batches.js';
+import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
+import { activityMarks } from '../../gateway/usage/active.js';
+import { UsageExporter } from '../../gateway/usage/exporter.js';
+import { HttpCloudEventsSink } from '../../gateway/usage/http-sink.js';
 import { echoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildTestGateway } from '../helpers/gateway.js';
@@ -302,6 +308,94 @@ describe('a lease that lapses with units not handed out', () => {
     },
     scaled(120_000),
   ); // up to a minute for the next one
+});
+
+describe('a leased admission that fails after its event was written', () => {
+  it('keeps its unit counted: the event goes out with status null and no refund, so day = events net of refunds + unsettled', {
+    timeout: scaled(60_000),
+  }, async () => {
+    // The store and the exporter as the wiring builds them (app.ts), on a real Redis, to the
+    // test's CloudEvents sink, at the shipped settings (QUOTA_LEASE_MAX 100, USAGE_BATCH_MS 1 s,
+    // UPSTREAM_TIMEOUT_MS 10 s), but with the store's clock injected: an event waits for its
+    // status max(60 s, 3 x UPSTREAM_TIMEOUT_MS) = 60 s, and no request through a gateway at the
+    // shipped settings lives that long (its body within GATEWAY_REQUEST_TIMEOUT_MS 30 s, the
+    // backend's connect and headers within 10 s each). So the store's monotonic clock is moved
+    // on past the wait rather than a request kept open for a minute; its wall clock is untouched.
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const key = makeKey('leased');
+    const config = compileConfig(
+      validateConfigFile(testConfig([key], { plans, usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 100 } } }), 'test'),
+      uniquePrefix(),
+    );
+    const subject = [...config.consumers.values()].find((c) => c.id === key.id)!.subject;
+    const conn = new Redis(redis.url);
+    onTestFinished(() => conn.disconnect());
+    const warnings: string[] = [];
+    const log = { info: () => {}, error: () => {}, debug: () => {}, warn: (_: object, msg: string) => warnings.push(msg) };
+    let movedOnMs = 0;
+    const clock = { wall: Date.now, mono: () => performance.now() + movedOnMs };
+    const store = new RedisQuotaStore(conn, log as unknown as FastifyBaseLogger, {
+      leaseMax: 100,
+      usageBatchMs: 1000,
+      upstreamTimeoutMs: 10_000,
+      clock,
+      marks: activityMarks(conn, () => config),
+    });
+    onTestFinished(() => store.close());
+    const exporting = new Redis(redis.url);
+    const exporter = new UsageExporter({
+      redis: exporting,
+      config: () => config,
+      log: log as unknown as FastifyBaseLogger,
+      metrics: { exported: () => {}, failed: () => {}, dropped: () => {}, lag: () => {}, round: () => {} },
+      sink: (target) => new HttpCloudEventsSink(target.url),
+    });
+    onTestFinished(async () => {
+      exporter.stop();
+      await exporting.quit();
+    });
+    exporter.start();
+    await roomInTheMinute(redis.url);
+
+    // Two admissions from one lease of 2: the first's request goes on, the second's ends with a 200.
+    const tag = (rid: string) => ({ requestId: rid, keyId: key.id, plan: 'leased', route: 'listPets', method: 'GET' });
+    const slow = await store.consume(subject, 1, tag('slow'));
+    const quick = await store.consume(subject, 1, tag('quick'));
+    expect([slow, quick].map((d) => [d.outcome, EventBatches.isLeased(d.eventId ?? '')])).toEqual([
+      ['allowed', true],
+      ['allowed', true],
+    ]);
+    store.settle(subject, quick.eventId!, 200);
+    movedOnMs = 60_000; // the slow request has now outlived the status wait
+    const at = () => new Map(sink.requests().map((e) => [e.data!.requestId, e.data!.status]));
+    await eventually(() => at().size === 2, 20_000, 'both events at the sink');
+    expect(at()).toEqual(
+      new Map<unknown, unknown>([
+        ['quick', 200],
+        ['slow', null],
+      ]),
+    );
+
+    // Its backend fails now (502): the refund the gateway asks for finds its event gone.
+    await store.refund(subject, slow.nowMs, 1, slow.eventId);
+    store.settle(subject, slow.eventId!, 502);
+    await store.close(); // every event and refund still in memory written
+    await eventually(async () => (await store.exportState(subject)).pending === 0, 20_000, 'the stream sent');
+    const refunds = [...sink.events.values()].filter((e) => e.type === 'com.petstore.gateway.request.refunded');
+    const { dayUsed } = await store.peek(subject);
+    expect({ dayUsed, refunds: refunds.length, state: await store.exportState(subject), failed: store.counts.refundsFailed }).toEqual({
+      dayUsed: 2,
+      refunds: 0,
+      state: { exported: 2, pending: 0, dropped: 0, unsettled: 0 },
+      failed: 1,
+    });
+    expect(warnings).toContain('quota store: a refund came after its usage event was written; the request stays counted');
+    const { unsettled } = await store.exportState(subject);
+    expect(dayUsed).toBe(sink.requests().length - refunds.length + unsettled);
+  });
 });
 
 /** Waits for the next minute on Redis's clock (the event a lease lapses on). */
