@@ -82,6 +82,7 @@ function quotaStore(
     leaseMax: settings.quotaLeaseMax,
     usageBatchMs: settings.usageBatchMs,
     upstreamTimeoutMs: settings.upstreamTimeoutMs,
+    requestTimeoutMs: settings.requestTimeoutMs,
     timeoutMs: settings.redisTimeoutMs,
     failClosed: settings.quotaStoreFailure === 'closed',
     ackReplicas: ackReplicas(settings),

@@ -55,11 +55,15 @@ export interface EventBatchDeps {
   /** USAGE_BATCH_MS: an event settled is written within this; an instance that dies loses at most this much. */
   intervalMs: number;
   /**
-   * UPSTREAM_TIMEOUT_MS: an admission with no status after three of it (connect, headers, and a
-   * request body's upload) or STATUS_WAIT_MS, whichever is longer, is written with none (`-`).
-   * A 502 or 504 comes before then, so its refund goes in its event's batch (refund()).
+   * UPSTREAM_TIMEOUT_MS and GATEWAY_REQUEST_TIMEOUT_MS: how long a request may live before its
+   * answer starts, where a 502 or 504 comes. Its body arrives within the request timeout (the
+   * server's, counted from its start), the backend's connect and headers within one upstream
+   * timeout each: an admission with no status after the sum (or STATUS_WAIT_MS, whichever is
+   * longer) is written with none (`-`), and every 502 or 504 comes before, so its refund goes in
+   * its event's batch (refund()).
    */
   upstreamTimeoutMs: number;
+  requestTimeoutMs: number;
   mono(): number;
 }
 
@@ -84,7 +88,7 @@ export class EventBatches {
   private readonly statusWaitMs: number;
 
   constructor(private readonly deps: EventBatchDeps) {
-    this.statusWaitMs = Math.max(STATUS_WAIT_MS, 3 * deps.upstreamTimeoutMs);
+    this.statusWaitMs = Math.max(STATUS_WAIT_MS, deps.requestTimeoutMs + 2 * deps.upstreamTimeoutMs);
   }
 
   /**

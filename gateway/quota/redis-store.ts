@@ -102,8 +102,9 @@ export interface RedisStoreOptions {
   marks?: (active: ActiveAccounts) => Promise<unknown>;
   /** USAGE_BATCH_MS: leased admissions' usage events are written within this of their status (event-batches.ts). */
   usageBatchMs?: number;
-  /** UPSTREAM_TIMEOUT_MS: how long a leased admission's event waits for its status (event-batches.ts). */
+  /** UPSTREAM_TIMEOUT_MS and GATEWAY_REQUEST_TIMEOUT_MS: how long a leased admission's event waits for its status (event-batches.ts). */
   upstreamTimeoutMs?: number;
+  requestTimeoutMs?: number;
 }
 
 /** Accounts written to since the last flush: their usage events, their alerts. */
@@ -192,6 +193,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       instanceId: this.instanceId,
       intervalMs: options.usageBatchMs ?? 1000,
       upstreamTimeoutMs: options.upstreamTimeoutMs ?? 10_000,
+      requestTimeoutMs: options.requestTimeoutMs ?? 30_000,
       mono: () => this.clock.mono(),
     });
     defineScripts(redis);

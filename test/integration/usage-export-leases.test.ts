@@ -4,6 +4,7 @@ import type { FastifyBaseLogger } from 'fastify';
 import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { compileConfig, type ConfigFile, validateConfigFile } from '../../gateway/config/config.js';
+import { loadSettings } from '../../gateway/config/settings.js';
 import { EventBatches } from '../../gateway/quota/event-batches.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
 import { activityMarks } from '../../gateway/usage/active.js';
@@ -315,12 +316,11 @@ describe('a leased admission that fails after its event was written', () => {
     timeout: scaled(60_000),
   }, async () => {
     // The store and the exporter as the wiring builds them (app.ts), on a real Redis, to the
-    // test's CloudEvents sink, at the shipped settings (QUOTA_LEASE_MAX 100, USAGE_BATCH_MS 1 s,
-    // UPSTREAM_TIMEOUT_MS 10 s), but with the store's clock injected: an event waits for its
-    // status max(60 s, 3 x UPSTREAM_TIMEOUT_MS) = 60 s, and no request through a gateway at the
-    // shipped settings lives that long (its body within GATEWAY_REQUEST_TIMEOUT_MS 30 s, the
-    // backend's connect and headers within 10 s each). So the store's monotonic clock is moved
-    // on past the wait rather than a request kept open for a minute; its wall clock is untouched.
+    // test's CloudEvents sink, at the shipped settings, but with the store's clock injected: an
+    // event waits for its status max(60 s, GATEWAY_REQUEST_TIMEOUT_MS + 2 x UPSTREAM_TIMEOUT_MS)
+    // = 60 s, and to outlive it a request would be kept open for a minute. So the store's
+    // monotonic clock is moved on past the wait instead; its wall clock is untouched.
+    const shipped = loadSettings({});
     const redis = await spawnRedis();
     onTestFinished(() => redis.stop());
     const sink = await startSink();
@@ -338,9 +338,10 @@ describe('a leased admission that fails after its event was written', () => {
     let movedOnMs = 0;
     const clock = { wall: Date.now, mono: () => performance.now() + movedOnMs };
     const store = new RedisQuotaStore(conn, log as unknown as FastifyBaseLogger, {
-      leaseMax: 100,
-      usageBatchMs: 1000,
-      upstreamTimeoutMs: 10_000,
+      leaseMax: shipped.quotaLeaseMax,
+      usageBatchMs: shipped.usageBatchMs,
+      upstreamTimeoutMs: shipped.upstreamTimeoutMs,
+      requestTimeoutMs: shipped.requestTimeoutMs,
       clock,
       marks: activityMarks(conn, () => config),
     });
@@ -369,7 +370,7 @@ describe('a leased admission that fails after its event was written', () => {
       ['allowed', true],
     ]);
     store.settle(subject, quick.eventId!, 200);
-    movedOnMs = 60_000; // the slow request has now outlived the status wait
+    movedOnMs = Math.max(60_000, shipped.requestTimeoutMs + 2 * shipped.upstreamTimeoutMs); // the slow request has outlived the status wait
     const at = () => new Map(sink.requests().map((e) => [e.data!.requestId, e.data!.status]));
     await eventually(() => at().size === 2, 20_000, 'both events at the sink');
     expect(at()).toEqual(

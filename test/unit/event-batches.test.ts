@@ -30,6 +30,7 @@ describe('event batches past MAX_KEPT (Redis not taking them)', () => {
       // the test, and the shipped UPSTREAM_TIMEOUT_MS; the clock stands still, so nothing lapses.
       intervalMs: 10_000,
       upstreamTimeoutMs: 10_000,
+      requestTimeoutMs: 30_000,
       mono: () => 0,
     });
     const counts = { minuteUsed: 1, dayUsed: 1 };
@@ -38,5 +39,32 @@ describe('event batches past MAX_KEPT (Redis not taking them)', () => {
     expect({ leased: EventBatches.isLeased(notKept), refunded: batches.refund(notKept, 1) }).toEqual({ leased: true, refunded: false });
     // A kept one takes its refund into its batch.
     expect(batches.refund(ids[0]!, 1)).toBe(true);
+  });
+});
+
+describe('a leased admission waiting for its status', () => {
+  it('waits as long as a request may live before a 502: its body within GATEWAY_REQUEST_TIMEOUT_MS, then connect and headers', () => {
+    // An operator who takes uploads of minutes raises GATEWAY_REQUEST_TIMEOUT_MS (here 120 s):
+    // a slow upload that ends in a 502 then comes after the 60 s floor, and its refund must still
+    // find its event. The clock is the batches' own (mono), moved by hand; nothing is sent.
+    let now = 0;
+    const batches = new EventBatches({
+      send: () => new Promise(() => {}),
+      written: () => {},
+      log: silent,
+      instanceId: 'i',
+      intervalMs: 1000,
+      upstreamTimeoutMs: 10_000,
+      requestTimeoutMs: 120_000,
+      mono: () => now,
+    });
+    const slow = batches.admit(subject, tag, 0, { minuteUsed: 1, dayUsed: 1 });
+    const open = (at: number) => {
+      now = at;
+      void batches.flush(); // what is due leaves at once; the send never settles
+      return batches.refund(slow, 1); // true while its event waits: the refund goes in its batch
+    };
+    // Until the upload's 120 s and the backend's connect and headers (10 s each) are over; then written with none.
+    expect({ at139s: open(139_000), at141s: open(141_000) }).toEqual({ at139s: true, at141s: false });
   });
 });
