@@ -1,7 +1,7 @@
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
-import { nextId, type StreamEntry } from './events.js';
+import { DATA_FIELD, nextId, type StreamEntry } from './events.js';
 
 // The streams' cursors, moved only under the lead in force: each move carries the fencing
 // token its leader got when it took the lead (leader.ts), as Kleppmann's fencing tokens do.
@@ -73,8 +73,10 @@ return dropped - known`,
 } as const satisfies Script<string, string>;
 
 /**
- * Up to `count` entries after `after` ('': the cursor), with the cursor, their statuses (nil:
- * none yet) and the stream's length: what a round needs of an account, in one call in its slot.
+ * Up to `count` entries after `after` ('': the cursor), with the cursor, the statuses found for
+ * them (id, status, id, status...) and the stream's length: what a round needs of an account, in
+ * one call in its slot. A leased admission's entry carries its status in its data (its last
+ * field, DATA_FIELD in events.ts): only the others are looked up.
  */
 const READ_USAGE = {
   keys: ['cursor', 'stream', 'statuses'],
@@ -83,19 +85,27 @@ const READ_USAGE = {
 local after = ARG.after
 if after == '' then after = cursor end
 local entries = redis.call('XRANGE', KEY.stream, '(' .. after, '+', 'COUNT', ARG.count)
-local statuses = {}
-for i = 1, #entries, 500 do
-  local ids = {}
-  for j = i, math.min(i + 499, #entries) do ids[#ids + 1] = entries[j][1] end
-  local found = redis.call('HMGET', KEY.statuses, unpack(ids))
-  for j = 1, #ids do statuses[#statuses + 1] = found[j] end
+local ids = {}
+for _, e in ipairs(entries) do
+  if e[2][#e[2] - 1] ~= '${DATA_FIELD}' then ids[#ids + 1] = e[1] end
 end
-return {cursor, entries, statuses, redis.call('XLEN', KEY.stream)}`,
+local found = {}
+for i = 1, #ids, 500 do
+  local chunk = {unpack(ids, i, math.min(i + 499, #ids))}
+  local statuses = redis.call('HMGET', KEY.statuses, unpack(chunk))
+  for j = 1, #chunk do
+    if statuses[j] then
+      found[#found + 1] = chunk[j]
+      found[#found + 1] = statuses[j]
+    end
+  end
+end
+return {cursor, entries, found, redis.call('XLEN', KEY.stream)}`,
 } as const satisfies Script<string, string>;
 
 type Args = Array<string | number>;
 type CursorRedis = RedisClient & {
-  readUsage(...keysThenArgs: Args): Promise<[string, StreamEntry[], Array<string | null>, number]>;
+  readUsage(...keysThenArgs: Args): Promise<[string, StreamEntry[], string[], number]>;
   moveUsage(...keysThenArgs: Args): Promise<number>;
   moveAlerts(...keysThenArgs: Args): Promise<number>;
   countDropped(...keysThenArgs: Args): Promise<number>;
@@ -133,7 +143,7 @@ export async function readUsage(redis: RedisClient, name: string, after: string 
     ...wiresArgs(READ_USAGE, usageKeys(name), { after: after ?? '', count }),
   );
   const statuses = new Map<string, number>();
-  entries.forEach(([id], i) => found[i] != null && statuses.set(id, Number(found[i])));
+  for (let i = 0; i < found.length; i += 2) statuses.set(found[i]!, Number(found[i + 1]));
   return { cursor, entries, statuses, length: Number(length) };
 }
 
