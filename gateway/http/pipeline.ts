@@ -84,7 +84,11 @@ function malformed(request: FastifyRequest): GatewayError | undefined {
 
 function authorizationFields(raw: string[]): number {
   let n = 0;
-  for (let i = 0; i < raw.length; i += 2) if (raw[i]!.length === 13 && raw[i]!.toLowerCase() === 'authorization') n++;
+  for (let i = 0; i < raw.length; i += 2) {
+    // The usual spellings first: toLowerCase makes a new string each time.
+    const name = raw[i]!;
+    if (name === 'Authorization' || name === 'authorization' || (name.length === 13 && name.toLowerCase() === 'authorization')) n++;
+  }
   return n;
 }
 
