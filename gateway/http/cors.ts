@@ -1,4 +1,5 @@
 import type { FastifyReply, FastifyRequest } from 'fastify';
+import { rawHeaders } from './reply-headers.js';
 
 // CORS for browser clients of the origins the config allows (none by default): every answer
 // to such an origin says so and exposes the headers a client needs (the rate-limit headers,
@@ -26,7 +27,7 @@ const ALLOWED_HEADERS = 'authorization, content-type, idempotency-key, x-request
 export function corsHeaders(request: FastifyRequest, reply: FastifyReply, origins: ReadonlySet<string>): boolean {
   const origin = request.headers.origin;
   if (origin === undefined || !origins.has(origin)) return false;
-  reply.headers({ 'access-control-allow-origin': origin, vary: 'Origin', 'access-control-expose-headers': EXPOSED });
+  rawHeaders(reply, { 'access-control-allow-origin': origin, vary: 'Origin', 'access-control-expose-headers': EXPOSED });
   return request.method === 'OPTIONS' && request.headers['access-control-request-method'] !== undefined;
 }
 

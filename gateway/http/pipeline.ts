@@ -4,6 +4,7 @@ import type { AccessEntry, AccessOutcome } from '../observability/access-log.js'
 import { authenticate, type KeyLookup } from '../auth/authenticate.js';
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { corsHeaders, preflight } from './cors.js';
+import { rawHeaders } from './reply-headers.js';
 import { type Deprecation, sunsetRefusal } from './deprecation.js';
 import { GatewayError, handleError } from '../errors.js';
 import { type Admission, admit } from '../quota/admit.js';
@@ -48,7 +49,7 @@ export interface RequestContext {
  * V8's property lookups on it stay monomorphic.
  */
 function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConfig): RequestContext {
-  reply.header('x-request-id', request.id);
+  reply.raw.setHeader('x-request-id', request.id);
   request.ctx = {
     config,
     consumer: undefined,
@@ -83,7 +84,11 @@ function malformed(request: FastifyRequest): GatewayError | undefined {
 
 function authorizationFields(raw: string[]): number {
   let n = 0;
-  for (let i = 0; i < raw.length; i += 2) if (raw[i]!.length === 13 && raw[i]!.toLowerCase() === 'authorization') n++;
+  for (let i = 0; i < raw.length; i += 2) {
+    // The usual spellings first: toLowerCase makes a new string each time.
+    const name = raw[i]!;
+    if (name === 'Authorization' || name === 'authorization' || (name.length === 13 && name.toLowerCase() === 'authorization')) n++;
+  }
   return n;
 }
 
@@ -95,7 +100,7 @@ function eventTag(request: FastifyRequest): EventTag {
 
 /** Admission's headers on the reply and its outcome in the context; returns the refusal. */
 function applied(request: FastifyRequest, reply: FastifyReply, admission: Admission): GatewayError | undefined {
-  reply.headers(admission.headers);
+  rawHeaders(reply, admission.headers);
   const { ctx } = request;
   ctx.outcome = admission.outcome;
   ctx.countedAtMs = admission.countedAtMs;
@@ -170,7 +175,7 @@ function authenticated(
   const route = matchRoute(request.method, request.url);
   const deprecation = route instanceof GatewayError ? undefined : ctx.config.deprecations.get(route.id);
   if (!(route instanceof GatewayError)) ctx.route = route.id;
-  if (deprecation) reply.headers(deprecation.headers);
+  if (deprecation) rawHeaders(reply, deprecation.headers);
   // Every authenticated request counts (its route's cost), whatever its outcome, except one refused with 429.
   ctx.cost = (ctx.route && who.costs.get(ctx.route)) || 1;
   const refused = admitRequest(store, request, reply, who.subject, ctx.cost);

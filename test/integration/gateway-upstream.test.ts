@@ -150,6 +150,7 @@ describe('what crosses the gateway', () => {
     expect(JSON.stringify(h)).not.toContain(k.key);
     expect(h['x-consumer-id']).toBe(k.id);
     expect(h['x-consumer-plan']).toBe('free');
+    expect(h['x-consumer-account']).toBe(k.id); // a key without an account is its own
     expect(h['x-request-id']).toBe('trace-abc.123');
     expect(h['proxy-authorization']).toBeUndefined();
     expect(h.te).toBeUndefined();
