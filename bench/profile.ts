@@ -1,10 +1,8 @@
 import { spawn } from 'node:child_process';
-import { readFileSync, rmSync, writeFileSync } from 'node:fs';
-import { createServer } from 'node:http';
-import type { AddressInfo } from 'node:net';
+import { readFileSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { benchBed, cpuUs, need, startGatewayBuild, startOtlpSink, startReference, thinkTime, wrk } from './lib.js';
+import { benchBed, cpuUs, exportConfig, need, startGatewayBuild, startOtlpSink, startReference, thinkTime, wrk } from './lib.js';
 
 // `npm run bench:profile`: where the gateway's CPU goes, against the bare proxy, per request.
 // Both run at the same held rate (wrk with think time, BENCH_PROFILE_RATE, default 1400/s,
@@ -109,21 +107,6 @@ async function profile(pid: number, load: () => Promise<number>, dir: string, na
   return { requests, cpuUs: cpu, self: perRequest(self), roots: perRequest(roots), functions: perRequest(functions) };
 }
 
-/** The bed's config with usage export on, to a sink in this process that takes every batch. */
-async function exportingConfig(bed: Awaited<ReturnType<typeof benchBed>>): Promise<string> {
-  const server = createServer((req, res) => {
-    req.resume();
-    req.on('end', () => res.writeHead(200).end());
-  });
-  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
-  bed.onClose(() => server.close());
-  const file = join(bed.dir, 'gateway-export.json');
-  const config = JSON.parse(readFileSync(bed.file, 'utf8'));
-  const url = `http://127.0.0.1:${(server.address() as AddressInfo).port}/events`;
-  writeFileSync(file, JSON.stringify({ ...config, usage: { export: { url } } }));
-  return file;
-}
-
 async function main() {
   need('wrk');
   need('perf', 'linux-perf');
@@ -134,7 +117,7 @@ async function main() {
     const bare = await startReference(bed, 'bare', {}, ['--perf-basic-prof']);
     const env: Record<string, string> = { REDIS_URL: bed.redisUrl };
     if (process.env.BENCH_GATEWAY_TRACING === '1') env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = await startOtlpSink(bed);
-    if (process.env.BENCH_GATEWAY_EXPORT === '1') env.GATEWAY_CONFIG = await exportingConfig(bed);
+    if (process.env.BENCH_GATEWAY_EXPORT === '1') env.GATEWAY_CONFIG = await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8')));
     const gateway = await startGatewayBuild(bed, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js', env, ['--perf-basic-prof']);
     pids.push(bare.pid, gateway.pid);
 
