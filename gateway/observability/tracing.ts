@@ -2,12 +2,12 @@ import type { IncomingHttpHeaders } from 'node:http';
 import {
   type Attributes,
   defaultTextMapGetter,
-  defaultTextMapSetter,
+  isSpanContextValid,
   ROOT_CONTEXT,
   type Span,
   SpanKind,
   SpanStatusCode,
-  trace,
+  TraceFlags,
   type Tracer,
 } from '@opentelemetry/api';
 import { type ExportResult, ExportResultCode, getNumberFromEnv, W3CTraceContextPropagator } from '@opentelemetry/core';
@@ -90,17 +90,30 @@ function methodAttributes(method: string, attributes: Attributes): Attributes {
   return attributes;
 }
 
+/** The SDK's attribute limits, any of which makes it cut attributes as it takes them. */
+const LIMITS = [
+  'OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT',
+  'OTEL_ATTRIBUTE_COUNT_LIMIT',
+  'OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT',
+  'OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT',
+];
+
 /**
- * The answer's status into `attributes`, which the span takes in one call, and ERROR for a 5xx
- * (a 4xx is the client's, not the server's, per the HTTP conventions); then the span ends.
+ * The answer's status into `attributes`, then all of them into the span, and ERROR for a 5xx (a
+ * 4xx is the client's, not the server's, per the HTTP conventions); then the span ends. With no
+ * limit set, the attributes go in as one copy: setAttributes would check each (its key, its
+ * value, the count) one keyed store at a time, a fifth of a span's instructions, for values
+ * made valid here. A limit set, the SDK takes them and applies it.
  */
-function finish(span: Span, attributes: Attributes, status: number, end: number): void {
+function finish(span: Span, attributes: Attributes, status: number, end: number, oneCopy: boolean): void {
   attributes[ATTR_HTTP_RESPONSE_STATUS_CODE] = status;
   if (status >= 500) {
     attributes[ATTR_ERROR_TYPE] = String(status);
     span.setStatus({ code: SpanStatusCode.ERROR });
   }
-  span.setAttributes(attributes);
+  const own = (span as Partial<ReadableSpan>).attributes; // a recording span's; none on a non-recording one
+  if (oneCopy && own) Object.assign(own, attributes);
+  else span.setAttributes(attributes);
   span.end(end);
 }
 
@@ -119,7 +132,8 @@ function requestAttributes(request: FastifyRequest, end: number): Attributes {
     [ATTR_URL_PATH]: q === -1 ? request.url : request.url.slice(0, q),
     [ATTR_URL_SCHEME]: request.protocol,
   });
-  if (route) a[ATTR_HTTP_ROUTE] = ROUTE_SPANS.get(route)?.template;
+  const template = route && ROUTE_SPANS.get(route)?.template;
+  if (template) a[ATTR_HTTP_ROUTE] = template; // never an undefined value: one copy would export it empty
   a['gateway.request_id'] = request.id;
   if (outcome !== undefined) a['gateway.outcome'] = outcome;
   if (consumer) {
@@ -206,6 +220,8 @@ class WatchedExporter implements SpanExporter {
 export class RequestTracing {
   private readonly provider: BasicTracerProvider;
   private readonly tracer: Tracer;
+  /** No attribute limit set: a span's attributes go in as one copy (finish). */
+  private readonly oneCopy = LIMITS.every((name) => getNumberFromEnv(name) === undefined);
 
   constructor(
     settings: TracingSettings,
@@ -242,18 +258,25 @@ export class RequestTracing {
   readonly onResponse = (request: FastifyRequest, reply: FastifyReply, done: () => void): void => {
     const end = performance.now();
     const span = request.ctx.span ?? this.start(request, end - reply.elapsedTime);
-    if (span.isRecording()) finish(span, requestAttributes(request, end), reply.statusCode, end);
+    if (span.isRecording()) finish(span, requestAttributes(request, end), reply.statusCode, end, this.oneCopy);
     else span.end(end);
     done();
   };
 
-  /** The proxy's header rewrite: the backend gets this span as its parent (traceparent, and tracestate if any). */
+  /**
+   * The proxy's header rewrite: the backend gets this span as its parent (traceparent, and
+   * tracestate if any), written as W3CTraceContextPropagator.inject writes them, without the
+   * context it would be given (a Map copied per request) and its lookups.
+   */
   readonly inject = (request: FastifyRequest, headers: IncomingHttpHeaders): void => {
     const span = request.ctx.span;
     if (!span) return;
+    const { traceId, spanId, traceFlags, traceState } = span.spanContext();
     // A client's tracestate goes with its traceparent: when that one did not parse, this trace is new and has none.
-    if (span.spanContext().traceState === undefined && headers.tracestate !== undefined) delete headers.tracestate;
-    propagator.inject(trace.setSpan(ROOT_CONTEXT, span), headers, defaultTextMapSetter);
+    if (traceState === undefined && headers.tracestate !== undefined) delete headers.tracestate;
+    if (!isSpanContextValid(span.spanContext())) return;
+    headers.traceparent = `00-${traceId}-${spanId}-${traceFlags === TraceFlags.SAMPLED ? '01' : `0${Number(traceFlags || TraceFlags.NONE).toString(16)}`}`;
+    if (traceState) headers.tracestate = traceState.serialize();
   };
 
   /**
@@ -271,7 +294,7 @@ export class RequestTracing {
         { kind: SpanKind.SERVER, startTime: end - e.ms, attributes },
         ROOT_CONTEXT,
       );
-      finish(span, attributes, e.status, end);
+      finish(span, attributes, e.status, end, this.oneCopy);
     };
   }
 
