@@ -318,7 +318,7 @@ describe('tracing on, under load', () => {
 describe('tracing on, with an attribute limit set', () => {
   it("cuts the attributes as the SDK's limit says (OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT)", async () => {
     // A limit is the one setting under which the span's attributes must go through the SDK's
-    // checks (they are otherwise copied in at once): set here for that, and put back after.
+    // checks (they otherwise become the span's as they are): set here for that, and put back after.
     const saved = process.env.OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT;
     process.env.OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT = '8';
     const collector = await startCollector();
