@@ -5,9 +5,10 @@ import type { ReadableSpan } from '@opentelemetry/sdk-trace-base';
 // An OTLP ExportTraceServiceRequest in protobuf, byte for byte what the SDK's
 // ProtobufTraceSerializer writes for the gateway's spans, at a fraction of its cost: the SDK's
 // writes every byte from JavaScript, twice (a size pass, then the bytes), some 64,000
-// instructions a span (docs/performance.md). Here each attribute key's bytes are made once,
-// ASCII strings are copied in one pass, ids go from hex straight into the buffer, and a batch
-// is written once into a reused buffer. A batch with what the gateway's spans never carry
+// instructions a span (docs/performance.md). Here each attribute key's bytes are made once, and
+// a KeyValue whose value repeats the previous span's is copied whole; ASCII strings are copied
+// in one pass, ids go from hex straight into the buffer, and a batch is written once into a
+// reused buffer. A batch with what the gateway's spans never carry
 // (events, links, array values, a second resource or scope) goes to the SDK's serializer.
 
 /** Thrown by a value the encoder does not write: the batch is the SDK's to serialise. */
@@ -98,14 +99,15 @@ function str(s: string): void {
   }
 }
 
-const nibble = (c: number) => (c >= 48 && c <= 57 ? c - 48 : c >= 97 && c <= 102 ? c - 87 : c - 55);
+/** Each hex digit's value, by its character code (the SDK's hexToBinary's, for the characters ids are made of). */
+const NIBBLE = new Uint8Array(128).map((_, c) => (c >= 48 && c <= 57 ? c - 48 : c >= 97 && c <= 102 ? c - 87 : (c - 55) & 0xff));
 
 /** A hex id as bytes, after their length (the SDK's hexToBinary, without its array). */
 function hex(id: string): void {
   const n = id.length >>> 1;
   varint(n);
   room(n);
-  for (let i = 0; i < id.length; i += 2) buf[pos++] = (nibble(id.charCodeAt(i)) << 4) | nibble(id.charCodeAt(i + 1));
+  for (let i = 0; i < id.length; i += 2) buf[pos++] = (NIBBLE[id.charCodeAt(i) & 0x7f]! << 4) | NIBBLE[id.charCodeAt(i + 1) & 0x7f]!;
 }
 
 /** An HrTime as fixed64 nanoseconds, exact past 2^53 as the SDK computes it. */
@@ -121,17 +123,26 @@ function fixed64Time(t: HrTime): void {
   pos += 8;
 }
 
-/** Per attribute key, made once: KeyValue's key field and the value field's tag. */
-const keyBytes = new Map<string, Buffer>();
+/**
+ * Per attribute key, made once: KeyValue's key field and the value field's tag; and the whole
+ * KeyValue of the value seen last under it, kept from its second sighting in a row (most of a
+ * gateway span's values repeat from one request to the next: method, route, plan, outcome).
+ */
+interface Key {
+  bytes: Buffer;
+  last: AttributeValue | undefined;
+  field: Buffer | undefined;
+}
+const keys = new Map<string, Key>();
 
-function keyField(key: string): Buffer {
-  let bytes = keyBytes.get(key);
-  if (bytes === undefined) {
-    const k = Buffer.from(key, 'utf8');
-    bytes = Buffer.concat([Buffer.from([0x0a]), varintBytes(k.length), k, Buffer.from([0x12])]);
-    if (keyBytes.size < 1000) keyBytes.set(key, bytes); // the gateway's keys are a few constants
+function keyOf(name: string): Key {
+  let key = keys.get(name);
+  if (key === undefined) {
+    const k = Buffer.from(name, 'utf8');
+    key = { bytes: Buffer.concat([Buffer.from([0x0a]), varintBytes(k.length), k, Buffer.from([0x12])]), last: undefined, field: undefined };
+    if (keys.size < 1000) keys.set(name, key); // the gateway's keys are a few constants
   }
-  return bytes;
+  return key;
 }
 
 function varintBytes(v: number): Buffer {
@@ -166,20 +177,33 @@ function anyValue(value: AttributeValue | undefined): void {
   } else throw UNSUPPORTED;
 }
 
+/** Span.attributes' tag: the only field whose KeyValues are kept (a resource's are written once). */
+const SPAN_ATTRIBUTE = 0x4a;
+
 /** Repeated KeyValue in field `tag`'s byte. */
 function attributes(tag: number, attrs: Record<string, AttributeValue | undefined>): void {
-  for (const key in attrs) {
-    const value = attrs[key];
-    const k = keyField(key);
+  for (const name in attrs) {
+    const value = attrs[name];
+    const key = keyOf(name);
+    if (tag === SPAN_ATTRIBUTE && value === key.last && key.field !== undefined) {
+      room(key.field.length);
+      buf.set(key.field, pos);
+      pos += key.field.length;
+      continue;
+    }
+    const k = key.bytes;
+    const from = pos;
     room(k.length + 8);
     buf[pos++] = tag;
     const kv = lenStart(1);
-    k.copy(buf, pos);
+    buf.set(k, pos);
     pos += k.length;
     const v = lenStart(1);
     anyValue(value);
     lenEnd(v, 1);
     lenEnd(kv, 1);
+    if (value !== key.last) [key.last, key.field] = [value, undefined];
+    else if (tag === SPAN_ATTRIBUTE) key.field = Buffer.from(buf.subarray(from, pos)); // seen twice in a row
   }
 }
 
@@ -217,7 +241,7 @@ function span(s: ReadableSpan): void {
   room(1);
   buf[pos++] = 0x41;
   fixed64Time(s.endTime);
-  attributes(0x4a, s.attributes);
+  attributes(SPAN_ATTRIBUTE, s.attributes);
   const { status } = s;
   room(20);
   buf[pos++] = 0x50;

@@ -63,6 +63,11 @@ describe('the OTLP protobuf encoder', () => {
     same(Array.from({ length: 128 }, (_, i) => [gateway, continued, odd][i % 3]!));
   });
 
+  it("writes the SDK's bytes when values repeat from span to span, then change (the encoder keeps the last)", () => {
+    same([gateway, gateway, gateway, continued, continued, gateway, odd, odd, gateway]);
+    same([continued, gateway, gateway]);
+  });
+
   it("leaves a span with an event to the SDK's serializer", () => {
     spans.length = 0;
     const span = tracer.startSpan('with an event');
