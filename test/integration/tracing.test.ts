@@ -315,6 +315,39 @@ describe('tracing on, under load', () => {
   });
 });
 
+describe('tracing on, with an attribute limit set', () => {
+  it("cuts the attributes as the SDK's limit says (OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT)", async () => {
+    // A limit is the one setting under which the span's attributes must go through the SDK's
+    // checks (they otherwise become the span's as they are): set here for that, and put back after.
+    const saved = process.env.OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT;
+    process.env.OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT = '8';
+    const collector = await startCollector();
+    try {
+      const key = makeKey('pro');
+      const gw = await buildTestGateway({
+        config: testConfig([key], { plans }),
+        settings: { tracingUrl: collector.url, tracingDelayMs: 20 },
+      });
+      try {
+        const { id } = await send(gw, '/v1/pets/424242', key.key);
+        await eventually(() => collector.spans.length > 0, 10_000, 'the span');
+        expect(collector.spans[0]!.attributes).toMatchObject({
+          'url.path': '/v1/pets',
+          'http.route': '/v1/pets',
+          'gateway.request_id': id.slice(0, 8),
+          'http.response.status_code': 200,
+        });
+      } finally {
+        await gw.close();
+      }
+    } finally {
+      if (saved === undefined) delete process.env.OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT;
+      else process.env.OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT = saved;
+      await collector.close();
+    }
+  });
+});
+
 describe('tracing off (no OTEL_EXPORTER_OTLP_TRACES_ENDPOINT setting)', () => {
   let collector: Collector;
   let gw: TestGateway;
