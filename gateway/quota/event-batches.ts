@@ -33,6 +33,8 @@ interface Open {
   data: RequestData;
   at: number;
   refundUnits: number;
+  /** The credit lease its credit came from ('': none): the batch spends it there. */
+  creditLease: string;
   bornMono: number;
 }
 
@@ -96,7 +98,7 @@ export class EventBatches {
    * id. Past MAX_KEPT, an id that names no event: its refund then finds none and keeps the
    * unit counted, as it stays in `unsettled` (refunded in Redis, the day would drop below).
    */
-  admit(subject: QuotaSubject, tag: EventTag, atMs: number, counts: Counts): string {
+  admit(subject: QuotaSubject, tag: EventTag, atMs: number, counts: Counts, creditLease = ''): string {
     if (this.kept >= MAX_KEPT) {
       this.droppedSince++;
       return NOT_KEPT;
@@ -115,7 +117,7 @@ export class EventBatches {
       overage: 0,
       credits: null,
     };
-    this.open.set(id, { subject, data, at: atMs, refundUnits: 0, bornMono: this.deps.mono() });
+    this.open.set(id, { subject, data, at: atMs, refundUnits: 0, creditLease, bornMono: this.deps.mono() });
     this.kept++;
     this.schedule();
     return id;
@@ -152,7 +154,13 @@ export class EventBatches {
   /** Its status known (or waited for long enough): its data encoded, once, as the sink gets it (events.ts, DATA_FIELD). */
   private toReady(eventId: string, o: Open): void {
     this.open.delete(eventId);
-    const event: BatchEvent = { at: o.at, units: o.data.units, refundUnits: o.refundUnits, data: JSON.stringify(o.data) };
+    const event: BatchEvent = {
+      at: o.at,
+      units: o.data.units,
+      refundUnits: o.refundUnits,
+      creditLease: o.creditLease,
+      data: JSON.stringify(o.data),
+    };
     const name = o.subject.name;
     const account = this.ready.get(name);
     if (account) account.events.push(event);

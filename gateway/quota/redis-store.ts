@@ -248,7 +248,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     const { name } = subject;
     // A unit Redis granted this instance is handed out whatever else holds: it is counted.
     const lease = cost === 1 ? this.leases.take(name) : undefined;
-    if (lease) return this.withEvent(subject, this.fromLease(subject, lease), lease, tag);
+    if (lease) return this.withEvent(subject, this.fromLease(subject, lease), lease, tag, lease.id);
     const now = this.redisClock.now();
     // While Redis answers, a ban is asked again once a second: it may have been lifted.
     const ban = this.bans.get(name, now, !this.health.failing);
@@ -265,10 +265,9 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     let waitedMs = 0;
     for (;;) {
       this.leases.sweep(this.redisClock.now());
-      // A leased unit's usage event comes in a batch, its credits from a credit lease; a subject
-      // with both is decided by Redis unit by unit (a lapsed credit lease has no usage event).
-      const both = subject.billing.credits !== undefined && subject.events > 0;
-      const size = cost === 1 && !solo && !this.closing && !both ? leaseSize(limits, this.leaseMax) : 1;
+      // A leased unit's usage event comes in a batch, its credit from a credit lease: with both,
+      // the batch spends the credit from the lease's hold (usagebatch.lua).
+      const size = cost === 1 && !solo && !this.closing ? leaseSize(limits, this.leaseMax) : 1;
       if (size === 1) return this.ask(subject, 1, cost, tag, waitedMs);
       const pending = this.leases.inFlight(name);
       if (pending) {
@@ -303,9 +302,9 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * A leased admission of a subject whose usage is exported: its event opened in the batches,
    * and a decision of its own that names it (the lease's shared one otherwise).
    */
-  private withEvent(subject: QuotaSubject, d: Decision, counts: Counts, tag?: EventTag): Decision {
+  private withEvent(subject: QuotaSubject, d: Decision, counts: Counts, tag?: EventTag, creditLease?: string): Decision {
     if (subject.events === 0 || !tag || d.outcome !== 'allowed') return d;
-    const eventId = this.batches.admit(subject, tag, d.nowMs, counts);
+    const eventId = this.batches.admit(subject, tag, d.nowMs, counts, creditLease);
     return { ...d, eventId };
   }
 
@@ -483,11 +482,11 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private async ask(subject: QuotaSubject, lease: number, cost: number, tag: EventTag | undefined, waitedMs: number): Promise<Decision> {
     const { counts, taken, sentMono, waitedMs: callMs, id } = await this.timedCall(subject, lease, cost, false, tag);
     if (!counts) return waited(this.degradedDecision(subject, cost), waitedMs + callMs);
-    const leased = taken > cost;
-    if (leased) this.hold(subject, this.leaseFor(subject, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts, id)), false);
+    const held = taken > cost ? this.leaseFor(subject, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts, id)) : undefined;
+    if (held) this.hold(subject, held, false);
     this.learnBan(subject.name, counts);
     const d = waited(decision(subject, counts), waitedMs + callMs);
-    return leased ? this.withEvent(subject, d, counts, tag) : d;
+    return held ? this.withEvent(subject, d, counts, tag, held.id) : d;
   }
 
   private learnBan(name: string, c: WindowCounts): void {

@@ -372,15 +372,16 @@ export const unbanArgs = (name: string) =>
 
 // usagebatch.lua: the events of leased admissions, a batch per account, with their refunds.
 export const USAGE_BATCH = {
-  keys: ['events', 'cursor', 'batch', 'counters'],
-  argv: ['eventsCap', 'month', 'soft', 'overageWindow'],
+  keys: ['events', 'cursor', 'batch', 'counters', 'credits'],
+  argv: ['eventsCap', 'month', 'soft', 'overageWindow', 'paidWithCredits'],
 } as const satisfies Wires<string, string>;
 /**
  * One event's values in a batch, in order, after USAGE_BATCH.argv (usagebatch.lua reads them by
  * name, at their offsets in EVENT): when it was admitted (Redis ms), its units, its refund's
- * units (0: none), and its CloudEvent data, already in JSON (usage/events.ts, DATA_FIELD).
+ * units (0: none), the credit lease its credit came from ('': none), and its CloudEvent data,
+ * already in JSON (usage/events.ts, DATA_FIELD).
  */
-const EVENT_FIELDS = ['at', 'units', 'refundUnits', 'data'] as const;
+const EVENT_FIELDS = ['at', 'units', 'refundUnits', 'creditLease', 'data'] as const;
 export type BatchEvent = Record<(typeof EVENT_FIELDS)[number], string | number>;
 
 /** usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of `events` (a refund's overage taken back as refund.lua's). */
@@ -391,9 +392,11 @@ export function usageBatchArgs(subject: QuotaSubject, batchId: string, events: r
     cursor: subjectKey.eventsCursor(name),
     batch: subjectKey.usageBatch(name, batchId),
     counters: subjectKey.counters(name),
+    credits: subjectKey.credits(name),
   };
   const argv: Record<(typeof USAGE_BATCH.argv)[number], number> = {
     eventsCap: subject.events,
+    paidWithCredits: subject.billing.credits ? 1 : 0,
     month: limits.perMonth ? 1 : 0,
     soft: softQuota(subject),
     overageWindow: limits.perMonth ? 1 : 2,

@@ -1,10 +1,14 @@
 import { randomUUID } from 'node:crypto';
 import fc from 'fast-check';
 import { Redis } from 'ioredis';
-import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { QuotaSubject } from '../../gateway/quota/decision.js';
 import { LeasingInstance } from '../helpers/lease-instance.js';
 import { usageView } from '../../gateway/quota/usage-view.js';
+import { leaseOf } from '../../gateway/quota/lease-book.js';
+import { EventBatches } from '../../gateway/quota/event-batches.js';
+import { type BatchEvent, defineScripts, quotaArgs, quotaReply, usageBatchArgs } from '../../gateway/quota/script.js';
+import { subjectKey } from '../../gateway/redis/keys.js';
 import { echoBackend, type EchoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
 import { startProcess } from '../helpers/processes.js';
@@ -219,5 +223,74 @@ describe('a gateway process killed holding a credit lease', () => {
     } finally {
       cleanup();
     }
+  });
+});
+
+// Credits and usage export on one key, both leased: a leased unit's credit is spent from its
+// lease's hold when its event is written (usagebatch.lua), so a lease that lapses (its holder
+// died) gives back only the units with no event, and the balance agrees with the sink: spent =
+// events written net of refunds. The scripts as the store defines them, on the run's Redis.
+describe('a key with credits and usage export, leased', () => {
+  const both = (): QuotaSubject => ({ ...subject(2000), events: 10_000 });
+  const scripts = () => {
+    const r = redis.duplicate();
+    onTestFinished(() => r.quit().then(() => undefined));
+    defineScripts(r);
+    return r as unknown as Record<'quota' | 'usagebatch', (...args: Array<string | number>) => Promise<unknown>>;
+  };
+  const tag = (rid: string) => ({ requestId: rid, keyId: 'k', plan: 'prepaid', route: 'listPets', method: 'GET' });
+  /** Five units of the lease `lease` written in one batch, the fifth refunded (its backend failed). */
+  const fiveEvents = (lease: string): BatchEvent[] =>
+    Array.from({ length: 5 }, (_, i) => ({ at: Date.now(), units: 1, refundUnits: i === 4 ? 1 : 0, creditLease: lease, data: '{}' }));
+  const credited = async (s: QuotaSubject) => {
+    const [g, p, r] = await redis.hmget(subjectKey.credits(s.name), 'g', 'p', 'r');
+    return { balance: Number(g) + Number(p), reserved: Number(r) };
+  };
+
+  it('is leased like a key with either alone: the units after the first come from its lease', async () => {
+    const s = both();
+    const a = new LeasingInstance(redis);
+    onTestFinished(() => a.store.close());
+    const first = await a.store.consume(s, 1, tag('r0'));
+    const next = await a.store.consume(s, 1, tag('r1'));
+    expect([first.leased, next.leased, EventBatches.isLeased(next.eventId ?? '')]).toEqual([false, true, true]);
+  });
+
+  it('spends the written units from a lapsed lease: its lapse gives back only the units with no event', async () => {
+    const s = both();
+    const run = scripts();
+    // A lease of 20 (1% of 2,000), its first unit to this request; its call's id is the lease's.
+    const taken = quotaReply(
+      (await run.quota(...quotaArgs(s, { lease: 20, deadline: 0, cost: 1, refill: false, tag: tag('r0'), callId: 'L1' }))) as Array<
+        number | string | null
+      >,
+    );
+    expect({ taken: taken.taken, ...(await credited(s)) }).toEqual({ taken: 20, balance: 1980, reserved: 20 });
+    // Its holder writes five events (one refunded), then dies: the lease is never closed.
+    expect(await run.usagebatch(...usageBatchArgs(s, 'i:1', fiveEvents('L1')))).toBe(5);
+    expect(await credited(s)).toEqual({ balance: 1981, reserved: 15 });
+    // Its minute and the grace over (rather than 70 s waited): the hold's lapse time in the past.
+    const hold = (await redis.hget(subjectKey.credits(s.name), 'h:L1'))!;
+    await redis.hset(subjectKey.credits(s.name), 'h:L1', hold.replace(/\d+$/, '1'), 'rx', 1);
+    await run.quota(...quotaArgs(s, { lease: 1, deadline: 0, cost: 1, refill: false, tag: tag('r1'), callId: 'L2' }));
+    // Back: the 15 with no event. Spent: the 4 written net of the refund, and the one just admitted.
+    expect(await credited(s)).toEqual({ balance: 2000 - 4 - 1, reserved: 0 });
+    const ledger = await redis.xrange(subjectKey.ledger(s.name), '-', '+');
+    expect(ledger.filter(([, f]) => f[1] === 'lapsed').map(([, f]) => f[3])).toEqual(['15']);
+  });
+
+  it('spends nothing twice when its holder closes the lease before the batch is written', async () => {
+    const s = both();
+    const run = scripts();
+    await run.quota(...quotaArgs(s, { lease: 20, deadline: 0, cost: 1, refill: false, tag: tag('r0'), callId: 'L1' }));
+    // Closed with 15 not handed out (the request, four more, and the refunded one were), then the batch.
+    const back = {
+      ...leaseOf(15, 20, 0, Date.now(), { minuteUsed: 20, dayUsed: 20, balance: 1980 }, 'L1'),
+      credits: [['L1', 15]] as Array<[string, number]>,
+    };
+    await run.quota(...quotaArgs(s, { lease: 1, deadline: 0, cost: 0, refill: true, back, callId: 'L2' }));
+    expect(await run.usagebatch(...usageBatchArgs(s, 'i:1', fiveEvents('L1')))).toBe(5);
+    // Spent: the five handed out, less the refunded one, given back as a purchased credit.
+    expect(await credited(s)).toEqual({ balance: 2000 - 4, reserved: 0 });
   });
 });
