@@ -113,7 +113,7 @@ export class EventBatches {
       units: 1,
       status: null,
       windows: windowsOf(subject, counts),
-      // A lease's units carry no overage and no balance (quota.lua leases none past a quota, nor of credits).
+      // A lease's units carry no overage (quota.lua leases none past a quota), nor a balance: a credit lease's is Redis's.
       overage: 0,
       credits: null,
     };
