@@ -2,14 +2,11 @@ import type { FastifyBaseLogger } from 'fastify';
 import { eventWindows, type RequestData } from '../usage/events.js';
 import type { EventTag, QuotaSubject } from './decision.js';
 import type { BatchEvent } from './script.js';
-import { type Counts, windowRow, type WindowName } from './windows.js';
+import type { Counts } from './windows.js';
 
 /** Each fixed window's count the lease showed, by its name (null: the subject has none), as quota.lua's events carry them. */
 function windowsOf(subject: QuotaSubject, counts: Counts): RequestData['windows'] {
-  return eventWindows((name) => {
-    const w = windowRow(name as WindowName);
-    return w.always || (subject.limits[w.limit] ?? 0) > 0 ? (counts[w.used] ?? 0) : null;
-  }, counts.monthUsed ?? 0);
+  return eventWindows((w) => (w.always || (subject.limits[w.limit] ?? 0) > 0 ? (counts[w.used] ?? 0) : null), counts.monthUsed ?? 0);
 }
 
 /** Events in one script call at most: its ARGV stays a few hundred kB. */

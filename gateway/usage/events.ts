@@ -2,7 +2,7 @@
 // batches (application/cloudevents-batch+json, the format OpenMeter's ingest takes). Pure: the
 // stream's entries in, the events out.
 
-import { FIXED } from '../quota/windows.js';
+import { FIXED, type WindowRow } from '../quota/windows.js';
 
 /** An entry of an account's usage stream (Redis XRANGE): its id and its field list. */
 export type StreamEntry = [id: string, fields: string[]];
@@ -66,9 +66,9 @@ const num = (v: string | undefined) => (v === undefined ? null : Number(v));
 export const eventId = (account: string, entryId: string) => `${account}/${entryId}`;
 
 /** The windows of an event: each fixed window's count by its name (null: the plan has none), then the billing period's (null: none, or 0). */
-export function eventWindows(count: (name: string) => number | null, month: number): RequestData['windows'] {
+export function eventWindows(count: (w: WindowRow) => number | null, month: number): RequestData['windows'] {
   const windows: RequestData['windows'] = {};
-  for (const w of FIXED) windows[w.name] = count(w.name);
+  for (const w of FIXED) windows[w.name] = count(w);
   windows.month = month || null;
   return windows;
 }
@@ -83,7 +83,7 @@ function requestEvent(account: string, source: string, id: string, f: Record<str
     method: f.method!,
     units: Number(f.units),
     status,
-    windows: eventWindows((name) => num(f[name]), Number(f.month)),
+    windows: eventWindows((w) => num(f[w.name]), Number(f.month)),
     overage: Number(f.overage),
     credits: credits >= 0 ? credits : null,
   };
@@ -149,18 +149,12 @@ function statusOf(id: string, f: Record<string, string>, statuses: ReadonlyMap<s
 }
 
 /**
- * How many of an account's entries, in order, can go now (at most `max`): a request without a
+ * How many of an account's entries, in order, can go now: a request without a
  * status yet, younger than STATUS_WAIT_MS, stops them there, to be read again next time.
  */
-export function consumable(
-  entries: StreamEntry[],
-  statuses: ReadonlyMap<string, number>,
-  nowMs: number,
-  max = Number.POSITIVE_INFINITY,
-): number {
+export function consumable(entries: StreamEntry[], statuses: ReadonlyMap<string, number>, nowMs: number): number {
   let n = 0;
   for (const [id, list] of entries) {
-    if (n >= max) break;
     const f = fieldsOf(list);
     if (f.kind === 'request' && statusOf(id, f, statuses) === undefined && nowMs - Number(f.at) < STATUS_WAIT_MS) break;
     n++;
@@ -169,23 +163,21 @@ export function consumable(
 }
 
 /**
- * The CloudEvents of an account's entries, in order, at most `max`, each in structured JSON,
- * and the id of the last entry they consume. A request's status is joined from `statuses` (by
- * its entry's id); one still without one, younger than STATUS_WAIT_MS, stops the batch there.
- * `joined`: the ids whose statuses came from `statuses`, to be deleted once the batch went.
+ * The CloudEvents of an account's first `consumed` entries (what `consumable` said can go), in
+ * order, each in structured JSON, and the id of the last. A request's status is joined from
+ * `statuses` (by its entry's id) unless it carries its own. `joined`: the ids whose statuses came
+ * from `statuses`, to be deleted once the batch went.
  */
 export function toCloudEvents(
   account: string,
   source: string,
   entries: StreamEntry[],
   statuses: ReadonlyMap<string, number>,
-  nowMs: number,
-  max = Number.POSITIVE_INFINITY,
-): { events: EncodedEvent[]; last?: string; consumed: number; joined: string[] } {
+  consumed: number,
+): { events: EncodedEvent[]; last?: string; joined: string[] } {
   const events: EncodedEvent[] = [];
   const joined: string[] = [];
   let last: string | undefined;
-  const consumed = consumable(entries, statuses, nowMs, max);
   const leased = leasedEncoder(account, source);
   for (let i = 0; i < consumed; i++) {
     const [id, list] = entries[i]!;
@@ -203,7 +195,7 @@ export function toCloudEvents(
     }
     last = id;
   }
-  return { events, last, consumed, joined };
+  return { events, last, joined };
 }
 
 /** The stream id right after `id`: XTRIM MINID of it removes `id` too. */

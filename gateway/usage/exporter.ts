@@ -107,9 +107,9 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     for (const r of reads) {
       if (r.entries.length === 0) continue;
       oldest = Math.min(oldest, Number(r.entries[0]![0].split('-')[0]));
-      const { events, last, consumed, joined } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, now, r.consumed);
+      const { events, last, joined } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, r.consumed);
       for (const e of events) batch.push(e);
-      if (last) moves.push({ name: r.name, events: events.length, move: { from: r.cursor, to: last, consumed, refs: joined } });
+      if (last) moves.push({ name: r.name, events: events.length, move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined } });
     }
     await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9).map((r) => this.countDropped(r.name)));
     this.metrics.lag((now - oldest) / 1000);

@@ -2,6 +2,10 @@ import type { FastifyBaseLogger } from 'fastify';
 import { describe, expect, it } from 'vitest';
 import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { EventBatches, MAX_KEPT } from '../../gateway/quota/event-batches.js';
+import { loadSettings } from '../../gateway/config/settings.js';
+
+/** The shipped settings: what the batches run at unless a test says why not. */
+const shipped = loadSettings({});
 
 // The batches' bookkeeping, with no Redis: nothing here is sent (the interval never passes).
 
@@ -27,10 +31,10 @@ describe('event batches past MAX_KEPT (Redis not taking them)', () => {
       log: silent,
       instanceId: 'i',
       // Never sent (send never settles): an interval long enough that no batch leaves during
-      // the test, and the shipped UPSTREAM_TIMEOUT_MS; the clock stands still, so nothing lapses.
+      // the test, and the shipped timeouts; the clock stands still, so nothing lapses.
       intervalMs: 10_000,
-      upstreamTimeoutMs: 10_000,
-      requestTimeoutMs: 30_000,
+      upstreamTimeoutMs: shipped.upstreamTimeoutMs,
+      requestTimeoutMs: shipped.requestTimeoutMs,
       mono: () => 0,
     });
     const counts = { minuteUsed: 1, dayUsed: 1 };
@@ -53,9 +57,9 @@ describe('a leased admission waiting for its status', () => {
       written: () => {},
       log: silent,
       instanceId: 'i',
-      intervalMs: 1000,
-      upstreamTimeoutMs: 10_000,
-      requestTimeoutMs: 120_000,
+      intervalMs: shipped.usageBatchMs,
+      upstreamTimeoutMs: 10_000, // the shipped value (connect, headers): the times below count on it
+      requestTimeoutMs: 120_000, // raised from the shipped 30 s, as such an operator would
       mono: () => now,
     });
     const slow = batches.admit(subject, tag, 0, { minuteUsed: 1, dayUsed: 1 });
