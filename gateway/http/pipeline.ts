@@ -95,17 +95,17 @@ function authorizationFields(raw: string[]): number {
 /** What a key's usage event says of its request: only built when its usage is exported. */
 function eventTag(request: FastifyRequest): EventTag {
   const { consumer, route } = request.ctx;
-  return { requestId: request.id, keyId: consumer!.id, plan: consumer!.plan, route: route ?? 'none', method: request.method };
+  return { requestId: request.id, keyId: consumer!.id, plan: consumer!.plan, route: route ?? 'none', method: request.method, eventId: undefined };
 }
 
-/** Admission's headers on the reply and its outcome in the context; returns the refusal. */
-function applied(request: FastifyRequest, reply: FastifyReply, admission: Admission): GatewayError | undefined {
+/** Admission's headers on the reply, its outcome and its usage event's id (the tag's: EventTag.eventId) in the context; returns the refusal. */
+function applied(request: FastifyRequest, reply: FastifyReply, admission: Admission, tag?: EventTag): GatewayError | undefined {
   rawHeaders(reply, admission.headers);
   const { ctx } = request;
   ctx.outcome = admission.outcome;
   ctx.countedAtMs = admission.countedAtMs;
   ctx.overage = admission.overage;
-  ctx.eventId = admission.eventId;
+  ctx.eventId = tag?.eventId;
   ctx.redisMs = admission.redisMs;
   ctx.leased = admission.leased;
   return admission.refusal;
@@ -122,9 +122,10 @@ function admitRequest(
   subject: QuotaSubject,
   cost = 1,
 ): GatewayError | undefined | Promise<GatewayError | undefined> {
-  const admission = admit(store, subject, cost, subject.events > 0 ? eventTag(request) : undefined);
-  if (admission instanceof Promise) return admission.then((a) => applied(request, reply, a));
-  return applied(request, reply, admission);
+  const tag = subject.events > 0 ? eventTag(request) : undefined;
+  const admission = admit(store, subject, cost, tag);
+  if (admission instanceof Promise) return admission.then((a) => applied(request, reply, a, tag));
+  return applied(request, reply, admission, tag);
 }
 
 /** The per-address quota of a request without a key: throws its 429, or else `otherwise`. */

@@ -13,8 +13,6 @@ export interface Admission {
   refusal?: GatewayError;
   /** Units of the overage window past its quota, when this admission is among them: billed extra. */
   overage?: number;
-  /** Its usage event, when its subject records them: the final status is joined to it. */
-  eventId?: string;
   /** The decision's wait on Redis and whether a lease answered it (Decision.redisMs, .leased): for its trace. */
   redisMs?: number;
   leased?: boolean;
@@ -88,7 +86,6 @@ function allowed(d: Decision, headers: Readonly<Record<string, string>>): Admiss
     headers,
     refusal: undefined,
     overage: d.overage > 0 ? d.overage : undefined,
-    eventId: d.eventId,
     redisMs: d.redisMs,
     leased: d.leased,
   };
@@ -107,7 +104,6 @@ function admissionOf(d: Decision, subject: QuotaSubject): Admission {
     headers: rateLimitHeaders(d, subject.policy),
     refusal: refusal(d),
     overage: undefined,
-    eventId: d.eventId,
     redisMs: d.redisMs,
     leased: d.leased,
   };

@@ -105,7 +105,11 @@ export interface Decision {
   overage: number;
   /** Units billed as overage in the overage window so far, this request's included (a subject with overage). */
   overageUsed?: number;
-  /** The usage event written with an admission (a subject that records events). */
+  /**
+   * The usage event Redis wrote with this admission (quota.lua: a subject that records events,
+   * not leased). The request learns its event's id from its tag (EventTag.eventId), which has a
+   * leased admission's too.
+   */
   eventId?: string;
   /**
    * How long this decision waited on Redis, in ms (a call of its own, or a sibling's lease
@@ -139,6 +143,13 @@ export interface EventTag {
   plan: string;
   route: string;
   method: string;
+  /**
+   * Set by the store once the request is admitted: its usage event's id, the one its final
+   * status and a refund name (the event quota.lua wrote, or the one a lease's unit opened in its
+   * batches). A lease's decision is one object shared by its units (redis-store.ts, fromLease):
+   * the one thing each request has of its own comes back here rather than in a copy of it.
+   */
+  eventId?: string;
 }
 
 /** Window boundaries are aligned to UTC: the minute at second :00, the day at 00:00. */

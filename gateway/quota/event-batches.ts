@@ -1,13 +1,8 @@
 import type { FastifyBaseLogger } from 'fastify';
-import { eventWindows, type RequestData } from '../usage/events.js';
+import { leasedDataAfter, leasedDataBefore, windowsJson } from '../usage/events.js';
 import type { EventTag, QuotaSubject } from './decision.js';
-import type { BatchEvent } from './script.js';
-import type { Counts } from './windows.js';
-
-/** Each fixed window's count the lease showed, by its name (null: the subject has none), as quota.lua's events carry them. */
-function windowsOf(subject: QuotaSubject, counts: Counts): RequestData['windows'] {
-  return eventWindows((w) => (w.always || (subject.limits[w.limit] ?? 0) > 0 ? (counts[w.used] ?? 0) : null), counts.monthUsed ?? 0);
-}
+import { appendBatchEvent, EVENT_VALUES } from './script.js';
+import { type Counts, fixedLimits } from './windows.js';
 
 /** Events in one script call at most: its ARGV stays a few hundred kB. */
 const PER_CALL = 1000;
@@ -24,10 +19,14 @@ const LEASED = 'lease:';
 /** A leased admission's event not kept (MAX_KEPT): never opened. */
 const NOT_KEPT = `${LEASED}none`;
 
-/** A leased admission's event, from its admission until its status is known. */
+/**
+ * A leased admission's event, from its admission until its status is known: its data encoded
+ * around the status (usage/events.ts, leasedDataBefore), so only strings wait.
+ */
 interface Open {
   subject: QuotaSubject;
-  data: RequestData;
+  before: string;
+  after: string;
   at: number;
   refundUnits: number;
   /** The credit lease its credit came from ('': none): the batch spends it there. */
@@ -39,14 +38,16 @@ interface Open {
 interface Batch {
   subject: QuotaSubject;
   id: string;
-  events: BatchEvent[];
+  /** Its events' values, as usagebatch.lua takes them (appendBatchEvent). */
+  values: Array<string | number>;
+  events: number;
   sending: boolean;
   attempts: number;
 }
 
 export interface EventBatchDeps {
   /** usagebatch.lua for an account: rejects on any failure (the batch is then sent again). */
-  send(subject: QuotaSubject, batchId: string, events: BatchEvent[]): Promise<unknown>;
+  send(subject: QuotaSubject, batchId: string, values: ReadonlyArray<string | number>): Promise<unknown>;
   /** The account's stream was written to: mark it for the exporter. */
   written(subject: QuotaSubject): void;
   log: FastifyBaseLogger;
@@ -75,7 +76,7 @@ export interface EventBatchDeps {
  */
 export class EventBatches {
   private readonly open = new Map<string, Open>();
-  private ready = new Map<string, { subject: QuotaSubject; events: BatchEvent[] }>();
+  private ready = new Map<string, { subject: QuotaSubject; values: Array<string | number> }>();
   private readyCount = 0;
   private readonly outbox: Batch[] = [];
   private kept = 0;
@@ -101,20 +102,16 @@ export class EventBatches {
       return NOT_KEPT;
     }
     const id = `${LEASED}${++this.ids}`;
-    const data: RequestData = {
-      requestId: tag.requestId,
-      keyId: tag.keyId,
-      plan: tag.plan,
-      route: tag.route,
-      method: tag.method,
-      units: 1,
-      status: null,
-      windows: windowsOf(subject, counts),
-      // A lease's units carry no overage (quota.lua leases none past a quota), nor a balance: a credit lease's is Redis's.
-      overage: 0,
-      credits: null,
-    };
-    this.open.set(id, { subject, data, at: atMs, refundUnits: 0, creditLease, bornMono: this.deps.mono() });
+    const windows = windowsJson(counts, fixedLimits(subject.limits), counts.monthUsed ?? 0);
+    this.open.set(id, {
+      subject,
+      before: leasedDataBefore(tag),
+      after: leasedDataAfter(windows),
+      at: atMs,
+      refundUnits: 0,
+      creditLease,
+      bornMono: this.deps.mono(),
+    });
     this.kept++;
     this.schedule();
     return id;
@@ -124,8 +121,7 @@ export class EventBatches {
   settle(eventId: string, status: number): boolean {
     const o = this.open.get(eventId);
     if (!o) return false;
-    o.data.status = status;
-    this.toReady(eventId, o);
+    this.toReady(eventId, o, status);
     return true;
   }
 
@@ -148,20 +144,19 @@ export class EventBatches {
     return eventId.startsWith(LEASED);
   }
 
-  /** Its status known (or waited for long enough): its data encoded, once, as the sink gets it (events.ts, DATA_FIELD). */
-  private toReady(eventId: string, o: Open): void {
+  /** Its status known (or waited for long enough: null): its data completed, as the sink gets it (events.ts, DATA_FIELD). */
+  private toReady(eventId: string, o: Open, status: number | null): void {
     this.open.delete(eventId);
-    const event: BatchEvent = {
+    const name = o.subject.name;
+    let account = this.ready.get(name);
+    if (!account) this.ready.set(name, (account = { subject: o.subject, values: [] }));
+    appendBatchEvent(account.values, {
       at: o.at,
-      units: o.data.units,
+      units: 1,
       refundUnits: o.refundUnits,
       creditLease: o.creditLease,
-      data: JSON.stringify(o.data),
-    };
-    const name = o.subject.name;
-    const account = this.ready.get(name);
-    if (account) account.events.push(event);
-    else this.ready.set(name, { subject: o.subject, events: [event] });
+      data: o.before + status + o.after,
+    });
     // A full call's worth: written now rather than at the interval.
     if (++this.readyCount === PER_CALL) setImmediate(() => void this.flush());
   }
@@ -176,14 +171,16 @@ export class EventBatches {
   /** Writes what is ready (and events past statusWaitMs without a status), and sends again what failed. */
   async flush(all = false): Promise<void> {
     const now = this.deps.mono();
-    for (const [id, o] of this.open) if (all || now - o.bornMono >= this.statusWaitMs) this.toReady(id, o);
+    for (const [id, o] of this.open) if (all || now - o.bornMono >= this.statusWaitMs) this.toReady(id, o, null);
     const ready = this.ready;
     this.ready = new Map();
     this.readyCount = 0;
-    for (const { subject, events } of ready.values()) {
-      for (let i = 0; i < events.length; i += PER_CALL) {
+    const perCall = PER_CALL * EVENT_VALUES;
+    for (const { subject, values } of ready.values()) {
+      for (let i = 0; i < values.length; i += perCall) {
         const id = `${this.deps.instanceId}:${++this.batches}`;
-        this.outbox.push({ subject, id, events: events.slice(i, i + PER_CALL), sending: false, attempts: 0 });
+        const part = values.length <= perCall ? values : values.slice(i, i + perCall);
+        this.outbox.push({ subject, id, values: part, events: part.length / EVENT_VALUES, sending: false, attempts: 0 });
       }
     }
     if (this.droppedSince > 0) {
@@ -200,15 +197,15 @@ export class EventBatches {
   private async send(b: Batch): Promise<void> {
     b.sending = true;
     try {
-      await this.deps.send(b.subject, b.id, b.events);
+      await this.deps.send(b.subject, b.id, b.values);
       this.outbox.splice(this.outbox.indexOf(b), 1);
-      this.kept -= b.events.length;
+      this.kept -= b.events;
       this.deps.written(b.subject);
     } catch (err) {
       // Kept with its id, sent again at the next flush: written once however often it is sent.
       b.attempts++;
       this.deps.log.warn(
-        { account: b.subject.name, batch: b.id, events: b.events.length, attempts: b.attempts, cause: (err as Error).message },
+        { account: b.subject.name, batch: b.id, events: b.events, attempts: b.attempts, cause: (err as Error).message },
         'usage events: a batch was not written; it is sent again',
       );
       this.deps.written(b.subject);

@@ -21,7 +21,6 @@ import {
   refundArgs,
   type Settled,
   settledFrom,
-  type BatchEvent,
   unbanArgs,
   usageBatchArgs,
   writeBackArgs,
@@ -187,7 +186,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.leases = new LeaseBook(this.clock);
     this.budget = new DegradedBudget(this.instanceId);
     this.batches = new EventBatches({
-      send: (subject, id, events) => this.sendBatch(subject, id, events),
+      send: (subject, id, values) => this.sendBatch(subject, id, values),
       written: (subject) => this.marks && this.mark('usage', subject),
       log,
       instanceId: this.instanceId,
@@ -300,17 +299,18 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
 
   /**
    * A leased admission of a subject whose usage is exported: its event opened in the batches,
-   * and a decision of its own that names it (the lease's shared one otherwise).
+   * its id on the tag (EventTag.eventId). The decision stays the lease's shared one, and so does
+   * the admission made of it (admit.ts): a copy per request would be made, frozen and compared
+   * again per request.
    */
   private withEvent(subject: QuotaSubject, d: Decision, counts: Counts, tag?: EventTag, creditLease?: string): Decision {
-    if (subject.events === 0 || !tag || d.outcome !== 'allowed') return d;
-    const eventId = this.batches.admit(subject, tag, d.nowMs, counts, creditLease);
-    return { ...d, eventId };
+    if (subject.events > 0 && tag && d.outcome === 'allowed') tag.eventId = this.batches.admit(subject, tag, d.nowMs, counts, creditLease);
+    return d;
   }
 
   /** usagebatch.lua for one account, bounded by timeoutMs like every call on the request's behalf. */
-  private async sendBatch(subject: QuotaSubject, batchId: string, events: BatchEvent[]): Promise<void> {
-    const call = this.redis.usagebatch(...usageBatchArgs(subject, batchId, events));
+  private async sendBatch(subject: QuotaSubject, batchId: string, values: ReadonlyArray<string | number>): Promise<void> {
+    const call = this.redis.usagebatch(...usageBatchArgs(subject, batchId, values));
     if ((await within(call, this.timeoutMs)) === LATE) throw new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`);
   }
 
@@ -486,7 +486,9 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     if (held) this.hold(subject, held, false);
     this.learnBan(subject.name, counts);
     const d = waited(decision(subject, counts), waitedMs + callMs);
-    return held ? this.withEvent(subject, d, counts, tag, held.id) : d;
+    if (held) return this.withEvent(subject, d, counts, tag, held.id);
+    if (tag && d.eventId) tag.eventId = d.eventId;
+    return d;
   }
 
   private learnBan(name: string, c: WindowCounts): void {

@@ -4,7 +4,7 @@ import { subjectKey } from '../redis/keys.js';
 import { luaList, packer, positions, prelude, type Wires, wiresArgs, wired } from '../redis/wires.js';
 import { type EventTag, OUTCOMES, type QuotaSubject, softQuota, type WindowCounts } from './decision.js';
 import type { Lease } from './lease-book.js';
-import { type Counts, countsFrom, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from './windows.js';
+import { compiled, type Counts, countsFrom, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from './windows.js';
 import type { WriteBack } from './degraded-budget.js';
 import { type TopUp, topUpFingerprint } from './store.js';
 
@@ -383,9 +383,23 @@ export const USAGE_BATCH = {
  */
 const EVENT_FIELDS = ['at', 'units', 'refundUnits', 'creditLease', 'data'] as const;
 export type BatchEvent = Record<(typeof EVENT_FIELDS)[number], string | number>;
+/** How many values an event has in a batch. */
+export const EVENT_VALUES = EVENT_FIELDS.length;
+/**
+ * Appends an event's values to a batch's, in EVENT_FIELDS's order: a batch is kept as the flat
+ * list usagebatch.lua takes, not as an object an event, which would outlive young-generation
+ * collections while the batch fills. Built from the names once (never input).
+ */
+export const appendBatchEvent = compiled<(values: Array<string | number>, e: BatchEvent) => void>(
+  'values, e',
+  `values.push(${EVENT_FIELDS.map((f) => `e.${f}`).join(', ')});`,
+);
 
-/** usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of `events` (a refund's overage taken back as refund.lua's). */
-export function usageBatchArgs(subject: QuotaSubject, batchId: string, events: readonly BatchEvent[]): Array<string | number> {
+/**
+ * usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of the events whose values
+ * (appendBatchEvent) are `values` (a refund's overage taken back as refund.lua's).
+ */
+export function usageBatchArgs(subject: QuotaSubject, batchId: string, values: ReadonlyArray<string | number>): Array<string | number> {
   const { name, limits } = subject;
   const keys: Record<(typeof USAGE_BATCH.keys)[number], string> = {
     events: subjectKey.events(name),
@@ -401,9 +415,7 @@ export function usageBatchArgs(subject: QuotaSubject, batchId: string, events: r
     soft: softQuota(subject),
     overageWindow: limits.perMonth ? 1 : 2,
   };
-  const rest: Array<string | number> = [];
-  for (const e of events) for (const f of EVENT_FIELDS) rest.push(e[f]);
-  return wiresArgs(USAGE_BATCH, keys, argv, rest);
+  return wiresArgs(USAGE_BATCH, keys, argv, values);
 }
 
 /** An event's fields' offsets from its first value (EVENT.at is 0), and how many values an event has. */

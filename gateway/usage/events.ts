@@ -2,7 +2,8 @@
 // batches (application/cloudevents-batch+json, the format OpenMeter's ingest takes). Pure: the
 // stream's entries in, the events out.
 
-import { FIXED, type WindowRow } from '../quota/windows.js';
+import type { EventTag } from '../quota/decision.js';
+import { compiled, type Counts, FIXED, type WindowRow } from '../quota/windows.js';
 
 /** An entry of an account's usage stream (Redis XRANGE): its id and its field list. */
 export type StreamEntry = [id: string, fields: string[]];
@@ -72,6 +73,34 @@ export function eventWindows(count: (w: WindowRow) => number | null, month: numb
   windows.month = month || null;
   return windows;
 }
+
+/**
+ * A leased admission's `windows` in JSON, as eventWindows gives them (JSON.stringify's order):
+ * each fixed window's count by its name, null where the subject has none (`limits`: fixedLimits
+ * of its limits), then the billing period's, null when 0. Built from the rows once: the names
+ * are the rows' own identifiers, never input.
+ */
+export const windowsJson = compiled<(counts: Counts, limits: readonly number[], month: number) => string>(
+  'counts, limits, month',
+  `return '{' + ${FIXED.map(
+    (w, i) => `'"${w.name}":' + ${w.always ? `(counts.${w.used} ?? 0)` : `(limits[${i}] > 0 ? (counts.${w.used} ?? 0) : 'null')`} + ','`,
+  ).join(' + ')} + '"month":' + (month || 'null') + '}';`,
+);
+
+/**
+ * A leased admission's `data` in JSON up to its status, which is known last (then
+ * leasedDataAfter): the same JSON as JSON.stringify of the RequestData requestEvent builds, field
+ * for field, with one unit, no overage (a lease carries none) and no balance (a credit lease's
+ * is Redis's). Encoded at admission, so only two strings wait for the status, not an object tree.
+ */
+export function leasedDataBefore(tag: EventTag): string {
+  const { requestId, keyId, plan, route, method } = tag;
+  const q = JSON.stringify;
+  return `{"requestId":${q(requestId)},"keyId":${q(keyId)},"plan":${q(plan)},"route":${q(route)},"method":${q(method)},"units":1,"status":`;
+}
+
+/** What follows a leased admission's status in its `data` (leasedDataBefore): its windows (windowsJson), overage and balance. */
+export const leasedDataAfter = (windows: string) => `,"windows":${windows},"overage":0,"credits":null}`;
 
 function requestEvent(account: string, source: string, id: string, f: Record<string, string>, status: number | null): CloudEvent {
   const credits = Number(f.credits);

@@ -2,12 +2,12 @@ import { randomUUID } from 'node:crypto';
 import fc from 'fast-check';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
-import type { QuotaSubject } from '../../gateway/quota/decision.js';
+import type { EventTag, QuotaSubject } from '../../gateway/quota/decision.js';
 import { LeasingInstance } from '../helpers/lease-instance.js';
 import { usageView } from '../../gateway/quota/usage-view.js';
 import { leaseOf } from '../../gateway/quota/lease-book.js';
 import { EventBatches } from '../../gateway/quota/event-batches.js';
-import { type BatchEvent, defineScripts, quotaArgs, quotaReply, usageBatchArgs } from '../../gateway/quota/script.js';
+import { appendBatchEvent, defineScripts, quotaArgs, quotaReply, usageBatchArgs } from '../../gateway/quota/script.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
 import { echoBackend, type EchoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
@@ -239,9 +239,12 @@ describe('a key with credits and usage export, leased', () => {
     return r as unknown as Record<'quota' | 'usagebatch', (...args: Array<string | number>) => Promise<unknown>>;
   };
   const tag = (rid: string) => ({ requestId: rid, keyId: 'k', plan: 'prepaid', route: 'listPets', method: 'GET' });
-  /** Five units of the lease `lease` written in one batch, the fifth refunded (its backend failed). */
-  const fiveEvents = (lease: string): BatchEvent[] =>
-    Array.from({ length: 5 }, (_, i) => ({ at: Date.now(), units: 1, refundUnits: i === 4 ? 1 : 0, creditLease: lease, data: '{}' }));
+  /** Five units of the lease `lease` written in one batch, the fifth refunded (its backend failed): the batch's values. */
+  const fiveEvents = (lease: string) => {
+    const values: Array<string | number> = [];
+    for (let i = 0; i < 5; i++) appendBatchEvent(values, { at: Date.now(), units: 1, refundUnits: i === 4 ? 1 : 0, creditLease: lease, data: '{}' });
+    return values;
+  };
   const credited = async (s: QuotaSubject) => {
     const [g, p, r] = await redis.hmget(subjectKey.credits(s.name), 'g', 'p', 'r');
     return { balance: Number(g) + Number(p), reserved: Number(r) };
@@ -252,8 +255,9 @@ describe('a key with credits and usage export, leased', () => {
     const a = new LeasingInstance(redis);
     onTestFinished(() => a.store.close());
     const first = await a.store.consume(s, 1, tag('r0'));
-    const next = await a.store.consume(s, 1, tag('r1'));
-    expect([first.leased, next.leased, EventBatches.isLeased(next.eventId ?? '')]).toEqual([false, true, true]);
+    const nextTag: EventTag = tag('r1');
+    const next = await a.store.consume(s, 1, nextTag);
+    expect([first.leased, next.leased, EventBatches.isLeased(nextTag.eventId ?? '')]).toEqual([false, true, true]);
   });
 
   it('spends the written units from a lapsed lease: its lapse gives back only the units with no event', async () => {

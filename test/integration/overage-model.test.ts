@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import fc from 'fast-check';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
-import type { QuotaSubject } from '../../gateway/quota/decision.js';
+import type { EventTag, QuotaSubject } from '../../gateway/quota/decision.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
 import { LeasingInstance } from '../helpers/lease-instance.js';
 
@@ -154,9 +154,10 @@ describe('overage with usage exported: a leased refund goes in its event batch',
     let delivered = 0;
     let n = 0;
     const send = async (at: LeasingInstance) => {
-      const d = await at.store.consume(s, 1, { requestId: `r${n++}`, keyId: 'k', plan: 'p', route: 'listPets', method: 'GET' });
+      const tag: EventTag = { requestId: `r${n++}`, keyId: 'k', plan: 'p', route: 'listPets', method: 'GET' };
+      const d = await at.store.consume(s, 1, tag);
       if (d.outcome === 'allowed') delivered++;
-      return d;
+      return { ...d, eventId: tag.eventId };
     };
     const first = await send(a); // within the quota, a unit of A's lease: its event waits in A
     expect(first.eventId).toMatch(/^lease:/);

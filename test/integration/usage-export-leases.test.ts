@@ -5,6 +5,7 @@ import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { compileConfig, type ConfigFile, validateConfigFile } from '../../gateway/config/config.js';
 import { loadSettings } from '../../gateway/config/settings.js';
+import type { EventTag } from '../../gateway/quota/decision.js';
 import { EventBatches } from '../../gateway/quota/event-batches.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
 import { activityMarks } from '../../gateway/usage/active.js';
@@ -362,14 +363,16 @@ describe('a leased admission that fails after its event was written', () => {
     await roomInTheMinute(redis.url);
 
     // Two admissions from one lease of 2: the first's request goes on, the second's ends with a 200.
-    const tag = (rid: string) => ({ requestId: rid, keyId: key.id, plan: 'leased', route: 'listPets', method: 'GET' });
-    const slow = await store.consume(subject, 1, tag('slow'));
-    const quick = await store.consume(subject, 1, tag('quick'));
-    expect([slow, quick].map((d) => [d.outcome, EventBatches.isLeased(d.eventId ?? '')])).toEqual([
+    const tag = (rid: string): EventTag => ({ requestId: rid, keyId: key.id, plan: 'leased', route: 'listPets', method: 'GET' });
+    const [slowTag, quickTag] = [tag('slow'), tag('quick')];
+    const slow = await store.consume(subject, 1, slowTag);
+    const quick = await store.consume(subject, 1, quickTag);
+    // Each request's event id comes back on its tag (the lease's decision is shared by its units).
+    expect([slow, quick].map((d, i) => [d.outcome, EventBatches.isLeased([slowTag, quickTag][i]!.eventId ?? '')])).toEqual([
       ['allowed', true],
       ['allowed', true],
     ]);
-    store.settle(subject, quick.eventId!, 200);
+    store.settle(subject, quickTag.eventId!, 200);
     movedOnMs = Math.max(60_000, shipped.requestTimeoutMs + 2 * shipped.upstreamTimeoutMs); // the slow request has outlived the status wait
     const at = () => new Map(sink.requests().map((e) => [e.data!.requestId, e.data!.status]));
     await eventually(() => at().size === 2, 20_000, 'both events at the sink');
@@ -381,8 +384,8 @@ describe('a leased admission that fails after its event was written', () => {
     );
 
     // Its backend fails now (502): the refund the gateway asks for finds its event gone.
-    await store.refund(subject, slow.nowMs, 1, slow.eventId);
-    store.settle(subject, slow.eventId!, 502);
+    await store.refund(subject, slow.nowMs, 1, slowTag.eventId);
+    store.settle(subject, slowTag.eventId!, 502);
     await store.close(); // every event and refund still in memory written
     await eventually(async () => (await store.exportState(subject)).pending === 0, 20_000, 'the stream sent');
     const refunds = [...sink.events.values()].filter((e) => e.type === 'com.petstore.gateway.request.refunded');

@@ -2,7 +2,7 @@ import type { FastifyBaseLogger } from 'fastify';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import { compileConfig, type ConfigFile, type GatewayConfig, validateConfigFile } from '../../gateway/config/config.js';
-import type { QuotaSubject } from '../../gateway/quota/decision.js';
+import type { EventTag, QuotaSubject } from '../../gateway/quota/decision.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
 import { activityMarks } from '../../gateway/usage/active.js';
 import type { CloudEvent, EncodedEvent } from '../../gateway/usage/events.js';
@@ -69,9 +69,10 @@ async function requests(d: ReturnType<typeof deployment>, n: number): Promise<st
   const ids: string[] = [];
   for (let i = 0; i < n; i++) {
     const requestId = `req-${i}-${uniquePrefix()}`;
-    const decided = await d.store.consume(d.subject, 1, { requestId, keyId: 'k', plan: 'metered', route: 'listPets', method: 'GET' });
-    expect(decided.eventId).toBeTruthy();
-    d.store.settle(d.subject, decided.eventId!, 200);
+    const tag: EventTag = { requestId, keyId: 'k', plan: 'metered', route: 'listPets', method: 'GET' };
+    await d.store.consume(d.subject, 1, tag);
+    expect(tag.eventId).toBeTruthy();
+    d.store.settle(d.subject, tag.eventId!, 200);
     ids.push(requestId);
   }
   // Every status written: an event waiting for its status would end a batch early.

@@ -72,3 +72,59 @@ describe('a leased admission waiting for its status', () => {
     expect({ at139s: open(139_000), at141s: open(141_000) }).toEqual({ at139s: true, at141s: false });
   });
 });
+
+describe("a leased admission's event data", () => {
+  /** The batches of one flush, as usagebatch.lua would be sent them: each event's data parsed, with its other values. */
+  const written = async (admit: (b: EventBatches) => void) => {
+    const sent: Array<ReadonlyArray<string | number>> = [];
+    const batches = new EventBatches({
+      send: async (_s, _id, values) => void sent.push(values),
+      written: () => {},
+      log: silent,
+      instanceId: 'i',
+      intervalMs: shipped.usageBatchMs,
+      upstreamTimeoutMs: shipped.upstreamTimeoutMs,
+      requestTimeoutMs: shipped.requestTimeoutMs,
+      mono: () => 0,
+    });
+    admit(batches);
+    await batches.close();
+    // usagebatch.lua's order (script.ts, EVENT_FIELDS): at, units, refundUnits, creditLease, data.
+    return sent.flatMap((values) =>
+      Array.from({ length: values.length / 5 }, (_, i) => {
+        const [at, units, refundUnits, creditLease, data] = values.slice(i * 5, i * 5 + 5);
+        return { at, units, refundUnits, creditLease, data: JSON.parse(String(data)) as unknown };
+      }),
+    );
+  };
+
+  it('is the JSON a sink bills by, its status and refund joined, whatever the request id holds', async () => {
+    const hourly: QuotaSubject = { ...subject, limits: { perMinute: 200, perHour: 5000, perDay: 100_000 } };
+    const odd = 'a"b\\c\u2028é\u0001';
+    const events = await written((b) => {
+      const ok = b.admit(subject, { ...tag, requestId: odd }, 1_700_000_000_000, { minuteUsed: 3, dayUsed: 41 }, 'L1');
+      b.settle(ok, 200);
+      const failed = b.admit(hourly, tag, 1_700_000_000_500, { minuteUsed: 4, hourUsed: 9, dayUsed: 42, monthUsed: 7 });
+      b.refund(failed, 1);
+      b.settle(failed, 502);
+      b.admit(subject, tag, 1_700_000_001_000, { minuteUsed: 5, dayUsed: 43 }); // never settled: written with none at close
+    });
+    const data = (requestId: string, status: number | null, windows: object) => ({
+      requestId,
+      keyId: 'k',
+      plan: 'p',
+      route: 'listPets',
+      method: 'GET',
+      units: 1,
+      status,
+      windows,
+      overage: 0,
+      credits: null,
+    });
+    expect(events).toEqual([
+      { at: 1_700_000_000_000, units: 1, refundUnits: 0, creditLease: 'L1', data: data(odd, 200, { minute: 3, hour: null, day: 41, month: null }) },
+      { at: 1_700_000_000_500, units: 1, refundUnits: 1, creditLease: '', data: data('r', 502, { minute: 4, hour: 9, day: 42, month: 7 }) },
+      { at: 1_700_000_001_000, units: 1, refundUnits: 0, creditLease: '', data: data('r', null, { minute: 5, hour: null, day: 43, month: null }) },
+    ]);
+  });
+});
