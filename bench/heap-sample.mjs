@@ -1,7 +1,8 @@
 // Preloaded (node --import) by `npm run bench:alloc-sites`: V8's sampling heap profiler, with
 // the objects later collected kept in the profile (so it shows what was allocated, not what
 // survived), one sample per HEAP_SAMPLE_BYTES on average. The first SIGWINCH starts it, the
-// second writes the profile to HEAP_SAMPLE_FILE.
+// second writes the profile to HEAP_SAMPLE_FILE. HEAP_SAMPLE_SURVIVED=1: objects a young-generation
+// collection took are left out, so it shows what outlived one (promoted, or alive at the end).
 import { writeFileSync } from 'node:fs';
 import { Session } from 'node:inspector';
 import process from 'node:process';
@@ -16,7 +17,7 @@ process.on('SIGWINCH', () => {
       session.post('HeapProfiler.startSampling', {
         samplingInterval: Number(process.env.HEAP_SAMPLE_BYTES ?? 256),
         includeObjectsCollectedByMajorGC: true,
-        includeObjectsCollectedByMinorGC: true,
+        includeObjectsCollectedByMinorGC: process.env.HEAP_SAMPLE_SURVIVED !== '1',
       }),
     );
     return;

@@ -12,7 +12,9 @@ import { benchBed, cpuUs, exportConfig, need, startGatewayBuild, startOtlpSink, 
 // exports every request's usage event to a sink in this process. node's --cpu-prof would not do:
 // it samples wall time, so a process waiting for a core on this crowded machine looks busy.
 // Prints microseconds per request by kind of code (self time), then the gateway's own entry
-// points with what they call (inclusive). Loopback only.
+// points with what they call (inclusive). BENCH_PROFILE_AGAINST=gateway: the reference is the
+// same gateway build with neither tracing nor export, in place of the bare proxy (what a
+// feature adds to the gateway). Loopback only.
 
 const RATE = Number(process.env.BENCH_PROFILE_RATE ?? 1400);
 const SECONDS = Number(process.env.BENCH_PROFILE_SECONDS ?? 12);
@@ -60,10 +62,17 @@ interface Profile {
   roots: Map<string, number>;
   /** Self time by function (the frame's symbol, its address left out). */
   functions: Map<string, number>;
+  /** BENCH_PROFILE_CALLERS: the call chains of the functions it matches, by self time. */
+  chains: Map<string, number>;
 }
 
 /** BENCH_PROFILE_TOP=n: also print the n functions with the most self time more in the gateway than in the bare proxy. */
 const TOP = Number(process.env.BENCH_PROFILE_TOP ?? 0);
+/**
+ * BENCH_PROFILE_CALLERS=regex: also print where the functions it matches are called from (their
+ * eight nearest callers), for a kernel or runtime symbol whose own name does not say what asked for it.
+ */
+const CALLERS = process.env.BENCH_PROFILE_CALLERS ? new RegExp(process.env.BENCH_PROFILE_CALLERS) : undefined;
 
 /** A frame's symbol: `JS:*onRequest file:///.../pipeline.js:12:3` or a native name, without perf's address and module. */
 const symbol = (frame: string) =>
@@ -87,6 +96,7 @@ async function profile(pid: number, load: () => Promise<number>, dir: string, na
   const self = new Map<string, number>();
   const roots = new Map<string, number>();
   const functions = new Map<string, number>();
+  const chains = new Map<string, number>();
   const script = spawn('perf', ['script', '-i', data], { stdio: ['ignore', 'pipe', 'ignore'] });
   let frames: string[] = [];
   const fold = () => {
@@ -95,6 +105,10 @@ async function profile(pid: number, load: () => Promise<number>, dir: string, na
     self.set(k, (self.get(k) ?? 0) + 1);
     const f = symbol(frames[0]!);
     functions.set(f, (functions.get(f) ?? 0) + 1);
+    if (CALLERS?.test(f)) {
+      const chain = frames.slice(0, 9).map(symbol).join(' < ');
+      chains.set(chain, (chains.get(chain) ?? 0) + 1);
+    }
     for (const [label, re] of ROOTS) if (frames.some((f) => re.test(f))) roots.set(label, (roots.get(label) ?? 0) + 1);
     frames = [];
   };
@@ -104,7 +118,7 @@ async function profile(pid: number, load: () => Promise<number>, dir: string, na
   }
   fold();
   const perRequest = (m: Map<string, number>) => new Map([...m].map(([k, n]) => [k, (n * 1e6) / HZ / requests]));
-  return { requests, cpuUs: cpu, self: perRequest(self), roots: perRequest(roots), functions: perRequest(functions) };
+  return { requests, cpuUs: cpu, self: perRequest(self), roots: perRequest(roots), functions: perRequest(functions), chains: perRequest(chains) };
 }
 
 async function main() {
@@ -114,11 +128,15 @@ async function main() {
   const pids: number[] = [];
   try {
     // --perf-basic-prof: JIT-compiled functions get their names in perf's samples.
-    const bare = await startReference(bed, 'bare', {}, ['--perf-basic-prof']);
+    const build = process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js';
     const env: Record<string, string> = { REDIS_URL: bed.redisUrl };
+    const bare =
+      process.env.BENCH_PROFILE_AGAINST === 'gateway'
+        ? await startGatewayBuild(bed, build, { ...env }, ['--perf-basic-prof'])
+        : await startReference(bed, 'bare', {}, ['--perf-basic-prof']);
     if (process.env.BENCH_GATEWAY_TRACING === '1') env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = await startOtlpSink(bed);
     if (process.env.BENCH_GATEWAY_EXPORT === '1') env.GATEWAY_CONFIG = await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8')));
-    const gateway = await startGatewayBuild(bed, process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js', env, ['--perf-basic-prof']);
+    const gateway = await startGatewayBuild(bed, build, env, ['--perf-basic-prof']);
     pids.push(bare.pid, gateway.pid);
 
     const headers = { authorization: `Bearer ${bed.key}` };
@@ -143,6 +161,8 @@ async function main() {
       );
     }
     const [b, g] = results as [Profile, Profile];
+    const reference = process.env.BENCH_PROFILE_AGAINST === 'gateway' ? 'the plain gateway' : 'the bare proxy';
+    console.log(`\nreference ("bare" below): ${reference}`);
     const fmt = (n: number | undefined) => (n ?? 0).toFixed(1).padStart(8);
     console.log(`\nGET /v1/pets at about ${RATE}/s for ${SECONDS} s, perf at ${HZ} Hz: CPU microseconds per request`);
     console.log(`${'self time, by kind of code'.padEnd(44)}${'bare'.padStart(8)}${'gateway'.padStart(8)}${'more'.padStart(8)}`);
@@ -159,8 +179,12 @@ async function main() {
     console.log('(a function V8 inlined has no frame of its own: it counts in its caller)');
     if (TOP > 0) {
       const more = [...g.functions].map(([f, us]) => [f, us - (b.functions.get(f) ?? 0)] as const).sort((x, y) => y[1] - x[1]);
-      console.log(`\n${'self time more than the bare proxy, by function'.padEnd(100)}${'us/req'.padStart(8)}`);
+      console.log(`\n${`self time more than ${reference}, by function`.padEnd(100)}${'us/req'.padStart(8)}`);
       for (const [f, us] of more.slice(0, TOP)) console.log(`${f.slice(0, 100).padEnd(100)}${fmt(us)}`);
+    }
+    if (CALLERS) {
+      console.log(`\nthe gateway's calls to ${CALLERS.source}, by self time (us/req), their nearest callers first`);
+      for (const [chain, us] of [...g.chains].sort((x, y) => y[1] - x[1]).slice(0, 15)) console.log(`${fmt(us)}  ${chain}`);
     }
   } finally {
     await bed.close();
