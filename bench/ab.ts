@@ -30,9 +30,11 @@ import { spin } from './spin.mjs';
 //     alternative (@fastify/rate-limit on Redis, bench/reference-proxy.ts). A variant's ENV may say REDIS_URL=redis to
 //     get the Redis this run starts, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=sink to trace to an
 //     OTLP sink in this process, GATEWAY_CONFIG=export to export every request's usage event to
-//     a sink in this process (the bed's config with usage export on), and BENCH_SPIN_US=5 to add 5 us of CPU to each request
+//     a sink in this process (the bed's config with usage export on; export-refused: a sink that
+//     refuses every batch, so the exporter backs off and the batches' part is left), and BENCH_SPIN_US=5 to add 5 us of CPU to each request
 //     (bench/spin.mjs): the same build made costlier by a known amount, to check the measure.
-//   BENCH_AB_ROUNDS (7), BENCH_AB_SECONDS (4): rounds and seconds per variant and round.
+//   BENCH_AB_ROUNDS (7), BENCH_AB_SECONDS (4): rounds and seconds per variant and round;
+//     BENCH_AB_WARMUP (2): seconds of warm-up in each (10: past V8's optimizing, a steady state).
 //   BENCH_AB_RATE: requests per second to hold (wrk with think time) instead of saturating;
 //     CPU per request below saturation, where the processes do not fight over the cores.
 //   BENCH_AB_ALLOC_ROUNDS (3): fresh processes per variant for the bytes allocated per request.
@@ -43,7 +45,12 @@ const ROUNDS = Number(process.env.BENCH_AB_ROUNDS ?? 7);
 const SECONDS = Number(process.env.BENCH_AB_SECONDS ?? 4);
 const RATE = Number(process.env.BENCH_AB_RATE ?? 0);
 const ALLOC_ROUNDS = Number(process.env.BENCH_AB_ALLOC_ROUNDS ?? 3);
-const WARMUP_SECONDS = 2;
+/**
+ * BENCH_AB_WARMUP (2): seconds a fresh process serves, at the measured rate, before it is
+ * measured. V8 is still optimizing then: a process with more code on its path (usage export)
+ * keeps compiling for some 10,000 requests, which a short warm-up counts in its CPU.
+ */
+const WARMUP_SECONDS = Number(process.env.BENCH_AB_WARMUP ?? 2);
 const SPECS = process.env.BENCH_AB ?? 'redis|dist/gateway/server.js|REDIS_URL=redis,memory|dist/gateway/server.js';
 /** Young generation room for an allocation round's window, so no collection falls in it. */
 const ALLOC_ARGS = ['--expose-gc', '--min-semi-space-size=256', '--max-semi-space-size=256', '--import', resolve('bench/alloc-probe.mjs')];
@@ -100,6 +107,9 @@ function spinTurns(us: number): number {
   return Math.round((us * 1000 * turns) / best);
 }
 
+/** Gateway processes started so far: each one's Redis key prefix. */
+let processes = 0;
+
 async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Variant[]> {
   const variants: Variant[] = [
     { name: 'bare proxy', launch: (args = [], env = {}) => startReference(bed, 'bare', env, args), countable: true },
@@ -109,7 +119,9 @@ async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Va
     const env = Object.fromEntries(settings.map((s) => [s.slice(0, s.indexOf('=')), s.slice(s.indexOf('=') + 1)]));
     if (env.REDIS_URL === 'redis') env.REDIS_URL = bed.redisUrl;
     if (env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT === 'sink') env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = await startOtlpSink(bed);
-    if (env.GATEWAY_CONFIG === 'export') env.GATEWAY_CONFIG = await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8')));
+    if (env.GATEWAY_CONFIG === 'export' || env.GATEWAY_CONFIG === 'export-refused') {
+      env.GATEWAY_CONFIG = await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8')), env.GATEWAY_CONFIG === 'export-refused');
+    }
     const spin = env.BENCH_SPIN_US ? ['--import', resolve('bench/spin.mjs')] : [];
     if (env.BENCH_SPIN_US) env.BENCH_SPIN_ITERS = String(spinTurns(Number(env.BENCH_SPIN_US)));
     // `peer` in place of a build: the usual alternative (@fastify/rate-limit on this run's Redis).
@@ -117,7 +129,10 @@ async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Va
       entry === 'peer'
         ? (args = [], more = {}) =>
             startReference(bed, `peer-${name}`, { RATE_LIMIT_REDIS: bed.redisUrl, ...env, ...more }, [...spin, ...args])
-        : (args = [], more = {}) => startGatewayBuild(bed, entry!, { ...env, ...more }, [...spin, ...args], `gateway-${name}`);
+        : (args = [], more = {}) =>
+            // Keys of its own per process: a usage exporter leads at once, not once the last
+            // round's process's lead has lapsed (15 s), and reads its own stream, not a backlog.
+            startGatewayBuild(bed, entry!, { REDIS_KEY_PREFIX: `ab${++processes}`, ...env, ...more }, [...spin, ...args], `gateway-${name}`);
     variants.push({ name: name!, launch, countable: entry !== 'peer' });
   }
   return variants;

@@ -262,11 +262,12 @@ export async function startOtlpSink(bed: Pick<Bed, 'onClose'>): Promise<string> 
  * and `config` with usage export to it, in a file of its own in the bed's folder: only a process
  * started on that file records and exports events.
  */
-export async function exportConfig(bed: Pick<Bed, 'dir' | 'onClose'>, config: object): Promise<string> {
+export async function exportConfig(bed: Pick<Bed, 'dir' | 'onClose'>, config: object, refusing = false): Promise<string> {
   const port = await freePort();
   const server = createServer((req, res) => {
     req.resume();
-    req.on('end', () => res.writeHead(200).end());
+    // Refusing: the exporter backs off, and what is left is the batches' part of the cost.
+    req.on('end', () => res.writeHead(refusing ? 503 : 200).end());
   });
   await new Promise<void>((r) => server.listen(port, '127.0.0.1', r));
   bed.onClose(() => server.close());

@@ -9,7 +9,8 @@ import { benchBed, cpuUs, exportConfig, need, startGatewayBuild, startOtlpSink, 
 // about half saturation here) for BENCH_PROFILE_SECONDS (12) while `perf record` samples
 // their on-CPU time (Linux perf: apt-get install linux-perf). BENCH_GATEWAY_TRACING=1: the
 // gateway traces every request to an OTLP sink in this process; BENCH_GATEWAY_EXPORT=1: it
-// exports every request's usage event to a sink in this process. node's --cpu-prof would not do:
+// exports every request's usage event to a sink in this process (=refused: a sink that refuses
+// them all, so the exporter backs off and the events' batches are what is left). node's --cpu-prof would not do:
 // it samples wall time, so a process waiting for a core on this crowded machine looks busy.
 // Prints microseconds per request by kind of code (self time), then the gateway's own entry
 // points with what they call (inclusive). BENCH_PROFILE_AGAINST=gateway: the reference is the
@@ -51,6 +52,8 @@ const ROOTS: Array<[string, RegExp]> = [
   ['  the line', /JS:\S*writeAccessLine /],
   ['proxy header rewrites', /JS:\S*rewrite(Request)?Headers \S*dist\/gateway\/http\/proxy/],
   ['ioredis (replies included)', /ioredis\//],
+  ['usage export: the exporter (usage/)', /JS:\S*\s\S*dist\/gateway\/usage\//],
+  ['usage export: the batches (event-batches)', /JS:\S*\s\S*dist\/gateway\/quota\/event-batches/],
   ['tracing: the SDK and its export', /@opentelemetry\//],
   ['tracing: our hooks', /dist\/gateway\/observability\/tracing/],
 ];
@@ -132,10 +135,13 @@ async function main() {
     const env: Record<string, string> = { REDIS_URL: bed.redisUrl };
     const bare =
       process.env.BENCH_PROFILE_AGAINST === 'gateway'
-        ? await startGatewayBuild(bed, build, { ...env }, ['--perf-basic-prof'])
+        ? await startGatewayBuild(bed, build, { ...env, REDIS_KEY_PREFIX: 'reference' }, ['--perf-basic-prof'], 'reference')
         : await startReference(bed, 'bare', {}, ['--perf-basic-prof']);
     if (process.env.BENCH_GATEWAY_TRACING === '1') env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = await startOtlpSink(bed);
-    if (process.env.BENCH_GATEWAY_EXPORT === '1') env.GATEWAY_CONFIG = await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8')));
+    const exporting = process.env.BENCH_GATEWAY_EXPORT;
+    if (exporting === '1' || exporting === 'refused') {
+      env.GATEWAY_CONFIG = await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8')), exporting === 'refused');
+    }
     const gateway = await startGatewayBuild(bed, build, env, ['--perf-basic-prof']);
     pids.push(bare.pid, gateway.pid);
 
@@ -183,8 +189,10 @@ async function main() {
       for (const [f, us] of more.slice(0, TOP)) console.log(`${f.slice(0, 100).padEnd(100)}${fmt(us)}`);
     }
     if (CALLERS) {
+      // BENCH_PROFILE_CHAINS (15): how many chains.
+      const chains = [...g.chains].sort((x, y) => y[1] - x[1]).slice(0, Number(process.env.BENCH_PROFILE_CHAINS ?? 15));
       console.log(`\nthe gateway's calls to ${CALLERS.source}, by self time (us/req), their nearest callers first`);
-      for (const [chain, us] of [...g.chains].sort((x, y) => y[1] - x[1]).slice(0, 15)) console.log(`${fmt(us)}  ${chain}`);
+      for (const [chain, us] of chains) console.log(`${fmt(us)}  ${chain}`);
     }
   } finally {
     await bed.close();
