@@ -38,21 +38,23 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cap = tonumber(ARG.eventsCap)
 local month, soft, window = tonumber(ARG.month), tonumber(ARG.soft), tonumber(ARG.overageWindow)
 local units, written = 0, 0
+-- Each field's offset, looked up once rather than per event.
+local AT, UNITS, REFUND, LEASE, DATA = EVENT.at, EVENT.units, EVENT.refundUnits, EVENT.creditLease, EVENT.data
 for i = REST, #ARGV, EVENT_FIELDS do
-  local function at(field) return ARGV[i + EVENT[field]] end
-  local id = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'request', 'at', at('at'), 'data', at('data'))
-  local refunded = tonumber(at('refundUnits'))
+  local admitted, n = ARGV[i + AT], tonumber(ARGV[i + UNITS])
+  local id = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'request', 'at', admitted, 'data', ARGV[i + DATA])
+  local refunded = tonumber(ARGV[i + REFUND])
   if refunded > 0 then
-    local over = units_back(KEY.counters, refunded, tonumber(at('at')), month, soft, window)
+    local over = units_back(KEY.counters, refunded, tonumber(admitted), month, soft, window)
     redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'refund', 'ref', id, 'units', refunded,
       'overage', over, 'at', now)
   end
   if paid then
-    local lease = at('creditLease')
-    if lease ~= '' then spent[lease] = (spent[lease] or 0) + tonumber(at('units')) end
+    local lease = ARGV[i + LEASE]
+    if lease ~= '' then spent[lease] = (spent[lease] or 0) + n end
     refundedCredits = refundedCredits + refunded
   end
-  units = units + tonumber(at('units'))
+  units = units + n
   written = written + 1
 end
 for lease, n in pairs(spent) do spend('h:' .. lease, n) end
