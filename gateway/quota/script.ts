@@ -387,8 +387,8 @@ export type BatchEvent = Record<(typeof EVENT_FIELDS)[number], string | number>;
 export const EVENT_VALUES = EVENT_FIELDS.length;
 /**
  * Appends an event's values to a batch's, in EVENT_FIELDS's order: a batch is kept as the flat
- * list usagebatch.lua takes, not as an object an event, which would outlive young-generation
- * collections while the batch fills. Built from the names once (never input).
+ * list usagebatch.lua takes, so nothing is copied out of objects when it is sent. Built from the
+ * names once (never input).
  */
 export const appendBatchEvent = compiled<(values: Array<string | number>, e: BatchEvent) => void>(
   'values, e',
