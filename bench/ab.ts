@@ -132,7 +132,13 @@ async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Va
         : (args = [], more = {}) =>
             // Keys of its own per process: a usage exporter leads at once, not once the last
             // round's process's lead has lapsed (15 s), and reads its own stream, not a backlog.
-            startGatewayBuild(bed, entry!, { REDIS_KEY_PREFIX: `ab${++processes}`, ...env, ...more }, [...spin, ...args], `gateway-${name}`);
+            startGatewayBuild(
+              bed,
+              entry!,
+              { REDIS_KEY_PREFIX: `ab${++processes}`, ...env, ...more },
+              [...spin, ...args],
+              `gateway-${name}`,
+            );
     variants.push({ name: name!, launch, countable: entry !== 'peer' });
   }
   return variants;

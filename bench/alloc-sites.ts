@@ -68,9 +68,15 @@ async function main() {
   try {
     const entry = process.env.BENCH_GATEWAY ?? 'dist/gateway/server.js';
     await sample('bare proxy', (args, env) => startReference(bed, 'bare', env, args), bed.dir, bed.key);
-    const exporting =
-      process.env.BENCH_GATEWAY_EXPORT === '1' && { GATEWAY_CONFIG: await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8'))) };
-    await sample('gateway', (args, env) => startGatewayBuild(bed, entry, { REDIS_URL: bed.redisUrl, ...exporting, ...env }, args), bed.dir, bed.key);
+    const exporting = process.env.BENCH_GATEWAY_EXPORT === '1' && {
+      GATEWAY_CONFIG: await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8'))),
+    };
+    await sample(
+      'gateway',
+      (args, env) => startGatewayBuild(bed, entry, { REDIS_URL: bed.redisUrl, ...exporting, ...env }, args),
+      bed.dir,
+      bed.key,
+    );
   } finally {
     await bed.close();
   }

@@ -121,7 +121,14 @@ async function profile(pid: number, load: () => Promise<number>, dir: string, na
   }
   fold();
   const perRequest = (m: Map<string, number>) => new Map([...m].map(([k, n]) => [k, (n * 1e6) / HZ / requests]));
-  return { requests, cpuUs: cpu, self: perRequest(self), roots: perRequest(roots), functions: perRequest(functions), chains: perRequest(chains) };
+  return {
+    requests,
+    cpuUs: cpu,
+    self: perRequest(self),
+    roots: perRequest(roots),
+    functions: perRequest(functions),
+    chains: perRequest(chains),
+  };
 }
 
 async function main() {

@@ -95,7 +95,14 @@ function authorizationFields(raw: string[]): number {
 /** What a key's usage event says of its request: only built when its usage is exported. */
 function eventTag(request: FastifyRequest): EventTag {
   const { consumer, route } = request.ctx;
-  return { requestId: request.id, keyId: consumer!.id, plan: consumer!.plan, route: route ?? 'none', method: request.method, eventId: undefined };
+  return {
+    requestId: request.id,
+    keyId: consumer!.id,
+    plan: consumer!.plan,
+    route: route ?? 'none',
+    method: request.method,
+    eventId: undefined,
+  };
 }
 
 /** Admission's headers on the reply, its outcome and its usage event's id (the tag's: EventTag.eventId) in the context; returns the refusal. */

@@ -242,7 +242,8 @@ describe('a key with credits and usage export, leased', () => {
   /** Five units of the lease `lease` written in one batch, the fifth refunded (its backend failed): the batch's values. */
   const fiveEvents = (lease: string) => {
     const values: Array<string | number> = [];
-    for (let i = 0; i < 5; i++) appendBatchEvent(values, { at: Date.now(), units: 1, refundUnits: i === 4 ? 1 : 0, creditLease: lease, data: '{}' });
+    for (let i = 0; i < 5; i++)
+      appendBatchEvent(values, { at: Date.now(), units: 1, refundUnits: i === 4 ? 1 : 0, creditLease: lease, data: '{}' });
     return values;
   };
   const credited = async (s: QuotaSubject) => {

@@ -122,9 +122,21 @@ describe("a leased admission's event data", () => {
       credits: null,
     });
     expect(events).toEqual([
-      { at: 1_700_000_000_000, units: 1, refundUnits: 0, creditLease: 'L1', data: data(odd, 200, { minute: 3, hour: null, day: 41, month: null }) },
+      {
+        at: 1_700_000_000_000,
+        units: 1,
+        refundUnits: 0,
+        creditLease: 'L1',
+        data: data(odd, 200, { minute: 3, hour: null, day: 41, month: null }),
+      },
       { at: 1_700_000_000_500, units: 1, refundUnits: 1, creditLease: '', data: data('r', 502, { minute: 4, hour: 9, day: 42, month: 7 }) },
-      { at: 1_700_000_001_000, units: 1, refundUnits: 0, creditLease: '', data: data('r', null, { minute: 5, hour: null, day: 43, month: null }) },
+      {
+        at: 1_700_000_001_000,
+        units: 1,
+        refundUnits: 0,
+        creditLease: '',
+        data: data('r', null, { minute: 5, hour: null, day: 43, month: null }),
+      },
     ]);
   });
 });
