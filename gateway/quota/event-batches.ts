@@ -38,9 +38,8 @@ interface Open {
 interface Batch {
   subject: QuotaSubject;
   id: string;
-  /** Its events' values, as usagebatch.lua takes them (appendBatchEvent). */
+  /** Its events' values, as usagebatch.lua takes them (appendBatchEvent): EVENT_VALUES an event. */
   values: Array<string | number>;
-  events: number;
   sending: boolean;
   attempts: number;
 }
@@ -180,7 +179,7 @@ export class EventBatches {
       for (let i = 0; i < values.length; i += perCall) {
         const id = `${this.deps.instanceId}:${++this.batches}`;
         const part = values.length <= perCall ? values : values.slice(i, i + perCall);
-        this.outbox.push({ subject, id, values: part, events: part.length / EVENT_VALUES, sending: false, attempts: 0 });
+        this.outbox.push({ subject, id, values: part, sending: false, attempts: 0 });
       }
     }
     if (this.droppedSince > 0) {
@@ -199,13 +198,19 @@ export class EventBatches {
     try {
       await this.deps.send(b.subject, b.id, b.values);
       this.outbox.splice(this.outbox.indexOf(b), 1);
-      this.kept -= b.events;
+      this.kept -= b.values.length / EVENT_VALUES;
       this.deps.written(b.subject);
     } catch (err) {
       // Kept with its id, sent again at the next flush: written once however often it is sent.
       b.attempts++;
       this.deps.log.warn(
-        { account: b.subject.name, batch: b.id, events: b.events, attempts: b.attempts, cause: (err as Error).message },
+        {
+          account: b.subject.name,
+          batch: b.id,
+          events: b.values.length / EVENT_VALUES,
+          attempts: b.attempts,
+          cause: (err as Error).message,
+        },
         'usage events: a batch was not written; it is sent again',
       );
       this.deps.written(b.subject);

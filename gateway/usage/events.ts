@@ -179,10 +179,14 @@ function creditsEvent(account: string, source: string, id: string, f: Record<str
   return { ...head(account, source, id, CREDITS_TYPES[f.entry!]!, f.at!), data };
 }
 
-/** A request entry's status: carried by a leased admission's ('-': none known), joined from `statuses` for another's (undefined: not yet). */
+/**
+ * A request entry's status, for an entry that is not a leased one of today's form (isLeasedEntry:
+ * its status is in its data): carried by a leased one in the old form ('-': none known), joined
+ * from `statuses` for quota.lua's (undefined: not yet).
+ */
 function statusOf(id: string, f: Record<string, string>, statuses: ReadonlyMap<string, number>): number | null | undefined {
   if (f.status !== undefined) return f.status === '-' ? null : Number(f.status);
-  return f[DATA_FIELD] !== undefined ? null : statuses.get(id);
+  return statuses.get(id);
 }
 
 /**
@@ -229,11 +233,8 @@ export function toCloudEvents(
     }
     const f = fieldsOf(list);
     if (f.kind === 'request') {
-      if (f[DATA_FIELD] !== undefined) events.push(leased(id, f.at!, f[DATA_FIELD]));
-      else {
-        if (f.status === undefined) joined.push(id);
-        events.push(JSON.stringify(requestEvent(account, source, id, f, statusOf(id, f, statuses) ?? null)));
-      }
+      if (f.status === undefined) joined.push(id);
+      events.push(JSON.stringify(requestEvent(account, source, id, f, statusOf(id, f, statuses) ?? null)));
     } else if (f.kind === 'refund') {
       events.push(JSON.stringify(refundEvent(account, source, id, f)));
     } else if (f.kind === 'credits') {
