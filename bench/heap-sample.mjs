@@ -3,7 +3,7 @@
 // survived), one sample per HEAP_SAMPLE_BYTES on average. The first SIGWINCH starts it, the
 // second writes the profile to HEAP_SAMPLE_FILE. HEAP_SAMPLE_SURVIVED=1: objects a young-generation
 // collection took are left out, so it shows what outlived one (promoted, or alive at the end).
-import { writeFileSync } from 'node:fs';
+import { renameSync, writeFileSync } from 'node:fs';
 import { Session } from 'node:inspector';
 import process from 'node:process';
 
@@ -23,6 +23,9 @@ process.on('SIGWINCH', () => {
     return;
   }
   session.post('HeapProfiler.stopSampling', (err, result) => {
-    writeFileSync(process.env.HEAP_SAMPLE_FILE, err ? JSON.stringify({ error: String(err) }) : JSON.stringify(result.profile));
+    // Written aside, then renamed: the bench waits for the file's name, so it never reads half of it.
+    const file = process.env.HEAP_SAMPLE_FILE;
+    writeFileSync(`${file}.part`, err ? JSON.stringify({ error: String(err) }) : JSON.stringify(result.profile));
+    renameSync(`${file}.part`, file);
   });
 });
