@@ -1,7 +1,7 @@
 import type { FastifyBaseLogger } from 'fastify';
 import { leasedDataAfter, leasedDataBefore, windowsJson } from '../usage/events.js';
 import type { EventTag, QuotaSubject } from './decision.js';
-import { appendBatchEvent, EVENT_VALUES } from './script.js';
+import { addBatchEvent, type BatchEvents, batchEvents, eventsIn } from './script.js';
 import { type Counts, fixedLimits } from './windows.js';
 
 /** Events in one script call at most: its ARGV stays a few hundred kB. */
@@ -38,15 +38,15 @@ interface Open {
 interface Batch {
   subject: QuotaSubject;
   id: string;
-  /** Its events' values, as usagebatch.lua takes them (appendBatchEvent): EVENT_VALUES an event. */
-  values: Array<string | number>;
+  /** Its events, as usagebatch.lua takes them (script.ts, usageBatchArgs). */
+  events: BatchEvents;
   sending: boolean;
   attempts: number;
 }
 
 export interface EventBatchDeps {
   /** usagebatch.lua for an account: rejects on any failure (the batch is then sent again). */
-  send(subject: QuotaSubject, batchId: string, values: ReadonlyArray<string | number>): Promise<unknown>;
+  send(subject: QuotaSubject, batchId: string, events: BatchEvents): Promise<unknown>;
   /** The account's stream was written to: mark it for the exporter. */
   written(subject: QuotaSubject): void;
   log: FastifyBaseLogger;
@@ -75,7 +75,9 @@ export interface EventBatchDeps {
  */
 export class EventBatches {
   private readonly open = new Map<string, Open>();
-  private ready = new Map<string, { subject: QuotaSubject; values: Array<string | number> }>();
+  /** Per account, the events ready for its next call; `full`: calls of PER_CALL events, ready. */
+  private ready = new Map<string, { subject: QuotaSubject; events: BatchEvents }>();
+  private full: Array<{ subject: QuotaSubject; events: BatchEvents }> = [];
   private readyCount = 0;
   private readonly outbox: Batch[] = [];
   private kept = 0;
@@ -148,14 +150,12 @@ export class EventBatches {
     this.open.delete(eventId);
     const name = o.subject.name;
     let account = this.ready.get(name);
-    if (!account) this.ready.set(name, (account = { subject: o.subject, values: [] }));
-    appendBatchEvent(account.values, {
-      at: o.at,
-      units: 1,
-      refundUnits: o.refundUnits,
-      creditLease: o.creditLease,
-      data: o.before + status + o.after,
-    });
+    if (!account) this.ready.set(name, (account = { subject: o.subject, events: batchEvents() }));
+    addBatchEvent(account.events, o.at, o.before + status + o.after, o.refundUnits, o.creditLease);
+    if (eventsIn(account.events) === PER_CALL) {
+      this.full.push(account);
+      this.ready.delete(name);
+    }
     // A full call's worth: written now rather than at the interval.
     if (++this.readyCount === PER_CALL) setImmediate(() => void this.flush());
   }
@@ -171,17 +171,12 @@ export class EventBatches {
   async flush(all = false): Promise<void> {
     const now = this.deps.mono();
     for (const [id, o] of this.open) if (all || now - o.bornMono >= this.statusWaitMs) this.toReady(id, o, null);
-    const ready = this.ready;
+    for (const { subject, events } of [...this.full, ...this.ready.values()]) {
+      this.outbox.push({ subject, id: `${this.deps.instanceId}:${++this.batches}`, events, sending: false, attempts: 0 });
+    }
+    this.full = [];
     this.ready = new Map();
     this.readyCount = 0;
-    const perCall = PER_CALL * EVENT_VALUES;
-    for (const { subject, values } of ready.values()) {
-      for (let i = 0; i < values.length; i += perCall) {
-        const id = `${this.deps.instanceId}:${++this.batches}`;
-        const part = values.length <= perCall ? values : values.slice(i, i + perCall);
-        this.outbox.push({ subject, id, values: part, sending: false, attempts: 0 });
-      }
-    }
     if (this.droppedSince > 0) {
       this.deps.log.warn(
         { dropped: this.droppedSince },
@@ -196,9 +191,9 @@ export class EventBatches {
   private async send(b: Batch): Promise<void> {
     b.sending = true;
     try {
-      await this.deps.send(b.subject, b.id, b.values);
+      await this.deps.send(b.subject, b.id, b.events);
       this.outbox.splice(this.outbox.indexOf(b), 1);
-      this.kept -= b.values.length / EVENT_VALUES;
+      this.kept -= eventsIn(b.events);
       this.deps.written(b.subject);
     } catch (err) {
       // Kept with its id, sent again at the next flush: written once however often it is sent.
@@ -207,7 +202,7 @@ export class EventBatches {
         {
           account: b.subject.name,
           batch: b.id,
-          events: b.values.length / EVENT_VALUES,
+          events: eventsIn(b.events),
           attempts: b.attempts,
           cause: (err as Error).message,
         },

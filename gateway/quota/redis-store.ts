@@ -23,6 +23,7 @@ import {
   settledFrom,
   unbanArgs,
   usageBatchArgs,
+  type BatchEvents,
   writeBackArgs,
 } from './script.js';
 import { LATE, RedisHealth, within } from './redis-health.js';
@@ -309,8 +310,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   }
 
   /** usagebatch.lua for one account, bounded by timeoutMs like every call on the request's behalf. */
-  private async sendBatch(subject: QuotaSubject, batchId: string, values: ReadonlyArray<string | number>): Promise<void> {
-    const call = this.redis.usagebatch(...usageBatchArgs(subject, batchId, values));
+  private async sendBatch(subject: QuotaSubject, batchId: string, events: BatchEvents): Promise<void> {
+    const call = this.redis.usagebatch(...usageBatchArgs(subject, batchId, events));
     if ((await within(call, this.timeoutMs)) === LATE) throw new Error(`no answer within REDIS_TIMEOUT_MS (${this.timeoutMs} ms)`);
   }
 

@@ -4,7 +4,7 @@ import { subjectKey } from '../redis/keys.js';
 import { luaList, packer, positions, prelude, type Wires, wiresArgs, wired } from '../redis/wires.js';
 import { type EventTag, OUTCOMES, type QuotaSubject, softQuota, type WindowCounts } from './decision.js';
 import type { Lease } from './lease-book.js';
-import { compiled, type Counts, countsFrom, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from './windows.js';
+import { type Counts, countsFrom, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from './windows.js';
 import type { WriteBack } from './degraded-budget.js';
 import { type TopUp, topUpFingerprint } from './store.js';
 
@@ -373,33 +373,41 @@ export const unbanArgs = (name: string) =>
 // usagebatch.lua: the events of leased admissions, a batch per account, with their refunds.
 export const USAGE_BATCH = {
   keys: ['events', 'cursor', 'batch', 'counters', 'credits'],
-  argv: ['eventsCap', 'month', 'soft', 'overageWindow', 'paidWithCredits'],
+  argv: ['eventsCap', 'month', 'soft', 'overageWindow', 'paidWithCredits', 'events', 'refunds'],
 } as const satisfies Wires<string, string>;
-/**
- * One event's values in a batch, in order, after USAGE_BATCH.argv (usagebatch.lua reads them by
- * name, at their offsets in EVENT): when it was admitted (Redis ms), its units, its refund's
- * units (0: none), the credit lease its credit came from ('': none), and its CloudEvent data,
- * already in JSON (usage/events.ts, DATA_FIELD).
- */
-const EVENT_FIELDS = ['at', 'units', 'refundUnits', 'creditLease', 'data'] as const;
-export type BatchEvent = Record<(typeof EVENT_FIELDS)[number], string | number>;
-/** How many values an event has in a batch. */
-export const EVENT_VALUES = EVENT_FIELDS.length;
-/**
- * Appends an event's values to a batch's, in EVENT_FIELDS's order: a batch is kept as the flat
- * list usagebatch.lua takes, so nothing is copied out of objects when it is sent. Built from the
- * names once (never input).
- */
-export const appendBatchEvent = compiled<(values: Array<string | number>, e: BatchEvent) => void>(
-  'values, e',
-  `values.push(${EVENT_FIELDS.map((f) => `e.${f}`).join(', ')});`,
-);
 
 /**
- * usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of the events whose values
- * (appendBatchEvent) are `values` (a refund's overage taken back as refund.lua's).
+ * The events of one usagebatch.lua call, as event-batches.ts builds them: each event two values
+ * (what most events have), what only some have apart, so each event costs the client and Redis
+ * two arguments, not five (docs/performance.md).
  */
-export function usageBatchArgs(subject: QuotaSubject, batchId: string, values: ReadonlyArray<string | number>): Array<string | number> {
+export interface BatchEvents {
+  /** Per event, one unit each: when it was admitted (Redis ms), and its CloudEvent data, in JSON with its status (usage/events.ts, DATA_FIELD). */
+  values: Array<string | number>;
+  /** Per refunded event: its index in the batch, and its refund's units. */
+  refunds: number[];
+  /** Per credit lease the events' credits came from: how many of them. */
+  spends: Map<string, number>;
+}
+
+export const batchEvents = (): BatchEvents => ({ values: [], refunds: [], spends: new Map() });
+
+/** How many events a batch holds. */
+export const eventsIn = (b: BatchEvents) => b.values.length / 2;
+
+/** Adds an event (one unit) to `b`: `refundUnits` 0 for none, `creditLease` '' for none. */
+export function addBatchEvent(b: BatchEvents, at: number, data: string, refundUnits: number, creditLease: string): void {
+  if (refundUnits > 0) b.refunds.push(eventsIn(b), refundUnits);
+  if (creditLease !== '') b.spends.set(creditLease, (b.spends.get(creditLease) ?? 0) + 1);
+  b.values.push(at, data);
+}
+
+/**
+ * usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of the events `b` (a refund's
+ * overage taken back as refund.lua's). From REST on: each event's `at, data`, then each refund's
+ * `index, units` (the index from 0), then each credit lease's `id, events`.
+ */
+export function usageBatchArgs(subject: QuotaSubject, batchId: string, b: BatchEvents): Array<string | number> {
   const { name, limits } = subject;
   const keys: Record<(typeof USAGE_BATCH.keys)[number], string> = {
     events: subjectKey.events(name),
@@ -414,14 +422,12 @@ export function usageBatchArgs(subject: QuotaSubject, batchId: string, values: R
     month: limits.perMonth ? 1 : 0,
     soft: softQuota(subject),
     overageWindow: limits.perMonth ? 1 : 2,
+    events: eventsIn(b),
+    refunds: b.refunds.length / 2,
   };
-  return wiresArgs(USAGE_BATCH, keys, argv, values);
+  const spends = [...b.spends].flat();
+  return wiresArgs(USAGE_BATCH, keys, argv, b.refunds.length + spends.length === 0 ? b.values : [...b.values, ...b.refunds, ...spends]);
 }
-
-/** An event's fields' offsets from its first value (EVENT.at is 0), and how many values an event has. */
-const USAGE_BATCH_LUA = `local EVENT = {${EVENT_FIELDS.map((f, i) => `${f} = ${i}`).join(', ')}}
-local EVENT_FIELDS = ${EVENT_FIELDS.length}
-`;
 
 /** The scripts' commands on a connection: `redis.quota(...quotaArgs(...))` and so on. */
 export function defineScripts(redis: RedisClient): void {
@@ -431,7 +437,7 @@ export function defineScripts(redis: RedisClient): void {
   redis.defineCommand('writeback', { numberOfKeys: WRITEBACK.keys.length, lua: script(WRITEBACK, './writeback.lua') });
   redis.defineCommand('usagebatch', {
     numberOfKeys: USAGE_BATCH.keys.length,
-    lua: USAGE_BATCH_LUA + script(USAGE_BATCH, './units-back.lua', './usagebatch.lua'),
+    lua: script(USAGE_BATCH, './units-back.lua', './usagebatch.lua'),
   });
   redis.defineCommand('heartbeat', { numberOfKeys: HEARTBEAT.keys.length, lua: wired(HEARTBEAT, source('./heartbeat.lua')) });
   redis.defineCommand('unban', { numberOfKeys: UNBAN.keys.length, lua: wired(UNBAN, source('./unban.lua')) });

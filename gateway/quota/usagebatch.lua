@@ -3,12 +3,13 @@
 -- Wires named in script.ts (USAGE_BATCH). KEY: the account's usage events (stream), the
 -- exporter's cursor over it (hash: `unsettled` lives there), this batch's id, and the account's
 -- counters. One hash tag: one Cluster slot, with the counters quota.lua leased the units from.
--- ARG: the stream's cap; `month`, `soft` and `overageWindow` as refund.lua's; then, from REST,
--- EVENT_FIELDS values per event, read at their offsets by name (EVENT, script.ts): when it was
--- admitted (Redis time, ms), its units, the units of its refund (0: none), and its CloudEvent
--- data, encoded by its instance with its final status (usage/events.ts): the entry holds it as
--- it is, so the exporter reads back three fields, not fifteen. Each event's units leave
--- `unsettled`, where quota.lua put them when it leased them; a refund's units leave the windows
+-- ARG: the stream's cap; `month`, `soft` and `overageWindow` as refund.lua's; how many events
+-- and refunds. From REST (script.ts, usageBatchArgs): per event (one unit each) when it was
+-- admitted (Redis time, ms) and its CloudEvent data, encoded by its instance with its final
+-- status (usage/events.ts): the entry holds it as it is, so the exporter reads back three fields,
+-- not fifteen; then per refund the index of its event (from 0) and its units; then per credit
+-- lease its id and how many of the events it paid. Each event's unit leaves
+-- `unsettled`, where quota.lua put it when it leased it; a refund's units leave the windows
 -- here too (units-back.lua), in the same run: until then they stay counted and unsettled, so
 -- what the day counted = events written net of refunds + unsettled, whenever the instance dies.
 -- With credits (`paidWithCredits` 1), each event names the credit lease its credit came from:
@@ -32,32 +33,30 @@ local function spend(field, units)
   redis.call('HSET', KEY.credits, 'r', math.max(0, (tonumber(redis.call('HGET', KEY.credits, 'r')) or 0) - n))
 end
 local paid = tonumber(ARG.paidWithCredits) == 1
-local spent, refundedCredits = {}, 0
+local refundedCredits = 0
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cap = tonumber(ARG.eventsCap)
 local month, soft, window = tonumber(ARG.month), tonumber(ARG.soft), tonumber(ARG.overageWindow)
-local units, written = 0, 0
--- Each field's offset, looked up once rather than per event.
-local AT, UNITS, REFUND, LEASE, DATA = EVENT.at, EVENT.units, EVENT.refundUnits, EVENT.creditLease, EVENT.data
-for i = REST, #ARGV, EVENT_FIELDS do
-  local admitted, n = ARGV[i + AT], tonumber(ARGV[i + UNITS])
-  local id = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'request', 'at', admitted, 'data', ARGV[i + DATA])
-  local refunded = tonumber(ARGV[i + REFUND])
-  if refunded > 0 then
+local n = tonumber(ARG.events)
+-- The refunds' values start after the events', the credit leases' after the refunds'.
+local refund, leases = REST + 2 * n, REST + 2 * n + 2 * tonumber(ARG.refunds)
+for k = 0, n - 1 do
+  local i = REST + 2 * k
+  local admitted = ARGV[i]
+  local id = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'request', 'at', admitted, 'data', ARGV[i + 1])
+  if refund < leases and tonumber(ARGV[refund]) == k then
+    local refunded = tonumber(ARGV[refund + 1])
+    refund = refund + 2
     local over = units_back(KEY.counters, refunded, tonumber(admitted), month, soft, window)
     redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'refund', 'ref', id, 'units', refunded,
       'overage', over, 'at', now)
+    if paid then refundedCredits = refundedCredits + refunded end
   end
-  if paid then
-    local lease = ARGV[i + LEASE]
-    if lease ~= '' then spent[lease] = (spent[lease] or 0) + n end
-    refundedCredits = refundedCredits + refunded
-  end
-  units = units + n
-  written = written + 1
 end
-for lease, n in pairs(spent) do spend('h:' .. lease, n) end
+if paid then
+  for i = leases, #ARGV, 2 do spend('h:' .. ARGV[i], tonumber(ARGV[i + 1])) end
+end
 if refundedCredits > 0 then redis.call('HINCRBY', KEY.credits, 'p', refundedCredits) end
-redis.call('HINCRBY', KEY.cursor, 'unsettled', -units)
-return written
+redis.call('HINCRBY', KEY.cursor, 'unsettled', -n)
+return n

@@ -1,7 +1,7 @@
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
-import { DATA_FIELD, nextId, type StreamEntry } from './events.js';
+import { DATA_FIELD, nextId, type UsageEntries } from './events.js';
 
 // The streams' cursors, moved only under the lead in force: each move carries the fencing
 // token its leader got when it took the lead (leader.ts), as Kleppmann's fencing tokens do.
@@ -73,10 +73,12 @@ return dropped - known`,
 } as const satisfies Script<string, string>;
 
 /**
- * Up to `count` entries after `after` ('': the cursor), with the cursor, the statuses found for
- * them (id, status, id, status...) and the stream's length: what a round needs of an account, in
- * one call in its slot. A leased admission's entry carries its status in its data (its last
- * field, DATA_FIELD in events.ts): only the others are looked up.
+ * Up to `count` entries after `after` ('': the cursor), flat (events.ts, UsageEntries: a leased
+ * admission's as `id, at, data`, usagebatch.lua's layout `kind request at <ms> data <json>`
+ * checked here; any other as `id, '', fields`), with the cursor, the statuses found for them
+ * (id, status, id, status...) and the stream's length: what a round needs of an account, in one
+ * call in its slot. A leased admission's entry carries its status in its data: only the others
+ * are looked up.
  */
 const READ_USAGE = {
   keys: ['cursor', 'stream', 'statuses'],
@@ -85,9 +87,18 @@ const READ_USAGE = {
 local after = ARG.after
 if after == '' then after = cursor end
 local entries = redis.call('XRANGE', KEY.stream, '(' .. after, '+', 'COUNT', ARG.count)
-local ids = {}
+local flat, ids = {}, {}
 for _, e in ipairs(entries) do
-  if e[2][#e[2] - 1] ~= '${DATA_FIELD}' then ids[#ids + 1] = e[1] end
+  local f = e[2]
+  flat[#flat + 1] = e[1]
+  if #f == 6 and f[5] == '${DATA_FIELD}' and f[1] == 'kind' and f[2] == 'request' and f[3] == 'at' then
+    flat[#flat + 1] = f[4]
+    flat[#flat + 1] = f[6]
+  else
+    ids[#ids + 1] = e[1]
+    flat[#flat + 1] = ''
+    flat[#flat + 1] = f
+  end
 end
 local found = {}
 for i = 1, #ids, 500 do
@@ -100,12 +111,12 @@ for i = 1, #ids, 500 do
     end
   end
 end
-return {cursor, entries, found, redis.call('XLEN', KEY.stream)}`,
+return {cursor, flat, found, redis.call('XLEN', KEY.stream)}`,
 } as const satisfies Script<string, string>;
 
 type Args = Array<string | number>;
 type CursorRedis = RedisClient & {
-  readUsage(...keysThenArgs: Args): Promise<[string, StreamEntry[], string[], number]>;
+  readUsage(...keysThenArgs: Args): Promise<[string, UsageEntries, string[], number]>;
   moveUsage(...keysThenArgs: Args): Promise<number>;
   moveAlerts(...keysThenArgs: Args): Promise<number>;
   countDropped(...keysThenArgs: Args): Promise<number>;
@@ -130,7 +141,8 @@ const usageKeys = (name: string) => ({
 export interface UsageRead {
   /** The cursor id ('0-0': none yet). */
   cursor: string;
-  entries: StreamEntry[];
+  /** Flat: events.ts, UsageEntries. */
+  entries: UsageEntries;
   /** The statuses joined to the entries, by their ids. */
   statuses: Map<string, number>;
   /** The stream's length. */

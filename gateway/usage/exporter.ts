@@ -4,7 +4,7 @@ import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { accountsOf, ActiveIndex, type Marked } from './active.js';
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
-import { consumable, type EncodedEvent, toCloudEvents } from './events.js';
+import { consumable, ENTRY, type EncodedEvent, entryId, toCloudEvents } from './events.js';
 import { Sweep } from './sweep.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost } from './leader.js';
 import type { Accepted, UsageSink } from './sink.js';
@@ -106,7 +106,7 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     let oldest = now;
     for (const r of reads) {
       if (r.entries.length === 0) continue;
-      oldest = Math.min(oldest, Number(r.entries[0]![0].split('-')[0]));
+      oldest = Math.min(oldest, Number(entryId(r.entries, 0).split('-')[0]));
       const { events, last, joined } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, r.consumed);
       for (const e of events) batch.push(e);
       if (last) moves.push({ name: r.name, events: events.length, move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined } });
@@ -122,7 +122,7 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     if (refused >= 0)
       throw new LeadLost(`the cursor of ${subjectKey.events(moves[refused]!.name)} was ${REFUSED[moved[refused] as 'fenced']}`);
     // Sent all it read, and read less than it asked for: nothing of it was left when the score was read.
-    const done = new Set(reads.filter((r) => !r.more && r.consumed === r.entries.length).map((r) => r.name));
+    const done = new Set(reads.filter((r) => !r.more && r.consumed * ENTRY === r.entries.length).map((r) => r.name));
     await this.index.unmark(
       config,
       picked.filter((m) => done.has(m.name) || account(m.name) === undefined),
@@ -151,19 +151,28 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
       wanting = wanting.slice(0, room);
       const share = Math.max(1, Math.floor(room / wanting.length));
       const got = await Promise.all(
-        wanting.map((r) => readUsage(this.redis, r.name, pass === 0 ? undefined : r.entries.at(-1)?.[0], share)),
+        wanting.map((r) =>
+          readUsage(
+            this.redis,
+            r.name,
+            pass === 0 || r.entries.length === 0 ? undefined : entryId(r.entries, r.entries.length / ENTRY - 1),
+            share,
+          ),
+        ),
       );
       wanting.forEach((r, i) => {
         const read = got[i]!;
         if (pass === 0) r.cursor = read.cursor;
-        r.entries.push(...read.entries);
+        if (pass === 0) r.entries = read.entries;
+        else for (const v of read.entries) r.entries.push(v);
         for (const [id, status] of read.statuses) r.statuses.set(id, status);
         r.length = read.length;
-        r.more = read.entries.length === share;
-        room -= read.entries.length;
+        const n = read.entries.length / ENTRY;
+        r.more = n === share;
+        room -= n;
         // An entry still waiting for its status stops its account's batch there: no more of it this round.
         r.consumed = consumable(r.entries, r.statuses, now);
-        if (r.consumed < r.entries.length) r.more = false;
+        if (r.consumed * ENTRY < r.entries.length) r.more = false;
       });
       wanting = wanting.filter((r) => r.more);
     }

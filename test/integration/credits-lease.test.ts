@@ -7,7 +7,7 @@ import { LeasingInstance } from '../helpers/lease-instance.js';
 import { usageView } from '../../gateway/quota/usage-view.js';
 import { leaseOf } from '../../gateway/quota/lease-book.js';
 import { EventBatches } from '../../gateway/quota/event-batches.js';
-import { appendBatchEvent, defineScripts, quotaArgs, quotaReply, usageBatchArgs } from '../../gateway/quota/script.js';
+import { addBatchEvent, batchEvents, defineScripts, quotaArgs, quotaReply, usageBatchArgs } from '../../gateway/quota/script.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
 import { echoBackend, type EchoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
@@ -241,10 +241,9 @@ describe('a key with credits and usage export, leased', () => {
   const tag = (rid: string) => ({ requestId: rid, keyId: 'k', plan: 'prepaid', route: 'listPets', method: 'GET' });
   /** Five units of the lease `lease` written in one batch, the fifth refunded (its backend failed): the batch's values. */
   const fiveEvents = (lease: string) => {
-    const values: Array<string | number> = [];
-    for (let i = 0; i < 5; i++)
-      appendBatchEvent(values, { at: Date.now(), units: 1, refundUnits: i === 4 ? 1 : 0, creditLease: lease, data: '{}' });
-    return values;
+    const events = batchEvents();
+    for (let i = 0; i < 5; i++) addBatchEvent(events, Date.now(), '{}', i === 4 ? 1 : 0, lease);
+    return events;
   };
   const credited = async (s: QuotaSubject) => {
     const [g, p, r] = await redis.hmget(subjectKey.credits(s.name), 'g', 'p', 'r');

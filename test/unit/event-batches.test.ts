@@ -2,6 +2,7 @@ import type { FastifyBaseLogger } from 'fastify';
 import { describe, expect, it } from 'vitest';
 import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { EventBatches, MAX_KEPT } from '../../gateway/quota/event-batches.js';
+import type { BatchEvents } from '../../gateway/quota/script.js';
 import { loadSettings } from '../../gateway/config/settings.js';
 
 /** The shipped settings: what the batches run at unless a test says why not. */
@@ -76,9 +77,9 @@ describe('a leased admission waiting for its status', () => {
 describe("a leased admission's event data", () => {
   /** The batches of one flush, as usagebatch.lua would be sent them: each event's data parsed, with its other values. */
   const written = async (admit: (b: EventBatches) => void) => {
-    const sent: Array<ReadonlyArray<string | number>> = [];
+    const sent: BatchEvents[] = [];
     const batches = new EventBatches({
-      send: async (_s, _id, values) => void sent.push(values),
+      send: async (_s, _id, events) => void sent.push(events),
       written: () => {},
       log: silent,
       instanceId: 'i',
@@ -89,13 +90,15 @@ describe("a leased admission's event data", () => {
     });
     admit(batches);
     await batches.close();
-    // usagebatch.lua's order (script.ts, EVENT_FIELDS): at, units, refundUnits, creditLease, data.
-    return sent.flatMap((values) =>
-      Array.from({ length: values.length / 5 }, (_, i) => {
-        const [at, units, refundUnits, creditLease, data] = values.slice(i * 5, i * 5 + 5);
-        return { at, units, refundUnits, creditLease, data: JSON.parse(String(data)) as unknown };
-      }),
-    );
+    // usagebatch.lua's layout (script.ts, usageBatchArgs): at and data per event; refunds and credit spends apart.
+    return sent.map(({ values, refunds, spends }) => ({
+      events: Array.from({ length: values.length / 2 }, (_, i) => ({
+        at: values[2 * i],
+        data: JSON.parse(String(values[2 * i + 1])) as unknown,
+      })),
+      refunds,
+      spends: Object.fromEntries(spends),
+    }));
   };
 
   it('is the JSON a sink bills by, its status and refund joined, whatever the request id holds', async () => {
@@ -123,19 +126,14 @@ describe("a leased admission's event data", () => {
     });
     expect(events).toEqual([
       {
-        at: 1_700_000_000_000,
-        units: 1,
-        refundUnits: 0,
-        creditLease: 'L1',
-        data: data(odd, 200, { minute: 3, hour: null, day: 41, month: null }),
-      },
-      { at: 1_700_000_000_500, units: 1, refundUnits: 1, creditLease: '', data: data('r', 502, { minute: 4, hour: 9, day: 42, month: 7 }) },
-      {
-        at: 1_700_000_001_000,
-        units: 1,
-        refundUnits: 0,
-        creditLease: '',
-        data: data('r', null, { minute: 5, hour: null, day: 43, month: null }),
+        events: [
+          { at: 1_700_000_000_000, data: data(odd, 200, { minute: 3, hour: null, day: 41, month: null }) },
+          { at: 1_700_000_000_500, data: data('r', 502, { minute: 4, hour: 9, day: 42, month: 7 }) },
+          { at: 1_700_000_001_000, data: data('r', null, { minute: 5, hour: null, day: 43, month: null }) },
+        ],
+        // The second event (index 1) refunded one unit; the first's credit came from lease L1.
+        refunds: [1, 1],
+        spends: { L1: 1 },
       },
     ]);
   });
