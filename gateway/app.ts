@@ -141,8 +141,8 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     tracing,
     keys,
     close: async () => {
-      exporter?.stop();
-      webhooks?.stop();
+      // Their rounds ended and their leads given up before Redis closes: the next instance leads at once.
+      await Promise.all([exporter?.stop(), webhooks?.stop()]);
       keys?.close();
       await Promise.all([store.close?.(), tracing?.shutdown()]);
     },

@@ -106,6 +106,12 @@ export abstract class LeaderLoop<Target> {
   private failures = 0;
   private deliveryFailing = false;
   private leading = false;
+  /** The tick in flight, if any: what stop waits for. */
+  private running?: Promise<void>;
+  /** The lead of the round in flight: aborted by stop. */
+  private inRound?: AbortController;
+  /** The lock this instance holds, and as whom (`<id>:<token>`): given up by stop. */
+  private holding?: { lock: string; holder: string };
 
   constructor(
     redis: RedisClient,
@@ -135,15 +141,31 @@ export abstract class LeaderLoop<Target> {
     this.schedule(0);
   }
 
-  /** Stops at once: a round in flight moves no cursor (as if the process had died), so the next leader sends it again. */
-  stop(): void {
+  /**
+   * Stops: no round starts, a round in flight is aborted (its POST too) and moves no cursor, as if
+   * the process had died, so the next leader sends its batch again with the same ids. Once it has
+   * ended, the lead is given up (if it is still this instance's), so another instance leads at its
+   * next tick (within a second) rather than once the lock lapses (LEASE_MS): a rolling restart
+   * does not pause the loop. Never two rounds at once: the lock goes only after the round ended.
+   */
+  async stop(): Promise<void> {
     this.stopped = true;
     if (this.timer) clearTimeout(this.timer);
+    this.inRound?.abort(new LeadLost('this instance stops'));
+    await this.running;
+    const held = this.holding;
+    this.holding = undefined;
+    if (held && this.redis.status === 'ready') {
+      const given = await this.redis.releaseLead(...wiresArgs(RELEASE, { lock: held.lock }, { holder: held.holder })).catch(() => 0);
+      if (Number(given) === 1) this.log.info(`${this.name}: this instance stops; it gave up the lead`);
+    }
   }
 
   private schedule(ms: number): void {
     if (this.stopped) return;
-    this.timer = setTimeout(() => void this.tick(), ms);
+    this.timer = setTimeout(() => {
+      this.running = this.tick().finally(() => (this.running = undefined));
+    }, ms);
     this.timer.unref();
   }
 
@@ -158,8 +180,13 @@ export abstract class LeaderLoop<Target> {
     try {
       const since = performance.now();
       const token = await this.lead(lock);
-      if (!token) return this.schedule(1000);
+      if (!token) {
+        this.holding = undefined;
+        return this.schedule(1000);
+      }
       holder = `${this.me}:${token}`;
+      this.holding = { lock, holder };
+      if (this.stopped) return; // stop gives the lead up
       const { sent, full } = await this.held(lock, holder, token, since, (lead) => this.round(config, target, lead));
       this.counted();
       if (this.deliveryFailing) this.recovered?.(target);
@@ -174,8 +201,11 @@ export abstract class LeaderLoop<Target> {
   /** What a failed round says, to whom, and when the next comes. */
   private async failedRound(target: Target, err: Error, lock: string, holder?: string): Promise<number> {
     if (err instanceof LeadLost) {
+      // Stopping: stop gives the lead up once this round has ended.
+      if (this.stopped) return 0;
       this.log.warn({ cause: err.message }, `${this.name}: this instance lost the lead`);
       this.leading = false;
+      this.holding = undefined;
       // A lead whose token was refused is given up, so the next one draws a newer token.
       if (holder) await this.redis.releaseLead(...wiresArgs(RELEASE, { lock }, { holder })).catch(() => {});
       return 1000;
@@ -207,6 +237,7 @@ export abstract class LeaderLoop<Target> {
    */
   private async held<T>(lock: string, holder: string, token: number, since: number, round: (lead: Lead) => Promise<T>): Promise<T> {
     const controller = new AbortController();
+    this.inRound = controller;
     const lose = (why: string) => {
       if (!controller.signal.aborted) controller.abort(new LeadLost(why));
     };
@@ -231,6 +262,7 @@ export abstract class LeaderLoop<Target> {
     try {
       return await round({ token, signal: controller.signal });
     } finally {
+      this.inRound = undefined;
       clearInterval(renewal);
       clearTimeout(deadline!);
     }

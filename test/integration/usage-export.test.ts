@@ -241,6 +241,28 @@ const values = (results: Array<[Error | null, unknown]> | null) =>
     return value;
   });
 
+describe('a leading gateway that stops', () => {
+  it('gives both leads up before it closes: the next instance leads at its next tick, not once the locks lapse (15 s)', async () => {
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const receiver = `http://127.0.0.1:${await freePort()}/hooks`; // never called: no threshold is reached
+    const secret = `whsec_${Buffer.from('a secret of thirty-two bytes!!!!').toString('base64')}`;
+    const config = testConfig([makeKey('metered')], {
+      plans,
+      usage: exportTo(sink.url),
+      alerts: { url: receiver, secret, thresholds: [0.5] },
+    });
+    const [gw] = (await buildInstances(1, { config })).instances;
+    const redis = new Redis(inject('redisUrl'));
+    onTestFinished(() => void redis.quit());
+    const locks = [exportLock(gw!), exportLock(gw!).replace('{usage-export}', '{alerts}')];
+    await eventually(async () => (await redis.exists(...locks)) === 2, 15_000, 'both leads taken');
+    await gw!.close();
+    // Nothing else runs on these keys: a lock still there would be this instance's, for up to LEASE_MS.
+    expect(await redis.exists(...locks)).toBe(0);
+  });
+});
+
 describe('usage export to a sink slower than an unrenewed lock would last', () => {
   it('keeps one leader: every event once at the sink, one POST in flight at a time, the reconcile exact per account', async () => {
     const sink = await startSink();
