@@ -1,5 +1,5 @@
 import { execFileSync } from 'node:child_process';
-import { readdirSync, readFileSync, rmSync } from 'node:fs';
+import { copyFileSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import http from 'node:http';
 import { join, resolve } from 'node:path';
 import { hrtime } from 'node:process';
@@ -38,6 +38,8 @@ import { spin } from './spin.mjs';
 //   BENCH_AB_RATE: requests per second to hold (wrk with think time) instead of saturating;
 //     CPU per request below saturation, where the processes do not fight over the cores.
 //   BENCH_AB_ALLOC_ROUNDS (3): fresh processes per variant for the bytes allocated per request.
+//   BENCH_AB_KEEP_DUMPS=<dir>: each instruction round's callgrind dump is copied there, to
+//     compare variants by function (callgrind_annotate --inclusive=no).
 // Prints per variant the median req/s and CPU us per request (with the spread of the rounds),
 // and bytes allocated per request, each against the bare proxy.
 
@@ -286,6 +288,8 @@ async function instrRound(v: Variant, dir: string, headers: Record<string, strin
     const b = await mark(2);
     const dump = readdirSync(dir).find((f) => f.startsWith(`${out.slice(dir.length + 1)}.${running.pid}.`));
     if (!dump) throw new Error(`${v.name}: callgrind wrote no dump`);
+    // BENCH_AB_KEEP_DUMPS=<dir>: each round's dump kept there, for callgrind_annotate by function.
+    if (process.env.BENCH_AB_KEEP_DUMPS) copyFileSync(join(dir, dump), join(process.env.BENCH_AB_KEEP_DUMPS, dump));
     const { all, work } = instructions(join(dir, dump));
     if (!noCollectionBetween(a, b)) {
       // Said with its figure: a bisect run whose rounds all drop still shows where they fell.
