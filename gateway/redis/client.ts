@@ -66,7 +66,11 @@ export function connectRedis(target: RedisTarget | undefined, timeoutMs: number)
   // A refused login is retried at the backoff's longest wait: each attempt connects, so ioredis
   // counts from one again, and without this a wrong password cost Redis ten logins a second.
   // (Called on a close, so never before `redis` below is set.)
-  const retry = (times: number) => (refusals.has(redis) ? backoff(Number.POSITIVE_INFINITY) : backoff(times));
+  // A Sentinel group's "master" that turns out a replica is left at once (leaveReplicas), and the
+  // connection that found it had reset ioredis's count: the waits grow with the streak instead,
+  // or every instance would connect ten times a second until the sentinels fail over.
+  const retry = (times: number) =>
+    refusals.has(redis) ? backoff(Number.POSITIVE_INFINITY) : backoff(Math.max(times, replicaStreaks.get(redis) ?? 0));
   const redis: RedisClient =
     target.kind === 'cluster'
       ? new Cluster(target.nodes, {
@@ -116,12 +120,18 @@ function leaveReplicas(redis: Redis): void {
   redis.on('ready', () => {
     redis.role().then(
       (role) => {
-        if (Array.isArray(role) && role[0] !== 'master') redis.disconnect(true);
+        if (Array.isArray(role) && role[0] !== 'master') {
+          replicaStreaks.set(redis, (replicaStreaks.get(redis) ?? 0) + 1);
+          redis.disconnect(true);
+        } else replicaStreaks.delete(redis);
       },
       () => {},
     );
   });
 }
+
+/** Connections in a row whose node, named master by the sentinels, was a replica: what the reconnect's wait grows with. */
+const replicaStreaks = new WeakMap<RedisClient, number>();
 
 /** The last connection error of each client, until it is ready again. */
 const lastErrors = new WeakMap<RedisClient, string>();
