@@ -2,7 +2,7 @@ import type { FastifyBaseLogger, FastifyInstance, FastifyRequest } from 'fastify
 import type { DestinationStream } from 'pino';
 import { createLogOutput } from '../runtime/process.js';
 import { KeyRegistry } from './auth/registry.js';
-import type { GatewayConfig, UsageExport } from './config/config.js';
+import type { GatewayConfig } from './config/config.js';
 import { ackReplicas, type GatewaySettings } from './config/settings.js';
 import { buildPublicApp, type PublicSettings } from './http/app.js';
 import { accessLog } from './observability/access-log.js';
@@ -11,10 +11,9 @@ import type { RequestTracing, TracingSettings } from './observability/tracing.js
 import { MemoryQuotaStore } from './quota/memory-store.js';
 import { RedisQuotaStore } from './quota/redis-store.js';
 import type { QuotaStore } from './quota/store.js';
-import type { RedisClient } from './redis/client.js';
+import type { RedisClient, RedisTarget } from './redis/client.js';
 import { activityMarks } from './usage/active.js';
-import { UsageExporter } from './usage/exporter.js';
-import { HttpCloudEventsSink } from './usage/http-sink.js';
+import { ExportThread } from './usage/export-thread.js';
 import { WebhookDispatcher } from './usage/webhooks.js';
 
 // The wiring: the one file that knows every capability. From settings and a Redis client it
@@ -25,6 +24,8 @@ export interface GatewayDeps {
   config: GatewayConfig;
   /** The shared quota store; without it, quotas are kept in this process. */
   redis?: RedisClient;
+  /** The Redis `redis` connects to, and its REDIS_TIMEOUT_MS: the usage exporter's thread opens a connection of its own there. */
+  redisConnection?: { target: RedisTarget; timeoutMs: number };
   /** Where log lines go (tests read them); stdout when unset. */
   logStream?: DestinationStream;
 }
@@ -119,10 +120,12 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   const log: FastifyBaseLogger = output.log;
   const store = quotaStore(settings, deps.redis, log, metrics, current);
   metrics.watch(store);
-  // Usage events to the billing sink, when the config names one: one exporter per deployment leads.
-  // The config's usage.export.url names an HTTP CloudEvents sink, the one kind there is so far.
-  const sink = (target: UsageExport) => new HttpCloudEventsSink(target.url);
-  const exporter = deps.redis ? new UsageExporter({ redis: deps.redis, config: current, log, metrics: metrics.usage, sink }) : undefined;
+  // Usage events to the billing sink, when the config names one: one exporter per deployment
+  // leads, on a thread of its own (usage/export-thread.ts), its log lines and metrics this one's.
+  const exporter =
+    deps.redis && deps.redisConnection
+      ? new ExportThread({ ...deps.redisConnection, config: current, log, metrics: metrics.usage })
+      : undefined;
   const webhooks = deps.redis ? new WebhookDispatcher({ redis: deps.redis, config: current, log, metrics: metrics.webhooks }) : undefined;
   exporter?.start();
   webhooks?.start();
@@ -147,5 +150,9 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
       await Promise.all([store.close?.(), tracing?.shutdown()]);
     },
   });
-  return { app, setConfig: (next) => void (config = next), config: current, store, metrics, keys };
+  const setConfig = (next: GatewayConfig) => {
+    config = next;
+    exporter?.configChanged(next);
+  };
+  return { app, setConfig, config: current, store, metrics, keys };
 }

@@ -68,8 +68,12 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
     warned.push(line);
   };
   if (options.ownProcess) console.warn = (...args: unknown[]) => warn(format(...args));
-  const redis = connectRedis(redisTarget(settings), settings.redisTimeoutMs);
-  const gateway = options.serve ? await buildGateway(settings, { config: initial, redis, logStream: options.logStream }) : undefined;
+  const target = redisTarget(settings);
+  const redis = connectRedis(target, settings.redisTimeoutMs);
+  const redisConnection = target && { target, timeoutMs: settings.redisTimeoutMs };
+  const gateway = options.serve
+    ? await buildGateway(settings, { config: initial, redis, redisConnection, logStream: options.logStream })
+    : undefined;
   const log = gateway?.app.log ?? createLogger('gateway', settings.logLevel, settings.logPretty, () => {}, options.logStream);
   warn = (line) => {
     log.warn({ source: 'console' }, line);

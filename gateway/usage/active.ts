@@ -11,6 +11,18 @@ import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 // is all sent, and only if no mark came since it read the score: a compare-and-remove in the
 // set's slot, so a write it could not have seen always keeps its mark (docs/reference.md).
 
+/**
+ * What the loops read of the config: where their keys live, and the accounts (by name, with
+ * their Redis names; `accountOf` names a key registry's too). Plain data but `accountOf`, so the
+ * usage exporter's thread rebuilds it from what it is posted (usage/export-thread.ts).
+ */
+export interface LoopConfig {
+  environment: GatewayConfig['environment'];
+  redisPrefix: string;
+  accounts: ReadonlyMap<string, { name: string }>;
+  accountOf(subjectName: string): string | undefined;
+}
+
 /** The two loops that read the index. */
 export type Loop = 'usage-export' | 'alerts';
 
@@ -21,7 +33,7 @@ export interface Marked {
 }
 
 /** A key of the loop's, beside its lock, in the loop's own slot: its index (`active`), its sweep's position (`sweep`). */
-const activeKey = (config: GatewayConfig, loop: Loop) => loopKey(config.redisPrefix, loop, 'active');
+const activeKey = (config: Pick<LoopConfig, 'redisPrefix'>, loop: Loop) => loopKey(config.redisPrefix, loop, 'active');
 
 /** Each account named from REST on has its score grow by one: a mark the leader has not read keeps it there. */
 const MARK = {
@@ -54,7 +66,12 @@ export function defineActiveScripts(redis: RedisClient): void {
 }
 
 /** Marks accounts in a loop's index: one script call in the index's slot. */
-export async function markActive(redis: RedisClient, config: GatewayConfig, loop: Loop, names: Iterable<string>): Promise<void> {
+export async function markActive(
+  redis: RedisClient,
+  config: Pick<LoopConfig, 'redisPrefix'>,
+  loop: Loop,
+  names: Iterable<string>,
+): Promise<void> {
   const list = [...names];
   if (list.length > 0) await (redis as IndexRedis).markActive(...wiresArgs(MARK, { index: activeKey(config, loop) }, {}, list));
 }
@@ -69,12 +86,12 @@ export function activityMarks(redis: RedisClient, config: () => GatewayConfig) {
     Promise.all([markActive(redis, config(), 'usage-export', active.usage), markActive(redis, config(), 'alerts', active.alerts)]);
 }
 
-const byConfig = new WeakMap<GatewayConfig, { names: string[]; accounts: Map<string, string> }>();
+const byConfig = new WeakMap<LoopConfig, { names: string[]; accounts: Map<string, string> }>();
 /**
  * The config's accounts by Redis name, and the names in order: built once per config, not per
  * round. `account(name)` also names an account the config does not list (a key registry's).
  */
-export function accountsOf(config: GatewayConfig): { names: string[]; account(name: string): string | undefined } {
+export function accountsOf(config: LoopConfig): { names: string[]; account(name: string): string | undefined } {
   let known = byConfig.get(config);
   if (!known) {
     const accounts = new Map<string, string>();
@@ -108,7 +125,7 @@ export class ActiveIndex {
   }
 
   /** The next `max` marked accounts of this pass (each once per pass), and whether the pass has more. */
-  async take(config: GatewayConfig, max: number): Promise<{ picked: Marked[]; more: boolean }> {
+  async take(config: LoopConfig, max: number): Promise<{ picked: Marked[]; more: boolean }> {
     const key = activeKey(config, this.loop);
     if (key !== this.key) this.restart(key);
     while (this.queue.length < max && !this.scanned) {
@@ -129,7 +146,7 @@ export class ActiveIndex {
   }
 
   /** Unmarks the accounts whose score is still the one read (no mark since): nothing of theirs is left unsent. */
-  async unmark(config: GatewayConfig, done: Marked[]): Promise<void> {
+  async unmark(config: LoopConfig, done: Marked[]): Promise<void> {
     if (done.length === 0) return;
     const pairs = done.flatMap((m) => [m.name, m.score]);
     await (this.redis as IndexRedis).unmarkActive(...wiresArgs(UNMARK, { index: activeKey(config, this.loop) }, {}, pairs));

@@ -2,7 +2,7 @@ import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig, UsageExport } from '../config/config.js';
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
-import { accountsOf, ActiveIndex, type Marked } from './active.js';
+import { accountsOf, ActiveIndex, type LoopConfig, type Marked } from './active.js';
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
 import { consumable, ENTRY, type EncodedEvent, entryId, toCloudEvents } from './events.js';
 import { Sweep } from './sweep.js';
@@ -37,9 +37,12 @@ interface AccountRead extends UsageRead {
   consumed: number;
 }
 
+/** What the exporter reads of the config: the loops' part, and the export's target. */
+export type ExportConfig = LoopConfig & Pick<GatewayConfig, 'usageExport'>;
+
 export interface ExporterDeps {
   redis: RedisClient;
-  config: () => GatewayConfig;
+  config: () => ExportConfig;
   log: FastifyBaseLogger;
   metrics: ExportMetrics;
   /** The sink the config's usage export names (the wiring picks it: the HTTP CloudEvents sink). */
@@ -54,7 +57,7 @@ export interface ExporterDeps {
  * with stable ids, so a sink that dedupes by id counts each request once. The cursors survive
  * restarts and a change of leader, in Redis, beside each stream (one Cluster slot per account).
  */
-export class UsageExporter extends LeaderLoop<UsageExport> {
+export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   private readonly metrics: ExportMetrics;
   private readonly index: ActiveIndex;
   private readonly sweep: Sweep;
@@ -70,7 +73,7 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
     this.sweep = new Sweep(deps.redis, 'usage-export', EXPORT_SWEEP_PER_SECOND, usagePending);
   }
 
-  protected target(config: GatewayConfig): UsageExport | undefined {
+  protected target(config: ExportConfig): UsageExport | undefined {
     return config.usageExport;
   }
 
@@ -93,7 +96,7 @@ export class UsageExporter extends LeaderLoop<UsageExport> {
    * move the cursors, each only if the sink accepted the batch and this lead is still the newest; an account whose read was all sent
    * is unmarked. Returns the events sent.
    */
-  protected async round(config: GatewayConfig, target: UsageExport, lead: Lead): Promise<{ sent: number; full: boolean }> {
+  protected async round(config: ExportConfig, target: UsageExport, lead: Lead): Promise<{ sent: number; full: boolean }> {
     await this.sweep.step(config);
     const { picked, more } = await this.index.take(config, Math.min(ACCOUNTS_PER_ROUND, target.batchSize));
     const { account } = accountsOf(config);

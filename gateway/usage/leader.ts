@@ -1,10 +1,11 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
-import type { GatewayConfig } from '../config/config.js';
 import { type RedisClient, redisProblem } from '../redis/client.js';
 import { loopKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
+import type { LoopConfig } from './active.js';
 import { defineCursorScripts } from './cursors.js';
+import { LATE, within } from '../quota/redis-health.js';
 
 /**
  * Takes the lead, or keeps it. The lock holds `<holder>:<token>`; taking it draws a new fencing
@@ -98,7 +99,7 @@ type LeaderRedis = RedisClient & {
  * exponential backoff and full jitter. No round runs while Redis is not connected: the store
  * reports Redis, and the sink is not blamed for it.
  */
-export abstract class LeaderLoop<Target> {
+export abstract class LeaderLoop<Target, Config extends LoopConfig> {
   protected readonly redis: LeaderRedis;
   protected stopped = false;
   private readonly me = randomUUID();
@@ -115,7 +116,7 @@ export abstract class LeaderLoop<Target> {
 
   constructor(
     redis: RedisClient,
-    protected readonly config: () => GatewayConfig,
+    protected readonly config: () => Config,
     protected readonly log: FastifyBaseLogger,
     private readonly name: string,
     /** Told after each round that succeeded (what the rounds metric counts). */
@@ -129,9 +130,9 @@ export abstract class LeaderLoop<Target> {
   }
 
   /** What the config asks this loop to serve; undefined: nothing to do. */
-  protected abstract target(config: GatewayConfig): Target | undefined;
+  protected abstract target(config: Config): Target | undefined;
   /** One round under `lead`; returns what it sent, and whether that filled a batch. */
-  protected abstract round(config: GatewayConfig, target: Target, lead: Lead): Promise<{ sent: number; full: boolean }>;
+  protected abstract round(config: Config, target: Target, lead: Lead): Promise<{ sent: number; full: boolean }>;
   /** A failed delivery (DeliveryFailed), told once per failure. */
   protected abstract failed(target: Target, err: Error, retryInMs: number): void;
   /** A round that succeeded after failed deliveries. */
@@ -152,12 +153,14 @@ export abstract class LeaderLoop<Target> {
     this.stopped = true;
     if (this.timer) clearTimeout(this.timer);
     this.inRound?.abort(new LeadLost('this instance stops'));
-    await this.running;
+    // A round held up by a Redis that does not answer is not waited for: the lock then lapses as a dead holder's would.
+    if (this.running && (await within(this.running, STOP_WAIT_MS)) === LATE) return;
     const held = this.holding;
     this.holding = undefined;
     if (held && this.redis.status === 'ready') {
-      const given = await this.redis.releaseLead(...wiresArgs(RELEASE, { lock: held.lock }, { holder: held.holder })).catch(() => 0);
-      if (Number(given) === 1) this.log.info(`${this.name}: this instance stops; it gave up the lead`);
+      const release = this.redis.releaseLead(...wiresArgs(RELEASE, { lock: held.lock }, { holder: held.holder })).catch(() => 0);
+      const given = await within(release, STOP_WAIT_MS);
+      if (given !== LATE && Number(given) === 1) this.log.info(`${this.name}: this instance stops; it gave up the lead`);
     }
   }
 
@@ -270,6 +273,8 @@ export abstract class LeaderLoop<Target> {
 }
 
 const MAX_BACKOFF_MS = 30_000;
+/** How long a stop waits for the round in flight to end, and then for the lock's release. */
+const STOP_WAIT_MS = 1000;
 
 /** Exponential backoff with full jitter: up to 0.5 s, 1 s, 2 s ... 30 s. */
 export function backoffMs(failures: number): number {

@@ -1,7 +1,6 @@
-import type { GatewayConfig } from '../config/config.js';
 import type { RedisClient } from '../redis/client.js';
 import { loopKey } from '../redis/keys.js';
-import { accountsOf, type Loop, markActive } from './active.js';
+import { accountsOf, type Loop, type LoopConfig, markActive } from './active.js';
 
 // The backstop for marks that were lost (an instance died between its script call and its
 // 100 ms mark flush; a Redis failure lost the flush): the leader walks the config's accounts at
@@ -31,7 +30,7 @@ export class Sweep {
    * unsent, and returns their names. Where the walk is lives in Redis (`{<loop>}:sweep`, a
    * counter of accounts checked), so a new leader carries on from where the last one stopped.
    */
-  async step(config: GatewayConfig, nowMs = performance.now()): Promise<string[]> {
+  async step(config: LoopConfig, nowMs = performance.now()): Promise<string[]> {
     const { names } = accountsOf(config);
     const elapsed = this.last === undefined ? 1 : Math.min(CATCH_UP_SECONDS, (nowMs - this.last) / 1000);
     this.last = nowMs;

@@ -78,7 +78,7 @@ const fieldsOf = (list: string[]) => {
  * held for the whole round), reads only the accounts marked active (active.ts) and those its
  * sweep finds (sweep.ts), and a cursor moves only under the newest lead (cursors.ts).
  */
-export class WebhookDispatcher extends LeaderLoop<Target> {
+export class WebhookDispatcher extends LeaderLoop<Target, GatewayConfig> {
   private readonly metrics: WebhookMetrics;
   private readonly index: ActiveIndex;
   private readonly sweep: Sweep;

@@ -1,14 +1,16 @@
+import { execFileSync } from 'node:child_process';
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
+import { loopKey, subjectKey } from '../../gateway/redis/keys.js';
 import { defineCursorScripts, moveUsageCursor } from '../../gateway/usage/cursors.js';
 import { echoBackend } from '../helpers/backends.js';
-import { call, makeKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
+import { call, makeKey, redisKeyOf, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildInstances, buildTestGateway, type TestGateway } from '../helpers/gateway.js';
-import { freePort } from '../helpers/net.js';
-import { type Started, startProcess } from '../helpers/processes.js';
+import { freePort, waitForPort } from '../helpers/net.js';
+import { spawnOwned, type Started, startProcess } from '../helpers/processes.js';
 import { spawnRedis } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
@@ -240,6 +242,49 @@ const values = (results: Array<[Error | null, unknown]> | null) =>
     if (err) throw err;
     return value;
   });
+
+describe('the usage exporter', () => {
+  it('runs on a thread of its own: a request thread kept busy does not stop the export', async () => {
+    // The sink in a process of its own: this test blocks its own thread, where the gateway's runs.
+    const sinkPort = await freePort();
+    const sinkProc = spawnOwned(
+      process.execPath,
+      [
+        '-e',
+        `require('node:http').createServer((q, s) => { q.resume(); q.on('end', () => s.writeHead(200).end()); }).listen(${sinkPort}, '127.0.0.1')`,
+      ],
+      { stdio: 'ignore' },
+    );
+    onTestFinished(() => void sinkProc.kill('SIGKILL'));
+    await waitForPort(sinkPort, 5000);
+    const key = makeKey('metered');
+    const gw = await buildTestGateway({ config: testConfig([key], { plans, usage: exportTo(`http://127.0.0.1:${sinkPort}/events`) }) });
+    onTestFinished(() => gw.close());
+    const config = gw.gateway.config();
+    const name = redisKeyOf(config, key.id);
+    // Ten events in the account's stream (a leased admission's layout) and the account marked, as a batch leaves them.
+    const redis = new Redis(inject('redisUrl'));
+    onTestFinished(() => void redis.quit());
+    const data = JSON.stringify({
+      requestId: 'r',
+      keyId: key.id,
+      plan: 'metered',
+      route: 'listPets',
+      method: 'GET',
+      units: 1,
+      status: 200,
+    });
+    for (let i = 0; i < 10; i++) await redis.xadd(subjectKey.events(name), '*', 'kind', 'request', 'at', String(Date.now()), 'data', data);
+    await redis.zincrby(loopKey(config.redisPrefix, 'usage-export', 'active'), 1, name);
+    // This thread (the gateway's request thread) blocked from here until the stream is sent, or 20 s.
+    const [host, port] = [new URL(inject('redisUrl')).hostname, new URL(inject('redisUrl')).port];
+    const pending = () => Number(execFileSync('redis-cli', ['-h', host, '-p', port, 'XLEN', subjectKey.events(name)]).toString());
+    const until = Date.now() + 20_000;
+    let left = pending();
+    while (left > 0 && Date.now() < until) left = pending();
+    expect(left).toBe(0);
+  });
+});
 
 describe('a leading gateway that stops', () => {
   it('gives both leads up before it closes: the next instance leads at its next tick, not once the locks lapse (15 s)', async () => {

@@ -1,0 +1,121 @@
+import { Worker } from 'node:worker_threads';
+import type { FastifyBaseLogger } from 'fastify';
+import type { GatewayConfig } from '../config/config.js';
+import type { RedisTarget } from '../redis/client.js';
+import type { ExportMetrics } from './exporter.js';
+
+// The usage exporter on a thread of its own. The leader's work (reading the streams back,
+// encoding, the sink's POSTs, the cursors) costs about as much a request as the batches and
+// the request's own path together add (docs/performance.md): on the gateway's thread, the
+// instance that leads would serve its requests slower than the others, and a deployment's
+// export would be bounded by what one request thread has left. Here it has its own event loop,
+// heap and Redis connection; the gateway's thread hands it the config and writes its log lines
+// and metrics. As pino's transports do with log lines.
+
+/** What the thread reads of the config, as plain data (a message): accounts as `[account, Redis name]`. */
+export interface PostedConfig {
+  environment: GatewayConfig['environment'];
+  redisPrefix: string;
+  usageExport: GatewayConfig['usageExport'];
+  accounts: Array<[account: string, name: string]>;
+}
+
+export interface ThreadData {
+  target: RedisTarget;
+  timeoutMs: number;
+  config: PostedConfig;
+}
+
+export type ToThread = { kind: 'config'; config: PostedConfig } | { kind: 'stop' };
+export type FromThread =
+  | { kind: 'log'; level: 'info' | 'warn' | 'error'; obj?: Record<string, unknown>; msg: string }
+  | { kind: 'metric'; name: keyof ExportMetrics; n: number }
+  | { kind: 'stopped' };
+
+/** How long a stop waits for the thread to end its round and give its lead up (leader.ts bounds each step). */
+const STOP_MS = 5000;
+
+const posted = (c: GatewayConfig): PostedConfig => ({
+  environment: c.environment,
+  redisPrefix: c.redisPrefix,
+  usageExport: c.usageExport,
+  accounts: [...c.accounts].map(([account, subject]) => [account, subject.name]),
+});
+
+/**
+ * The thread's entry: the compiled one beside this file, or under `npm test` (the sources, run
+ * by tsx) the TypeScript one, through a bootstrap that registers tsx in the thread first.
+ */
+function entry(): { file: URL; workerData: (data: ThreadData) => ThreadData & { entry?: string } } {
+  const own = new URL('./export-worker.js', import.meta.url);
+  if (!import.meta.url.endsWith('.ts')) return { file: own, workerData: (d) => d };
+  const ts = new URL('./export-worker.ts', import.meta.url).href;
+  return { file: new URL('../../runtime/ts-worker.mjs', import.meta.url), workerData: (d) => ({ ...d, entry: ts }) };
+}
+
+export class ExportThread {
+  private worker?: Worker;
+  private stopping = false;
+  private exited = false;
+  private stopped?: () => void;
+
+  constructor(
+    private readonly deps: {
+      target: RedisTarget;
+      timeoutMs: number;
+      config: () => GatewayConfig;
+      log: FastifyBaseLogger;
+      metrics: ExportMetrics;
+    },
+  ) {}
+
+  /** Starts the thread once the config names a sink (and again if it ends); a gateway that exports nothing has none. */
+  start(): void {
+    if (this.worker || this.stopping || !this.deps.config().usageExport) return;
+    this.spawn();
+  }
+
+  private spawn(): void {
+    const { file, workerData } = entry();
+    const worker = new Worker(file, {
+      workerData: workerData({ target: this.deps.target, timeoutMs: this.deps.timeoutMs, config: posted(this.deps.config()) }),
+    });
+    this.worker = worker;
+    this.exited = false;
+    worker.unref();
+    worker.on('message', (m: FromThread) => this.received(m));
+    worker.on('error', (err) => this.deps.log.error({ cause: err.message }, 'usage export: its thread failed'));
+    worker.on('exit', () => {
+      this.exited = true;
+      this.stopped?.();
+      if (this.stopping || this.worker !== worker) return;
+      // Never meant to end: started again, as a restarted process would be.
+      this.deps.log.warn('usage export: its thread ended; it starts again in 1 s');
+      setTimeout(() => !this.stopping && this.spawn(), 1000).unref();
+    });
+  }
+
+  /** A new config: the thread reads it from its next round on (started by the first that names a sink). */
+  configChanged(config: GatewayConfig): void {
+    if (!this.worker) return this.start();
+    this.worker.postMessage({ kind: 'config', config: posted(config) } satisfies ToThread);
+  }
+
+  /** Stops the exporter (its lead given up: leader.ts) and ends the thread; past STOP_MS, ends it as it is. */
+  async stop(): Promise<void> {
+    this.stopping = true;
+    const worker = this.worker;
+    if (!worker || this.exited) return;
+    const ended = new Promise<void>((resolve) => (this.stopped = resolve));
+    worker.postMessage({ kind: 'stop' } satisfies ToThread);
+    const late = setTimeout(() => void worker.terminate(), STOP_MS);
+    await ended;
+    clearTimeout(late);
+  }
+
+  private received(m: FromThread): void {
+    if (m.kind === 'log') this.deps.log[m.level](m.obj ?? {}, m.msg);
+    else if (m.kind === 'metric') this.deps.metrics[m.name](m.n);
+    else void this.worker?.terminate();
+  }
+}

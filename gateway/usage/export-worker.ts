@@ -1,0 +1,65 @@
+import { parentPort, workerData } from 'node:worker_threads';
+import type { FastifyBaseLogger } from 'fastify';
+import { closeRedis, connectRedis } from '../redis/client.js';
+import { accountOfName } from '../redis/keys.js';
+import { type ExportConfig, UsageExporter } from './exporter.js';
+import type { FromThread, PostedConfig, ThreadData, ToThread } from './export-thread.js';
+import { HttpCloudEventsSink } from './http-sink.js';
+
+// The usage exporter's thread (export-thread.ts starts it): a Redis connection of its own, the
+// exporter on it, and the config, log lines and metrics passed to and from the gateway's thread
+// as messages.
+
+const port = parentPort!;
+const data = workerData as ThreadData;
+const post = (m: FromThread) => port.postMessage(m);
+
+const view = (c: PostedConfig): ExportConfig => ({
+  environment: c.environment,
+  redisPrefix: c.redisPrefix,
+  usageExport: c.usageExport,
+  accounts: new Map(c.accounts.map(([account, name]) => [account, { name }])),
+  accountOf: (name) => accountOfName(c.redisPrefix, name),
+});
+let config = view(data.config);
+
+/** A logger whose lines the gateway's thread writes (its logger, its format, its stream). */
+const line =
+  (level: 'info' | 'warn' | 'error') =>
+  (a: unknown, b?: string): void => {
+    if (typeof a === 'string') post({ kind: 'log', level, msg: a });
+    else post({ kind: 'log', level, obj: a as Record<string, unknown>, msg: b ?? '' });
+  };
+const log = {
+  info: line('info'),
+  warn: line('warn'),
+  error: line('error'),
+  debug: () => {},
+  trace: () => {},
+} as unknown as FastifyBaseLogger;
+
+const redis = connectRedis(data.target, data.timeoutMs)!;
+const exporter = new UsageExporter({
+  redis,
+  config: () => config,
+  log,
+  metrics: {
+    exported: (n) => post({ kind: 'metric', name: 'exported', n }),
+    failed: () => post({ kind: 'metric', name: 'failed', n: 1 }),
+    dropped: (n) => post({ kind: 'metric', name: 'dropped', n }),
+    lag: (n) => post({ kind: 'metric', name: 'lag', n }),
+    round: () => post({ kind: 'metric', name: 'round', n: 1 }),
+  },
+  sink: (target) => new HttpCloudEventsSink(target.url),
+});
+exporter.start();
+
+port.on('message', (m: ToThread) => {
+  if (m.kind === 'config') config = view(m.config);
+  else
+    void (async () => {
+      await exporter.stop();
+      await closeRedis(redis, 'now');
+      post({ kind: 'stopped' });
+    })();
+});
