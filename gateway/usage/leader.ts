@@ -1,11 +1,11 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
+import { LATE, within } from '../quota/redis-health.js';
 import { type RedisClient, redisProblem } from '../redis/client.js';
 import { loopKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 import type { LoopConfig } from './active.js';
 import { defineCursorScripts } from './cursors.js';
-import { LATE, within } from '../quota/redis-health.js';
 
 /**
  * Takes the lead, or keeps it. The lock holds `<holder>:<token>`; taking it draws a new fencing
