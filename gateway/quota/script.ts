@@ -425,8 +425,7 @@ export function usageBatchArgs(subject: QuotaSubject, batchId: string, b: BatchE
     events: eventsIn(b),
     refunds: b.refunds.length / 2,
   };
-  const spends = [...b.spends].flat();
-  return wiresArgs(USAGE_BATCH, keys, argv, b.refunds.length + spends.length === 0 ? b.values : [...b.values, ...b.refunds, ...spends]);
+  return wiresArgs(USAGE_BATCH, keys, argv, [...b.values, ...b.refunds, ...[...b.spends].flat()]);
 }
 
 /** The scripts' commands on a connection: `redis.quota(...quotaArgs(...))` and so on. */

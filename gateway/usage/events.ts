@@ -185,8 +185,8 @@ function creditsEvent(account: string, source: string, id: string, f: Record<str
 }
 
 /**
- * A request entry's status, for an entry that is not a leased one of today's form (ENTRY:
- * its status is in its data): carried by a leased one in the old form ('-': none known), joined
+ * A request entry's status, for an entry READ_USAGE does not give flat (a flat one carries its
+ * status in its data): carried by a leased one an older gateway wrote ('-': none known), joined
  * from `statuses` for quota.lua's (undefined: not yet).
  */
 function statusOf(id: string, f: Record<string, string>, statuses: ReadonlyMap<string, number>): number | null | undefined {
@@ -201,10 +201,10 @@ function statusOf(id: string, f: Record<string, string>, statuses: ReadonlyMap<s
 export function consumable(entries: UsageEntries, statuses: ReadonlyMap<string, number>, nowMs: number): number {
   let n = 0;
   for (let i = 0; i < entries.length; i += ENTRY) {
-    const last = entries[i + 2]!;
-    // A leased admission's: its status is in its data, it can always go.
-    if (typeof last !== 'string') {
-      const f = fieldsOf(last);
+    const fields = entries[i + 2]!;
+    // A leased admission's (flat: a string) carries its status in its data: it can always go.
+    if (typeof fields !== 'string') {
+      const f = fieldsOf(fields);
       if (f.kind === 'request' && statusOf(entries[i] as string, f, statuses) === undefined && nowMs - Number(f.at) < STATUS_WAIT_MS) break;
     }
     n++;

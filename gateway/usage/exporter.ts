@@ -158,7 +158,8 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
           readUsage(
             this.redis,
             r.name,
-            pass === 0 || r.entries.length === 0 ? undefined : entryId(r.entries, r.entries.length / ENTRY - 1),
+            // After what the last pass read (an account still wanting read a full share then).
+            pass === 0 ? undefined : entryId(r.entries, r.entries.length / ENTRY - 1),
             share,
           ),
         ),
