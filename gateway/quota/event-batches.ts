@@ -1,11 +1,14 @@
 import type { FastifyBaseLogger } from 'fastify';
-import { leasedDataAfter, leasedDataBefore, windowsJson } from '../usage/events.js';
+import { bundledEvent, leasedDataAfter, leasedDataBefore, windowsJson } from '../usage/events.js';
 import type { EventTag, QuotaSubject } from './decision.js';
 import { addBatchEvent, type BatchEvents, batchEvents, eventsIn } from './script.js';
 import { type Counts, fixedLimits } from './windows.js';
 
-/** Events in one script call at most: its ARGV stays a few hundred kB. */
-const PER_CALL = 1000;
+/**
+ * Events in one script call at most, one bundle in Redis (usagebatch.lua): some 40 kB, and no
+ * more than a sink batch's default (usage.export.batchSize), so a bundle goes in one POST.
+ */
+const PER_CALL = 100;
 /**
  * Events one instance keeps at most while Redis does not take them: past it, a leased admission
  * gets no event (its unit stays in the account's `unsettled`, so the reconcile still adds up).
@@ -145,19 +148,20 @@ export class EventBatches {
     return eventId.startsWith(LEASED);
   }
 
-  /** Its status known (or waited for long enough: null): its data completed, as the sink gets it (events.ts, DATA_FIELD). */
+  /** Its status known (or waited for long enough: null): its event completed, as the sink gets it but for the marks (events.ts, bundledEvent). */
   private toReady(eventId: string, o: Open, status: number | null): void {
     this.open.delete(eventId);
     const name = o.subject.name;
     let account = this.ready.get(name);
     if (!account) this.ready.set(name, (account = { subject: o.subject, events: batchEvents() }));
-    addBatchEvent(account.events, o.at, o.before + status + o.after, o.refundUnits, o.creditLease);
+    const event = bundledEvent(eventsIn(account.events), o.at, o.before + status + o.after);
+    addBatchEvent(account.events, o.at, event, o.refundUnits, o.creditLease);
     if (eventsIn(account.events) === PER_CALL) {
       this.full.push(account);
       this.ready.delete(name);
     }
-    // A full call's worth: written now rather than at the interval.
-    if (++this.readyCount === PER_CALL) setImmediate(() => void this.flush());
+    // A full call's worth: written now rather than at the interval (which alone looks for events past statusWaitMs).
+    if (++this.readyCount === PER_CALL) setImmediate(() => void this.flush(false, false));
   }
 
   private schedule(): void {
@@ -167,10 +171,13 @@ export class EventBatches {
     }, this.deps.intervalMs).unref();
   }
 
-  /** Writes what is ready (and events past statusWaitMs without a status), and sends again what failed. */
-  async flush(all = false): Promise<void> {
+  /**
+   * Writes what is ready (and, with `stale`, events past statusWaitMs without a status: a walk
+   * over the open ones, at the interval only), and sends again what failed.
+   */
+  async flush(all = false, stale = true): Promise<void> {
     const now = this.deps.mono();
-    for (const [id, o] of this.open) if (all || now - o.bornMono >= this.statusWaitMs) this.toReady(id, o, null);
+    if (all || stale) for (const [id, o] of this.open) if (all || now - o.bornMono >= this.statusWaitMs) this.toReady(id, o, null);
     for (const { subject, events } of [...this.full, ...this.ready.values()]) {
       this.outbox.push({ subject, id: `${this.deps.instanceId}:${++this.batches}`, events, sending: false, attempts: 0 });
     }

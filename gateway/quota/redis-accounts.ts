@@ -144,23 +144,31 @@ export class RedisAccounts {
   }
 
   /**
-   * Events sent (consumed by the exporter), still in the stream, and dropped by its cap (as
-   * counted when the exporter saw it near the cap), read in one transaction (one slot): the
-   * exporter's move counts and trims in one script, so the three always add up. And the units
-   * leased and not yet written as events (quota.lua adds a lease's units, usagebatch.lua and a
-   * lease's close take theirs out): held by live instances, or lost with a dead one.
+   * Events sent (consumed by the exporter), still waiting, and dropped by the caps, in the
+   * stream and the bundles both (as counted when the exporter saw the stream near its cap; the
+   * bundles' as they were dropped), read in one transaction (one slot): the exporter's move
+   * counts and trims in one script, so they always add up. And the units leased and not yet
+   * written as events (quota.lua adds a lease's units, usagebatch.lua and a lease's close take
+   * theirs out): held by live instances, or lost with a dead one.
    */
   async exportState(subject: QuotaSubject): Promise<ExportState> {
+    const fields = ['consumed', 'dropped', 'unsettled', 'bconsumed', 'bdropped', 'badded', 'bupto'] as const;
     const results = await this.redis
       .multi()
       .xlen(subjectKey.events(subject.name))
-      .hmget(subjectKey.eventsCursor(subject.name), 'consumed', 'dropped', 'unsettled')
+      .hmget(subjectKey.eventsCursor(subject.name), ...fields)
       .exec();
-    const [pending, counts] = (results ?? []).map(([err, value]) => {
+    const [length, values] = (results ?? []).map(([err, value]) => {
       if (err) throw err;
       return value;
     }) as [number, Array<string | null>];
-    return { exported: Number(counts[0] ?? 0), pending, dropped: Number(counts[1] ?? 0), unsettled: Number(counts[2] ?? 0) };
+    const c = Object.fromEntries(fields.map((f, i) => [f, Number(values[i] ?? 0)])) as Record<(typeof fields)[number], number>;
+    return {
+      exported: c.consumed + c.bconsumed,
+      pending: length + c.badded - c.bupto,
+      dropped: c.dropped + c.bdropped,
+      unsettled: c.unsettled,
+    };
   }
 
   /** The ledger stream, oldest first. */

@@ -370,62 +370,66 @@ export const UNBAN = { keys: ['counters', 'rejections'], argv: [] } as const sat
 export const unbanArgs = (name: string) =>
   wiresArgs(UNBAN, { counters: subjectKey.counters(name), rejections: subjectKey.rejections(name) }, {});
 
-// usagebatch.lua: the events of leased admissions, a batch per account, with their refunds.
+// usagebatch.lua: the events of leased admissions, a bundle per call, with their refunds.
 export const USAGE_BATCH = {
-  keys: ['events', 'cursor', 'batch', 'counters', 'credits'],
-  argv: ['eventsCap', 'month', 'soft', 'overageWindow', 'paidWithCredits', 'events', 'refunds'],
+  keys: ['bundles', 'cursor', 'batch', 'counters', 'credits'],
+  argv: ['eventsCap', 'month', 'soft', 'overageWindow', 'paidWithCredits', 'events', 'refunds', 'data'],
 } as const satisfies Wires<string, string>;
 
 /**
- * The events of one usagebatch.lua call, as event-batches.ts builds them: each event two values
- * (what most events have), what only some have apart, so each event costs the client and Redis
- * two arguments, not five (docs/performance.md).
+ * The events of one usagebatch.lua call, as event-batches.ts builds them: each event its
+ * CloudEvent, encoded but for what only the exporter knows (usage/events.ts, bundledEvent), all
+ * of them one string in Redis, one stream entry, read back as one; what only some have apart.
  */
 export interface BatchEvents {
-  /** Per event, one unit each: when it was admitted (Redis ms), and its CloudEvent data, in JSON with its status (usage/events.ts, DATA_FIELD). */
-  values: Array<string | number>;
-  /** Per refunded event: its index in the batch, and its refund's units. */
+  /** Per event, one unit each: its CloudEvent (bundledEvent), the `k`th of the call. */
+  events: string[];
+  /** Per refunded event: its index in the call, when it was admitted (Redis ms), and its refund's units. */
   refunds: number[];
   /** Per credit lease the events' credits came from: how many of them. */
   spends: Map<string, number>;
 }
 
-export const batchEvents = (): BatchEvents => ({ values: [], refunds: [], spends: new Map() });
+export const batchEvents = (): BatchEvents => ({ events: [], refunds: [], spends: new Map() });
 
 /** How many events a batch holds. */
-export const eventsIn = (b: BatchEvents) => b.values.length / 2;
+export const eventsIn = (b: BatchEvents) => b.events.length;
 
-/** Adds an event (one unit) to `b`: `refundUnits` 0 for none, `creditLease` '' for none. */
-export function addBatchEvent(b: BatchEvents, at: number, data: string, refundUnits: number, creditLease: string): void {
-  if (refundUnits > 0) b.refunds.push(eventsIn(b), refundUnits);
+/**
+ * Adds an event (one unit) to `b`, encoded as its `eventsIn(b)`th (usage/events.ts,
+ * bundledEvent): `refundUnits` 0 for none, `creditLease` '' for none.
+ */
+export function addBatchEvent(b: BatchEvents, at: number, event: string, refundUnits: number, creditLease: string): void {
+  if (refundUnits > 0) b.refunds.push(b.events.length, at, refundUnits);
   if (creditLease !== '') b.spends.set(creditLease, (b.spends.get(creditLease) ?? 0) + 1);
-  b.values.push(at, data);
+  b.events.push(event);
 }
 
 /**
  * usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of the events `b` (a refund's
- * overage taken back as refund.lua's). From REST on: each event's `at, data`, then each refund's
- * `index, units` (the index from 0), then each credit lease's `id, events`.
+ * overage taken back as refund.lua's), their CloudEvents as one JSON array's elements (`data`).
+ * From REST on: each refund's `index, at, units` (the index from 0), then each credit lease's `id, events`.
  */
 export function usageBatchArgs(subject: QuotaSubject, batchId: string, b: BatchEvents): Array<string | number> {
   const { name, limits } = subject;
   const keys: Record<(typeof USAGE_BATCH.keys)[number], string> = {
-    events: subjectKey.events(name),
+    bundles: subjectKey.bundles(name),
     cursor: subjectKey.eventsCursor(name),
     batch: subjectKey.usageBatch(name, batchId),
     counters: subjectKey.counters(name),
     credits: subjectKey.credits(name),
   };
-  const argv: Record<(typeof USAGE_BATCH.argv)[number], number> = {
+  const argv: Record<(typeof USAGE_BATCH.argv)[number], number | string> = {
     eventsCap: subject.events,
     paidWithCredits: subject.billing.credits ? 1 : 0,
     month: limits.perMonth ? 1 : 0,
     soft: softQuota(subject),
     overageWindow: limits.perMonth ? 1 : 2,
     events: eventsIn(b),
-    refunds: b.refunds.length / 2,
+    refunds: b.refunds.length / 3,
+    data: b.events.join(','),
   };
-  return wiresArgs(USAGE_BATCH, keys, argv, [...b.values, ...b.refunds, ...[...b.spends].flat()]);
+  return wiresArgs(USAGE_BATCH, keys, argv, [...b.refunds, ...[...b.spends].flat()]);
 }
 
 /** The scripts' commands on a connection: `redis.quota(...quotaArgs(...))` and so on. */

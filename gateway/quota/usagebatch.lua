@@ -1,17 +1,23 @@
--- The usage events of leased admissions, written by their instance in one batch, with their
+-- The usage events of leased admissions, written by their instance in one call, with their
 -- final statuses and refunds: once, whatever the retries (a batch's id is kept a day).
--- Wires named in script.ts (USAGE_BATCH). KEY: the account's usage events (stream), the
--- exporter's cursor over it (hash: `unsettled` lives there), this batch's id, and the account's
--- counters. One hash tag: one Cluster slot, with the counters quota.lua leased the units from.
--- ARG: the stream's cap; `month`, `soft` and `overageWindow` as refund.lua's; how many events
--- and refunds. From REST (script.ts, usageBatchArgs): per event (one unit each) when it was
--- admitted (Redis time, ms) and its CloudEvent data, encoded by its instance with its final
--- status (usage/events.ts): the entry holds it as it is, so the exporter reads back three fields,
--- not fifteen; then per refund the index of its event (from 0) and its units; then per credit
--- lease its id and how many of the events it paid. Each event's unit leaves
--- `unsettled`, where quota.lua put it when it leased it; a refund's units leave the windows
--- here too (units-back.lua), in the same run: until then they stay counted and unsettled, so
--- what the day counted = events written net of refunds + unsettled, whenever the instance dies.
+-- Wires named in script.ts (USAGE_BATCH). KEY: the account's bundles of events (a stream), the
+-- exporter's cursor hash (`unsettled` lives there, and the bundles' cursor), this batch's id,
+-- and the account's counters. One hash tag: one Cluster slot, with the counters quota.lua leased
+-- the units from.
+-- ARG: the stream's cap in events; `month`, `soft` and `overageWindow` as refund.lua's; how many
+-- events and refunds; `data`, the events' CloudEvents as their instance encoded them, with their
+-- final statuses (usage/events.ts, bundledEvent), comma-separated. From REST (script.ts,
+-- usageBatchArgs): per refund the index of its event (from 0), when that was admitted (Redis ms)
+-- and its units; then per credit lease its id and how many of the events it paid.
+-- The batch is one stream entry, a bundle: `n` its events (refunds among them), `upto` the
+-- events the account's bundles took up to it (`badded` in the cursor), `data`, and `refunds`
+-- (per refund `index units overage`), so the exporter reads and sends a bundle as one string
+-- and its cursor counts in events: `bupto` the events up to the last bundle it sent (or the cap
+-- dropped), `bconsumed` those sent, `bdropped` those dropped; held = badded - bupto.
+-- Each event's unit leaves `unsettled`, where quota.lua put it when it leased it; a refund's
+-- units leave the windows here too (units-back.lua), in the same run: until then they stay
+-- counted and unsettled, so what the day counted = events written net of refunds + unsettled,
+-- whenever the instance dies.
 -- With credits (`paidWithCredits` 1), each event names the credit lease its credit came from:
 -- written, its credit is spent from that lease's hold (quota.lua: `h:<id>`, "size fromGrant gp
 -- x"; `r` the holds' sum), so it no longer goes back to the balance when the lease closes or
@@ -33,29 +39,37 @@ local function spend(field, units)
   redis.call('HSET', KEY.credits, 'r', math.max(0, (tonumber(redis.call('HGET', KEY.credits, 'r')) or 0) - n))
 end
 local paid = tonumber(ARG.paidWithCredits) == 1
-local refundedCredits = 0
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local cap = tonumber(ARG.eventsCap)
 local month, soft, window = tonumber(ARG.month), tonumber(ARG.soft), tonumber(ARG.overageWindow)
-local n = tonumber(ARG.events)
--- The refunds' values start after the events', the credit leases' after the refunds'.
-local refund, leases = REST + 2 * n, REST + 2 * n + 2 * tonumber(ARG.refunds)
-for k = 0, n - 1 do
-  local i = REST + 2 * k
-  local admitted = ARGV[i]
-  local id = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'request', 'at', admitted, 'data', ARGV[i + 1])
-  if refund < leases and tonumber(ARGV[refund]) == k then
-    local refunded = tonumber(ARGV[refund + 1])
-    refund = refund + 2
-    local over = units_back(KEY.counters, refunded, tonumber(admitted), month, soft, window)
-    redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'refund', 'ref', id, 'units', refunded,
-      'overage', over, 'at', now)
-    if paid then refundedCredits = refundedCredits + refunded end
-  end
+local n, refunds = tonumber(ARG.events), tonumber(ARG.refunds)
+local total = n + refunds
+local cursor = redis.call('HMGET', KEY.cursor, 'badded', 'bupto')
+local added, upto = tonumber(cursor[1]) or 0, tonumber(cursor[2]) or 0
+-- The cap, in events: the oldest bundles go until this one fits, each counted as dropped and
+-- passed by the cursor (the exporter's move then counts only what follows: sent or dropped, never both).
+local cap = tonumber(ARG.eventsCap)
+while added + total - upto > cap do
+  local oldest = redis.call('XRANGE', KEY.bundles, '-', '+', 'COUNT', 1)[1]
+  if not oldest then break end
+  local f = oldest[2]
+  local through = tonumber(f[4])
+  redis.call('XDEL', KEY.bundles, oldest[1])
+  redis.call('HINCRBY', KEY.cursor, 'bdropped', through - upto)
+  redis.call('HSET', KEY.cursor, 'bid', oldest[1], 'bupto', through)
+  upto = through
 end
+local refunded, refundedCredits = {}, 0
+local last = REST + 3 * refunds - 1
+for i = REST, last, 3 do
+  local units = tonumber(ARGV[i + 2])
+  local over = units_back(KEY.counters, units, tonumber(ARGV[i + 1]), month, soft, window)
+  refunded[#refunded + 1] = ARGV[i] .. ' ' .. units .. ' ' .. over
+  if paid then refundedCredits = refundedCredits + units end
+end
+added = added + total
+redis.call('XADD', KEY.bundles, '*', 'n', total, 'upto', added, 'data', ARG.data, 'refunds', table.concat(refunded, ' '))
+redis.call('HSET', KEY.cursor, 'badded', added)
 if paid then
-  for i = leases, #ARGV, 2 do spend('h:' .. ARGV[i], tonumber(ARGV[i + 1])) end
+  for i = last + 1, #ARGV, 2 do spend('h:' .. ARGV[i], tonumber(ARGV[i + 1])) end
 end
 if refundedCredits > 0 then redis.call('HINCRBY', KEY.credits, 'p', refundedCredits) end
 redis.call('HINCRBY', KEY.cursor, 'unsettled', -n)

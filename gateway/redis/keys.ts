@@ -49,6 +49,11 @@ export const subjectKey = {
   events: (name: string) => `${name}:events`,
   eventsCursor: (name: string) => `${name}:events:cursor`,
   statuses: (name: string) => `${name}:statuses`,
+  /**
+   * Leased admissions' usage events, a bundle an entry (a stream, usagebatch.lua): its cursor
+   * lives in the events cursor's hash, beside the other stream's.
+   */
+  bundles: (name: string) => `${name}:bundles`,
   /** Threshold alerts fired (a hash), to send (a stream), the dispatcher's cursor and fence. */
   alerted: (name: string) => `${name}:alerted`,
   alerts: (name: string) => `${name}:alerts`,

@@ -1,7 +1,7 @@
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
-import { DATA_FIELD, nextId, type UsageEntries } from './events.js';
+import { type Bundle, DATA_FIELD, nextId, type UsageEntries } from './events.js';
 
 // The streams' cursors, moved only under the lead in force: each move carries the fencing
 // token its leader got when it took the lead (leader.ts), as Kleppmann's fencing tokens do.
@@ -21,18 +21,34 @@ export const REFUSED: Record<Exclude<Moved, 'moved'>, string> = {
 const outcome = (n: number): Moved => (n === 1 ? 'moved' : n === 0 ? 'fenced' : 'raced');
 
 /**
- * The account's usage cursor hash (`id`, `consumed`, `dropped`, `fence`), its stream, its
- * statuses, in one slot (`{k:<account>}`). The ids of the entries whose statuses go come from REST on.
+ * The account's usage cursor hash, its stream, its statuses and its bundles, in one slot
+ * (`{k:<account>}`). The stream's cursor (`id`, `consumed`) moves only from the id the round
+ * read; the bundles' (`bid`, `bupto`) only forward, by their events (usagebatch.lua): a bundle
+ * the cap dropped since the read already moved it, and counts as dropped, not sent. The ids of
+ * the entries whose statuses go come from REST on.
  */
 const MOVE_USAGE = {
-  keys: ['cursor', 'stream', 'statuses'],
-  argv: ['token', 'read', 'sent', 'consumed', 'keepFrom'], // the cursor id read, the last entry sent, what it consumes, the first id kept
+  keys: ['cursor', 'stream', 'statuses', 'bundles'],
+  // The stream's cursor id read, the last entry sent ('': none), what it consumes, the first id
+  // kept; the last bundle sent ('': none), the events up to it (its `upto`), the first id kept.
+  argv: ['token', 'read', 'sent', 'consumed', 'keepFrom', 'bsent', 'bupto', 'bkeepFrom'],
   lua: `local fence = tonumber(redis.call('HGET', KEY.cursor, 'fence') or '0')
 if tonumber(ARG.token) < fence then return 0 end
-if (redis.call('HGET', KEY.cursor, 'id') or '0-0') ~= ARG.read then return -1 end
-redis.call('HSET', KEY.cursor, 'id', ARG.sent, 'fence', ARG.token)
-redis.call('HINCRBY', KEY.cursor, 'consumed', ARG.consumed)
-redis.call('XTRIM', KEY.stream, 'MINID', ARG.keepFrom)
+if ARG.sent ~= '' and (redis.call('HGET', KEY.cursor, 'id') or '0-0') ~= ARG.read then return -1 end
+redis.call('HSET', KEY.cursor, 'fence', ARG.token)
+if ARG.sent ~= '' then
+  redis.call('HSET', KEY.cursor, 'id', ARG.sent)
+  redis.call('HINCRBY', KEY.cursor, 'consumed', ARG.consumed)
+  redis.call('XTRIM', KEY.stream, 'MINID', ARG.keepFrom)
+end
+if ARG.bsent ~= '' then
+  local through, at = tonumber(ARG.bupto), tonumber(redis.call('HGET', KEY.cursor, 'bupto') or '0')
+  if through > at then
+    redis.call('HSET', KEY.cursor, 'bid', ARG.bsent, 'bupto', through)
+    redis.call('HINCRBY', KEY.cursor, 'bconsumed', through - at)
+    redis.call('XTRIM', KEY.bundles, 'MINID', ARG.bkeepFrom)
+  end
+end
 for i = REST, #ARGV, 500 do
   redis.call('HDEL', KEY.statuses, unpack(ARGV, i, math.min(i + 499, #ARGV)))
 end
@@ -53,51 +69,62 @@ return 1`,
 
 /**
  * What the usage stream's cap dropped, from one consistent view: all it ever took, less what
- * was consumed, less what it holds; recorded in the cursor's `dropped` when it grew, and the growth returned.
+ * was consumed, less what it holds; recorded in the cursor's `dropped` when it grew. With what
+ * the bundles' cap dropped (usagebatch.lua counts it in `bdropped`) since last reported
+ * (`bknown`): the growth of both returned.
  */
 const DROPPED = {
   keys: ['stream', 'cursor'],
   argv: [],
-  lua: `local length = redis.call('XLEN', KEY.stream)
-local info = redis.call('XINFO', 'STREAM', KEY.stream)
+  lua: `local b = redis.call('HMGET', KEY.cursor, 'bdropped', 'bknown')
+local grown = (tonumber(b[1]) or 0) - (tonumber(b[2]) or 0)
+if grown > 0 then redis.call('HSET', KEY.cursor, 'bknown', b[1]) else grown = 0 end
+local length = redis.call('XLEN', KEY.stream)
 local added = 0
-for i = 1, #info, 2 do
-  if info[i] == 'entries-added' then added = tonumber(info[i + 1]) end
+if length > 0 or redis.call('EXISTS', KEY.stream) == 1 then
+  local info = redis.call('XINFO', 'STREAM', KEY.stream)
+  for i = 1, #info, 2 do
+    if info[i] == 'entries-added' then added = tonumber(info[i + 1]) end
+  end
 end
 local consumed = tonumber(redis.call('HGET', KEY.cursor, 'consumed') or '0')
 local known = tonumber(redis.call('HGET', KEY.cursor, 'dropped') or '0')
 local dropped = added - consumed - length
-if dropped <= known then return 0 end
+if dropped <= known then return grown end
 redis.call('HSET', KEY.cursor, 'dropped', dropped)
-return dropped - known`,
+return grown + dropped - known`,
 } as const satisfies Script<string, string>;
 
 /**
  * Up to `count` entries after `after` ('': the cursor), flat (events.ts, UsageEntries: a leased
- * admission's as `id, at, data`, usagebatch.lua's layout `kind request at <ms> data <json>`
- * checked here; any other as `id, '', fields`), with the cursor, the statuses found for them
- * (id, status, id, status...) and the stream's length: what a round needs of an account, in one
- * call in its slot. A leased admission's entry carries its status in its data: only the others
- * are looked up.
+ * admission's as an older gateway wrote it, usagebatch.lua's earlier layout `kind request at
+ * <ms> data <json>`, as `id, at, data`; any other as `id, '', fields`), with the cursor, the
+ * statuses found for them (id, status, id, status...) and the stream's length. Then the
+ * bundles after `bafter` ('': their cursor), whole, while their events stay within `bcount`
+ * (the first always, when there is one; 0: none), flat, BUNDLE values each (`id, n, upto,
+ * data, refunds`, usagebatch.lua's fields); their cursor; 1 if more may follow; and the
+ * events the bundles' cap dropped not yet reported. What a round needs of an account, in one
+ * call in its slot.
  */
 const READ_USAGE = {
-  keys: ['cursor', 'stream', 'statuses'],
-  argv: ['after', 'count'],
+  keys: ['cursor', 'stream', 'statuses', 'bundles'],
+  argv: ['after', 'count', 'bafter', 'bcount'],
   lua: `local cursor = redis.call('HGET', KEY.cursor, 'id') or '0-0'
 local after = ARG.after
 if after == '' then after = cursor end
-local entries = redis.call('XRANGE', KEY.stream, '(' .. after, '+', 'COUNT', ARG.count)
 local flat, ids = {}, {}
-for _, e in ipairs(entries) do
-  local f = e[2]
-  flat[#flat + 1] = e[1]
-  if #f == 6 and f[5] == '${DATA_FIELD}' and f[1] == 'kind' and f[2] == 'request' and f[3] == 'at' then
-    flat[#flat + 1] = f[4]
-    flat[#flat + 1] = f[6]
-  else
-    ids[#ids + 1] = e[1]
-    flat[#flat + 1] = ''
-    flat[#flat + 1] = f
+if tonumber(ARG.count) > 0 then
+  for _, e in ipairs(redis.call('XRANGE', KEY.stream, '(' .. after, '+', 'COUNT', ARG.count)) do
+    local f = e[2]
+    flat[#flat + 1] = e[1]
+    if #f == 6 and f[5] == '${DATA_FIELD}' and f[1] == 'kind' and f[2] == 'request' and f[3] == 'at' then
+      flat[#flat + 1] = f[4]
+      flat[#flat + 1] = f[6]
+    else
+      ids[#ids + 1] = e[1]
+      flat[#flat + 1] = ''
+      flat[#flat + 1] = f
+    end
   end
 end
 local found = {}
@@ -111,12 +138,37 @@ for i = 1, #ids, 500 do
     end
   end
 end
-return {cursor, flat, found, redis.call('XLEN', KEY.stream)}`,
+local b = redis.call('HMGET', KEY.cursor, 'bid', 'bdropped', 'bknown')
+local bcursor = b[1] or '0-0'
+local from = ARG.bafter
+if from == '' then from = bcursor end
+local bundles, taken, want = {}, 0, tonumber(ARG.bcount)
+while taken < want do
+  local got = redis.call('XRANGE', KEY.bundles, '(' .. from, '+', 'COUNT', 8)
+  if #got == 0 then break end
+  for _, e in ipairs(got) do
+    local f = e[2]
+    local n = tonumber(f[2])
+    -- Whole bundles only; the first even past the count, so a round always moves.
+    if taken > 0 and taken + n > want then
+      want = taken
+      break
+    end
+    for _, v in ipairs({e[1], n, f[4], f[6], f[8]}) do bundles[#bundles + 1] = v end
+    taken = taken + n
+    from = e[1]
+    if taken >= want then break end
+  end
+end
+local more = 0
+if want > 0 and taken >= want then more = 1 end
+return {cursor, flat, found, redis.call('XLEN', KEY.stream), bcursor, bundles, more,
+  (tonumber(b[2]) or 0) - (tonumber(b[3]) or 0)}`,
 } as const satisfies Script<string, string>;
 
 type Args = Array<string | number>;
 type CursorRedis = RedisClient & {
-  readUsage(...keysThenArgs: Args): Promise<[string, UsageEntries, string[], number]>;
+  readUsage(...keysThenArgs: Args): Promise<[string, UsageEntries, string[], number, string, Array<string | number>, number, number]>;
   moveUsage(...keysThenArgs: Args): Promise<number>;
   moveAlerts(...keysThenArgs: Args): Promise<number>;
   countDropped(...keysThenArgs: Args): Promise<number>;
@@ -135,9 +187,13 @@ const usageKeys = (name: string) => ({
   cursor: subjectKey.eventsCursor(name),
   stream: subjectKey.events(name),
   statuses: subjectKey.statuses(name),
+  bundles: subjectKey.bundles(name),
 });
 
-/** What a round read of an account's usage stream. */
+/** Values a bundle in READ_USAGE's reply. */
+const BUNDLE = 5;
+
+/** What a round read of an account's usage stream and bundles. */
 export interface UsageRead {
   /** The cursor id ('0-0': none yet). */
   cursor: string;
@@ -147,21 +203,60 @@ export interface UsageRead {
   statuses: Map<string, number>;
   /** The stream's length. */
   length: number;
+  /** The bundles' cursor id ('0-0': none yet). */
+  bundleCursor: string;
+  bundles: Bundle[];
+  /** Whether more bundles may follow those read. */
+  moreBundles: boolean;
+  /** Events the bundles' cap dropped not yet reported (countDropped reports them). */
+  unreported: number;
 }
 
-/** Up to `count` entries of the account's usage stream after `after` (undefined: after its cursor), with their statuses. */
-export async function readUsage(redis: RedisClient, name: string, after: string | undefined, count: number): Promise<UsageRead> {
-  const [cursor, entries, found, length] = await (redis as CursorRedis).readUsage(
-    ...wiresArgs(READ_USAGE, usageKeys(name), { after: after ?? '', count }),
+/**
+ * Up to `count` entries of the account's usage stream after `after` (undefined: after its
+ * cursor), with their statuses; and its bundles after `bundlesAfter` (undefined: their
+ * cursor), whole, up to `bundleEvents` events (the first always).
+ */
+export async function readUsage(
+  redis: RedisClient,
+  name: string,
+  at: { after?: string; count: number; bundlesAfter?: string; bundleEvents: number },
+): Promise<UsageRead> {
+  const [cursor, entries, found, length, bundleCursor, flat, more, unreported] = await (redis as CursorRedis).readUsage(
+    ...wiresArgs(READ_USAGE, usageKeys(name), {
+      after: at.after ?? '',
+      count: at.count,
+      bafter: at.bundlesAfter ?? '',
+      bcount: at.bundleEvents,
+    }),
   );
   const statuses = new Map<string, number>();
   for (let i = 0; i < found.length; i += 2) statuses.set(found[i]!, Number(found[i + 1]));
-  return { cursor, entries, statuses, length: Number(length) };
+  const bundles: Bundle[] = [];
+  for (let i = 0; i < flat.length; i += BUNDLE) {
+    const [id, events, upto, data, refunds] = flat.slice(i, i + BUNDLE) as [string, number, string, string, string];
+    bundles.push({ id, events: Number(events), upto: Number(upto), data, refunds });
+  }
+  return {
+    cursor,
+    entries,
+    statuses,
+    length: Number(length),
+    bundleCursor,
+    bundles,
+    moreBundles: Number(more) === 1,
+    unreported: Number(unreported),
+  };
 }
 
-/** Whether each account's usage stream holds anything: a move trims what it sent, so an empty stream has nothing unsent. */
+/** Whether each account's usage stream or bundles hold anything: a move trims what it sent, so an empty one has nothing unsent. */
 export function usagePending(redis: RedisClient, names: string[]): Promise<boolean[]> {
-  return Promise.all(names.map(async (name) => (await redis.xlen(subjectKey.events(name))) > 0));
+  return Promise.all(
+    names.map(async (name) => {
+      const [events, bundles] = await Promise.all([redis.xlen(subjectKey.events(name)), redis.xlen(subjectKey.bundles(name))]);
+      return events + bundles > 0;
+    }),
+  );
 }
 
 /** Whether each account's alerts stream has an entry past its cursor (delivered alerts stay in the stream). */
@@ -188,22 +283,36 @@ export interface UsageMove {
   token: number;
   /** The cursor id the round read ('0-0': none yet). */
   from: string;
-  /** The last entry sent. */
-  to: string;
+  /** The last entry sent (undefined: none). */
+  to?: string;
   /** Entries from `from` (excluded) to `to`: what `consumed` grows by. */
   consumed: number;
   /** Their ids, whose joined statuses are deleted. */
   refs: string[];
+  /** The last bundle sent (undefined: none). */
+  bundle?: Pick<Bundle, 'id' | 'upto'>;
 }
 
-/** The account's usage cursor moved past what was sent, counted, trimmed and its statuses deleted, in one script, if `token` still leads. */
+/**
+ * The account's usage cursors moved past what was sent, counted, trimmed and its statuses
+ * deleted, in one script, if `token` still leads.
+ */
 export async function moveUsageCursor(redis: RedisClient, name: string, m: UsageMove): Promise<Moved> {
   const r = redis as CursorRedis;
   const n = await r.moveUsage(
     ...wiresArgs(
       MOVE_USAGE,
       usageKeys(name),
-      { token: m.token, read: m.from, sent: m.to, consumed: m.consumed, keepFrom: nextId(m.to) },
+      {
+        token: m.token,
+        read: m.from,
+        sent: m.to ?? '',
+        consumed: m.consumed,
+        keepFrom: m.to ? nextId(m.to) : '',
+        bsent: m.bundle?.id ?? '',
+        bupto: m.bundle?.upto ?? 0,
+        bkeepFrom: m.bundle ? nextId(m.bundle.id) : '',
+      },
       m.refs,
     ),
   );

@@ -21,7 +21,7 @@ export const ENTRY = 3;
 /** The id of entry `i` of UsageEntries. */
 export const entryId = (entries: UsageEntries, i: number) => entries[i * ENTRY] as string;
 
-/** One CloudEvent in structured JSON, as a sink is handed it (a batch of them is a JSON array). */
+/** CloudEvents in structured JSON, as a sink is handed them: one, or a bundle's, comma-separated (a batch of them is a JSON array). */
 export type EncodedEvent = string;
 
 export interface CloudEvent {
@@ -166,6 +166,69 @@ function leasedEncoder(account: string, source: string): (id: string, at: string
   const after = `","source":${JSON.stringify(source)},"type":"${REQUEST_TYPE}","subject":${JSON.stringify(account)},"time":"`;
   return (entryId, at, data) =>
     `{"specversion":"1.0","id":${id}${entryId}${after}${isoTime(at)}","datacontenttype":"application/json","data":${data}}`;
+}
+
+/**
+ * Leased admissions' events are written a bundle a call (usagebatch.lua: one stream entry, the
+ * account's `bundles`), each encoded by its instance but for what only the exporter knows: the
+ * bundle's stream id, the account and the source. Two marks stand for them, characters JSON
+ * never leaves raw (it escapes every control character), so nothing else can match them.
+ */
+const ID_MARK = '\u0000';
+const HEAD_MARK = '\u0001';
+
+/**
+ * The `k`th event of a bundle, admitted at `at` (Redis ms), with its `data` (leasedDataBefore,
+ * its status, leasedDataAfter): its id is the bundle's with `.k` (ID_MARK), and HEAD_MARK stands
+ * for its source, type and subject (bundleEvents puts them in).
+ */
+export const bundledEvent = (k: number, at: number, data: string) =>
+  `{"specversion":"1.0","id":"${ID_MARK}.${k}${HEAD_MARK}${isoTime(String(at))}","datacontenttype":"application/json","data":${data}}`;
+
+/** The id of a bundle's `k`th event, `bundle` its stream id. */
+export const bundledId = (bundle: string, k: number | string) => `${bundle}.${k}`;
+
+/** A bundle as the exporter reads it (cursors.ts, READ_USAGE): its stream id, events, and what usagebatch.lua wrote. */
+export interface Bundle {
+  id: string;
+  /** Its events, refunds among them. */
+  events: number;
+  /** The events the account's bundles took, up to this one: what the cursor counts by. */
+  upto: number;
+  /** Its request events, as bundledEvent encoded them, comma-separated. */
+  data: string;
+  /** Per refund, `index units overage`, space-separated ('': none). */
+  refunds: string;
+}
+
+/**
+ * A bundle's events, as a JSON array's elements, comma-separated: its request events with the
+ * marks filled in (two passes over one string, whatever the events), then a refund event per
+ * refund, for the event it refunds (`<bundle>.<k>.refund`), at the bundle's time.
+ */
+export function bundleEvents(account: string, source: string, b: Bundle): string {
+  const id = JSON.stringify(eventId(account, b.id)).slice(1, -1);
+  const head = `","source":${JSON.stringify(source)},"type":"${REQUEST_TYPE}","subject":${JSON.stringify(account)},"time":"`;
+  let json = b.data.replaceAll(ID_MARK, id).replaceAll(HEAD_MARK, head);
+  if (b.refunds === '') return json;
+  const r = b.refunds.split(' ');
+  const at = b.id.split('-')[0]!;
+  for (let i = 0; i < r.length; i += 3) {
+    const of = bundledId(b.id, r[i]!);
+    const f = { ref: of, units: r[i + 1]!, overage: r[i + 2]!, at };
+    json += `,${JSON.stringify(refundEvent(account, source, `${of}.refund`, f))}`;
+  }
+  return json;
+}
+
+/**
+ * The events of `json` (bundleEvents: a JSON array's elements), one string each: for the rare
+ * sink batch smaller than a bundle. Each event starts with its `specversion`, and a quote in a
+ * value is escaped, so the text below meets only where one event ends and the next begins.
+ */
+export function splitEvents(json: string): string[] {
+  const between = ',{"specversion":"1.0",';
+  return json.split(between).map((e, i) => (i === 0 ? e : `{"specversion":"1.0",${e}`));
 }
 
 function refundEvent(account: string, source: string, id: string, f: Record<string, string>): CloudEvent {

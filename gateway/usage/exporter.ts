@@ -4,7 +4,7 @@ import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { accountsOf, ActiveIndex, type LoopConfig, type Marked } from './active.js';
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
-import { consumable, ENTRY, type EncodedEvent, entryId, toCloudEvents } from './events.js';
+import { bundleEvents, consumable, ENTRY, type EncodedEvent, entryId, splitEvents, toCloudEvents } from './events.js';
 import { Sweep } from './sweep.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost } from './leader.js';
 import type { Accepted, UsageSink } from './sink.js';
@@ -30,11 +30,18 @@ const ACCOUNTS_PER_ROUND = 250;
  */
 export const EXPORT_SWEEP_PER_SECOND = 80;
 
-/** An account's part of a round: what was read, from which cursor, whether more was left, how much of it can go. */
+/** An account's part of a round: what was read, from which cursors, whether more was left, how much of the stream's can go. */
 interface AccountRead extends UsageRead {
   name: string;
-  more: boolean;
+  /** Whether the stream may hold more than was read (false too once an entry waits for its status). */
+  moreEntries: boolean;
   consumed: number;
+}
+
+/** Events in JSON, as a JSON array's elements: one, or a bundle's (events.ts, bundleEvents). */
+interface Part {
+  json: EncodedEvent;
+  events: number;
 }
 
 /** What the exporter reads of the config: the loops' part, and the export's target. */
@@ -104,19 +111,28 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const now = Date.now();
     const reads = await this.fill(known, target.batchSize, now);
     const source = `/pet-store-gateway/${config.environment}`;
-    const batch: EncodedEvent[] = [];
+    const parts: Part[] = [];
     const moves: Array<{ name: string; events: number; move: Omit<UsageMove, 'token'> }> = [];
     let oldest = now;
+    let sent = 0;
     for (const r of reads) {
-      if (r.entries.length === 0) continue;
-      oldest = Math.min(oldest, Number(entryId(r.entries, 0).split('-')[0]));
+      const bundle = r.bundles.at(-1);
+      if (r.entries.length > 0) oldest = Math.min(oldest, Number(entryId(r.entries, 0).split('-')[0]));
+      if (bundle) oldest = Math.min(oldest, Number(r.bundles[0]!.id.split('-')[0]));
+      if (r.consumed === 0 && !bundle) continue;
       const { events, last, joined } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, r.consumed);
-      for (const e of events) batch.push(e);
-      if (last) moves.push({ name: r.name, events: events.length, move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined } });
+      let n = events.length;
+      for (const json of events) parts.push({ json, events: 1 });
+      for (const b of r.bundles) {
+        parts.push({ json: bundleEvents(account(r.name)!, source, b), events: b.events });
+        n += b.events;
+      }
+      sent += n;
+      moves.push({ name: r.name, events: n, move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined, bundle } });
     }
-    await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9).map((r) => this.countDropped(r.name)));
+    await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9 || r.unreported > 0).map((r) => this.countDropped(r.name)));
     this.metrics.lag((now - oldest) / 1000);
-    if (batch.length > 0) await this.deliver(this.sinkOf(target), batch, lead.signal);
+    for (const batch of batches(parts, target.batchSize)) await this.deliver(this.sinkOf(target), batch, lead.signal);
     if (this.stopped) return { sent: 0, full: false };
     lead.signal.throwIfAborted();
     const moved = await Promise.all(moves.map(({ name, move }) => moveUsageCursor(this.redis, name, { ...move, token: lead.token })));
@@ -125,18 +141,23 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     if (refused >= 0)
       throw new LeadLost(`the cursor of ${subjectKey.events(moves[refused]!.name)} was ${REFUSED[moved[refused] as 'fenced']}`);
     // Sent all it read, and read less than it asked for: nothing of it was left when the score was read.
-    const done = new Set(reads.filter((r) => !r.more && r.consumed * ENTRY === r.entries.length).map((r) => r.name));
+    const done = new Set(
+      reads.filter((r) => !r.moreEntries && !r.moreBundles && r.consumed * ENTRY === r.entries.length).map((r) => r.name),
+    );
     await this.index.unmark(
       config,
       picked.filter((m) => done.has(m.name) || account(m.name) === undefined),
     );
-    return { sent: batch.length, full: batch.length >= target.batchSize || more };
+    return { sent, full: sent >= target.batchSize || more };
   }
 
   /**
-   * Reads the accounts' streams fairly into at most `room` entries: each gets an equal share,
-   * and what some leave unused goes, in equal shares again, to those that filled theirs (at most
-   * three times); one busy account can take the whole batch only when the others leave it room.
+   * Reads the accounts' streams and bundles fairly, each about `room` events: each account gets
+   * an equal share of each, and what some leave unused goes, in equal shares again, to those
+   * that filled theirs (at most three times); one busy account can take the whole batch only
+   * when the others leave it room. Bundles come whole (the first of an account always), so a
+   * round may read a bundle an account past its share: the sink still gets batches of at most
+   * `batchSize` (batches()).
    */
   private async fill(marked: Marked[], room: number, now: number): Promise<AccountRead[]> {
     const reads: AccountRead[] = marked.map((m) => ({
@@ -145,7 +166,11 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       entries: [],
       statuses: new Map(),
       length: 0,
-      more: true,
+      bundleCursor: '0-0',
+      bundles: [],
+      moreBundles: true,
+      unreported: 0,
+      moreEntries: true,
       consumed: 0,
     }));
     let wanting = reads;
@@ -154,31 +179,40 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       wanting = wanting.slice(0, room);
       const share = Math.max(1, Math.floor(room / wanting.length));
       const got = await Promise.all(
-        wanting.map((r) =>
-          readUsage(
-            this.redis,
-            r.name,
+        wanting.map((r) => {
+          const lastBundle = r.bundles.at(-1);
+          return readUsage(this.redis, r.name, {
             // After what the last pass read (an account still wanting read a full share then).
-            pass === 0 ? undefined : entryId(r.entries, r.entries.length / ENTRY - 1),
-            share,
-          ),
-        ),
+            after: pass === 0 ? undefined : r.entries.length > 0 ? entryId(r.entries, r.entries.length / ENTRY - 1) : r.cursor,
+            count: r.moreEntries ? share : 0,
+            bundlesAfter: pass === 0 ? undefined : (lastBundle?.id ?? r.bundleCursor),
+            bundleEvents: r.moreBundles ? share : 0,
+          });
+        }),
       );
       wanting.forEach((r, i) => {
         const read = got[i]!;
-        if (pass === 0) r.cursor = read.cursor;
-        if (pass === 0) r.entries = read.entries;
-        else for (const v of read.entries) r.entries.push(v);
+        if (pass === 0) {
+          r.cursor = read.cursor;
+          r.bundleCursor = read.bundleCursor;
+          r.entries = read.entries;
+        } else for (const v of read.entries) r.entries.push(v);
         for (const [id, status] of read.statuses) r.statuses.set(id, status);
+        for (const b of read.bundles) {
+          r.bundles.push(b);
+          room -= b.events;
+        }
         r.length = read.length;
+        r.unreported = read.unreported;
         const n = read.entries.length / ENTRY;
-        r.more = n === share;
+        r.moreEntries &&= n === share;
+        if (r.moreBundles) r.moreBundles = read.moreBundles;
         room -= n;
-        // An entry still waiting for its status stops its account's batch there: no more of it this round.
+        // An entry still waiting for its status stops its account's stream there: no more of it this round.
         r.consumed = consumable(r.entries, r.statuses, now);
-        if (r.consumed * ENTRY < r.entries.length) r.more = false;
+        if (r.consumed * ENTRY < r.entries.length) r.moreEntries = false;
       });
-      wanting = wanting.filter((r) => r.more);
+      wanting = wanting.filter((r) => r.moreEntries || r.moreBundles);
     }
     return reads;
   }
@@ -211,4 +245,29 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       this.log.warn({ stream: subjectKey.events(name), dropped }, 'usage export: the stream was full; its oldest events were dropped');
     }
   }
+}
+
+/**
+ * The parts of a round in sink batches of at most `size` events, in order: a bundle goes whole
+ * into a batch when it fits, and is split into its events only when it is larger than a batch.
+ */
+export function batches(parts: readonly Part[], size: number): EncodedEvent[][] {
+  const out: EncodedEvent[][] = [];
+  let batch: EncodedEvent[] = [];
+  let events = 0;
+  const add = (json: EncodedEvent, n: number) => {
+    if (events + n > size && batch.length > 0) {
+      out.push(batch);
+      batch = [];
+      events = 0;
+    }
+    batch.push(json);
+    events += n;
+  };
+  for (const p of parts) {
+    if (p.events <= size) add(p.json, p.events);
+    else for (const e of splitEvents(p.json)) add(e, 1);
+  }
+  if (batch.length > 0) out.push(batch);
+  return out;
 }

@@ -19,6 +19,10 @@ export const ALL_ACCEPTED: Accepted = Object.freeze({ accepted: 'all' });
 export interface UsageSink {
   /** How log lines name it (the HTTP sink: its URL). */
   readonly name: string;
-  /** `batch`: each CloudEvent in structured JSON (a Kafka producer sends each as it is; the HTTP sink, the array). */
+  /**
+   * `batch`: CloudEvents in structured JSON, each part one or several as a JSON array's elements
+   * (a bundle's, events.ts; a Kafka producer would split them with splitEvents; the HTTP sink
+   * sends the array).
+   */
   deliver(batch: readonly EncodedEvent[], signal: AbortSignal): Promise<Accepted>;
 }

@@ -174,11 +174,20 @@ describe('overage with usage exported: a leased refund goes in its event batch',
     }
     expect(delivered).toBeGreaterThan(QUOTA);
     expect((await a.store.peek(s)).overageUsed).toBe(delivered - QUOTA);
-    const stream = await redis.xrange(subjectKey.events(s.name), '-', '+');
+    const bundles = await redis.xrange(subjectKey.bundles(s.name), '-', '+');
     const fields = (f: string[]) => Object.fromEntries(f.flatMap((v, i) => (i % 2 ? [] : [[v, f[i + 1]]])));
-    // A leased admission's entry carries its CloudEvent data as its instance encoded it (usagebatch.lua).
-    const request = stream.find(([, f]) => JSON.parse(fields(f).data ?? '{}').requestId === 'r0')!;
-    const refunds = stream.map(([, f]) => fields(f)).filter((f) => f.kind === 'refund');
-    expect(refunds).toEqual([expect.objectContaining({ ref: request[0], units: '1', overage: '1' })]);
+    // A bundle holds its events as their instance encoded them, a JSON array's elements, and
+    // its refunds as `index units overage` (usagebatch.lua).
+    const written = bundles
+      .map(([, f]) => fields(f))
+      .map((f) => ({
+        requests: (
+          JSON.parse(`[${f.data!.replaceAll('\u0000', '').replaceAll('\u0001', '')}]`) as Array<{ data: { requestId: string } }>
+        ).map((e) => e.data.requestId),
+        refunds: f.refunds,
+      }));
+    const bundle = written.find((w) => w.requests.includes('r0'))!;
+    expect(bundle.refunds).toBe(`${bundle.requests.indexOf('r0')} 1 1`);
+    expect(written.filter((w) => w.refunds !== '')).toHaveLength(1);
   });
 });

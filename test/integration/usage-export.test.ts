@@ -5,7 +5,9 @@ import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { loopKey, subjectKey } from '../../gateway/redis/keys.js';
-import { defineCursorScripts, moveUsageCursor } from '../../gateway/usage/cursors.js';
+import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
+import { addBatchEvent, batchEvents, defineScripts, usageBatchArgs } from '../../gateway/quota/script.js';
+import { defineCursorScripts, moveUsageCursor, readUsage } from '../../gateway/usage/cursors.js';
 import { echoBackend } from '../helpers/backends.js';
 import { call, makeKey, redisKeyOf, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildInstances, buildTestGateway, type TestGateway } from '../helpers/gateway.js';
@@ -113,7 +115,7 @@ describe('usage export across three instances', () => {
     for (const g of gateways.slice(1)) g.gateway.setConfig(gateways[0]!.gateway.config());
     const before = sink.requests().length;
     sink.state.mode = 'down';
-    const answers = await traffic([gateways[0]!.url], over.key, 1300); // the cap is 1,000 (approximately: Redis trims whole nodes)
+    const answers = await traffic([gateways[0]!.url], over.key, 1300); // the cap is 1,000 events (the bundles go whole)
     const events = async () =>
       (
         (await (
@@ -131,8 +133,7 @@ describe('usage export across three instances', () => {
       'every event written',
     );
     sink.state.mode = 'up';
-    const name = [...gateways[0]!.gateway.config().consumers.values()].find((c) => c.id === over.id)!.subject.name;
-    await eventually(async () => (await gateways[0]!.redis!.xlen(`${name}:events`)) === 0, 40_000, 'the stream sent');
+    await eventually(async () => (await events()).pending === 0, 40_000, 'the stream and bundles sent');
     const delivered = sink.requests().filter((e) => e.subject === over.id).length;
     const dropped = await metricSum(gateways, 'gateway_usage_events_dropped_total');
     expect(answers.every((a) => a.status === 200 || a.status === 404)).toBe(true);
@@ -212,8 +213,9 @@ describe('usage export when the exporting gateway is killed mid-batch', () => {
     // all of them written before the kill, so what this test loses is only the exporter's batch.
     const redis = new Redis(inject('redisUrl'));
     onTestFinished(() => void redis.quit());
-    const stream = `${env.REDIS_KEY_PREFIX}:production:{k:${key.id}}:events`;
-    await eventually(async () => (await redis.xlen(stream)) === 40, 20_000, 'every event in the stream');
+    // The events the account's bundles took (usagebatch.lua's `badded`): none was sent yet.
+    const cursor = `${env.REDIS_KEY_PREFIX}:production:{k:${key.id}}:events:cursor`;
+    await eventually(async () => (await redis.hget(cursor, 'badded')) === '40', 20_000, 'every event in the bundles');
     const leader = procs.find((p) => p.logs.some((l) => l.msg === 'usage-export: this instance leads'))!;
     leader.proc.kill('SIGKILL');
     await new Promise((r) => leader.proc.once('exit', r));
@@ -444,6 +446,62 @@ describe("a stale leader's cursor move", () => {
     expect(await moveUsageCursor(redis, name, { token: 10, from: d, to: d, consumed: 0, refs: [] })).toBe('fenced');
     expect(await state()).toEqual({ cursor: d, consumed: 4, pending: 0, statuses: 0 });
     await redis.quit();
+  });
+});
+
+describe("the bundles' cap and the exporter's move", () => {
+  it('count a bundle the cap dropped after the leader read it once, as dropped: sent + pending + dropped = written', async () => {
+    const redis = new Redis(inject('redisUrl'));
+    onTestFinished(() => void redis.quit());
+    defineCursorScripts(redis);
+    defineScripts(redis);
+    const run = redis as unknown as Record<'usagebatch', (...args: Array<string | number>) => Promise<number>>;
+    // A cap of 10 events, set on the subject the script is given (the config's least is 1,000): three bundles of four overflow it.
+    const s: QuotaSubject = {
+      name: `${uniquePrefix()}:{k:acct}`,
+      limits: { perMinute: 1000, perDay: 10_000 },
+      bans: null,
+      policy: '',
+      lasting: true,
+      billing: NO_BILLING,
+      events: 10,
+      alerts: '',
+      enforce: true,
+    };
+    let batch = 0;
+    const write = () => {
+      const b = batchEvents();
+      for (let i = 0; i < 4; i++) addBatchEvent(b, Date.now(), '{}', 0, '');
+      return run.usagebatch(...usageBatchArgs(s, `i:${++batch}`, b));
+    };
+    const state = async () => {
+      const [c, length] = values(await redis.multi().hgetall(subjectKey.eventsCursor(s.name)).xlen(subjectKey.bundles(s.name)).exec()) as [
+        Record<string, string>,
+        number,
+      ];
+      return {
+        written: Number(c.badded),
+        sent: Number(c.bconsumed ?? 0),
+        dropped: Number(c.bdropped ?? 0),
+        held: Number(c.badded) - Number(c.bupto ?? 0),
+        bundles: length,
+      };
+    };
+    await write();
+    await write();
+    const read = await readUsage(redis, s.name, { count: 0, bundleEvents: 100 });
+    expect(read.bundles.map((b) => b.events)).toEqual([4, 4]);
+    // A third bundle: 12 events past a cap of 10, so the oldest goes, the one the leader is sending.
+    await write();
+    expect(await state()).toEqual({ written: 12, sent: 0, dropped: 4, held: 8, bundles: 2 });
+    const move = { token: 1, from: read.cursor, consumed: 0, refs: [], bundle: read.bundles[1]! };
+    expect(await moveUsageCursor(redis, s.name, move)).toBe('moved');
+    // The second bundle counts as sent; the first stays dropped, not sent as well.
+    expect(await state()).toEqual({ written: 12, sent: 4, dropped: 4, held: 4, bundles: 1 });
+    // The same move again (a stale round of the same lead) counts nothing twice; an older lead's is refused.
+    expect(await moveUsageCursor(redis, s.name, move)).toBe('moved');
+    expect(await moveUsageCursor(redis, s.name, { ...move, token: 0 })).toBe('fenced');
+    expect(await state()).toEqual({ written: 12, sent: 4, dropped: 4, held: 4, bundles: 1 });
   });
 });
 

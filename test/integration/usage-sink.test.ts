@@ -8,6 +8,7 @@ import { activityMarks } from '../../gateway/usage/active.js';
 import type { CloudEvent, EncodedEvent } from '../../gateway/usage/events.js';
 import { UsageExporter } from '../../gateway/usage/exporter.js';
 import { ALL_ACCEPTED, type Accepted, type UsageSink } from '../../gateway/usage/sink.js';
+import { loadSettings } from '../../gateway/config/settings.js';
 import { makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { eventually } from '../helpers/time.js';
 
@@ -24,7 +25,8 @@ class ArraySink implements UsageSink {
   async deliver(batch: readonly EncodedEvent[]): Promise<Accepted> {
     this.offered++;
     if (this.refusing) return { accepted: 'none', ...this.refusing };
-    this.batches.push(batch.map((e) => JSON.parse(e) as CloudEvent));
+    // A part is one event or a bundle's, as a JSON array's elements.
+    this.batches.push(batch.flatMap((e) => JSON.parse(`[${e}]`) as CloudEvent[]));
     return ALL_ACCEPTED;
   }
 
@@ -52,14 +54,17 @@ beforeAll(() => {
 });
 afterAll(() => redis.quit());
 
-/** A deployment of one key with usage export on (a URL nobody is asked: the sink is the test's), under a fresh prefix. */
-function deployment(): { config: GatewayConfig; subject: QuotaSubject; store: RedisQuotaStore } {
+/**
+ * A deployment of one key with usage export on (a URL nobody is asked: the sink is the test's),
+ * under a fresh prefix; `leaseMax` as the store's option (1: no lease).
+ */
+function deployment(leaseMax = 1): { config: GatewayConfig; subject: QuotaSubject; store: RedisQuotaStore } {
   const file = testConfig([makeKey('metered')], {
     plans,
     usage: { export: { url: 'http://127.0.0.1:9/never-called', maxEvents: 1000, batchSize: BATCH } },
   });
   const config = compileConfig(validateConfigFile(file, 'test config'), uniquePrefix());
-  const store = new RedisQuotaStore(redis, logLines().log, { marks: activityMarks(redis, () => config) });
+  const store = new RedisQuotaStore(redis, logLines().log, { marks: activityMarks(redis, () => config), leaseMax });
   onTestFinished(() => store.close());
   return { config, subject: [...config.accounts.values()][0]!, store };
 }
@@ -114,6 +119,28 @@ describe('a second usage sink', () => {
     expect(counted).toEqual({ exported: 12, failed: 0 });
     // The statuses these events joined went with their cursor's move: none left to grow with the traffic.
     expect(await redis.hlen(`${d.subject.name}:statuses`)).toBe(0);
+  });
+
+  it("splits a bundle larger than the batch size into batches within it, the bundle's events in order", async () => {
+    // Leases (the shipped QUOTA_LEASE_MAX, in the store's option, as the wiring passes it): the
+    // admissions' events go to Redis in one bundle when the store closes.
+    const d = deployment(loadSettings({}).quotaLeaseMax);
+    const ids: string[] = [];
+    for (let i = 0; i < 12; i++) {
+      const tag: EventTag = { requestId: `req-${i}-${uniquePrefix()}`, keyId: 'k', plan: 'metered', route: 'listPets', method: 'GET' };
+      expect((await d.store.consume(d.subject, 1, tag)).outcome).toBe('allowed');
+      d.store.settle(d.subject, tag.eventId!, 200);
+      ids.push(tag.requestId);
+    }
+    await d.store.close();
+    const bundles = await redis.xrange(`${d.subject.name}:bundles`, '-', '+');
+    expect(bundles.map(([, f]) => f[1])).toEqual(['12']); // one bundle (`n 12 ...`): the call that took the lease admitted the first
+    const sink = new ArraySink();
+    const { loop } = exporter(d.config, sink, logLines().log);
+    loop.start();
+    await eventually(async () => (await d.store.exportState(d.subject)).exported === 12, 20_000, 'every event exported');
+    expect(sink.batches.map((b) => b.length)).toEqual([5, 5, 2]);
+    expect(sink.requestIds()).toEqual(ids);
   });
 
   it('that refuses leaves the cursors where they were, and gets the same events again once it accepts', async () => {

@@ -4,6 +4,7 @@ import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { EventBatches, MAX_KEPT } from '../../gateway/quota/event-batches.js';
 import type { BatchEvents } from '../../gateway/quota/script.js';
 import { loadSettings } from '../../gateway/config/settings.js';
+import { bundleEvents } from '../../gateway/usage/events.js';
 
 /** The shipped settings: what the batches run at unless a test says why not. */
 const shipped = loadSettings({});
@@ -90,12 +91,12 @@ describe("a leased admission's event data", () => {
     });
     admit(batches);
     await batches.close();
-    // usagebatch.lua's layout (script.ts, usageBatchArgs): at and data per event; refunds and credit spends apart.
-    return sent.map(({ values, refunds, spends }) => ({
-      events: Array.from({ length: values.length / 2 }, (_, i) => ({
-        at: values[2 * i],
-        data: JSON.parse(String(values[2 * i + 1])) as unknown,
-      })),
+    // usagebatch.lua's layout (script.ts, usageBatchArgs): the events in one string, as a
+    // bundle holds them; the exporter fills in the bundle's id (here 7-0), account and source.
+    return sent.map(({ events, refunds, spends }) => ({
+      events: JSON.parse(
+        `[${bundleEvents('acme', '/src', { id: '7-0', events: events.length, upto: 0, data: events.join(','), refunds: '' })}]`,
+      ) as unknown,
       refunds,
       spends: Object.fromEntries(spends),
     }));
@@ -124,15 +125,25 @@ describe("a leased admission's event data", () => {
       overage: 0,
       credits: null,
     });
+    const event = (k: number, time: string, data: object) => ({
+      specversion: '1.0',
+      id: `acme/7-0.${k}`,
+      source: '/src',
+      type: 'com.petstore.gateway.request',
+      subject: 'acme',
+      time,
+      datacontenttype: 'application/json',
+      data,
+    });
     expect(events).toEqual([
       {
         events: [
-          { at: 1_700_000_000_000, data: data(odd, 200, { minute: 3, hour: null, day: 41, month: null }) },
-          { at: 1_700_000_000_500, data: data('r', 502, { minute: 4, hour: 9, day: 42, month: 7 }) },
-          { at: 1_700_000_001_000, data: data('r', null, { minute: 5, hour: null, day: 43, month: null }) },
+          event(0, '2023-11-14T22:13:20.000Z', data(odd, 200, { minute: 3, hour: null, day: 41, month: null })),
+          event(1, '2023-11-14T22:13:20.500Z', data('r', 502, { minute: 4, hour: 9, day: 42, month: 7 })),
+          event(2, '2023-11-14T22:13:21.000Z', data('r', null, { minute: 5, hour: null, day: 43, month: null })),
         ],
-        // The second event (index 1) refunded one unit; the first's credit came from lease L1.
-        refunds: [1, 1],
+        // The second event (index 1) refunded one unit, admitted at its time; the first's credit came from lease L1.
+        refunds: [1, 1_700_000_000_500, 1],
         spends: { L1: 1 },
       },
     ]);
