@@ -2,7 +2,9 @@ import { Redis } from 'ioredis';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { loopKey } from '../../gateway/redis/keys.js';
+import { addBatchEvent, batchEvents, defineScripts, usageBatchArgs } from '../../gateway/quota/script.js';
 import { ActiveIndex, markActive } from '../../gateway/usage/active.js';
+import { bundledEvent } from '../../gateway/usage/events.js';
 import { makeKey, type TestKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
@@ -133,9 +135,25 @@ describe('an account whose mark was lost', () => {
       );
     }
     await multi.exec();
-    await eventually(() => sink.requests().length >= 3, 20_000, 'the events at the sink');
+    // And a bundle of leased admissions' events (usagebatch.lua, as the store calls it) in another account, unmarked too.
+    const bundled = gw.gateway.config().accounts.get('acct-23')!;
+    const batch = batchEvents();
+    for (let k = 0; k < 2; k++) addBatchEvent(batch, at, bundledEvent(k, at, JSON.stringify({ requestId: `bundled-${k}` })), 0, '');
+    defineScripts(redis);
+    await (redis as unknown as Record<'usagebatch', (...a: Array<string | number>) => Promise<number>>).usagebatch(
+      ...usageBatchArgs(bundled, 'lost:1', batch),
+    );
+    await eventually(() => sink.requests().length >= 5, 20_000, 'the events at the sink');
     await eventually(() => got.length >= 3, 20_000, 'the alerts at the receiver');
-    expect(sink.requests().map((e) => e.data!.requestId)).toEqual(['lost-0', 'lost-1', 'lost-2']);
+    expect(sink.requests().map((e) => e.data!.requestId)).toEqual(
+      expect.arrayContaining(['lost-0', 'lost-1', 'lost-2', 'bundled-0', 'bundled-1']),
+    );
+    expect(
+      sink
+        .requests()
+        .filter((e) => e.subject === 'acct-17')
+        .map((e) => e.data!.requestId),
+    ).toEqual(['lost-0', 'lost-1', 'lost-2']);
     expect(got).toEqual(alerts.map((id) => `acct-17/${id}`));
   }, 40_000);
 });
