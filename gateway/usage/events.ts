@@ -10,10 +10,10 @@ export type StreamEntry = [id: string, fields: string[]];
 
 /**
  * An account's usage entries as the exporter reads them (cursors.ts, READ_USAGE): flat, ENTRY
- * values an entry, in stream order. A leased admission's entry (usagebatch.lua's layout, `kind
- * request at <ms> data <json>`, most of a busy account's) comes as its `id, at, data`, three
- * strings; any other as `id, '', fields`. Flat strings cost Redis and the reply's parser about
- * half what an entry's nested field list does (docs/performance.md).
+ * values an entry, in stream order. A leased admission's entry as a gateway before the bundles
+ * wrote it (usagebatch.lua's layout then, `kind request at <ms> data <json>`: what an upgrade
+ * finds in the stream) comes as its `id, at, data`, three strings; any other as `id, '',
+ * fields`. Leased admissions' events are in the bundles now (bundledEvent).
  */
 export type UsageEntries = Array<string | string[]>;
 /** Values an entry in UsageEntries. */
@@ -61,9 +61,8 @@ export interface RequestData {
 }
 
 /**
- * A leased admission's event is written by its instance with its `data` already in JSON
- * (event-batches.ts: encoded once there, with its status), and goes out as it is: the stream
- * entry holds three fields where an entry of quota.lua's holds some fifteen, read back once.
+ * The field of a leased admission's `data`, already in JSON, in the entries a gateway before the
+ * bundles wrote to the stream (UsageEntries): still read, and sent as it is.
  */
 export const DATA_FIELD = 'data';
 
@@ -157,9 +156,10 @@ function isoTime(at: string): string {
 }
 
 /**
- * Leased admissions' events of one account in JSON: the parts the account and source fix
- * escaped once, then per event its id (a stream id: digits and a dash), its time and its data
- * as its instance encoded it. The same JSON as JSON.stringify of the event would give.
+ * Leased admissions' events of one account in JSON, from entries in the stream's earlier layout
+ * (DATA_FIELD): the parts the account and source fix escaped once, then per event its id (a
+ * stream id: digits and a dash), its time and its data as its instance encoded it. The same JSON
+ * as JSON.stringify of the event would give.
  */
 function leasedEncoder(account: string, source: string): (id: string, at: string, data: string) => EncodedEvent {
   const id = JSON.stringify(eventId(account, '')).slice(0, -1);
