@@ -145,12 +145,13 @@ function head(account: string, source: string, id: string, type: string, at: str
 }
 
 /** The ISO time of a Redis ms time; the last one kept, as a lease's events share theirs a second at a time. */
-let lastAt = '';
+let lastAt = Number.NaN;
 let lastIso = '';
-function isoTime(at: string): string {
-  if (at !== lastAt) {
-    lastIso = new Date(Number(at)).toISOString();
-    lastAt = at;
+function isoTime(at: string | number): string {
+  const ms = Number(at);
+  if (ms !== lastAt) {
+    lastIso = new Date(ms).toISOString();
+    lastAt = ms;
   }
   return lastIso;
 }
@@ -183,7 +184,7 @@ const HEAD_MARK = '\u0001';
  * for its source, type and subject (bundleEvents puts them in).
  */
 export const bundledEvent = (k: number, at: number, data: string) =>
-  `{"specversion":"1.0","id":"${ID_MARK}.${k}${HEAD_MARK}${isoTime(String(at))}","datacontenttype":"application/json","data":${data}}`;
+  `{"specversion":"1.0","id":"${ID_MARK}.${k}${HEAD_MARK}${isoTime(at)}","datacontenttype":"application/json","data":${data}}`;
 
 /** The id of a bundle's `k`th event, `bundle` its stream id. */
 export const bundledId = (bundle: string, k: number | string) => `${bundle}.${k}`;

@@ -56,7 +56,11 @@ afterAll(() => redis.quit());
 
 /**
  * A deployment of one key with usage export on (a URL nobody is asked: the sink is the test's),
- * under a fresh prefix; `leaseMax` as the store's option (1: no lease).
+ * under a fresh prefix; `leaseMax` as the store's option. 1 (no lease) unless a test says
+ * otherwise, in place of the shipped QUOTA_LEASE_MAX: these tests follow quota.lua's own events
+ * (one stream entry a request, its status joined afterwards) through the sink seam, which a
+ * lease would replace with a bundle written only at the batch interval; the bundles have the
+ * test below that runs at the shipped lease.
  */
 function deployment(leaseMax = 1): { config: GatewayConfig; subject: QuotaSubject; store: RedisQuotaStore } {
   const file = testConfig([makeKey('metered')], {
