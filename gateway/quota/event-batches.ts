@@ -1,5 +1,5 @@
 import type { FastifyBaseLogger } from 'fastify';
-import { bundledEvent, leasedDataAfter, leasedDataBefore, windowsJson } from '../usage/events.js';
+import { windowsLine } from '../usage/events.js';
 import type { EventTag, QuotaSubject } from './decision.js';
 import { addBatchEvent, type BatchEvents, batchEvents, eventsIn } from './script.js';
 import { type Counts, fixedLimits } from './windows.js';
@@ -23,13 +23,13 @@ const LEASED = 'lease:';
 const NOT_KEPT = `${LEASED}none`;
 
 /**
- * A leased admission's event, from its admission until its status is known: its data encoded
- * around the status (usage/events.ts, leasedDataBefore), so only strings wait.
+ * A leased admission's event, from its admission until its status is known: its request's tag
+ * and the windows it saw (usage/events.ts, windowsLine), the rest of its JSON left to the exporter.
  */
 interface Open {
   subject: QuotaSubject;
-  before: string;
-  after: string;
+  tag: EventTag;
+  windows: string;
   at: number;
   refundUnits: number;
   /** The credit lease its credit came from ('': none): the batch spends it there. */
@@ -106,11 +106,10 @@ export class EventBatches {
       return NOT_KEPT;
     }
     const id = `${LEASED}${++this.ids}`;
-    const windows = windowsJson(counts, fixedLimits(subject.limits), counts.monthUsed ?? 0);
     this.open.set(id, {
       subject,
-      before: leasedDataBefore(tag),
-      after: leasedDataAfter(windows),
+      tag,
+      windows: windowsLine(counts, fixedLimits(subject.limits), counts.monthUsed ?? 0),
       at: atMs,
       refundUnits: 0,
       creditLease,
@@ -148,14 +147,13 @@ export class EventBatches {
     return eventId.startsWith(LEASED);
   }
 
-  /** Its status known (or waited for long enough: null): its event completed, as the sink gets it but for the marks (events.ts, bundledEvent). */
+  /** Its status known (or waited for long enough: null): its event's line added to its account's next call (script.ts, addBatchEvent). */
   private toReady(eventId: string, o: Open, status: number | null): void {
     this.open.delete(eventId);
     const name = o.subject.name;
     let account = this.ready.get(name);
     if (!account) this.ready.set(name, (account = { subject: o.subject, events: batchEvents() }));
-    const event = bundledEvent(eventsIn(account.events), o.at, o.before + status + o.after);
-    addBatchEvent(account.events, o.at, event, o.refundUnits, o.creditLease);
+    addBatchEvent(account.events, { at: o.at, tag: o.tag, status, windows: o.windows }, o.refundUnits, o.creditLease);
     if (eventsIn(account.events) === PER_CALL) {
       this.full.push(account);
       this.ready.delete(name);

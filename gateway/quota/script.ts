@@ -1,4 +1,5 @@
 import { readFileSync } from 'node:fs';
+import { bundleData, eventHead, eventLine } from '../usage/events.js';
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { luaList, packer, positions, prelude, type Wires, wiresArgs, wired } from '../redis/wires.js';
@@ -377,37 +378,67 @@ export const USAGE_BATCH = {
 } as const satisfies Wires<string, string>;
 
 /**
- * The events of one usagebatch.lua call, as event-batches.ts builds them: each event its
- * CloudEvent, encoded but for what only the exporter knows (usage/events.ts, bundledEvent), all
- * of them one string in Redis, one stream entry, read back as one; what only some have apart.
+ * The events of one usagebatch.lua call, as event-batches.ts builds them: each event's line,
+ * with the heads they share once (usage/events.ts, bundleData: what only the exporter knows and
+ * what all events share, it adds), all of them one string in Redis, one stream entry, read back
+ * as one; what only some have apart.
  */
 export interface BatchEvents {
-  /** Per event, one unit each: its CloudEvent (bundledEvent), the `k`th of the call. */
-  events: string[];
+  /** Per event, one unit each: its line (eventLine), the `k`th of the call. */
+  lines: string[];
+  /** The heads the lines name by their index (eventHead), and each one's index by key id, plan, route and method. */
+  heads: string[];
+  headIndex: Map<string, Map<string, Map<string, Map<string, number>>>>;
   /** Per refunded event: its index in the call, when it was admitted (Redis ms), and its refund's units. */
   refunds: number[];
   /** Per credit lease the events' credits came from: how many of them. */
   spends: Map<string, number>;
 }
 
-export const batchEvents = (): BatchEvents => ({ events: [], refunds: [], spends: new Map() });
+export const batchEvents = (): BatchEvents => ({ lines: [], heads: [], headIndex: new Map(), refunds: [], spends: new Map() });
 
 /** How many events a batch holds. */
-export const eventsIn = (b: BatchEvents) => b.events.length;
+export const eventsIn = (b: BatchEvents) => b.lines.length;
 
-/**
- * Adds an event (one unit) to `b`, encoded as its `eventsIn(b)`th (usage/events.ts,
- * bundledEvent): `refundUnits` 0 for none, `creditLease` '' for none.
- */
-export function addBatchEvent(b: BatchEvents, at: number, event: string, refundUnits: number, creditLease: string): void {
-  if (refundUnits > 0) b.refunds.push(b.events.length, at, refundUnits);
-  if (creditLease !== '') b.spends.set(creditLease, (b.spends.get(creditLease) ?? 0) + 1);
-  b.events.push(event);
+/** The index of `tag`'s head among `b`'s, added when new: four lookups of strings the request already holds, no key built. */
+function headOf(b: BatchEvents, tag: EventHead): number {
+  const at = <V>(m: Map<string, V>, key: string, make: () => V): V => {
+    let v = m.get(key);
+    if (v === undefined) m.set(key, (v = make()));
+    return v;
+  };
+  const byMethod = at(
+    at(
+      at(b.headIndex, tag.keyId, () => new Map()),
+      tag.plan,
+      () => new Map(),
+    ),
+    tag.route,
+    () => new Map<string, number>(),
+  );
+  return at(byMethod, tag.method, () => b.heads.push(eventHead(tag)) - 1);
 }
 
 /**
+ * Adds an event (one unit) to `b`, its `eventsIn(b)`th: `tag`'s, admitted at `at` (Redis ms),
+ * with its final status (null: none known) and windows (usage/events.ts, windowsLine);
+ * `refundUnits` 0 for none, `creditLease` '' for none.
+ */
+export function addBatchEvent(
+  b: BatchEvents,
+  e: { at: number; tag: EventHead & Pick<EventTag, 'requestId'>; status: number | null; windows: string },
+  refundUnits: number,
+  creditLease: string,
+): void {
+  if (refundUnits > 0) b.refunds.push(b.lines.length, e.at, refundUnits);
+  if (creditLease !== '') b.spends.set(creditLease, (b.spends.get(creditLease) ?? 0) + 1);
+  b.lines.push(eventLine(headOf(b, e.tag), e.at, e.status, e.windows, e.tag.requestId));
+}
+type EventHead = Pick<EventTag, 'keyId' | 'plan' | 'route' | 'method'>;
+
+/**
  * usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of the events `b` (a refund's
- * overage taken back as refund.lua's), their CloudEvents as one JSON array's elements (`data`).
+ * overage taken back as refund.lua's), in one string (`data`: usage/events.ts, bundleData).
  * From REST on: each refund's `index, at, units` (the index from 0), then each credit lease's `id, events`.
  */
 export function usageBatchArgs(subject: QuotaSubject, batchId: string, b: BatchEvents): Array<string | number> {
@@ -427,7 +458,7 @@ export function usageBatchArgs(subject: QuotaSubject, batchId: string, b: BatchE
     overageWindow: limits.perMonth ? 1 : 2,
     events: eventsIn(b),
     refunds: b.refunds.length / 3,
-    data: b.events.join(','),
+    data: bundleData(b.heads, b.lines),
   };
   return wiresArgs(USAGE_BATCH, keys, argv, [...b.refunds, ...[...b.spends].flat()]);
 }

@@ -5,8 +5,9 @@
 -- and the account's counters. One hash tag: one Cluster slot, with the counters quota.lua leased
 -- the units from.
 -- ARG: the stream's cap in events; `month`, `soft` and `overageWindow` as refund.lua's; how many
--- events and refunds; `data`, the events' CloudEvents as their instance encoded them, with their
--- final statuses (usage/events.ts, bundledEvent), comma-separated. From REST (script.ts,
+-- events and refunds; `data`, the events as their instance wrote them, with their final
+-- statuses: a line each of what varies, the heads they share once (usage/events.ts,
+-- bundleData; the exporter frames them into CloudEvents). From REST (script.ts,
 -- usageBatchArgs): per refund the index of its event (from 0), when that was admitted (Redis ms)
 -- and its units; then per credit lease its id and how many of the events it paid.
 -- The batch is one stream entry, a bundle: `n` its events (refunds among them), `upto` the

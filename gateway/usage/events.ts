@@ -87,32 +87,48 @@ export function eventWindows(count: (w: WindowRow) => number | null, month: numb
 }
 
 /**
- * A leased admission's `windows` in JSON, as eventWindows gives them (JSON.stringify's order):
- * each fixed window's count by its name, null where the subject has none (`limits`: fixedLimits
- * of its limits), then the billing period's, null when 0. Built from the rows once: the names
- * are the rows' own identifiers, never input.
+ * A leased admission's windows as its bundle line carries them (eventLine): each fixed window's
+ * count (FIXED's order; null where the subject has none, `limits`: fixedLimits of its limits),
+ * then the billing period's (null when 0), comma-separated, the JSON values eventWindows gives
+ * them. Built from the rows once: the names are the rows' own identifiers, never input.
  */
-export const windowsJson = compiled<(counts: Counts, limits: readonly number[], month: number) => string>(
+export const windowsLine = compiled<(counts: Counts, limits: readonly number[], month: number) => string>(
   'counts, limits, month',
-  `return '{' + ${FIXED.map(
-    (w, i) => `'"${w.name}":' + ${w.always ? `(counts.${w.used} ?? 0)` : `(limits[${i}] > 0 ? (counts.${w.used} ?? 0) : 'null')`} + ','`,
-  ).join(' + ')} + '"month":' + (month || 'null') + '}';`,
+  `return ${FIXED.map((w, i) => (w.always ? `(counts.${w.used} ?? 0)` : `(limits[${i}] > 0 ? (counts.${w.used} ?? 0) : 'null')`)).join(" + ',' + ")} + ',' + (month || 'null');`,
 );
+/** The names windowsLine's values go by, in its order: a bundle names them, so it reads the same whatever rows its reader has. */
+const WINDOW_NAMES = [...FIXED.map((w) => w.name), 'month'].join(',');
 
 /**
- * A leased admission's `data` in JSON up to its status, which is known last (then
- * leasedDataAfter): the same JSON as JSON.stringify of the RequestData requestEvent builds, field
- * for field, with one unit, no overage (a lease carries none) and no balance (a credit lease's
- * is Redis's). Encoded at admission, so only two strings wait for the status, not an object tree.
+ * What a leased admission's event shares with the account's other events of its key, route and
+ * method: its data's `keyId` to `method`, in JSON (a bundle holds each once, its lines name it).
  */
-export function leasedDataBefore(tag: EventTag): string {
-  const { requestId, keyId, plan, route, method } = tag;
+export function eventHead(tag: Pick<EventTag, 'keyId' | 'plan' | 'route' | 'method'>): string {
   const q = JSON.stringify;
-  return `{"requestId":${q(requestId)},"keyId":${q(keyId)},"plan":${q(plan)},"route":${q(route)},"method":${q(method)},"units":1,"status":`;
+  return `"keyId":${q(tag.keyId)},"plan":${q(tag.plan)},"route":${q(tag.route)},"method":${q(tag.method)}`;
 }
 
-/** What follows a leased admission's status in its `data` (leasedDataBefore): its windows (windowsJson), overage and balance. */
-export const leasedDataAfter = (windows: string) => `,"windows":${windows},"overage":0,"credits":null}`;
+/**
+ * Leased admissions' events are written a bundle a call (usagebatch.lua: one stream entry, the
+ * account's `bundles`), holding only what varies from event to event: the exporter, on its own
+ * thread, adds what they share (bundleEvents). Its data, in this layout, is COMPACT, the
+ * windows' names (comma-separated), COMPACT, the heads (eventHead, a line each), COMPACT, then
+ * a line per event (eventLine). JSON never leaves a control character raw, so neither COMPACT
+ * nor a newline can occur inside a head or a request id.
+ */
+const COMPACT = '\u0002';
+
+/**
+ * A leased admission's event in its bundle: the index of its head among the bundle's, its
+ * admission time (Redis ms), its status (null: none known), its windows (windowsLine) and its
+ * request id in JSON, space-separated, the request id last.
+ */
+export const eventLine = (head: number, at: number, status: number | null, windows: string, requestId: string) =>
+  `${head} ${at} ${status} ${windows} ${JSON.stringify(requestId)}`;
+
+/** A bundle's data (usagebatch.lua's `data`): its heads (eventHead) and its events' lines (eventLine). */
+export const bundleData = (heads: readonly string[], lines: readonly string[]) =>
+  `${COMPACT}${WINDOW_NAMES}${COMPACT}${heads.join('\n')}${COMPACT}${lines.join('\n')}`;
 
 function requestEvent(account: string, source: string, id: string, f: Record<string, string>, status: number | null): CloudEvent {
   const credits = Number(f.credits);
@@ -170,21 +186,12 @@ function leasedEncoder(account: string, source: string): (id: string, at: string
 }
 
 /**
- * Leased admissions' events are written a bundle a call (usagebatch.lua: one stream entry, the
- * account's `bundles`), each encoded by its instance but for what only the exporter knows: the
- * bundle's stream id, the account and the source. Two marks stand for them, characters JSON
- * never leaves raw (it escapes every control character), so nothing else can match them.
+ * The marks in a bundle a gateway before the compact layout wrote (its data starts with `{`):
+ * each event was encoded whole by its instance but for the bundle's stream id and the account
+ * and source, which these stood for. Still read, so an upgrade sends what its predecessor wrote.
  */
 const ID_MARK = '\u0000';
 const HEAD_MARK = '\u0001';
-
-/**
- * The `k`th event of a bundle, admitted at `at` (Redis ms), with its `data` (leasedDataBefore,
- * its status, leasedDataAfter): its id is the bundle's with `.k` (ID_MARK), and HEAD_MARK stands
- * for its source, type and subject (bundleEvents puts them in).
- */
-export const bundledEvent = (k: number, at: number, data: string) =>
-  `{"specversion":"1.0","id":"${ID_MARK}.${k}${HEAD_MARK}${isoTime(at)}","datacontenttype":"application/json","data":${data}}`;
 
 /** The id of a bundle's `k`th event, `bundle` its stream id. */
 export const bundledId = (bundle: string, k: number | string) => `${bundle}.${k}`;
@@ -196,21 +203,23 @@ export interface Bundle {
   events: number;
   /** The events the account's bundles took, up to this one: what the cursor counts by. */
   upto: number;
-  /** Its request events, as bundledEvent encoded them, comma-separated. */
+  /** Its request events: bundleData's layout, or an earlier gateway's (each event in JSON with its marks, comma-separated). */
   data: string;
   /** Per refund, `index units overage`, space-separated ('': none). */
   refunds: string;
 }
 
 /**
- * A bundle's events, as a JSON array's elements, comma-separated: its request events with the
- * marks filled in (two passes over one string, whatever the events), then a refund event per
- * refund, for the event it refunds (`<bundle>.<k>.refund`), at the bundle's time.
+ * A bundle's events, as a JSON array's elements, comma-separated: its request events, framed
+ * here (compactEvents; a bundle an earlier gateway wrote: its marks filled in), then a refund
+ * event per refund, for the event it refunds (`<bundle>.<k>.refund`), at the bundle's time.
  */
 export function bundleEvents(account: string, source: string, b: Bundle): string {
   const id = JSON.stringify(eventId(account, b.id)).slice(1, -1);
-  const head = `","source":${JSON.stringify(source)},"type":"${REQUEST_TYPE}","subject":${JSON.stringify(account)},"time":"`;
-  let json = b.data.replaceAll(ID_MARK, id).replaceAll(HEAD_MARK, head);
+  const shared = `","source":${JSON.stringify(source)},"type":"${REQUEST_TYPE}","subject":${JSON.stringify(account)},"time":"`;
+  let json = b.data.startsWith(COMPACT)
+    ? compactEvents(`{"specversion":"1.0","id":"${id}.`, shared, b.data)
+    : b.data.replaceAll(ID_MARK, id).replaceAll(HEAD_MARK, shared);
   if (b.refunds === '') return json;
   const r = b.refunds.split(' ');
   const at = b.id.split('-')[0]!;
@@ -220,6 +229,37 @@ export function bundleEvents(account: string, source: string, b: Bundle): string
     json += `,${JSON.stringify(refundEvent(account, source, `${of}.refund`, f))}`;
   }
   return json;
+}
+
+/**
+ * A compact bundle's request events (bundleData): each line framed, its head put back by its
+ * index and its windows named. `start` is every event's JSON up to its index in the bundle,
+ * `shared` from after it up to its time. The same JSON as JSON.stringify of the event
+ * requestEvent would build, with one unit, no overage (a lease carries none) and no balance (a
+ * credit lease's is Redis's).
+ */
+function compactEvents(start: string, shared: string, data: string): string {
+  const [, names, heads, lines] = data.split(COMPACT) as [string, string, string, string];
+  const keys = names.split(',').map((n) => `${JSON.stringify(n)}:`);
+  const head = heads.split('\n');
+  const out: string[] = [];
+  let k = 0;
+  for (const line of lines.split('\n')) {
+    // eventLine: head at status windows "requestId"
+    const a = line.indexOf(' ');
+    const t = line.indexOf(' ', a + 1);
+    const s = line.indexOf(' ', t + 1);
+    const w = line.indexOf(' ', s + 1);
+    const values = line.slice(s + 1, w).split(',');
+    let windows = '{';
+    for (let i = 0; i < keys.length; i++) windows += `${i > 0 ? ',' : ''}${keys[i]}${values[i]}`;
+    out.push(
+      `${start}${k++}${shared}${isoTime(Number(line.slice(a + 1, t)))}","datacontenttype":"application/json",` +
+        `"data":{"requestId":${line.slice(w + 1)},${head[Number(line.slice(0, a))]},"units":1,"status":${line.slice(t + 1, s)},` +
+        `"windows":${windows}},"overage":0,"credits":null}}`,
+    );
+  }
+  return out.join(',');
 }
 
 /**

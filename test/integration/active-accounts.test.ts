@@ -4,7 +4,6 @@ import type { ConfigFile } from '../../gateway/config/config.js';
 import { loopKey } from '../../gateway/redis/keys.js';
 import { addBatchEvent, batchEvents, defineScripts, usageBatchArgs } from '../../gateway/quota/script.js';
 import { ActiveIndex, markActive } from '../../gateway/usage/active.js';
-import { bundledEvent } from '../../gateway/usage/events.js';
 import { makeKey, type TestKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
@@ -138,7 +137,10 @@ describe('an account whose mark was lost', () => {
     // And a bundle of leased admissions' events (usagebatch.lua, as the store calls it) in another account, unmarked too.
     const bundled = gw.gateway.config().accounts.get('acct-23')!;
     const batch = batchEvents();
-    for (let k = 0; k < 2; k++) addBatchEvent(batch, at, bundledEvent(k, at, JSON.stringify({ requestId: `bundled-${k}` })), 0, '');
+    for (let k = 0; k < 2; k++) {
+      const tag = { requestId: `bundled-${k}`, keyId: 'k', plan: 'free', route: 'listPets', method: 'GET' };
+      addBatchEvent(batch, { at, tag, status: 200, windows: '1,null,1,null' }, 0, '');
+    }
     defineScripts(redis);
     await (redis as unknown as Record<'usagebatch', (...a: Array<string | number>) => Promise<number>>).usagebatch(
       ...usageBatchArgs(bundled, 'lost:1', batch),

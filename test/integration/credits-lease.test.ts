@@ -242,7 +242,8 @@ describe('a key with credits and usage export, leased', () => {
   /** Five units of the lease `lease` written in one batch, the fifth refunded (its backend failed): the batch's values. */
   const fiveEvents = (lease: string) => {
     const events = batchEvents();
-    for (let i = 0; i < 5; i++) addBatchEvent(events, Date.now(), '{}', i === 4 ? 1 : 0, lease);
+    for (let i = 0; i < 5; i++)
+      addBatchEvent(events, { at: Date.now(), tag: tag(`r${i}`), status: 200, windows: '1,null,1,null' }, i === 4 ? 1 : 0, lease);
     return events;
   };
   const credited = async (s: QuotaSubject) => {

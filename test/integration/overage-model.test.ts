@@ -4,6 +4,7 @@ import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import type { EventTag, QuotaSubject } from '../../gateway/quota/decision.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
+import { bundleEvents } from '../../gateway/usage/events.js';
 import { LeasingInstance } from '../helpers/lease-instance.js';
 
 // Overage is billed for units delivered past the quota, whatever happens to leases: three
@@ -176,13 +177,15 @@ describe('overage with usage exported: a leased refund goes in its event batch',
     expect((await a.store.peek(s)).overageUsed).toBe(delivered - QUOTA);
     const bundles = await redis.xrange(subjectKey.bundles(s.name), '-', '+');
     const fields = (f: string[]) => Object.fromEntries(f.flatMap((v, i) => (i % 2 ? [] : [[v, f[i + 1]]])));
-    // A bundle holds its events as their instance encoded them, a JSON array's elements, and
-    // its refunds as `index units overage` (usagebatch.lua).
+    // A bundle holds its events as their instance wrote them, which the exporter frames
+    // (bundleEvents; refunds apart here), and its refunds as `index units overage` (usagebatch.lua).
     const written = bundles
-      .map(([, f]) => fields(f))
-      .map((f) => ({
+      .map(([id, list]) => ({ id, f: fields(list) }))
+      .map(({ id, f }) => ({
         requests: (
-          JSON.parse(`[${f.data!.replaceAll('\u0000', '').replaceAll('\u0001', '')}]`) as Array<{ data: { requestId: string } }>
+          JSON.parse(`[${bundleEvents(s.name, '/src', { id, events: Number(f.n), upto: 0, data: f.data!, refunds: '' })}]`) as Array<{
+            data: { requestId: string };
+          }>
         ).map((e) => e.data.requestId),
         refunds: f.refunds,
       }));

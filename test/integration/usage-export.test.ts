@@ -469,9 +469,11 @@ describe("the bundles' cap and the exporter's move", () => {
       enforce: true,
     };
     let batch = 0;
+    const head = { keyId: 'k', plan: 'p', route: 'listPets', method: 'GET' };
     const write = () => {
       const b = batchEvents();
-      for (let i = 0; i < 4; i++) addBatchEvent(b, Date.now(), '{}', 0, '');
+      for (let i = 0; i < 4; i++)
+        addBatchEvent(b, { at: Date.now(), tag: { requestId: `r${i}`, ...head }, status: 200, windows: '1,null,1,null' }, 0, '');
       return run.usagebatch(...usageBatchArgs(s, `i:${++batch}`, b));
     };
     const state = async () => {

@@ -4,7 +4,7 @@ import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { EventBatches, MAX_KEPT } from '../../gateway/quota/event-batches.js';
 import type { BatchEvents } from '../../gateway/quota/script.js';
 import { loadSettings } from '../../gateway/config/settings.js';
-import { bundleEvents } from '../../gateway/usage/events.js';
+import { bundleData, bundleEvents } from '../../gateway/usage/events.js';
 
 /** The shipped settings: what the batches run at unless a test says why not. */
 const shipped = loadSettings({});
@@ -93,10 +93,11 @@ describe("a leased admission's event data", () => {
     await batches.close();
     // usagebatch.lua's layout (script.ts, usageBatchArgs): the events in one string, as a
     // bundle holds them; the exporter fills in the bundle's id (here 7-0), account and source.
-    return sent.map(({ events, refunds, spends }) => ({
+    return sent.map(({ lines, heads, refunds, spends }) => ({
       events: JSON.parse(
-        `[${bundleEvents('acme', '/src', { id: '7-0', events: events.length, upto: 0, data: events.join(','), refunds: '' })}]`,
+        `[${bundleEvents('acme', '/src', { id: '7-0', events: lines.length, upto: 0, data: bundleData(heads, lines), refunds: '' })}]`,
       ) as unknown,
+      heads: heads.length,
       refunds,
       spends: Object.fromEntries(spends),
     }));
@@ -104,21 +105,23 @@ describe("a leased admission's event data", () => {
 
   it('is the JSON a sink bills by, its status and refund joined, whatever the request id holds', async () => {
     const hourly: QuotaSubject = { ...subject, limits: { perMinute: 200, perHour: 5000, perDay: 100_000 } };
-    const odd = 'a"b\\c\u2028é\u0001';
+    // Quotes, escapes, control characters, the bundle's own separators (a space, a newline, \u0002): a request id is JSON in its line.
+    const odd = 'a"b\\c\u2028é\u0001 \n\u0002';
     const events = await written((b) => {
       const ok = b.admit(subject, { ...tag, requestId: odd }, 1_700_000_000_000, { minuteUsed: 3, dayUsed: 41 }, 'L1');
       b.settle(ok, 200);
       const failed = b.admit(hourly, tag, 1_700_000_000_500, { minuteUsed: 4, hourUsed: 9, dayUsed: 42, monthUsed: 7 });
       b.refund(failed, 1);
       b.settle(failed, 502);
-      b.admit(subject, tag, 1_700_000_001_000, { minuteUsed: 5, dayUsed: 43 }); // never settled: written with none at close
+      // Another route: a second head in the bundle. Never settled: written with none at close.
+      b.admit(subject, { ...tag, route: 'addPet', method: 'POST' }, 1_700_000_001_000, { minuteUsed: 5, dayUsed: 43 });
     });
-    const data = (requestId: string, status: number | null, windows: object) => ({
+    const data = (requestId: string, status: number | null, windows: object, route = 'listPets', method = 'GET') => ({
       requestId,
       keyId: 'k',
       plan: 'p',
-      route: 'listPets',
-      method: 'GET',
+      route,
+      method,
       units: 1,
       status,
       windows,
@@ -140,11 +143,56 @@ describe("a leased admission's event data", () => {
         events: [
           event(0, '2023-11-14T22:13:20.000Z', data(odd, 200, { minute: 3, hour: null, day: 41, month: null })),
           event(1, '2023-11-14T22:13:20.500Z', data('r', 502, { minute: 4, hour: 9, day: 42, month: 7 })),
-          event(2, '2023-11-14T22:13:21.000Z', data('r', null, { minute: 5, hour: null, day: 43, month: null })),
+          event(2, '2023-11-14T22:13:21.000Z', data('r', null, { minute: 5, hour: null, day: 43, month: null }, 'addPet', 'POST')),
         ],
+        // The first two share their key, plan, route and method: the bundle holds them once.
+        heads: 2,
         // The second event (index 1) refunded one unit, admitted at its time; the first's credit came from lease L1.
         refunds: [1, 1_700_000_000_500, 1],
         spends: { L1: 1 },
+      },
+    ]);
+  });
+
+  it('sends a bundle an earlier gateway wrote (each event whole, with marks for its id and frame) as that gateway would have', () => {
+    // The layout before compact bundles, as a 5e0c63c..6cb0063 instance wrote one event: what an
+    // upgrade finds in Redis.
+    const before =
+      '{"specversion":"1.0","id":"\u0000.0\u00012023-11-14T22:13:20.000Z","datacontenttype":"application/json","data":' +
+      '{"requestId":"r","keyId":"k","plan":"p","route":"listPets","method":"GET","units":1,"status":200,' +
+      '"windows":{"minute":3,"hour":null,"day":41,"month":null},"overage":0,"credits":null}}';
+    const json = bundleEvents('acme', '/src', { id: '7-0', events: 2, upto: 0, data: before, refunds: '0 1 0' });
+    expect(JSON.parse(`[${json}]`)).toEqual([
+      {
+        specversion: '1.0',
+        id: 'acme/7-0.0',
+        source: '/src',
+        type: 'com.petstore.gateway.request',
+        subject: 'acme',
+        time: '2023-11-14T22:13:20.000Z',
+        datacontenttype: 'application/json',
+        data: {
+          requestId: 'r',
+          keyId: 'k',
+          plan: 'p',
+          route: 'listPets',
+          method: 'GET',
+          units: 1,
+          status: 200,
+          windows: { minute: 3, hour: null, day: 41, month: null },
+          overage: 0,
+          credits: null,
+        },
+      },
+      {
+        specversion: '1.0',
+        id: 'acme/7-0.0.refund',
+        source: '/src',
+        type: 'com.petstore.gateway.request.refunded',
+        subject: 'acme',
+        time: '1970-01-01T00:00:00.007Z',
+        datacontenttype: 'application/json',
+        data: { refundOf: 'acme/7-0.0', units: -1 },
       },
     ]);
   });
