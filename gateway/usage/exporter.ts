@@ -25,6 +25,12 @@ export interface ExportMetrics {
  */
 const ACCOUNTS_PER_ROUND = 250;
 /**
+ * Sink batches a round reads for at most, posted one after another: a round's own Redis calls
+ * (the lead, the index's scan, a read, a move and an unmark an account) and its scheduling are
+ * paid once for up to this many, which is what a round costs the leader at a high rate.
+ */
+const ROUND_BATCHES = 4;
+/**
  * Accounts the sweep checks a second (two XLENs each: the stream and the bundles): with the
  * round's own few calls, the exporter's idle cost stays under 100 Redis commands a second;
  * 100,000 accounts take 42 min.
@@ -110,9 +116,10 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const { account } = accountsOf(config);
     const known = picked.filter((m) => account(m.name) !== undefined);
     const now = Date.now();
-    const reads = await this.fill(known, target.batchSize, now);
+    const room = target.batchSize * ROUND_BATCHES;
+    const reads = await this.fill(known, room, now);
     const source = `/pet-store-gateway/${config.environment}`;
-    const parts: Part[] = [];
+    const parts: Part[][] = [];
     const moves: Array<{ name: string; events: number; move: Omit<UsageMove, 'token'> }> = [];
     let oldest = now;
     let sent = 0;
@@ -123,17 +130,19 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       if (r.consumed === 0 && !bundle) continue;
       const { events, last, joined } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, r.consumed);
       let n = events.length;
-      for (const json of events) parts.push({ json, events: 1 });
+      const own: Part[] = events.map((json) => ({ json, events: 1 }));
       for (const b of r.bundles) {
-        parts.push({ json: bundleEvents(account(r.name)!, source, b), events: b.events });
+        own.push({ json: bundleEvents(account(r.name)!, source, b), events: b.events });
         n += b.events;
       }
+      parts.push(own);
       sent += n;
       moves.push({ name: r.name, events: n, move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined, bundle } });
     }
     await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9 || r.unreported > 0).map((r) => this.countDropped(r.name)));
     this.metrics.lag((now - oldest) / 1000);
-    for (const batch of batches(parts, target.batchSize)) await this.deliver(this.sinkOf(target), batch, lead.signal);
+    const fair = interleaved(parts, Math.max(1, Math.floor(target.batchSize / Math.max(1, parts.length))));
+    for (const batch of batches(fair, target.batchSize)) await this.deliver(this.sinkOf(target), batch, lead.signal);
     if (this.stopped) return { sent: 0, full: false };
     lead.signal.throwIfAborted();
     const moved = await Promise.all(moves.map(({ name, move }) => moveUsageCursor(this.redis, name, { ...move, token: lead.token })));
@@ -149,7 +158,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       config,
       picked.filter((m) => done.has(m.name) || account(m.name) === undefined),
     );
-    return { sent, full: sent >= target.batchSize || more };
+    return { sent, full: sent >= room || more };
   }
 
   /**
@@ -246,6 +255,27 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       this.log.warn({ stream: subjectKey.events(name), dropped }, 'usage export: the stream was full; its oldest events were dropped');
     }
   }
+}
+
+/**
+ * The accounts' parts of a round in one list, taken in turns of about `quantum` events each
+ * (a bundle whole), each account's in its order: every account's first events go in the
+ * round's first sink batch, however much one of them holds.
+ */
+function interleaved(accounts: ReadonlyArray<readonly Part[]>, quantum: number): Part[] {
+  const out: Part[] = [];
+  const next = accounts.map(() => 0);
+  for (let left = accounts.length; left > 0; ) {
+    left = 0;
+    accounts.forEach((own, a) => {
+      for (let taken = 0; taken < quantum && next[a]! < own.length; next[a]!++) {
+        out.push(own[next[a]!]!);
+        taken += own[next[a]!]!.events;
+      }
+      if (next[a]! < own.length) left++;
+    });
+  }
+  return out;
 }
 
 /**
