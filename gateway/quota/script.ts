@@ -386,6 +386,8 @@ export const USAGE_BATCH = {
 export interface BatchEvents {
   /** Per event, one unit each: its line (eventLine), the `k`th of the call. */
   lines: string[];
+  /** The first event's admission time (Redis ms): the lines' times count from it. */
+  at: number;
   /** The heads the lines name by their index (eventHead), and each one's index by key id, plan, route and method. */
   heads: string[];
   headIndex: Map<string, Map<string, Map<string, Map<string, number>>>>;
@@ -395,7 +397,7 @@ export interface BatchEvents {
   spends: Map<string, number>;
 }
 
-export const batchEvents = (): BatchEvents => ({ lines: [], heads: [], headIndex: new Map(), refunds: [], spends: new Map() });
+export const batchEvents = (): BatchEvents => ({ lines: [], at: 0, heads: [], headIndex: new Map(), refunds: [], spends: new Map() });
 
 /** How many events a batch holds. */
 export const eventsIn = (b: BatchEvents) => b.lines.length;
@@ -432,7 +434,8 @@ export function addBatchEvent(
 ): void {
   if (refundUnits > 0) b.refunds.push(b.lines.length, e.at, refundUnits);
   if (creditLease !== '') b.spends.set(creditLease, (b.spends.get(creditLease) ?? 0) + 1);
-  b.lines.push(eventLine(headOf(b, e.tag), e.at, e.status, e.windows, e.tag.requestId));
+  if (b.lines.length === 0) b.at = e.at;
+  b.lines.push(eventLine(headOf(b, e.tag), e.at - b.at, e.status, e.windows, e.tag.requestId));
 }
 type EventHead = Pick<EventTag, 'keyId' | 'plan' | 'route' | 'method'>;
 
@@ -458,7 +461,7 @@ export function usageBatchArgs(subject: QuotaSubject, batchId: string, b: BatchE
     overageWindow: limits.perMonth ? 1 : 2,
     events: eventsIn(b),
     refunds: b.refunds.length / 3,
-    data: bundleData(b.heads, b.lines),
+    data: bundleData(b.at, b.heads, b.lines),
   };
   return wiresArgs(USAGE_BATCH, keys, argv, [...b.refunds, ...[...b.spends].flat()]);
 }

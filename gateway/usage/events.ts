@@ -112,23 +112,24 @@ export function eventHead(tag: Pick<EventTag, 'keyId' | 'plan' | 'route' | 'meth
  * Leased admissions' events are written a bundle a call (usagebatch.lua: one stream entry, the
  * account's `bundles`), holding only what varies from event to event: the exporter, on its own
  * thread, adds what they share (bundleEvents). Its data, in this layout, is COMPACT, the
- * windows' names (comma-separated), COMPACT, the heads (eventHead, a line each), COMPACT, then
- * a line per event (eventLine). JSON never leaves a control character raw, so neither COMPACT
+ * windows' names (comma-separated), COMPACT, the time (Redis ms) its events' times count from,
+ * COMPACT, the heads (eventHead, a line each), COMPACT, then a line per event (eventLine). JSON never leaves a control character raw, so neither COMPACT
  * nor a newline can occur inside a head or a request id.
  */
 const COMPACT = '\u0002';
 
 /**
  * A leased admission's event in its bundle: the index of its head among the bundle's, its
- * admission time (Redis ms), its status (null: none known), its windows (windowsLine) and its
- * request id in JSON, space-separated, the request id last.
+ * admission time as ms from the bundle's time (`since`: a small integer, which is quicker to
+ * print than a time), its status (null: none known), its windows (windowsLine) and its request
+ * id in JSON, space-separated, the request id last.
  */
-export const eventLine = (head: number, at: number, status: number | null, windows: string, requestId: string) =>
-  `${head} ${at} ${status} ${windows} ${JSON.stringify(requestId)}`;
+export const eventLine = (head: number, since: number, status: number | null, windows: string, requestId: string) =>
+  `${head} ${since} ${status} ${windows} ${JSON.stringify(requestId)}`;
 
-/** A bundle's data (usagebatch.lua's `data`): its heads (eventHead) and its events' lines (eventLine). */
-export const bundleData = (heads: readonly string[], lines: readonly string[]) =>
-  `${COMPACT}${WINDOW_NAMES}${COMPACT}${heads.join('\n')}${COMPACT}${lines.join('\n')}`;
+/** A bundle's data (usagebatch.lua's `data`): its time (Redis ms), its heads (eventHead) and its events' lines (eventLine). */
+export const bundleData = (at: number, heads: readonly string[], lines: readonly string[]) =>
+  `${COMPACT}${WINDOW_NAMES}${COMPACT}${at}${COMPACT}${heads.join('\n')}${COMPACT}${lines.join('\n')}`;
 
 function requestEvent(account: string, source: string, id: string, f: Record<string, string>, status: number | null): CloudEvent {
   const credits = Number(f.credits);
@@ -239,13 +240,14 @@ export function bundleEvents(account: string, source: string, b: Bundle): string
  * credit lease's is Redis's).
  */
 function compactEvents(start: string, shared: string, data: string): string {
-  const [, names, heads, lines] = data.split(COMPACT) as [string, string, string, string];
+  const [, names, from, heads, lines] = data.split(COMPACT) as [string, string, string, string, string];
+  const at = Number(from);
   const keys = names.split(',').map((n) => `${JSON.stringify(n)}:`);
   const head = heads.split('\n');
   const out: string[] = [];
   let k = 0;
   for (const line of lines.split('\n')) {
-    // eventLine: head at status windows "requestId"
+    // eventLine: head since status windows "requestId"
     const a = line.indexOf(' ');
     const t = line.indexOf(' ', a + 1);
     const s = line.indexOf(' ', t + 1);
@@ -254,7 +256,7 @@ function compactEvents(start: string, shared: string, data: string): string {
     let windows = '{';
     for (let i = 0; i < keys.length; i++) windows += `${i > 0 ? ',' : ''}${keys[i]}${values[i]}`;
     out.push(
-      `${start}${k++}${shared}${isoTime(Number(line.slice(a + 1, t)))}","datacontenttype":"application/json",` +
+      `${start}${k++}${shared}${isoTime(at + Number(line.slice(a + 1, t)))}","datacontenttype":"application/json",` +
         `"data":{"requestId":${line.slice(w + 1)},${head[Number(line.slice(0, a))]},"units":1,"status":${line.slice(t + 1, s)},` +
         `"windows":${windows}},"overage":0,"credits":null}}`,
     );

@@ -93,9 +93,9 @@ describe("a leased admission's event data", () => {
     await batches.close();
     // usagebatch.lua's layout (script.ts, usageBatchArgs): the events in one string, as a
     // bundle holds them; the exporter fills in the bundle's id (here 7-0), account and source.
-    return sent.map(({ lines, heads, refunds, spends }) => ({
+    return sent.map(({ lines, at, heads, refunds, spends }) => ({
       events: JSON.parse(
-        `[${bundleEvents('acme', '/src', { id: '7-0', events: lines.length, upto: 0, data: bundleData(heads, lines), refunds: '' })}]`,
+        `[${bundleEvents('acme', '/src', { id: '7-0', events: lines.length, upto: 0, data: bundleData(at, heads, lines), refunds: '' })}]`,
       ) as unknown,
       heads: heads.length,
       refunds,
@@ -113,8 +113,9 @@ describe("a leased admission's event data", () => {
       const failed = b.admit(hourly, tag, 1_700_000_000_500, { minuteUsed: 4, hourUsed: 9, dayUsed: 42, monthUsed: 7 });
       b.refund(failed, 1);
       b.settle(failed, 502);
-      // Another route: a second head in the bundle. Never settled: written with none at close.
-      b.admit(subject, { ...tag, route: 'addPet', method: 'POST' }, 1_700_000_001_000, { minuteUsed: 5, dayUsed: 43 });
+      // Another route: a second head in the bundle. Admitted before the others and never
+      // settled: written last (with none, at close), its time before the bundle's first.
+      b.admit(subject, { ...tag, route: 'addPet', method: 'POST' }, 1_699_999_999_000, { minuteUsed: 5, dayUsed: 43 });
     });
     const data = (requestId: string, status: number | null, windows: object, route = 'listPets', method = 'GET') => ({
       requestId,
@@ -143,7 +144,7 @@ describe("a leased admission's event data", () => {
         events: [
           event(0, '2023-11-14T22:13:20.000Z', data(odd, 200, { minute: 3, hour: null, day: 41, month: null })),
           event(1, '2023-11-14T22:13:20.500Z', data('r', 502, { minute: 4, hour: 9, day: 42, month: 7 })),
-          event(2, '2023-11-14T22:13:21.000Z', data('r', null, { minute: 5, hour: null, day: 43, month: null }, 'addPet', 'POST')),
+          event(2, '2023-11-14T22:13:19.000Z', data('r', null, { minute: 5, hour: null, day: 43, month: null }, 'addPet', 'POST')),
         ],
         // The first two share their key, plan, route and method: the bundle holds them once.
         heads: 2,
