@@ -1,5 +1,5 @@
 import { execFileSync } from 'node:child_process';
-import { copyFileSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { copyFileSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import http from 'node:http';
 import { join, resolve } from 'node:path';
 import { hrtime } from 'node:process';
@@ -31,7 +31,8 @@ import { spin } from './spin.mjs';
 //     get the Redis this run starts, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=sink to trace to an
 //     OTLP sink in this process, GATEWAY_CONFIG=export to export every request's usage event to
 //     a sink in this process (the bed's config with usage export on; export-refused: a sink that
-//     refuses every batch, so the exporter backs off and the batches' part is left), and BENCH_SPIN_US=5 to add 5 us of CPU to each request
+//     refuses every batch, so the exporter backs off and the batches' part is left; credits: the
+//     key's account with prepaid credits; credits-export: both), and BENCH_SPIN_US=5 to add 5 us of CPU to each request
 //     (bench/spin.mjs): the same build made costlier by a known amount, to check the measure.
 //   BENCH_AB_ROUNDS (7), BENCH_AB_SECONDS (4): rounds and seconds per variant and round;
 //     BENCH_AB_WARMUP (2): seconds of warm-up in each (10: past V8's optimizing, a steady state).
@@ -121,8 +122,22 @@ async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Va
     const env = Object.fromEntries(settings.map((s) => [s.slice(0, s.indexOf('=')), s.slice(s.indexOf('=') + 1)]));
     if (env.REDIS_URL === 'redis') env.REDIS_URL = bed.redisUrl;
     if (env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT === 'sink') env.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = await startOtlpSink(bed);
-    if (env.GATEWAY_CONFIG === 'export' || env.GATEWAY_CONFIG === 'export-refused') {
-      env.GATEWAY_CONFIG = await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8')), env.GATEWAY_CONFIG === 'export-refused');
+    const config = env.GATEWAY_CONFIG;
+    if (config === 'credits' || config === 'credits-export') {
+      // The bench key's account with prepaid credits, as `npm run bench`'s prepaid key: a grant no run spends.
+      const file = JSON.parse(readFileSync(bed.file, 'utf8')) as { keys: Array<{ id: string; account?: string }> };
+      const withCredits = {
+        ...file,
+        accounts: { [file.keys[0]!.account ?? file.keys[0]!.id]: { credits: { grant: 1e12, every: 'month' } } },
+      };
+      if (config === 'credits-export') env.GATEWAY_CONFIG = await exportConfig(bed, withCredits);
+      else {
+        env.GATEWAY_CONFIG = join(bed.dir, `gateway-credits-${name}.json`);
+        writeFileSync(env.GATEWAY_CONFIG, JSON.stringify(withCredits));
+      }
+    }
+    if (config === 'export' || config === 'export-refused') {
+      env.GATEWAY_CONFIG = await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8')), config === 'export-refused');
     }
     const spin = env.BENCH_SPIN_US ? ['--import', resolve('bench/spin.mjs')] : [];
     if (env.BENCH_SPIN_US) env.BENCH_SPIN_ITERS = String(spinTurns(Number(env.BENCH_SPIN_US)));
