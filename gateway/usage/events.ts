@@ -161,16 +161,22 @@ function head(account: string, source: string, id: string, type: string, at: str
   };
 }
 
-/** The ISO time of a Redis ms time; the last one kept, as a lease's events share theirs a second at a time. */
-let lastAt = Number.NaN;
-let lastIso = '';
+/**
+ * The ISO time of a Redis ms time (toISOString's): its second's part made once a second, its
+ * milliseconds added, as an exporter frames some thousands of events a second, each its own ms.
+ */
+let lastSecond = Number.NaN;
+let secondIso = '';
 function isoTime(at: string | number): string {
   const ms = Number(at);
-  if (ms !== lastAt) {
-    lastIso = new Date(ms).toISOString();
-    lastAt = ms;
+  const second = Math.floor(ms / 1000);
+  if (second !== lastSecond) {
+    // Up to and with the dot: `…T22:13:20.`
+    secondIso = new Date(second * 1000).toISOString().slice(0, -4);
+    lastSecond = second;
   }
-  return lastIso;
+  const frac = ms - second * 1000;
+  return `${secondIso}${frac < 10 ? '00' : frac < 100 ? '0' : ''}${frac}Z`;
 }
 
 /**

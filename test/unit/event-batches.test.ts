@@ -1,10 +1,12 @@
+import fc from 'fast-check';
 import type { FastifyBaseLogger } from 'fastify';
 import { describe, expect, it } from 'vitest';
 import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { EventBatches, MAX_KEPT } from '../../gateway/quota/event-batches.js';
 import type { BatchEvents } from '../../gateway/quota/script.js';
 import { loadSettings } from '../../gateway/config/settings.js';
-import { bundleData, bundleEvents } from '../../gateway/usage/events.js';
+import { bundleData, bundleEvents, eventHead, eventLine, windowsLine } from '../../gateway/usage/events.js';
+import { fixedLimits } from '../../gateway/quota/windows.js';
 
 /** The shipped settings: what the batches run at unless a test says why not. */
 const shipped = loadSettings({});
@@ -110,7 +112,7 @@ describe("a leased admission's event data", () => {
     const events = await written((b) => {
       const ok = b.admit(subject, { ...tag, requestId: odd }, 1_700_000_000_000, { minuteUsed: 3, dayUsed: 41 }, 'L1');
       b.settle(ok, 200);
-      const failed = b.admit(hourly, tag, 1_700_000_000_500, { minuteUsed: 4, hourUsed: 9, dayUsed: 42, monthUsed: 7 });
+      const failed = b.admit(hourly, tag, 1_700_000_000_050, { minuteUsed: 4, hourUsed: 9, dayUsed: 42, monthUsed: 7 });
       b.refund(failed, 1);
       b.settle(failed, 502);
       // Another route: a second head in the bundle. Admitted before the others and never
@@ -143,13 +145,13 @@ describe("a leased admission's event data", () => {
       {
         events: [
           event(0, '2023-11-14T22:13:20.000Z', data(odd, 200, { minute: 3, hour: null, day: 41, month: null })),
-          event(1, '2023-11-14T22:13:20.500Z', data('r', 502, { minute: 4, hour: 9, day: 42, month: 7 })),
+          event(1, '2023-11-14T22:13:20.050Z', data('r', 502, { minute: 4, hour: 9, day: 42, month: 7 })),
           event(2, '2023-11-14T22:13:19.000Z', data('r', null, { minute: 5, hour: null, day: 43, month: null }, 'addPet', 'POST')),
         ],
         // The first two share their key, plan, route and method: the bundle holds them once.
         heads: 2,
         // The second event (index 1) refunded one unit, admitted at its time; the first's credit came from lease L1.
-        refunds: [1, 1_700_000_000_500, 1],
+        refunds: [1, 1_700_000_000_050, 1],
         spends: { L1: 1 },
       },
     ]);
@@ -196,5 +198,21 @@ describe("a leased admission's event data", () => {
         data: { refundOf: 'acme/7-0.0', units: -1 },
       },
     ]);
+  });
+});
+
+describe("a compact bundle's event time", () => {
+  it('is the ISO time toISOString gives its Redis ms time, whatever the millisecond', () => {
+    const windows = windowsLine({ minuteUsed: 1, dayUsed: 1 }, fixedLimits(subject.limits), 0);
+    fc.assert(
+      fc.property(fc.integer({ min: 0, max: 253_402_300_799_999 }), fc.integer({ min: -60_000, max: 60_000 }), (at, since) => {
+        fc.pre(at + since >= 0 && at + since <= 253_402_300_799_999);
+        const data = bundleData(at, [eventHead(tag)], [eventLine(0, since, 200, windows, 'r')]);
+        const [event] = JSON.parse(`[${bundleEvents('acme', '/src', { id: '1-0', events: 1, upto: 0, data, refunds: '' })}]`) as [
+          { time: string },
+        ];
+        expect(event.time).toBe(new Date(at + since).toISOString());
+      }),
+    );
   });
 });
