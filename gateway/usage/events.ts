@@ -113,8 +113,9 @@ export function eventHead(tag: Pick<EventTag, 'keyId' | 'plan' | 'route' | 'meth
  * account's `bundles`), holding only what varies from event to event: the exporter, on its own
  * thread, adds what they share (bundleEvents). Its data, in this layout, is COMPACT, the
  * windows' names (comma-separated), COMPACT, the time (Redis ms) its events' times count from,
- * COMPACT, the heads (eventHead, a line each), COMPACT, then a line per event (eventLine). JSON never leaves a control character raw, so neither COMPACT
- * nor a newline can occur inside a head or a request id.
+ * COMPACT, the heads (eventHead, a line each), COMPACT, then a line per event (eventLine). JSON
+ * never leaves a control character raw, so neither COMPACT nor a newline can occur inside a
+ * head or a request id.
  */
 const COMPACT = '\u0002';
 
