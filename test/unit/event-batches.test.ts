@@ -94,7 +94,7 @@ describe("a leased admission's event data", () => {
     admit(batches);
     await batches.close();
     // usagebatch.lua's layout (script.ts, usageBatchArgs): the events in one string, as a
-    // bundle holds them; the exporter fills in the bundle's id (here 7-0), account and source.
+    // bundle holds them; the exporter frames them, with the bundle's id (here 7-0), account and source.
     return sent.map(({ lines, at, heads, refunds, spends }) => ({
       events: JSON.parse(
         `[${bundleEvents('acme', '/src', { id: '7-0', events: lines.length, upto: 0, data: bundleData(at, heads, lines), refunds: '' })}]`,
