@@ -20,8 +20,9 @@ export interface ExportMetrics {
 }
 
 /**
- * Accounts one round reads at most: with a batch of 500, a share of 2 events each at least, and
- * one call each, sent together; more wait for the next round, which comes at once.
+ * Accounts one round reads at most: with batches of 500, a share of 8 events each at least of
+ * the round's room (ROUND_BATCHES), 2 of its first batch, and one call each, sent together;
+ * more wait for the next round, which comes at once.
  */
 const ACCOUNTS_PER_ROUND = 250;
 /**
