@@ -402,23 +402,17 @@ export const batchEvents = (): BatchEvents => ({ lines: [], at: 0, heads: [], he
 /** How many events a batch holds. */
 export const eventsIn = (b: BatchEvents) => b.lines.length;
 
-/** The index of `tag`'s head among `b`'s, added when new: four lookups of strings the request already holds, no key built. */
+/** The index of `tag`'s head among `b`'s, added when new: four lookups of strings the request already holds, no key built, nothing allocated once known. */
 function headOf(b: BatchEvents, tag: EventHead): number {
-  const at = <V>(m: Map<string, V>, key: string, make: () => V): V => {
-    let v = m.get(key);
-    if (v === undefined) m.set(key, (v = make()));
-    return v;
-  };
-  const byMethod = at(
-    at(
-      at(b.headIndex, tag.keyId, () => new Map()),
-      tag.plan,
-      () => new Map(),
-    ),
-    tag.route,
-    () => new Map<string, number>(),
-  );
-  return at(byMethod, tag.method, () => b.heads.push(eventHead(tag)) - 1);
+  let byPlan = b.headIndex.get(tag.keyId);
+  if (!byPlan) b.headIndex.set(tag.keyId, (byPlan = new Map()));
+  let byRoute = byPlan.get(tag.plan);
+  if (!byRoute) byPlan.set(tag.plan, (byRoute = new Map()));
+  let byMethod = byRoute.get(tag.route);
+  if (!byMethod) byRoute.set(tag.route, (byMethod = new Map()));
+  let index = byMethod.get(tag.method);
+  if (index === undefined) byMethod.set(tag.method, (index = b.heads.push(eventHead(tag)) - 1));
+  return index;
 }
 
 /**

@@ -110,6 +110,7 @@ function exporter(config: GatewayConfig, sink: UsageSink, log: FastifyBaseLogger
 
 describe('a second usage sink', () => {
   it('receives exactly the batches read from the streams, in order, each within the batch size, and the cursors move past them', async () => {
+    // No lease (deployment()): quota.lua's own events, one stream entry a request, are what this follows to the sink.
     const d = deployment();
     const ids = await requests(d, 12);
     const sink = new ArraySink();
@@ -128,6 +129,7 @@ describe('a second usage sink', () => {
   it("splits a bundle larger than the batch size into batches within it, the bundle's events in order", async () => {
     // Leases (the shipped QUOTA_LEASE_MAX, in the store's option, as the wiring passes it): the
     // admissions' events go to Redis in one bundle when the store closes.
+    // The shipped QUOTA_LEASE_MAX: leased admissions' events travel in bundles.
     const d = deployment(loadSettings({}).quotaLeaseMax);
     const ids: string[] = [];
     for (let i = 0; i < 12; i++) {
@@ -148,6 +150,7 @@ describe('a second usage sink', () => {
   });
 
   it('that refuses leaves the cursors where they were, and gets the same events again once it accepts', async () => {
+    // No lease (deployment()): quota.lua's own events, one stream entry a request, are what this follows to the sink.
     const d = deployment();
     const ids = await requests(d, 4);
     const sink = new ArraySink();
@@ -171,6 +174,7 @@ describe('a second usage sink', () => {
   });
 
   it("that refuses with a retry hint is waited for as long as it asked (within the backoff's 30 s ceiling)", async () => {
+    // No lease (deployment()): quota.lua's own events, one stream entry a request, are what this follows to the sink.
     const d = deployment();
     await requests(d, 1);
     const sink = new ArraySink();
