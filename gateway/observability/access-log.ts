@@ -3,6 +3,7 @@ import type { Consumer } from '../config/config.js';
 import type { GatewayMetrics, RejectionReason } from './metrics.js';
 import type { AdmissionOutcome } from '../quota/decision.js';
 import { isWindow } from '../quota/windows.js';
+import { jsonString } from '../json.js';
 import type { RouteId } from '../routes.js';
 import type { LogOutput } from '../../runtime/process.js';
 
@@ -53,7 +54,7 @@ export function accessLine(output: LogOutput): (reqId: string, e: AccessEntry) =
   const { log, destination, time, fixedFields } = output;
   return function writeAccessLine(reqId: string, e: AccessEntry): void {
     if (!log.isLevelEnabled('info')) return;
-    let line = `{"level":30${time()}${fixedFields},"reqId":${jsonId(reqId)}`;
+    let line = `{"level":30${time()}${fixedFields},"reqId":${jsonString(reqId)}`;
     if (e.consumer) line += keyFields(e.consumer);
     line += `,"route":${e.route === undefined ? 'null' : quoted(e.route)},"method":${quoted(e.method)},"status":${e.status},"ms":${tenths(e.ms)}`;
     if (e.outcome !== undefined) line += `,"outcome":"${e.outcome}"`;
@@ -61,14 +62,6 @@ export function accessLine(output: LogOutput): (reqId: string, e: AccessEntry) =
     destination.write(`${line},"msg":"request"}\n`);
   };
 }
-
-/** What JSON.stringify leaves as it is: a request id (1 to 128 of [A-Za-z0-9._:-]) always is. */
-const PLAIN = /^[\w.:-]*$/;
-/**
- * A request id as a JSON string. JSON.stringify is a call into the runtime, some 2,000
- * instructions for an id of 36 characters under callgrind; the check and the quotes about 900.
- */
-const jsonId = (id: string) => (PLAIN.test(id) ? `"${id}"` : JSON.stringify(id));
 
 /** A key's fields of the line, written once per key (a reload makes new consumers, and new entries). */
 const keyFieldsOf = new WeakMap<Consumer, string>();

@@ -2,6 +2,7 @@
 // batches (application/cloudevents-batch+json, the format OpenMeter's ingest takes). Pure: the
 // stream's entries in, the events out.
 
+import { jsonString } from '../json.js';
 import type { EventTag } from '../quota/decision.js';
 import { compiled, type Counts, FIXED, type WindowRow } from '../quota/windows.js';
 
@@ -126,7 +127,7 @@ const COMPACT = '\u0002';
  * id in JSON, space-separated, the request id last.
  */
 export const eventLine = (head: number, since: number, status: number | null, windows: string, requestId: string) =>
-  `${head} ${since} ${status} ${windows} ${JSON.stringify(requestId)}`;
+  `${head} ${since} ${status} ${windows} ${jsonString(requestId)}`;
 
 /** A bundle's data (usagebatch.lua's `data`): its time (Redis ms), its heads (eventHead) and its events' lines (eventLine). */
 export const bundleData = (at: number, heads: readonly string[], lines: readonly string[]) =>
