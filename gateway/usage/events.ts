@@ -250,26 +250,34 @@ export function bundleEvents(account: string, source: string, b: Bundle): string
 function compactEvents(start: string, shared: string, data: string): string {
   const [, names, from, heads, lines] = data.split(COMPACT) as [string, string, string, string, string];
   const at = Number(from);
-  const keys = names.split(',').map((n) => `${JSON.stringify(n)}:`);
-  const head = heads.split('\n');
-  const out: string[] = [];
-  let k = 0;
-  for (const line of lines.split('\n')) {
+  // Each window's name, with what goes before it: `{"minute":`, then `,"hour":` and so on.
+  const keys = names.split(',').map((n, i) => `${i === 0 ? '{' : ','}${JSON.stringify(n)}:`);
+  const last = keys.length - 1;
+  // Per head, the data from after the request id to the status.
+  const mids = heads.split('\n').map((h) => `,${h},"units":1,"status":`);
+  let json = '';
+  // One pass over the lines, by position: no array of lines or values, each event one string.
+  for (let k = 0, p = 0; p < lines.length; k++) {
     // eventLine: head since status windows "requestId"
-    const a = line.indexOf(' ');
-    const t = line.indexOf(' ', a + 1);
-    const s = line.indexOf(' ', t + 1);
-    const w = line.indexOf(' ', s + 1);
-    const values = line.slice(s + 1, w).split(',');
-    let windows = '{';
-    for (let i = 0; i < keys.length; i++) windows += `${i > 0 ? ',' : ''}${keys[i]}${values[i]}`;
-    out.push(
-      `${start}${k++}${shared}${isoTime(at + Number(line.slice(a + 1, t)))}","datacontenttype":"application/json",` +
-        `"data":{"requestId":${line.slice(w + 1)},${head[Number(line.slice(0, a))]},"units":1,"status":${line.slice(t + 1, s)},` +
-        `"windows":${windows}},"overage":0,"credits":null}}`,
-    );
+    const a = lines.indexOf(' ', p);
+    const t = lines.indexOf(' ', a + 1);
+    const s = lines.indexOf(' ', t + 1);
+    const w = lines.indexOf(' ', s + 1);
+    let end = lines.indexOf('\n', w + 1);
+    if (end < 0) end = lines.length;
+    let windows = '';
+    for (let i = 0, v = s + 1; i <= last; i++) {
+      const c = i < last ? lines.indexOf(',', v) : w;
+      windows += keys[i]! + lines.slice(v, c);
+      v = c + 1;
+    }
+    json +=
+      `${k === 0 ? '' : ','}${start}${k}${shared}${isoTime(at + Number(lines.slice(a + 1, t)))}","datacontenttype":"application/json",` +
+      `"data":{"requestId":${lines.slice(w + 1, end)}${mids[Number(lines.slice(p, a))]}${lines.slice(t + 1, s)},` +
+      `"windows":${windows}},"overage":0,"credits":null}}`;
+    p = end + 1;
   }
-  return out.join(',');
+  return json;
 }
 
 /**
