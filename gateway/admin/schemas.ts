@@ -122,8 +122,12 @@ const Usage = Type.Composite([
       Type.Object(
         {
           exported: Type.Integer({ description: 'Events (requests and refunds) the sink has taken' }),
-          pending: Type.Integer({ description: 'Events waiting in the stream' }),
-          dropped: Type.Integer({ description: "Events the stream's cap dropped before they were sent" }),
+          pending: Type.Integer({
+            description: "Events waiting in the account's two streams: its events, and its leased admissions' bundles",
+          }),
+          dropped: Type.Integer({
+            description: 'Events the cap (usage.export.maxEvents, held by each of the two streams) dropped before they were sent',
+          }),
           unsettled: Type.Integer({
             description:
               'Units counted in leases whose events are not written: still held by an instance (at most a lease and USAGE_BATCH_MS of events each), or lost with one that died',
