@@ -1,11 +1,13 @@
 import type { RedisClient } from '../redis/client.js';
-import { loopKey } from '../redis/keys.js';
+import { accountName, loopKey, registryKeys } from '../redis/keys.js';
 import { accountsOf, type Loop, type LoopConfig, markActive } from './active.js';
 
 // The backstop for marks that were lost (an instance died between its script call and its
-// 100 ms mark flush; a Redis failure lost the flush): the leader walks the config's accounts at
-// a fixed pace, a few each round, and marks those it finds with something unsent. Its cost per
-// second is the pace, whatever the number of accounts; a full pass takes accounts / pace.
+// 100 ms mark flush; a Redis failure lost the flush): the leader walks the config's accounts,
+// then the key registry's keys (KEY_STORE=redis: an account only the registry names, as a key's
+// `account` or its id), at a fixed pace, a few each round, and marks those it finds with
+// something unsent. Its cost per second is the pace, whatever the number of accounts or keys; a
+// full pass takes (accounts + registry keys) / pace.
 
 /** Whether each account has something unsent, in one call per account (each in its own slot). */
 export type PendingCheck = (redis: RedisClient, names: string[]) => Promise<boolean[]>;
@@ -32,17 +34,49 @@ export class Sweep {
    */
   async step(config: LoopConfig, nowMs = performance.now()): Promise<string[]> {
     const { names } = accountsOf(config);
+    const registry = registryKeys(config.redisPrefix);
+    // The registry's keys follow the config's accounts in the walk: none without a registry.
+    const total = names.length + (await this.redis.zcard(registry.ids));
     const elapsed = this.last === undefined ? 1 : Math.min(CATCH_UP_SECONDS, (nowMs - this.last) / 1000);
     this.last = nowMs;
     const due = this.carry + elapsed * this.perSecond;
-    const n = Math.min(Math.floor(due), names.length);
-    this.carry = n === names.length ? 0 : due - n;
+    const n = Math.min(Math.floor(due), total);
+    this.carry = n === total ? 0 : due - n;
     if (n === 0) return [];
     const end = Number(await this.redis.incrby(loopKey(config.redisPrefix, this.loop, 'sweep'), n));
-    const batch = Array.from({ length: n }, (_, i) => names[(((end - n + i) % names.length) + names.length) % names.length]!);
+    const at = Array.from({ length: n }, (_, i) => (((end - n + i) % total) + total) % total);
+    const keyed = await registryAccounts(
+      this.redis,
+      registry,
+      at.filter((p) => p >= names.length).map((p) => p - names.length),
+    );
+    const batch = [
+      ...new Set([...at.filter((p) => p < names.length).map((p) => names[p]!), ...keyed.map((a) => accountName(config.redisPrefix, a))]),
+    ];
     const found = await this.pending(this.redis, batch);
     const marked = batch.filter((_, i) => found[i]);
     await markActive(this.redis, config, this.loop, marked);
     return marked;
   }
+}
+
+/**
+ * The accounts of the registry's keys at `ranks` (in its ids' order; consecutive but for one
+ * wrap): a key's `account`, or its id when it names none (auth/registry.ts), all in the
+ * registry's slot: the ids (a ZRANGE a run of ranks), their records' digests (one MGET), then
+ * each record's account (an HGET each, sent together). A key revoked since is skipped.
+ */
+async function registryAccounts(redis: RedisClient, registry: ReturnType<typeof registryKeys>, ranks: number[]): Promise<string[]> {
+  if (ranks.length === 0) return [];
+  const runs: Array<[number, number]> = [];
+  for (const r of ranks) {
+    const last = runs.at(-1);
+    if (last && r === last[1] + 1) last[1] = r;
+    else runs.push([r, r]);
+  }
+  const ids = (await Promise.all(runs.map(([from, to]) => redis.zrange(registry.ids, from, to)))).flat();
+  if (ids.length === 0) return [];
+  const digests = await redis.mget(ids.map((id) => registry.id(id)));
+  const accounts = await Promise.all(digests.map((d) => (d === null ? null : redis.hget(registry.record(d), 'account'))));
+  return ids.flatMap((id, i) => (digests[i] === null ? [] : [accounts[i] ?? id]));
 }

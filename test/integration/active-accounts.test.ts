@@ -3,6 +3,8 @@ import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { loopKey } from '../../gateway/redis/keys.js';
 import { addBatchEvent, batchEvents, defineScripts, usageBatchArgs } from '../../gateway/quota/script.js';
+import { generateKey } from '../../gateway/auth/keys.js';
+import { RegistryKeys } from '../../gateway/auth/registry.js';
 import { ActiveIndex, markActive } from '../../gateway/usage/active.js';
 import { makeKey, type TestKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
@@ -37,8 +39,11 @@ async function commandCalls(redis: Redis): Promise<number> {
 }
 
 describe('idle export and alert loops', () => {
-  /** Redis commands per round of the two loops, over `n` idle rounds each, with `accounts` configured, on a Redis of its own. */
-  async function idleCost(accounts: number, n: number): Promise<number> {
+  /**
+   * Redis commands per round of the two loops, over `n` idle rounds each, with `accounts`
+   * configured and `registered` keys in a key registry (accounts only it names), on a Redis of its own.
+   */
+  async function idleCost(accounts: number, n: number, registered = 0): Promise<number> {
     const server = await spawnRedis();
     onTestFinished(() => server.stop());
     const sink = await startSink();
@@ -54,6 +59,16 @@ describe('idle export and alert loops', () => {
     onTestFinished(async () => {
       await redis.quit();
     });
+    const registry = new RegistryKeys(gw.redis!, () => gw.gateway.config(), gw.gateway.config().redisPrefix);
+    for (let i = 0; i < registered; i += 500) {
+      const made = Array.from({ length: Math.min(500, registered - i) }, (_, k) => ({
+        id: `reg-${i + k}`,
+        hash: generateKey('production').hash,
+        plan: 'metered',
+        ...((i + k) % 2 === 0 && { account: `reg-acct-${i + k}` }),
+      }));
+      await Promise.all(made.map((entry) => registry.add(entry)));
+    }
     // Past the first rounds (the lead taken), then counted over `n` more of each loop.
     await eventually(async () => Object.values(await rounds(gw)).every((r) => r >= 2), 20_000, 'both loops leading');
     await redis.config('RESETSTAT');
@@ -76,6 +91,12 @@ describe('idle export and alert loops', () => {
     const few = await idleCost(100, 4);
     const many = await idleCost(5000, 4);
     // Reading every account, a round of the two took 2 commands an account each: 20,000 here.
+    expect(many).toBeLessThan(few * 1.5 + 10);
+  }, 120_000);
+
+  it("issue as many Redis commands a round with 5,000 keys in a key registry as with 100: the sweep walks the registry's keys at its pace", async () => {
+    const few = await idleCost(10, 4, 100);
+    const many = await idleCost(10, 4, 5000);
     expect(many).toBeLessThan(few * 1.5 + 10);
   }, 120_000);
 });
@@ -101,8 +122,6 @@ describe('an account whose mark was lost', () => {
     const gw = await buildTestGateway({ config });
     const redis = gw.redis!;
     const name = nameOf(gw, 'acct-17');
-    // As a script call leaves them when its instance dies before the flush that marks the
-    // account: in the streams, and in neither index.
     // As a script call leaves them when its instance dies before the flush that marks the
     // account: in the streams (with their statuses), in neither index.
     const at = Date.now();

@@ -6,6 +6,7 @@ import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import { generateKey, hashKey } from '../../gateway/auth/keys.js';
 import { RegistryKeys } from '../../gateway/auth/registry.js';
 import type { ConfigFile } from '../../gateway/config/config.js';
+import { accountName } from '../../gateway/redis/keys.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
 import { spawnCluster, spawnRedis } from '../helpers/redis.js';
@@ -168,6 +169,52 @@ describe('the key registry', () => {
     for (let i = 0; i < 2; i++) expect(await statusOn(gw!, key)).toBe(200);
     await eventually(() => sink.requests().length === 3, 20_000, 'three events at the sink');
     expect(sink.requests().map((e) => e.subject)).toEqual(['registry-only', 'registry-only', 'registry-only']);
+  });
+
+  it('has the events of an account only the registry names delivered by the sweep when their mark was lost', async () => {
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const [gw] = await deployment(1, testConfig([], { usage: { export: { url: sink.url, maxEvents: 1000, batchSize: 50 } } }));
+    // Two keys the config does not know: one names its account, one does not (its account is its id).
+    await issue(gw!, { plan: 'free', account: 'registry-lost' });
+    const { id } = await issue(gw!, { plan: 'free' });
+    // As a script call leaves them when its instance dies before the flush that marks the
+    // account: in the accounts' streams (with their statuses), in no index.
+    const at = Date.now();
+    const multi = gw!.redis!.multi();
+    for (const account of ['registry-lost', id]) {
+      const name = accountName(gw!.gateway.config().redisPrefix, account);
+      multi.xadd(
+        `${name}:events`,
+        `${at}-1`,
+        'kind',
+        'request',
+        'rid',
+        `lost-${account}`,
+        'key',
+        'k',
+        'plan',
+        'free',
+        'route',
+        'listPets',
+        'at',
+        at,
+      );
+      multi.hset(`${name}:statuses`, `${at}-1`, '200');
+    }
+    await multi.exec();
+    await eventually(() => sink.requests().length >= 2, 20_000, 'the events at the sink');
+    expect(
+      sink
+        .requests()
+        .map((e) => [e.subject, e.data!.requestId])
+        .sort(),
+    ).toEqual(
+      [
+        ['registry-lost', 'lost-registry-lost'],
+        [id, `lost-${id}`],
+      ].sort(),
+    );
   });
 
   it('on a Redis Cluster, a key issued on one instance works on another', { timeout: scaled(60_000) }, async () => {
