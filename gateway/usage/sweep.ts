@@ -29,8 +29,11 @@ export class Sweep {
 
   /**
    * Checks the next accounts due at the pace since the last step, marks those with something
-   * unsent, and returns their names. Where the walk is lives in Redis (`{<loop>}:sweep`, a
-   * counter of accounts checked), so a new leader carries on from where the last one stopped.
+   * unsent, and returns their names. Where the walk is lives in Redis (`{<loop>}:sweep`: the
+   * position the next step starts from), so a new leader carries on from where the last one
+   * stopped. It is kept below the walk's length: a key issued moves the walk's end, not where
+   * it is (a count of every account ever checked, taken modulo a length that changed, would
+   * jump each time to an unrelated place, and could come back to the same few).
    */
   async step(config: LoopConfig, nowMs = performance.now()): Promise<string[]> {
     const { names } = accountsOf(config);
@@ -43,7 +46,13 @@ export class Sweep {
     const n = Math.min(Math.floor(due), total);
     this.carry = n === total ? 0 : due - n;
     if (n === 0) return [];
-    const end = Number(await this.redis.incrby(loopKey(config.redisPrefix, this.loop, 'sweep'), n));
+    const key = loopKey(config.redisPrefix, this.loop, 'sweep');
+    let end = Number(await this.redis.incrby(key, n));
+    if (end >= total) {
+      // Past the walk's end: on from its start (one leader a loop moves it, so no race to lose).
+      end %= total;
+      await this.redis.set(key, end);
+    }
     const at = Array.from({ length: n }, (_, i) => (((end - n + i) % total) + total) % total);
     const keyed = await registryAccounts(
       this.redis,
@@ -64,7 +73,10 @@ export class Sweep {
  * The accounts of the registry's keys at `ranks` (in its ids' order; consecutive but for one
  * wrap): a key's `account`, or its id when it names none (auth/registry.ts), all in the
  * registry's slot: the ids (a ZRANGE a run of ranks), their records' digests (one MGET), then
- * each record's account (an HGET each, sent together). A key revoked since is skipped.
+ * each record's account (an HGET each, sent together). The registry keeps every key it issued,
+ * revoked ones too, so a revoked key's account is still walked; an id without a record (none
+ * the registry writes) is skipped. A key issued moves the ids after it by one: the walk sees
+ * one key again, and misses none.
  */
 async function registryAccounts(redis: RedisClient, registry: ReturnType<typeof registryKeys>, ranks: number[]): Promise<string[]> {
   if (ranks.length === 0) return [];

@@ -1,12 +1,14 @@
 import { Redis } from 'ioredis';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
-import { loopKey } from '../../gateway/redis/keys.js';
+import { accountName, accountOfName, loopKey } from '../../gateway/redis/keys.js';
 import { addBatchEvent, batchEvents, defineScripts, usageBatchArgs } from '../../gateway/quota/script.js';
 import { generateKey } from '../../gateway/auth/keys.js';
 import { RegistryKeys } from '../../gateway/auth/registry.js';
-import { ActiveIndex, markActive } from '../../gateway/usage/active.js';
-import { makeKey, type TestKey, testConfig } from '../helpers/config.js';
+import { ActiveIndex, defineActiveScripts, markActive } from '../../gateway/usage/active.js';
+import { usagePending } from '../../gateway/usage/cursors.js';
+import { Sweep } from '../../gateway/usage/sweep.js';
+import { makeKey, type TestKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
 import { spawnCluster, spawnRedis } from '../helpers/redis.js';
@@ -95,6 +97,8 @@ describe('idle export and alert loops', () => {
   }, 120_000);
 
   it("issue as many Redis commands a round with 5,000 keys in a key registry as with 100: the sweep walks the registry's keys at its pace", async () => {
+    // What it guards is the cost: walking every registry key a round costs some 13,000 commands
+    // a round here. That the registry's accounts are walked at all, key-registry.test.ts checks.
     const few = await idleCost(10, 4, 100);
     const many = await idleCost(10, 4, 5000);
     expect(many).toBeLessThan(few * 1.5 + 10);
@@ -177,6 +181,42 @@ describe('an account whose mark was lost', () => {
     ).toEqual(['lost-0', 'lost-1', 'lost-2']);
     expect(got).toEqual(alerts.map((id) => `acct-17/${id}`));
   }, 40_000);
+});
+
+describe('the sweep', () => {
+  it("goes on from where it was when keys are issued: its place is kept below the walk's length", async () => {
+    const redis = new Redis(inject('redisUrl'));
+    onTestFinished(async () => {
+      await redis.quit();
+    });
+    const prefix = uniquePrefix();
+    const config = {
+      environment: 'production' as const,
+      redisPrefix: prefix,
+      accounts: new Map(),
+      accountOf: (n: string) => accountOfName(prefix, n),
+    };
+    const registry = new RegistryKeys(redis, () => ({ plans, environment: 'production' }), prefix);
+    // Keys issued in id order, each its own account with an event unsent: every account the walk visits is marked.
+    const add = async (i: number) => {
+      await registry.add({ id: `k${i}`, hash: generateKey('production').hash, plan: 'metered', account: `r${i}` });
+      await redis.xadd(`${accountName(prefix, `r${i}`)}:events`, '*', 'kind', 'request');
+    };
+    for (let i = 0; i < 4; i++) await add(i);
+    // A leader that has walked for a long time: a million accounts checked.
+    await redis.set(loopKey(prefix, 'usage-export', 'sweep'), 1_000_000);
+    defineActiveScripts(redis);
+    const sweep = new Sweep(redis, 'usage-export', 1, usagePending);
+    const visited: string[] = [];
+    for (let step = 0; step < 4; step++) {
+      // One account a step (the pace, 1 a second, and a second between steps), a key issued after each.
+      visited.push(...(await sweep.step(config, step * 1000)).map((n) => accountOfName(prefix, n)!));
+      await add(4 + step);
+    }
+    // On, one account after the other: counted on from a million modulo 4, 5, 6 and 7, the
+    // walk would have gone r0, r1, r0, r4.
+    expect(visited).toEqual(['r0', 'r1', 'r2', 'r3']);
+  });
 });
 
 describe('the active index', () => {
