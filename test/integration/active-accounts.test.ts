@@ -206,6 +206,7 @@ describe('the sweep', () => {
     // A leader that has walked for a long time: a million accounts checked.
     await redis.set(loopKey(prefix, 'usage-export', 'sweep'), 1_000_000);
     defineActiveScripts(redis);
+    // At 1 account a second, not the shipped 40: each step below then checks exactly one, so the order shows.
     const sweep = new Sweep(redis, 'usage-export', 1, usagePending);
     const visited: string[] = [];
     for (let step = 0; step < 4; step++) {
