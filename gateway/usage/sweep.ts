@@ -54,14 +54,11 @@ export class Sweep {
       await this.redis.set(key, end);
     }
     const at = Array.from({ length: n }, (_, i) => (((end - n + i) % total) + total) % total);
-    const keyed = await registryAccounts(
-      this.redis,
-      registry,
-      at.filter((p) => p >= names.length).map((p) => p - names.length),
-    );
-    const batch = [
-      ...new Set([...at.filter((p) => p < names.length).map((p) => names[p]!), ...keyed.map((a) => accountName(config.redisPrefix, a))]),
-    ];
+    const configured = at.filter((p) => p < names.length).map((p) => names[p]!);
+    const ranks = at.filter((p) => p >= names.length).map((p) => p - names.length);
+    const keyed = (await registryAccounts(this.redis, registry, ranks)).map((a) => accountName(config.redisPrefix, a));
+    // An account with several keys, or in both the config and the registry, is checked once.
+    const batch = [...new Set([...configured, ...keyed])];
     const found = await this.pending(this.redis, batch);
     const marked = batch.filter((_, i) => found[i]);
     await markActive(this.redis, config, this.loop, marked);

@@ -129,7 +129,6 @@ describe('a second usage sink', () => {
   it("splits a bundle larger than the batch size into batches within it, the bundle's events in order", async () => {
     // Leases (the shipped QUOTA_LEASE_MAX, in the store's option, as the wiring passes it): the
     // admissions' events go to Redis in one bundle when the store closes.
-    // The shipped QUOTA_LEASE_MAX: leased admissions' events travel in bundles.
     const d = deployment(loadSettings({}).quotaLeaseMax);
     const ids: string[] = [];
     for (let i = 0; i < 12; i++) {
