@@ -1,7 +1,7 @@
 import type { FastifyBaseLogger, FastifyInstance, FastifyRequest } from 'fastify';
 import type { DestinationStream } from 'pino';
 import { createLogOutput } from '../runtime/process.js';
-import { KeyRegistry } from './auth/registry.js';
+import { KeyRegistry } from './auth/registry-cache.js';
 import type { GatewayConfig } from './config/config.js';
 import { ackReplicas, type GatewaySettings } from './config/settings.js';
 import { buildPublicApp, type PublicSettings } from './http/app.js';
@@ -134,7 +134,11 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     store.settle &&
     ((request: FastifyRequest, status: number) => store.settle!(request.ctx.consumer!.subject, request.ctx.eventId!, status));
   const tracing = await startTracing(settings, log);
-  const keys = settings.keyStore === 'redis' && deps.redis ? new KeyRegistry(deps.redis, current, log) : undefined;
+  const keys =
+    settings.keyStore === 'redis' && deps.redis
+      ? new KeyRegistry(deps.redis, { config: current, log, failing: () => store.degraded, timeoutMs: settings.redisTimeoutMs })
+      : undefined;
+  if (keys) metrics.watchKeyRegistry(keys);
   const app: FastifyInstance = await buildPublicApp(settings, {
     log,
     config: current,

@@ -10,7 +10,7 @@ import { GatewayError, handleError } from '../errors.js';
 import { installPlainRawHandlers, plainClientErrorHandler } from '../http/raw-answers.js';
 import type { AccountBook, Operations } from '../quota/store.js';
 import { fileKeys, type KeyStore } from '../auth/key-file.js';
-import { type KeyFinder, keyFinder } from '../auth/registry.js';
+import { type KeyFinder, keyFinder } from '../auth/key-finder.js';
 import { AuthThrottle, FAILURES_PER_MINUTE } from './auth-throttle.js';
 import { keyApi } from './keys.js';
 import { failure, Health, Ready, SharedError } from './schemas.js';
@@ -37,6 +37,8 @@ export interface AdminParts {
   metrics: { contentType: string; text(): Promise<string> };
   /** Problems that make this instance unready beyond Redis and the backend (a worker down). */
   problems?: () => string[];
+  /** What /readyz reports beside a 200 (the key registry's lost keys). */
+  warnings?: () => string[];
   redis?: RedisClient;
   /** Where the key API issues keys (the config file, or the key registry); none: no key API here. */
   keys?: KeyStore;
@@ -167,7 +169,12 @@ const operations: FastifyPluginAsyncTypebox<AdminDeps> = async (app, deps) => {
       const problems = await readinessProblems(deps);
       if (problems.length > 0) throw new GatewayError('not_ready', `Not ready: ${problems.join('; ')}`);
       reply.header('cache-control', 'no-store');
-      return { status: 'ready' as const, store: deps.redis ? ('redis' as const) : ('memory' as const) };
+      const warnings = deps.warnings?.() ?? [];
+      return {
+        status: 'ready' as const,
+        store: deps.redis ? ('redis' as const) : ('memory' as const),
+        ...(warnings.length > 0 && { warnings }),
+      };
     },
   );
 

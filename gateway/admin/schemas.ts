@@ -25,7 +25,13 @@ const described = <T extends TSchema>(schema: T, description: string): T => ({ .
 
 export const Health = described(Type.Object({ status: Type.Literal('ok') }), 'The process is up');
 export const Ready = described(
-  Type.Object({ status: Type.Literal('ready'), store: Type.Union([Type.Literal('redis'), Type.Literal('memory')]) }),
+  Type.Object({
+    status: Type.Literal('ready'),
+    store: Type.Union([Type.Literal('redis'), Type.Literal('memory')]),
+    warnings: Type.Optional(
+      Type.Array(Type.String(), { description: 'What an operator should act on that does not stop traffic (keys Redis lost)' }),
+    ),
+  }),
   'Redis (if configured) and the backend answer',
 );
 

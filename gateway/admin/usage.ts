@@ -1,5 +1,5 @@
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
-import type { KeyFinder } from '../auth/registry.js';
+import type { KeyFinder } from '../auth/key-finder.js';
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { GatewayError } from '../errors.js';
 import type { AccountBook, Operations } from '../quota/store.js';

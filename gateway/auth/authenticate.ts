@@ -32,10 +32,14 @@ function credentialOf(header: string | undefined, config: GatewayConfig, connect
   return credential;
 }
 
-/** The keys beyond the config file's (the key registry): a consumer at once when it knows, else Redis's answer. */
+/**
+ * The keys beyond the config file's (the key registry): a consumer at once when it knows, else
+ * Redis's answer; a refusal (503) when it cannot be asked.
+ */
 export interface KeyLookup {
-  lookup(digest: string): Consumer | undefined | Promise<Consumer | undefined>;
+  lookup(digest: string): Lookup | Promise<Lookup>;
 }
+type Lookup = Consumer | undefined | GatewayError;
 
 /**
  * Bearer key -> consumer, or the 401 that refuses it (with WWW-Authenticate, RFC 6750).
@@ -70,13 +74,29 @@ export function authenticate(
         { 'www-authenticate': INVALID },
       );
   }
-  const consumer = config.consumers.get(credential.hash) ?? more?.lookup(credential.hash);
-  if (consumer instanceof Promise) return consumer.then(usable);
-  return usable(consumer);
+  const file = config.consumers.get(credential.hash);
+  if (!more) return usable(file);
+  // A key may be in both stores (moved by `keys import`): the registry is asked too, and the
+  // stricter copy wins, so a revoke in either is never shadowed by the other.
+  const other = more.lookup(credential.hash);
+  if (other instanceof Promise) return other.then((o) => usable(file ? strictest(file, o) : o));
+  return usable(file ? strictest(file, other) : other);
+}
+
+/**
+ * Of two copies of one key (the file's and the registry's), the one that refuses soonest: a
+ * revoked copy, else the earlier expiry, else the file's. A registry that cannot be asked
+ * (a 503) or holds no copy leaves the file's as it is: the file's keys work without Redis.
+ */
+export function strictest(file: Consumer, other: Lookup): Consumer {
+  if (!other || other instanceof GatewayError || file.revoked) return file;
+  if (other.revoked || other.expiresAtMs < file.expiresAtMs) return other;
+  return file;
 }
 
 /** The consumer if its key may be used now, else the 401 that says why. */
-function usable(consumer: Consumer | undefined): Consumer | GatewayError {
+function usable(consumer: Lookup): Consumer | GatewayError {
+  if (consumer instanceof GatewayError) return consumer;
   if (!consumer) return new GatewayError('unauthorized', 'Unknown API key', { 'www-authenticate': INVALID });
   if (consumer.revoked) {
     return new GatewayError('unauthorized', 'This API key has been revoked', { 'www-authenticate': INVALID });

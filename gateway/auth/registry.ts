@@ -1,8 +1,6 @@
 import { randomBytes } from 'node:crypto';
-import type { FastifyBaseLogger } from 'fastify';
-import { LRUCache } from 'lru-cache';
-import type { ConfigFile, Consumer, GatewayConfig, KeyEntry } from '../config/config.js';
-import { closeRedis, type RedisClient, secondConnection } from '../redis/client.js';
+import type { ConfigFile, KeyEntry } from '../config/config.js';
+import type { RedisClient } from '../redis/client.js';
 import { registryKeys } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 import { checkRequest, KeyFileError, type KeyRow, type KeyStore, type NewKey, rowOf } from './key-file.js';
@@ -18,15 +16,15 @@ import { generateKey } from './keys.js';
 type Names = ReturnType<typeof registryKeys>;
 
 /** Bits of the Bloom filter (2 MiB): with 7 bits a key, 0.05% false positives at 1,000,000 keys, 1.5% at 4,000,000. */
-const BLOOM_BITS = 2 ** 24;
+export const BLOOM_BITS = 2 ** 24;
 /** The filter's 7 bit positions of a digest (`sha256:<hex>`): 24-bit slices of its hex (as BLOOM_LUA takes them). */
-function bloomBits(digest: string): number[] {
+export function bloomBits(digest: string): number[] {
   const hex = digest.slice(-64);
   const out: number[] = [];
   for (let i = 0; i < 7; i++) out.push(Number.parseInt(hex.slice(i * 6, i * 6 + 6), 16));
   return out;
 }
-function setBits(bloom: Buffer, digest: string): void {
+export function setBits(bloom: Buffer, digest: string): void {
   for (const bit of bloomBits(digest)) bloom[bit >> 3]! |= 0x80 >> (bit & 7);
 }
 /** Sets the digest's 7 bits in the Bloom filter (KEY.bloom), as bloomBits finds them. */
@@ -77,7 +75,7 @@ function fieldsOf(entry: KeyEntry): string[] {
   for (const f of ['createdAt', 'expiresAt', 'revokedAt'] as const) if (entry[f] !== undefined) out.push(f, entry[f]!);
   return out;
 }
-function entryOf(f: Record<string, string>): KeyEntry {
+export function entryOf(f: Record<string, string>): KeyEntry {
   const entry: KeyEntry = { id: f.id!, hash: f.hash!, plan: f.plan! };
   if (f.account !== undefined) entry.account = f.account;
   if (f.limits !== undefined) entry.limits = JSON.parse(f.limits);
@@ -207,154 +205,4 @@ export class RegistryKeys implements KeyStore {
     );
     if ((await this.redis.registryUpdate(...args)) !== 1) throw new KeyFileError(`key "${entry.id}" changed meanwhile; try again`, 'busy');
   }
-}
-
-/** A cached answer: the consumer (or none) under the config it was built for. */
-interface Cached {
-  config: GatewayConfig;
-  consumer: Consumer | undefined;
-}
-
-/** How many keys an instance keeps built (the keys in use); the rest are asked of Redis when they come back. */
-const CACHE_KEYS = 100_000;
-/** A backstop for a change whose message was lost while the channel reconnected: a cached key is asked again after this. */
-const CACHE_TTL_MS = 60_000;
-
-/**
- * The registry as each gateway instance reads it: a key is looked up in Redis once, then kept
- * (bounded, least recently used out) until its change is announced; a key the Bloom filter
- * has never seen is unknown at once, with no call to Redis.
- */
-export class KeyRegistry {
-  private readonly redis: RedisClient;
-  private readonly names: Names;
-  private readonly cache = new LRUCache<string, Cached>({ max: CACHE_KEYS, ttl: CACHE_TTL_MS });
-  private readonly pending = new Map<string, Promise<Consumer | undefined>>();
-  /** Unset until read: every key is then asked of Redis, none refused unseen. */
-  private bloom?: Buffer;
-  private readonly subscriber: RedisClient;
-  private readonly firstLoad: Promise<void>;
-  /** The digests announced while the filter is being read. */
-  private heard?: string[];
-  /** Changes announced to this instance so far (what a test waits on). */
-  announced = 0;
-
-  constructor(
-    redis: RedisClient,
-    private readonly config: () => GatewayConfig,
-    private readonly log: FastifyBaseLogger,
-  ) {
-    this.redis = redis;
-    this.names = registryKeys(config().redisPrefix);
-    this.subscriber = secondConnection(redis);
-    this.subscriber.on('message', (_channel: string, digest: string) => this.changed(digest));
-    let loaded = () => {};
-    this.firstLoad = new Promise((resolve) => (loaded = resolve));
-    // On every (re)connection: subscribe, then read the filter whole and forget what is cached
-    // (a change announced while the channel was down would be missed otherwise).
-    this.subscriber.on('ready', () => {
-      this.load().then(loaded, (err: Error) => this.log.warn({ cause: err.message }, 'key registry: could not read its filter'));
-    });
-  }
-
-  /** Resolves once the channel is subscribed and the filter read: keys issued before are known from then on. */
-  ready(): Promise<void> {
-    return this.firstLoad;
-  }
-
-  private async load(): Promise<void> {
-    this.heard = [];
-    await this.subscriber.subscribe(this.names.changed);
-    const bits = await this.redis.getBuffer(this.names.bloom);
-    const bloom = Buffer.alloc(BLOOM_BITS / 8);
-    bits?.copy(bloom);
-    // Changes announced while the filter was read may be missing from it: added again.
-    for (const digest of this.heard) setBits(bloom, digest);
-    this.heard = undefined;
-    this.bloom = bloom;
-    this.cache.clear();
-  }
-
-  private changed(digest: string): void {
-    this.announced++;
-    this.cache.delete(digest);
-    this.heard?.push(digest);
-    if (this.bloom) setBits(this.bloom, digest);
-  }
-
-  private mayHold(digest: string): boolean {
-    const bloom = this.bloom;
-    return !bloom || bloomBits(digest).every((bit) => (bloom[bit >> 3]! & (0x80 >> (bit & 7))) !== 0);
-  }
-
-  /** The consumer of a digest: at once when cached or unknown to the filter; else Redis's answer, once per digest in flight. */
-  lookup(digest: string): Consumer | undefined | Promise<Consumer | undefined> {
-    const config = this.config();
-    const hit = this.cache.get(digest);
-    if (hit && hit.config === config) return hit.consumer;
-    if (!this.mayHold(digest)) return undefined;
-    let asked = this.pending.get(digest);
-    if (!asked) {
-      asked = this.fetch(digest, config).finally(() => this.pending.delete(digest));
-      this.pending.set(digest, asked);
-    }
-    return asked;
-  }
-
-  private async fetch(digest: string, config: GatewayConfig): Promise<Consumer | undefined> {
-    const f = await this.redis.hgetall(this.names.record(digest));
-    const entry = f.id ? entryOf(f) : undefined;
-    const consumer = entry && config.consumerOf(entry);
-    if (entry && !consumer)
-      this.log.warn({ keyId: entry.id, plan: entry.plan }, 'key registry: a key names a plan the config does not have');
-    this.cache.set(digest, { config, consumer });
-    return consumer;
-  }
-
-  close(): void {
-    void closeRedis(this.subscriber, 'now');
-  }
-}
-
-/** Finds keys by id and accounts by name, for the admin port: the file's and, with one, the registry's. */
-export interface KeyFinder {
-  key(id: string): Promise<Consumer | undefined>;
-  /** The keys of an account, in id order (they share its quota and settings). */
-  account(account: string): Promise<Consumer[]>;
-}
-
-/**
- * The finder over the config in force (its keys indexed once per config, not scanned per call)
- * and the registry's keys, built under the same config.
- */
-export function keyFinder(config: () => GatewayConfig, registry?: RegistryKeys): KeyFinder {
-  const indexes = new WeakMap<GatewayConfig, { byId: Map<string, Consumer>; byAccount: Map<string, Consumer[]> }>();
-  const index = (c: GatewayConfig) => {
-    let found = indexes.get(c);
-    if (!found) {
-      found = { byId: new Map(), byAccount: new Map() };
-      for (const consumer of c.consumers.values()) {
-        found.byId.set(consumer.id, consumer);
-        const members = found.byAccount.get(consumer.account);
-        if (members) members.push(consumer);
-        else found.byAccount.set(consumer.account, [consumer]);
-      }
-      indexes.set(c, found);
-    }
-    return found;
-  };
-  const built = (c: GatewayConfig, entries: Array<KeyEntry | undefined>) =>
-    entries.flatMap((e) => (e ? [c.consumerOf(e)].filter((x): x is Consumer => x !== undefined) : []));
-  return {
-    async key(id) {
-      const c = config();
-      return index(c).byId.get(id) ?? (registry ? built(c, [await registry.get(id)])[0] : undefined);
-    },
-    async account(account) {
-      const c = config();
-      const file = index(c).byAccount.get(account) ?? [];
-      const more = registry ? built(c, await registry.accountKeys(account)) : [];
-      return [...file, ...more].sort((a, b) => (a.id < b.id ? -1 : 1));
-    },
-  };
 }

@@ -7,7 +7,7 @@ import type { accessLog } from '../observability/access-log.js';
 import type { GatewayMetrics } from '../observability/metrics.js';
 import { LazyRequestLogger } from '../observability/request-logger.js';
 import type { RequestTracing } from '../observability/tracing.js';
-import type { KeyRegistry } from '../auth/registry.js';
+import type { KeyRegistry } from '../auth/registry-cache.js';
 import { admit } from '../quota/admit.js';
 import type { QuotaStore } from '../quota/store.js';
 import { usageView } from '../quota/usage-view.js';

@@ -186,6 +186,29 @@ export class GatewayMetrics {
     });
   }
 
+  /** The key registry's change channel (KEY_STORE=redis), read when scraped. */
+  watchKeyRegistry(registry: { readonly silent: boolean; readonly silences: number }): void {
+    const registers = [this.registry];
+    new Gauge({
+      name: 'gateway_key_registry_channel_silent',
+      help: "1 while the key registry's change channel has not echoed within its check (keys are then read again every 2 s)",
+      registers,
+      aggregator: 'max',
+      collect() {
+        this.set(registry.silent ? 1 : 0);
+      },
+    });
+    new Counter({
+      name: 'gateway_key_registry_channel_silences_total',
+      help: "Times the key registry's change channel was found silent and connected again",
+      registers,
+      collect() {
+        this.reset();
+        this.inc(registry.silences);
+      },
+    });
+  }
+
   /** Counts one answered request. */
   request(route: string, status: number, plan: string, key: string | undefined, rejected?: RejectionReason): void {
     let byStatus = this.requestIndex.get(route);

@@ -7,7 +7,8 @@ import { type AdminParts, buildAdmin } from '../admin/app.js';
 import type { GatewayConfig } from '../config/config.js';
 import { type GatewaySettings, redisTarget } from '../config/settings.js';
 import { buildGateway, type Gateway } from '../app.js';
-import { keyFinder, RegistryKeys } from '../auth/registry.js';
+import { keyFinder } from '../auth/key-finder.js';
+import { RegistryKeys } from '../auth/registry.js';
 import { RedisQuotaStore } from '../quota/redis-store.js';
 import { activityMarks } from '../usage/active.js';
 import { reloader, watchConfig } from './config-watch.js';
@@ -88,9 +89,13 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   if (!redis) log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
   await awaitRedis(redis, log);
   // Once per deployment process: a single one, or the cluster's primary (its workers serve no admin).
-  if (options.admin && redis?.status === 'ready' && [...initial.accounts.values()].some((s) => s.billing.credits)) {
-    const problem = await persistenceProblem(redis).catch(
-      (err: Error) => `could not check that Redis keeps credits on disk: ${err.message}`,
+  const kept = [
+    ...([...initial.accounts.values()].some((s) => s.billing.credits) ? ['credits'] : []),
+    ...(settings.keyStore === 'redis' ? ['registry keys'] : []),
+  ];
+  if (options.admin && redis?.status === 'ready' && kept.length > 0) {
+    const problem = await persistenceProblem(redis, kept).catch(
+      (err: Error) => `could not check that Redis keeps ${kept.join(' and ')} on disk: ${err.message}`,
     );
     if (problem) log.warn(problem);
   }
@@ -146,7 +151,8 @@ function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSour
       config: from.config,
       store,
       metrics,
-      problems: own.problems,
+      problems: () => [...(own.problems?.() ?? []), ...(from.gateway?.keys?.problems() ?? [])],
+      warnings: () => from.gateway?.keys?.warnings() ?? [],
       redis: from.redis,
       closing: from.closing,
       log: from.log,

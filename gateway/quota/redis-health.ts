@@ -5,43 +5,6 @@ import type { FastifyBaseLogger } from 'fastify';
 // REDIS_TIMEOUT_MS (a frozen one); a heartbeat finds the same while no request is asking.
 // A Redis that answers, however slowly within that time, is not failing: requests wait for it.
 
-export const LATE = Symbol('late');
-
-/**
- * What `promise` settles to, or LATE if it is still pending `ms` after the call. The check
- * runs after the event loop has read the sockets (setImmediate follows the poll phase), so a
- * stall of this process (GC, a busy core) is never taken for Redis's silence: a reply that
- * arrived meanwhile wins.
- */
-export function within<T>(promise: Promise<T>, ms: number): Promise<T | typeof LATE> {
-  return new Promise((resolve, reject) => {
-    let settled = false;
-    const timer = setTimeout(
-      () =>
-        setImmediate(() => {
-          if (settled) return;
-          settled = true;
-          resolve(LATE);
-        }),
-      ms,
-    );
-    promise.then(
-      (value) => {
-        if (settled) return;
-        settled = true;
-        clearTimeout(timer);
-        resolve(value);
-      },
-      (err: unknown) => {
-        if (settled) return;
-        settled = true;
-        clearTimeout(timer);
-        reject(err);
-      },
-    );
-  });
-}
-
 export interface HealthOptions {
   /** One heartbeat: rejects when Redis fails. */
   beat: () => Promise<void>;

@@ -1,7 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import { Cluster } from 'ioredis';
-import { type RedisClient, redisProblem } from '../redis/client.js';
+import { LATE, type RedisClient, redisProblem, within } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
 import { type Decision, decision, type EventTag, leaseSize, type QuotaSubject, type WindowCounts } from './decision.js';
@@ -26,7 +26,7 @@ import {
   type BatchEvents,
   writeBackArgs,
 } from './script.js';
-import { LATE, RedisHealth, within } from './redis-health.js';
+import { RedisHealth } from './redis-health.js';
 import { RedisAccounts } from './redis-accounts.js';
 import { type Counts, countsAt, FIXED } from './windows.js';
 import {

@@ -311,11 +311,12 @@ function firstOutcome(redis: RedisClient, ms: number): Promise<void> {
 }
 
 /**
- * Whether Redis keeps what it holds on disk (AOF or RDB snapshots), on every master: credits,
- * top-ups and their ledger live only there. A line to warn with when some master keeps nothing
+ * Whether Redis keeps what it holds on disk (AOF or RDB snapshots), on every master: `kept`
+ * (credits and their ledger, registry keys) live only there. A line to warn with when some master keeps nothing
  * or cannot be asked (CONFIG refused, as on many managed Redis services); undefined when all do.
  */
-export async function persistenceProblem(redis: RedisClient): Promise<string | undefined> {
+export async function persistenceProblem(redis: RedisClient, kept: string[] = ['credits']): Promise<string | undefined> {
+  const what = kept.join(' and ');
   const masters: Redis[] = redis instanceof Cluster ? redis.nodes('master') : [redis];
   const bare: string[] = [];
   for (const node of masters) {
@@ -325,11 +326,55 @@ export async function persistenceProblem(redis: RedisClient): Promise<string | u
       aof = ((await node.config('GET', 'appendonly')) as string[])[1] ?? '';
       save = ((await node.config('GET', 'save')) as string[])[1] ?? '';
     } catch (err) {
-      return `could not check that ${redisWhere(redis)} keeps credits on disk (CONFIG GET: ${(err as Error).message}): make sure it does (appendonly yes, or RDB snapshots and backups), or a Redis restart loses balances and top-ups`;
+      return `could not check that ${redisWhere(redis)} keeps ${what} on disk (CONFIG GET: ${(err as Error).message}): make sure it does (appendonly yes, or RDB snapshots and backups), or a Redis restart loses them`;
     }
     if (aof !== 'yes' && save.trim() === '') bare.push(`${node.options.host}:${node.options.port}`);
   }
   if (bare.length === 0) return undefined;
   const on = redis instanceof Cluster ? ` on ${bare.join(', ')}` : '';
-  return `${redisWhere(redis)} keeps nothing on disk (appendonly no, save ''${on}): a Redis restart loses every credit balance, top-up and ledger entry; set appendonly yes (redis.conf, or CONFIG SET appendonly yes)`;
+  const losses = kept.map((k) => LOSSES[k] ?? k).join(' and ');
+  return `${redisWhere(redis)} keeps nothing on disk (appendonly no, save ''${on}): a Redis restart loses ${losses}; set appendonly yes (redis.conf, or CONFIG SET appendonly yes)`;
+}
+
+/** What a restart of a Redis that keeps nothing on disk loses, by what the gateway keeps there. */
+const LOSSES: Record<string, string> = {
+  credits: 'every credit balance, top-up and ledger entry',
+  'registry keys': 'every key of the key registry (its clients are then told their key is unknown)',
+};
+
+export const LATE = Symbol('late');
+
+/**
+ * What `promise` settles to, or LATE if it is still pending `ms` after the call. The check
+ * runs after the event loop has read the sockets (setImmediate follows the poll phase), so a
+ * stall of this process (GC, a busy core) is never taken for Redis's silence: a reply that
+ * arrived meanwhile wins.
+ */
+export function within<T>(promise: Promise<T>, ms: number): Promise<T | typeof LATE> {
+  return new Promise((resolve, reject) => {
+    let settled = false;
+    const timer = setTimeout(
+      () =>
+        setImmediate(() => {
+          if (settled) return;
+          settled = true;
+          resolve(LATE);
+        }),
+      ms,
+    );
+    promise.then(
+      (value) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        resolve(value);
+      },
+      (err: unknown) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        reject(err);
+      },
+    );
+  });
 }

@@ -1,6 +1,6 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
-import { LATE, within } from '../quota/redis-health.js';
+import { LATE, within } from '../redis/client.js';
 import { type RedisClient, redisProblem } from '../redis/client.js';
 import { loopKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
