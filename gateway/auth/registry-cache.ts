@@ -36,6 +36,8 @@ const CHECK_MS = 1000;
  * enforced within detection (2 × CHECK_MS) plus this: the 5 s bound docs/keys.md states.
  */
 const SILENT_TRUST_MS = 2000;
+/** While silent: how long a new connection may take to subscribe before another is tried. */
+const RETRY_MS = 3000;
 
 /** A key the registry could not be asked about: the quota store's refusal while Redis fails. */
 const UNAVAILABLE = () =>
@@ -74,9 +76,12 @@ export class KeyRegistry {
   private echoed = 0;
   /** Since when the channel has been silent (Date.now()); 0 while it answers. */
   private silentSince = 0;
+  /** When the channel was last connected again while silent. */
+  private triedAt = 0;
   /** When the filter was read back empty after holding keys; 0 otherwise. */
   private emptiedAt = 0;
   private readonly timer: NodeJS.Timeout;
+  private saidUnread = false;
   /** Changes announced to this instance so far (what a test waits on). */
   announced = 0;
   /** Times the channel was found silent and replaced (a metric). */
@@ -145,6 +150,7 @@ export class KeyRegistry {
     await this.readFilter();
     // A change announced while the channel was down would be missed otherwise.
     this.cache.clear();
+    if (subscriber !== this.subscriber) return; // replaced meanwhile: the new one ends the silence
     if (this.silentSince) this.o.log.info('key registry: its change channel answers again');
     this.silentSince = 0;
   }
@@ -175,6 +181,7 @@ export class KeyRegistry {
   private async check(): Promise<void> {
     const now = Date.now();
     if (this.bloom && this.taken > this.echoed && !this.silentSince && !this.o.failing()) this.declareSilent(now);
+    else if (this.silentSince && now - this.triedAt >= RETRY_MS && !this.o.failing()) this.reconnect(now);
     if (this.silentSince && now - this.bloomAt >= SILENT_TRUST_MS && !this.o.failing()) {
       await within(this.readFilter(), CHECK_MS).catch(() => {});
     }
@@ -188,21 +195,28 @@ export class KeyRegistry {
     );
   }
 
+  /** Declared once; the channel is then connected again every RETRY_MS until one answers (load() ends the silence). */
   private declareSilent(now: number): void {
     this.silentSince = now;
     this.silences++;
     this.o.log.warn('key registry: its change channel is silent (no echo within 1 s): connecting it again');
+    this.reconnect(now);
+  }
+
+  private reconnect(now: number): void {
+    this.triedAt = now;
     const old = this.subscriber;
     this.listen();
     // A dead connection may never close by itself: its socket is dropped, not ended.
-    if (old instanceof Redis) old.stream?.destroy();
     void closeRedis(old, 'now');
+    if (old instanceof Redis) old.stream?.destroy();
   }
 
   private changed(digest: string): void {
     this.announced++;
     this.cache.delete(digest);
     this.heard?.push(digest);
+    this.held = true;
     if (this.bloom) setBits(this.bloom, digest);
   }
 
@@ -220,7 +234,7 @@ export class KeyRegistry {
     const hit = this.cache.get(digest);
     if (hit && Date.now() - hit.at < (this.silentSince ? SILENT_TRUST_MS : CACHE_TTL_MS)) return built(hit, config);
     if (!hit && !this.mayHold(digest)) return undefined;
-    if (this.o.failing()) return hit ? built(hit, config) : UNAVAILABLE();
+    if (this.o.failing()) return hit ? built(hit, config) : this.unavailable();
     let asked = this.pending.get(digest);
     if (!asked) {
       asked = this.fetch(digest, hit, config).finally(() => this.pending.delete(digest));
@@ -231,13 +245,22 @@ export class KeyRegistry {
 
   private async fetch(digest: string, hit: Cached | undefined, config: GatewayConfig): Promise<Lookup> {
     const f = await within(this.redis.hgetall(this.names.record(digest)), this.o.timeoutMs).catch((): typeof LATE => LATE);
-    if (f === LATE) return hit ? built(hit, config) : UNAVAILABLE();
+    if (f === LATE) return hit ? built(hit, config) : this.unavailable();
     const entry = f.id ? entryOf(f) : undefined;
     const cached: Cached = { entry, at: Date.now(), config, consumer: entry && config.consumerOf(entry) };
     if (entry && !cached.consumer)
       this.o.log.warn({ keyId: entry.id, plan: entry.plan }, 'key registry: a key names a plan the config does not have');
     this.cache.set(digest, cached);
     return cached.consumer;
+  }
+
+  /** The 503 for a key never read; said once in the log when Redis has not answered since start. */
+  private unavailable(): GatewayError {
+    if (!this.bloom && !this.saidUnread) {
+      this.saidUnread = true;
+      this.o.log.warn('key registry: Redis has not answered since this instance started: its keys answer 503 until it does');
+    }
+    return UNAVAILABLE();
   }
 
   close(): void {

@@ -27,6 +27,8 @@ export interface TestGatewayOptions {
    * it changes and the admin key API edits it (`load` and `freshCounters` then do not apply).
    */
   configFile?: string;
+  /** False: return without waiting for Redis (a gateway started while Redis is down). */
+  awaitRedis?: false;
 }
 
 export interface TestGateway {
@@ -108,7 +110,7 @@ export async function buildTestGateway(opts: TestGatewayOptions): Promise<TestGa
   const { redis, admin } = running;
   const gateway = running.gateway!;
   // The runner waits at most 1 s for Redis; a test's first request must find it ready.
-  if (redis) await eventually(() => redis.status === 'ready' && !gateway.store.degraded, 5000, 'Redis ready');
+  if (redis && opts.awaitRedis !== false) await eventually(() => redis.status === 'ready' && !gateway.store.degraded, 5000, 'Redis ready');
 
   return {
     gateway,
