@@ -49,7 +49,11 @@ export async function tcpProxy(target: string) {
     hold(match: (sent: string) => boolean): number {
       matcher = match;
       let n = 0;
-      for (const p of pairs) if (match(p.sent)) (p.held = true), n++;
+      for (const p of pairs) {
+        if (!match(p.sent)) continue;
+        p.held = true;
+        n++;
+      }
       return n;
     },
     /** New connections pass again; held ones stay held (their bytes are gone). */
