@@ -118,7 +118,7 @@ async function fixedRate(v: Variant, rate: number): Promise<AtRate> {
 
 /** Every command a Lua script of these setups calls: counted by Redis, but not sent by a client. */
 function scriptCommands(): Set<string> {
-  const sources = [readFileSync(join(ROOT, 'gateway/quota/quota.lua'), 'utf8')];
+  const sources = [readFileSync(join(ROOT, 'gateway/quota/redis/quota.lua'), 'utf8')];
   const peerStore = join(ROOT, 'node_modules/@fastify/rate-limit/store/RedisStore.js');
   try {
     sources.push(readFileSync(peerStore, 'utf8'));

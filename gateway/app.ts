@@ -9,7 +9,7 @@ import { accessLog } from './observability/access-log.js';
 import { GatewayMetrics } from './observability/metrics.js';
 import type { RequestTracing, TracingSettings } from './observability/tracing.js';
 import { MemoryQuotaStore } from './quota/memory-store.js';
-import { RedisQuotaStore } from './quota/redis-store.js';
+import { RedisQuotaStore } from './quota/redis/store.js';
 import type { QuotaStore } from './quota/store.js';
 import type { RedisClient, RedisTarget } from './redis/client.js';
 import { activityMarks } from './usage/active.js';

@@ -10,7 +10,7 @@ const say = (line) => env.BUILD_STEPS === '1' && stderr.write(`  ${line}\n`);
 rmSync('dist', { recursive: true, force: true });
 say('compiling the gateway, the backend and stack.ts (tsc -p tsconfig.build.json)...');
 execFileSync(execPath, ['node_modules/typescript/bin/tsc', '-p', 'tsconfig.build.json'], { stdio: 'inherit' });
-say('copying the Lua scripts into dist/gateway/quota/...');
-for (const name of readdirSync('gateway/quota').filter((n) => n.endsWith('.lua')))
-  copyFileSync(join('gateway/quota', name), join('dist/gateway/quota', name));
+say('copying the Lua scripts into dist/gateway/quota/redis/...');
+for (const name of readdirSync('gateway/quota/redis').filter((n) => n.endsWith('.lua')))
+  copyFileSync(join('gateway/quota/redis', name), join('dist/gateway/quota/redis', name));
 writeFileSync('dist/.built', '');

@@ -2,9 +2,8 @@ import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import { Type } from '@sinclair/typebox';
 import type { Consumer } from '../config/config.js';
 import { GatewayError } from '../errors.js';
-import { TopUpNotReplicated } from '../quota/redis-accounts.js';
 import type { KeyFinder } from '../auth/key-finder.js';
-import type { AccountBook, LedgerEntry } from '../quota/store.js';
+import { type AccountBook, type LedgerEntry, TopUpNotReplicated } from '../quota/store.js';
 import { CreditFields } from '../quota/usage-view.js';
 import { AccountParams, failure } from './schemas.js';
 

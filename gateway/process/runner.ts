@@ -9,7 +9,7 @@ import { type GatewaySettings, redisTarget } from '../config/settings.js';
 import { buildGateway, type Gateway } from '../app.js';
 import { keyFinder } from '../auth/key-finder.js';
 import { RegistryKeys } from '../auth/registry.js';
-import { RedisQuotaStore } from '../quota/redis-store.js';
+import { RedisQuotaStore } from '../quota/redis/store.js';
 import { activityMarks } from '../usage/active.js';
 import { reloader, watchConfig } from './config-watch.js';
 import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient } from '../redis/client.js';

@@ -154,3 +154,13 @@ export interface Counters {
   stored: Stored;
   ban: number;
 }
+
+/** A top-up written, but held by fewer replicas than CREDITS_ACK_REPLICAS within CREDITS_ACK_TIMEOUT_MS. */
+export class TopUpNotReplicated extends Error {
+  constructor(
+    readonly replicas: number,
+    readonly wanted: number,
+  ) {
+    super(`the top-up reached ${replicas} of the ${wanted} replica(s) CREDITS_ACK_REPLICAS asks for`);
+  }
+}

@@ -3,7 +3,7 @@ import type { FastifyBaseLogger } from 'fastify';
 import type { Redis } from 'ioredis';
 import { loadSettings } from '../../gateway/config/settings.js';
 import type { Decision } from '../../gateway/quota/decision.js';
-import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
+import { RedisQuotaStore } from '../../gateway/quota/redis/store.js';
 
 const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
 

@@ -2,7 +2,7 @@ import { Redis } from 'ioredis';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { accountName, accountOfName, loopKey } from '../../gateway/redis/keys.js';
-import { addBatchEvent, batchEvents, defineScripts, usageBatchArgs } from '../../gateway/quota/script.js';
+import { addBatchEvent, batchEvents, defineScripts, usageBatchArgs } from '../../gateway/quota/redis/script.js';
 import { generateKey } from '../../gateway/auth/keys.js';
 import { RegistryKeys } from '../../gateway/auth/registry.js';
 import { ActiveIndex, defineActiveScripts, markActive } from '../../gateway/usage/active.js';

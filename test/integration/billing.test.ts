@@ -270,7 +270,7 @@ describe('billing.lua', () => {
   it('computes the same periods in Redis as period.ts does with JavaScript dates, for every day of eight years', async () => {
     const redis = new Redis(inject('redisUrl'));
     try {
-      const lua = readFileSync(new URL('../../gateway/quota/billing.lua', import.meta.url), 'utf8');
+      const lua = readFileSync(new URL('../../gateway/quota/redis/billing.lua', import.meta.url), 'utf8');
       const from = Date.UTC(2024, 0, 1);
       const days = 8 * 366;
       const script = `${lua}

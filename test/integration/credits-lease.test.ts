@@ -5,9 +5,9 @@ import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } fro
 import type { EventTag, QuotaSubject } from '../../gateway/quota/decision.js';
 import { LeasingInstance } from '../helpers/lease-instance.js';
 import { usageView } from '../../gateway/quota/usage-view.js';
-import { leaseOf } from '../../gateway/quota/lease-book.js';
-import { EventBatches } from '../../gateway/quota/event-batches.js';
-import { addBatchEvent, batchEvents, defineScripts, quotaArgs, quotaReply, usageBatchArgs } from '../../gateway/quota/script.js';
+import { leaseOf } from '../../gateway/quota/redis/lease-book.js';
+import { EventBatches } from '../../gateway/quota/redis/event-batches.js';
+import { addBatchEvent, batchEvents, defineScripts, quotaArgs, quotaReply, usageBatchArgs } from '../../gateway/quota/redis/script.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
 import { echoBackend, type EchoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';

@@ -5,7 +5,7 @@ import { describe, expect, inject, it } from 'vitest';
 import { loadSettings } from '../../gateway/config/settings.js';
 import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { policyHeader } from '../../gateway/quota/headers.js';
-import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
+import { RedisQuotaStore } from '../../gateway/quota/redis/store.js';
 import { makeKey, redisKeyOf, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway, useTestGateway } from '../helpers/gateway.js';
 import { startSink } from '../helpers/sink.js';

@@ -10,7 +10,7 @@ import { compileConfig, validateConfigFile } from '../../gateway/config/config.j
 import { loadSettings } from '../../gateway/config/settings.js';
 import { commandTimeoutFor } from '../../gateway/redis/client.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
-import { defineScripts, quotaArgs, quotaReply, refundArgs, settledFrom } from '../../gateway/quota/script.js';
+import { defineScripts, quotaArgs, quotaReply, refundArgs, settledFrom } from '../../gateway/quota/redis/script.js';
 
 /** The shipped settings: the gateway below runs at them. */
 const shipped = loadSettings({});

@@ -8,9 +8,9 @@ import type { FastifyBaseLogger } from 'fastify';
 import { compileConfig, validateConfigFile } from '../../gateway/config/config.js';
 import { DAY_MS, type Decision, MINUTE_MS, NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
-import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
+import { RedisQuotaStore } from '../../gateway/quota/redis/store.js';
 import { type QuotaStore, QuotaStoreUnavailable } from '../../gateway/quota/store.js';
-import { quotaArg, writeBackArgs } from '../../gateway/quota/script.js';
+import { quotaArg, writeBackArgs } from '../../gateway/quota/redis/script.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
 

@@ -6,7 +6,7 @@ import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } fro
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { loopKey, subjectKey } from '../../gateway/redis/keys.js';
 import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
-import { addBatchEvent, batchEvents, defineScripts, usageBatchArgs } from '../../gateway/quota/script.js';
+import { addBatchEvent, batchEvents, defineScripts, usageBatchArgs } from '../../gateway/quota/redis/script.js';
 import { defineCursorScripts, moveUsageCursor, readUsage } from '../../gateway/usage/cursors.js';
 import { echoBackend } from '../helpers/backends.js';
 import { call, makeKey, redisKeyOf, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';

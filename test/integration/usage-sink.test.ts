@@ -3,7 +3,7 @@ import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import { compileConfig, type ConfigFile, type GatewayConfig, validateConfigFile } from '../../gateway/config/config.js';
 import type { EventTag, QuotaSubject } from '../../gateway/quota/decision.js';
-import { RedisQuotaStore } from '../../gateway/quota/redis-store.js';
+import { RedisQuotaStore } from '../../gateway/quota/redis/store.js';
 import { activityMarks } from '../../gateway/usage/active.js';
 import type { CloudEvent, EncodedEvent } from '../../gateway/usage/events.js';
 import { UsageExporter } from '../../gateway/usage/exporter.js';

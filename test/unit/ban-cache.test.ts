@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { BanCache } from '../../gateway/quota/ban-cache.js';
+import { BanCache } from '../../gateway/quota/redis/ban-cache.js';
 
 describe('the ban cache', () => {
   const t0 = Date.UTC(2026, 10, 22, 10, 0, 0);

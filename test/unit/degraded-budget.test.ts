@@ -1,9 +1,9 @@
 import { describe, expect, it } from 'vitest';
 import { DAY_MS, degradedShare, MINUTE_MS, NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { QuotaStoreUnavailable } from '../../gateway/quota/store.js';
-import { DegradedBudget, SEEN_MAX } from '../../gateway/quota/degraded-budget.js';
-import { LeaseBook, leaseOf } from '../../gateway/quota/lease-book.js';
-import { RedisClock } from '../../gateway/quota/redis-clock.js';
+import { DegradedBudget, SEEN_MAX } from '../../gateway/quota/redis/degraded-budget.js';
+import { LeaseBook, leaseOf } from '../../gateway/quota/redis/lease-book.js';
+import { RedisClock } from '../../gateway/quota/redis/clock.js';
 
 // The pieces of the Redis store that need no Redis: the degraded budget's share, the budget
 // itself, the lease book and the Redis clock, each on an injected clock.

@@ -4,7 +4,17 @@ import { describe, expect, it } from 'vitest';
 import { compileConfig } from '../../gateway/config/config.js';
 import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { FIXED, WINDOWS } from '../../gateway/quota/windows.js';
-import { QUOTA, quotaArg, quotaArgs, REFUND, refundArgs, TOPUP, topUpArgs, WRITEBACK, writeBackArgs } from '../../gateway/quota/script.js';
+import {
+  QUOTA,
+  quotaArg,
+  quotaArgs,
+  REFUND,
+  refundArgs,
+  TOPUP,
+  topUpArgs,
+  WRITEBACK,
+  writeBackArgs,
+} from '../../gateway/quota/redis/script.js';
 import {
   accountName,
   accountOfName,
@@ -98,10 +108,10 @@ describe('Redis key names (gateway/redis/keys.ts)', () => {
   });
 });
 
-const lua = (file: string) => readFileSync(new URL(`../../gateway/quota/${file}`, import.meta.url), 'utf8');
+const lua = (file: string) => readFileSync(new URL(`../../gateway/quota/redis/${file}`, import.meta.url), 'utf8');
 const used = (text: string, re: RegExp) => [...new Set([...text.matchAll(re)].map((m) => m[1]!))].sort();
 
-describe('the scripts read their wires by name (gateway/quota/script.ts)', () => {
+describe('the scripts read their wires by name (gateway/quota/redis/script.ts)', () => {
   // A misspelt name reads nil in Lua, silently: every name a script reads must be declared, and every declared one read
   // (those of the windows' rows through the FIXED table the prelude gives it: ARG[w.limit], ARG['back_' .. w.name]).
   const perWindow = new Set([

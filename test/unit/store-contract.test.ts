@@ -28,7 +28,7 @@ describe('the store contract', () => {
   it('is kept in its three parts by both stores', () => {
     for (const [file, cls] of [
       ['quota/memory-store.ts', 'MemoryQuotaStore'],
-      ['quota/redis-store.ts', 'RedisQuotaStore'],
+      ['quota/redis/store.ts', 'RedisQuotaStore'],
     ] as const) {
       const declared = new RegExp(`class ${cls} implements ([^{]+)\\{`).exec(files.find((f) => f.file === file)!.text)?.[1];
       expect(

@@ -1,8 +1,8 @@
 import { LRUCache } from 'lru-cache';
-import { DAY_MS, degradedShare, MINUTE_MS, periodOf, type QuotaSubject, type WindowCounts, windowStart } from './decision.js';
-import type { Period } from './period.js';
-import { QuotaStoreUnavailable } from './store.js';
-import { type Counts, countsAt, FIXED, type Stored, storedAt, type WindowName, windowRow } from './windows.js';
+import { DAY_MS, degradedShare, MINUTE_MS, periodOf, type QuotaSubject, type WindowCounts, windowStart } from '../decision.js';
+import type { Period } from '../period.js';
+import { QuotaStoreUnavailable } from '../store.js';
+import { type Counts, countsAt, FIXED, type Stored, storedAt, type WindowName, windowRow } from '../windows.js';
 
 /** Units admitted while Redis failed and not yet written back, for one subject: per fixed window (windows.ts), its start and units. */
 export interface WriteBack {

@@ -1,14 +1,14 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import { Cluster } from 'ioredis';
-import { LATE, type RedisClient, redisProblem, within } from '../redis/client.js';
-import { subjectKey } from '../redis/keys.js';
+import { LATE, type RedisClient, redisProblem, within } from '../../redis/client.js';
+import { subjectKey } from '../../redis/keys.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
-import { type Decision, decision, type EventTag, leaseSize, type QuotaSubject, type WindowCounts } from './decision.js';
+import { type Decision, decision, type EventTag, leaseSize, type QuotaSubject, type WindowCounts } from '../decision.js';
 import { DegradedBudget, type WriteBack } from './degraded-budget.js';
 import { EventBatches } from './event-batches.js';
 import { type Lease, LeaseBook, leaseOf } from './lease-book.js';
-import { type Clock, RedisClock, SYSTEM_CLOCK } from './redis-clock.js';
+import { type Clock, RedisClock, SYSTEM_CLOCK } from './clock.js';
 import {
   CALL_KEEP_MS,
   countsOf,
@@ -26,9 +26,9 @@ import {
   type BatchEvents,
   writeBackArgs,
 } from './script.js';
-import { RedisHealth } from './redis-health.js';
-import { RedisAccounts } from './redis-accounts.js';
-import { type Counts, countsAt, FIXED } from './windows.js';
+import { RedisHealth } from './health.js';
+import { RedisAccounts } from './accounts.js';
+import { type Counts, countsAt, FIXED } from '../windows.js';
 import {
   type AccountBook,
   type Counters,
@@ -41,7 +41,7 @@ import {
   type TopUp,
   type TopUpResult,
   type Usage,
-} from './store.js';
+} from '../store.js';
 
 /** Between heartbeats while Redis answers; a heartbeat counts for three of them. */
 const HEARTBEAT_MS = 1000;

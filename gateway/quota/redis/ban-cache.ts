@@ -1,6 +1,6 @@
-import type { WindowCounts } from './decision.js';
-import type { Counters } from './store.js';
-import { type Counts, storedAt } from './windows.js';
+import type { WindowCounts } from '../decision.js';
+import type { Counters } from '../store.js';
+import { type Counts, storedAt } from '../windows.js';
 
 /** What a ban's reply said of the billing period and credits, so a refusal from memory reports them as Redis did. */
 export type BillingCounts = Pick<WindowCounts, 'monthUsed' | 'period' | 'balance'>;

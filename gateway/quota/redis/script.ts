@@ -1,13 +1,13 @@
 import { readFileSync } from 'node:fs';
-import { bundleData, eventHead, eventLine } from '../usage/events.js';
-import type { RedisClient } from '../redis/client.js';
-import { subjectKey } from '../redis/keys.js';
-import { luaList, packer, positions, prelude, type Wires, wiresArgs, wired } from '../redis/wires.js';
-import { type EventTag, OUTCOMES, type QuotaSubject, softQuota, type WindowCounts } from './decision.js';
+import { bundleData, eventHead, eventLine } from '../../usage/events.js';
+import type { RedisClient } from '../../redis/client.js';
+import { subjectKey } from '../../redis/keys.js';
+import { luaList, packer, positions, prelude, type Wires, wiresArgs, wired } from '../../redis/wires.js';
+import { type EventTag, OUTCOMES, type QuotaSubject, softQuota, type WindowCounts } from '../decision.js';
 import type { Lease } from './lease-book.js';
-import { type Counts, countsFrom, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from './windows.js';
+import { type Counts, countsFrom, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from '../windows.js';
 import type { WriteBack } from './degraded-budget.js';
-import { type TopUp, topUpFingerprint } from './store.js';
+import { type TopUp, topUpFingerprint } from '../store.js';
 
 // The wires to the quota scripts, by name (redis/wires.ts): each script's KEYS, ARGV and reply
 // fields are listed once, here, in the order they travel; the scripts read them by name

@@ -1,12 +1,20 @@
 import { Cluster } from 'ioredis';
-import { closeRedis, type RedisClient, secondConnection } from '../redis/client.js';
-import { subjectKey } from '../redis/keys.js';
-import { type CreditState, withGrants } from './credits.js';
-import { DAY_MS, type QuotaSubject, windowStart } from './decision.js';
-import { billingPeriod, type Period } from './period.js';
+import { closeRedis, type RedisClient, secondConnection } from '../../redis/client.js';
+import { subjectKey } from '../../redis/keys.js';
+import { type CreditState, withGrants } from '../credits.js';
+import { DAY_MS, type QuotaSubject, windowStart } from '../decision.js';
+import { billingPeriod, type Period } from '../period.js';
 import { defineTopUp, topUpArgs } from './script.js';
-import { type ExportState, type LedgerEntry, type TopUp, type TopUpResult, topUpFingerprint, type Usage } from './store.js';
-import { countsAt, FIXED } from './windows.js';
+import {
+  type ExportState,
+  type LedgerEntry,
+  type TopUp,
+  type TopUpResult,
+  TopUpNotReplicated,
+  topUpFingerprint,
+  type Usage,
+} from '../store.js';
+import { countsAt, FIXED } from '../windows.js';
 
 // The account book in Redis: top-ups (acknowledged once enough replicas hold them), the ledger,
 // the export's state and the usage read. None of it is on the request path; the store
@@ -17,16 +25,6 @@ interface TopUpPipeline {
   topup(...keysThenArgs: Array<string | number>): TopUpPipeline;
   wait(replicas: number, timeoutMs: number): TopUpPipeline;
   exec(): Promise<Array<[Error | null, unknown]> | null>;
-}
-
-/** A top-up written, but held by fewer replicas than CREDITS_ACK_REPLICAS within CREDITS_ACK_TIMEOUT_MS. */
-export class TopUpNotReplicated extends Error {
-  constructor(
-    readonly replicas: number,
-    readonly wanted: number,
-  ) {
-    super(`the top-up reached ${replicas} of the ${wanted} replica(s) CREDITS_ACK_REPLICAS asks for`);
-  }
 }
 
 /** A ledger stream entry as the admin port shows it: numbers as numbers, the time from its id. */

@@ -1,8 +1,8 @@
 import type { FastifyBaseLogger } from 'fastify';
-import { windowsLine } from '../usage/events.js';
-import type { EventTag, QuotaSubject } from './decision.js';
+import { windowsLine } from '../../usage/events.js';
+import type { EventTag, QuotaSubject } from '../decision.js';
 import { addBatchEvent, type BatchEvents, batchEvents, eventsIn } from './script.js';
-import { type Counts, fixedLimits } from './windows.js';
+import { type Counts, fixedLimits } from '../windows.js';
 
 /**
  * Events in one script call at most, one bundle in Redis (usagebatch.lua): some 18 kB, half a

@@ -1,7 +1,7 @@
-import { DAY_MS, type Decision, MINUTE_MS, type QuotaSubject, windowStart } from './decision.js';
-import type { Period } from './period.js';
-import type { Clock } from './redis-clock.js';
-import { type Counts, FIXED, type WindowName } from './windows.js';
+import { DAY_MS, type Decision, MINUTE_MS, type QuotaSubject, windowStart } from '../decision.js';
+import type { Period } from '../period.js';
+import type { Clock } from './clock.js';
+import { type Counts, FIXED, type WindowName } from '../windows.js';
 
 /**
  * Units Redis granted this instance in one admission and not handed out yet (see leaseSize),
