@@ -77,6 +77,8 @@ export function registryKeys(prefix: string) {
     account: (account: string) => `${base}:account:${account}`,
     /** Every id, for listing in order (a sorted set, all scores 0). */
     ids: `${base}:ids`,
+    /** Keys issued per plan, revoked ones included (a hash: plan -> count): what a reload removing a plan is checked against. */
+    plans: `${base}:plans`,
     bloom: `${base}:bloom`,
     /** The channel a change's digest is published on. */
     changed: `${base}:changed`,
