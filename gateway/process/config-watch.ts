@@ -14,7 +14,9 @@ import { type GatewaySettings, redisTarget } from '../config/settings.js';
 export function reloader(settings: GatewaySettings, apply: (config: GatewayConfig) => void, log: FastifyBaseLogger) {
   return (reason: string): boolean => {
     try {
-      const next = loadConfigFile(settings.configFile, settings.redisKeyPrefix);
+      const next = loadConfigFile(settings.configFile, settings.redisKeyPrefix, undefined, {
+        keysElsewhere: settings.keyStore === 'redis',
+      });
       const unkept = redisTarget(settings) ? [] : needsRedis(next);
       if (unkept.length > 0) throw new ConfigError(settings.configFile, unkept);
       apply(next);

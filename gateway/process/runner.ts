@@ -7,6 +7,7 @@ import { type AdminParts, buildAdmin } from '../admin/app.js';
 import type { GatewayConfig } from '../config/config.js';
 import { type GatewaySettings, redisTarget } from '../config/settings.js';
 import { buildGateway, type Gateway } from '../app.js';
+import { bothStores, registryAccounts } from '../auth/key-stores.js';
 import { keyFinder, RegistryKeys } from '../auth/registry.js';
 import { RedisQuotaStore } from '../quota/redis-store.js';
 import { activityMarks } from '../usage/active.js';
@@ -137,9 +138,11 @@ function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSour
   const store = from.gateway?.store ?? new RedisQuotaStore(from.redis!, from.log, { marks: activityMarks(from.redis!, from.config) });
   const metrics = own.metrics ?? from.gateway!.metrics;
   const configFile = options.reloads === 'file' ? settings.configFile : undefined;
-  // With the key registry, keys are issued there (every instance hears of a change at once); accounts stay in the file.
+  // With the key registry, keys are issued there (every instance hears of a change at once), and
+  // changed in the file too where it holds a copy; accounts' settings stay in the file.
   const registry =
     settings.keyStore === 'redis' && from.redis ? new RegistryKeys(from.redis, () => from.config(), from.config().redisPrefix) : undefined;
+  const keys = registry && configFile ? bothStores(configFile, registry) : registry;
   return buildAdmin(
     { ...settings, configFile },
     {
@@ -150,8 +153,9 @@ function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSour
       redis: from.redis,
       closing: from.closing,
       log: from.log,
-      keys: registry,
+      keys,
       find: keyFinder(from.config, registry),
+      accounts: registry && registryAccounts(registry),
     },
   );
 }
