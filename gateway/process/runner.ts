@@ -9,9 +9,10 @@ import { type GatewaySettings, redisTarget } from '../config/settings.js';
 import { buildGateway, type Gateway } from '../app.js';
 import { bothStores, registryAccounts } from '../auth/key-stores.js';
 import { keyFinder, RegistryKeys } from '../auth/registry.js';
+import { registryPlanCheck } from '../auth/registry-plans.js';
 import { RedisQuotaStore } from '../quota/redis-store.js';
 import { activityMarks } from '../usage/active.js';
-import { reloader, watchConfig } from './config-watch.js';
+import { type ReloadCheck, reloader, watchConfig } from './config-watch.js';
 import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient } from '../redis/client.js';
 
 // The one start sequence of a gateway process, as envoy's runner.go: connect Redis, build the
@@ -95,7 +96,9 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
     );
     if (problem) log.warn(problem);
   }
-  const stopReloads = takeReloads(settings, options, setConfig, log);
+  // Only where the file is watched: a worker takes the config its primary has checked.
+  const check = redis && settings.keyStore === 'redis' && options.reloads === 'file' ? registryPlanCheck(redis, config) : undefined;
+  const stopReloads = takeReloads(settings, options, setConfig, log, check);
 
   const close = async (redisClose: 'quit' | 'now' = 'quit') => {
     closing = true;
@@ -166,16 +169,17 @@ function takeReloads(
   options: RunOptions,
   apply: (c: GatewayConfig) => void,
   log: FastifyBaseLogger,
+  check?: ReloadCheck,
 ): () => void {
-  const reload = reloader(settings, apply, log);
+  const reload = reloader(settings, apply, log, check);
   if (options.reloads === 'file') {
     return watchConfig(settings.configFile, (reason) => {
-      if (reload(reason)) options.onReload?.(reason);
+      void reload(reason).then((taken) => taken && options.onReload?.(reason));
     });
   }
   if (options.reloads === 'primary') {
     const onMessage = (m: { type?: string; reason?: string }) => {
-      if (m?.type === RELOAD) reload(m.reason ?? 'primary');
+      if (m?.type === RELOAD) void reload(m.reason ?? 'primary');
     };
     process.on('message', onMessage);
     return () => process.off('message', onMessage);
