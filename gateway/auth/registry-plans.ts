@@ -11,38 +11,51 @@ import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 // only grow.
 
 /**
- * The count per plan rebuilt from every key, once, for a registry written before its create
- * script counted: atomic, so no key issued meanwhile is counted twice or missed. It walks every
- * key inside Redis (about a second per 100,000 keys here, Redis busy meanwhile): done once per
- * registry, by the first reload that drops a plan. 0 when the counts were there already.
+ * The count per plan rebuilt for a registry written before its create script counted: a page of
+ * ids a call, in id order, into a hash renamed to the counts once the walk is done (1; 0: more to
+ * walk). A key issued meanwhile behind the walk is counted by the create script (which reads the
+ * walk's place), one ahead of it by the walk, so none is missed or counted twice. Paged, as one
+ * script over every key would hold Redis for its whole walk (10 s at 1,000,000 keys here).
  */
-const RECOUNT = {
-  keys: ['plans', 'ids'],
-  argv: ['idStem', 'recordStem'],
-  lua: `if redis.call('EXISTS', KEY.plans) == 1 then return 0 end
-local n = 0
+const RECOUNT_PAGE = {
+  keys: ['plans', 'recount', 'ids'],
+  argv: ['count', 'idStem', 'recordStem'],
+  lua: `if redis.call('EXISTS', KEY.plans) == 1 then return 1 end
+local at = redis.call('HGET', KEY.recount, '~at')
+local ids = redis.call('ZRANGEBYLEX', KEY.ids, at and ('(' .. at) or '-', '+', 'LIMIT', 0, tonumber(ARG.count))
 -- The records' names from the stems in ARGV: every one in the {keys} slot, as the declared keys.
-for _, id in ipairs(redis.call('ZRANGE', KEY.ids, 0, -1)) do
+for _, id in ipairs(ids) do
   local digest = redis.call('GET', ARG.idStem .. id)
   local plan = digest and redis.call('HGET', ARG.recordStem .. digest, 'plan')
-  if plan then
-    redis.call('HINCRBY', KEY.plans, plan, 1)
-    n = n + 1
-  end
+  if plan then redis.call('HINCRBY', KEY.recount, plan, 1) end
 end
-return n`,
+if #ids == tonumber(ARG.count) then
+  redis.call('HSET', KEY.recount, '~at', ids[#ids])
+  return 0
+end
+redis.call('HDEL', KEY.recount, '~at')
+if redis.call('EXISTS', KEY.recount) == 1 then redis.call('RENAME', KEY.recount, KEY.plans) end
+return 1`,
 } as const satisfies Script<string, string>;
 
-type PlansRedis = RedisClient & { registryRecount(...keysThenArgs: Array<string | number>): Promise<number> };
+/** Ids a rebuild's call walks: a few milliseconds of Redis each. */
+const PAGE = 1000;
 
-/** Keys of the registry per plan (revoked ones included), counted once first where the registry predates the count. */
+type PlansRedis = RedisClient & { registryRecountPage(...keysThenArgs: Array<string | number>): Promise<number> };
+
+/** Keys of the registry per plan (revoked ones included), counted first where the registry predates the count. */
 export async function registryPlanCounts(redis: RedisClient, prefix: string): Promise<Map<string, number>> {
   const n = registryKeys(prefix);
   let counts = await redis.hgetall(n.plans);
   if (Object.keys(counts).length === 0) {
-    defineScript(redis, 'registryRecount', RECOUNT);
-    const args = wiresArgs(RECOUNT, { plans: n.plans, ids: n.ids }, { idStem: n.id(''), recordStem: n.record('') });
-    if ((await (redis as PlansRedis).registryRecount(...args)) > 0) counts = await redis.hgetall(n.plans);
+    defineScript(redis, 'registryRecountPage', RECOUNT_PAGE);
+    const args = wiresArgs(
+      RECOUNT_PAGE,
+      { plans: n.plans, recount: n.plansRecount, ids: n.ids },
+      { count: PAGE, idStem: n.id(''), recordStem: n.record('') },
+    );
+    while ((await (redis as PlansRedis).registryRecountPage(...args)) === 0);
+    counts = await redis.hgetall(n.plans);
   }
   return new Map(Object.entries(counts).map(([plan, count]) => [plan, Number(count)]));
 }

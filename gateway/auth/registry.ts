@@ -54,17 +54,25 @@ end`;
  * on different plans cannot both get in.
  */
 const CREATE = {
-  // The record (hash), the id (string), the ids (sorted set), the Bloom filter (bitmap), the account's ids (set), the count per plan (hash).
-  keys: ['record', 'id', 'ids', 'bloom', 'account', 'plans'],
+  // The record (hash), the id (string), the ids (sorted set), the Bloom filter (bitmap), the
+  // account's ids (set), the count per plan and its rebuild (hashes, registry-plans.ts).
+  keys: ['record', 'id', 'ids', 'bloom', 'account', 'plans', 'recount'],
   argv: ['digest', 'id', 'channel', 'plan', 'limits', 'idStem', 'recordStem'],
   lua: `if redis.call('EXISTS', KEY.id) == 1 then return 0 end
 ${ACCOUNT_LUA}
--- Counted once the count is whole: from the registry's first key, or once rebuilt (registry-plans.ts).
-if redis.call('EXISTS', KEY.plans) == 1 or redis.call('ZCARD', KEY.ids) == 0 then redis.call('HINCRBY', KEY.plans, ARG.plan, 1) end
+-- Counted once the count is whole: from the registry's first key, or once rebuilt.
+local whole = redis.call('EXISTS', KEY.plans) == 1 or redis.call('ZCARD', KEY.ids) == 0
 redis.call('SET', KEY.id, ARG.digest)
 redis.call('SADD', KEY.account, ARG.id)
 redis.call('HSET', KEY.record, unpack(ARGV, REST))
 redis.call('ZADD', KEY.ids, 0, ARG.id)
+local at = not whole and redis.call('HGET', KEY.recount, '~at')
+if whole then
+  redis.call('HINCRBY', KEY.plans, ARG.plan, 1)
+elseif at and redis.call('ZLEXCOUNT', KEY.ids, '[' .. ARG.id, '[' .. at) > 0 then
+  -- A rebuild under way has walked past this id (in the ids' order): counted here, as it will not see it.
+  redis.call('HINCRBY', KEY.recount, ARG.plan, 1)
+end
 ${BLOOM_LUA}
 redis.call('PUBLISH', ARG.channel, ARG.digest)
 return 1`,
@@ -148,7 +156,15 @@ export class RegistryKeys implements KeyStore {
     const made = await this.redis.registryCreate(
       ...wiresArgs(
         CREATE,
-        { record: n.record(entry.hash), id: n.id(entry.id), ids: n.ids, bloom: n.bloom, account: n.account(account), plans: n.plans },
+        {
+          record: n.record(entry.hash),
+          id: n.id(entry.id),
+          ids: n.ids,
+          bloom: n.bloom,
+          account: n.account(account),
+          plans: n.plans,
+          recount: n.plansRecount,
+        },
         {
           digest: entry.hash,
           id: entry.id,

@@ -2,6 +2,9 @@ import { join } from 'node:path';
 import lockfile from 'proper-lockfile';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import { keysCommand } from '../../gateway/auth/cli.js';
+import { RegistryKeys } from '../../gateway/auth/registry.js';
+import { registryPlanCounts } from '../../gateway/auth/registry-plans.js';
+import { generateKey } from '../../gateway/auth/keys.js';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { registryKeys } from '../../gateway/redis/keys.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
@@ -231,5 +234,24 @@ describe('a plan that registry keys name', () => {
     writeConfig(d.file, testConfig([]));
     const refused = await d.gw.waitForLog((l) => l.msg === 'config reload refused; the previous config stays in force');
     expect(refused.problems).toEqual(['plans: plan "gold" is still named by 1 key of the key registry']);
+  });
+
+  it('is counted a page at a time, each key once, while keys are issued and other instances count too', async () => {
+    const d = await deployment([]);
+    const redis = d.gw.redis!;
+    const prefix = d.gw.gateway.config().redisPrefix;
+    const registry = new RegistryKeys(redis, () => d.gw.gateway.config(), prefix);
+    const add = (id: string, plan: string) => registry.add({ id, hash: generateKey('production').hash, plan });
+    // Twelve pages (1,000 ids each), then the count dropped, as in a registry from before it.
+    await Promise.all(Array.from({ length: 12_000 }, (_, i) => add(`old-${String(i).padStart(5, '0')}`, i % 2 ? 'free' : 'tiny')));
+    await redis.del(registryKeys(prefix).plans);
+    // Ids on both sides of the walk's place ("a-" behind it, "z-" ahead), one after another
+    // while two instances count: those issued between pages are what the create script counts.
+    const issuing = (async () => {
+      for (let i = 0; i < 200; i++) await add(`${i % 2 ? 'z' : 'a'}-${i}`, 'free');
+    })();
+    await Promise.all([registryPlanCounts(redis, prefix), registryPlanCounts(redis, prefix), issuing]);
+    const counted = await registryPlanCounts(redis, prefix);
+    expect(Object.fromEntries(counted)).toEqual({ free: 6000 + 200, tiny: 6000 });
   });
 });
