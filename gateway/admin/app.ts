@@ -9,7 +9,7 @@ import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../errors.js';
 import { installPlainRawHandlers, plainClientErrorHandler } from '../http/raw-answers.js';
 import type { AccountBook, Operations } from '../quota/store.js';
-import { fileKeys, type KeyStore } from '../auth/key-file.js';
+import { fileKeys, type KeyStore, type OtherKeys } from '../auth/key-file.js';
 import { type KeyFinder, keyFinder } from '../auth/key-finder.js';
 import { AuthThrottle, FAILURES_PER_MINUTE } from './auth-throttle.js';
 import { keyApi } from './keys.js';
@@ -44,6 +44,8 @@ export interface AdminParts {
   keys?: KeyStore;
   /** Keys by id and accounts by name, for the lookups; the config's keys alone when left out. */
   find?: KeyFinder;
+  /** The key registry's accounts, which may take settings in the file though none of their keys is there. */
+  accounts?: OtherKeys;
   /** True once shutdown has begun: /readyz then answers 503 so load balancers stop sending. */
   closing: () => boolean;
   log: FastifyBaseLogger;
@@ -250,7 +252,7 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
     await scope.register(usageRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined, find: deps.find });
     await scope.register(alertRoutes, { deliveries });
     await scope.register(creditRoutes, { store: deps.store, find: deps.find });
-    await scope.register(keyApi, { keys: deps.keys, configFile: deps.configFile });
+    await scope.register(keyApi, { keys: deps.keys, configFile: deps.configFile, accounts: deps.accounts });
   });
   return app;
 }

@@ -1,5 +1,5 @@
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
-import { duration, KeyFileError, type KeyStore, setAccount } from '../auth/key-file.js';
+import { duration, KeyFileError, type KeyStore, type OtherKeys, setAccount } from '../auth/key-file.js';
 import { ConfigError } from '../config/config.js';
 import { GatewayError } from '../errors.js';
 import {
@@ -97,10 +97,11 @@ const SCHEMAS = {
  * through the same locked, validated edit of the config file (auth/key-file.ts), which every
  * instance then reloads. Registered behind the admin token.
  */
-export const keyApi: FastifyPluginAsyncTypebox<{ keys: KeyStore | undefined; configFile: string | undefined }> = async (
-  app,
-  { keys, configFile },
-) => {
+export const keyApi: FastifyPluginAsyncTypebox<{
+  keys: KeyStore | undefined;
+  configFile: string | undefined;
+  accounts?: OtherKeys;
+}> = async (app, { keys, configFile, accounts }) => {
   const keyFile = () => {
     if (!configFile) throw new GatewayError('route_not_found', 'No config file to manage keys in');
     return configFile;
@@ -124,7 +125,7 @@ export const keyApi: FastifyPluginAsyncTypebox<{ keys: KeyStore | undefined; con
   }));
 
   app.put('/admin/accounts/:account', { schema: SCHEMAS.account }, async (request) =>
-    keyCall(() => setAccount(keyFile(), request.params.account, request.body)),
+    keyCall(() => setAccount(keyFile(), request.params.account, request.body, accounts)),
   );
 
   app.post(

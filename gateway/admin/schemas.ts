@@ -67,13 +67,16 @@ export const IssuedKey = Type.Object(
   { title: 'IssuedKey', description: 'The key, shown only now' },
 );
 
+/** Where a change was made: a key in both the config file and the key registry is changed in both. */
+const Stores = Type.Array(Type.String(), { description: 'The stores changed: the config file\'s path, "the key registry", or both' });
+
 export const RotatedKey = Type.Object(
-  { id: Type.String(), key: Key, account: Type.String(), plan: Type.String(), oldExpiresAt: Instant },
+  { id: Type.String(), key: Key, account: Type.String(), plan: Type.String(), oldExpiresAt: Instant, stores: Stores },
   { title: 'RotatedKey', description: 'The new key, shown only now; the old one expires after the grace' },
 );
 
 export const Revoked = described(
-  Type.Object({ id: Type.String(), revokedAt: Instant }),
+  Type.Object({ id: Type.String(), revokedAt: Instant, stores: Stores }),
   'Revoked: the key answers 401 once the file is reloaded',
 );
 

@@ -17,6 +17,7 @@ import {
   type KeyStore,
   setAccount,
 } from './key-file.js';
+import { bothStores, registryAccounts } from './key-stores.js';
 import { RegistryKeys } from './registry.js';
 
 // `npm run keys -- create|list|revoke|rotate|account|import|export`: the keys in the config file
@@ -116,10 +117,10 @@ async function run(argv: string[], io: KeysOutput, env: NodeJS.ProcessEnv): Prom
   if (!command || !COMMANDS.includes(command)) throw new UsageError(command ? `unknown command "${command}"` : 'missing command');
   const file = values.config ?? configFilePath(env);
   checkFile(file);
-  if (command === 'account') return account(file, values, io);
   const registry = env.KEY_STORE === 'redis' ? await openRegistry(file, env) : undefined;
   try {
-    await onKeys(command, file, values, io, registry?.keys);
+    if (command === 'account') await account(file, values, io, registry?.keys);
+    else await onKeys(command, file, values, io, registry?.keys);
   } finally {
     if (registry) await closeRedis(registry.redis);
   }
@@ -140,13 +141,13 @@ async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ key
     redis.disconnect();
     throw new Refusal('KEY_STORE=redis: Redis did not answer within 5 s (is it running, and is REDIS_URL right?)');
   }
-  const current = parseConfigText(readFileSync(file, 'utf8'), file);
+  const current = parseConfigText(readFileSync(file, 'utf8'), file, { keysElsewhere: true });
   return { keys: new RegistryKeys(redis, () => current, deploymentPrefix(settings.redisKeyPrefix, current.environment)), redis };
 }
 
-/** A command on keys: in the registry when there is one, else in the file. */
+/** A command on keys: issued in the registry when there is one (and changed in both stores where a key is in both), else in the file. */
 async function onKeys(command: string, file: string, values: Values, io: KeysOutput, registry?: RegistryKeys): Promise<void> {
-  const keys: KeyStore = registry ?? fileKeys(file);
+  const keys: KeyStore = registry ? bothStores(file, registry) : fileKeys(file);
   if (command === 'list') await list(keys, io);
   else if (command === 'create') await create(keys, values, io);
   else if (command === 'import' || command === 'export') {
@@ -156,19 +157,19 @@ async function onKeys(command: string, file: string, values: Values, io: KeysOut
     if (!values.id) throw new UsageError('rotate needs --id');
     const r = await keys.rotate(values.id, duration(values.grace ?? '24h'));
     io.err(
-      `rotated "${values.id}": new key "${r.id}" (account ${r.account}, plan ${r.plan}); "${values.id}" works until ${r.oldExpiresAt}. The new key, shown only now:`,
+      `rotated "${values.id}" in ${r.stores.join(' and ')}: new key "${r.id}" (account ${r.account}, plan ${r.plan}); "${values.id}" works until ${r.oldExpiresAt}. The new key, shown only now:`,
     );
     io.out(r.key);
   } else if (command === 'revoke') {
     if (!values.id) throw new UsageError('revoke needs --id');
-    await keys.revoke(values.id);
-    io.err(`revoked key "${values.id}" in ${keys.where}`);
+    const { stores } = await keys.revoke(values.id);
+    io.err(`revoked key "${values.id}" in ${stores.join(' and ')}`);
   }
 }
 
 /** The file's keys into the registry, each once (an id the registry has is left as it is there). */
 async function importKeys(file: string, registry: RegistryKeys, io: KeysOutput): Promise<void> {
-  const { keys } = parseConfigText(readFileSync(file, 'utf8'), file);
+  const { keys } = parseConfigText(readFileSync(file, 'utf8'), file, { keysElsewhere: true });
   let added = 0;
   for (const entry of keys) if (await registry.add(entry)) added++;
   io.err(
@@ -245,7 +246,7 @@ function limitsText(limits: Partial<WindowLimits>): string {
 /** A whole number as typed (`15`), or NaN for anything else (`1e1`, `15.0`, ``), for key-file.ts to refuse by name. */
 const whole = (text: string) => (/^\d+$/.test(text) ? Number(text) : Number.NaN);
 
-async function account(file: string, values: Values, io: KeysOutput): Promise<void> {
+async function account(file: string, values: Values, io: KeysOutput, registry?: RegistryKeys): Promise<void> {
   if (!values.account) throw new UsageError('account needs --account');
   const grant = values['credits-grant'];
   if (values.rollover && grant === undefined) throw new UsageError('--rollover goes with --credits-grant');
@@ -255,7 +256,7 @@ async function account(file: string, values: Values, io: KeysOutput): Promise<vo
   if (grant !== undefined) change.credits = { grant: whole(grant), every: 'month', ...(values.rollover && { rollover: true }) };
   if (values['no-credits']) change.credits = null;
   if (Object.keys(change).length === 0) throw new UsageError('account needs --billing-day, --credits-grant or --no-credits');
-  const now = await setAccount(file, values.account, change);
+  const now = await setAccount(file, values.account, change, registry && registryAccounts(registry));
   io.err(`account "${values.account}" in ${file}: ${said(change, now)}`);
 }
 

@@ -7,7 +7,7 @@ import ms from 'ms';
 import lockfile from 'proper-lockfile';
 import writeFileAtomic from 'write-file-atomic';
 import { type Document, isMap, isScalar, isSeq, parseDocument, type YAMLMap, type YAMLSeq } from 'yaml';
-import { AccountSchema, ConfigFile, type KeyLimits, parseConfigText } from '../config/config.js';
+import { AccountSchema, ConfigFile, type ConfigOptions, type KeyLimits, parseConfigText } from '../config/config.js';
 import { type LimitField, WINDOWS } from '../quota/windows.js';
 import { generateKey } from './keys.js';
 
@@ -69,8 +69,8 @@ export function duration(text: string): number {
 }
 
 /** Every key, without secrets (the file holds none), with its state now. */
-export function listKeys(file: string): KeyRow[] {
-  const current = parseConfigText(readFileSync(file, 'utf8'), file);
+export function listKeys(file: string, options: ConfigOptions = {}): KeyRow[] {
+  const current = parseConfigText(readFileSync(file, 'utf8'), file, options);
   return current.keys.map((k) => rowOf(k, current.plans));
 }
 
@@ -95,8 +95,8 @@ function planLimits(plan: ConfigFile['plans'][string] | undefined): KeyRow['limi
   return limits;
 }
 
-export function createKey(file: string, request: NewKey): Promise<{ id: string; key: string }> {
-  return edit(file, (current, keys, doc) => {
+export function createKey(file: string, request: NewKey, options: ConfigOptions = {}): Promise<{ id: string; key: string }> {
+  return edit(file, options, (current, keys, doc) => {
     checkRequest(request, current);
     const id = request.id ?? `${request.plan}-${randomBytes(3).toString('hex')}`;
     // Said plainly: through the validator it would read as if the file were broken.
@@ -144,8 +144,9 @@ export function rotateKey(
   file: string,
   oldId: string,
   graceMs: number,
+  options: ConfigOptions = {},
 ): Promise<{ id: string; key: string; account: string; plan: string; oldExpiresAt: string }> {
-  return edit(file, (current, keys, doc) => {
+  return edit(file, options, (current, keys, doc) => {
     const item = keys.items.find((k) => isMap(k) && k.get('id') === oldId);
     const old = current.keys.find((k) => k.id === oldId);
     if (!isMap(item) || !old) throw new KeyFileError(`no key with id "${oldId}" in ${file}`, 'not_found');
@@ -165,14 +166,24 @@ export function rotateKey(
   });
 }
 
-export function revokeKey(file: string, id: string): Promise<{ revokedAt: string }> {
-  return edit(file, (_current, keys) => {
+export function revokeKey(file: string, id: string, options: ConfigOptions = {}): Promise<{ revokedAt: string }> {
+  return edit(file, options, (_current, keys) => {
     const item = keys.items.find((k) => isMap(k) && k.get('id') === id);
     if (!isMap(item)) throw new KeyFileError(`no key with id "${id}" in ${file}`, 'not_found');
     if (item.has('revokedAt')) throw new KeyFileError(`key "${id}" is already revoked`, 'invalid');
     const revokedAt = iso(Date.now());
     item.set('revokedAt', revokedAt);
     return { revokedAt };
+  });
+}
+
+/** Sets a key's `expiresAt` to `until`, unless it expires earlier already (the other copy of a key rotated in the key registry). */
+export function expireKey(file: string, id: string, until: string, options: ConfigOptions = {}): Promise<void> {
+  return edit(file, options, (current, keys) => {
+    const item = keys.items.find((k) => isMap(k) && k.get('id') === id);
+    const old = current.keys.find((k) => k.id === id);
+    if (!isMap(item) || !old) throw new KeyFileError(`no key with id "${id}" in ${file}`, 'not_found');
+    if (!old.expiresAt || Date.parse(old.expiresAt) > Date.parse(until)) item.set('expiresAt', until);
   });
 }
 
@@ -188,13 +199,27 @@ function settingProblem(field: keyof AccountSettings, value: unknown): string | 
     : 'the grant must be a whole number, 0 or more';
 }
 
+/** The key registry, as an account change asks it: whether an account has a key there. */
+export interface OtherKeys {
+  where: string;
+  hasAccount(account: string): Promise<boolean>;
+}
+
 /**
  * Sets an account's billing day and credits in `accounts.<account>` (null removes one; a field
- * left out stays), for an account some key of the file is in. An entry left empty is removed.
- * Returns the account's settings as the file now holds them.
+ * left out stays), for an account some key of the file, or of `registry`, is in. An entry left
+ * empty is removed. Returns the account's settings as the file now holds them.
  */
-export function setAccount(file: string, account: string, change: AccountChange): Promise<{ account: string } & AccountSettings> {
-  return editFile(file, (current, doc) => {
+export async function setAccount(
+  file: string,
+  account: string,
+  change: AccountChange,
+  registry?: OtherKeys,
+): Promise<{ account: string } & AccountSettings> {
+  // Asked before the file is locked (the edit itself is synchronous); a key is never deleted from the registry.
+  const elsewhere = registry !== undefined && Value.Check(KEY_ENTRY.account, account) && (await registry.hasAccount(account));
+  const options = { keysElsewhere: registry !== undefined };
+  return editFile(file, options, (current, doc) => {
     if (!Value.Check(KEY_ENTRY.account, account)) throw new KeyFileError(`${NAME_RULE}, got "${account}"`, 'invalid', 'account');
     const fields = ACCOUNT_FIELDS.filter((f) => change[f] !== undefined);
     if (fields.length === 0) throw new KeyFileError('nothing to change: give billingDay or credits (null removes one)', 'invalid');
@@ -202,8 +227,10 @@ export function setAccount(file: string, account: string, change: AccountChange)
       const problem = change[field] === null ? undefined : settingProblem(field, change[field]);
       if (problem) throw new KeyFileError(problem, 'invalid', field);
     }
-    if (!current.keys.some((k) => (k.account ?? k.id) === account))
-      throw new KeyFileError(`no key of account "${account}" in ${file}: an account is made by creating a key in it`, 'not_found');
+    if (!elsewhere && !current.keys.some((k) => (k.account ?? k.id) === account)) {
+      const where = registry ? `${file} or ${registry.where}` : file;
+      throw new KeyFileError(`no key of account "${account}" in ${where}: an account is made by creating a key in it`, 'not_found');
+    }
     const accounts = mapAt(doc, 'accounts');
     const entry = mapAt(doc, account, accounts);
     for (const field of fields) {
@@ -238,8 +265,8 @@ function mapAt(doc: Document, name: string, parent?: YAMLMap): YAMLMap {
 }
 
 /** One locked, validated edit of the file's `keys` list. */
-function edit<T>(file: string, change: (current: ConfigFile, keys: YAMLSeq, doc: Document) => T): Promise<T> {
-  return editFile(file, (current, doc) => {
+function edit<T>(file: string, options: ConfigOptions, change: (current: ConfigFile, keys: YAMLSeq, doc: Document) => T): Promise<T> {
+  return editFile(file, options, (current, doc) => {
     let keys = doc.get('keys');
     if (!isSeq(keys)) {
       doc.set('keys', doc.createNode([]));
@@ -252,16 +279,16 @@ function edit<T>(file: string, change: (current: ConfigFile, keys: YAMLSeq, doc:
 }
 
 /** One locked, validated edit of the file: `change` edits its document, written unless it throws. */
-async function editFile<T>(file: string, change: (current: ConfigFile, doc: Document) => T): Promise<T> {
+async function editFile<T>(file: string, options: ConfigOptions, change: (current: ConfigFile, doc: Document) => T): Promise<T> {
   const { release, lost } = await lock(file);
   try {
     const text = readFileSync(file, 'utf8');
-    const current = parseConfigText(text, file);
+    const current = parseConfigText(text, file, options);
     const doc = parseDocument(text);
     const result = change(current, doc);
     // Another editor may hold the lock by now (ours went stale in a stall): its edit wins.
     if (lost()) throw new KeyFileError(`the lock on ${file} was lost while editing; nothing was written: try again`, 'busy');
-    await save(file, text, doc);
+    await save(file, text, doc, options);
     return result;
   } finally {
     await release().catch(() => {}); // a lock lost is released already
@@ -269,9 +296,9 @@ async function editFile<T>(file: string, change: (current: ConfigFile, doc: Docu
 }
 
 /** Writes the edited document in the file's own format (JSON stays JSON), keeping its mode. */
-async function save(file: string, before: string, doc: Document): Promise<void> {
+async function save(file: string, before: string, doc: Document, options: ConfigOptions): Promise<void> {
   const text = before.trimStart().startsWith('{') ? `${JSON.stringify(doc.toJS(), null, 2)}\n` : doc.toString({ lineWidth: 0 });
-  parseConfigText(text, file); // refuse to write what the gateway would refuse to load
+  parseConfigText(text, file, options); // refuse to write what the gateway would refuse to load
   await writeFileAtomic(file, text); // keeps the file's mode and owner
 }
 
@@ -312,24 +339,35 @@ export interface KeyStore {
   where: string;
   list(): Promise<KeyRow[]>;
   create(request: NewKey): Promise<{ id: string; key: string }>;
-  revoke(id: string): Promise<{ revokedAt: string }>;
-  rotate(id: string, graceMs: number): Promise<{ id: string; key: string; account: string; plan: string; oldExpiresAt: string }>;
+  /** `stores`: where the key was changed (`where` of each store, a key in two stores being changed in both). */
+  revoke(id: string): Promise<{ revokedAt: string; stores: string[] }>;
+  rotate(id: string, graceMs: number): Promise<Rotated>;
 }
 
-/** The config file as a key store. */
-export function fileKeys(file: string): KeyStore {
+/** A rotation's answer: the new key (shown once), and the old one's end in every store changed. */
+export interface Rotated {
+  id: string;
+  key: string;
+  account: string;
+  plan: string;
+  oldExpiresAt: string;
+  stores: string[];
+}
+
+/** The config file as a key store; `options.keysElsewhere` where the key registry is in use beside it. */
+export function fileKeys(file: string, options: ConfigOptions = {}): KeyStore {
   return {
     where: file,
-    list: async () => listKeys(file),
-    create: (request) => createKey(file, request),
-    revoke: (id) => revokeKey(file, id),
-    rotate: (id, graceMs) => rotateKey(file, id, graceMs),
+    list: async () => listKeys(file, options),
+    create: (request) => createKey(file, request, options),
+    revoke: async (id) => ({ ...(await revokeKey(file, id, options)), stores: [file] }),
+    rotate: async (id, graceMs) => ({ ...(await rotateKey(file, id, graceMs, options)), stores: [file] }),
   };
 }
 
 /** Adds entries as they are (`keys export` from the registry), skipping ids the file has; returns how many were added. */
 export function addEntries(file: string, entries: ConfigFile['keys']): Promise<number> {
-  return edit(file, (current, keys, doc) => {
+  return edit(file, { keysElsewhere: true }, (current, keys, doc) => {
     const taken = new Set(current.keys.map((k) => k.id));
     let added = 0;
     for (const entry of entries) {

@@ -1,5 +1,5 @@
 import { randomBytes } from 'node:crypto';
-import type { ConfigFile, KeyEntry } from '../config/config.js';
+import { accountDisagrees, type ConfigFile, type KeyEntry } from '../config/config.js';
 import type { RedisClient } from '../redis/client.js';
 import { registryKeys } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
@@ -31,16 +31,46 @@ export function setBits(bloom: Buffer, digest: string): void {
 const BLOOM_LUA = `local hex = string.sub(ARG.digest, -64)
 for i = 0, 6 do redis.call('SETBIT', KEY.bloom, tonumber(string.sub(hex, i * 6 + 1, i * 6 + 6), 16), 1) end`;
 
-/** A new key: its record's fields and values from REST on. 0: the id is taken. */
+/** A key's plan and limits (JSON, or '' for none) against its account's other keys' in the registry: the first that disagrees. */
+const ACCOUNT_LUA = `local function limitsOf(text) if not text or text == '' then return {} end return cjson.decode(text) end
+local function sameLimits(a, b)
+  local x, y = limitsOf(a), limitsOf(b)
+  for k, v in pairs(x) do if y[k] ~= v then return false end end
+  for k, v in pairs(y) do if x[k] ~= v then return false end end
+  return true
+end
+-- An account has few keys. Their names are built from the stems in ARGV: all in the {keys} slot.
+for _, other in ipairs(redis.call('SMEMBERS', KEY.account)) do
+  local digest = redis.call('GET', ARG.idStem .. other)
+  local f = digest and redis.call('HMGET', ARG.recordStem .. digest, 'plan', 'limits')
+  if f and f[1] and (f[1] ~= ARG.plan or not sameLimits(f[2], ARG.limits)) then return {other, f[1], f[2] or ''} end
+end`;
+
+/**
+ * A new key: its record's fields and values from REST on. 1: made; 0: the id is taken; or the
+ * account's key it disagrees with, {id, plan, limits}: checked here so two concurrent creates
+ * on different plans cannot both get in.
+ */
 const CREATE = {
-  // The record (hash), the id (string), the ids (sorted set), the Bloom filter (bitmap), the account's ids (set).
-  keys: ['record', 'id', 'ids', 'bloom', 'account'],
-  argv: ['digest', 'id', 'channel'],
+  // The record (hash), the id (string), the ids (sorted set), the Bloom filter (bitmap), the
+  // account's ids (set), the count per plan and its rebuild (hashes, registry-plans.ts).
+  keys: ['record', 'id', 'ids', 'bloom', 'account', 'plans', 'recount'],
+  argv: ['digest', 'id', 'channel', 'plan', 'limits', 'idStem', 'recordStem'],
   lua: `if redis.call('EXISTS', KEY.id) == 1 then return 0 end
+${ACCOUNT_LUA}
+-- Counted once the count is whole: from the registry's first key, or once rebuilt.
+local whole = redis.call('EXISTS', KEY.plans) == 1 or redis.call('ZCARD', KEY.ids) == 0
 redis.call('SET', KEY.id, ARG.digest)
 redis.call('SADD', KEY.account, ARG.id)
 redis.call('HSET', KEY.record, unpack(ARGV, REST))
 redis.call('ZADD', KEY.ids, 0, ARG.id)
+local at = not whole and redis.call('HGET', KEY.recount, '~at')
+if whole then
+  redis.call('HINCRBY', KEY.plans, ARG.plan, 1)
+elseif at and redis.call('ZLEXCOUNT', KEY.ids, '[' .. ARG.id, '[' .. at) > 0 then
+  -- A rebuild under way has walked past this id (in the ids' order): counted here, as it will not see it.
+  redis.call('HINCRBY', KEY.recount, ARG.plan, 1)
+end
 ${BLOOM_LUA}
 redis.call('PUBLISH', ARG.channel, ARG.digest)
 return 1`,
@@ -57,7 +87,7 @@ return 1`,
 } as const satisfies Script<string, string>;
 
 type RegistryRedis = RedisClient & {
-  registryCreate(...keysThenArgs: Array<string | number>): Promise<number>;
+  registryCreate(...keysThenArgs: Array<string | number>): Promise<number | [string, string, string]>;
   registryUpdate(...keysThenArgs: Array<string | number>): Promise<number>;
 };
 
@@ -117,18 +147,38 @@ export class RegistryKeys implements KeyStore {
     return { id, key };
   }
 
-  /** Adds an entry as it is (an import): false when its id is taken. */
+  /** Adds an entry as it is (an import): false when its id is taken; refused when its account is on another plan or limits. */
   async add(entry: KeyEntry): Promise<boolean> {
     const n = this.names;
-    const account = n.account(entry.account ?? entry.id);
+    const account = entry.account ?? entry.id;
     const made = await this.redis.registryCreate(
       ...wiresArgs(
         CREATE,
-        { record: n.record(entry.hash), id: n.id(entry.id), ids: n.ids, bloom: n.bloom, account },
-        { digest: entry.hash, id: entry.id, channel: n.changed },
+        {
+          record: n.record(entry.hash),
+          id: n.id(entry.id),
+          ids: n.ids,
+          bloom: n.bloom,
+          account: n.account(account),
+          plans: n.plans,
+          recount: n.plansRecount,
+        },
+        {
+          digest: entry.hash,
+          id: entry.id,
+          channel: n.changed,
+          plan: entry.plan,
+          limits: entry.limits ? JSON.stringify(entry.limits) : '',
+          idStem: n.id(''),
+          recordStem: n.record(''),
+        },
         fieldsOf(entry),
       ),
     );
+    if (Array.isArray(made)) {
+      const [other, plan, limits] = made;
+      throw new KeyFileError(accountDisagrees(account, { plan, limits: limits || 'null' }, `key "${other}" in ${this.where}`), 'invalid');
+    }
     return made === 1;
   }
 
@@ -145,15 +195,16 @@ export class RegistryKeys implements KeyStore {
     return Promise.all(ids.map((id) => this.get(id)));
   }
 
-  async revoke(id: string): Promise<{ revokedAt: string }> {
+  async revoke(id: string): Promise<{ revokedAt: string; stores: string[] }> {
     const entry = await this.must(id);
     if (entry.revokedAt) throw new KeyFileError(`key "${id}" is already revoked`, 'invalid');
     const revokedAt = iso(Date.now());
     await this.set(entry, 'revokedAt', revokedAt);
-    return { revokedAt };
+    return { revokedAt, stores: [this.where] };
   }
 
-  async rotate(oldId: string, graceMs: number) {
+  /** `now`: the moment the grace runs from (given by a caller that also expires the key's copy in the file). */
+  async rotate(oldId: string, graceMs: number, now = Date.now()) {
     const old = await this.must(oldId);
     if (old.revokedAt) throw new KeyFileError(`key "${oldId}" is revoked: create a new one instead`, 'invalid');
     const account = old.account ?? old.id;
@@ -165,9 +216,9 @@ export class RegistryKeys implements KeyStore {
       if (await this.add(entry)) break;
       n++;
     }
-    const until = iso(Math.min(Date.now() + graceMs, old.expiresAt ? Date.parse(old.expiresAt) : Number.POSITIVE_INFINITY));
+    const until = iso(Math.min(now + graceMs, old.expiresAt ? Date.parse(old.expiresAt) : Number.POSITIVE_INFINITY));
     await this.set(old, 'expiresAt', until);
-    return { id: `${account}-${n}`, key, account, plan: old.plan, oldExpiresAt: until };
+    return { id: `${account}-${n}`, key, account, plan: old.plan, oldExpiresAt: until, stores: [this.where] };
   }
 
   /** Every key, in id order, a page of `count` at a time (the registry may hold millions). */

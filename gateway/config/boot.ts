@@ -9,7 +9,9 @@ import { type GatewaySettings, loadSettings, redisTarget } from './settings.js';
 /** The gateway's settings and first config from `env`, or an error whose message is every problem, one a line. */
 export function loadGatewayStart(env: NodeJS.ProcessEnv = process.env): { settings: GatewaySettings; initial: GatewayConfig } {
   const settings = loadSettings(env);
-  const initial = loadConfigFile(settings.configFile, settings.redisKeyPrefix, 'GATEWAY_CONFIG');
+  const initial = loadConfigFile(settings.configFile, settings.redisKeyPrefix, 'GATEWAY_CONFIG', {
+    keysElsewhere: settings.keyStore === 'redis',
+  });
   const unkept = redisTarget(settings) ? [] : needsRedis(initial);
   if (unkept.length > 0) throw new Error(`${settings.configFile}: ${unkept.join(`\n${settings.configFile}: `)}`);
   if (settings.workers > 1 && !redisTarget(settings)) {

@@ -205,11 +205,21 @@ export class ConfigError extends Error {
   }
 }
 
+/** How a file is read beside the key registry (KEY_STORE=redis). */
+export interface ConfigOptions {
+  /**
+   * Keys also live in the key registry: an `accounts:` entry may be of an account whose keys
+   * are all there, so the file alone cannot say it names no account (the keys command and the
+   * admin API check the registry when they set one).
+   */
+  keysElsewhere?: boolean;
+}
+
 /** Validates parsed YAML/JSON; returns the typed file or every problem, each with its path. */
-export function validateConfigFile(raw: unknown, source: string): ConfigFile {
+export function validateConfigFile(raw: unknown, source: string, options: ConfigOptions = {}): ConfigFile {
   const value = Value.Default(ConfigFile, structuredClone(raw ?? {}));
   const problems = [...Value.Errors(ConfigFile, value)].map((e) => `${e.path.slice(1).replaceAll('/', '.') || '(root)'}: ${e.message}`);
-  if (problems.length === 0) problems.push(...crossChecks(value as ConfigFile));
+  if (problems.length === 0) problems.push(...crossChecks(value as ConfigFile, options));
   if (problems.length > 0) throw new ConfigError(source, problems);
   return value as ConfigFile;
 }
@@ -220,7 +230,16 @@ const PLAN_LIMITS = (() => {
   return `${required.map((w) => w.limit).join(' and ')} (and ${optional.map((w) => w.limit).join(', ')})`;
 })();
 
-function crossChecks(file: ConfigFile): string[] {
+/**
+ * Why a key cannot join `account`: its keys share one quota, so they must agree on the plan and
+ * limits (`limits`: the first key's, as JSON, or "null"). Said alike by the file and the registry.
+ */
+export function accountDisagrees(account: string, first: { plan: string; limits: string }, where: string): string {
+  const limits = first.limits === 'null' ? '' : ` with limits ${first.limits}`;
+  return `account "${account}" is on plan ${first.plan}${limits} (${where}); its keys share one quota, so they must agree`;
+}
+
+function crossChecks(file: ConfigFile, options: ConfigOptions): string[] {
   const problems: string[] = [];
   for (const [name, plan] of Object.entries(file.plans)) {
     const given = WINDOWS.filter((w) => plan[w.limit] !== undefined);
@@ -243,9 +262,7 @@ function crossChecks(file: ConfigFile): string[] {
     const enforce = k.enforce ?? plan?.enforce ?? true;
     if (!first) accounts.set(account, { index: i, plan: k.plan, limits: JSON.stringify(k.limits ?? null), enforce });
     else if (first.plan !== k.plan || first.limits !== JSON.stringify(k.limits ?? null)) {
-      problems.push(
-        `keys.${i}: account "${account}" is on plan ${first.plan}${first.limits === 'null' ? '' : ` with limits ${first.limits}`} (keys.${first.index}); its keys share one quota, so they must agree`,
-      );
+      problems.push(`keys.${i}: ${accountDisagrees(account, first, `keys.${first.index}`)}`);
     } else if (first.enforce !== enforce) {
       problems.push(
         `keys.${i}.enforce: account "${account}" is ${first.enforce ? 'enforced' : 'in shadow mode'} (keys.${first.index}); its keys share one quota and one ban, so they must agree`,
@@ -256,7 +273,8 @@ function crossChecks(file: ConfigFile): string[] {
     hashes.add(k.hash);
   });
   for (const name of Object.keys(file.accounts ?? {})) {
-    if (!accounts.has(name)) problems.push(`accounts.${name}: no key in account "${name}" (a key's account, or its id)`);
+    if (!accounts.has(name) && !options.keysElsewhere)
+      problems.push(`accounts.${name}: no key in account "${name}" (a key's account, or its id)`);
   }
   const checkCosts = (costs: Record<string, number> | undefined, where: string) => {
     for (const route of Object.keys(costs ?? {})) {
@@ -399,14 +417,14 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
   });
 }
 
-export function parseConfigText(text: string, source: string): ConfigFile {
+export function parseConfigText(text: string, source: string, options: ConfigOptions = {}): ConfigFile {
   let raw: unknown;
   try {
     raw = parseYaml(text);
   } catch (err) {
     throw new ConfigError(source, [`not valid YAML or JSON: ${(err as Error).message.split('\n')[0]}`]);
   }
-  return validateConfigFile(raw, source);
+  return validateConfigFile(raw, source, options);
 }
 
 const UNREADABLE: Record<string, string> = {
@@ -419,7 +437,7 @@ const UNREADABLE: Record<string, string> = {
  * Reads, validates and compiles a config file; throws ConfigError naming every problem.
  * `setting` names where the path came from, for a file that cannot be read at all.
  */
-export function loadConfigFile(path: string, redisKeyPrefix?: string, setting?: string): GatewayConfig {
+export function loadConfigFile(path: string, redisKeyPrefix?: string, setting?: string, options: ConfigOptions = {}): GatewayConfig {
   let text: string;
   try {
     text = readFileSync(path, 'utf8');
@@ -430,5 +448,5 @@ export function loadConfigFile(path: string, redisKeyPrefix?: string, setting?: 
     error.message = `${error.source}: ${why}`; // one line: there is no content to list problems in
     throw error;
   }
-  return compileConfig(parseConfigText(text, path), redisKeyPrefix);
+  return compileConfig(parseConfigText(text, path, options), redisKeyPrefix);
 }

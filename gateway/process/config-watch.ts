@@ -7,16 +7,24 @@ import { type GatewaySettings, redisTarget } from '../config/settings.js';
 
 // Config reloads: on a change of the file, or SIGHUP. A broken edit keeps the config in force.
 
+/** Problems of a new config that the file alone cannot show (the key registry's plans); none: take it. */
+export type ReloadCheck = (next: GatewayConfig) => Promise<string[]>;
+
 /**
  * Loads the file again; a broken edit is refused with a log line and the old config stays.
- * The reload returns whether the new config was taken.
+ * The reload resolves with whether the new config was taken. Reloads run one at a time, in
+ * order: a check that waits on Redis must not let an older file be applied after a newer one.
  */
-export function reloader(settings: GatewaySettings, apply: (config: GatewayConfig) => void, log: FastifyBaseLogger) {
-  return (reason: string): boolean => {
+export function reloader(settings: GatewaySettings, apply: (config: GatewayConfig) => void, log: FastifyBaseLogger, check?: ReloadCheck) {
+  const once = async (reason: string): Promise<boolean> => {
     try {
-      const next = loadConfigFile(settings.configFile, settings.redisKeyPrefix);
+      const next = loadConfigFile(settings.configFile, settings.redisKeyPrefix, undefined, {
+        keysElsewhere: settings.keyStore === 'redis',
+      });
       const unkept = redisTarget(settings) ? [] : needsRedis(next);
       if (unkept.length > 0) throw new ConfigError(settings.configFile, unkept);
+      const stranded = check ? await check(next) : [];
+      if (stranded.length > 0) throw new ConfigError(settings.configFile, stranded);
       apply(next);
       log.info({ reason, file: settings.configFile }, 'config reloaded');
       return true;
@@ -26,6 +34,8 @@ export function reloader(settings: GatewaySettings, apply: (config: GatewayConfi
       return false;
     }
   };
+  let last: Promise<boolean> = Promise.resolve(true);
+  return (reason: string): Promise<boolean> => (last = last.then(() => once(reason)));
 }
 
 /**

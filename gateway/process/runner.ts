@@ -8,10 +8,12 @@ import type { GatewayConfig } from '../config/config.js';
 import { type GatewaySettings, redisTarget } from '../config/settings.js';
 import { buildGateway, type Gateway } from '../app.js';
 import { keyFinder } from '../auth/key-finder.js';
+import { bothStores, registryAccounts } from '../auth/key-stores.js';
 import { RegistryKeys } from '../auth/registry.js';
+import { registryPlanCheck } from '../auth/registry-plans.js';
 import { RedisQuotaStore } from '../quota/redis/store.js';
 import { activityMarks } from '../usage/active.js';
-import { reloader, watchConfig } from './config-watch.js';
+import { type ReloadCheck, reloader, watchConfig } from './config-watch.js';
 import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient } from '../redis/client.js';
 
 // The one start sequence of a gateway process, as envoy's runner.go: connect Redis, build the
@@ -99,7 +101,9 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
     );
     if (problem) log.warn(problem);
   }
-  const stopReloads = takeReloads(settings, options, setConfig, log);
+  // Only where the file is watched: a worker takes the config its primary has checked.
+  const check = redis && settings.keyStore === 'redis' && options.reloads === 'file' ? registryPlanCheck(redis, config) : undefined;
+  const stopReloads = takeReloads(settings, options, setConfig, log, check);
 
   const close = async (redisClose: 'quit' | 'now' = 'quit') => {
     closing = true;
@@ -142,9 +146,11 @@ function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSour
   const store = from.gateway?.store ?? new RedisQuotaStore(from.redis!, from.log, { marks: activityMarks(from.redis!, from.config) });
   const metrics = own.metrics ?? from.gateway!.metrics;
   const configFile = options.reloads === 'file' ? settings.configFile : undefined;
-  // With the key registry, keys are issued there (every instance hears of a change at once); accounts stay in the file.
+  // With the key registry, keys are issued there (every instance hears of a change at once), and
+  // changed in the file too where it holds a copy; accounts' settings stay in the file.
   const registry =
     settings.keyStore === 'redis' && from.redis ? new RegistryKeys(from.redis, () => from.config(), from.config().redisPrefix) : undefined;
+  const keys = registry && configFile ? bothStores(configFile, registry) : registry;
   return buildAdmin(
     { ...settings, configFile },
     {
@@ -156,8 +162,9 @@ function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSour
       redis: from.redis,
       closing: from.closing,
       log: from.log,
-      keys: registry,
+      keys,
       find: keyFinder(from.config, registry),
+      accounts: registry && registryAccounts(registry),
     },
   );
 }
@@ -168,16 +175,17 @@ function takeReloads(
   options: RunOptions,
   apply: (c: GatewayConfig) => void,
   log: FastifyBaseLogger,
+  check?: ReloadCheck,
 ): () => void {
-  const reload = reloader(settings, apply, log);
+  const reload = reloader(settings, apply, log, check);
   if (options.reloads === 'file') {
     return watchConfig(settings.configFile, (reason) => {
-      if (reload(reason)) options.onReload?.(reason);
+      void reload(reason).then((taken) => taken && options.onReload?.(reason));
     });
   }
   if (options.reloads === 'primary') {
     const onMessage = (m: { type?: string; reason?: string }) => {
-      if (m?.type === RELOAD) reload(m.reason ?? 'primary');
+      if (m?.type === RELOAD) void reload(m.reason ?? 'primary');
     };
     process.on('message', onMessage);
     return () => process.off('message', onMessage);

@@ -77,6 +77,10 @@ export function registryKeys(prefix: string) {
     account: (account: string) => `${base}:account:${account}`,
     /** Every id, for listing in order (a sorted set, all scores 0). */
     ids: `${base}:ids`,
+    /** Keys issued per plan, revoked ones included (a hash: plan -> count): what a reload removing a plan is checked against. */
+    plans: `${base}:plans`,
+    /** The same counts while they are rebuilt a page at a time (`~at`: the last id counted), renamed to `plans` once whole. */
+    plansRecount: `${base}:plans:recount`,
     bloom: `${base}:bloom`,
     /** The channel a change's digest is published on. */
     changed: `${base}:changed`,

@@ -55,17 +55,17 @@ describe('billing without Redis', () => {
     ]);
   });
 
-  it('refuses a reload that adds credits without Redis, keeping the config in force; takes it with Redis', () => {
+  it('refuses a reload that adds credits without Redis, keeping the config in force; takes it with Redis', async () => {
     const file = fileOf(credited());
     const errors: unknown[] = [];
     const log = { info: () => {}, error: (o: unknown) => errors.push(o) } as unknown as FastifyBaseLogger;
     const applied: unknown[] = [];
     const without = reloader(loadSettings({ GATEWAY_CONFIG: file }), (c) => applied.push(c), log);
-    expect(without('file changed')).toBe(false);
+    expect(await without('file changed')).toBe(false);
     expect(applied).toHaveLength(0);
     expect(JSON.stringify(errors)).toContain('credits (account acme) need Redis');
     const withRedis = reloader(loadSettings({ GATEWAY_CONFIG: file, REDIS_URL: 'redis://127.0.0.1:6379' }), (c) => applied.push(c), log);
-    expect(withRedis('file changed')).toBe(true);
+    expect(await withRedis('file changed')).toBe(true);
     expect(applied).toHaveLength(1);
   });
 });

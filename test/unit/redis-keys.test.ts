@@ -89,13 +89,15 @@ describe('Redis key names (gateway/redis/keys.ts)', () => {
 
   it("names the key registry's keys in one slot", () => {
     const r = registryKeys(prefix);
-    expect([r.record('sha256:ab'), r.id('k1'), r.account('acme'), r.ids, r.bloom, r.changed]).toEqual([
+    expect([r.record('sha256:ab'), r.id('k1'), r.account('acme'), r.ids, r.bloom, r.changed, r.plans, r.plansRecount]).toEqual([
       'gw:production:{keys}:key:sha256:ab',
       'gw:production:{keys}:id:k1',
       'gw:production:{keys}:account:acme',
       'gw:production:{keys}:ids',
       'gw:production:{keys}:bloom',
       'gw:production:{keys}:changed',
+      'gw:production:{keys}:plans',
+      'gw:production:{keys}:plans:recount',
     ]);
   });
 
