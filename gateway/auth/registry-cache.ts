@@ -82,6 +82,8 @@ export class KeyRegistry {
   private emptiedAt = 0;
   private readonly timer: NodeJS.Timeout;
   private saidUnread = false;
+  private loading = false;
+  private loadFailed = false;
   /** Changes announced to this instance so far (what a test waits on). */
   announced = 0;
   /** Times the channel was found silent and replaced (a metric). */
@@ -135,12 +137,27 @@ export class KeyRegistry {
       if (channel === this.echo) this.echoed = Number(message);
       else this.changed(message);
     });
-    subscriber.on('ready', () => {
-      if (subscriber !== this.subscriber) return;
-      this.load(subscriber).then(this.loaded, (err: Error) =>
-        this.o.log.warn({ cause: err.message }, 'key registry: could not read its filter'),
-      );
-    });
+    subscriber.on('ready', () => this.startLoad(subscriber));
+  }
+
+  /** A load that fails (the main connection not back yet) is tried again by the next check. */
+  private startLoad(subscriber: RedisClient): void {
+    if (subscriber !== this.subscriber || this.loading) return;
+    this.loading = true;
+    this.load(subscriber)
+      .then(
+        () => {
+          this.loadFailed = false;
+          this.loaded();
+        },
+        (err: Error) => {
+          this.loadFailed = true;
+          this.o.log.warn({ cause: err.message }, 'key registry: could not read its filter; trying again');
+        },
+      )
+      .finally(() => {
+        this.loading = false;
+      });
   }
 
   private async load(subscriber: RedisClient): Promise<void> {
@@ -180,6 +197,7 @@ export class KeyRegistry {
    */
   private async check(): Promise<void> {
     const now = Date.now();
+    if (this.loadFailed && this.subscriber.status === 'ready') this.startLoad(this.subscriber);
     if (this.bloom && this.taken > this.echoed && !this.silentSince && !this.o.failing()) this.declareSilent(now);
     else if (this.silentSince && now - this.triedAt >= RETRY_MS && !this.o.failing()) this.reconnect(now);
     if (this.silentSince && now - this.bloomAt >= SILENT_TRUST_MS && !this.o.failing()) {
