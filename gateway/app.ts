@@ -130,9 +130,9 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   exporter?.start();
   webhooks?.start();
   // The final status of a request whose usage event was written with its count, joined to it.
-  const settle =
-    store.settle &&
-    ((request: FastifyRequest, status: number) => store.settle!(request.ctx.consumer!.subject, request.ctx.eventId!, status));
+  const recordStatus =
+    store.recordStatus &&
+    ((request: FastifyRequest, status: number) => store.recordStatus!(request.ctx.consumer!.subject, request.ctx.eventId!, status));
   const tracing = await startTracing(settings, log);
   const keys =
     settings.keyStore === 'redis' && deps.redis
@@ -144,7 +144,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     config: current,
     store,
     metrics,
-    access: accessLog(metrics, output, settle),
+    access: accessLog(metrics, output, recordStatus),
     tracing,
     keys,
     close: async () => {

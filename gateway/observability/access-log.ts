@@ -91,7 +91,7 @@ function quoted(name: string): string {
  * for the root logger with the request id as its first field (the same line a request's child
  * logger would write), so no child logger is made for it.
  */
-export function accessLog(metrics: GatewayMetrics, output: LogOutput, settle?: (request: FastifyRequest, status: number) => void) {
+export function accessLog(metrics: GatewayMetrics, output: LogOutput, recordStatus?: (request: FastifyRequest, status: number) => void) {
   const line = accessLine(output);
   function record(reqId: string, e: AccessEntry): void {
     metrics.request(e.route ?? 'none', e.status, e.consumer?.plan ?? 'none', e.consumer?.id, rejection(e));
@@ -104,7 +104,7 @@ export function accessLog(metrics: GatewayMetrics, output: LogOutput, settle?: (
     const { consumer, route, outcome, overage, eventId } = request.ctx;
     record(request.id, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, consumer, route, outcome, overage });
     // The final status of a request whose usage event was written with its count: in this hook, not one more.
-    if (eventId !== undefined && settle) settle(request, reply.statusCode);
+    if (eventId !== undefined && recordStatus) recordStatus(request, reply.statusCode);
     done();
   }
   return { record, onResponse };

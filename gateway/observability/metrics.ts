@@ -129,8 +129,20 @@ export class GatewayMetrics {
     counter(
       'gateway_quota_calls_unsettled_total',
       'Quota calls given up on without a reply whose fate Redis no longer knew when it answered again: what they counted stays counted',
-      (c) => c.unsettled,
+      (c) => c.unresolved,
     );
+    new Counter({
+      name: 'gateway_quota_statuses_dropped_total',
+      help: 'Final statuses and account marks lost, by reason: status_cap (10,000 waiting: Redis failing a while), status_write (a failed write: those events go out with status null), mark (a failed mark: the sweep finds the account)',
+      labelNames: ['reason'],
+      registers,
+      collect() {
+        const dropped = store.counts?.dropped;
+        if (!dropped) return;
+        this.reset();
+        for (const [reason, n] of Object.entries(dropped)) this.inc({ reason }, n);
+      },
+    });
     new Gauge({
       name: 'gateway_quota_instances',
       help: 'Live gateway instances (workers included) Redis knew of at the last heartbeat: the degraded budget divides by it',

@@ -13,7 +13,7 @@ export interface RequestPath {
    */
   consume(subject: QuotaSubject, cost?: number, tag?: EventTag): Decision | Promise<Decision>;
   /** The final status of an admitted request whose usage event was written (a store that records events). */
-  settle?(subject: QuotaSubject, eventId: string, status: number): void;
+  recordStatus?(subject: QuotaSubject, eventId: string, status: number): void;
   /**
    * Gives an admitted request (its `cost` units) back to the windows it was counted in (at `countedAtMs`, the
    * decision's time), if they are still current, and to its credits: the gateway failed it (502/504), so the client
@@ -61,8 +61,10 @@ export interface StoreCounts {
   degraded: number;
   /** Refunds Redis did not take: those requests stay counted. */
   refundsFailed: number;
-  /** Calls given up on without a reply that could not be settled while Redis kept their reply: what they counted stays counted. */
-  unsettled: number;
+  /** Calls given up on without a reply that could not be resolved while Redis kept their reply: what they counted stays counted. */
+  unresolved: number;
+  /** Statuses and marks lost, by why: past the pending cap, a failed write of statuses, a failed mark. */
+  dropped?: Readonly<Record<'status_cap' | 'status_write' | 'mark', number>>;
   /** Units admitted while Redis failed and written back to it since. */
   writtenBack: number;
   /** Live instances Redis knew of at the last heartbeat: what the degraded budget divides by. */

@@ -10,7 +10,7 @@ import { compileConfig, validateConfigFile } from '../../gateway/config/config.j
 import { loadSettings } from '../../gateway/config/settings.js';
 import { commandTimeoutFor } from '../../gateway/redis/client.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
-import { defineScripts, quotaArgs, quotaReply, refundArgs, settledFrom } from '../../gateway/quota/redis/script.js';
+import { defineScripts, quotaArgs, quotaReply, refundArgs, resolvedFrom } from '../../gateway/quota/redis/script.js';
 
 /** The shipped settings: the gateway below runs at them. */
 const shipped = loadSettings({});
@@ -162,7 +162,7 @@ describe('a call settled without its reply', () => {
     });
     const tag = { requestId: 'settled-1', keyId: key.id, plan: 'prepaid', route: 'listPets', method: 'GET' };
     const call = quotaArgs(subject, { lease: 1, deadline: 0, cost: 1, refill: false, tag, callId: 'gw-1:7' });
-    const settle = async () => settledFrom(await scripts.refund(...refundArgs(subject, { countedAtMs: 0, units: 1, callId: 'gw-1:7' })));
+    const settle = async () => resolvedFrom(await scripts.refund(...refundArgs(subject, { countedAtMs: 0, units: 1, callId: 'gw-1:7' })));
 
     const ran = quotaReply((await scripts.quota(...call)) as Array<number | string | null>);
     expect({ outcome: ran.outcome, taken: ran.taken, balance: ran.balance, event: Boolean(ran.eventId) }).toEqual({

@@ -165,7 +165,7 @@ describe('overage with usage exported: a leased refund goes in its event batch',
     for (let i = 0; i < QUOTA + UP_TO; i++) await send(b);
     // The backend failed A's request after all (502): refunded, then its status.
     await a.store.refund(s, first.nowMs, 1, first.eventId);
-    a.store.settle(s, first.eventId!, 502);
+    a.store.recordStatus(s, first.eventId!, 502);
     delivered--;
     // Both close their leases with a call after they lapse, then write every event they hold.
     for (const at of [a, b]) {

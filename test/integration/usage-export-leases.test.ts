@@ -372,7 +372,7 @@ describe('a leased admission that fails after its event was written', () => {
       ['allowed', true],
       ['allowed', true],
     ]);
-    store.settle(subject, quickTag.eventId!, 200);
+    store.recordStatus(subject, quickTag.eventId!, 200);
     movedOnMs = Math.max(60_000, shipped.requestTimeoutMs + 2 * shipped.upstreamTimeoutMs); // the slow request has outlived the status wait
     const at = () => new Map(sink.requests().map((e) => [e.data!.requestId, e.data!.status]));
     await eventually(() => at().size === 2, 20_000, 'both events at the sink');
@@ -385,7 +385,7 @@ describe('a leased admission that fails after its event was written', () => {
 
     // Its backend fails now (502): the refund the gateway asks for finds its event gone.
     await store.refund(subject, slow.nowMs, 1, slowTag.eventId);
-    store.settle(subject, slowTag.eventId!, 502);
+    store.recordStatus(subject, slowTag.eventId!, 502);
     await store.close(); // every event and refund still in memory written
     await eventually(async () => (await store.exportState(subject)).pending === 0, 20_000, 'the stream sent');
     const refunds = [...sink.events.values()].filter((e) => e.type === 'com.petstore.gateway.request.refunded');

@@ -81,7 +81,7 @@ async function requests(d: ReturnType<typeof deployment>, n: number): Promise<st
     const tag: EventTag = { requestId, keyId: 'k', plan: 'metered', route: 'listPets', method: 'GET' };
     await d.store.consume(d.subject, 1, tag);
     expect(tag.eventId).toBeTruthy();
-    d.store.settle(d.subject, tag.eventId!, 200);
+    d.store.recordStatus(d.subject, tag.eventId!, 200);
     ids.push(requestId);
   }
   // Every status written: an event waiting for its status would end a batch early.
@@ -134,7 +134,7 @@ describe('a second usage sink', () => {
     for (let i = 0; i < 12; i++) {
       const tag: EventTag = { requestId: `req-${i}-${uniquePrefix()}`, keyId: 'k', plan: 'metered', route: 'listPets', method: 'GET' };
       expect((await d.store.consume(d.subject, 1, tag)).outcome).toBe('allowed');
-      d.store.settle(d.subject, tag.eventId!, 200);
+      d.store.recordStatus(d.subject, tag.eventId!, 200);
       ids.push(tag.requestId);
     }
     await d.store.close();

@@ -111,10 +111,10 @@ describe("a leased admission's event data", () => {
     const odd = 'a"b\\c\u2028é\u0001 \n\u0002';
     const events = await written((b) => {
       const ok = b.admit(subject, { ...tag, requestId: odd }, 1_700_000_000_000, { minuteUsed: 3, dayUsed: 41 }, 'L1');
-      b.settle(ok, 200);
+      b.recordStatus(ok, 200);
       const failed = b.admit(hourly, tag, 1_700_000_000_050, { minuteUsed: 4, hourUsed: 9, dayUsed: 42, monthUsed: 7 });
       b.refund(failed, 1);
-      b.settle(failed, 502);
+      b.recordStatus(failed, 502);
       // Another route: a second head in the bundle. Admitted before the others and never
       // settled: written last (with none, at close), its time before the bundle's first.
       b.admit(subject, { ...tag, route: 'addPet', method: 'POST' }, 1_699_999_999_000, { minuteUsed: 5, dayUsed: 43 });

@@ -124,7 +124,7 @@ export class EventBatches {
   }
 
   /** The request's final status: its event is ready to be written. */
-  settle(eventId: string, status: number): boolean {
+  recordStatus(eventId: string, status: number): boolean {
     const o = this.open.get(eventId);
     if (!o) return false;
     this.toReady(eventId, o, status);

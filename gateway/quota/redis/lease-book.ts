@@ -204,3 +204,11 @@ export class LeaseBook {
     }
   }
 }
+
+/** A lease's counts: every window's, as Redis held them after it; with credits, its balance and the units it still holds. */
+export function countsOfLease(lease: Lease): Counts & { balance?: number } {
+  const out: Counts & { balance?: number } = { minuteUsed: 0, dayUsed: 0, monthUsed: lease.monthUsed };
+  for (const w of FIXED) out[w.used] = lease[w.used] ?? 0;
+  if (lease.balance !== undefined) out.balance = lease.balance + lease.left;
+  return out;
+}

@@ -272,10 +272,10 @@ export interface RefundCall {
   callId?: string;
 }
 
-/** What refund.lua did with a call given up on: its kept reply says it counted nothing, a request it refunded, or a lease (given back by the gateway). */
-export type Settled = { kind: 'unknown' } | { kind: 'none' } | { kind: 'refunded' } | { kind: 'lease'; reply: QuotaReply };
+/** What refund.lua did with a call given up on (a lost reply, resolved): its kept reply says it counted nothing, a request it refunded, or a lease (given back by the gateway). */
+export type Resolved = { kind: 'unknown' } | { kind: 'none' } | { kind: 'refunded' } | { kind: 'lease'; reply: QuotaReply };
 
-export function settledFrom(raw: unknown): Settled {
+export function resolvedFrom(raw: unknown): Resolved {
   const [kind, record] = raw as [string, string | undefined];
   if (kind === 'lease') return { kind, reply: quotaReply(JSON.parse(record!) as RawRecord) };
   return { kind: kind as 'unknown' | 'none' | 'refunded' };
@@ -291,7 +291,7 @@ export function refundArgs(subject: QuotaSubject, c: RefundCall): Array<string |
     paidWithCredits: billing.credits ? 1 : 0,
     soft: softQuota(subject),
     overageWindow: limits.perMonth ? 1 : 2,
-    // A settled call's event is named by its kept reply.
+    // A resolved call's event is named by its kept reply.
     eventsCap: c.eventId || c.callId ? subject.events : 0,
     eventId: c.eventId ?? '',
     callId: c.callId ?? '',
