@@ -3,7 +3,7 @@ import swagger, { type SwaggerOptions } from '@fastify/swagger';
 import { type FastifyPluginAsyncTypebox, type TypeBoxTypeProvider, TypeBoxValidatorCompiler } from '@fastify/type-provider-typebox';
 import { Type } from '@sinclair/typebox';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifySchemaValidationError, LogController } from 'fastify';
-import { clientOf } from '../auth/address.js';
+import { clientOf } from '../address.js';
 import { connectionRefusal, isRefusal, probeAccess, type RedisClient } from '../redis/client.js';
 import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../errors.js';

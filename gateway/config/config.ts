@@ -2,9 +2,8 @@ import { readFileSync } from 'node:fs';
 import { type Static, type TOptional, Type } from '@sinclair/typebox';
 import { Value } from '@sinclair/typebox/value';
 import { parse as parseYaml } from 'yaml';
-import { clientOf } from '../auth/address.js';
-import type { Environment } from '../auth/keys.js';
-import { compileDeprecation, type Deprecation } from '../http/deprecation.js';
+import { clientOf } from '../address.js';
+import { compileDeprecation, type Deprecation } from '../deprecation.js';
 import { type Billing, type Limits, NO_BILLING, type QuotaSubject } from '../quota/decision.js';
 import { policyHeader } from '../quota/headers.js';
 import { type LimitField, type RequiredLimit, WINDOWS } from '../quota/windows.js';
@@ -46,9 +45,13 @@ export const AccountSchema = Type.Object(
 const Costs = Type.Record(Type.String(), Type.Integer({ minimum: 1, maximum: 1_000_000 }));
 const IsoDate = Type.String({ pattern: '^\\d{4}-\\d{2}-\\d{2}T\\d{2}:\\d{2}(:\\d{2}(\\.\\d+)?)?(Z|[+-]\\d{2}:\\d{2})$' });
 
+/** Which keys a deployment takes: `psk_live_` (production) or `psk_test_` (staging). */
+const EnvironmentSchema = Type.Union([Type.Literal('production'), Type.Literal('staging')]);
+export type Environment = Static<typeof EnvironmentSchema>;
+
 export const ConfigFile = Type.Object(
   {
-    environment: Type.Union([Type.Literal('production'), Type.Literal('staging')]),
+    environment: EnvironmentSchema,
     plans: Type.Record(
       Type.String({ pattern: '^[a-z0-9_-]{1,64}$' }),
       Type.Object(

@@ -1,5 +1,5 @@
 import type { GatewayConfig } from '../config/config.js';
-import type { Deprecation } from './deprecation.js';
+import type { Deprecation } from '../deprecation.js';
 import { ErrorBody, GatewayError } from '../errors.js';
 import { UsageView } from '../quota/usage-view.js';
 import { DOCUMENT_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from '../routes.js';

@@ -5,7 +5,7 @@ import { authenticate, type KeyLookup } from '../auth/authenticate.js';
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { corsHeaders, preflight } from './cors.js';
 import { rawHeaders } from './reply-headers.js';
-import { type Deprecation, sunsetRefusal } from './deprecation.js';
+import { type Deprecation, sunsetRefusal } from '../deprecation.js';
 import { GatewayError, handleError } from '../errors.js';
 import { type Admission, admit } from '../quota/admit.js';
 import type { EventTag, QuotaSubject } from '../quota/decision.js';

@@ -146,7 +146,7 @@ export interface EventTag {
   /**
    * Set by the store once the request is admitted: its usage event's id, the one its final
    * status and a refund name (the event quota.lua wrote, or the one a lease's unit opened in its
-   * batches). A lease's decision is one object shared by its units (redis-store.ts, fromLease):
+   * batches). A lease's decision is one object shared by its units (redis/store.ts, fromLease):
    * the one thing each request has of its own comes back here rather than in a copy of it.
    */
   eventId?: string;

@@ -493,7 +493,7 @@ describe('a frozen Redis', () => {
       expect(answers.map((r) => r.status)).toEqual([200, 200, 200]);
       expect(gw.gateway.store.degraded).toBe(true);
       // Woken past the scripts' deadlines: each is at most the moment the gateway gave up on its
-      // script (redis-clock.ts), which came before its answer. Redis runs on this machine, on this
+      // script (quota/redis/clock.ts), which came before its answer. Redis runs on this machine, on this
       // clock: once the clock has moved on from the last answer, every deadline is behind Redis.
       const answered = Date.now();
       await eventually(() => Date.now() > answered, 1000, 'the clock past the last answer');

@@ -134,8 +134,8 @@ describe('a quota reply lost or late', () => {
   });
 });
 
-// The settle's tombstone: refund.lua, settling a call the gateway gave up on (settleDoubts in
-// redis-store.ts), replaces the reply Redis kept with a refusal (outcome -1). ioredis may still
+// The settle's tombstone: refund.lua, settling a call the gateway gave up on (LostReplies.resolve in
+// quota/redis/lost-replies.ts), replaces the reply Redis kept with a refusal (outcome -1). ioredis may still
 // send that call again (same call id) after the settle, when the connection it was lost with is
 // replaced: that resend must find the tombstone and change nothing, and a second settle of the
 // same call (the gateway tries again when Redis did not answer the first in time) must refund

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { clientOf } from '../../gateway/auth/address.js';
+import { clientOf } from '../../gateway/address.js';
 
 // Who a client without a key is: the expectations are written out by hand (RFC 4291's text forms).
 

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { compileDeprecation, deprecationHeaders, sunsetRefusal } from '../../gateway/http/deprecation.js';
+import { compileDeprecation, deprecationHeaders, sunsetRefusal } from '../../gateway/deprecation.js';
 import { ROUTES } from '../../gateway/routes.js';
 
 describe('deprecation headers', () => {

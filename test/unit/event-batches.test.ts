@@ -5,7 +5,8 @@ import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { EventBatches, MAX_KEPT } from '../../gateway/quota/redis/event-batches.js';
 import type { BatchEvents } from '../../gateway/quota/redis/script.js';
 import { loadSettings } from '../../gateway/config/settings.js';
-import { bundleData, bundleEvents, eventHead, eventLine, windowsLine } from '../../gateway/usage/events.js';
+import { bundleData, eventHead, eventLine, windowsLine } from '../../gateway/quota/bundle.js';
+import { bundleEvents } from '../../gateway/usage/events.js';
 import { fixedLimits } from '../../gateway/quota/windows.js';
 
 /** The shipped settings: what the batches run at unless a test says why not. */

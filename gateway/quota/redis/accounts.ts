@@ -18,7 +18,7 @@ import { countsAt, FIXED } from '../windows.js';
 
 // The account book in Redis: top-ups (acknowledged once enough replicas hold them), the ledger,
 // the export's state and the usage read. None of it is on the request path; the store
-// (redis-store.ts) hands these calls here, and keeps the decisions.
+// (store.ts) hands these calls here, and keeps the decisions.
 
 /** A pipeline of topup.lua and the WAIT after it: both go to the account's node. */
 interface TopUpPipeline {

@@ -1,5 +1,5 @@
 import type { FastifyBaseLogger } from 'fastify';
-import { windowsLine } from '../../usage/events.js';
+import { windowsLine } from '../bundle.js';
 import type { EventTag, QuotaSubject } from '../decision.js';
 import { addBatchEvent, type BatchEvents, batchEvents, eventsIn } from './script.js';
 import { type Counts, fixedLimits } from '../windows.js';

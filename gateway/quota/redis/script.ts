@@ -1,5 +1,5 @@
 import { readFileSync } from 'node:fs';
-import { bundleData, eventHead, eventLine } from '../../usage/events.js';
+import { bundleData, eventHead, eventLine } from '../bundle.js';
 import type { RedisClient } from '../../redis/client.js';
 import { subjectKey } from '../../redis/keys.js';
 import { luaList, packer, positions, prelude, type Wires, wiresArgs, wired } from '../../redis/wires.js';

@@ -60,7 +60,7 @@ function waited(d: Decision, redisMs: number, leased = false): Decision {
  * Redis: one EVALSHA of quota.lua per decision, and the only source of admissions but two:
  * units of a lease Redis granted this instance (with `leaseMax` > 1, a subject with large
  * limits takes several units in one call; they come out of the Redis count atomically), and
- * while Redis is declared failing (redis-health.ts), units of the degraded budget
+ * while Redis is declared failing (fleet.ts, health.ts), units of the degraded budget
  * (degraded-budget.ts), written back once Redis answers. A request that needs Redis waits
  * for it, however slow, until Redis is declared failing. Bans seen are answered from memory.
  */
@@ -432,13 +432,13 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
 
   /**
    * A top-up in one script (topup.lua): applied once per idempotency key, however the retries
-   * race; acknowledged once CREDITS_ACK_REPLICAS replicas hold it (redis-accounts.ts).
+   * race; acknowledged once CREDITS_ACK_REPLICAS replicas hold it (accounts.ts).
    */
   topUp(subject: QuotaSubject, t: TopUp): Promise<TopUpResult> {
     return this.accounts.topUp(subject, t);
   }
 
-  /** Events sent, pending, dropped, and the units leased whose events are not written (redis-accounts.ts). */
+  /** Events sent, pending, dropped, and the units leased whose events are not written (accounts.ts). */
   exportState(subject: QuotaSubject): Promise<ExportState> {
     return this.accounts.exportState(subject);
   }

@@ -1,5 +1,5 @@
-import { GatewayError } from '../errors.js';
-import type { Route } from '../routes.js';
+import { GatewayError } from './errors.js';
+import type { Route } from './routes.js';
 
 // Deprecated routes: the RFC 9745 / RFC 8594 headers, built once per config, and the 410 after the sunset.
 
