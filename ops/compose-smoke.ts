@@ -260,6 +260,13 @@ type Found = { key: string; petName: string };
 /** The first run, as the README's quick start does it: build, start, make a key, use it. */
 function startChecks(s: Stack, found: Found): Check[] {
   return [
+    [
+      'the config the stack mounts passes config:check, offline, before anything is built',
+      async () => {
+        const r = sh(['npm', 'run', '-s', 'config:check', '--', '--config', join(s.app, 'config', 'gateway.yaml')], s.env, { log: s.log });
+        expectThat(r.status === 0, `config:check refused it:\n${r.stdout}${r.stderr}`);
+      },
+    ],
     ['both images build (compose build)', async () => void composeRun(s, ['build'], 20 * MINUTES)],
     [
       'the stack starts: /healthz and /readyz answer 200 on the admin port',
