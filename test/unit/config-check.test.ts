@@ -33,6 +33,23 @@ describe('config:check', () => {
     expect(lines).toContain(`${file}: plans.free.perMinute: Expected integer to be greater or equal to 1`);
   });
 
+  it('names a YAML typo where it is, with the line before it (where a `{` was left open) and a caret', () => {
+    const dir = tempDir();
+    onTestFinished(dir.cleanup);
+    const file = join(dir.dir, 'typo.yaml');
+    writeFileSync(file, 'environment: production\nplans:\n  free: { perMinute: 5, perDay: 5\nkeys: []\n');
+    const { code, lines } = check(['--config', file]);
+    expect(code).toBe(1);
+    expect(lines).toEqual([
+      [
+        `${file}: not valid YAML or JSON at line 4, column 1: Flow map in block collection must be sufficiently indented and end with a }`,
+        '    3 |   free: { perMinute: 5, perDay: 5',
+        '    4 | keys: []',
+        '      | ^',
+      ].join('\n'),
+    ]);
+  });
+
   it('reads GATEWAY_CONFIG when no --config is given, and says a missing file plainly', () => {
     const { code, lines } = check([], { GATEWAY_CONFIG: '/nonexistent/gateway.yaml' });
     expect(code).toBe(1);
