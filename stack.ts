@@ -2,9 +2,9 @@ import { type ChildProcess, spawn } from 'node:child_process';
 import { createServer, isIPv6 } from 'node:net';
 import { resolve } from 'node:path';
 import { Type } from '@sinclair/typebox';
-import { loadBackendSettings } from './backend/settings.js';
+import { BackendSettingsSchema, loadBackendSettings } from './backend/settings.js';
 import { loadGatewayStart } from './gateway/config/boot.js';
-import { loadSettings } from './gateway/config/settings.js';
+import { GatewaySettingsSchema, loadSettings } from './gateway/config/settings.js';
 import { createLogger, type ListenSettings, listenProblem } from './runtime/process.js';
 import { SERVICES } from './runtime/services.js';
 import { flag, logLevel, readSettings } from './runtime/settings.js';
@@ -160,6 +160,19 @@ function startProblems(): string[] {
     }
   }
   return problems;
+}
+
+// `npm start -- --port 4000` was ignored: settings come from the environment only, so an
+// argument is refused with the names it could have meant.
+const args = process.argv.slice(2);
+if (args.length > 0) {
+  const names = [BackendSettingsSchema, GatewaySettingsSchema].flatMap((schema) =>
+    Object.values(schema.properties as Record<string, { env?: string }>).flatMap((p) => (p.env ? [p.env] : [])),
+  );
+  console.error(
+    `npm start takes no arguments (got ${args.join(' ')}); its settings are environment variables, e.g. GATEWAY_PORT=4000 npm start.\nSettings: ${[...new Set(names)].sort().join(', ')} (docs/reference.md)`,
+  );
+  process.exit(2);
 }
 
 // Before anything starts: a bad gateway setting printed after the backend's start-up lines

@@ -121,7 +121,12 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   const adminAddress = admin ? await listenOrExit(admin, settings.adminPort, settings.adminHost, ADMIN) : undefined;
   if (options.ownProcess && options.ownProcess.announce) {
     const store = redis ? 'redis' : 'memory';
-    log.info({ address, admin: adminAddress, environment: initial.environment, backend: settings.backendUrl, store }, 'gateway ready');
+    // Both stores named: a key issued in the registry gets 401 from a gateway whose key store is the file.
+    const keyStore = settings.keyStore;
+    log.info(
+      { address, admin: adminAddress, environment: initial.environment, backend: settings.backendUrl, store, keyStore },
+      'gateway ready',
+    );
     announceReady();
   }
   return { gateway, admin, redis, log, address, adminAddress, close };

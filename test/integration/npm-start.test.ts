@@ -10,7 +10,7 @@ import { buildTestGateway } from '../helpers/gateway.js';
 import { logLines } from '../helpers/logs.js';
 import { freePort, waitForPort } from '../helpers/net.js';
 import { timeoutFor } from '../helpers/budget.js';
-import { killGroup, spawnOwned, startProcess } from '../helpers/processes.js';
+import { killGroup, runToEnd, spawnOwned, startProcess } from '../helpers/processes.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
 
 const ROOT = resolve(import.meta.dirname, '../..');
@@ -20,6 +20,15 @@ const commandLine = (pid: number) => execFileSync('ps', ['-ww', '-o', 'args=', '
 const entryOf = (name: string) => SERVICES.find((s) => s.name === name)!.entry;
 
 describe('npm start (stack.ts)', () => {
+  it('refuses an argument (npm start -- --port 4000 was ignored), naming the environment variables instead', async () => {
+    const { code, stdout, stderr } = await runToEnd(process.execPath, ['dist/stack.js', '--port', '4000']);
+    expect({ code, stdout }).toEqual({ code: 2, stdout: '' });
+    expect(stderr).toMatch(
+      /^npm start takes no arguments \(got --port 4000\); its settings are environment variables, e\.g\. GATEWAY_PORT=4000 npm start\./,
+    );
+    expect(stderr).toMatch(/Settings: .*\bGATEWAY_PORT\b.*\bREDIS_URL\b/);
+  });
+
   it('runs backend and gateway with the in-process store, says so, and restarts a crashed one while the other serves', async () => {
     const { dir, cleanup } = tempDir();
     const file = join(dir, 'gateway.yaml');
@@ -44,7 +53,7 @@ describe('npm start (stack.ts)', () => {
       // Both start at once; the backend may open its port after the gateway is ready.
       const backendUp = await stack.waitForLog(backendListening);
       const gatewayUp = stack.logs.find((l) => l.msg === 'gateway ready')!;
-      expect(gatewayUp.store).toBe('memory');
+      expect({ store: gatewayUp.store, keyStore: gatewayUp.keyStore }).toEqual({ store: 'memory', keyStore: 'file' });
       expect(stack.logs.some((l) => /REDIS_URL is not set: .*per gateway process/.test(String(l.msg)))).toBe(true);
       // The two children run the entries the images run (runtime/services.ts).
       expect(commandLine(Number(backendUp.pid))).toBe(`${process.execPath} ${resolve(ROOT, entryOf('backend'))}`);
