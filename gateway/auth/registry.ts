@@ -5,7 +5,7 @@ import type { ConfigFile, Consumer, GatewayConfig, KeyEntry } from '../config/co
 import { closeRedis, type RedisClient, secondConnection } from '../redis/client.js';
 import { registryKeys } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
-import { checkRequest, KeyFileError, type KeyRow, type KeyStore, type NewKey, rowOf } from './key-file.js';
+import { checkRequest, KeyFileError, type KeyPage, type KeyQuery, type KeyRow, type KeyStore, type NewKey, rowOf } from './key-file.js';
 import { generateKey } from './keys.js';
 
 // The key registry: keys in the Redis the gateway already runs, for deployments past a file
@@ -86,6 +86,17 @@ function entryOf(f: Record<string, string>): KeyEntry {
 }
 
 const iso = (ms: number) => new Date(ms).toISOString().replace(/\.\d+Z$/, 'Z');
+
+/** Ids a listing page looks at before it answers with fewer keys than asked (a filter that matches few). */
+const PAGE_BUDGET = 10_000;
+
+/** A pipeline's replies, the first failure thrown. */
+async function exec(pipeline: { exec(): Promise<Array<[Error | null, unknown]> | null> }): Promise<unknown[]> {
+  const replies = (await pipeline.exec()) ?? [];
+  const failed = replies.find(([err]) => err);
+  if (failed) throw failed[0];
+  return replies.map(([, reply]) => reply);
+}
 
 /**
  * The keys command's and the key API's operations on the registry: each costs one key,
@@ -184,6 +195,80 @@ export class RegistryKeys implements KeyStore {
       if (ids.length < count) return;
       from = `(${ids.at(-1)}`;
     }
+  }
+
+  /**
+   * A page of the list, in id order after `query.after`: ids read from the index a chunk at a
+   * time (or from the account's set), records fetched in one pipelined round trip a chunk, never
+   * every key. A filter that matches few keys may give a short page, with `last` to go on from.
+   */
+  async page(query: KeyQuery): Promise<KeyPage> {
+    const { limit, after, account, status } = query;
+    const plans = this.current().plans;
+    const chunk = Math.max(limit, 100);
+    const mine = account === undefined ? undefined : (await this.redis.smembers(this.names.account(account))).sort();
+    const keys: KeyRow[] = [];
+    let from = after;
+    for (let examined = 0; examined < PAGE_BUDGET; ) {
+      const ids = mine
+        ? mine.filter((id) => from === undefined || id > from).slice(0, chunk)
+        : await this.redis.zrangebylex(this.names.ids, from === undefined ? '-' : `(${from}`, '+', 'LIMIT', 0, chunk);
+      const entries = await this.entriesOf(ids);
+      for (let i = 0; i < ids.length; i++) {
+        const row = entries[i] && rowOf(entries[i]!, plans);
+        if (row && (account === undefined || row.account === account) && (status === undefined || row.status === status)) keys.push(row);
+        if (keys.length === limit) return { keys, last: ids[i] };
+      }
+      if (ids.length < chunk) return { keys };
+      examined += ids.length;
+      from = ids.at(-1);
+    }
+    return { keys, last: from };
+  }
+
+  /** Up to `count` entries in id order after the id `after`; `last` when more may follow. */
+  async entriesAfter(after: string | undefined, count: number): Promise<{ entries: KeyEntry[]; last?: string }> {
+    const ids = await this.redis.zrangebylex(this.names.ids, after === undefined ? '-' : `(${after}`, '+', 'LIMIT', 0, count);
+    const entries = (await this.entriesOf(ids)).filter((e): e is KeyEntry => e !== undefined);
+    return { entries, ...(ids.length === count && { last: ids.at(-1) }) };
+  }
+
+  /** The entries of ids (undefined where an id has none), in two pipelined round trips. */
+  async entriesOf(ids: string[]): Promise<Array<KeyEntry | undefined>> {
+    if (ids.length === 0) return [];
+    const digests = await exec(this.redis.pipeline(ids.map((id) => ['get', this.names.id(id)])));
+    const fields = await exec(this.redis.pipeline(digests.map((d) => (d ? ['hgetall', this.names.record(d as string)] : ['echo', '']))));
+    return fields.map((f) =>
+      f && typeof f === 'object' && (f as Record<string, string>).id ? entryOf(f as Record<string, string>) : undefined,
+    );
+  }
+
+  /**
+   * Entries added as they are (an import), a pipeline of CREATE calls in one round trip: for
+   * each, `added`, `same` (its id was there with the same digest) or `conflict` (another digest).
+   */
+  async addMany(entries: KeyEntry[]): Promise<Array<'added' | 'same' | 'conflict'>> {
+    if (entries.length === 0) return [];
+    const pipeline = this.redis.pipeline() as unknown as {
+      registryCreate(...a: Array<string | number>): void;
+      exec(): ReturnType<typeof exec>;
+    };
+    for (const entry of entries) pipeline.registryCreate(...this.createArgs(entry));
+    const made = await exec(pipeline as never);
+    const taken = entries.filter((_, i) => made[i] !== 1);
+    const digests = await exec(this.redis.pipeline(taken.map((e) => ['get', this.names.id(e.id)])));
+    const there = new Map(taken.map((e, i) => [e.id, digests[i]]));
+    return entries.map((e, i) => (made[i] === 1 ? 'added' : there.get(e.id) === e.hash ? 'same' : 'conflict'));
+  }
+
+  private createArgs(entry: KeyEntry): Array<string | number> {
+    const n = this.names;
+    return wiresArgs(
+      CREATE,
+      { record: n.record(entry.hash), id: n.id(entry.id), ids: n.ids, bloom: n.bloom, account: n.account(entry.account ?? entry.id) },
+      { digest: entry.hash, id: entry.id, channel: n.changed },
+      fieldsOf(entry),
+    );
   }
 
   async list(): Promise<KeyRow[]> {
