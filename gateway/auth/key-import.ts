@@ -29,6 +29,8 @@ export interface ImportReport {
   removed: number;
 }
 
+type ItemPiece = Extract<Piece, { kind: 'item' }>;
+
 const emptyReport = (): ImportReport => ({ imported: 0, already: 0, conflicts: [], bad: [], kept: 0, removed: 0 });
 
 /** Imports the file's keys, a batch at a time, and removes the imported ones from it. */
@@ -73,13 +75,14 @@ async function importStreaming(file: string, registry: RegistryKeys, lost: () =>
   try {
     // The header and the lines before the first item kept: `keys: []` replaces it if none is.
     let held: string[] | undefined;
-    let batch: Array<Extract<Piece, { kind: 'item' }>> = [];
+    let batch: ItemPiece[] = [];
     let text = '';
-    const flush = async () => {
-      if (batch.length === 0) return;
-      const drop = await settle(readItems(batch, rest.plans), registry, rest.accounts, report);
-      for (const item of batch) {
-        if (drop.has(item.index)) {
+    // One batch in Redis while the next is read: the two take about as long as each other.
+    let inflight: { items: ItemPiece[]; drop: Promise<Set<number>> } | undefined;
+    const write = async ({ items, drop }: { items: ItemPiece[]; drop: Promise<Set<number>> }) => {
+      const dropped = await drop;
+      for (const item of items) {
+        if (dropped.has(item.index)) {
           report.removed++;
           continue;
         }
@@ -87,18 +90,29 @@ async function importStreaming(file: string, registry: RegistryKeys, lost: () =>
         held = undefined;
         text += `${item.lines.join('\n')}\n`;
       }
-      batch = [];
       await out.write(text);
       text = '';
+    };
+    const flush = async (all: boolean) => {
+      const sent =
+        batch.length > 0 ? { items: batch, drop: settle(readItems(batch, rest.plans), registry, rest.accounts, report) } : undefined;
+      sent?.drop.catch(() => {}); // awaited below; a failure is thrown there, not reported unhandled meanwhile
+      batch = [];
+      if (inflight) await write(inflight);
+      inflight = sent;
+      if (all && inflight) {
+        await write(inflight);
+        inflight = undefined;
+      }
     };
     for await (const chunk of pieces(file)) {
       for (const piece of chunk) {
         if (piece.kind === 'item') {
           batch.push(piece);
-          if (batch.length === BATCH) await flush();
+          if (batch.length === BATCH) await flush(false);
         } else if (piece.kind === 'header') held = [piece.line];
         else if (piece.kind === 'end') {
-          await flush();
+          await flush(true);
           if (held) text += `${['keys: []', ...held.slice(1)].join('\n')}\n`;
           held = undefined;
         } else if (held) held.push(piece.line);
@@ -107,6 +121,7 @@ async function importStreaming(file: string, registry: RegistryKeys, lost: () =>
       await out.write(text);
       text = '';
     }
+    await flush(true);
     await out.sync();
     await out.close();
     // Another editor may hold the lock by now (ours went stale in a stall): its edit wins.

@@ -139,7 +139,8 @@ function itemText(lines: string[]): string {
 
 /** Checks one parsed item against the file's schema for a key, and its plan against the file's plans. */
 export function checkItem(index: number, value: unknown, plans: ConfigFile['plans']): ReadItem {
-  const error = Value.Errors(KEY_ITEM, value).First();
+  // Check first: the errors' iterator costs more, and is needed only for an entry refused.
+  const error = Value.Check(KEY_ITEM, value) ? undefined : Value.Errors(KEY_ITEM, value).First();
   if (error) return { index, problem: `keys.${index}${error.path.replaceAll('/', '.')}: ${error.message}` };
   const entry = value as KeyEntry;
   if (!Object.hasOwn(plans, entry.plan)) return { index, problem: `keys.${index}.plan: unknown plan "${entry.plan}"` };
