@@ -205,7 +205,8 @@ export class RegistryKeys implements KeyStore {
   async page(query: KeyQuery): Promise<KeyPage> {
     const { limit, after, account, status } = query;
     const plans = this.current().plans;
-    const chunk = Math.max(limit, 100);
+    // Unfiltered, a chunk is the page; filtered, more at a time, as some will be left out.
+    const chunk = account === undefined && status === undefined ? limit : Math.max(limit, 100);
     const mine = account === undefined ? undefined : (await this.redis.smembers(this.names.account(account))).sort();
     const keys: KeyRow[] = [];
     let from = after;
