@@ -10,7 +10,6 @@ import { deploymentPrefix } from '../redis/keys.js';
 import {
   type AccountChange,
   type AccountSettings,
-  addEntries,
   duration,
   fileKeys,
   KeyFileError,
@@ -21,6 +20,7 @@ import {
   rowOf,
   setAccount,
 } from './key-file.js';
+import { exportKeys } from './key-export.js';
 import { importKeys } from './key-import.js';
 import { type ConfigRest, NotBlock, pieces, readConfigRest, readItems } from './key-section.js';
 import { RegistryKeys } from './registry.js';
@@ -173,7 +173,7 @@ async function onKeys(command: string, file: string, values: Values, io: KeysOut
   else if (command === 'create') await create(keys, values, io);
   else if (command === 'import' || command === 'export') {
     if (!registry) throw new UsageError(`${command} moves keys between the file and the key registry: set KEY_STORE=redis`);
-    await (command === 'import' ? importInto(file, registry, io) : exportKeys(file, registry, io));
+    await (command === 'import' ? importInto(file, registry, io) : exportInto(file, registry, io));
   } else if (command === 'rotate') {
     if (!values.id) throw new UsageError('rotate needs --id');
     const r = await keys.rotate(values.id, duration(values.grace ?? '24h'));
@@ -202,11 +202,9 @@ async function importInto(file: string, registry: RegistryKeys, io: KeysOutput):
 }
 
 /** The registry's keys into the file, each once (an id the file has is left as it is there). */
-async function exportKeys(file: string, registry: RegistryKeys, io: KeysOutput): Promise<void> {
-  const entries = [];
-  for await (const entry of registry.entries()) entries.push(entry);
-  const added = await addEntries(file, entries);
-  io.err(`exported ${added} of ${entries.length} keys from the key registry into ${file} (${entries.length - added} already there)`);
+async function exportInto(file: string, registry: RegistryKeys, io: KeysOutput): Promise<void> {
+  const { added, total } = await exportKeys(file, registry);
+  io.err(`exported ${added} of ${total} keys from the key registry into ${file} (${total - added} already there)`);
 }
 
 /** Keys printed at a time: each such page is laid out alone, so no step holds every row. */

@@ -213,7 +213,9 @@ describe('keys import moves authority', () => {
     await eventually(async () => (await gw.call('/v1/pets', key.key)).status === 401, 5000, 'the key refused once revoked');
   });
 
-  it('imports 100,000 keys (the compiled command) in memory flat in the number of keys', { timeout: scaled(120_000) }, async () => {
+  it('imports 100,000 keys and exports them back (the compiled command) in memory flat in the number of keys', {
+    timeout: scaled(120_000),
+  }, async () => {
     const own = await spawnRedis();
     onTestFinished(() => own.stop());
     const dir = tempDir();
@@ -233,6 +235,18 @@ describe('keys import moves authority', () => {
     expect(peakMb).toBeLessThan(300);
     expect(run.stderr).toContain('imported 100000 keys');
     expect(parseConfigText(readFileSync(file, 'utf8'), file).keys).toEqual([]);
+    // And back: the registry read a page at a time, the file written as a stream.
+    const back = await runToEnd('/usr/bin/time', ['-f', '%M', process.execPath, 'dist/gateway/auth/cli.js', 'export', '--config', file], {
+      env,
+      ms: 90_000,
+    });
+    expect(back.code, back.stderr).toBe(0);
+    const exportMb = Number(back.stderr.trim().split('\n').at(-1)) / 1024;
+    console.log(`keys export of 100,000 keys: peak RSS ${Math.round(exportMb)} MB`);
+    expect(exportMb).toBeLessThan(300);
+    const keys = parseConfigText(readFileSync(file, 'utf8'), file).keys;
+    expect(keys).toHaveLength(100_000);
+    expect(keys[99_999]).toEqual({ id: 'k99999', hash: digestOf(99_999), plan: 'free' });
   });
 });
 
