@@ -11,7 +11,8 @@ import { longestWait, median, ROOT, scratch, startGatewayBuild, startPetBackend,
 // bench:scale's rows for keys at a million (issue 44), on loopback: `keys import` of a file of
 // N keys in the keys command's YAML (wall time and the command's peak RSS, from GNU time), then
 // a gateway on the registry it filled, its admin list paged: one page's latency, the walk of
-// every page, and the longest wait of a request sent every 10 ms during the walk.
+// every page, and the longest wait of a request sent every 10 ms during the walk (and idle, for
+// what the machine adds); then `keys export` of it all back into the file.
 
 const TOKEN = 'bench-scale-token-0123456789';
 const PAGE = 1000;
@@ -26,6 +27,10 @@ export interface KeysRow {
   walkMs: number;
   walkPages: number;
   longestWaitMs: number;
+  /** The same, while nothing else runs: what the machine itself adds. */
+  idleWaitMs: number;
+  exportMs: number;
+  exportPeakMb: number;
 }
 
 const since = (t: number) => Math.round(performance.now() - t);
@@ -53,6 +58,21 @@ async function adminPage(admin: string, query: string): Promise<{ keys: unknown[
   return (await res.json()) as { keys: unknown[]; next?: string };
 }
 
+/** The compiled keys command's `command`: wall time (Node's start included) and peak RSS (GNU time's %M, in KiB). */
+async function timedCommand(command: string, env: Record<string, string>): Promise<{ ms: number; peakMb: number }> {
+  const t = performance.now();
+  const run = await runToEnd('/usr/bin/time', ['-f', '%M', process.execPath, 'dist/gateway/auth/cli.js', command], {
+    cwd: ROOT,
+    env,
+    ms: 600_000,
+  });
+  const ms = since(t);
+  if (run.code !== 0) throw new Error(`keys ${command}: ${run.stderr}`);
+  const peakMb = Math.round(Number(run.stderr.trim().split('\n').at(-1)) / 1024);
+  console.log(`${run.stderr.split('\n')[0]} (${ms} ms, peak RSS ${peakMb} MB)`);
+  return { ms, peakMb };
+}
+
 export async function measureKeys(n: number): Promise<KeysRow> {
   const { dir, onClose, close } = scratch(`scale-keys-${n}`);
   try {
@@ -64,16 +84,8 @@ export async function measureKeys(n: number): Promise<KeysRow> {
     const known = { id: 'known', ...generateKey('production') };
     await writeKeys(file, n, known);
     const env = { PATH: process.env.PATH ?? '', GATEWAY_CONFIG: file, KEY_STORE: 'redis', REDIS_URL: redis.url };
+    const { ms: importMs, peakMb: importPeakMb } = await timedCommand('import', env);
     let t = performance.now();
-    const imported = await runToEnd('/usr/bin/time', ['-f', '%M', process.execPath, 'dist/gateway/auth/cli.js', 'import'], {
-      cwd: ROOT,
-      env,
-      ms: 600_000,
-    });
-    const importMs = since(t);
-    if (imported.code !== 0) throw new Error(`keys import: ${imported.stderr}`);
-    const importPeakMb = Math.round(Number(imported.stderr.trim().split('\n').at(-1)) / 1024);
-    console.log(`${n} keys: ${imported.stderr.split('\n')[0]} (${importMs} ms, peak RSS ${importPeakMb} MB)`);
     const gw = await startGatewayBuild({ dir, backendUrl, file, digest: '', onClose }, 'dist/gateway/server.js', {
       ...env,
       ADMIN_TOKEN: TOKEN,
@@ -103,8 +115,10 @@ export async function measureKeys(n: number): Promise<KeysRow> {
       walkMs = since(t);
     });
     if (walked !== n + 1) throw new Error(`the walk gave ${walked} keys of ${n + 1}`);
+    const idleWaitMs = await longestWait(gw.url, known.key, () => new Promise((r) => setTimeout(r, 3000)));
     const rssMb = Math.round(Number(readFileSync(`/proc/${gw.pid}/status`, 'utf8').match(/VmRSS:\s+(\d+)/)![1]) / 1024);
     console.log(`${n} keys: gateway RSS after the walk ${rssMb} MB`);
+    const exported = await timedCommand('export', env);
     return {
       keys: n,
       importMs,
@@ -114,6 +128,9 @@ export async function measureKeys(n: number): Promise<KeysRow> {
       walkMs,
       walkPages,
       longestWaitMs,
+      idleWaitMs,
+      exportMs: exported.ms,
+      exportPeakMb: exported.peakMb,
     };
   } finally {
     await close();
@@ -123,12 +140,12 @@ export async function measureKeys(n: number): Promise<KeysRow> {
 export function printKeys(rows: KeysRow[]): void {
   if (rows.length === 0) return;
   console.log(
-    `\n| keys | keys import (Node start included) | its peak RSS | a page of 100 (median, slowest of 20) | walk, pages of ${PAGE} | longest wait of a request every 10 ms during the walk |`,
+    `\n| keys | keys import (Node start included) | its peak RSS | a page of 100 (median, slowest of 20) | walk, pages of ${PAGE} | longest wait of a request every 10 ms during the walk (idle) | keys export | its peak RSS |`,
   );
-  console.log('|---|---|---|---|---|---|');
+  console.log('|---|---|---|---|---|---|---|---|');
   for (const r of rows) {
     console.log(
-      `| ${r.keys.toLocaleString('en')} | ${(r.importMs / 1000).toFixed(1)} s | ${r.importPeakMb} MB | ${r.pageMs} ms, ${r.pageMaxMs} ms | ${(r.walkMs / 1000).toFixed(1)} s (${r.walkPages} pages, ${Math.round(r.walkMs / r.walkPages)} ms each) | ${r.longestWaitMs} ms |`,
+      `| ${r.keys.toLocaleString('en')} | ${(r.importMs / 1000).toFixed(1)} s | ${r.importPeakMb} MB | ${r.pageMs} ms, ${r.pageMaxMs} ms | ${(r.walkMs / 1000).toFixed(1)} s (${r.walkPages} pages, ${Math.round(r.walkMs / r.walkPages)} ms each) | ${r.longestWaitMs} ms (${r.idleWaitMs} ms) | ${(r.exportMs / 1000).toFixed(1)} s | ${r.exportPeakMb} MB |`,
     );
   }
 }
