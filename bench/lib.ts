@@ -332,17 +332,22 @@ export async function status(url: string, key: string): Promise<number> {
   return res?.status ?? 0;
 }
 
-/** A request every 10 ms with `key` while `work` runs, and one second after: the longest answer (ms). */
-export async function longestWait(url: string, key: string, work: () => Promise<unknown>): Promise<number> {
-  let longest = 0;
+/** A request every 10 ms with `key` while `work` runs, and one second after: each answer's time (ms). */
+export async function waitsDuring(url: string, key: string, work: () => Promise<unknown>): Promise<number[]> {
+  const waits: number[] = [];
   const probes: Array<Promise<void>> = [];
   const timer = setInterval(() => {
     const t = performance.now();
-    probes.push(status(url, key).then(() => void (longest = Math.max(longest, performance.now() - t))));
+    probes.push(status(url, key).then(() => void waits.push(performance.now() - t)));
   }, 10);
   await work();
   await new Promise((r) => setTimeout(r, 1000));
   clearInterval(timer);
   await Promise.all(probes);
-  return Math.round(longest);
+  return waits;
+}
+
+/** A request every 10 ms with `key` while `work` runs, and one second after: the longest answer (ms). */
+export async function longestWait(url: string, key: string, work: () => Promise<unknown>): Promise<number> {
+  return Math.round(Math.max(0, ...(await waitsDuring(url, key, work))));
 }
