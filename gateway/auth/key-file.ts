@@ -68,12 +68,6 @@ export function duration(text: string): number {
   return value;
 }
 
-/** Every key, without secrets (the file holds none), with its state now. */
-export function listKeys(file: string): KeyRow[] {
-  const current = parseConfigText(readFileSync(file, 'utf8'), file);
-  return current.keys.map((k) => rowOf(k, current.plans));
-}
-
 /** A key's row, as the list shows it (the file's and the key registry's alike). */
 export function rowOf(k: ConfigFile['keys'][number], plans: ConfigFile['plans']): KeyRow {
   return {
@@ -324,7 +318,7 @@ export interface KeyPage {
 export interface KeyStore {
   /** Said in messages: the file's path, or "the key registry". */
   where: string;
-  list(): Promise<KeyRow[]>;
+  /** A page of the list: there is no call for every key at once (a store may hold millions). */
   page(query: KeyQuery): Promise<KeyPage>;
   create(request: NewKey): Promise<{ id: string; key: string }>;
   revoke(id: string): Promise<{ revokedAt: string }>;
@@ -371,7 +365,6 @@ export function pageOf(keys: readonly KeyEntry[], plans: ConfigFile['plans'], qu
 export function fileKeys(file: string, inForce?: () => { keys: readonly KeyEntry[]; plans: ConfigFile['plans'] }): KeyStore {
   return {
     where: file,
-    list: async () => listKeys(file),
     page: async (query) => {
       const current = inForce?.() ?? parseConfigText(readFileSync(file, 'utf8'), file);
       return pageOf(current.keys, current.plans, query);

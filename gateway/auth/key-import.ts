@@ -113,7 +113,8 @@ async function importStreaming(file: string, registry: RegistryKeys, lost: () =>
         } else if (piece.kind === 'header') held = [piece.line];
         else if (piece.kind === 'end') {
           await flush(true);
-          if (held) text += `${['keys: []', ...held.slice(1)].join('\n')}\n`;
+          // Every item dropped: `keys:` alone would read as null, which the gateway refuses.
+          if (held) text += `${[held[0]!.replace(/^keys:(?! \[)/, 'keys: []'), ...held.slice(1)].join('\n')}\n`;
           held = undefined;
         } else if (held) held.push(piece.line);
         else text += `${piece.line}\n`;

@@ -183,20 +183,6 @@ export class RegistryKeys implements KeyStore {
     return { id: `${account}-${n}`, key, account, plan: old.plan, oldExpiresAt: until };
   }
 
-  /** Every key, in id order, a page of `count` at a time (the registry may hold millions). */
-  async *entries(count = 1000): AsyncGenerator<KeyEntry> {
-    let from = '-';
-    for (;;) {
-      const ids = await this.redis.zrangebylex(this.names.ids, from, '+', 'LIMIT', 0, count);
-      for (const id of ids) {
-        const entry = await this.get(id);
-        if (entry) yield entry;
-      }
-      if (ids.length < count) return;
-      from = `(${ids.at(-1)}`;
-    }
-  }
-
   /**
    * A page of the list, in id order after `query.after`: ids read from the index a chunk at a
    * time (or from the account's set), records fetched in one pipelined round trip a chunk, never
@@ -270,12 +256,6 @@ export class RegistryKeys implements KeyStore {
       { digest: entry.hash, id: entry.id, channel: n.changed },
       fieldsOf(entry),
     );
-  }
-
-  async list(): Promise<KeyRow[]> {
-    const rows: KeyRow[] = [];
-    for await (const entry of this.entries()) rows.push(rowOf(entry, this.current().plans));
-    return rows;
   }
 
   private async must(id: string): Promise<KeyEntry> {

@@ -153,8 +153,14 @@ describe('the keys command at scale', () => {
     const out = { out: () => {}, err: () => {} };
     for (const id of ['fresh', 'same', 'clash'])
       expect(await keysCommand(['create', '--plan', 'free', '--id', id, '--config', file], out)).toBe(0);
-    // An entry the schema refuses, as a hand edit could leave one, after the three.
-    writeFileSync(file, `${readFileSync(file, 'utf8')}  - { id: Bad!, hash: nope, plan: free }\n`);
+    // A key whose account has settings in the file: the file's validator needs a key of it there.
+    expect(await keysCommand(['create', '--plan', 'free', '--id', 'held', '--account', 'acme', '--config', file], out)).toBe(0);
+    expect(await keysCommand(['account', '--account', 'acme', '--billing-day', '5', '--config', file], out)).toBe(0);
+    // An entry the schema refuses, as a hand edit could leave one, after the four.
+    const bad = '  - { id: Bad!, hash: nope, plan: free }\n';
+    const before = readFileSync(file, 'utf8');
+    // The keys section ends where `accounts:` begins (the account command added it last).
+    writeFileSync(file, before.includes('\naccounts:') ? before.replace('\naccounts:', `\n${bad}accounts:`) : `${before}${bad}`);
     const inFile = (ids: string[]) => {
       const text = readFileSync(file, 'utf8');
       return ids.filter((id) => text.includes(`id: ${id}`));
@@ -170,12 +176,12 @@ describe('the keys command at scale', () => {
     const io = { out: () => {}, err: (line: string) => void (stderr += `${line}\n`) };
     const env = { PATH: process.env.PATH ?? '', KEY_STORE: 'redis', REDIS_URL: inject('redisUrl'), REDIS_KEY_PREFIX: prefix };
     expect(await keysCommand(['import', '--config', file], io, env)).toBe(1); // the unreadable entry is an error
-    expect(stderr).toContain('not imported, left in the file: keys.3.id: ');
+    expect(stderr).toContain('not imported, left in the file: keys.4.id: ');
     expect(stderr).toContain('conflict: "clash" is in the key registry with another key; left in the file\n');
     expect(stderr).toContain(
-      `imported 1 keys from ${file} into the key registry, 1 already there, 1 conflicts, 1 unreadable; removed 2 from ${file}\n`,
+      `imported 2 keys from ${file} into the key registry, 1 already there, 1 conflicts, 1 unreadable; removed 2 from ${file}; 1 left in it too, as their accounts have settings there (a file account needs a key in the file)\n`,
     );
-    expect(inFile(['fresh', 'same', 'clash', 'Bad!'])).toEqual(['clash', 'Bad!']);
+    expect(inFile(['fresh', 'same', 'clash', 'held', 'Bad!'])).toEqual(['clash', 'held', 'Bad!']);
     expect(readFileSync(file, 'utf8')).toContain('# Only SHA-256 digests of keys are stored here'); // the rest as it was
     expect((await registry.get('fresh'))?.hash).toBe(made.find((k) => k.id === 'fresh')!.hash);
   });
