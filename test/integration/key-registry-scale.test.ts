@@ -12,7 +12,7 @@ import { scaled } from '../helpers/budget.js';
 import { makeKey, tempDir, type TestKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { runToEnd } from '../helpers/processes.js';
-import { spawnRedis } from '../helpers/redis.js';
+import { spawnCluster, spawnRedis } from '../helpers/redis.js';
 import { eventually } from '../helpers/time.js';
 
 // Keys at scale (issue 44): the admin list and `keys list` go a page at a time through either
@@ -104,6 +104,22 @@ describe('the admin key list, a page at a time', () => {
     expect(body.keys).toHaveLength(50);
     // The heartbeat reads the instances' hash now and then: a few more, never thousands.
     expect((await reads()) - before).toBeLessThan(60);
+  });
+
+  it('walks the key registry on a Redis Cluster (the page script reads its records on the ids index node)', {
+    timeout: scaled(60_000),
+  }, async () => {
+    const cluster = await spawnCluster();
+    onTestFinished(() => cluster.stop());
+    const gw = await buildTestGateway({
+      config: testConfig([]),
+      admin: { token: TOKEN },
+      settings: { keyStore: 'redis', redisClusterNodes: cluster.nodes },
+    });
+    const config = gw.gateway.config();
+    const all = entries(30);
+    await seed(new RegistryKeys(gw.redis!, () => config, config.redisPrefix), all);
+    expect(await walk(gw, '', 7)).toEqual(all.map((e) => e.id));
   });
 
   it('walks the config file in force: every key once, filters, limits', async () => {
