@@ -324,3 +324,30 @@ export const median = (xs: number[]) => {
   const s = [...xs].sort((a, b) => a - b);
   return s.length % 2 ? s[(s.length - 1) / 2]! : (s[s.length / 2 - 1]! + s[s.length / 2]!) / 2;
 };
+
+/** The status of a request with `key` (0 when it could not be sent). */
+export async function status(url: string, key: string): Promise<number> {
+  const res = await fetch(url, { headers: { authorization: `Bearer ${key}` } }).catch(() => undefined);
+  await res?.arrayBuffer();
+  return res?.status ?? 0;
+}
+
+/** A request every 10 ms with `key` while `work` runs, and one second after: each answer's time (ms). */
+export async function waitsDuring(url: string, key: string, work: () => Promise<unknown>): Promise<number[]> {
+  const waits: number[] = [];
+  const probes: Array<Promise<void>> = [];
+  const timer = setInterval(() => {
+    const t = performance.now();
+    probes.push(status(url, key).then(() => void waits.push(performance.now() - t)));
+  }, 10);
+  await work();
+  await new Promise((r) => setTimeout(r, 1000));
+  clearInterval(timer);
+  await Promise.all(probes);
+  return waits;
+}
+
+/** A request every 10 ms with `key` while `work` runs, and one second after: the longest answer (ms). */
+export async function longestWait(url: string, key: string, work: () => Promise<unknown>): Promise<number> {
+  return Math.round(Math.max(0, ...(await waitsDuring(url, key, work))));
+}

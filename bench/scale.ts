@@ -7,7 +7,8 @@ import { generateKey } from '../gateway/auth/keys.js';
 import { RegistryKeys } from '../gateway/auth/registry.js';
 import { spawnRedis } from '../test/helpers/redis.js';
 import { testConfig } from '../test/helpers/config.js';
-import { ROOT, scratch, startGatewayBuild, startPetBackend, writeResults } from './lib.js';
+import { longestWait, ROOT, scratch, startGatewayBuild, startPetBackend, status, writeResults } from './lib.js';
+import { type KeysRow, measureKeys, printKeys } from './scale-keys.js';
 
 // `npm run bench:scale` (this, then scale-export.ts: usage export's idle Redis commands and lag
 // with 100,000 accounts): what the number of keys costs, on loopback, in the config file (the
@@ -15,7 +16,9 @@ import { ROOT, scratch, startGatewayBuild, startPetBackend, writeResults } from 
 // is accepted, the gateway's RSS, a key change through the admin API and through the compiled
 // keys command (Node's start included), how long until the new key is accepted, and the
 // longest wait of a request sent every 10 ms while keys change. Sizes: BENCH_SCALE_FILE
-// (default 10000) and BENCH_SCALE_REGISTRY (default 10000,100000; add 1000000 for the big row).
+// (default 10000) and BENCH_SCALE_REGISTRY (default 10000,100000; add 1000000 for the big row);
+// then `keys import` and the paged admin list at BENCH_SCALE_IMPORT keys (default 1000000, about
+// three minutes; empty the other two to run these rows alone).
 
 const run = promisify(execFile);
 const TOKEN = 'bench-scale-token-0123456789';
@@ -39,12 +42,6 @@ interface Row {
 const rssMb = (pid: number) => Number(readFileSync(`/proc/${pid}/status`, 'utf8').match(/VmRSS:\s+(\d+)/)![1]) / 1024;
 const since = (t: number) => Math.round(performance.now() - t);
 
-async function status(url: string, key: string): Promise<number> {
-  const res = await fetch(url, { headers: { authorization: `Bearer ${key}` } }).catch(() => undefined);
-  await res?.arrayBuffer();
-  return res?.status ?? 0;
-}
-
 async function until200(url: string, key: string, everyMs: number, limitMs: number): Promise<number> {
   const t = performance.now();
   while (performance.now() - t < limitMs) {
@@ -52,21 +49,6 @@ async function until200(url: string, key: string, everyMs: number, limitMs: numb
     await new Promise((r) => setTimeout(r, everyMs));
   }
   throw new Error(`a key not accepted within ${limitMs} ms`);
-}
-
-/** A request every 10 ms with `key` while `work` runs, and one second after: the longest answer (ms). */
-async function longestWait(url: string, key: string, work: () => Promise<unknown>): Promise<number> {
-  let longest = 0;
-  const probes: Array<Promise<void>> = [];
-  const timer = setInterval(() => {
-    const t = performance.now();
-    probes.push(status(url, key).then(() => void (longest = Math.max(longest, performance.now() - t))));
-  }, 10);
-  await work();
-  await new Promise((r) => setTimeout(r, 1000));
-  clearInterval(timer);
-  await Promise.all(probes);
-  return Math.round(longest);
 }
 
 async function measure(store: 'file' | 'redis', keys: number): Promise<Row> {
@@ -129,13 +111,18 @@ async function measure(store: 'file' | 'redis', keys: number): Promise<Row> {
 const rows: Row[] = [];
 for (const keys of sizes('BENCH_SCALE_FILE', '10000')) rows.push(await measure('file', keys));
 for (const keys of sizes('BENCH_SCALE_REGISTRY', '10000,100000')) rows.push(await measure('redis', keys));
-console.log(
-  `\n| store | keys | boot until a key is accepted | RSS | RSS, ${USED.toLocaleString('en')} keys in use | key change, admin API | keys command (Node start included) | new key accepted after | longest wait of a request every 10 ms during ${CHANGES} changes |`,
-);
-console.log('|---|---|---|---|---|---|---|---|---|');
+if (rows.length > 0)
+  console.log(
+    `\n| store | keys | boot until a key is accepted | RSS | RSS, ${USED.toLocaleString('en')} keys in use | key change, admin API | keys command (Node start included) | new key accepted after | longest wait of a request every 10 ms during ${CHANGES} changes |`,
+  );
+if (rows.length > 0) console.log('|---|---|---|---|---|---|---|---|---|');
 for (const r of rows) {
   console.log(
     `| ${r.store} | ${r.keys.toLocaleString('en')} | ${r.bootMs} ms | ${r.rssMb} MB | ${r.rssUsedMb} MB | ${r.adminChangeMs} ms | ${r.cliChangeMs} ms | ${r.acceptedAfterMs} ms | ${r.longestWaitMs} ms |`,
   );
 }
-writeResults('scale', { rows });
+// The import and the paged listing at a million keys (BENCH_SCALE_IMPORT; bench/scale-keys.ts).
+const keyRows: KeysRow[] = [];
+for (const keys of sizes('BENCH_SCALE_IMPORT', '1000000')) keyRows.push(await measureKeys(keys));
+printKeys(keyRows);
+writeResults('scale', { rows, keyRows });

@@ -241,7 +241,8 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
     ...settings,
     ...parts,
     find: parts.find ?? keyFinder(parts.config),
-    keys: parts.keys ?? (settings.configFile ? fileKeys(settings.configFile) : undefined),
+    // The list pages over the config in force, which every reload has parsed already.
+    keys: parts.keys ?? (settings.configFile ? fileKeys(settings.configFile, {}, parts.config) : undefined),
   };
   const app = adminServer(deps.log, deps.requestTimeoutMs);
   await app.register(swagger, DOCUMENT);

@@ -9,8 +9,10 @@ import {
   failure,
   IssuedKey,
   KeyList,
+  KeyListQuery,
   KeyParams,
   NewKey,
+  PAGE_LIMIT,
   Revoked,
   RotatedKey,
   Rotation,
@@ -36,6 +38,14 @@ async function keyCall<T>(work: () => T | Promise<T>): Promise<T> {
   }
 }
 
+/** A page's cursor: the last id it looked at, opaque to the caller (a later version may put more in it). */
+const cursorOf = (lastId: string) => Buffer.from(lastId).toString('base64url');
+function afterOf(cursor: string): string {
+  const id = Buffer.from(cursor, 'base64url').toString();
+  if (!/^[a-z0-9_-]{1,64}$/.test(id)) throw new GatewayError('bad_request', 'cursor: not one a page of this list gave');
+  return id;
+}
+
 const noFile = failure('route_not_found: this instance has no config file to manage keys in');
 const notFound = failure('key_not_found');
 const readOnly = failure('config_read_only: the config file cannot be written here; config_busy: another editor holds it');
@@ -44,7 +54,13 @@ const NOTE = 'The key is shown only now; the gateway accepts it once it has relo
 
 /** The key API's operations, as validated and documented. */
 const SCHEMAS = {
-  list: { operationId: 'listKeys', tags, response: { 200: KeyList, 404: noFile } },
+  list: {
+    operationId: 'listKeys',
+    tags,
+    description: 'The keys a page at a time, in id order: follow `next` until an answer has none.',
+    querystring: KeyListQuery,
+    response: { 200: KeyList, 400: failure('bad_request: a query parameter out of range, or a cursor this API did not give'), 404: noFile },
+  },
   create: {
     operationId: 'createKey',
     tags,
@@ -111,7 +127,11 @@ export const keyApi: FastifyPluginAsyncTypebox<{
     return keys;
   };
 
-  app.get('/admin/keys', { schema: SCHEMAS.list }, async () => ({ keys: await keyCall(() => store().list()) }));
+  app.get('/admin/keys', { schema: SCHEMAS.list }, async (request) => {
+    const { limit = PAGE_LIMIT.default, cursor, account, status } = request.query;
+    const page = await keyCall(() => store().page({ limit, after: cursor === undefined ? undefined : afterOf(cursor), account, status }));
+    return { keys: page.keys, ...(page.last !== undefined && { next: cursorOf(page.last) }) };
+  });
 
   app.post('/admin/keys', { schema: SCHEMAS.create }, async (request, reply) => {
     const created = await keyCall(() => store().create(request.body));

@@ -80,13 +80,15 @@ export const Revoked = described(
   'Revoked: the key answers 401 once the file is reloaded',
 );
 
+const KeyStatus = Type.Union([Type.Literal('active'), Type.Literal('expired'), Type.Literal('revoked')]);
+
 const KeyRow = Type.Object(
   {
     id: Type.String(),
     account: Type.String(),
     plan: Type.String(),
     limits: Type.Object(optionalLimitFields()),
-    status: Type.Union([Type.Literal('active'), Type.Literal('expired'), Type.Literal('revoked')]),
+    status: KeyStatus,
     // As written in the file, where seconds may be left out: not always RFC 3339's date-time.
     createdAt: Type.Optional(Type.String()),
     expiresAt: Type.Optional(Type.String()),
@@ -120,7 +122,33 @@ export const AccountSettings = Type.Object(
   { title: 'AccountSettings', description: "The account's settings as the config file now holds them" },
 );
 
-export const KeyList = described(Type.Object({ keys: Type.Array(KeyRow) }), 'Every key, never a secret or a digest');
+/** The list's page size: bounded, so a page costs the same at a million keys as at ten. */
+export const PAGE_LIMIT = { default: 100, maximum: 1000 } as const;
+
+export const KeyListQuery = Type.Object(
+  {
+    limit: Type.Optional(
+      Type.Integer({ minimum: 1, maximum: PAGE_LIMIT.maximum, default: PAGE_LIMIT.default, description: 'Keys in a page at most' }),
+    ),
+    cursor: Type.Optional(Type.String({ minLength: 1, maxLength: 100, description: "The previous page's `next`: the page after it" })),
+    account: Type.Optional(Type.String({ ...Name, description: "Only this account's keys" })),
+    status: Type.Optional({ ...KeyStatus, description: 'Only keys in this state' }),
+  },
+  { additionalProperties: false },
+);
+export type KeyListQuery = Static<typeof KeyListQuery>;
+
+export const KeyList = described(
+  Type.Object({
+    keys: Type.Array(KeyRow),
+    next: Type.Optional(
+      Type.String({
+        description: 'There may be more: ask again with this as `cursor`. A page may hold fewer keys than `limit` and still have one',
+      }),
+    ),
+  }),
+  'A page of the keys in id order, never a secret or a digest',
+);
 
 /** An account's view (quota/usage-view.ts, as GET /v1/me/usage shows it) and which store it was read from. */
 const Usage = Type.Composite([

@@ -1,7 +1,7 @@
 import { readFileSync, realpathSync, statSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
-import { ConfigError, parseConfigText } from '../config/config.js';
+import { ConfigError, type ConfigFile, type KeyEntry, parseConfigText } from '../config/config.js';
 import { configFilePath, loadSettings, redisTarget } from '../config/settings.js';
 import { closeRedis, connectRedis, type RedisClient } from '../redis/client.js';
 import type { Limits } from '../quota/decision.js';
@@ -10,14 +10,20 @@ import { deploymentPrefix } from '../redis/keys.js';
 import {
   type AccountChange,
   type AccountSettings,
-  addEntries,
   duration,
   fileKeys,
   KeyFileError,
+  type KeyQuery,
+  type KeyRow,
   type KeyStore,
+  pageOf,
+  rowOf,
   setAccount,
 } from './key-file.js';
 import { bothStores, registryAccounts } from './key-stores.js';
+import { exportKeys } from './key-export.js';
+import { importKeys } from './key-import.js';
+import { type ConfigRest, NotBlock, pieces, readConfigRest, readItems } from './key-section.js';
 import { RegistryKeys } from './registry.js';
 
 // `npm run keys -- create|list|revoke|rotate|account|import|export`: the keys in the config file
@@ -34,15 +40,16 @@ const both = (names: string[]) => names.join(' and ');
 
 const USAGE = `usage:
   keys create --plan PLAN [--id ID] [--account ACCOUNT] [${REQUIRED.map((o) => `${o} N`).join(' ')} [${OPTIONAL.map((o) => `${o} N`).join('] [')}]] [--expires-at ISO-DATE] [--config FILE]
-  keys list [--config FILE]
+  keys list [--account ACCOUNT] [--status active|expired|revoked] [--limit N] [--config FILE]
   keys revoke --id ID [--config FILE]
   keys rotate --id ID [--grace DURATION (24h; s, m, h, d)] [--config FILE]
   keys account --account ACCOUNT [--billing-day N (1-31)] [--credits-grant N [--rollover] | --no-credits] [--config FILE]
-  keys import [--config FILE]     (KEY_STORE=redis: the file's keys into the key registry)
+  keys import [--config FILE]     (KEY_STORE=redis: the file's keys into the key registry, and out of the file)
   keys export [--config FILE]     (KEY_STORE=redis: the key registry's keys into the file)
   keys --help
 With KEY_STORE=redis (and REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS), keys are issued,
-listed, revoked and rotated in the key registry; the config file keeps plans and accounts.`;
+listed, revoked and rotated in the key registry; the config file keeps plans and accounts.
+list then lists the file's keys too, with where each is (STORE: file, registry or both).`;
 
 const COMMANDS = ['create', 'list', 'revoke', 'rotate', 'account', 'import', 'export'];
 
@@ -92,6 +99,8 @@ const OPTIONS = {
   'credits-grant': { type: 'string' },
   rollover: { type: 'boolean' },
   'no-credits': { type: 'boolean' },
+  status: { type: 'string' },
+  limit: { type: 'string' },
   ...(Object.fromEntries(WINDOWS.map((w) => [`per-${w.name}`, { type: 'string' }])) as Record<`per-${WindowName}`, { type: 'string' }>),
 } as const;
 
@@ -141,18 +150,31 @@ async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ key
     redis.disconnect();
     throw new Refusal('KEY_STORE=redis: Redis did not answer within 5 s (is it running, and is REDIS_URL right?)');
   }
-  const current = parseConfigText(readFileSync(file, 'utf8'), file, { keysElsewhere: true });
+  // The registry needs the plans and the environment only: a file of 200,000 keys is not built for them.
+  const current = await configRest(file);
   return { keys: new RegistryKeys(redis, () => current, deploymentPrefix(settings.redisKeyPrefix, current.environment)), redis };
+}
+
+/** The file without its keys: the keys section skipped line by line, or (a file of another shape) the whole parsed. */
+async function configRest(file: string): Promise<ConfigRest> {
+  try {
+    return await readConfigRest(file);
+  } catch (err) {
+    if (!(err instanceof NotBlock)) throw err;
+    const whole: Partial<ConfigFile> = parseConfigText(readFileSync(file, 'utf8'), file, { keysElsewhere: true });
+    delete whole.keys;
+    return whole as ConfigRest;
+  }
 }
 
 /** A command on keys: issued in the registry when there is one (and changed in both stores where a key is in both), else in the file. */
 async function onKeys(command: string, file: string, values: Values, io: KeysOutput, registry?: RegistryKeys): Promise<void> {
   const keys: KeyStore = registry ? bothStores(file, registry) : fileKeys(file);
-  if (command === 'list') await list(keys, io);
+  if (command === 'list') await list(file, values, io, registry);
   else if (command === 'create') await create(keys, values, io);
   else if (command === 'import' || command === 'export') {
     if (!registry) throw new UsageError(`${command} moves keys between the file and the key registry: set KEY_STORE=redis`);
-    await (command === 'import' ? importKeys(file, registry, io) : exportKeys(file, registry, io));
+    await (command === 'import' ? importInto(file, registry, io) : exportInto(file, registry, io));
   } else if (command === 'rotate') {
     if (!values.id) throw new UsageError('rotate needs --id');
     const r = await keys.rotate(values.id, duration(values.grace ?? '24h'));
@@ -167,45 +189,141 @@ async function onKeys(command: string, file: string, values: Values, io: KeysOut
   }
 }
 
-/** The file's keys into the registry, each once (an id the registry has is left as it is there). */
-async function importKeys(file: string, registry: RegistryKeys, io: KeysOutput): Promise<void> {
-  const { keys } = parseConfigText(readFileSync(file, 'utf8'), file, { keysElsewhere: true });
-  let added = 0;
-  for (const entry of keys) if (await registry.add(entry)) added++;
+/** The file's keys into the registry, and out of the file once there (key-import.ts says why). */
+async function importInto(file: string, registry: RegistryKeys, io: KeysOutput): Promise<void> {
+  const r = await importKeys(file, registry);
+  for (const problem of r.bad) io.err(`not imported, left in the file: ${problem}`);
+  for (const id of r.conflicts) io.err(`conflict: "${id}" is in the key registry with another key; left in the file`);
+  const kept =
+    r.kept > 0 ? `; ${r.kept} left in it too, as their accounts have settings there (a file account needs a key in the file)` : '';
   io.err(
-    `imported ${added} of ${keys.length} keys from ${file} into the key registry (${keys.length - added} already there); they work from both until you remove them from the file`,
+    `imported ${r.imported} keys from ${file} into the key registry, ${r.already} already there, ${r.conflicts.length} conflicts, ${r.bad.length} unreadable; removed ${r.removed} from ${file}${kept}`,
   );
+  if (r.bad.length > 0) throw new Refusal(`${r.bad.length} entries of ${file} could not be read (above): fix them and run import again`);
 }
 
 /** The registry's keys into the file, each once (an id the file has is left as it is there). */
-async function exportKeys(file: string, registry: RegistryKeys, io: KeysOutput): Promise<void> {
-  const entries = [];
-  for await (const entry of registry.entries()) entries.push(entry);
-  const added = await addEntries(file, entries);
-  io.err(`exported ${added} of ${entries.length} keys from the key registry into ${file} (${entries.length - added} already there)`);
+async function exportInto(file: string, registry: RegistryKeys, io: KeysOutput): Promise<void> {
+  const { added, total } = await exportKeys(file, registry);
+  io.err(`exported ${added} of ${total} keys from the key registry into ${file} (${total - added} already there)`);
 }
 
-async function list(keys: KeyStore, io: KeysOutput): Promise<void> {
-  const rows = (await keys.list()).map((k) => {
-    const status =
-      k.status === 'revoked'
-        ? `revoked ${k.revokedAt}`
-        : k.status === 'expired'
-          ? `expired ${k.expiresAt}`
-          : k.expiresAt
-            ? `active, expires ${k.expiresAt}`
-            : 'active';
-    return [k.id, k.account, k.plan, limitsText(k.limits), status, k.createdAt ?? ''];
-  });
-  const all = [['ID', 'ACCOUNT', 'PLAN', 'LIMITS', 'STATUS', 'CREATED'], ...rows];
-  const widths = all[0]!.map((_, i) => Math.max(...all.map((r) => r[i]!.length)));
-  for (const r of all)
-    io.out(
-      r
-        .map((c, i) => c.padEnd(widths[i]!))
-        .join('  ')
-        .trimEnd(),
-    );
+/** Keys printed at a time: each such page is laid out alone, so no step holds every row. */
+const LIST_PAGE = 1000;
+const STATUSES: ReadonlyArray<KeyRow['status']> = ['active', 'expired', 'revoked'];
+
+/** The list's filters from its options. */
+function listQuery(values: Values): Omit<KeyQuery, 'limit' | 'after'> & { most: number } {
+  const { status, limit } = values;
+  if (status !== undefined && !STATUSES.includes(status as KeyRow['status']))
+    throw new UsageError(`--status: one of ${STATUSES.join(', ')}`);
+  if (limit !== undefined && !/^[1-9][0-9]*$/.test(limit)) throw new UsageError('--limit: a whole number, 1 or more');
+  return {
+    ...(values.account !== undefined && { account: values.account }),
+    ...(status !== undefined && { status: status as KeyRow['status'] }),
+    most: limit === undefined ? Number.POSITIVE_INFINITY : Number(limit),
+  };
+}
+
+/** The keys, a page at a time: the file's (KEY_STORE=file), or the registry's and the file's side by side, with where each is. */
+async function list(file: string, values: Values, io: KeysOutput, registry?: RegistryKeys): Promise<void> {
+  const { most, ...filters } = listQuery(values);
+  const print = printer(io, registry !== undefined);
+  let left = most;
+  const emit = (rows: Array<{ row: KeyRow; store?: string }>) => {
+    const shown = rows.slice(0, left);
+    left -= shown.length;
+    print(shown);
+    return left > 0;
+  };
+  if (!registry) {
+    const current = parseConfigText(readFileSync(file, 'utf8'), file);
+    let after: string | undefined;
+    do {
+      const page = pageOf(current.keys, current.plans, { ...filters, limit: LIST_PAGE, after });
+      if (!emit(page.keys.map((row) => ({ row })))) return;
+      after = page.last;
+    } while (after !== undefined);
+    return;
+  }
+  await listBoth(file, registry, filters, emit);
+}
+
+/** The registry's pages merged in id order with the file's keys (the file's whole: the gateway holds them all anyway). */
+async function listBoth(
+  file: string,
+  registry: RegistryKeys,
+  filters: Omit<KeyQuery, 'limit' | 'after'>,
+  emit: (rows: Array<{ row: KeyRow; store?: string }>) => boolean,
+): Promise<void> {
+  const { plans } = await configRest(file);
+  const inFile = (await fileEntries(file, plans)).sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
+  const wanted = (row: KeyRow) =>
+    (filters.account === undefined || row.account === filters.account) && (filters.status === undefined || row.status === filters.status);
+  let f = 0;
+  let after: string | undefined;
+  for (;;) {
+    const page = await registry.entriesAfter(after, LIST_PAGE);
+    const bound = page.last;
+    const merged: Array<{ entry: KeyEntry; store: string }> = [];
+    for (const entry of page.entries) {
+      while (f < inFile.length && inFile[f]!.id < entry.id) merged.push({ entry: inFile[f++]!, store: 'file' });
+      const twin = f < inFile.length && inFile[f]!.id === entry.id ? inFile[f++]! : undefined;
+      // The same id with another digest is two keys: both listed, each where it is.
+      if (twin && twin.hash === entry.hash) merged.push({ entry: twin, store: 'both' });
+      else merged.push(...(twin ? [{ entry: twin, store: 'file' }] : []), { entry, store: 'registry' });
+    }
+    while (f < inFile.length && (bound === undefined || inFile[f]!.id <= bound)) merged.push({ entry: inFile[f++]!, store: 'file' });
+    const rows = merged.map(({ entry, store }) => ({ row: rowOf(entry, plans), store })).filter(({ row }) => wanted(row));
+    if (!emit(rows) || bound === undefined) return;
+    after = bound;
+  }
+}
+
+/** The file's key entries, read item by item (or, for a file of another shape, parsed whole); an unreadable one is skipped. */
+async function fileEntries(file: string, plans: ConfigRest['plans']): Promise<KeyEntry[]> {
+  try {
+    const out: KeyEntry[] = [];
+    for await (const chunk of pieces(file)) {
+      const items = chunk.filter((p) => p.kind === 'item');
+      for (const read of readItems(items, plans)) if (read.entry) out.push(read.entry);
+    }
+    return out;
+  } catch (err) {
+    if (!(err instanceof NotBlock)) throw err;
+    return parseConfigText(readFileSync(file, 'utf8'), file).keys;
+  }
+}
+
+/** Prints pages of rows, each laid out on its own widths; the header once, with the first. */
+function printer(io: KeysOutput, withStore: boolean) {
+  const header = ['ID', 'ACCOUNT', 'PLAN', 'LIMITS', 'STATUS', 'CREATED', ...(withStore ? ['STORE'] : [])];
+  let first = true;
+  return (rows: Array<{ row: KeyRow; store?: string }>) => {
+    const cells = rows.map(({ row: k, store }) => [...cellsOf(k), ...(withStore ? [store ?? ''] : [])]);
+    const all = first ? [header, ...cells] : cells;
+    first = false;
+    const widths = header.map((_, i) => all.reduce((w, r) => Math.max(w, r[i]!.length), 0));
+    for (const r of all)
+      io.out(
+        r
+          .map((c, i) => c.padEnd(widths[i]!))
+          .join('  ')
+          .trimEnd(),
+      );
+  };
+}
+
+function cellsOf(k: KeyRow): string[] {
+  const status =
+    k.status === 'revoked'
+      ? `revoked ${k.revokedAt}`
+      : k.status === 'expired'
+        ? `expired ${k.expiresAt}`
+        : k.expiresAt
+          ? `active, expires ${k.expiresAt}`
+          : 'active';
+  return [k.id, k.account, k.plan, limitsText(k.limits), status, k.createdAt ?? ''];
 }
 
 async function create(keys: KeyStore, values: Values, io: KeysOutput): Promise<void> {

@@ -7,7 +7,7 @@ import ms from 'ms';
 import lockfile from 'proper-lockfile';
 import writeFileAtomic from 'write-file-atomic';
 import { type Document, isMap, isScalar, isSeq, parseDocument, type YAMLMap, type YAMLSeq } from 'yaml';
-import { AccountSchema, ConfigFile, type ConfigOptions, type KeyLimits, parseConfigText } from '../config/config.js';
+import { AccountSchema, ConfigFile, type ConfigOptions, type KeyEntry, type KeyLimits, parseConfigText } from '../config/config.js';
 import { type LimitField, WINDOWS } from '../quota/windows.js';
 import { generateKey } from './keys.js';
 
@@ -66,12 +66,6 @@ export function duration(text: string): number {
   if (value === undefined || !(value > 0))
     throw new KeyFileError(`expected a number and s, m, h or d (24h), got "${text}"`, 'invalid', 'grace');
   return value;
-}
-
-/** Every key, without secrets (the file holds none), with its state now. */
-export function listKeys(file: string, options: ConfigOptions = {}): KeyRow[] {
-  const current = parseConfigText(readFileSync(file, 'utf8'), file, options);
-  return current.keys.map((k) => rowOf(k, current.plans));
 }
 
 /** A key's row, as the list shows it (the file's and the key registry's alike). */
@@ -306,7 +300,7 @@ async function save(file: string, before: string, doc: Document, options: Config
  * One editor at a time: two concurrent creates must not drop a key. Waits up to about 5 s for
  * another editor; a lock untouched for 10 s is a crashed editor's, and is taken over.
  */
-async function lock(file: string): Promise<{ release: () => Promise<void>; lost: () => boolean }> {
+export async function lock(file: string): Promise<{ release: () => Promise<void>; lost: () => boolean }> {
   let compromised = false;
   try {
     // A folder that cannot be written is said at once: proper-lockfile would retry every error for 5 s.
@@ -333,11 +327,26 @@ async function lock(file: string): Promise<{ release: () => Promise<void>; lost:
   }
 }
 
+/** A page of the key list asked for: at most `limit` keys, in id order after the id `after`, filtered. */
+export interface KeyQuery {
+  limit: number;
+  after?: string;
+  account?: string;
+  status?: KeyRow['status'];
+}
+
+/** A page of the key list: `last` (the last id looked at) is there when more may follow. */
+export interface KeyPage {
+  keys: KeyRow[];
+  last?: string;
+}
+
 /** Where keys are issued, listed, revoked and rotated: the config file, or the key registry (registry.ts). */
 export interface KeyStore {
   /** Said in messages: the file's path, or "the key registry". */
   where: string;
-  list(): Promise<KeyRow[]>;
+  /** A page of the list: there is no call for every key at once (a store may hold millions). */
+  page(query: KeyQuery): Promise<KeyPage>;
   create(request: NewKey): Promise<{ id: string; key: string }>;
   /** `stores`: where the key was changed (`where` of each store, a key in two stores being changed in both). */
   revoke(id: string): Promise<{ revokedAt: string; stores: string[] }>;
@@ -354,11 +363,55 @@ export interface Rotated {
   stores: string[];
 }
 
-/** The config file as a key store; `options.keysElsewhere` where the key registry is in use beside it. */
-export function fileKeys(file: string, options: ConfigOptions = {}): KeyStore {
+/** The file's entries in id order, sorted once per list of keys (a config in force is listed page after page). */
+const sortedKeys = new WeakMap<readonly KeyEntry[], KeyEntry[]>();
+function byId(keys: readonly KeyEntry[]): KeyEntry[] {
+  let sorted = sortedKeys.get(keys);
+  if (!sorted) {
+    sorted = [...keys].sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
+    sortedKeys.set(keys, sorted);
+  }
+  return sorted;
+}
+
+/** A page of keys held in memory: a binary search to `after`, then the filters until the page is full. */
+export function pageOf(keys: readonly KeyEntry[], plans: ConfigFile['plans'], query: KeyQuery): KeyPage {
+  const sorted = byId(keys);
+  let lo = 0;
+  let hi = sorted.length;
+  while (query.after !== undefined && lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (sorted[mid]!.id <= query.after) lo = mid + 1;
+    else hi = mid;
+  }
+  const rows: KeyRow[] = [];
+  for (let i = lo; i < sorted.length; i++) {
+    const k = sorted[i]!;
+    if (query.account !== undefined && (k.account ?? k.id) !== query.account) continue;
+    const row = rowOf(k, plans);
+    if (query.status !== undefined && row.status !== query.status) continue;
+    rows.push(row);
+    if (rows.length === query.limit) return { keys: rows, ...(i + 1 < sorted.length && { last: k.id }) };
+  }
+  return { keys: rows };
+}
+
+/**
+ * The config file as a key store; `options.keysElsewhere` where the key registry is in use beside
+ * it. `inForce`: the config the process already holds (the admin port's), which a listing pages
+ * over rather than reading the file again for every page.
+ */
+export function fileKeys(
+  file: string,
+  options: ConfigOptions = {},
+  inForce?: () => { keys: readonly KeyEntry[]; plans: ConfigFile['plans'] },
+): KeyStore {
   return {
     where: file,
-    list: async () => listKeys(file, options),
+    page: async (query) => {
+      const current = inForce?.() ?? parseConfigText(readFileSync(file, 'utf8'), file, options);
+      return pageOf(current.keys, current.plans, query);
+    },
     create: (request) => createKey(file, request, options),
     revoke: async (id) => ({ ...(await revokeKey(file, id, options)), stores: [file] }),
     rotate: async (id, graceMs) => ({ ...(await rotateKey(file, id, graceMs, options)), stores: [file] }),
@@ -376,5 +429,17 @@ export function addEntries(file: string, entries: ConfigFile['keys']): Promise<n
       added++;
     }
     return added;
+  });
+}
+
+/**
+ * Removes entries `keys import` put in the key registry, each only while the file still holds it
+ * as it was imported (`gone`: id to the entry's JSON), so an edit made meanwhile is kept.
+ */
+export function removeEntries(file: string, gone: ReadonlyMap<string, string>): Promise<number> {
+  return edit(file, { keysElsewhere: true }, (_current, keys) => {
+    const before = keys.items.length;
+    keys.items = keys.items.filter((k) => !(isMap(k) && gone.get(String(k.get('id'))) === JSON.stringify(k.toJSON())));
+    return before - keys.items.length;
   });
 }

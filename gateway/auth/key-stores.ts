@@ -31,7 +31,8 @@ export function bothStores(file: string, registry: RegistryKeys): KeyStore {
 
   return {
     where: registry.where,
-    list: () => registry.list(),
+    // The registry's keys: with KEY_STORE=redis the admin listing pages the store in use (keys list shows both).
+    page: (query) => registry.page(query),
 
     async create(request: NewKey) {
       const current = read();

@@ -176,6 +176,8 @@ export interface GatewayConfig {
   plans: ConfigFile['plans'];
   /** Keys by the SHA-256 of the key: the only index, so the plain key is never kept. */
   consumers: ReadonlyMap<string, Consumer>;
+  /** The file's key entries as written (no secret is in them): what the admin port lists, a page at a time. */
+  keys: readonly KeyEntry[];
   /** A key (of the file or of the key registry) as the hot path reads it, under this config's plans and accounts. */
   consumerOf(key: KeyEntry): Consumer | undefined;
   /** The account a key subject's Redis name is of (`<prefix>:<environment>:{k:<account>}`), or undefined for another name. */
@@ -399,6 +401,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
     redisPrefix,
     plans: file.plans,
     consumers,
+    keys: file.keys,
     consumerOf,
     accountOf: (name: string) => accountOfName(redisPrefix, name),
     addressSubject: (address: string) => ({

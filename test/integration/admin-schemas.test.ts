@@ -1,4 +1,4 @@
-import { readFileSync } from 'node:fs';
+import { readFileSync, statSync } from 'node:fs';
 import { join } from 'node:path';
 import { Validator } from '@seriousme/openapi-schema-validator';
 import { Ajv2020 } from 'ajv/dist/2020.js';
@@ -6,7 +6,7 @@ import formats from 'ajv-formats';
 import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { buildAdmin } from '../../gateway/admin/app.js';
-import { compileConfig, validateConfigFile } from '../../gateway/config/config.js';
+import { compileConfig, loadConfigFile, validateConfigFile } from '../../gateway/config/config.js';
 import { ErrorBody } from '../../gateway/errors.js';
 import { loadSettings } from '../../gateway/config/settings.js';
 import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
@@ -36,11 +36,18 @@ beforeAll(async () => {
   writeConfig(configFile, file);
   const backend = await echoBackend();
   closers.push(() => backend.close());
-  const config = compileConfig(validateConfigFile(file, 'test config'));
+  // The config in force follows the file, as the runner's reload makes it: the key list pages over it.
+  let config = compileConfig(validateConfigFile(file, 'test config'));
+  let seen = statSync(configFile).mtimeMs;
+  const inForce = () => {
+    const now = statSync(configFile).mtimeMs;
+    if (now !== seen) [seen, config] = [now, loadConfigFile(configFile)];
+    return config;
+  };
   const admin = await buildAdmin(
     { backendUrl: backend.url, adminToken: TOKEN, configFile, requestTimeoutMs: loadSettings({}).requestTimeoutMs },
     {
-      config: () => config,
+      config: inForce,
       store: new MemoryQuotaStore(),
       metrics: { contentType: 'text/plain', text: async () => '' },
       closing: () => false,

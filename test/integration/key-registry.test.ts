@@ -1,4 +1,5 @@
 import { execFile } from 'node:child_process';
+import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
 import { Redis } from 'ioredis';
@@ -237,17 +238,20 @@ describe('the key registry', () => {
     const env = { ...process.env, GATEWAY_CONFIG: file, KEY_STORE: 'redis', REDIS_KEY_PREFIX: prefix, REDIS_URL: inject('redisUrl') };
     const keys = (...args: string[]) => run(process.execPath, ['dist/gateway/auth/cli.js', ...args], { env });
     const imported = await keys('import');
-    expect(imported.stderr).toContain('imported 1 of 1 keys');
+    expect(imported.stderr).toContain('imported 1 keys');
+    // The registry holds the key now, and the file no longer does (key-import.ts says why).
+    expect(imported.stderr).toContain(`removed 1 from ${file}`);
+    expect(JSON.parse(readFileSync(file, 'utf8')).keys).toEqual([]);
     const created = await keys('create', '--plan', 'tiny', '--id', 'only-in-registry');
     expect(created.stdout.trim()).toMatch(/^psk_live_/);
     const listed = await keys('list');
-    expect(listed.stdout).toMatch(new RegExp(`${inFile.id}\\s`));
-    expect(listed.stdout).toMatch(/only-in-registry\s/);
+    expect(listed.stdout).toMatch(new RegExp(`^${inFile.id}\\s.*\\sregistry$`, 'm'));
+    expect(listed.stdout).toMatch(/^only-in-registry\s.*\sregistry$/m);
     const rotated = await keys('rotate', '--id', 'only-in-registry', '--grace', '10m');
     expect(rotated.stdout.trim()).toMatch(/^psk_live_/);
     expect(rotated.stderr).toMatch(/new key "only-in-registry-2"/);
     const exported = await keys('export');
-    expect(exported.stderr).toContain('exported 2 of 3 keys');
+    expect(exported.stderr).toContain('exported 3 of 3 keys');
     const fileOnly = await run(process.execPath, ['dist/gateway/auth/cli.js', 'list'], { env: { ...env, KEY_STORE: 'file' } });
     expect(fileOnly.stdout).toMatch(/only-in-registry\s/);
   });
