@@ -220,11 +220,21 @@ describe('what the admin port answers, as documented', () => {
       createdAt: expect.any(String),
     });
     const rotated = await answer('/admin/keys/{id}/rotate', 'post', 201, await post('/admin/keys/made-here/rotate'));
-    expect(rotated).toEqual({ id: 'made-2', key: expect.any(String), account: 'made', plan: 'free', oldExpiresAt: expect.any(String) });
+    // `stores`: where the key was changed (a key in the file and the registry is changed in both).
+    const stores = [expect.stringMatching(/gateway\.yaml$/)];
+    expect(rotated).toEqual({
+      id: 'made-2',
+      key: expect.any(String),
+      account: 'made',
+      plan: 'free',
+      oldExpiresAt: expect.any(String),
+      stores,
+    });
     expect(Date.parse(String(rotated.oldExpiresAt)) - Date.now()).toBeGreaterThan(24 * 3_600_000 - 60_000);
     expect(await answer('/admin/keys/{id}/revoke', 'post', 200, await post('/admin/keys/made-2/revoke', {}))).toEqual({
       id: 'made-2',
       revokedAt: expect.any(String),
+      stores,
     });
     const settings = { billingDay: 3, credits: { grant: 10, every: 'month', rollover: false } };
     const put = await fetch(`${adminUrl}/admin/accounts/made`, {
