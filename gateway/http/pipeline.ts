@@ -177,6 +177,9 @@ function authenticated(
   ctx: RequestContext,
   who: Consumer | GatewayError,
 ): Promise<FastifyReply | void> | undefined {
+  // A key the registry could not be asked about (503): Redis is not answering, and the address's
+  // quota would wait on it a second time; a key refused (401) is counted against its address.
+  if (who instanceof GatewayError && who.status === 503) throw who;
   if (who instanceof GatewayError) return admitByAddress(store, request, reply, who);
   ctx.consumer = who;
   if (isUsagePath(request.url)) return ownRoute(store, request, reply, USAGE_ROUTE.id);
