@@ -2,7 +2,9 @@ import { readFileSync, realpathSync, statSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
 import { ConfigError, type ConfigFile, type KeyEntry, parseConfigText } from '../config/config.js';
-import { configFilePath, loadSettings, redisTarget } from '../config/settings.js';
+import { Type } from '@sinclair/typebox';
+import { readSettings } from '../../runtime/settings.js';
+import { configFilePath, GatewaySettingsSchema, loadSettings, redisTarget } from '../config/settings.js';
 import { closeRedis, connectRedis, type RedisClient } from '../redis/client.js';
 import type { Limits } from '../quota/decision.js';
 import { WINDOWS, type WindowLimits, type WindowName } from '../quota/windows.js';
@@ -126,12 +128,21 @@ async function run(argv: string[], io: KeysOutput, env: NodeJS.ProcessEnv): Prom
   if (!command || !COMMANDS.includes(command)) throw new UsageError(command ? `unknown command "${command}"` : 'missing command');
   const file = values.config ?? configFilePath(env);
   checkFile(file);
-  const registry = env.KEY_STORE === 'redis' ? await openRegistry(file, env) : undefined;
+  const registry = keyStoreOf(env) === 'redis' ? await openRegistry(file, env) : undefined;
   try {
     if (command === 'account') await account(file, values, io, registry?.keys);
     else await onKeys(command, file, values, io, registry?.keys);
   } finally {
     if (registry) await closeRedis(registry.redis);
+  }
+}
+
+/** KEY_STORE through the gateway's own parser: a value the gateway refuses (`Redis`) is refused here in the same words. */
+function keyStoreOf(env: NodeJS.ProcessEnv): 'file' | 'redis' {
+  try {
+    return readSettings(Type.Object({ keyStore: GatewaySettingsSchema.properties.keyStore }), env, 'gateway').keyStore;
+  } catch (err) {
+    throw new Refusal((err as Error).message);
   }
 }
 

@@ -3,6 +3,7 @@ import { join } from 'node:path';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { keysCommand } from '../../gateway/auth/cli.js';
 import { loadConfigFile, parseConfigText } from '../../gateway/config/config.js';
+import { loadSettings } from '../../gateway/config/settings.js';
 import { tempDir } from '../helpers/config.js';
 import { runToEnd } from '../helpers/processes.js';
 
@@ -52,6 +53,16 @@ describe('the keys command, as a new user meets it', () => {
       stderr: `gone/gateway.yaml: no such file ${hint}\n`,
     });
     expect(await keys(['list', '--config', 'config'])).toEqual({ code: 1, stdout: '', stderr: 'config: a directory, not a file\n' });
+  });
+
+  it('reads KEY_STORE as the gateway does: a value it refuses (Redis) is refused in the same words, not taken for the file', async () => {
+    const said = 'Invalid gateway settings:\n  KEY_STORE: expected one of file, redis (got "Redis")';
+    expect(await keys(['list', '--config', 'config/gateway.yaml'], { KEY_STORE: 'Redis' })).toEqual({
+      code: 1,
+      stdout: '',
+      stderr: `${said}\n`,
+    });
+    expect(() => loadSettings({ KEY_STORE: 'Redis' })).toThrow(said);
   });
 
   it('refuses a bad create in a plain sentence naming the option, and leaves the file alone', async () => {
