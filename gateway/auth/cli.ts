@@ -5,7 +5,7 @@ import { ConfigError, type ConfigFile, type KeyEntry, parseConfigText } from '..
 import { Type } from '@sinclair/typebox';
 import { readSettings } from '../../runtime/settings.js';
 import { configFilePath, GatewaySettingsSchema, loadSettings, redisTarget } from '../config/settings.js';
-import { closeRedis, connectRedis, type RedisClient } from '../redis/client.js';
+import { closeRedis, connectRedis, type RedisClient, redisWhere } from '../redis/client.js';
 import type { Limits } from '../quota/decision.js';
 import { WINDOWS, type WindowLimits, type WindowName } from '../quota/windows.js';
 import { deploymentPrefix } from '../redis/keys.js';
@@ -150,20 +150,34 @@ function keyStoreOf(env: NodeJS.ProcessEnv): 'file' | 'redis' {
 async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ keys: RegistryKeys; redis: RedisClient }> {
   const settings = loadSettings(env);
   const redis = connectRedis(redisTarget(settings), settings.redisTimeoutMs)!;
-  const ready = await new Promise<boolean>((resolve) => {
-    const timer = setTimeout(() => resolve(false), 5000);
-    redis.once('ready', () => {
+  // The first error ends the wait: a refused connection or a service that is not Redis is said at once.
+  const ready = await new Promise<true | Error | undefined>((resolve) => {
+    const timer = setTimeout(() => resolve(undefined), 5000);
+    const done = (outcome: true | Error) => {
       clearTimeout(timer);
-      resolve(true);
-    });
+      resolve(outcome);
+    };
+    redis.once('ready', () => done(true));
+    redis.once('error', (err: Error) => done(err));
   });
-  if (!ready) {
+  // Connected is not yet Redis: an HTTP server accepts the connection, then answers the first command with HTML.
+  const answered = ready === true ? await redis.ping().then(() => true as const, (err: Error) => err) : ready;
+  if (answered !== true) {
     redis.disconnect();
-    throw new Refusal('KEY_STORE=redis: Redis did not answer within 5 s (is it running, and is REDIS_URL right?)');
+    throw new Refusal(`KEY_STORE=redis: ${unreachable(redisWhere(redis), answered)}`);
   }
   // The registry needs the plans and the environment only: a file of 200,000 keys is not built for them.
   const current = await configRest(file);
   return { keys: new RegistryKeys(redis, () => current, deploymentPrefix(settings.redisKeyPrefix, current.environment)), redis };
+}
+
+/** Why Redis could not be used, in words a new user can act on. */
+function unreachable(where: string, err: Error | undefined): string {
+  const at = where.replace(/^Redis at /, '');
+  if (!err) return `${where} did not answer within 5 s (is it running, and is REDIS_URL right?)`;
+  if ((err as NodeJS.ErrnoException).code === 'ECONNREFUSED') return `nothing listens at ${at} (is Redis running, and is REDIS_URL right?)`;
+  if (/Protocol error/.test(err.message)) return `something answered at ${at} that is not Redis (is REDIS_URL's port right?)`;
+  return `${where}: ${err.message}`;
 }
 
 /** The file without its keys: the keys section skipped line by line, or (a file of another shape) the whole parsed. */

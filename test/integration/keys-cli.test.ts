@@ -1,10 +1,13 @@
 import { copyFileSync, readFileSync } from 'node:fs';
+import { createServer } from 'node:http';
+import type { AddressInfo } from 'node:net';
 import { join } from 'node:path';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { keysCommand } from '../../gateway/auth/cli.js';
 import { loadConfigFile, parseConfigText } from '../../gateway/config/config.js';
 import { loadSettings } from '../../gateway/config/settings.js';
 import { tempDir } from '../helpers/config.js';
+import { freePort } from '../helpers/net.js';
 import { runToEnd } from '../helpers/processes.js';
 
 /**
@@ -63,6 +66,28 @@ describe('the keys command, as a new user meets it', () => {
       stderr: `${said}\n`,
     });
     expect(() => loadSettings({ KEY_STORE: 'Redis' })).toThrow(said);
+  });
+
+  it('names a wrong Redis at once: a port where nothing listens, and a service there that is not Redis', async () => {
+    const closed = await freePort();
+    const env = { KEY_STORE: 'redis', REDIS_URL: `redis://127.0.0.1:${closed}` };
+    expect(await keys(['list', '--config', 'config/gateway.yaml'], env)).toEqual({
+      code: 1,
+      stdout: '',
+      stderr: `KEY_STORE=redis: nothing listens at 127.0.0.1:${closed} (is Redis running, and is REDIS_URL right?)\n`,
+    });
+    const web = createServer((_req, res) => res.end('<html></html>'));
+    await new Promise<void>((resolve) => web.listen(0, '127.0.0.1', resolve));
+    onTestFinished(() => new Promise<void>((resolve) => web.close(() => resolve())));
+    web.on('connection', (socket) => onTestFinished(() => void socket.destroy()));
+    const { port } = web.address() as AddressInfo;
+    expect(await keys(['list', '--config', 'config/gateway.yaml'], { KEY_STORE: 'redis', REDIS_URL: `redis://127.0.0.1:${port}` })).toEqual(
+      {
+        code: 1,
+        stdout: '',
+        stderr: `KEY_STORE=redis: something answered at 127.0.0.1:${port} that is not Redis (is REDIS_URL's port right?)\n`,
+      },
+    );
   });
 
   it('refuses a bad create in a plain sentence naming the option, and leaves the file alone', async () => {
