@@ -1,4 +1,5 @@
 import { join } from 'node:path';
+import { Redis } from 'ioredis';
 import lockfile from 'proper-lockfile';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import { keysCommand } from '../../gateway/auth/cli.js';
@@ -9,6 +10,7 @@ import type { ConfigFile } from '../../gateway/config/config.js';
 import { registryKeys } from '../../gateway/redis/keys.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { makeKey, type TestKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
+import { spawnRedis } from '../helpers/redis.js';
 import { eventually } from '../helpers/time.js';
 
 // Issue 44's account and plan rules for the key registry (KEY_STORE=redis), through the keys
@@ -186,6 +188,35 @@ describe("an account's keys in the registry", () => {
     const plans = new Set<string>();
     for (const id of ids) plans.add((await d.gw.redis!.hget(names.record((await d.gw.redis!.get(names.id(id)))!), 'plan'))!);
     expect(plans.size).toBe(1);
+  });
+});
+
+describe("an account's check at scale", () => {
+  it('costs a create the same reads in an account of 5,000 keys as in one of one (it read every key of the account)', async () => {
+    const own = await spawnRedis(); // its own Redis: the command counts are this test's alone
+    onTestFinished(() => own.stop());
+    const client = new Redis(own.url);
+    onTestFinished(() => client.disconnect());
+    const config = testConfig([]);
+    const prefix = `${uniquePrefix()}:production`;
+    const registry = new RegistryKeys(client, () => config, prefix);
+    const reads = async () => {
+      const stats = await client.info('commandstats');
+      return ['get', 'hmget', 'smembers', 'srandmember'].reduce(
+        (sum, cmd) => sum + Number(new RegExp(`cmdstat_${cmd}:calls=(\\d+)`).exec(stats)?.[1] ?? 0),
+        0,
+      );
+    };
+    const readsOfOneCreate = async (account: string) => {
+      const before = await reads();
+      await registry.create({ plan: 'free', account });
+      return (await reads()) - before;
+    };
+    await registry.create({ plan: 'free', account: 'small' });
+    const big = Array.from({ length: 5000 }, (_, i) => ({ id: `big-${i}`, hash: makeKey('free').hash, plan: 'free', account: 'big' }));
+    for (let i = 0; i < big.length; i += 1000) await registry.addMany(big.slice(i, i + 1000));
+    expect(await client.scard(registryKeys(prefix).account('big'))).toBe(5000);
+    expect(await readsOfOneCreate('big')).toBe(await readsOfOneCreate('small'));
   });
 });
 
