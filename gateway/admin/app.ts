@@ -16,6 +16,8 @@ import { keyApi } from './keys.js';
 import { failure, Health, Ready, SharedError } from './schemas.js';
 import { alertRoutes, usageRoutes } from './usage.js';
 import { creditRoutes } from './credits.js';
+import { portalAdminRoutes } from './portal.js';
+import { PortalSessions } from '../portal/sessions.js';
 import { recentDeliveries } from '../usage/webhooks.js';
 
 /** What the admin port takes from the settings. */
@@ -24,6 +26,10 @@ export interface AdminSettings {
   adminToken?: string;
   /** GATEWAY_REQUEST_TIMEOUT_MS: a request's headers and body must arrive within it, as on the public port. */
   requestTimeoutMs: number;
+  /** REDIS_TIMEOUT_MS: the portal's Redis calls wait no longer (1 s when left out). */
+  redisTimeoutMs?: number;
+  /** The public origin portal links point at (PORTAL_URL, else the gateway's own address once it listens); relative links when left out. */
+  portalUrl?: () => string;
   /** The config file the account settings edit (the same locked, validated edit as the keys command). */
   configFile?: string;
 }
@@ -119,6 +125,7 @@ const DOCUMENT: SwaggerOptions = {
       { name: 'usage', description: 'What a key or an account has used, from the store the gateway enforces with' },
       { name: 'keys', description: 'The keys command over HTTP: create, list, rotate, revoke, account settings' },
       { name: 'credits', description: "An account's prepaid credits: balance, ledger and top-ups" },
+      { name: 'portal', description: 'The usage portal: sign-in links for account holders, and the audit log of their sessions' },
     ],
     components: { securitySchemes: { adminToken: { type: 'http', scheme: 'bearer', description: 'ADMIN_TOKEN' } } },
   },
@@ -251,6 +258,8 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
     await scope.register(alertRoutes, { deliveries });
     await scope.register(creditRoutes, { store: deps.store, find: deps.find });
     await scope.register(keyApi, { keys: deps.keys, configFile: deps.configFile });
+    const sessions = deps.redis ? new PortalSessions(deps.redis, deps.config, deps.redisTimeoutMs ?? 1000) : undefined;
+    await scope.register(portalAdminRoutes, { find: deps.find, sessions, redis: deps.redis, portalUrl: deps.portalUrl ?? (() => '') });
   });
   return app;
 }

@@ -73,7 +73,14 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   const redis = connectRedis(target, settings.redisTimeoutMs);
   const redisConnection = target && { target, timeoutMs: settings.redisTimeoutMs };
   const gateway = options.serve
-    ? await buildGateway(settings, { config: initial, redis, redisConnection, logStream: options.logStream })
+    ? await buildGateway(settings, {
+        config: initial,
+        redis,
+        redisConnection,
+        logStream: options.logStream,
+        // The file a primary or this process reloads: the portal's keys are issued there.
+        keyFile: options.reloads === 'none' ? undefined : settings.configFile,
+      })
     : undefined;
   const log = gateway?.app.log ?? createLogger('gateway', settings.logLevel, settings.logPretty, () => {}, options.logStream);
   warn = (line) => {
@@ -85,7 +92,12 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   const config = gateway?.config ?? (() => primaryConfig);
   const setConfig = gateway?.setConfig ?? ((next: GatewayConfig) => void (primaryConfig = next));
   let closing = false;
-  const admin = options.admin ? await adminOf(settings, options, { gateway, redis, log, config, closing: () => closing }) : undefined;
+  const listening: { address?: string } = {};
+  // Portal links point at PORTAL_URL, else at this process's public port once it listens.
+  const portalUrl = () => settings.portalUrl ?? listening.address ?? `http://${settings.host}:${settings.port}`;
+  const admin = options.admin
+    ? await adminOf(settings, options, { gateway, redis, log, config, closing: () => closing, portalUrl })
+    : undefined;
   if (!redis) log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
   await awaitRedis(redis, log);
   // Once per deployment process: a single one, or the cluster's primary (its workers serve no admin).
@@ -114,6 +126,7 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   if (options.ownProcess) exitOnSignals(log, settings.shutdownGraceMs + CLOSE_MARGIN_MS, () => close(), options.ownProcess.ignoreSignals);
 
   const address = gateway ? await listenOrExit(gateway.app, settings.port, settings.host, PUBLIC) : undefined;
+  listening.address = address;
   const adminAddress = admin ? await listenOrExit(admin, settings.adminPort, settings.adminHost, ADMIN) : undefined;
   if (options.ownProcess && options.ownProcess.announce) {
     const store = redis ? 'redis' : 'memory';
@@ -129,6 +142,7 @@ interface AdminSources {
   log: FastifyBaseLogger;
   config: () => GatewayConfig;
   closing: () => boolean;
+  portalUrl: () => string;
 }
 
 /**
@@ -146,7 +160,7 @@ function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSour
   const registry =
     settings.keyStore === 'redis' && from.redis ? new RegistryKeys(from.redis, () => from.config(), from.config().redisPrefix) : undefined;
   return buildAdmin(
-    { ...settings, configFile },
+    { ...settings, configFile, portalUrl: from.portalUrl },
     {
       config: from.config,
       store,

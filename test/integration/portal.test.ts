@@ -1,0 +1,229 @@
+import { join } from 'node:path';
+import type { Browser, BrowserContext, Page } from 'playwright-core';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { portalKeys } from '../../gateway/redis/keys.js';
+import {
+  digest,
+  expectAccessible,
+  freshPage,
+  launch,
+  postForm,
+  sessionCookieOf,
+  windowFigures,
+} from '../helpers/browser.js';
+import { makeKey, type TestKey, tempDir, testConfig } from '../helpers/config.js';
+import { useTestGateway } from '../helpers/gateway.js';
+import { eventually, sleep } from '../helpers/time.js';
+
+// The usage portal in a real browser (Chromium) against the real gateway and Redis: sign-in by
+// key and by link, sessions, self-service with its audit log, the refusals (CSRF, IDOR, XSS),
+// axe-core on every page, and the page's figures against the RateLimit header.
+
+const TOKEN = 'portal-admin-token-0123456789';
+/** A short grace: long enough to see the old key work after the rotation, short enough to see its 401 in the test. */
+const GRACE_MS = 3000;
+
+const acct = (plan: string, account: string): TestKey => ({ ...makeKey(plan), account });
+const acme1 = acct('free', 'acme');
+const acme2 = acct('free', 'acme');
+const bravo = acct('free', 'bravo');
+const tiny = acct('tiny', 'tinyco');
+const broke = acct('prepaid', 'credit');
+const rot = acct('free', 'rotco');
+const rev = acct('free', 'revco');
+const rev2 = acct('free', 'revco');
+const kbd = acct('free', 'kbdco');
+const csrf = acct('free', 'csrfco');
+
+const dir = tempDir();
+const gw = useTestGateway(() => ({
+  config: testConfig([acme1, acme2, bravo, tiny, broke, rot, rev, rev2, kbd, csrf], {
+    plans: {
+      free: { perMinute: 1000, perDay: 100_000 },
+      tiny: { perMinute: 3, perDay: 100 },
+      prepaid: { perMinute: 1000, perDay: 100_000, credits: { grant: 0, every: 'month' } },
+      enterprise: { custom: true },
+    },
+    // Every page load and sign-in counts on the per-address quota: this test makes many from one address.
+    unauthenticated: { perMinute: 100_000 },
+  }),
+  configFile: join(dir.dir, 'gateway.json'),
+  admin: { token: TOKEN },
+  // No lease (QUOTA_LEASE_MAX=1): each admission is Redis's, so the page must show exactly what the header said.
+  settings: { quotaLeaseMax: 1, portalRotateGraceMs: GRACE_MS },
+}));
+
+let browser: Browser;
+const contexts: BrowserContext[] = [];
+beforeAll(async () => {
+  browser = await launch();
+});
+afterAll(async () => {
+  await browser?.close();
+  dir.cleanup();
+});
+
+async function open(): Promise<Page> {
+  const { context, page } = await freshPage(browser);
+  contexts.push(context);
+  return page;
+}
+
+async function signInByKey(key: string): Promise<Page> {
+  const page = await open();
+  await page.goto(`${gw.url}/portal`);
+  await page.fill('input[name="key"]', key);
+  await page.click('button[type="submit"]');
+  await page.waitForSelector('[data-scope="account"], [data-unavailable]');
+  return page;
+}
+
+async function mintLink(account: string): Promise<{ status: number; body: { url: string; expiresAt: string } }> {
+  const res = await fetch(`${gw.adminUrl}/admin/accounts/${account}/portal-links`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${TOKEN}` },
+  });
+  return { status: res.status, body: await res.json() };
+}
+
+async function signInByLink(account: string): Promise<Page> {
+  const { body } = await mintLink(account);
+  const page = await open();
+  await page.goto(body.url);
+  await page.waitForURL(`${gw.url}/portal`);
+  await page.waitForSelector('[data-scope="account"]');
+  return page;
+}
+
+const audit = async (account: string) =>
+  (await (await fetch(`${gw.adminUrl}/admin/accounts/${account}/audit`, { headers: { authorization: `Bearer ${TOKEN}` } })).json()) as {
+    entries: Array<{ who: string; action: string; keyId: string; newKeyId?: string }>;
+  };
+const status = async (key: string) => (await gw.call('/v1/pets', key)).status;
+/** The session cookie and CSRF token of a signed-in page, for requests made outside it. */
+async function credentials(page: Page) {
+  const cookie = await sessionCookieOf(page.context());
+  const token = await page.locator('input[name="csrf"]').first().getAttribute('value');
+  return { cookie: `portal_session=${cookie!.value}`, csrf: token!, origin: gw.url };
+}
+
+describe('signing in', () => {
+  it('by API key: a read-only page of the account and each of its keys, with a strict, short session cookie', async () => {
+    const page = await open();
+    await page.goto(`${gw.url}/portal`);
+    await expectAccessible(page, 'the sign-in page');
+    await page.fill('input[name="key"]', acme1.key);
+    await page.click('button[type="submit"]');
+    await page.waitForSelector('[data-scope="account"]');
+    await expectAccessible(page, 'the read-only page');
+    for (const scope of ['[data-scope="account"]', `[data-key="${acme1.id}"]`, `[data-key="${acme2.id}"]`]) {
+      for (const w of ['minute', 'day']) expect((await windowFigures(page, scope, w)).limit, `${scope} ${w}`).not.toBeNull();
+    }
+    expect(await windowFigures(page, '[data-scope="account"]', 'minute')).toMatchObject({ limit: '1000' });
+    // Read only: no self-service form, and no other account's key.
+    expect(await page.locator('form[action="/portal/keys"]').count()).toBe(0);
+    expect(await page.locator(`[data-key="${bravo.id}"]`).count()).toBe(0);
+    const html = await page.content();
+    expect(html).not.toContain(acme1.key);
+    const cookie = (await sessionCookieOf(page.context()))!;
+    expect(cookie).toMatchObject({ httpOnly: true, sameSite: 'Strict', path: '/portal', secure: false });
+    expect(cookie.expires * 1000 - Date.now()).toBeLessThanOrEqual(15 * 60_000 + 2000);
+    const ttl = await gw.redis!.pttl(portalKeys(gw.gateway.config().redisPrefix).session(digest(cookie.value)));
+    expect(ttl).toBeGreaterThan(0);
+    expect(ttl).toBeLessThanOrEqual(15 * 60_000);
+  });
+
+  it('refuses a key it does not know, without echoing it', async () => {
+    const page = await open();
+    await page.goto(`${gw.url}/portal`);
+    const guess = `psk_live_${'A'.repeat(36)}<b>x</b>`;
+    await page.fill('input[name="key"]', guess);
+    const answer = page.waitForResponse((r) => r.url().endsWith('/portal/sign-in'));
+    await page.click('button[type="submit"]');
+    expect((await answer).status()).toBe(401);
+    expect(await page.content()).not.toContain('AAAAAAAAAA');
+    expect(await sessionCookieOf(page.context())).toBeUndefined();
+  });
+
+  it('by a portal link: a full session, the token gone from the URL bar and good once', async () => {
+    const minted = await mintLink('acme');
+    expect(minted.status).toBe(201);
+    expect(Date.parse(minted.body.expiresAt) - Date.now()).toBeLessThanOrEqual(15 * 60_000);
+    const token = new URL(minted.body.url).searchParams.get('token')!;
+    // Kept by its digest only: the token is in no Redis key name and no value.
+    const names = await gw.redis!.keys(`${gw.gateway.config().redisPrefix}:{portal}:*`);
+    expect(names.some((n) => n.includes(token))).toBe(false);
+    const page = await open();
+    await page.goto(minted.body.url);
+    await page.waitForURL(`${gw.url}/portal`);
+    await expectAccessible(page, 'the full page');
+    expect(page.url()).not.toContain(token);
+    expect(await page.locator('form[action="/portal/keys"]').count()).toBe(1);
+    const again = await open();
+    const res = await again.goto(minted.body.url);
+    expect(res!.status()).toBe(401);
+    await expectAccessible(again, 'the used-link page');
+    expect((await mintLink('nobody-here')).status).toBe(404);
+  });
+
+  it('refuses an unknown or an ended session', async () => {
+    const bogus = { cookie: 'portal_session=not-a-session' };
+    expect((await fetch(`${gw.url}/portal/usage.csv`, { headers: bogus })).status).toBe(401);
+    const page = await signInByKey(acme1.key);
+    const { value } = (await sessionCookieOf(page.context()))!;
+    expect((await fetch(`${gw.url}/portal/usage.csv`, { headers: { cookie: `portal_session=${value}` } })).status).toBe(200);
+    // Its 15 minutes run out in Redis: the cookie is worth nothing from then on.
+    await gw.redis!.pexpire(portalKeys(gw.gateway.config().redisPrefix).session(digest(value)), 1);
+    await sleep(20);
+    const res = await page.goto(`${gw.url}/portal`);
+    expect(res!.status()).toBe(401);
+    expect(await page.locator('input[name="key"]').count()).toBe(1);
+    expect(await page.locator('[data-window]').count()).toBe(0);
+    expect((await fetch(`${gw.url}/portal/usage.csv`, { headers: { cookie: `portal_session=${value}` } })).status).toBe(401);
+  });
+});
+
+describe('self-service through a portal link', () => {
+  it('rotates: the new key at once, the old one through the grace, then 401; audited', async () => {
+    const page = await signInByLink('rotco');
+    const rotatedAt = Date.now();
+    await page.click(`button:has-text("Rotate ${rot.id}")`);
+    const secret = (await page.locator('[data-secret]').textContent())!.trim();
+    expect(await status(rot.key)).toBe(200);
+    await eventually(async () => (await status(secret)) === 200, 5000, 'the new key accepted');
+    await expectAccessible(page, 'the new-secret page');
+    await eventually(async () => (await status(rot.key)) === 401, GRACE_MS + 5000, 'the old key refused after the grace');
+    // The file keeps whole seconds: the old key's end is the grace, less up to a second.
+    expect(Date.now() - rotatedAt).toBeGreaterThanOrEqual(GRACE_MS - 1000);
+    const { entries } = await audit('rotco');
+    expect(entries[0]).toMatchObject({ action: 'rotate', keyId: rot.id });
+    expect(entries[0]!.who).toMatch(/^rotco\/session:.{8}$/);
+    // Shown once: the page after it does not hold it.
+    await page.goto(`${gw.url}/portal`);
+    expect(await page.content()).not.toContain(secret);
+  });
+
+  it('revokes: the key refused; audited', async () => {
+    expect(await status(rev.key)).toBe(200);
+    const page = await signInByLink('revco');
+    await page.click(`button:has-text("Revoke ${rev.id}")`);
+    await page.waitForSelector('[role="status"]');
+    await eventually(async () => (await status(rev.key)) === 401, 5000, 'the revoked key refused');
+    expect(await status(rev2.key)).toBe(200);
+    expect((await audit('revco')).entries[0]).toMatchObject({ action: 'revoke', keyId: rev.id });
+  });
+
+  it('creates a key with the keyboard alone', async () => {
+    const page = await signInByLink('kbdco');
+    let found = false;
+    for (let i = 0; i < 40 && !found; i++) {
+      await page.keyboard.press('Tab');
+      found = await page.evaluate(() => document.activeElement?.textContent === 'Create a key');
+    }
+    expect(found).toBe(true);
+    await page.keyboard.press('Enter');
+    const secret = (await page.locator('[data-secret]').textContent())!.trim();
+    await eventually(async () => (await status(secret)) === 200, 5000, 'the created key accepted');
+    expect((await audit('kbdco')).entries[0]).toMatchObject({ action: 'create' });
+  });
+});
