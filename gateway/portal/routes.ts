@@ -61,8 +61,8 @@ function keyProblem(err: unknown): never {
   throw err;
 }
 
-export const portalRoutes: FastifyPluginAsync<PortalParts> = async (app, parts) => {
-  const { sessions, figures } = parts;
+/** The scope's own parsing and answers: forms only, HTML refusals, and every other path here. */
+function setUp(app: FastifyInstance): void {
   // Forms only, and small: the fields are a key, a CSRF token and a key id.
   app.addContentTypeParser('application/x-www-form-urlencoded', { parseAs: 'string', bodyLimit: 4096 }, (_req, body, done) => {
     done(null, Object.fromEntries(new URLSearchParams(body as string)));
@@ -80,10 +80,18 @@ export const portalRoutes: FastifyPluginAsync<PortalParts> = async (app, parts) 
       messagePage(`Error (${status})`, status === 500 ? 'Something went wrong on our side.' : 'The request could not be processed.'),
     );
   });
-  app.setNotFoundHandler((_request, reply) => send(reply, 404, messagePage('Not found', 'There is no such page in the portal.')));
+  // Every other path and method under /portal is answered here: the proxy's catch-all route
+  // must never see one (it would forward a request no key admitted).
+  const notFound = (_request: FastifyRequest, reply: FastifyReply) =>
+    send(reply, 404, messagePage('Not found', 'There is no such page in the portal.'));
+  app.all('/*', notFound);
+  app.route({ method: ['POST', 'PUT', 'DELETE', 'PATCH', 'OPTIONS'], url: '/', handler: notFound });
+}
 
-  /** The request's session, or the refusal: 401 without one, 403 for a form without its CSRF token or from another origin. */
-  const sessionOf = async (request: FastifyRequest, form?: { full?: boolean }): Promise<Session> => {
+/** The request's session, or the refusal: 401 without one, 403 for a form without its CSRF token or from another origin. */
+const sessionReader =
+  (sessions: PortalSessions) =>
+  async (request: FastifyRequest, form?: { full?: boolean }): Promise<Session> => {
     const session = await sessions.get(cookieValue(request.headers.cookie, COOKIE));
     if (!session) throw new GatewayError('unauthorized', 'No session, or it has ended: sign in again at /portal');
     if (request.method === 'POST') {
@@ -101,6 +109,18 @@ export const portalRoutes: FastifyPluginAsync<PortalParts> = async (app, parts) 
     return session;
   };
 
+export const portalRoutes: FastifyPluginAsync<PortalParts> = async (app, parts) => {
+  setUp(app);
+  const sessionOf = sessionReader(parts.sessions);
+  pages(app, parts, sessionOf);
+  selfService(app, parts, sessionOf);
+};
+
+type SessionOf = ReturnType<typeof sessionReader>;
+
+/** Sign-in (by key, by link), sign-out, the page and its CSV. */
+function pages(app: FastifyInstance, parts: PortalParts, sessionOf: SessionOf): void {
+  const { sessions, figures } = parts;
   app.get('/', async (request, reply) => {
     const cookie = cookieValue(request.headers.cookie, COOKIE);
     const session = await sessions.get(cookie);
@@ -155,12 +175,10 @@ export const portalRoutes: FastifyPluginAsync<PortalParts> = async (app, parts) 
     reply.header('content-disposition', `attachment; filename="usage-${session.account}.csv"`);
     return send(reply, 200, figuresCsv(f), 'text/csv; charset=utf-8');
   });
-
-  selfService(app, parts, sessionOf);
-};
+}
 
 /** Create, rotate and revoke, for a full session; each action in the account's audit log. */
-function selfService(app: FastifyInstance, parts: PortalParts, sessionOf: (r: FastifyRequest, f?: { full?: boolean }) => Promise<Session>) {
+function selfService(app: FastifyInstance, parts: PortalParts, sessionOf: SessionOf): void {
   const { figures } = parts;
   const store = () => {
     if (!parts.keys) throw new GatewayError('route_not_found', 'Keys cannot be managed on this server: ask your provider');

@@ -1,18 +1,11 @@
 import { join } from 'node:path';
 import type { Browser, BrowserContext, Page } from 'playwright-core';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import { portalKeys } from '../../gateway/redis/keys.js';
-import {
-  digest,
-  expectAccessible,
-  freshPage,
-  launch,
-  postForm,
-  sessionCookieOf,
-  windowFigures,
-} from '../helpers/browser.js';
+import { digest, expectAccessible, freshPage, launch, postForm, sessionCookieOf, windowFigures } from '../helpers/browser.js';
 import { makeKey, type TestKey, tempDir, testConfig } from '../helpers/config.js';
-import { useTestGateway } from '../helpers/gateway.js';
+import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
+import { spawnRedis } from '../helpers/redis.js';
 import { eventually, sleep } from '../helpers/time.js';
 
 // The usage portal in a real browser (Chromium) against the real gateway and Redis: sign-in by
@@ -226,4 +219,195 @@ describe('self-service through a portal link', () => {
     await eventually(async () => (await status(secret)) === 200, 5000, 'the created key accepted');
     expect((await audit('kbdco')).entries[0]).toMatchObject({ action: 'create' });
   });
+});
+
+describe('refusals', () => {
+  it("refuses one account's session every other account's keys (IDOR)", async () => {
+    const page = await signInByLink('acme');
+    const { cookie, csrf: token, origin } = await credentials(page);
+    const headers = { cookie, origin };
+    // Another account's key, a made-up one, and the other account's name where an id goes: each as unknown.
+    for (const id of [bravo.id, 'no-such-key', 'bravo']) {
+      for (const action of ['rotate', 'revoke']) {
+        const res = await postForm(`${gw.url}/portal/keys/${action}`, { csrf: token, id }, headers);
+        expect(res.status, `${action} ${id}`).toBe(404);
+      }
+    }
+    expect(await status(bravo.key)).toBe(200);
+    expect((await audit('bravo')).entries).toEqual([]);
+    // No route takes an account from the request: one named in a query changes nothing.
+    for (const path of ['/portal?account=bravo', '/portal/usage.csv?account=bravo']) {
+      const text = await (await fetch(`${gw.url}${path}`, { headers })).text();
+      expect(text, path).toContain(acme1.id);
+      expect(text, path).not.toContain(bravo.id);
+    }
+  });
+
+  it('refuses a form without its CSRF token, with a wrong one, or from another origin', async () => {
+    const page = await signInByLink('csrfco');
+    const { cookie, csrf: token, origin } = await credentials(page);
+    const keys = `${gw.url}/portal/keys`;
+    const refused = [
+      await postForm(keys, {}, { cookie, origin }),
+      await postForm(keys, { csrf: 'x'.repeat(token.length) }, { cookie, origin }),
+      await postForm(keys, { csrf: token }, { cookie, origin: 'https://evil.example' }),
+      await postForm(keys, { csrf: token }, { cookie }),
+      await postForm(`${gw.url}/portal/sign-in`, { key: csrf.key }, { origin: 'https://evil.example' }),
+    ];
+    expect(refused.map((r) => r.status)).toEqual([403, 403, 403, 403, 403]);
+    expect((await audit('csrfco')).entries).toEqual([]);
+    // The same form with its token and this origin: what the refusals above lacked.
+    expect((await postForm(keys, { csrf: token }, { cookie, origin })).status).toBe(201);
+    // A session opened with a key is read only, whatever its token.
+    const reader = await credentials(await signInByKey(csrf.key));
+    expect((await postForm(keys, { csrf: reader.csrf }, { cookie: reader.cookie, origin })).status).toBe(401);
+  });
+
+  it('renders a script in a ledger reason, a key id and a sign-in inert', async () => {
+    const payload = `<img src=x onerror="window.__xss=1"><script>window.__xss=1</script>"'`;
+    const topUp = await fetch(`${gw.adminUrl}/admin/accounts/credit/credits`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', 'idempotency-key': `xss-${Date.now()}` },
+      body: JSON.stringify({ amount: 50, reason: payload }),
+    });
+    expect(topUp.status).toBe(201);
+    const page = await signInByKey(broke.key);
+    expect(await page.locator('[data-credits-balance]').getAttribute('data-credits-balance')).toBe('50');
+    const cell = page.locator('[data-ledger-entry]').first().locator('td').last();
+    expect(await cell.textContent()).toBe(payload);
+    expect(await page.locator('main img, main script').count()).toBe(0);
+    expect(await page.evaluate(() => (window as { __xss?: number }).__xss)).toBeUndefined();
+    const { cookie, csrf: token, origin } = await credentials(await signInByLink('credit'));
+    const odd = await postForm(`${gw.url}/portal/keys/revoke`, { csrf: token, id: payload }, { cookie, origin });
+    expect(odd.status).toBe(404);
+    expect(await odd.text()).not.toContain('<script>');
+    // An account name or key id cannot carry markup at all: the config refuses it before any page could.
+    const bad = testConfig([{ ...makeKey('free'), account: '<script>' }]);
+    await expect(import('../../gateway/config/config.js').then((m) => m.validateConfigFile(bad, 'x'))).rejects.toThrow();
+  });
+
+  it('answers every portal page accessibly, errors included, never with a stack', async () => {
+    const page = await open();
+    for (const path of ['/portal/nowhere', '/portal/link?token=nope', '/portal/usage.csv']) {
+      const res = await page.goto(`${gw.url}${path}`);
+      expect(res!.status(), path).toBeGreaterThanOrEqual(400);
+      const text = await page.content();
+      expect(text, path).not.toMatch(/at \w+ \(|node_modules|\.ts:\d+/);
+      if (path !== '/portal/usage.csv') await expectAccessible(page, path);
+    }
+    // Nothing under /portal reaches the backend, whatever the method: the proxy admits keys, not sessions.
+    for (const method of ['POST', 'PUT', 'DELETE']) {
+      for (const path of ['/portal', '/portal/nowhere', '/portal/keys/x'])
+        expect((await fetch(`${gw.url}${path}`, { method })).status).toBe(404);
+    }
+    expect(gw.echo!.seen.filter((r) => r.url.startsWith('/portal'))).toEqual([]);
+  });
+});
+
+/** The minute window's `r` of a response's RateLimit header (`"minute";r=N;t=S, ...`). */
+const minuteRemaining = (res: Response) => Number(/"minute";r=(\d+)/.exec(res.headers.get('ratelimit') ?? '')?.[1]);
+
+describe('figures that agree with what the gateway enforces', () => {
+  it("shows for the minute window the RateLimit header's r of the request just before (50 randomized checks)", async () => {
+    const page = await signInByKey(acme1.key);
+    let checks = 0;
+    const mismatches: string[] = [];
+    while (checks < 50) {
+      const minute = Math.floor(Date.now() / 60_000);
+      const key = Math.random() < 0.5 ? acme1 : acme2;
+      let last!: Response;
+      for (let n = 1 + Math.floor(Math.random() * 3); n > 0; n--) last = await gw.call('/v1/pets', key.key);
+      await page.goto(`${gw.url}/portal`);
+      // A check that crossed a minute boundary compares two windows: redone, not counted.
+      if (Math.floor(Date.now() / 60_000) !== minute) continue;
+      checks++;
+      const header = minuteRemaining(last);
+      for (const scope of [`[data-key="${key.id}"]`, '[data-scope="account"]']) {
+        const shown = Number((await windowFigures(page, scope, 'minute')).remaining);
+        if (shown !== header) mismatches.push(`${scope}: page ${shown}, header ${header}`);
+      }
+    }
+    expect(mismatches).toEqual([]);
+  });
+
+  it('charts the requests of the minute by outcome, within a couple of seconds', async () => {
+    const page = await signInByKey(tiny.key);
+    const statuses: number[] = [];
+    const minute = Math.floor(Date.now() / 60_000) * 60_000;
+    for (let i = 0; i < 5; i++) statuses.push(await status(tiny.key));
+    if (Math.floor(Date.now() / 60_000) * 60_000 !== minute) return; // the next minute's bar would hold part: rare, and proves nothing
+    expect(statuses).toEqual([200, 200, 200, 429, 429]);
+    const bar = page.locator(`#last-hour [data-bucket="${minute}"]`);
+    const seenAt = Date.now();
+    await eventually(
+      async () => {
+        await page.goto(`${gw.url}/portal`);
+        return (await bar.getAttribute('data-total')) === '5';
+      },
+      5000,
+      'the minute bar at 5',
+    );
+    console.log(`portal freshness: 5 requests on the chart ${Date.now() - seenAt} ms after the last answer`);
+    expect(await bar.locator('rect').count()).toBe(2); // admitted, and 429 by the minute
+    expect(await page.locator(`#last-30-days [data-bucket="${minute - (minute % 86_400_000)}"]`).getAttribute('data-total')).not.toBe('0');
+    const csv = await (await fetch(`${gw.url}/portal/usage.csv`, { headers: { cookie: (await credentials(page)).cookie } })).text();
+    expect(csv).toContain(`key:${tiny.id},minute,3,3,0,`);
+  });
+
+  it('weighs and paints the page within budget, and screenshots it for the README', async () => {
+    // acme: the account the checks above sent traffic for, so the charts have bars.
+    const page = await signInByLink('acme');
+    const res = await page.goto(`${gw.url}/portal`);
+    const html = (await res!.body()).length;
+    const scripts = await page.evaluate(() => ({
+      inline: [...document.scripts].reduce((n, s) => n + s.text.length, 0),
+      fetched: performance.getEntriesByType('resource').filter((e) => (e as PerformanceResourceTiming).initiatorType === 'script').length,
+    }));
+    const fcp = await page.evaluate(() => performance.getEntriesByName('first-contentful-paint')[0]?.startTime ?? -1);
+    console.log(
+      `portal page: ${html} bytes of HTML, ${scripts.inline} bytes of script (${scripts.fetched} fetched), first contentful paint ${fcp.toFixed(0)} ms`,
+    );
+    expect(scripts).toEqual({ inline: 0, fetched: 0 });
+    expect(html).toBeLessThan(100_000);
+    expect(fcp).toBeGreaterThan(0);
+    expect(fcp).toBeLessThan(1000);
+    await page.setViewportSize({ width: 1000, height: 1300 });
+    await page.screenshot({ path: 'docs/portal.png', fullPage: false });
+  });
+});
+
+describe('with Redis down', () => {
+  it('says the data is unavailable, with the time of the last good figures: never a false zero', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const key = acct('free', 'downco');
+    const own = await buildTestGateway({
+      config: testConfig([key], { plans: { free: { perMinute: 1000, perDay: 100_000 } }, unauthenticated: { perMinute: 100_000 } }),
+      redis: redis.url,
+      settings: { quotaLeaseMax: 1 },
+    });
+    expect((await own.call('/v1/pets', key.key)).status).toBe(200);
+    const page = await open();
+    await page.goto(`${own.url}/portal`);
+    await page.fill('input[name="key"]', key.key);
+    await page.click('button[type="submit"]');
+    expect(await windowFigures(page, '[data-scope="account"]', 'minute')).toMatchObject({ used: '1', remaining: '999' });
+    const cookie = `portal_session=${(await sessionCookieOf(page.context()))!.value}`;
+    redis.proc.kill('SIGSTOP'); // frozen: connected, silent
+    await page.goto(`${own.url}/portal`);
+    const notice = page.locator('[data-unavailable]');
+    expect(Date.parse((await notice.getAttribute('data-unavailable'))!)).toBeGreaterThan(Date.now() - 60_000);
+    expect(await page.locator('[data-remaining]').count()).toBe(0);
+    await expectAccessible(page, 'the unavailable page');
+    expect((await fetch(`${own.url}/portal/usage.csv`, { headers: { cookie } })).status).toBe(503);
+    redis.proc.kill('SIGCONT');
+    await eventually(
+      async () => {
+        await page.goto(`${own.url}/portal`);
+        return (await page.locator('[data-scope="account"] [data-window="minute"]').count()) === 1;
+      },
+      10_000,
+      'figures back once Redis answers',
+    );
+  }, 60_000);
 });
