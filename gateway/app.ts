@@ -135,7 +135,7 @@ function portalParts(
   return {
     config,
     redis,
-    sessions: new PortalSessions(redis, config, timeoutMs),
+    sessions: new PortalSessions(redis, () => config().redisPrefix, timeoutMs),
     figures: new AccountFigures({ store, find: keyFinder(config, registry), redis, timeoutMs }),
     lookup,
     keys,

@@ -258,7 +258,7 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
     await scope.register(alertRoutes, { deliveries });
     await scope.register(creditRoutes, { store: deps.store, find: deps.find });
     await scope.register(keyApi, { keys: deps.keys, configFile: deps.configFile });
-    const sessions = deps.redis ? new PortalSessions(deps.redis, deps.config, deps.redisTimeoutMs ?? 1000) : undefined;
+    const sessions = deps.redis ? new PortalSessions(deps.redis, () => deps.config().redisPrefix, deps.redisTimeoutMs ?? 1000) : undefined;
     await scope.register(portalAdminRoutes, { find: deps.find, sessions, redis: deps.redis, portalUrl: deps.portalUrl ?? (() => '') });
   });
   return app;

@@ -18,6 +18,7 @@ import {
   setAccount,
 } from './key-file.js';
 import { RegistryKeys } from './registry.js';
+import { PortalSessions } from '../portal/sessions.js';
 
 // `npm run keys -- create|list|revoke|rotate|account|import|export`: the keys in the config file
 // (key-file.ts does the locked, validated edit; the admin API uses the same), or with
@@ -39,11 +40,12 @@ const USAGE = `usage:
   keys account --account ACCOUNT [--billing-day N (1-31)] [--credits-grant N [--rollover] | --no-credits] [--config FILE]
   keys import [--config FILE]     (KEY_STORE=redis: the file's keys into the key registry)
   keys export [--config FILE]     (KEY_STORE=redis: the key registry's keys into the file)
+  keys portal-link --account ACCOUNT [--config FILE]   (a single-use usage portal link, 15 min; needs Redis)
   keys --help
 With KEY_STORE=redis (and REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS), keys are issued,
 listed, revoked and rotated in the key registry; the config file keeps plans and accounts.`;
 
-const COMMANDS = ['create', 'list', 'revoke', 'rotate', 'account', 'import', 'export'];
+const COMMANDS = ['create', 'list', 'revoke', 'rotate', 'account', 'import', 'export', 'portal-link'];
 
 class UsageError extends Error {}
 
@@ -117,6 +119,7 @@ async function run(argv: string[], io: KeysOutput, env: NodeJS.ProcessEnv): Prom
   const file = values.config ?? configFilePath(env);
   checkFile(file);
   if (command === 'account') return account(file, values, io);
+  if (command === 'portal-link') return portalLink(file, values, io, env);
   const registry = env.KEY_STORE === 'redis' ? await openRegistry(file, env) : undefined;
   try {
     await onKeys(command, file, values, io, registry?.keys);
@@ -125,10 +128,11 @@ async function run(argv: string[], io: KeysOutput, env: NodeJS.ProcessEnv): Prom
   }
 }
 
-/** The key registry the settings name (KEY_STORE=redis), once Redis answers. */
-async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ keys: RegistryKeys; redis: RedisClient }> {
+/** The Redis the settings name, once it answers; `why` says what needs it. */
+async function openRedis(env: NodeJS.ProcessEnv, why: string) {
   const settings = loadSettings(env);
-  const redis = connectRedis(redisTarget(settings), settings.redisTimeoutMs)!;
+  const redis = connectRedis(redisTarget(settings), settings.redisTimeoutMs);
+  if (!redis) throw new Refusal(`${why}: set REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS`);
   const ready = await new Promise<boolean>((resolve) => {
     const timer = setTimeout(() => resolve(false), 5000);
     redis.once('ready', () => {
@@ -138,10 +142,39 @@ async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ key
   });
   if (!ready) {
     redis.disconnect();
-    throw new Refusal('KEY_STORE=redis: Redis did not answer within 5 s (is it running, and is REDIS_URL right?)');
+    throw new Refusal(`${why}: Redis did not answer within 5 s (is it running, and is REDIS_URL right?)`);
   }
+  return { redis, settings };
+}
+
+/** The key registry the settings name (KEY_STORE=redis), once Redis answers. */
+async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ keys: RegistryKeys; redis: RedisClient }> {
+  const { redis, settings } = await openRedis(env, 'KEY_STORE=redis');
   const current = parseConfigText(readFileSync(file, 'utf8'), file);
   return { keys: new RegistryKeys(redis, () => current, deploymentPrefix(settings.redisKeyPrefix, current.environment)), redis };
+}
+
+/** A single-use portal link for an account some key is in (the file's, or the registry's), as the admin route mints it. */
+async function portalLink(file: string, values: Values, io: KeysOutput, env: NodeJS.ProcessEnv): Promise<void> {
+  const account = values.account;
+  if (!account) throw new UsageError('portal-link needs --account');
+  const { redis, settings } = await openRedis(env, 'portal-link keeps its link in Redis');
+  try {
+    const current = parseConfigText(readFileSync(file, 'utf8'), file);
+    const prefix = deploymentPrefix(settings.redisKeyPrefix, current.environment);
+    const inFile = current.keys.some((k) => (k.account ?? k.id) === account);
+    const inRegistry =
+      settings.keyStore === 'redis' && (await new RegistryKeys(redis, () => current, prefix).accountKeys(account)).length > 0;
+    if (!inFile && !inRegistry) throw new Refusal(`--account: no key in account "${account}"`);
+    const { token, expiresMs } = await new PortalSessions(redis, () => prefix, settings.redisTimeoutMs).mint(account);
+    const base = settings.portalUrl ?? `http://${settings.host}:${settings.port}`;
+    io.err(
+      `a portal link for account "${account}", good once until ${new Date(expiresMs).toISOString()}; give it to the account holder only:`,
+    );
+    io.out(`${base}/portal/link?token=${token}`);
+  } finally {
+    await closeRedis(redis);
+  }
 }
 
 /** A command on keys: in the registry when there is one, else in the file. */

@@ -1,6 +1,5 @@
 import { createHash, randomBytes, timingSafeEqual } from 'node:crypto';
 import { LRUCache } from 'lru-cache';
-import type { GatewayConfig } from '../config/config.js';
 import { LATE, type RedisClient, within } from '../redis/client.js';
 import { portalKeys } from '../redis/keys.js';
 
@@ -40,12 +39,13 @@ export class PortalSessions {
 
   constructor(
     private readonly redis: RedisClient,
-    private readonly config: () => GatewayConfig,
+    /** The deployment's Redis prefix (the config's `redisPrefix`), read per call: a reload may change it. */
+    private readonly prefix: () => string,
     private readonly timeoutMs: number,
   ) {}
 
   private keys() {
-    return portalKeys(this.config().redisPrefix);
+    return portalKeys(this.prefix());
   }
 
   private async call<T>(work: Promise<T>): Promise<T> {

@@ -1,6 +1,7 @@
 import { join } from 'node:path';
 import type { Browser, BrowserContext, Page } from 'playwright-core';
-import { afterAll, beforeAll, describe, expect, it, onTestFinished } from 'vitest';
+import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
+import { keysCommand } from '../../gateway/auth/cli.js';
 import { portalKeys } from '../../gateway/redis/keys.js';
 import { digest, expectAccessible, freshPage, launch, postForm, sessionCookieOf, windowFigures } from '../helpers/browser.js';
 import { makeKey, type TestKey, tempDir, testConfig } from '../helpers/config.js';
@@ -157,6 +158,23 @@ describe('signing in', () => {
     expect(res!.status()).toBe(401);
     await expectAccessible(again, 'the used-link page');
     expect((await mintLink('nobody-here')).status).toBe(404);
+  });
+
+  it('by a link from the keys command', async () => {
+    const lines: string[] = [];
+    const env = {
+      REDIS_URL: inject('redisUrl'),
+      REDIS_KEY_PREFIX: gw.gateway.config().redisPrefix.split(':')[0],
+      GATEWAY_PORT: String(gw.port),
+    };
+    const io = { out: (l: string) => lines.push(l), err: () => {} };
+    const file = join(dir.dir, 'gateway.json');
+    expect(await keysCommand(['portal-link', '--account', 'nobody-here', '--config', file], io, env)).toBe(1);
+    expect(await keysCommand(['portal-link', '--account', 'bravo', '--config', file], io, env)).toBe(0);
+    const page = await open();
+    await page.goto(lines.at(-1)!);
+    await page.waitForURL(`${gw.url}/portal`);
+    expect(await page.locator(`[data-key="${bravo.id}"]`).count()).toBe(1);
   });
 
   it('refuses an unknown or an ended session', async () => {
