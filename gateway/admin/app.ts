@@ -18,6 +18,8 @@ import { alertRoutes, usageRoutes } from './usage.js';
 import { creditRoutes } from './credits.js';
 import { portalAdminRoutes } from './portal.js';
 import { PortalSessions } from '../portal/sessions.js';
+import { AccountFigures } from '../portal/figures.js';
+import { operatorUi } from './ui.js';
 import { recentDeliveries } from '../usage/webhooks.js';
 
 /** What the admin port takes from the settings. */
@@ -251,6 +253,10 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
   const app = adminServer(deps.log, deps.requestTimeoutMs);
   await app.register(swagger, DOCUMENT);
   await app.register(operations, deps);
+  // The operator's page: its own form sign-in and session cookie, so outside the bearer guard.
+  const timeoutMs = deps.redisTimeoutMs ?? 1000;
+  const figures = deps.redis ? new AccountFigures({ store: deps.store, find: deps.find, redis: deps.redis, timeoutMs }) : undefined;
+  await app.register(async (scope) => operatorUi(scope, { ...deps, figures, timeoutMs }));
   await app.register(async (scope) => {
     guard(scope, deps.adminToken);
     const deliveries = deps.redis ? () => recentDeliveries(deps.redis!, deps.config()) : undefined;

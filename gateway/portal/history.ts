@@ -5,7 +5,7 @@ import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 
 // Requests over time by outcome, per account: counted in memory from what the access line
-// already knows (no Redis call per request) and flushed once a second, one pipeline for every
+// already knows (no Redis call per request) and flushed once a second, one pipeline for each
 // account active in that second (HINCRBY on its minute's and its day's bucket hash, EXPIRE), so
 // the cost follows traffic and nothing ever scans the accounts.
 
@@ -73,22 +73,28 @@ export class OutcomeHistory {
     fields.set(field, (fields.get(field) ?? 0) + 1);
   }
 
-  /** Writes what was counted since the last flush: one pipeline. A flush Redis refuses is dropped (history is best effort) and logged. */
+  /**
+   * Writes what was counted since the last flush: one pipeline per active account (its keys
+   * share its slot, so a Cluster takes it whole), all sent at once. A flush Redis refuses is
+   * dropped (history is for reading, never billing) and logged.
+   */
   async flush(): Promise<void> {
     if (this.pending.size === 0) return;
     const batch = this.pending;
     this.pending = new Map();
+    await Promise.all([...batch].map(([name, byMinute]) => this.write(name, byMinute)));
+  }
+
+  private async write(name: string, byMinute: Map<number, Map<OutcomeField, number>>): Promise<void> {
     const pipeline = this.redis.pipeline();
-    for (const [name, byMinute] of batch) {
-      for (const [minute, fields] of byMinute) {
-        const buckets = [
-          [subjectKey.history(name, 'm', minute), KEEP_S.m],
-          [subjectKey.history(name, 'd', minute - (minute % DAY_MS)), KEEP_S.d],
-        ] as const;
-        for (const [key, keep] of buckets) {
-          for (const [field, n] of fields) pipeline.hincrby(key, field, n);
-          pipeline.expire(key, keep);
-        }
+    for (const [minute, fields] of byMinute) {
+      const buckets = [
+        [subjectKey.history(name, 'm', minute), KEEP_S.m],
+        [subjectKey.history(name, 'd', minute - (minute % DAY_MS)), KEEP_S.d],
+      ] as const;
+      for (const [key, keep] of buckets) {
+        for (const [field, n] of fields) pipeline.hincrby(key, field, n);
+        pipeline.expire(key, keep);
       }
     }
     await pipeline

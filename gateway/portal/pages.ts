@@ -8,7 +8,7 @@ import type { Session } from './sessions.js';
 // a test reads is an attribute (data-window, data-used, data-limit, data-remaining,
 // data-credits-balance, data-unavailable); the text beside it is for people.
 
-const when = (iso: string) => iso.replace('T', ' ').replace(/\.\d+Z$/, ' UTC');
+export const when = (iso: string) => iso.replace('T', ' ').replace(/\.\d+Z$/, ' UTC');
 const minuteLabel = (ms: number) => new Date(ms).toISOString().slice(11, 16);
 const dayLabel = (ms: number) => new Date(ms).toISOString().slice(5, 10);
 
@@ -44,9 +44,9 @@ function windowsTable(caption: string, view: UsageView): Html {
 }
 
 /** A key's section: its windows, and in a full session its actions. */
-function keySection(k: KeyFigures, session: Session): Html {
+function keySection(k: KeyFigures, session?: Session): Html {
   const actions =
-    session.mode === 'full' && k.status === 'active'
+    session?.mode === 'full' && k.status === 'active'
       ? html`<form class="inline" method="post" action="/portal/keys/rotate"><input type="hidden" name="csrf" value="${session.csrf}"><input type="hidden" name="id" value="${k.id}"><button type="submit">Rotate ${k.id}</button></form>
 <form class="inline" method="post" action="/portal/keys/revoke"><input type="hidden" name="csrf" value="${session.csrf}"><input type="hidden" name="id" value="${k.id}"><button type="submit">Revoke ${k.id}</button></form>`
       : '';
@@ -91,6 +91,22 @@ ${last ? html`The last good figures were read at ${when(new Date(last).toISOStri
 </div>`;
 }
 
+/** The account's figures: its windows, overage, credits and history, or that there are none now. */
+export function figuresSections(f: Figures): Html {
+  if (f.unavailable) return unavailableSection(f);
+  const v = f.view;
+  return html`<section data-scope="account" aria-labelledby="account-h"><h2 id="account-h">Account windows</h2>
+${v ? html`<p>Plan ${v.plan}${v.enforced ? '' : ' (shadow mode: not enforced)'}${v.ban.active ? html`; <strong>banned until ${when(v.ban.until!)}</strong>` : ''}.</p>${windowsTable('Windows of the account', v)}` : ''}
+${overageSection(v)}</section>
+${creditsSection(f)}
+${historySection(f)}`;
+}
+
+/** Each key's section; `session` adds the self-service forms of a full one. */
+export function keysSection(f: Figures, session?: Session): Html {
+  return html`<h2>Keys</h2>${f.keys.map((k) => keySection(k, session))}`;
+}
+
 export function dashboardPage(f: Figures, session: Session, notice?: Html): string {
   const create =
     session.mode === 'full'
@@ -102,17 +118,8 @@ export function dashboardPage(f: Figures, session: Session, notice?: Html): stri
 <p class="note">Session ends at ${when(new Date(session.expiresMs).toISOString())}. <a href="/portal/usage.csv">Download these figures (CSV)</a>.</p>
 <form method="post" action="/portal/sign-out"><input type="hidden" name="csrf" value="${session.csrf}"><button type="submit">Sign out</button></form>
 ${notice ?? ''}
-${
-  f.unavailable
-    ? unavailableSection(f)
-    : html`<section data-scope="account" aria-labelledby="account-h"><h2 id="account-h">Account windows</h2>
-${f.view ? html`<p>Plan ${f.view.plan}${f.view.enforced ? '' : ' (shadow mode: not enforced)'}${f.view.ban.active ? html`; <strong>banned until ${when(f.view.ban.until!)}</strong>` : ''}.</p>${windowsTable('Windows of the account', f.view)}` : ''}
-${overageSection(f.view)}</section>
-${creditsSection(f)}
-${historySection(f)}`
-}
-<h2>Keys</h2>
-${f.keys.map((k) => keySection(k, session))}
+${figuresSections(f)}
+${keysSection(f, session)}
 ${create}`,
   );
 }
@@ -129,8 +136,8 @@ export function secretPage(what: string, id: string, secret: string, note: strin
   );
 }
 
-export function messagePage(title: string, message: string): string {
-  return page(title, html`<h1>${title}</h1><p>${message}</p><p><a href="/portal">Usage portal</a></p>`);
+export function messagePage(title: string, message: string, home = '/portal'): string {
+  return page(title, html`<h1>${title}</h1><p>${message}</p><p><a href="${home}">Back</a></p>`);
 }
 
 /**

@@ -35,7 +35,7 @@ type Form = Record<string, string>;
  * (a link's token never leaves in one); `no-referrer` would make browsers send `Origin: null`
  * on the forms, and the Origin check needs it.
  */
-function send(reply: FastifyReply, status: number, body: string, type = 'text/html; charset=utf-8'): FastifyReply {
+export function send(reply: FastifyReply, status: number, body: string, type = 'text/html; charset=utf-8'): FastifyReply {
   return reply
     .code(status)
     .header('content-type', type)
@@ -46,10 +46,10 @@ function send(reply: FastifyReply, status: number, body: string, type = 'text/ht
     .send(body);
 }
 
-const secure = (request: FastifyRequest) => request.protocol === 'https';
+export const secure = (request: FastifyRequest) => request.protocol === 'https';
 
 /** A POST from a page of this origin: the Origin header (browsers send it on every POST) names this very host. */
-function sameOrigin(request: FastifyRequest): boolean {
+export function sameOrigin(request: FastifyRequest): boolean {
   return request.headers.origin === `${request.protocol}://${request.host}`;
 }
 

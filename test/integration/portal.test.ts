@@ -7,7 +7,7 @@ import { digest, expectAccessible, freshPage, launch, postForm, sessionCookieOf,
 import { makeKey, type TestKey, tempDir, testConfig } from '../helpers/config.js';
 import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';
-import { eventually, sleep } from '../helpers/time.js';
+import { eventually, inOneMinute, sleep } from '../helpers/time.js';
 
 // The usage portal in a real browser (Chromium) against the real gateway and Redis: sign-in by
 // key and by link, sessions, self-service with its audit log, the refusals (CSRF, IDOR, XSS),
@@ -403,6 +403,7 @@ describe('with Redis down', () => {
       config: testConfig([key], { plans: { free: { perMinute: 1000, perDay: 100_000 } }, unauthenticated: { perMinute: 100_000 } }),
       redis: redis.url,
       settings: { quotaLeaseMax: 1 },
+      admin: { token: TOKEN },
     });
     expect((await own.call('/v1/pets', key.key)).status).toBe(200);
     const page = await open();
@@ -418,6 +419,15 @@ describe('with Redis down', () => {
     expect(await page.locator('[data-remaining]').count()).toBe(0);
     await expectAccessible(page, 'the unavailable page');
     expect((await fetch(`${own.url}/portal/usage.csv`, { headers: { cookie } })).status).toBe(503);
+    // The operator page says the gateway decides from its degraded budget once a request met the silence.
+    await own.call('/v1/pets', key.key);
+    await eventually(() => own.gateway.store.degraded, 5000, 'the store degraded');
+    const operator = await open();
+    await operator.goto(`${own.adminUrl}/admin/ui`);
+    await operator.fill('input[name="token"]', TOKEN);
+    await operator.click('button[type="submit"]');
+    expect(await operator.locator('[data-degraded]').getAttribute('data-degraded')).toBe('true');
+    expect(await operator.locator('[data-unavailable]').count()).toBe(1);
     redis.proc.kill('SIGCONT');
     await eventually(
       async () => {
@@ -428,4 +438,57 @@ describe('with Redis down', () => {
       'figures back once Redis answers',
     );
   }, 60_000);
+});
+
+describe('the operator page on the admin port', () => {
+  async function operator(): Promise<Page> {
+    const page = await open();
+    await page.goto(`${gw.adminUrl}/admin/ui`);
+    await page.fill('input[name="token"]', TOKEN);
+    await page.click('button[type="submit"]');
+    await page.waitForSelector('[data-degraded]');
+    return page;
+  }
+
+  it('signs in with the admin token by a form only, into a strict session cookie', async () => {
+    const page = await open();
+    await page.goto(`${gw.adminUrl}/admin/ui`);
+    await expectAccessible(page, 'the operator sign-in page');
+    await page.fill('input[name="token"]', `${TOKEN}-wrong`);
+    const answer = page.waitForResponse((r) => r.url().endsWith('/admin/ui/sign-in'));
+    await page.click('button[type="submit"]');
+    expect((await answer).status()).toBe(401);
+    expect(await page.locator('[data-degraded]').count()).toBe(0);
+    const signedIn = await operator();
+    expect(signedIn.url()).toBe(`${gw.adminUrl}/admin/ui`);
+    const cookie = (await signedIn.context().cookies()).find((c) => c.name === 'admin_session')!;
+    expect(cookie).toMatchObject({ httpOnly: true, sameSite: 'Strict', path: '/admin/ui' });
+    expect(cookie.value).not.toContain(TOKEN);
+    // A cookie that names no session opens nothing.
+    expect((await fetch(`${gw.adminUrl}/admin/ui/accounts/acme`, { headers: { cookie: `admin_session=${cookie.value}x` } })).status).toBe(
+      401,
+    );
+  });
+
+  it('shows the top accounts, those near a limit, the outstanding credit and the degraded state; an account with its audit log', async () => {
+    await inOneMinute(async () => {
+      for (let i = 0; i < 3; i++) await status(tiny.key);
+      const page = await operator();
+      await expectAccessible(page, 'the operator overview');
+      expect(await page.locator('[data-degraded]').getAttribute('data-degraded')).toBe('false');
+      const top = await page.locator('[data-top-account]').evaluateAll((rows) => rows.map((r) => r.getAttribute('data-top-account')));
+      expect(top[0]).toBe('acme'); // the 50 randomized checks above sent it the most
+      expect(await page.locator('[data-near-account="tinyco"][data-window="minute"]').count()).toBe(1);
+      expect(await page.locator('[data-near-account="acme"]').count()).toBe(0);
+      const credits = await (
+        await fetch(`${gw.adminUrl}/admin/accounts/credit/credits`, { headers: { authorization: `Bearer ${TOKEN}` } })
+      ).json();
+      expect(await page.locator('[data-outstanding-credit]').getAttribute('data-outstanding-credit')).toBe(String(credits.balance));
+      await page.click('a:has-text("acme")');
+      await page.waitForSelector('[data-scope="account"]');
+      await page.goto(`${gw.adminUrl}/admin/ui/accounts/rotco`);
+      expect(await page.locator('[data-audit="rotate"]').count()).toBe(1);
+      await expectAccessible(page, 'the operator account page');
+    });
+  });
 });
