@@ -119,6 +119,7 @@ describe('signing in', () => {
     expect(await page.locator(`[data-key="${bravo.id}"]`).count()).toBe(0);
     const html = await page.content();
     expect(html).not.toContain(acme1.key);
+    expect(JSON.stringify(gw.logs)).not.toContain(acme1.key);
     const cookie = (await sessionCookieOf(page.context()))!;
     expect(cookie).toMatchObject({ httpOnly: true, sameSite: 'Strict', path: '/portal', secure: false });
     expect(cookie.expires * 1000 - Date.now()).toBeLessThanOrEqual(15 * 60_000 + 2000);
@@ -389,6 +390,17 @@ describe('figures that agree with what the gateway enforces', () => {
     expect(html).toBeLessThan(100_000);
     expect(fcp).toBeGreaterThan(0);
     expect(fcp).toBeLessThan(1000);
+    // The page's data, answered: 50 loads from outside the browser, p95 under 50 ms.
+    const { cookie } = await credentials(page);
+    const times: number[] = [];
+    for (let i = 0; i < 50; i++) {
+      const started = performance.now();
+      await (await fetch(`${gw.url}/portal`, { headers: { cookie } })).text();
+      times.push(performance.now() - started);
+    }
+    const p95 = times.sort((a, b) => a - b)[Math.ceil(times.length * 0.95) - 1]!;
+    console.log(`portal page answered: p95 ${p95.toFixed(1)} ms, median ${times[25]!.toFixed(1)} ms over 50 loads`);
+    expect(p95).toBeLessThan(50);
     await page.setViewportSize({ width: 1000, height: 1300 });
     await page.screenshot({ path: 'docs/portal.png', fullPage: false });
   });
