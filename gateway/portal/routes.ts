@@ -1,7 +1,8 @@
 import type { FastifyInstance, FastifyPluginAsync, FastifyReply, FastifyRequest } from 'fastify';
 import { authenticate, type KeyLookup } from '../auth/authenticate.js';
 import { KeyFileError, type KeyStore } from '../auth/key-file.js';
-import type { GatewayConfig } from '../config/config.js';
+import type { GatewayConfig, KeyLimits } from '../config/config.js';
+import { type LimitField, WINDOWS } from '../quota/windows.js';
 import { GatewayError } from '../errors.js';
 import type { RedisClient } from '../redis/client.js';
 import { type AuditRecord, writeAudit } from './audit.js';
@@ -140,7 +141,8 @@ function pages(app: FastifyInstance, parts: PortalParts, sessionOf: SessionOf): 
   });
 
   app.get('/link', async (request, reply) => {
-    const token = (request.query as Form).token ?? '';
+    const given = (request.query as Record<string, unknown>).token;
+    const token = typeof given === 'string' ? given : ''; // a repeated ?token= is no token
     const account = await sessions.redeem(token);
     if (!account)
       return send(
@@ -200,10 +202,13 @@ function selfService(app: FastifyInstance, parts: PortalParts, sessionOf: Sessio
     const [first] = await figures.members(session.account);
     if (!first) throw new GatewayError('key_not_found', 'No key in your account to take the plan from');
     const plan = parts.config().plans[first.plan];
-    // A custom plan has no limits of its own: the new key takes the account's first key's.
-    const limits = plan?.custom ? { ...first.subject.limits } : undefined;
+    // A custom plan has no limits of its own: the new key takes the account's first key's windows.
+    const own = first.subject.limits as Partial<Record<LimitField, number>>;
+    const limits = plan?.custom
+      ? Object.fromEntries(WINDOWS.filter((w) => (own[w.limit] ?? 0) > 0).map((w) => [w.limit, own[w.limit]]))
+      : undefined;
     const created = await store()
-      .create({ plan: first.plan, account: session.account, ...(limits && { limits: limits as never }) })
+      .create({ plan: first.plan, account: session.account, ...(limits && { limits: limits as KeyLimits }) })
       .catch(keyProblem);
     await audit(session, first.subject.name, { action: 'create', keyId: created.id });
     return send(

@@ -28,10 +28,11 @@ const rev = acct('free', 'revco');
 const rev2 = acct('free', 'revco');
 const kbd = acct('free', 'kbdco');
 const csrf = acct('free', 'csrfco');
+const ent: TestKey = { ...acct('enterprise', 'entco'), limits: { perMinute: 7, perDay: 70 } };
 
 const dir = tempDir();
 const gw = useTestGateway(() => ({
-  config: testConfig([acme1, acme2, bravo, tiny, broke, rot, rev, rev2, kbd, csrf], {
+  config: testConfig([acme1, acme2, bravo, tiny, broke, rot, rev, rev2, kbd, csrf, ent], {
     plans: {
       free: { perMinute: 1000, perDay: 100_000 },
       tiny: { perMinute: 3, perDay: 100 },
@@ -225,6 +226,15 @@ describe('self-service through a portal link', () => {
     expect((await audit('revco')).entries[0]).toMatchObject({ action: 'revoke', keyId: rev.id });
   });
 
+  it("creates a key of a custom plan with the account's own limits", async () => {
+    const page = await signInByLink('entco');
+    await page.click('button:has-text("Create a key")');
+    const secret = (await page.locator('[data-secret]').textContent())!.trim();
+    await eventually(async () => (await status(secret)) === 200, 5000, 'the created key accepted');
+    const res = await gw.call('/v1/pets', secret);
+    expect(res.headers.get('ratelimit-policy')).toBe('"minute";q=7;w=60, "day";q=70;w=86400');
+  });
+
   it('creates a key with the keyboard alone', async () => {
     const page = await signInByLink('kbdco');
     let found = false;
@@ -307,9 +317,10 @@ describe('refusals', () => {
 
   it('answers every portal page accessibly, errors included, never with a stack', async () => {
     const page = await open();
-    for (const path of ['/portal/nowhere', '/portal/link?token=nope', '/portal/usage.csv']) {
+    for (const path of ['/portal/nowhere', '/portal/link?token=nope', '/portal/link?token=a&token=b', '/portal/usage.csv']) {
       const res = await page.goto(`${gw.url}${path}`);
       expect(res!.status(), path).toBeGreaterThanOrEqual(400);
+      expect(res!.status(), path).toBeLessThan(500);
       const text = await page.content();
       expect(text, path).not.toMatch(/at \w+ \(|node_modules|\.ts:\d+/);
       if (path !== '/portal/usage.csv') await expectAccessible(page, path);
