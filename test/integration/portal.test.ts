@@ -5,6 +5,7 @@ import { keysCommand } from '../../gateway/auth/cli.js';
 import { portalKeys } from '../../gateway/redis/keys.js';
 import { digest, expectAccessible, freshPage, launch, postForm, sessionCookieOf, windowFigures } from '../helpers/browser.js';
 import { makeKey, type TestKey, tempDir, testConfig } from '../helpers/config.js';
+import { scaled } from '../helpers/budget.js';
 import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';
 import { eventually, inOneMinute, sleep } from '../helpers/time.js';
@@ -400,7 +401,7 @@ describe('figures that agree with what the gateway enforces', () => {
     expect(scripts).toEqual({ inline: 0, fetched: 0 });
     expect(html).toBeLessThan(100_000);
     expect(fcp).toBeGreaterThan(0);
-    expect(fcp).toBeLessThan(1000);
+    expect(fcp).toBeLessThan(scaled(1000));
     // The page's data, answered: 50 loads from outside the browser, p95 under 50 ms.
     const { cookie } = await credentials(page);
     const times: number[] = [];
@@ -411,7 +412,8 @@ describe('figures that agree with what the gateway enforces', () => {
     }
     const p95 = times.sort((a, b) => a - b)[Math.ceil(times.length * 0.95) - 1]!;
     console.log(`portal page answered: p95 ${p95.toFixed(1)} ms, median ${times[25]!.toFixed(1)} ms over 50 loads`);
-    expect(p95).toBeLessThan(50);
+    // Quiet-machine budgets (the issue's), scaled like every wait here: a loaded machine is slower, not wrong.
+    expect(p95).toBeLessThan(scaled(50));
     await page.setViewportSize({ width: 1000, height: 1300 });
     await page.screenshot({ path: 'docs/portal.png', fullPage: false });
   });
