@@ -1,6 +1,9 @@
 import type { FastifyBaseLogger, FastifyInstance, FastifyRequest } from 'fastify';
 import type { DestinationStream } from 'pino';
 import { createLogOutput } from '../runtime/process.js';
+import { fileKeys, type KeyStore } from './auth/key-file.js';
+import { keyFinder } from './auth/key-finder.js';
+import { RegistryKeys } from './auth/registry.js';
 import { KeyRegistry } from './auth/registry-cache.js';
 import type { GatewayConfig } from './config/config.js';
 import { ackReplicas, type GatewaySettings } from './config/settings.js';
@@ -8,6 +11,10 @@ import { buildPublicApp, type PublicSettings } from './http/app.js';
 import { accessLog } from './observability/access-log.js';
 import { GatewayMetrics } from './observability/metrics.js';
 import type { RequestTracing, TracingSettings } from './observability/tracing.js';
+import { AccountFigures } from './portal/figures.js';
+import { OutcomeHistory } from './portal/history.js';
+import type { PortalParts } from './portal/routes.js';
+import { PortalSessions } from './portal/sessions.js';
 import { MemoryQuotaStore } from './quota/memory-store.js';
 import { RedisQuotaStore } from './quota/redis/store.js';
 import type { QuotaStore } from './quota/store.js';
@@ -28,6 +35,8 @@ export interface GatewayDeps {
   redisConnection?: { target: RedisTarget; timeoutMs: number };
   /** Where log lines go (tests read them); stdout when unset. */
   logStream?: DestinationStream;
+  /** The config file this deployment's reloads come from: where the portal issues keys (without the key registry). */
+  keyFile?: string;
 }
 
 export interface Gateway {
@@ -63,6 +72,7 @@ type AppSettings = PublicSettings &
     | 'tracingServiceName'
     | 'tracingSampleRatio'
     | 'tracingDelayMs'
+    | 'portalRotateGraceMs'
   >;
 
 /**
@@ -105,6 +115,35 @@ async function startTracing(settings: AppSettings, log: FastifyBaseLogger): Prom
   return new RequestTracing({ ...settings, tracingUrl: settings.tracingUrl } satisfies TracingSettings, log);
 }
 
+/**
+ * The portal's parts, with Redis (its sessions live there): keys found and issued through the
+ * same stores as the admin port's (the registry's with KEY_STORE=redis, else the config file
+ * this deployment reloads), figures from the enforcing store, and the outcome history.
+ */
+function portalParts(
+  settings: AppSettings,
+  deps: GatewayDeps & { redis: RedisClient },
+  config: () => GatewayConfig,
+  store: QuotaStore,
+  lookup: KeyRegistry | undefined,
+  log: FastifyBaseLogger,
+): PortalParts & { history: OutcomeHistory } {
+  const { redis } = deps;
+  const registry = settings.keyStore === 'redis' ? new RegistryKeys(redis, config, config().redisPrefix) : undefined;
+  const keys: KeyStore | undefined = registry ?? (deps.keyFile ? fileKeys(deps.keyFile) : undefined);
+  const timeoutMs = settings.redisTimeoutMs;
+  return {
+    config,
+    redis,
+    sessions: new PortalSessions(redis, () => config().redisPrefix, timeoutMs),
+    figures: new AccountFigures({ store, find: keyFinder(config, registry), redis, timeoutMs }),
+    lookup,
+    keys,
+    rotateGraceMs: settings.portalRotateGraceMs,
+    history: new OutcomeHistory(redis, log),
+  };
+}
+
 /** Wiring only: logger, metrics, store, the usage loops, tracing, the key registry, then the public app. Never listens. */
 export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Promise<Gateway> {
   let config = deps.config;
@@ -139,18 +178,22 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
       ? new KeyRegistry(deps.redis, { config: current, log, failing: () => store.degraded, timeoutMs: settings.redisTimeoutMs })
       : undefined;
   if (keys) metrics.watchKeyRegistry(keys);
+  const redis = deps.redis;
+  const portal = redis ? portalParts(settings, { ...deps, redis }, current, store, keys, log) : undefined;
   const app: FastifyInstance = await buildPublicApp(settings, {
     log,
     config: current,
     store,
     metrics,
-    access: accessLog(metrics, output, recordStatus),
+    access: accessLog(metrics, output, recordStatus, portal && ((e) => portal.history.count(e))),
+    portal,
     tracing,
     keys,
     close: async () => {
       // Their rounds ended and their leads given up before Redis closes: the next instance leads at once.
       await Promise.all([exporter?.stop(), webhooks?.stop()]);
       keys?.close();
+      await portal?.history.close();
       await Promise.all([store.close?.(), tracing?.shutdown()]);
     },
   });

@@ -10,6 +10,7 @@ export const GATEWAY_ERRORS = {
   invalid_path: 400,
   unauthorized: 401,
   credits_exhausted: 402,
+  csrf_failed: 403,
   route_not_found: 404,
   key_not_found: 404,
   method_not_allowed: 405,

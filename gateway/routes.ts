@@ -12,7 +12,9 @@ export type Route = (typeof ROUTES)[number];
 export const DOCUMENT_ROUTE = { id: 'openapi', method: 'GET', path: '/v1/openapi.json' } as const;
 /** The gateway's own route for a key's holder: its account's quota, answered by the gateway. */
 export const USAGE_ROUTE = { id: 'myUsage', method: 'GET', path: '/v1/me/usage' } as const;
-export type RouteId = Route['id'] | typeof DOCUMENT_ROUTE.id | typeof USAGE_ROUTE.id;
+/** The usage portal (portal/): HTML pages, served on the per-address quota, its own sessions instead of a key. */
+export const PORTAL_ROUTE = { id: 'portal', method: 'GET', path: '/portal' } as const;
+export type RouteId = Route['id'] | typeof DOCUMENT_ROUTE.id | typeof USAGE_ROUTE.id | typeof PORTAL_ROUTE.id;
 
 /** Is `url` this path, with or without a query? */
 const isPath = (url: string, path: string) => url.startsWith(path) && (url.length === path.length || url[path.length] === '?');
@@ -25,6 +27,12 @@ export function isDocumentPath(url: string): boolean {
 /** Is this request for the caller's own usage? */
 export function isUsagePath(url: string): boolean {
   return isPath(url, USAGE_ROUTE.path);
+}
+
+/** Is this request for the portal: /portal, or a path under it? */
+export function isPortalPath(url: string): boolean {
+  const n = PORTAL_ROUTE.path.length;
+  return url.startsWith(PORTAL_ROUTE.path) && (url.length === n || url[n] === '/' || url[n] === '?');
 }
 
 const PATHS = [...new Set(ROUTES.map((r) => r.path))].map((path) => ({

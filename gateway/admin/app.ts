@@ -16,6 +16,10 @@ import { keyApi } from './keys.js';
 import { failure, Health, Ready, SharedError } from './schemas.js';
 import { alertRoutes, usageRoutes } from './usage.js';
 import { creditRoutes } from './credits.js';
+import { portalAdminRoutes } from './portal.js';
+import { PortalSessions } from '../portal/sessions.js';
+import { AccountFigures } from '../portal/figures.js';
+import { operatorUi } from './ui.js';
 import { recentDeliveries } from '../usage/webhooks.js';
 
 /** What the admin port takes from the settings. */
@@ -24,6 +28,10 @@ export interface AdminSettings {
   adminToken?: string;
   /** GATEWAY_REQUEST_TIMEOUT_MS: a request's headers and body must arrive within it, as on the public port. */
   requestTimeoutMs: number;
+  /** REDIS_TIMEOUT_MS: the portal's Redis calls wait no longer (1 s when left out). */
+  redisTimeoutMs?: number;
+  /** The public origin portal links point at (PORTAL_URL, else the gateway's own address once it listens); relative links when left out. */
+  portalUrl?: () => string;
   /** The config file the account settings edit (the same locked, validated edit as the keys command). */
   configFile?: string;
 }
@@ -121,6 +129,7 @@ const DOCUMENT: SwaggerOptions = {
       { name: 'usage', description: 'What a key or an account has used, from the store the gateway enforces with' },
       { name: 'keys', description: 'The keys command over HTTP: create, list, rotate, revoke, account settings' },
       { name: 'credits', description: "An account's prepaid credits: balance, ledger and top-ups" },
+      { name: 'portal', description: 'The usage portal: sign-in links for account holders, and the audit log of their sessions' },
     ],
     components: { securitySchemes: { adminToken: { type: 'http', scheme: 'bearer', description: 'ADMIN_TOKEN' } } },
   },
@@ -247,6 +256,10 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
   const app = adminServer(deps.log, deps.requestTimeoutMs);
   await app.register(swagger, DOCUMENT);
   await app.register(operations, deps);
+  // The operator's page: its own form sign-in and session cookie, so outside the bearer guard.
+  const timeoutMs = deps.redisTimeoutMs ?? 1000;
+  const figures = deps.redis ? new AccountFigures({ store: deps.store, find: deps.find, redis: deps.redis, timeoutMs }) : undefined;
+  await app.register(async (scope) => operatorUi(scope, { ...deps, figures, timeoutMs }));
   await app.register(async (scope) => {
     guard(scope, deps.adminToken);
     const deliveries = deps.redis ? () => recentDeliveries(deps.redis!, deps.config()) : undefined;
@@ -254,6 +267,8 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
     await scope.register(alertRoutes, { deliveries });
     await scope.register(creditRoutes, { store: deps.store, find: deps.find });
     await scope.register(keyApi, { keys: deps.keys, configFile: deps.configFile, accounts: deps.accounts });
+    const sessions = deps.redis ? new PortalSessions(deps.redis, () => deps.config().redisPrefix, deps.redisTimeoutMs ?? 1000) : undefined;
+    await scope.register(portalAdminRoutes, { find: deps.find, sessions, redis: deps.redis, portalUrl: deps.portalUrl ?? (() => '') });
   });
   return app;
 }

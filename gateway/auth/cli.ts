@@ -27,6 +27,7 @@ import { exportKeys } from './key-export.js';
 import { importKeys } from './key-import.js';
 import { type ConfigRest, NotBlock, pieces, readConfigRest, readItems } from './key-section.js';
 import { RegistryKeys } from './registry.js';
+import { PortalSessions } from '../portal/sessions.js';
 
 // `npm run keys -- create|list|revoke|rotate|account|import|export`: the keys in the config file
 // (key-file.ts does the locked, validated edit; the admin API uses the same), or with
@@ -48,12 +49,13 @@ const USAGE = `usage:
   keys account --account ACCOUNT [--billing-day N (1-31)] [--credits-grant N [--rollover] | --no-credits] [--config FILE]
   keys import [--config FILE]     (KEY_STORE=redis: the file's keys into the key registry, and out of the file)
   keys export [--config FILE]     (KEY_STORE=redis: the key registry's keys into the file)
+  keys portal-link --account ACCOUNT [--config FILE]   (a single-use usage portal link, 15 min; needs Redis)
   keys --help
 With KEY_STORE=redis (and REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS), keys are issued,
 listed, revoked and rotated in the key registry; the config file keeps plans and accounts.
 list then lists the file's keys too, with where each is (STORE: file, registry or both).`;
 
-const COMMANDS = ['create', 'list', 'revoke', 'rotate', 'account', 'import', 'export'];
+const COMMANDS = ['create', 'list', 'revoke', 'rotate', 'account', 'import', 'export', 'portal-link'];
 
 class UsageError extends Error {}
 
@@ -128,6 +130,7 @@ async function run(argv: string[], io: KeysOutput, env: NodeJS.ProcessEnv): Prom
   if (!command || !COMMANDS.includes(command)) throw new UsageError(command ? `unknown command "${command}"` : 'missing command');
   const file = values.config ?? configFilePath(env);
   checkFile(file);
+  if (command === 'portal-link') return portalLink(file, values, io, env);
   const registry = keyStoreOf(env) === 'redis' ? await openRegistry(file, env) : undefined;
   try {
     if (command === 'account') await account(file, values, io, registry?.keys);
@@ -146,10 +149,11 @@ function keyStoreOf(env: NodeJS.ProcessEnv): 'file' | 'redis' {
   }
 }
 
-/** The key registry the settings name (KEY_STORE=redis), once Redis answers. */
-async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ keys: RegistryKeys; redis: RedisClient }> {
+/** The Redis the settings name, once it answers; `why` says what needs it. */
+async function openRedis(env: NodeJS.ProcessEnv, why: string) {
   const settings = loadSettings(env);
-  const redis = connectRedis(redisTarget(settings), settings.redisTimeoutMs)!;
+  const redis = connectRedis(redisTarget(settings), settings.redisTimeoutMs);
+  if (!redis) throw new Refusal(`${why}: set REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS`);
   // The first error ends the wait: a refused connection or a service that is not Redis is said at once.
   const ready = await new Promise<true | Error | undefined>((resolve) => {
     const timer = setTimeout(() => resolve(undefined), 5000);
@@ -161,14 +165,18 @@ async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ key
     redis.once('error', (err: Error) => done(err));
   });
   // Connected is not yet Redis: an HTTP server accepts the connection, then answers the first command with HTML.
-  const answered = ready === true ? await redis.ping().then(() => true as const, (err: Error) => err) : ready;
+  const answered =
+    ready === true
+      ? await redis.ping().then(
+          () => true as const,
+          (err: Error) => err,
+        )
+      : ready;
   if (answered !== true) {
     redis.disconnect();
-    throw new Refusal(`KEY_STORE=redis: ${unreachable(redisWhere(redis), answered)}`);
+    throw new Refusal(`${why}: ${unreachable(redisWhere(redis), answered)}`);
   }
-  // The registry needs the plans and the environment only: a file of 200,000 keys is not built for them.
-  const current = await configRest(file);
-  return { keys: new RegistryKeys(redis, () => current, deploymentPrefix(settings.redisKeyPrefix, current.environment)), redis };
+  return { redis, settings };
 }
 
 /** Why Redis could not be used, in words a new user can act on. */
@@ -180,6 +188,14 @@ function unreachable(where: string, err: Error | undefined): string {
   return `${where}: ${err.message}`;
 }
 
+/** The key registry the settings name (KEY_STORE=redis), once Redis answers. */
+async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ keys: RegistryKeys; redis: RedisClient }> {
+  const { redis, settings } = await openRedis(env, 'KEY_STORE=redis');
+  // The registry needs the plans and the environment only: a file of 200,000 keys is not built for them.
+  const current = await configRest(file);
+  return { keys: new RegistryKeys(redis, () => current, deploymentPrefix(settings.redisKeyPrefix, current.environment)), redis };
+}
+
 /** The file without its keys: the keys section skipped line by line, or (a file of another shape) the whole parsed. */
 async function configRest(file: string): Promise<ConfigRest> {
   try {
@@ -189,6 +205,29 @@ async function configRest(file: string): Promise<ConfigRest> {
     const whole: Partial<ConfigFile> = parseConfigText(readFileSync(file, 'utf8'), file, { keysElsewhere: true });
     delete whole.keys;
     return whole as ConfigRest;
+  }
+}
+
+/** A single-use portal link for an account some key is in (the file's, or the registry's), as the admin route mints it. */
+async function portalLink(file: string, values: Values, io: KeysOutput, env: NodeJS.ProcessEnv): Promise<void> {
+  const account = values.account;
+  if (!account) throw new UsageError('portal-link needs --account');
+  const { redis, settings } = await openRedis(env, 'portal-link keeps its link in Redis');
+  try {
+    const current = parseConfigText(readFileSync(file, 'utf8'), file, { keysElsewhere: settings.keyStore === 'redis' });
+    const prefix = deploymentPrefix(settings.redisKeyPrefix, current.environment);
+    const inFile = current.keys.some((k) => (k.account ?? k.id) === account);
+    const inRegistry =
+      settings.keyStore === 'redis' && (await new RegistryKeys(redis, () => current, prefix).accountKeys(account)).length > 0;
+    if (!inFile && !inRegistry) throw new Refusal(`--account: no key in account "${account}"`);
+    const { token, expiresMs } = await new PortalSessions(redis, () => prefix, settings.redisTimeoutMs).mint(account);
+    const base = settings.portalUrl ?? `http://${settings.host}:${settings.port}`;
+    io.err(
+      `a portal link for account "${account}", good once until ${new Date(expiresMs).toISOString()}; give it to the account holder only:`,
+    );
+    io.out(`${base}/portal/link?token=${token}`);
+  } finally {
+    await closeRedis(redis);
   }
 }
 

@@ -182,7 +182,7 @@ export interface GatewayConfig {
   consumerOf(key: KeyEntry): Consumer | undefined;
   /** The account a key subject's Redis name is of (`<prefix>:<environment>:{k:<account>}`), or undefined for another name. */
   accountOf(subjectName: string): string | undefined;
-  /** The quota of requests without a valid key, per client (auth/address.ts: an IPv6 address by its /64). */
+  /** The quota of requests without a valid key, per client (address.ts: an IPv6 address by its /64). */
   addressSubject(address: string): QuotaSubject;
   deprecations: ReadonlyMap<RouteId, Deprecation>;
   /** Origins allowed by CORS (exact `scheme://host[:port]`). */

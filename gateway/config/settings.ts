@@ -210,6 +210,10 @@ export const GatewaySettingsSchema = Type.Object({
   trustProxy: Type.Transform(Type.String({ env: 'TRUST_PROXY', minLength: 1, default: 'false' }))
     .Decode(parseTrustProxy)
     .Encode(String),
+  // The portal (docs/operators.md#usage-portal): the public URL its links are minted for (the
+  // gateway's own address when unset), and how long a key rotated there keeps working.
+  portalUrl: Type.Optional(Type.String({ env: 'PORTAL_URL', pattern: '^https?://[^/?#]+$', hint: 'scheme://host[:port], no path' })),
+  portalRotateGraceMs: Ms('PORTAL_ROTATE_GRACE_MS', 86_400_000),
   adminPort: Port('ADMIN_PORT', 9000),
   adminHost: Type.String({ env: 'ADMIN_HOST', minLength: 1, default: '127.0.0.1' }),
   adminToken: Type.Optional(

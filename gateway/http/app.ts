@@ -11,6 +11,7 @@ import type { KeyRegistry } from '../auth/registry-cache.js';
 import { admit } from '../quota/admit.js';
 import type { QuotaStore } from '../quota/store.js';
 import { usageView } from '../quota/usage-view.js';
+import { type PortalParts, portalOff, portalRoutes } from '../portal/routes.js';
 import { USAGE_ROUTE } from '../routes.js';
 import { documentServer, OPENAPI_PATH } from './openapi.js';
 import { type RequestContext, requestPipeline } from './pipeline.js';
@@ -44,6 +45,8 @@ export interface PublicParts {
   tracing?: RequestTracing;
   /** The key registry, with KEY_STORE=redis: keys beyond the config file's. */
   keys?: KeyRegistry;
+  /** The usage portal's parts, with Redis; without, /portal says it needs Redis. */
+  portal?: PortalParts;
   /** Run when the app closes: what the wiring started for it. */
   close(): Promise<void>;
 }
@@ -125,6 +128,8 @@ export async function buildPublicApp(settings: PublicSettings, parts: PublicPart
     reply.header('cache-control', 'no-store');
     return usageView(ctx.consumer!, await store.peek(ctx.consumer!.subject));
   });
+  if (parts.portal) await app.register(portalRoutes, { ...parts.portal, prefix: '/portal' });
+  else await app.register(portalOff, { prefix: '/portal' });
   await registerProxy(app, {
     upstream: settings.backendUrl,
     bodyLimit: settings.bodyLimit,

@@ -10,7 +10,16 @@ import { GatewayError, handleError } from '../errors.js';
 import { type Admission, admit } from '../quota/admit.js';
 import type { EventTag, QuotaSubject } from '../quota/decision.js';
 import type { RequestPath } from '../quota/store.js';
-import { DOCUMENT_ROUTE, isDocumentPath, isUsagePath, matchRoute, type RouteId, USAGE_ROUTE } from '../routes.js';
+import {
+  DOCUMENT_ROUTE,
+  isDocumentPath,
+  isPortalPath,
+  isUsagePath,
+  matchRoute,
+  PORTAL_ROUTE,
+  type RouteId,
+  USAGE_ROUTE,
+} from '../routes.js';
 
 declare module 'fastify' {
   interface FastifyRequest {
@@ -216,6 +225,12 @@ export function requestPipeline(
     }
     const bad = malformed(request);
     if (!bad && isDocumentPath(request.url)) return ownRoute(store, request, reply, DOCUMENT_ROUTE.id);
+    // The portal signs in with its own session cookie, not a bearer key: per address, whatever it
+    // carries, so a key over its limit can still see why (and sign-in guesses meet the address's limit).
+    if (!bad && isPortalPath(request.url)) {
+      ctx.route = PORTAL_ROUTE.id;
+      return admitByAddress(store, request, reply);
+    }
     // Authentication first, for every other path: a caller without a valid key learns nothing of routes.
     const who = bad ?? authenticate(request.headers.authorization, ctx.config, request.raw.socket, keys);
     if (who instanceof Promise) return who.then((found) => authenticated(store, request, reply, ctx, found));

@@ -91,12 +91,19 @@ function quoted(name: string): string {
  * for the root logger with the request id as its first field (the same line a request's child
  * logger would write), so no child logger is made for it.
  */
-export function accessLog(metrics: GatewayMetrics, output: LogOutput, recordStatus?: (request: FastifyRequest, status: number) => void) {
+export function accessLog(
+  metrics: GatewayMetrics,
+  output: LogOutput,
+  recordStatus?: (request: FastifyRequest, status: number) => void,
+  /** Also told of every answer (the portal's history counts outcomes in memory from it). */
+  count?: (e: AccessEntry) => void,
+) {
   const line = accessLine(output);
   function record(reqId: string, e: AccessEntry): void {
     metrics.request(e.route ?? 'none', e.status, e.consumer?.plan ?? 'none', e.consumer?.id, rejection(e));
     if (e.consumer && e.outcome?.startsWith('would_')) metrics.wouldReject.inc({ reason: e.outcome.slice(6), plan: e.consumer.plan });
     if (e.consumer && e.overage !== undefined) metrics.overage.inc({ plan: e.consumer.plan });
+    count?.(e);
     line(reqId, e);
   }
   /** fastify's onResponse hook (callback style: no promise per request): the request's context as the pipeline left it. */

@@ -75,7 +75,14 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   const redis = connectRedis(target, settings.redisTimeoutMs);
   const redisConnection = target && { target, timeoutMs: settings.redisTimeoutMs };
   const gateway = options.serve
-    ? await buildGateway(settings, { config: initial, redis, redisConnection, logStream: options.logStream })
+    ? await buildGateway(settings, {
+        config: initial,
+        redis,
+        redisConnection,
+        logStream: options.logStream,
+        // The file a primary or this process reloads: the portal's keys are issued there.
+        keyFile: options.reloads === 'none' ? undefined : settings.configFile,
+      })
     : undefined;
   const log = gateway?.app.log ?? createLogger('gateway', settings.logLevel, settings.logPretty, () => {}, options.logStream);
   warn = (line) => {
@@ -87,20 +94,16 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   const config = gateway?.config ?? (() => primaryConfig);
   const setConfig = gateway?.setConfig ?? ((next: GatewayConfig) => void (primaryConfig = next));
   let closing = false;
-  const admin = options.admin ? await adminOf(settings, options, { gateway, redis, log, config, closing: () => closing }) : undefined;
+  const listening: { address?: string } = {};
+  // Portal links point at PORTAL_URL, else at this process's public port once it listens.
+  const portalUrl = () => settings.portalUrl ?? listening.address ?? `http://${settings.host}:${settings.port}`;
+  const admin = options.admin
+    ? await adminOf(settings, options, { gateway, redis, log, config, closing: () => closing, portalUrl })
+    : undefined;
   if (!redis) log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
   await awaitRedis(redis, log);
   // Once per deployment process: a single one, or the cluster's primary (its workers serve no admin).
-  const kept = [
-    ...([...initial.accounts.values()].some((s) => s.billing.credits) ? ['credits'] : []),
-    ...(settings.keyStore === 'redis' ? ['registry keys'] : []),
-  ];
-  if (options.admin && redis?.status === 'ready' && kept.length > 0) {
-    const problem = await persistenceProblem(redis, kept).catch(
-      (err: Error) => `could not check that Redis keeps ${kept.join(' and ')} on disk: ${err.message}`,
-    );
-    if (problem) log.warn(problem);
-  }
+  if (options.admin && redis?.status === 'ready') await warnIfNotKept(settings, initial, redis, log);
   // Only where the file is watched: a worker takes the config its primary has checked.
   const check = redis && settings.keyStore === 'redis' && options.reloads === 'file' ? registryPlanCheck(redis, config) : undefined;
   const stopReloads = takeReloads(settings, options, setConfig, log, check);
@@ -118,6 +121,7 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   if (options.ownProcess) exitOnSignals(log, settings.shutdownGraceMs + CLOSE_MARGIN_MS, () => close(), options.ownProcess.ignoreSignals);
 
   const address = gateway ? await listenOrExit(gateway.app, settings.port, settings.host, PUBLIC) : undefined;
+  listening.address = address;
   const adminAddress = admin ? await listenOrExit(admin, settings.adminPort, settings.adminHost, ADMIN) : undefined;
   if (options.ownProcess && options.ownProcess.announce) {
     const store = redis ? 'redis' : 'memory';
@@ -132,12 +136,26 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   return { gateway, admin, redis, log, address, adminAddress, close };
 }
 
+/** A warning when Redis keeps nothing on disk and holds what a restart must not lose: credits, registry keys. */
+async function warnIfNotKept(settings: GatewaySettings, initial: GatewayConfig, redis: RedisClient, log: FastifyBaseLogger) {
+  const kept = [
+    ...([...initial.accounts.values()].some((s) => s.billing.credits) ? ['credits'] : []),
+    ...(settings.keyStore === 'redis' ? ['registry keys'] : []),
+  ];
+  if (kept.length === 0) return;
+  const problem = await persistenceProblem(redis, kept).catch(
+    (err: Error) => `could not check that Redis keeps ${kept.join(' and ')} on disk: ${err.message}`,
+  );
+  if (problem) log.warn(problem);
+}
+
 interface AdminSources {
   gateway?: Gateway;
   redis?: RedisClient;
   log: FastifyBaseLogger;
   config: () => GatewayConfig;
   closing: () => boolean;
+  portalUrl: () => string;
 }
 
 /**
@@ -157,7 +175,7 @@ function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSour
     settings.keyStore === 'redis' && from.redis ? new RegistryKeys(from.redis, () => from.config(), from.config().redisPrefix) : undefined;
   const keys = registry && configFile ? bothStores(configFile, registry) : registry;
   return buildAdmin(
-    { ...settings, configFile },
+    { ...settings, configFile, portalUrl: from.portalUrl },
     {
       config: from.config,
       store,

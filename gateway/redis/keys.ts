@@ -65,7 +65,23 @@ export const subjectKey = {
   call: (name: string, callId: string) => `${name}:call:${callId}`,
   /** One batch of leased admissions' usage events, by its id, once written: a resend writes nothing. */
   usageBatch: (name: string, batchId: string) => `${name}:ub:${batchId}`,
+  /** The portal's audit log of the account's self-service actions (a capped stream). */
+  audit: (name: string) => `${name}:audit`,
+  /** Requests by outcome in one minute (`m`) or UTC day (`d`) starting at `startMs` (a hash: outcome -> count). */
+  history: (name: string, unit: 'm' | 'd', startMs: number) => `${name}:hist:${unit}:${startMs}`,
 } as const;
+
+/**
+ * The portal's sessions and single-use links, by the SHA-256 of their secret (Redis never holds
+ * one a reader could replay), in one slot of their own: a session is found by its id alone.
+ */
+export function portalKeys(prefix: string) {
+  const base = `${prefix}:{portal}`;
+  return {
+    session: (digest: string) => `${base}:session:${digest}`,
+    link: (digest: string) => `${base}:link:${digest}`,
+  };
+}
 
 /** The key registry's names (KEY_STORE=redis), all in one slot (`{keys}`): its scripts touch several at once. */
 export function registryKeys(prefix: string) {

@@ -76,6 +76,7 @@ describe('settings from their schema', () => {
   it('gives every default when the environment is empty', () => {
     expect(loadSettings({})).toEqual({
       port: 3000,
+      portalRotateGraceMs: 86_400_000,
       host: '127.0.0.1',
       backendUrl: 'http://127.0.0.1:3001',
       configFile: 'config/gateway.yaml',

@@ -1,0 +1,95 @@
+import { createHash, randomBytes, timingSafeEqual } from 'node:crypto';
+import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
+import { LRUCache } from 'lru-cache';
+import { clientOf } from '../address.js';
+import type { KeyFinder } from '../auth/key-finder.js';
+import type { GatewayConfig } from '../config/config.js';
+import { readAudit } from '../portal/audit.js';
+import type { AccountFigures } from '../portal/figures.js';
+import { operatorAccountPage, operatorSignInPage, overview, overviewPage } from '../portal/operator.js';
+import { messagePage } from '../portal/pages.js';
+import { sameOrigin, secure, send } from '../portal/routes.js';
+import { cookieValue } from '../portal/sessions.js';
+import type { AccountBook, Operations } from '../quota/store.js';
+import type { RedisClient } from '../redis/client.js';
+import { AuthThrottle } from './auth-throttle.js';
+
+// The operator's page on the admin port, /admin/ui: signed in with ADMIN_TOKEN through a form
+// (never in a URL), which opens a session cookie. Its sessions live in this process, not in
+// Redis: the operator needs the page most while Redis fails. Registered outside the bearer guard.
+
+const COOKIE = 'admin_session';
+const SESSION_MS = 15 * 60_000;
+const digest = (s: string) => createHash('sha256').update(s).digest();
+
+export interface OperatorParts {
+  adminToken?: string;
+  config: () => GatewayConfig;
+  store: AccountBook & Pick<Operations, 'degraded' | 'degradedReason'>;
+  find: KeyFinder;
+  /** With Redis: an account's figures and audit log. */
+  figures?: AccountFigures;
+  redis?: RedisClient;
+  timeoutMs: number;
+}
+
+const cookie = (id: string, request: FastifyRequest, maxAgeMs = SESSION_MS) =>
+  `${COOKIE}=${id}; Path=/admin/ui; HttpOnly; SameSite=Strict; Max-Age=${Math.floor(maxAgeMs / 1000)}${secure(request) ? '; Secure' : ''}`;
+
+export async function operatorUi(app: FastifyInstance, parts: OperatorParts): Promise<void> {
+  const token = parts.adminToken ? digest(parts.adminToken) : undefined;
+  const sessions = new LRUCache<string, { csrf: string }>({ max: 1000, ttl: SESSION_MS });
+  const throttle = new AuthThrottle();
+  const sessionOf = (request: FastifyRequest) => {
+    const id = cookieValue(request.headers.cookie, COOKIE);
+    return id ? sessions.get(id) : undefined;
+  };
+  const signIn = (reply: FastifyReply, status: number, notice?: string) => send(reply, status, operatorSignInPage(notice));
+  app.addContentTypeParser('application/x-www-form-urlencoded', { parseAs: 'string', bodyLimit: 4096 }, (_req, body, done) => {
+    done(null, Object.fromEntries(new URLSearchParams(body as string)));
+  });
+  const hide = { schema: { hide: true } };
+
+  app.get('/admin/ui', hide, async (request, reply) => {
+    const session = sessionOf(request);
+    if (!session) return signIn(reply, 200);
+    return send(reply, 200, overviewPage(await overview(parts), session.csrf));
+  });
+
+  app.post('/admin/ui/sign-in', hide, async (request, reply) => {
+    const client = clientOf(request.ip);
+    if (!sameOrigin(request)) return signIn(reply, 403, 'Sign in from this page itself.');
+    if (throttle.retryAfter(client) > 0) return signIn(reply, 429, 'Too many failed sign-ins from this address: wait a minute.');
+    const given = (request.body as Record<string, string> | undefined)?.token ?? '';
+    if (!token || !timingSafeEqual(digest(given), token)) {
+      throttle.failed(client);
+      return signIn(reply, 401, token ? 'That token is not the admin token.' : 'ADMIN_TOKEN is not set: nobody can sign in.');
+    }
+    const id = randomBytes(32).toString('base64url');
+    sessions.set(id, { csrf: randomBytes(32).toString('base64url') });
+    reply.header('set-cookie', cookie(id, request));
+    return reply.code(303).header('location', '/admin/ui').header('cache-control', 'no-store').send();
+  });
+
+  app.post('/admin/ui/sign-out', hide, async (request, reply) => {
+    const session = sessionOf(request);
+    const form = request.body as Record<string, string> | undefined;
+    if (!session || !sameOrigin(request) || form?.csrf !== session.csrf) return signIn(reply, 403, 'Sign out from the page itself.');
+    sessions.delete(cookieValue(request.headers.cookie, COOKIE)!);
+    reply.header('set-cookie', cookie('', request, 0));
+    return reply.code(303).header('location', '/admin/ui').header('cache-control', 'no-store').send();
+  });
+
+  app.get('/admin/ui/accounts/:account', hide, async (request, reply) => {
+    if (!sessionOf(request)) return signIn(reply, 401, 'Sign in first.');
+    const { account } = request.params as { account: string };
+    const back = '/admin/ui';
+    if (!parts.figures || !parts.redis) return send(reply, 503, messagePage('No Redis', 'Account figures need Redis (REDIS_URL).', back));
+    const f = await parts.figures.read(account);
+    if (f.keys.length === 0) return send(reply, 404, messagePage('No such account', 'No key is in that account.', back));
+    const audit = f.unavailable
+      ? []
+      : await readAudit(parts.redis, (await parts.figures.members(account))[0]!.subject.name).catch(() => []);
+    return send(reply, 200, operatorAccountPage(f, audit));
+  });
+}

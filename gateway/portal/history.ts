@@ -1,0 +1,126 @@
+import type { FastifyBaseLogger } from 'fastify';
+import type { AccessEntry } from '../observability/access-log.js';
+import { isWindow } from '../quota/windows.js';
+import type { RedisClient } from '../redis/client.js';
+import { subjectKey } from '../redis/keys.js';
+
+// Requests over time by outcome, per account: counted in memory from what the access line
+// already knows (no Redis call per request) and flushed once a second, one pipeline for each
+// account active in that second (HINCRBY on its minute's and its day's bucket hash, EXPIRE), so
+// the cost follows traffic and nothing ever scans the accounts.
+
+/** The outcomes a chart stacks, in its order: what a bucket's hash fields are named. */
+export const OUTCOME_FIELDS = [
+  'admitted',
+  'limited_minute',
+  'limited_hour',
+  'limited_day',
+  'limited_month',
+  'limited_banned',
+  'credits',
+  'refunded_502',
+  'refunded_504',
+] as const;
+export type OutcomeField = (typeof OUTCOME_FIELDS)[number];
+
+export const MINUTE_MS = 60_000;
+export const DAY_MS = 86_400_000;
+/** Minute buckets are kept 48 h, day buckets 400 days (a year and its month of comparison). */
+const KEEP_S = { m: 48 * 3600, d: 400 * 86_400 } as const;
+
+/** The bucket field a request's answer counts in, or none (no key, or refused for another reason). */
+export function outcomeField(e: AccessEntry): OutcomeField | undefined {
+  const { outcome, status } = e;
+  if (!e.consumer || outcome === undefined) return undefined;
+  if (outcome === 'allowed' || outcome.startsWith('would_')) {
+    // The proxy gave a 502/504 back to the windows and credits: shown apart, not billed.
+    if (status === 502) return 'refunded_502';
+    if (status === 504) return 'refunded_504';
+    return 'admitted';
+  }
+  if (status === 429 && (isWindow(outcome) || outcome === 'banned')) return `limited_${outcome}` as OutcomeField;
+  if (status === 402 && outcome === 'credits') return 'credits';
+  return undefined;
+}
+
+export type Buckets = Array<{ startMs: number; counts: Partial<Record<OutcomeField, number>> }>;
+
+export class OutcomeHistory {
+  /** subject name -> minute start -> field -> count, since the last flush. */
+  private pending = new Map<string, Map<number, Map<OutcomeField, number>>>();
+  private readonly timer: NodeJS.Timeout;
+
+  constructor(
+    private readonly redis: RedisClient,
+    private readonly log: FastifyBaseLogger,
+    private readonly now: () => number = Date.now,
+  ) {
+    this.timer = setInterval(() => void this.flush(), 1000);
+    this.timer.unref();
+  }
+
+  /** Counts one answered request: a few map updates, no I/O. */
+  count(e: AccessEntry): void {
+    const field = outcomeField(e);
+    if (!field) return;
+    const now = this.now();
+    const minute = now - (now % MINUTE_MS);
+    const name = e.consumer!.subject.name;
+    let byMinute = this.pending.get(name);
+    if (!byMinute) this.pending.set(name, (byMinute = new Map()));
+    let fields = byMinute.get(minute);
+    if (!fields) byMinute.set(minute, (fields = new Map()));
+    fields.set(field, (fields.get(field) ?? 0) + 1);
+  }
+
+  /**
+   * Writes what was counted since the last flush: one pipeline per active account (its keys
+   * share its slot, so a Cluster takes it whole), all sent at once. A flush Redis refuses is
+   * dropped (history is for reading, never billing) and logged.
+   */
+  async flush(): Promise<void> {
+    if (this.pending.size === 0) return;
+    const batch = this.pending;
+    this.pending = new Map();
+    await Promise.all([...batch].map(([name, byMinute]) => this.write(name, byMinute)));
+  }
+
+  private async write(name: string, byMinute: Map<number, Map<OutcomeField, number>>): Promise<void> {
+    const pipeline = this.redis.pipeline();
+    for (const [minute, fields] of byMinute) {
+      const buckets = [
+        [subjectKey.history(name, 'm', minute), KEEP_S.m],
+        [subjectKey.history(name, 'd', minute - (minute % DAY_MS)), KEEP_S.d],
+      ] as const;
+      for (const [key, keep] of buckets) {
+        for (const [field, n] of fields) pipeline.hincrby(key, field, n);
+        pipeline.expire(key, keep);
+      }
+    }
+    await pipeline
+      .exec()
+      .catch((err: Error) => this.log.warn({ cause: err.message }, 'portal history: a second of counts was not written'));
+  }
+
+  async close(): Promise<void> {
+    clearInterval(this.timer);
+    await this.flush();
+  }
+}
+
+/** The last `n` buckets of `unit` up to `nowMs`, oldest first, for one account. */
+export async function readBuckets(redis: RedisClient, subjectName: string, unit: 'm' | 'd', n: number, nowMs: number): Promise<Buckets> {
+  const size = unit === 'm' ? MINUTE_MS : DAY_MS;
+  const last = nowMs - (nowMs % size);
+  const starts = Array.from({ length: n }, (_, i) => last - (n - 1 - i) * size);
+  const pipeline = redis.pipeline();
+  for (const start of starts) pipeline.hgetall(subjectKey.history(subjectName, unit, start));
+  const replies = (await pipeline.exec()) ?? [];
+  return starts.map((startMs, i) => {
+    const [err, hash] = replies[i] ?? [new Error('no reply'), null];
+    if (err) throw err;
+    const counts: Buckets[number]['counts'] = {};
+    for (const [field, value] of Object.entries((hash ?? {}) as Record<string, string>)) counts[field as OutcomeField] = Number(value);
+    return { startMs, counts };
+  });
+}

@@ -1,0 +1,154 @@
+import type { UsageView } from '../quota/usage-view.js';
+import { legend, stackedBars } from './charts.js';
+import type { Figures, KeyFigures } from './figures.js';
+import { type Html, html, page } from './html.js';
+import type { Session } from './sessions.js';
+
+// The portal's pages, from figures already read: pure functions of their arguments. Every figure
+// a test reads is an attribute (data-window, data-used, data-limit, data-remaining,
+// data-credits-balance, data-unavailable); the text beside it is for people.
+
+export const when = (iso: string) => iso.replace('T', ' ').replace(/\.\d+Z$/, ' UTC');
+const minuteLabel = (ms: number) => new Date(ms).toISOString().slice(11, 16);
+const dayLabel = (ms: number) => new Date(ms).toISOString().slice(5, 10);
+
+export function signInPage(notice?: string): string {
+  return page(
+    'Usage portal: sign in',
+    html`<h1>Usage portal</h1>
+${notice ? html`<p role="alert">${notice}</p>` : ''}
+<p>Sign in with one of your API keys to see your account's usage (read only). For key management, ask your provider for a portal link.</p>
+<form method="post" action="/portal/sign-in">
+<label for="key">API key</label>
+<input id="key" name="key" type="password" autocomplete="off" required>
+<button type="submit">Sign in</button>
+</form>`,
+  );
+}
+
+/** Each window of a view: its row carries the figures as attributes. */
+function windowRows(view: UsageView): Html {
+  return html`${Object.entries(view.windows).map(([name, w]) =>
+    w
+      ? html`<tr data-window="${name}" data-used="${w.used}" data-limit="${w.limit}" data-remaining="${w.remaining}">
+<th scope="row">${name}</th><td class="n">${w.used}</td><td class="n">${w.limit}</td><td class="n">${w.remaining}</td>
+<td><meter min="0" max="${w.limit}" value="${w.used}" aria-label="${name}: ${w.used} of ${w.limit} used"></meter></td><td>${when(w.resetAt)}</td></tr>`
+      : '',
+  )}`;
+}
+
+function windowsTable(caption: string, view: UsageView): Html {
+  return html`<table><caption>${caption}</caption>
+<thead><tr><th scope="col">Window</th><th scope="col" class="n">Used</th><th scope="col" class="n">Limit</th><th scope="col" class="n">Remaining</th><th scope="col">Used of limit</th><th scope="col">Resets</th></tr></thead>
+<tbody>${windowRows(view)}</tbody></table>`;
+}
+
+/** A key's section: its windows, and in a full session its actions. */
+function keySection(k: KeyFigures, session?: Session): Html {
+  const actions =
+    session?.mode === 'full' && k.status === 'active'
+      ? html`<form class="inline" method="post" action="/portal/keys/rotate"><input type="hidden" name="csrf" value="${session.csrf}"><input type="hidden" name="id" value="${k.id}"><button type="submit">Rotate ${k.id}</button></form>
+<form class="inline" method="post" action="/portal/keys/revoke"><input type="hidden" name="csrf" value="${session.csrf}"><input type="hidden" name="id" value="${k.id}"><button type="submit">Revoke ${k.id}</button></form>`
+      : '';
+  return html`<section data-key="${k.id}" aria-labelledby="key-${k.id}">
+<h3 id="key-${k.id}">Key ${k.id} <span class="note">(${k.plan}, ${k.status})</span></h3>
+${k.view ? windowsTable(`Windows of key ${k.id}`, k.view) : ''}
+${actions}
+</section>`;
+}
+
+function creditsSection(f: Figures): Html {
+  const c = f.view?.credits;
+  if (!c) return html``;
+  return html`<h2>Credits</h2>
+<p>Balance: <strong data-credits-balance="${c.balance}">${c.balance}</strong> units (${c.granted} granted, ${c.purchased} purchased, ${c.reserved} held by leases)${c.nextGrantAt ? html`; next grant of ${c.grant} at ${when(c.nextGrantAt)}` : ''}.</p>
+<table><caption>Last ledger entries, newest first</caption>
+<thead><tr><th scope="col">When</th><th scope="col">Kind</th><th scope="col" class="n">Amount</th><th scope="col" class="n">Balance after</th><th scope="col">Reason</th></tr></thead>
+<tbody>${f.ledger.map(
+    (e) =>
+      html`<tr data-ledger-entry="${e.id}"><td>${when(new Date(e.atMs).toISOString())}</td><td>${e.kind}</td><td class="n">${e.amount}</td><td class="n">${e.balance}</td><td>${e.reason ?? ''}</td></tr>`,
+  )}</tbody></table>`;
+}
+
+function overageSection(view: UsageView | undefined): Html {
+  const o = view?.overage;
+  if (!o) return html``;
+  return html`<p data-overage-used="${o.used}">Overage this ${o.window}: <strong>${o.used}</strong> units past the quota of ${o.quota} (up to ${o.upTo} more are admitted, billed extra).</p>`;
+}
+
+function historySection(f: Figures): Html {
+  if (!f.history) return html``;
+  return html`<h2>Requests over time</h2>${legend()}
+${stackedBars('last-hour', 'Last hour, by minute (UTC)', f.history.minutes, minuteLabel)}
+${stackedBars('last-30-days', 'Last 30 days, by day (UTC)', f.history.days, dayLabel)}`;
+}
+
+function unavailableSection(f: Figures): Html {
+  const last = f.unavailable?.lastGoodMs;
+  return html`<div class="unavailable" role="status" data-unavailable="${last ? new Date(last).toISOString() : ''}">
+<strong>Data unavailable</strong>: the quota store is not answering, so no figure here would be true.
+${last ? html`The last good figures were read at ${when(new Date(last).toISOString())}.` : 'No good figures were read on this server since it started.'}
+</div>`;
+}
+
+/** The account's figures: its windows, overage, credits and history, or that there are none now. */
+export function figuresSections(f: Figures): Html {
+  if (f.unavailable) return unavailableSection(f);
+  const v = f.view;
+  return html`<section data-scope="account" aria-labelledby="account-h"><h2 id="account-h">Account windows</h2>
+${v ? html`<p>Plan ${v.plan}${v.enforced ? '' : ' (shadow mode: not enforced)'}${v.ban.active ? html`; <strong>banned until ${when(v.ban.until!)}</strong>` : ''}.</p>${windowsTable('Windows of the account', v)}` : ''}
+${overageSection(v)}</section>
+${creditsSection(f)}
+${historySection(f)}`;
+}
+
+/** Each key's section; `session` adds the self-service forms of a full one. */
+export function keysSection(f: Figures, session?: Session): Html {
+  return html`<h2>Keys</h2>${f.keys.map((k) => keySection(k, session))}`;
+}
+
+export function dashboardPage(f: Figures, session: Session, notice?: Html): string {
+  const create =
+    session.mode === 'full'
+      ? html`<h2>New key</h2><form method="post" action="/portal/keys"><input type="hidden" name="csrf" value="${session.csrf}"><button type="submit">Create a key</button></form>`
+      : html`<p class="note">Read-only session (signed in with an API key): ask your provider for a portal link to manage keys.</p>`;
+  return page(
+    `Usage of ${f.account}`,
+    html`<h1>Usage of account ${f.account}</h1>
+<p class="note">Session ends at ${when(new Date(session.expiresMs).toISOString())}. <a href="/portal/usage.csv">Download these figures (CSV)</a>.</p>
+<form method="post" action="/portal/sign-out"><input type="hidden" name="csrf" value="${session.csrf}"><button type="submit">Sign out</button></form>
+${notice ?? ''}
+${figuresSections(f)}
+${keysSection(f, session)}
+${create}`,
+  );
+}
+
+/** A new secret, shown once: this answer is never cached and the secret is kept nowhere else. */
+export function secretPage(what: string, id: string, secret: string, note: string): string {
+  return page(
+    'New key',
+    html`<h1>${what}</h1>
+<p>Key <strong>${id}</strong>. Copy it now: it is shown only this once.</p>
+<p class="secret" data-secret>${secret}</p>
+<p class="note">${note}</p>
+<p><a href="/portal">Back to the usage page</a></p>`,
+  );
+}
+
+export function messagePage(title: string, message: string, home = '/portal'): string {
+  return page(title, html`<h1>${title}</h1><p>${message}</p><p><a href="${home}">Back</a></p>`);
+}
+
+/**
+ * A link's landing: the session is set, and the browser goes on to /portal by itself. A 303
+ * would do, but a SameSite=Strict cookie is not sent on a redirect that began on another site
+ * (the e-mail with the link); a same-origin refresh is a same-site navigation, so it is.
+ */
+export function landingPage(): string {
+  return page(
+    'Signed in',
+    html`<h1>Signed in</h1><p><a href="/portal">Go to the usage portal</a></p>`,
+    html`<meta http-equiv="refresh" content="0;url=/portal">`,
+  );
+}

@@ -1,0 +1,519 @@
+import { join } from 'node:path';
+import type { Browser, BrowserContext, Page } from 'playwright-core';
+import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
+import { keysCommand } from '../../gateway/auth/cli.js';
+import { portalKeys } from '../../gateway/redis/keys.js';
+import { digest, expectAccessible, freshPage, launch, postForm, sessionCookieOf, windowFigures } from '../helpers/browser.js';
+import { makeKey, type TestKey, tempDir, testConfig } from '../helpers/config.js';
+import { scaled } from '../helpers/budget.js';
+import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
+import { spawnRedis } from '../helpers/redis.js';
+import { eventually, inOneMinute, sleep } from '../helpers/time.js';
+
+// The usage portal in a real browser (Chromium) against the real gateway and Redis: sign-in by
+// key and by link, sessions, self-service with its audit log, the refusals (CSRF, IDOR, XSS),
+// axe-core on every page, and the page's figures against the RateLimit header.
+
+const TOKEN = 'portal-admin-token-0123456789';
+/** A short grace: long enough to see the old key work after the rotation, short enough to see its 401 in the test. */
+const GRACE_MS = 3000;
+
+const acct = (plan: string, account: string): TestKey => ({ ...makeKey(plan), account });
+const acme1 = acct('free', 'acme');
+const acme2 = acct('free', 'acme');
+const bravo = acct('free', 'bravo');
+const tiny = acct('tiny', 'tinyco');
+const broke = acct('prepaid', 'credit');
+const rot = acct('free', 'rotco');
+const rev = acct('free', 'revco');
+const rev2 = acct('free', 'revco');
+const kbd = acct('free', 'kbdco');
+const csrf = acct('free', 'csrfco');
+const ent: TestKey = { ...acct('enterprise', 'entco'), limits: { perMinute: 7, perDay: 70 } };
+
+const dir = tempDir();
+const gw = useTestGateway(() => ({
+  config: testConfig([acme1, acme2, bravo, tiny, broke, rot, rev, rev2, kbd, csrf, ent], {
+    plans: {
+      free: { perMinute: 1000, perDay: 100_000 },
+      tiny: { perMinute: 3, perDay: 100 },
+      prepaid: { perMinute: 1000, perDay: 100_000, credits: { grant: 0, every: 'month' } },
+      enterprise: { custom: true },
+    },
+    // Every page load and sign-in counts on the per-address quota: this test makes many from one address.
+    unauthenticated: { perMinute: 100_000 },
+  }),
+  configFile: join(dir.dir, 'gateway.json'),
+  admin: { token: TOKEN },
+  // No lease (QUOTA_LEASE_MAX=1): each admission is Redis's, so the page must show exactly what the header said.
+  settings: { quotaLeaseMax: 1, portalRotateGraceMs: GRACE_MS },
+}));
+
+let browser: Browser;
+const contexts: BrowserContext[] = [];
+beforeAll(async () => {
+  browser = await launch();
+});
+afterAll(async () => {
+  await browser?.close();
+  dir.cleanup();
+});
+
+async function open(): Promise<Page> {
+  const { context, page } = await freshPage(browser);
+  contexts.push(context);
+  return page;
+}
+
+async function signInByKey(key: string): Promise<Page> {
+  const page = await open();
+  await page.goto(`${gw.url}/portal`);
+  await page.fill('input[name="key"]', key);
+  await page.click('button[type="submit"]');
+  await page.waitForSelector('[data-scope="account"], [data-unavailable]');
+  return page;
+}
+
+async function mintLink(account: string): Promise<{ status: number; body: { url: string; expiresAt: string } }> {
+  const res = await fetch(`${gw.adminUrl}/admin/accounts/${account}/portal-links`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${TOKEN}` },
+  });
+  return { status: res.status, body: await res.json() };
+}
+
+async function signInByLink(account: string): Promise<Page> {
+  const { body } = await mintLink(account);
+  const page = await open();
+  await page.goto(body.url);
+  await page.waitForURL(`${gw.url}/portal`);
+  await page.waitForSelector('[data-scope="account"]');
+  return page;
+}
+
+const audit = async (account: string) =>
+  (await (await fetch(`${gw.adminUrl}/admin/accounts/${account}/audit`, { headers: { authorization: `Bearer ${TOKEN}` } })).json()) as {
+    entries: Array<{ who: string; action: string; keyId: string; newKeyId?: string }>;
+  };
+const status = async (key: string) => (await gw.call('/v1/pets', key)).status;
+/** The session cookie and CSRF token of a signed-in page, for requests made outside it. */
+async function credentials(page: Page) {
+  const cookie = await sessionCookieOf(page.context());
+  const token = await page.locator('input[name="csrf"]').first().getAttribute('value');
+  return { cookie: `portal_session=${cookie!.value}`, csrf: token!, origin: gw.url };
+}
+
+describe('signing in', () => {
+  it('by API key: a read-only page of the account and each of its keys, with a strict, short session cookie', async () => {
+    const page = await open();
+    await page.goto(`${gw.url}/portal`);
+    await expectAccessible(page, 'the sign-in page');
+    await page.fill('input[name="key"]', acme1.key);
+    await page.click('button[type="submit"]');
+    await page.waitForSelector('[data-scope="account"]');
+    await expectAccessible(page, 'the read-only page');
+    for (const scope of ['[data-scope="account"]', `[data-key="${acme1.id}"]`, `[data-key="${acme2.id}"]`]) {
+      for (const w of ['minute', 'day']) expect((await windowFigures(page, scope, w)).limit, `${scope} ${w}`).not.toBeNull();
+    }
+    expect(await windowFigures(page, '[data-scope="account"]', 'minute')).toMatchObject({ limit: '1000' });
+    // Read only: no self-service form, and no other account's key.
+    expect(await page.locator('form[action="/portal/keys"]').count()).toBe(0);
+    expect(await page.locator(`[data-key="${bravo.id}"]`).count()).toBe(0);
+    const html = await page.content();
+    expect(html).not.toContain(acme1.key);
+    expect(JSON.stringify(gw.logs)).not.toContain(acme1.key);
+    const cookie = (await sessionCookieOf(page.context()))!;
+    expect(cookie).toMatchObject({ httpOnly: true, sameSite: 'Strict', path: '/portal', secure: false });
+    expect(cookie.expires * 1000 - Date.now()).toBeLessThanOrEqual(15 * 60_000 + 2000);
+    const ttl = await gw.redis!.pttl(portalKeys(gw.gateway.config().redisPrefix).session(digest(cookie.value)));
+    expect(ttl).toBeGreaterThan(0);
+    expect(ttl).toBeLessThanOrEqual(15 * 60_000);
+  });
+
+  it('refuses a key it does not know, without echoing it', async () => {
+    const page = await open();
+    await page.goto(`${gw.url}/portal`);
+    const guess = `psk_live_${'A'.repeat(36)}<b>x</b>`;
+    await page.fill('input[name="key"]', guess);
+    const answer = page.waitForResponse((r) => r.url().endsWith('/portal/sign-in'));
+    await page.click('button[type="submit"]');
+    expect((await answer).status()).toBe(401);
+    expect(await page.content()).not.toContain('AAAAAAAAAA');
+    expect(await sessionCookieOf(page.context())).toBeUndefined();
+  });
+
+  it('by a portal link: a full session, the token gone from the URL bar and good once', async () => {
+    const minted = await mintLink('acme');
+    expect(minted.status).toBe(201);
+    expect(Date.parse(minted.body.expiresAt) - Date.now()).toBeLessThanOrEqual(15 * 60_000);
+    const token = new URL(minted.body.url).searchParams.get('token')!;
+    // Kept by its digest only: the token is in no Redis key name and no value.
+    const names = await gw.redis!.keys(`${gw.gateway.config().redisPrefix}:{portal}:*`);
+    expect(names.some((n) => n.includes(token))).toBe(false);
+    const page = await open();
+    await page.goto(minted.body.url);
+    await page.waitForURL(`${gw.url}/portal`);
+    await expectAccessible(page, 'the full page');
+    expect(page.url()).not.toContain(token);
+    expect(await page.locator('form[action="/portal/keys"]').count()).toBe(1);
+    const again = await open();
+    const res = await again.goto(minted.body.url);
+    expect(res!.status()).toBe(401);
+    await expectAccessible(again, 'the used-link page');
+    expect((await mintLink('nobody-here')).status).toBe(404);
+  });
+
+  it('by a link from the keys command', async () => {
+    const lines: string[] = [];
+    const env = {
+      REDIS_URL: inject('redisUrl'),
+      REDIS_KEY_PREFIX: gw.gateway.config().redisPrefix.split(':')[0],
+      GATEWAY_PORT: String(gw.port),
+    };
+    const io = { out: (l: string) => lines.push(l), err: () => {} };
+    const file = join(dir.dir, 'gateway.json');
+    expect(await keysCommand(['portal-link', '--account', 'nobody-here', '--config', file], io, env)).toBe(1);
+    expect(await keysCommand(['portal-link', '--account', 'bravo', '--config', file], io, env)).toBe(0);
+    const page = await open();
+    await page.goto(lines.at(-1)!);
+    await page.waitForURL(`${gw.url}/portal`);
+    expect(await page.locator(`[data-key="${bravo.id}"]`).count()).toBe(1);
+  });
+
+  it('refuses an unknown or an ended session', async () => {
+    const bogus = { cookie: 'portal_session=not-a-session' };
+    expect((await fetch(`${gw.url}/portal/usage.csv`, { headers: bogus })).status).toBe(401);
+    const page = await signInByKey(acme1.key);
+    const { value } = (await sessionCookieOf(page.context()))!;
+    expect((await fetch(`${gw.url}/portal/usage.csv`, { headers: { cookie: `portal_session=${value}` } })).status).toBe(200);
+    // Its 15 minutes run out in Redis: the cookie is worth nothing from then on.
+    await gw.redis!.pexpire(portalKeys(gw.gateway.config().redisPrefix).session(digest(value)), 1);
+    await sleep(20);
+    const res = await page.goto(`${gw.url}/portal`);
+    expect(res!.status()).toBe(401);
+    expect(await page.locator('input[name="key"]').count()).toBe(1);
+    expect(await page.locator('[data-window]').count()).toBe(0);
+    expect((await fetch(`${gw.url}/portal/usage.csv`, { headers: { cookie: `portal_session=${value}` } })).status).toBe(401);
+  });
+});
+
+describe('self-service through a portal link', () => {
+  it('rotates: the new key at once, the old one through the grace, then 401; audited', async () => {
+    const page = await signInByLink('rotco');
+    const rotatedAt = Date.now();
+    await page.click(`button:has-text("Rotate ${rot.id}")`);
+    const secret = (await page.locator('[data-secret]').textContent())!.trim();
+    expect(await status(rot.key)).toBe(200);
+    await eventually(async () => (await status(secret)) === 200, 5000, 'the new key accepted');
+    await expectAccessible(page, 'the new-secret page');
+    await eventually(async () => (await status(rot.key)) === 401, GRACE_MS + 5000, 'the old key refused after the grace');
+    // The file keeps whole seconds: the old key's end is the grace, less up to a second.
+    expect(Date.now() - rotatedAt).toBeGreaterThanOrEqual(GRACE_MS - 1000);
+    const { entries } = await audit('rotco');
+    expect(entries[0]).toMatchObject({ action: 'rotate', keyId: rot.id });
+    expect(entries[0]!.who).toMatch(/^rotco\/session:.{8}$/);
+    // Shown once: the page after it does not hold it.
+    await page.goto(`${gw.url}/portal`);
+    expect(await page.content()).not.toContain(secret);
+  });
+
+  it('revokes: the key refused; audited', async () => {
+    expect(await status(rev.key)).toBe(200);
+    const page = await signInByLink('revco');
+    await page.click(`button:has-text("Revoke ${rev.id}")`);
+    await page.waitForSelector('[role="status"]');
+    await eventually(async () => (await status(rev.key)) === 401, 5000, 'the revoked key refused');
+    expect(await status(rev2.key)).toBe(200);
+    expect((await audit('revco')).entries[0]).toMatchObject({ action: 'revoke', keyId: rev.id });
+  });
+
+  it("creates a key of a custom plan with the account's own limits", async () => {
+    const page = await signInByLink('entco');
+    await page.click('button:has-text("Create a key")');
+    const secret = (await page.locator('[data-secret]').textContent())!.trim();
+    await eventually(async () => (await status(secret)) === 200, 5000, 'the created key accepted');
+    const res = await gw.call('/v1/pets', secret);
+    expect(res.headers.get('ratelimit-policy')).toBe('"minute";q=7;w=60, "day";q=70;w=86400');
+  });
+
+  it('creates a key with the keyboard alone', async () => {
+    const page = await signInByLink('kbdco');
+    let found = false;
+    for (let i = 0; i < 40 && !found; i++) {
+      await page.keyboard.press('Tab');
+      found = await page.evaluate(() => document.activeElement?.textContent === 'Create a key');
+    }
+    expect(found).toBe(true);
+    await page.keyboard.press('Enter');
+    const secret = (await page.locator('[data-secret]').textContent())!.trim();
+    await eventually(async () => (await status(secret)) === 200, 5000, 'the created key accepted');
+    expect((await audit('kbdco')).entries[0]).toMatchObject({ action: 'create' });
+  });
+});
+
+describe('refusals', () => {
+  it("refuses one account's session every other account's keys (IDOR)", async () => {
+    const page = await signInByLink('acme');
+    const { cookie, csrf: token, origin } = await credentials(page);
+    const headers = { cookie, origin };
+    // Another account's key, a made-up one, and the other account's name where an id goes: each as unknown.
+    for (const id of [bravo.id, 'no-such-key', 'bravo']) {
+      for (const action of ['rotate', 'revoke']) {
+        const res = await postForm(`${gw.url}/portal/keys/${action}`, { csrf: token, id }, headers);
+        expect(res.status, `${action} ${id}`).toBe(404);
+      }
+    }
+    expect(await status(bravo.key)).toBe(200);
+    expect((await audit('bravo')).entries).toEqual([]);
+    // No route takes an account from the request: one named in a query changes nothing.
+    for (const path of ['/portal?account=bravo', '/portal/usage.csv?account=bravo']) {
+      const text = await (await fetch(`${gw.url}${path}`, { headers })).text();
+      expect(text, path).toContain(acme1.id);
+      expect(text, path).not.toContain(bravo.id);
+    }
+  });
+
+  it('refuses a form without its CSRF token, with a wrong one, or from another origin', async () => {
+    const page = await signInByLink('csrfco');
+    const { cookie, csrf: token, origin } = await credentials(page);
+    const keys = `${gw.url}/portal/keys`;
+    const refused = [
+      await postForm(keys, {}, { cookie, origin }),
+      await postForm(keys, { csrf: 'x'.repeat(token.length) }, { cookie, origin }),
+      await postForm(keys, { csrf: token }, { cookie, origin: 'https://evil.example' }),
+      await postForm(keys, { csrf: token }, { cookie }),
+      await postForm(`${gw.url}/portal/sign-in`, { key: csrf.key }, { origin: 'https://evil.example' }),
+    ];
+    expect(refused.map((r) => r.status)).toEqual([403, 403, 403, 403, 403]);
+    expect((await audit('csrfco')).entries).toEqual([]);
+    // The same form with its token and this origin: what the refusals above lacked.
+    expect((await postForm(keys, { csrf: token }, { cookie, origin })).status).toBe(201);
+    // A session opened with a key is read only, whatever its token.
+    const reader = await credentials(await signInByKey(csrf.key));
+    expect((await postForm(keys, { csrf: reader.csrf }, { cookie: reader.cookie, origin })).status).toBe(401);
+  });
+
+  it('renders a script in a ledger reason, a key id and a sign-in inert', async () => {
+    const payload = `<img src=x onerror="window.__xss=1"><script>window.__xss=1</script>"'`;
+    const topUp = await fetch(`${gw.adminUrl}/admin/accounts/credit/credits`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', 'idempotency-key': `xss-${Date.now()}` },
+      body: JSON.stringify({ amount: 50, reason: payload }),
+    });
+    expect(topUp.status).toBe(201);
+    const page = await signInByKey(broke.key);
+    expect(await page.locator('[data-credits-balance]').getAttribute('data-credits-balance')).toBe('50');
+    const cell = page.locator('[data-ledger-entry]').first().locator('td').last();
+    expect(await cell.textContent()).toBe(payload);
+    expect(await page.locator('main img, main script').count()).toBe(0);
+    expect(await page.evaluate(() => (window as { __xss?: number }).__xss)).toBeUndefined();
+    const { cookie, csrf: token, origin } = await credentials(await signInByLink('credit'));
+    const odd = await postForm(`${gw.url}/portal/keys/revoke`, { csrf: token, id: payload }, { cookie, origin });
+    expect(odd.status).toBe(404);
+    expect(await odd.text()).not.toContain('<script>');
+    // An account name or key id cannot carry markup at all: the config refuses it before any page could.
+    const bad = testConfig([{ ...makeKey('free'), account: '<script>' }]);
+    await expect(import('../../gateway/config/config.js').then((m) => m.validateConfigFile(bad, 'x'))).rejects.toThrow();
+  });
+
+  it('answers every portal page accessibly, errors included, never with a stack', async () => {
+    const page = await open();
+    for (const path of ['/portal/nowhere', '/portal/link?token=nope', '/portal/link?token=a&token=b', '/portal/usage.csv']) {
+      const res = await page.goto(`${gw.url}${path}`);
+      expect(res!.status(), path).toBeGreaterThanOrEqual(400);
+      expect(res!.status(), path).toBeLessThan(500);
+      const text = await page.content();
+      expect(text, path).not.toMatch(/at \w+ \(|node_modules|\.ts:\d+/);
+      if (path !== '/portal/usage.csv') await expectAccessible(page, path);
+    }
+    // Nothing under /portal reaches the backend, whatever the method: the proxy admits keys, not sessions.
+    for (const method of ['POST', 'PUT', 'DELETE']) {
+      for (const path of ['/portal', '/portal/nowhere', '/portal/keys/x'])
+        expect((await fetch(`${gw.url}${path}`, { method })).status).toBe(404);
+    }
+    expect(gw.echo!.seen.filter((r) => r.url.startsWith('/portal'))).toEqual([]);
+  });
+});
+
+/** The minute window's `r` of a response's RateLimit header (`"minute";r=N;t=S, ...`). */
+const minuteRemaining = (res: Response) => Number(/"minute";r=(\d+)/.exec(res.headers.get('ratelimit') ?? '')?.[1]);
+
+describe('figures that agree with what the gateway enforces', () => {
+  it("shows for the minute window the RateLimit header's r of the request just before (50 randomized checks)", async () => {
+    const page = await signInByKey(acme1.key);
+    let checks = 0;
+    const mismatches: string[] = [];
+    while (checks < 50) {
+      const minute = Math.floor(Date.now() / 60_000);
+      const key = Math.random() < 0.5 ? acme1 : acme2;
+      let last!: Response;
+      for (let n = 1 + Math.floor(Math.random() * 3); n > 0; n--) last = await gw.call('/v1/pets', key.key);
+      await page.goto(`${gw.url}/portal`);
+      // A check that crossed a minute boundary compares two windows: redone, not counted.
+      if (Math.floor(Date.now() / 60_000) !== minute) continue;
+      checks++;
+      const header = minuteRemaining(last);
+      for (const scope of [`[data-key="${key.id}"]`, '[data-scope="account"]']) {
+        const shown = Number((await windowFigures(page, scope, 'minute')).remaining);
+        if (shown !== header) mismatches.push(`${scope}: page ${shown}, header ${header}`);
+      }
+    }
+    expect(mismatches).toEqual([]);
+  });
+
+  it('charts the requests of the minute by outcome, within a couple of seconds', async () => {
+    const page = await signInByKey(tiny.key);
+    const statuses: number[] = [];
+    const minute = Math.floor(Date.now() / 60_000) * 60_000;
+    for (let i = 0; i < 5; i++) statuses.push(await status(tiny.key));
+    if (Math.floor(Date.now() / 60_000) * 60_000 !== minute) return; // the next minute's bar would hold part: rare, and proves nothing
+    expect(statuses).toEqual([200, 200, 200, 429, 429]);
+    const bar = page.locator(`#last-hour [data-bucket="${minute}"]`);
+    const seenAt = Date.now();
+    await eventually(
+      async () => {
+        await page.goto(`${gw.url}/portal`);
+        return (await bar.getAttribute('data-total')) === '5';
+      },
+      5000,
+      'the minute bar at 5',
+    );
+    console.log(`portal freshness: 5 requests on the chart ${Date.now() - seenAt} ms after the last answer`);
+    expect(await bar.locator('rect').count()).toBe(2); // admitted, and 429 by the minute
+    expect(await page.locator(`#last-30-days [data-bucket="${minute - (minute % 86_400_000)}"]`).getAttribute('data-total')).not.toBe('0');
+    const csv = await (await fetch(`${gw.url}/portal/usage.csv`, { headers: { cookie: (await credentials(page)).cookie } })).text();
+    expect(csv).toContain(`key:${tiny.id},minute,3,3,0,`);
+  });
+
+  it('weighs and paints the page within budget, and screenshots it for the README', async () => {
+    // acme: the account the checks above sent traffic for, so the charts have bars.
+    const page = await signInByLink('acme');
+    const res = await page.goto(`${gw.url}/portal`);
+    const html = (await res!.body()).length;
+    const scripts = await page.evaluate(() => ({
+      inline: [...document.scripts].reduce((n, s) => n + s.text.length, 0),
+      fetched: performance.getEntriesByType('resource').filter((e) => (e as PerformanceResourceTiming).initiatorType === 'script').length,
+    }));
+    const fcp = await page.evaluate(() => performance.getEntriesByName('first-contentful-paint')[0]?.startTime ?? -1);
+    console.log(
+      `portal page: ${html} bytes of HTML, ${scripts.inline} bytes of script (${scripts.fetched} fetched), first contentful paint ${fcp.toFixed(0)} ms`,
+    );
+    expect(scripts).toEqual({ inline: 0, fetched: 0 });
+    expect(html).toBeLessThan(100_000);
+    expect(fcp).toBeGreaterThan(0);
+    expect(fcp).toBeLessThan(scaled(1000));
+    // The page's data, answered: 50 loads from outside the browser, p95 under 50 ms.
+    const { cookie } = await credentials(page);
+    const times: number[] = [];
+    for (let i = 0; i < 50; i++) {
+      const started = performance.now();
+      await (await fetch(`${gw.url}/portal`, { headers: { cookie } })).text();
+      times.push(performance.now() - started);
+    }
+    const p95 = times.sort((a, b) => a - b)[Math.ceil(times.length * 0.95) - 1]!;
+    console.log(`portal page answered: p95 ${p95.toFixed(1)} ms, median ${times[25]!.toFixed(1)} ms over 50 loads`);
+    // Quiet-machine budgets (the issue's), scaled like every wait here: a loaded machine is slower, not wrong.
+    expect(p95).toBeLessThan(scaled(50));
+    await page.setViewportSize({ width: 1000, height: 1300 });
+    await page.screenshot({ path: 'docs/portal.png', fullPage: false });
+  });
+});
+
+describe('with Redis down', () => {
+  it('says the data is unavailable, with the time of the last good figures: never a false zero', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const key = acct('free', 'downco');
+    const own = await buildTestGateway({
+      config: testConfig([key], { plans: { free: { perMinute: 1000, perDay: 100_000 } }, unauthenticated: { perMinute: 100_000 } }),
+      redis: redis.url,
+      settings: { quotaLeaseMax: 1 },
+      admin: { token: TOKEN },
+    });
+    expect((await own.call('/v1/pets', key.key)).status).toBe(200);
+    const page = await open();
+    await page.goto(`${own.url}/portal`);
+    await page.fill('input[name="key"]', key.key);
+    await page.click('button[type="submit"]');
+    expect(await windowFigures(page, '[data-scope="account"]', 'minute')).toMatchObject({ used: '1', remaining: '999' });
+    const cookie = `portal_session=${(await sessionCookieOf(page.context()))!.value}`;
+    redis.proc.kill('SIGSTOP'); // frozen: connected, silent
+    await page.goto(`${own.url}/portal`);
+    const notice = page.locator('[data-unavailable]');
+    expect(Date.parse((await notice.getAttribute('data-unavailable'))!)).toBeGreaterThan(Date.now() - 60_000);
+    expect(await page.locator('[data-remaining]').count()).toBe(0);
+    await expectAccessible(page, 'the unavailable page');
+    expect((await fetch(`${own.url}/portal/usage.csv`, { headers: { cookie } })).status).toBe(503);
+    // The operator page says the gateway decides from its degraded budget once a request met the silence.
+    await own.call('/v1/pets', key.key);
+    await eventually(() => own.gateway.store.degraded, 5000, 'the store degraded');
+    const operator = await open();
+    await operator.goto(`${own.adminUrl}/admin/ui`);
+    await operator.fill('input[name="token"]', TOKEN);
+    await operator.click('button[type="submit"]');
+    expect(await operator.locator('[data-degraded]').getAttribute('data-degraded')).toBe('true');
+    expect(await operator.locator('[data-unavailable]').count()).toBe(1);
+    redis.proc.kill('SIGCONT');
+    await eventually(
+      async () => {
+        await page.goto(`${own.url}/portal`);
+        return (await page.locator('[data-scope="account"] [data-window="minute"]').count()) === 1;
+      },
+      10_000,
+      'figures back once Redis answers',
+    );
+  }, 60_000);
+});
+
+describe('the operator page on the admin port', () => {
+  async function operator(): Promise<Page> {
+    const page = await open();
+    await page.goto(`${gw.adminUrl}/admin/ui`);
+    await page.fill('input[name="token"]', TOKEN);
+    await page.click('button[type="submit"]');
+    await page.waitForSelector('[data-degraded]');
+    return page;
+  }
+
+  it('signs in with the admin token by a form only, into a strict session cookie', async () => {
+    const page = await open();
+    await page.goto(`${gw.adminUrl}/admin/ui`);
+    await expectAccessible(page, 'the operator sign-in page');
+    await page.fill('input[name="token"]', `${TOKEN}-wrong`);
+    const answer = page.waitForResponse((r) => r.url().endsWith('/admin/ui/sign-in'));
+    await page.click('button[type="submit"]');
+    expect((await answer).status()).toBe(401);
+    expect(await page.locator('[data-degraded]').count()).toBe(0);
+    const signedIn = await operator();
+    expect(signedIn.url()).toBe(`${gw.adminUrl}/admin/ui`);
+    const cookie = (await signedIn.context().cookies()).find((c) => c.name === 'admin_session')!;
+    expect(cookie).toMatchObject({ httpOnly: true, sameSite: 'Strict', path: '/admin/ui' });
+    expect(cookie.value).not.toContain(TOKEN);
+    // A cookie that names no session opens nothing.
+    expect((await fetch(`${gw.adminUrl}/admin/ui/accounts/acme`, { headers: { cookie: `admin_session=${cookie.value}x` } })).status).toBe(
+      401,
+    );
+  });
+
+  it('shows the top accounts, those near a limit, the outstanding credit and the degraded state; an account with its audit log', async () => {
+    await inOneMinute(async () => {
+      for (let i = 0; i < 3; i++) await status(tiny.key);
+      const page = await operator();
+      await expectAccessible(page, 'the operator overview');
+      expect(await page.locator('[data-degraded]').getAttribute('data-degraded')).toBe('false');
+      const top = await page.locator('[data-top-account]').evaluateAll((rows) => rows.map((r) => r.getAttribute('data-top-account')));
+      expect(top[0]).toBe('acme'); // the 50 randomized checks above sent it the most
+      expect(await page.locator('[data-near-account="tinyco"][data-window="minute"]').count()).toBe(1);
+      expect(await page.locator('[data-near-account="acme"]').count()).toBe(0);
+      const credits = await (
+        await fetch(`${gw.adminUrl}/admin/accounts/credit/credits`, { headers: { authorization: `Bearer ${TOKEN}` } })
+      ).json();
+      expect(await page.locator('[data-outstanding-credit]').getAttribute('data-outstanding-credit')).toBe(String(credits.balance));
+      await page.click('a:has-text("acme")');
+      await page.waitForSelector('[data-scope="account"]');
+      await page.goto(`${gw.adminUrl}/admin/ui/accounts/rotco`);
+      expect(await page.locator('[data-audit="rotate"]').count()).toBe(1);
+      await expectAccessible(page, 'the operator account page');
+    });
+  });
+});
