@@ -1,10 +1,14 @@
 import type { FastifyBaseLogger, FastifyInstance, FastifyRequest } from 'fastify';
 import type { DestinationStream } from 'pino';
 import { createLogOutput } from '../runtime/process.js';
+import { type AdminParts, buildAdmin } from './admin/app.js';
 import { fileKeys, type KeyStore } from './auth/key-file.js';
 import { keyFinder } from './auth/key-finder.js';
+import { bothStores, registryAccounts } from './auth/key-stores.js';
 import { RegistryKeys } from './auth/registry.js';
 import { KeyRegistry } from './auth/registry-cache.js';
+import { registryPlanCheck } from './auth/registry-plans.js';
+import { installPlainRawHandlers, plainClientErrorHandler } from './http/raw-answers.js';
 import type { GatewayConfig } from './config/config.js';
 import { ackReplicas, type GatewaySettings } from './config/settings.js';
 import { buildPublicApp, type PublicSettings } from './http/app.js';
@@ -25,7 +29,7 @@ import { WebhookDispatcher } from './usage/webhooks.js';
 
 // The wiring: the one file that knows every capability. From settings and a Redis client it
 // builds the logger, metrics, the quota store, the usage loops, tracing and the key registry,
-// and hands them to the public app (http/app.ts). The admin port is wired by process/runner.ts.
+// and hands them to the public app (http/app.ts) and the admin port (admin/app.ts); the runner only starts them.
 
 export interface GatewayDeps {
   config: GatewayConfig;
@@ -202,4 +206,60 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     exporter?.configChanged(next);
   };
   return { app, setConfig, config: current, store, metrics, keys };
+}
+
+/** The primary's own parts of its admin port: its workers' aggregated metrics, and their problems. */
+export type AdminPortParts = Partial<Pick<AdminParts, 'metrics' | 'problems'>>;
+
+/** What the admin port reads: this process's gateway (none in a cluster's primary), Redis, the config in force. */
+export interface AdminSources {
+  gateway?: Gateway;
+  redis?: RedisClient;
+  log: FastifyBaseLogger;
+  config: () => GatewayConfig;
+  closing: () => boolean;
+  portalUrl: () => string;
+  /** The primary's own parts (its workers' metrics and problems), in place of this process's. */
+  own: AdminPortParts;
+  /** The config file the key API edits: only where this process watches it. */
+  configFile?: string;
+}
+
+/**
+ * The admin port, reading this process's gateway; the primary, which has none, reads Redis and
+ * its workers.
+ */
+export function buildAdminPort(settings: GatewaySettings, from: AdminSources): Promise<FastifyInstance> {
+  const { own, configFile } = from;
+  // The primary's reads usage, and tops credits up: their events and alerts marked for the usage loops.
+  const store = from.gateway?.store ?? new RedisQuotaStore(from.redis!, from.log, { marks: activityMarks(from.redis!, from.config) });
+  const metrics = own.metrics ?? from.gateway!.metrics;
+  // With the key registry, keys are issued there (every instance hears of a change at once), and
+  // changed in the file too where it holds a copy; accounts' settings stay in the file.
+  const registry =
+    settings.keyStore === 'redis' && from.redis ? new RegistryKeys(from.redis, () => from.config(), from.config().redisPrefix) : undefined;
+  const keys = registry && configFile ? bothStores(configFile, registry) : registry;
+  return buildAdmin(
+    { ...settings, configFile, portalUrl: from.portalUrl },
+    {
+      config: from.config,
+      store,
+      metrics,
+      problems: () => [...(own.problems?.() ?? []), ...(from.gateway?.keys?.problems() ?? [])],
+      warnings: () => from.gateway?.keys?.warnings() ?? [],
+      redis: from.redis,
+      closing: from.closing,
+      log: from.log,
+      keys,
+      find: keyFinder(from.config, registry),
+      accounts: registry && registryAccounts(registry),
+      // What both ports share, handed in: the answers Node gives before fastify has a request.
+      rawAnswers: { install: installPlainRawHandlers, clientError: plainClientErrorHandler },
+    },
+  );
+}
+
+/** What a reload of the watched file is checked against beyond the file itself: the plans the key registry's keys name. */
+export function reloadCheck(settings: Pick<GatewaySettings, 'keyStore'>, redis: RedisClient | undefined, config: () => GatewayConfig) {
+  return redis && settings.keyStore === 'redis' ? registryPlanCheck(redis, config) : undefined;
 }

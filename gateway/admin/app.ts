@@ -1,3 +1,5 @@
+import type { Server } from 'node:http';
+import type { Socket } from 'node:net';
 import { createHash, timingSafeEqual } from 'node:crypto';
 import swagger, { type SwaggerOptions } from '@fastify/swagger';
 import { type FastifyPluginAsyncTypebox, type TypeBoxTypeProvider, TypeBoxValidatorCompiler } from '@fastify/type-provider-typebox';
@@ -7,7 +9,6 @@ import { clientOf } from '../address.js';
 import { connectionRefusal, isRefusal, probeAccess, type RedisClient } from '../redis/client.js';
 import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../errors.js';
-import { installPlainRawHandlers, plainClientErrorHandler } from '../http/raw-answers.js';
 import type { AccountBook, Operations } from '../quota/store.js';
 import { fileKeys, type KeyStore, type OtherKeys } from '../auth/key-file.js';
 import { type KeyFinder, keyFinder } from '../auth/key-finder.js';
@@ -45,6 +46,8 @@ export interface AdminParts {
   metrics: { contentType: string; text(): Promise<string> };
   /** Problems that make this instance unready beyond Redis and the backend (a worker down). */
   problems?: () => string[];
+  /** Answers to what Node refuses before fastify has a request (http/raw-answers.ts, handed in by the wiring). */
+  rawAnswers: { install(server: Server): void; clientError(err: Error & { code?: string }, socket: Socket): void };
   /** What /readyz reports beside a 200 (the key registry's lost keys). */
   warnings?: () => string[];
   redis?: RedisClient;
@@ -138,7 +141,7 @@ const DOCUMENT: SwaggerOptions = {
 };
 
 /** The server itself: TypeBox validation, the one error renderer, one access line per request. */
-function adminServer(log: FastifyBaseLogger, requestTimeoutMs: number) {
+function adminServer(log: FastifyBaseLogger, requestTimeoutMs: number, raw: AdminParts['rawAnswers']) {
   const app = Fastify({
     loggerInstance: log,
     // A body that stops arriving is cut with 408 (in the Error shape, by the client error handler)
@@ -150,7 +153,7 @@ function adminServer(log: FastifyBaseLogger, requestTimeoutMs: number) {
     return503OnClosing: false,
     frameworkErrors: (err, request, reply) => handleError(err, request, reply),
     // Oversized headers and bad framing in the Error shape too, not fastify's {error, message, statusCode}.
-    clientErrorHandler: plainClientErrorHandler,
+    clientErrorHandler: raw.clientError,
     schemaErrorFormatter: schemaError,
   }).withTypeProvider<TypeBoxTypeProvider>();
   // TypeBox's own checker: a body is never coerced ("5" is not an integer), unlike fastify's default Ajv.
@@ -164,7 +167,7 @@ function adminServer(log: FastifyBaseLogger, requestTimeoutMs: number) {
   app.setNotFoundHandler(() => {
     throw new GatewayError('route_not_found', 'No such admin route');
   });
-  installPlainRawHandlers(app.server);
+  raw.install(app.server);
   return app;
 }
 
@@ -253,7 +256,7 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
     // The list pages over the config in force, which every reload has parsed already.
     keys: parts.keys ?? (settings.configFile ? fileKeys(settings.configFile, {}, parts.config) : undefined),
   };
-  const app = adminServer(deps.log, deps.requestTimeoutMs);
+  const app = adminServer(deps.log, deps.requestTimeoutMs, deps.rawAnswers);
   await app.register(swagger, DOCUMENT);
   await app.register(operations, deps);
   // The operator's page: its own form sign-in and session cookie, so outside the bearer guard.

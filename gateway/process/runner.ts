@@ -3,16 +3,9 @@ import type closeWithGrace from 'close-with-grace';
 import type { FastifyBaseLogger, FastifyInstance } from 'fastify';
 import type { DestinationStream } from 'pino';
 import { announceReady, closeServer, createLogger, exitOnSignals, listenOrExit } from '../../runtime/process.js';
-import { type AdminParts, buildAdmin } from '../admin/app.js';
 import type { GatewayConfig } from '../config/config.js';
 import { type GatewaySettings, redisTarget } from '../config/settings.js';
-import { buildGateway, type Gateway } from '../app.js';
-import { keyFinder } from '../auth/key-finder.js';
-import { bothStores, registryAccounts } from '../auth/key-stores.js';
-import { RegistryKeys } from '../auth/registry.js';
-import { registryPlanCheck } from '../auth/registry-plans.js';
-import { RedisQuotaStore } from '../quota/redis/store.js';
-import { activityMarks } from '../usage/active.js';
+import { type AdminPortParts, buildAdminPort, buildGateway, type Gateway, reloadCheck } from '../app.js';
 import { type ReloadCheck, reloader, watchConfig } from './config-watch.js';
 import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient } from '../redis/client.js';
 
@@ -25,7 +18,7 @@ export interface RunOptions {
   /** Serves the public port: a single process or a cluster worker; not the cluster primary. */
   serve: boolean;
   /** Serves the admin port, with these parts in place of this process's own (the primary's aggregated metrics). */
-  admin: Partial<Pick<AdminParts, 'metrics' | 'problems'>> | false;
+  admin: AdminPortParts | false;
   /**
    * Where new configs come from: the config file and SIGHUP (`onReload` is told of each
    * accepted one), the cluster primary, or nowhere (a test swaps configs itself).
@@ -98,14 +91,24 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   // Portal links point at PORTAL_URL, else at this process's public port once it listens.
   const portalUrl = () => settings.portalUrl ?? listening.address ?? `http://${settings.host}:${settings.port}`;
   const admin = options.admin
-    ? await adminOf(settings, options, { gateway, redis, log, config, closing: () => closing, portalUrl })
+    ? await buildAdminPort(settings, {
+        gateway,
+        redis,
+        log,
+        config,
+        closing: () => closing,
+        portalUrl,
+        own: options.admin,
+        // The key API edits the config file only where this process watches it: an edit of a file nobody reloads would change nothing.
+        configFile: options.reloads === 'file' ? settings.configFile : undefined,
+      })
     : undefined;
   if (!redis) log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
   await awaitRedis(redis, log);
   // Once per deployment process: a single one, or the cluster's primary (its workers serve no admin).
   if (options.admin && redis?.status === 'ready') await warnIfNotKept(settings, initial, redis, log);
   // Only where the file is watched: a worker takes the config its primary has checked.
-  const check = redis && settings.keyStore === 'redis' && options.reloads === 'file' ? registryPlanCheck(redis, config) : undefined;
+  const check = options.reloads === 'file' ? reloadCheck(settings, redis, config) : undefined;
   const stopReloads = takeReloads(settings, options, setConfig, log, check);
 
   const close = async (redisClose: 'quit' | 'now' = 'quit') => {
@@ -123,17 +126,21 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   const address = gateway ? await listenOrExit(gateway.app, settings.port, settings.host, PUBLIC) : undefined;
   listening.address = address;
   const adminAddress = admin ? await listenOrExit(admin, settings.adminPort, settings.adminHost, ADMIN) : undefined;
-  if (options.ownProcess && options.ownProcess.announce) {
-    const store = redis ? 'redis' : 'memory';
-    // Both stores named: a key issued in the registry gets 401 from a gateway whose key store is the file.
-    const keyStore = settings.keyStore;
-    log.info(
-      { address, admin: adminAddress, environment: initial.environment, backend: settings.backendUrl, store, keyStore },
-      'gateway ready',
-    );
-    announceReady();
-  }
+  if (options.ownProcess && options.ownProcess.announce) ready(log, settings, initial, { address, adminAddress, redis: !!redis });
   return { gateway, admin, redis, log, address, adminAddress, close };
+}
+
+/** The ready line, then the parent told: both stores named (a key issued in the registry gets 401 from a gateway whose key store is the file). */
+function ready(
+  log: FastifyBaseLogger,
+  settings: GatewaySettings,
+  initial: GatewayConfig,
+  at: { address?: string; adminAddress?: string; redis: boolean },
+): void {
+  const { address, adminAddress: admin } = at;
+  const [store, keyStore] = [at.redis ? 'redis' : 'memory', settings.keyStore];
+  log.info({ address, admin, environment: initial.environment, backend: settings.backendUrl, store, keyStore }, 'gateway ready');
+  announceReady();
 }
 
 /** A warning when Redis keeps nothing on disk and holds what a restart must not lose: credits, registry keys. */
@@ -147,49 +154,6 @@ async function warnIfNotKept(settings: GatewaySettings, initial: GatewayConfig, 
     (err: Error) => `could not check that Redis keeps ${kept.join(' and ')} on disk: ${err.message}`,
   );
   if (problem) log.warn(problem);
-}
-
-interface AdminSources {
-  gateway?: Gateway;
-  redis?: RedisClient;
-  log: FastifyBaseLogger;
-  config: () => GatewayConfig;
-  closing: () => boolean;
-  portalUrl: () => string;
-}
-
-/**
- * The admin port, reading this process's gateway; the primary, which has none, reads Redis and
- * its workers. The key API edits the config file only where this process watches it: an edit
- * of a file nobody reloads would change nothing.
- */
-function adminOf(settings: GatewaySettings, options: RunOptions, from: AdminSources) {
-  const own = options.admin || {};
-  // The primary's reads usage, and tops credits up: their events and alerts marked for the usage loops.
-  const store = from.gateway?.store ?? new RedisQuotaStore(from.redis!, from.log, { marks: activityMarks(from.redis!, from.config) });
-  const metrics = own.metrics ?? from.gateway!.metrics;
-  const configFile = options.reloads === 'file' ? settings.configFile : undefined;
-  // With the key registry, keys are issued there (every instance hears of a change at once), and
-  // changed in the file too where it holds a copy; accounts' settings stay in the file.
-  const registry =
-    settings.keyStore === 'redis' && from.redis ? new RegistryKeys(from.redis, () => from.config(), from.config().redisPrefix) : undefined;
-  const keys = registry && configFile ? bothStores(configFile, registry) : registry;
-  return buildAdmin(
-    { ...settings, configFile, portalUrl: from.portalUrl },
-    {
-      config: from.config,
-      store,
-      metrics,
-      problems: () => [...(own.problems?.() ?? []), ...(from.gateway?.keys?.problems() ?? [])],
-      warnings: () => from.gateway?.keys?.warnings() ?? [],
-      redis: from.redis,
-      closing: from.closing,
-      log: from.log,
-      keys,
-      find: keyFinder(from.config, registry),
-      accounts: registry && registryAccounts(registry),
-    },
-  );
 }
 
 /** Starts taking new configs the way `options.reloads` says; returns the stop. */

@@ -5,6 +5,7 @@ import { Ajv2020 } from 'ajv/dist/2020.js';
 import formats from 'ajv-formats';
 import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { installPlainRawHandlers, plainClientErrorHandler } from '../../gateway/http/raw-answers.js';
 import { buildAdmin } from '../../gateway/admin/app.js';
 import { compileConfig, loadConfigFile, validateConfigFile } from '../../gateway/config/config.js';
 import { ErrorBody } from '../../gateway/errors.js';
@@ -52,6 +53,7 @@ beforeAll(async () => {
       metrics: { contentType: 'text/plain', text: async () => '' },
       closing: () => false,
       log: pino({ level: 'silent' }),
+      rawAnswers: { install: installPlainRawHandlers, clientError: plainClientErrorHandler },
     },
   );
   adminUrl = await admin.listen({ port: 0, host: '127.0.0.1' });
