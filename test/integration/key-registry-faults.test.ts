@@ -5,6 +5,7 @@ import { loadSettings } from '../../gateway/config/settings.js';
 import { connectRedis, closeRedis } from '../../gateway/redis/client.js';
 import { scaled } from '../helpers/budget.js';
 import { makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
+import { adminCall, issueKey } from '../helpers/admin.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';
 import { tcpProxy } from '../helpers/tcp-proxy.js';
@@ -18,18 +19,8 @@ const TOKEN = 'key-registry-faults-token-0123456789';
 /** The shipped REDIS_TIMEOUT_MS: the longest a request may wait on the registry. */
 const { redisTimeoutMs } = loadSettings({});
 
-function admin(gw: TestGateway, path: string, init: RequestInit = {}): Promise<Response> {
-  return fetch(`${gw.adminUrl}${path}`, {
-    ...init,
-    headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', ...init.headers },
-  });
-}
-
-async function issue(gw: TestGateway, body: Record<string, unknown>): Promise<{ id: string; key: string }> {
-  const res = await admin(gw, '/admin/keys', { method: 'POST', body: JSON.stringify(body) });
-  expect(res.status).toBe(201);
-  return (await res.json()) as { id: string; key: string };
-}
+const admin = (gw: TestGateway, path: string, init: RequestInit = {}) => adminCall(gw, TOKEN, path, init);
+const issue = (gw: TestGateway, body: Record<string, unknown>) => issueKey(gw, TOKEN, body);
 
 /** One request: its status, its Error code (if any) and how long it took. */
 async function answer(gw: TestGateway, key: string): Promise<{ status: number; code?: string; ms: number }> {

@@ -8,6 +8,7 @@ import { generateKey, hashKey } from '../../gateway/auth/keys.js';
 import { RegistryKeys } from '../../gateway/auth/registry.js';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { accountName } from '../../gateway/redis/keys.js';
+import { adminCall, issueKey } from '../helpers/admin.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
 import { spawnCluster, spawnRedis } from '../helpers/redis.js';
@@ -33,18 +34,8 @@ async function deployment(n: number, config: ConfigFile, settings: Record<string
   );
 }
 
-function admin(gw: TestGateway, path: string, init: RequestInit = {}): Promise<Response> {
-  return fetch(`${gw.adminUrl}${path}`, {
-    ...init,
-    headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', ...init.headers },
-  });
-}
-
-async function issue(gw: TestGateway, body: Record<string, unknown>): Promise<{ id: string; key: string }> {
-  const res = await admin(gw, '/admin/keys', { method: 'POST', body: JSON.stringify(body) });
-  expect(res.status).toBe(201);
-  return (await res.json()) as { id: string; key: string };
-}
+const admin = (gw: TestGateway, path: string, init: RequestInit = {}) => adminCall(gw, TOKEN, path, init);
+const issue = (gw: TestGateway, body: Record<string, unknown>) => issueKey(gw, TOKEN, body);
 
 const statusOn = async (gw: TestGateway, key: string) => {
   const res = await gw.call('/v1/pets', key);
