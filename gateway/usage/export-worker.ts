@@ -1,5 +1,6 @@
 import { parentPort, workerData } from 'node:worker_threads';
 import type { FastifyBaseLogger } from 'fastify';
+import { fillHeaders } from '../config/env-template.js';
 import { closeRedis, connectRedis } from '../redis/client.js';
 import { accountOfName } from '../redis/keys.js';
 import { type ExportConfig, UsageExporter } from './exporter.js';
@@ -50,7 +51,7 @@ const exporter = new UsageExporter({
     lag: (n) => post({ kind: 'metric', name: 'lag', n }),
     round: () => post({ kind: 'metric', name: 'round', n: 1 }),
   },
-  sink: (target) => new HttpCloudEventsSink(target.url),
+  sink: (target) => new HttpCloudEventsSink(target.url, fillHeaders(target.headers, process.env)),
 });
 exporter.start();
 

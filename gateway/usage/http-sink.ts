@@ -10,10 +10,16 @@ import { ALL_ACCEPTED, type Accepted, type UsageSink } from './sink.js';
  * backoff says when it comes again: no sooner than the answer's Retry-After, when it has one.
  */
 export class HttpCloudEventsSink implements UsageSink {
-  constructor(readonly url: string) {}
+  /** `headers`: the config's, filled from the environment; sent on every POST, never logged. */
+  constructor(
+    readonly url: string,
+    private readonly headers: Readonly<Record<string, string>> = {},
+  ) {}
 
+  /** How logs name it: its URL without user info or query, where a credential might sit. */
   get name(): string {
-    return this.url;
+    const u = new URL(this.url);
+    return `${u.protocol}//${u.host}${u.pathname}`;
   }
 
   async deliver(batch: readonly EncodedEvent[], lost: AbortSignal): Promise<Accepted> {
@@ -25,7 +31,7 @@ export class HttpCloudEventsSink implements UsageSink {
       // a third of the export thread's CPU a round (docs/performance.md).
       const res = await request(this.url, {
         method: 'POST',
-        headers: { 'content-type': 'application/cloudevents-batch+json' },
+        headers: { ...this.headers, 'content-type': 'application/cloudevents-batch+json' },
         body: `[${batch.join(',')}]`,
         signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
       });
