@@ -107,6 +107,8 @@ export const ConfigFile = Type.Object(
               /** Events kept per account while the sink lags; older ones are dropped (counted and logged). */
               maxEvents: Type.Integer({ minimum: 1000, maximum: 100_000_000, default: 1_000_000 }),
               batchSize: Type.Integer({ minimum: 1, maximum: 5000, default: 500 }),
+              /** `cloudevents` (unset) or `openmeter`: there a refund is a request event with negative units, so one SUM meter on the request type nets it. */
+              format: Type.Optional(Type.Union([Type.Literal('cloudevents'), Type.Literal('openmeter')])),
               /** Sent on every POST; `${NAME}` filled from the environment (env-template.ts), e.g. `Authorization: Bearer ${OPENMETER_TOKEN}`. */
               headers: Type.Optional(
                 Type.Record(Type.String({ pattern: "^[A-Za-z0-9!#$%&'*+.^_`|~-]+$" }), Type.String({ maxLength: 4096 })),
@@ -204,6 +206,7 @@ export interface UsageExport {
   url: string;
   maxEvents: number;
   batchSize: number;
+  format?: 'cloudevents' | 'openmeter';
   /** As written: `${NAME}` still unfilled (the export thread fills it). */
   headers?: Readonly<Record<string, string>>;
 }

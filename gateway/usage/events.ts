@@ -26,6 +26,11 @@ export interface CloudEvent {
 
 export const REQUEST_TYPE = 'com.petstore.gateway.request';
 export const REFUND_TYPE = 'com.petstore.gateway.request.refunded';
+/**
+ * A refund's type by the export's format: OpenMeter meters one exact type, so there a refund is
+ * a request event with negative units (its SUM meter nets it); elsewhere it is a type of its own.
+ */
+export const refundTypeOf = (format: 'cloudevents' | 'openmeter' | undefined) => (format === 'openmeter' ? REQUEST_TYPE : REFUND_TYPE);
 /** By ledger entry kind: the sink holds the whole ledger, Redis only its last entries. */
 export const CREDITS_TYPES: Readonly<Record<string, string>> = {
   topup: 'com.petstore.gateway.credits.topped_up',
@@ -141,7 +146,7 @@ export interface Bundle {
 }
 
 /** Request events, then a refund event per refund (`<bundle>.<k>.refund`) at the bundle's time. */
-export function bundleEvents(account: string, source: string, b: Bundle): string {
+export function bundleEvents(account: string, source: string, b: Bundle, refundType = REFUND_TYPE): string {
   const id = JSON.stringify(eventId(account, b.id)).slice(1, -1);
   const shared = `","source":${JSON.stringify(source)},"type":"${REQUEST_TYPE}","subject":${JSON.stringify(account)},"time":"`;
   let json = b.data.startsWith(COMPACT)
@@ -153,7 +158,7 @@ export function bundleEvents(account: string, source: string, b: Bundle): string
   for (let i = 0; i < r.length; i += 3) {
     const of = bundledId(b.id, r[i]!);
     const f = { ref: of, units: r[i + 1]!, overage: r[i + 2]!, at };
-    json += `,${JSON.stringify(refundEvent(account, source, `${of}.refund`, f))}`;
+    json += `,${JSON.stringify(refundEvent(account, source, `${of}.refund`, f, refundType))}`;
   }
   return json;
 }
@@ -196,9 +201,9 @@ export function splitEvents(json: string): string[] {
   return json.split(between).map((e, i) => (i === 0 ? e : `{"specversion":"1.0",${e}`));
 }
 
-function refundEvent(account: string, source: string, id: string, f: Record<string, string>): CloudEvent {
+function refundEvent(account: string, source: string, id: string, f: Record<string, string>, type: string): CloudEvent {
   return {
-    ...head(account, source, id, REFUND_TYPE, f.at!),
+    ...head(account, source, id, type, f.at!),
     data: { refundOf: eventId(account, f.ref!), units: -Number(f.units), ...(Number(f.overage) > 0 && { overage: -Number(f.overage) }) },
   };
 }
@@ -239,6 +244,7 @@ export function toCloudEvents(
   entries: UsageEntries,
   statuses: ReadonlyMap<string, number>,
   consumed: number,
+  refundType = REFUND_TYPE,
 ): { events: EncodedEvent[]; last?: string; joined: string[] } {
   const events: EncodedEvent[] = [];
   const joined: string[] = [];
@@ -257,7 +263,7 @@ export function toCloudEvents(
       if (f.status === undefined) joined.push(id);
       events.push(JSON.stringify(requestEvent(account, source, id, f, statusOf(id, f, statuses) ?? null)));
     } else if (f.kind === 'refund') {
-      events.push(JSON.stringify(refundEvent(account, source, id, f)));
+      events.push(JSON.stringify(refundEvent(account, source, id, f, refundType)));
     } else if (f.kind === 'credits') {
       events.push(JSON.stringify(creditsEvent(account, source, id, f)));
     }

@@ -4,7 +4,7 @@ import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { accountsOf, ActiveIndex, type LoopConfig, type Marked } from './active.js';
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
-import { bundleEvents, consumable, ENTRY, type EncodedEvent, entryId, splitEvents, toCloudEvents } from './events.js';
+import { bundleEvents, consumable, ENTRY, type EncodedEvent, entryId, refundTypeOf, splitEvents, toCloudEvents } from './events.js';
 import { Sweep } from './sweep.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost } from './leader.js';
 import type { Accepted, UsageSink } from './sink.js';
@@ -93,6 +93,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const room = target.batchSize * ROUND_BATCHES;
     const reads = await this.fill(known, room, now);
     const source = `/pet-store-gateway/${config.environment}`;
+    const refundType = refundTypeOf(config.usageExport?.format);
     const parts: Part[][] = [];
     const moves: Array<{ name: string; events: number; move: Omit<UsageMove, 'token'> }> = [];
     let oldest = now;
@@ -102,11 +103,11 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       if (r.entries.length > 0) oldest = Math.min(oldest, Number(entryId(r.entries, 0).split('-')[0]));
       if (bundle) oldest = Math.min(oldest, Number(r.bundles[0]!.id.split('-')[0]));
       if (r.consumed === 0 && !bundle) continue;
-      const { events, last, joined } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, r.consumed);
+      const { events, last, joined } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, r.consumed, refundType);
       let n = events.length;
       const own: Part[] = events.map((json) => ({ json, events: 1 }));
       for (const b of r.bundles) {
-        own.push({ json: bundleEvents(account(r.name)!, source, b), events: b.events });
+        own.push({ json: bundleEvents(account(r.name)!, source, b, refundType), events: b.events });
         n += b.events;
       }
       parts.push(own);
