@@ -165,6 +165,9 @@ const Usage = Type.Composite([
           dropped: Type.Integer({
             description: 'Events the cap (usage.export.maxEvents, held by each of the two streams) dropped before they were sent',
           }),
+          rejected: Type.Integer({
+            description: 'Events the sink refused for good (a 4xx), set aside with its reason so the events behind them went on',
+          }),
           unsettled: Type.Integer({
             description:
               'Units counted in leases whose events are not written: still held by an instance (at most a lease and USAGE_BATCH_MS of events each), or lost with one that died',
@@ -172,7 +175,7 @@ const Usage = Type.Composite([
         },
         {
           description:
-            'Usage export, reconciled: every event written is exported, pending or dropped; every unit counted is in an event written or unsettled',
+            'Usage export, reconciled: every event written is exported, pending, dropped or rejected; every unit counted is in an event written or unsettled',
         },
       ),
     ),

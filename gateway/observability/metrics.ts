@@ -313,6 +313,11 @@ function exportMetrics(registers: Registry[]): { usage: ExportMetrics; webhooks:
     help: "Usage events dropped by their stream's cap (usage.export.maxEvents) before they were sent",
     registers,
   });
+  const rejected = new Counter({
+    name: 'gateway_usage_events_rejected_total',
+    help: 'Usage events a sink refused for good (a 4xx but 408, 409, 425, 429), set aside so the rest go on',
+    registers,
+  });
   const lag = new Gauge({
     name: 'gateway_usage_export_lag_seconds',
     help: 'Age of the oldest usage event not yet sent, at the last batch',
@@ -328,6 +333,7 @@ function exportMetrics(registers: Registry[]): { usage: ExportMetrics; webhooks:
     exported: (n) => exported.inc(n),
     failed: () => failed.inc(),
     dropped: (n) => dropped.inc(n),
+    rejected: (n) => rejected.inc(n),
     lag: (s) => lag.set(s),
     round: () => rounds.inc({ loop: 'usage-export' }),
   };

@@ -106,6 +106,8 @@ export interface ExportState {
   exported: number;
   pending: number;
   dropped: number;
+  /** Events a sink refused for good, set aside by id (`…:events:rejected`): not in `exported`. */
+  rejected: number;
   /**
    * Units counted in leases whose events are not written: held by an instance (not handed out
    * yet, or waiting for their batch, at most USAGE_BATCH_MS), or lost with an instance that died.

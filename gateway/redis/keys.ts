@@ -32,6 +32,8 @@ export const subjectKey = {
   topUp: (name: string, idempotencyKey: string) => `${name}:topup:${idempotencyKey}`,
   events: (name: string) => `${name}:events`,
   eventsCursor: (name: string) => `${name}:events:cursor`,
+  /** Events a sink refused for good (a hash: event id -> why, and the event): out of the way of those behind them. */
+  eventsRejected: (name: string) => `${name}:events:rejected`,
   statuses: (name: string) => `${name}:statuses`,
   /** Leased admissions' events, a bundle an entry (usagebatch.lua); their cursor is in the events cursor's hash. */
   bundles: (name: string) => `${name}:bundles`,

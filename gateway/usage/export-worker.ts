@@ -46,6 +46,7 @@ const exporter = new UsageExporter({
     exported: (n) => post({ kind: 'metric', name: 'exported', n }),
     failed: () => post({ kind: 'metric', name: 'failed', n: 1 }),
     dropped: (n) => post({ kind: 'metric', name: 'dropped', n }),
+    rejected: (n) => post({ kind: 'metric', name: 'rejected', n }),
     lag: (n) => post({ kind: 'metric', name: 'lag', n }),
     round: () => post({ kind: 'metric', name: 'round', n: 1 }),
   },

@@ -13,6 +13,8 @@ export interface ExportMetrics {
   exported(n: number): void;
   failed(): void;
   dropped(n: number): void;
+  /** Events a sink refused for good, set aside. */
+  rejected(n: number): void;
   lag(seconds: number): void;
   round(): void;
 }
@@ -117,7 +119,8 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9 || r.unreported > 0).map((r) => this.countDropped(r.name)));
     this.metrics.lag((now - oldest) / 1000);
     const fair = interleaved(parts, Math.max(1, Math.floor(target.batchSize / Math.max(1, parts.length))));
-    for (const batch of batches(fair, target.batchSize)) await this.deliver(this.sinkOf(target), batch, lead.signal);
+    const names = new Map(reads.map((r) => [account(r.name)!, r.name]));
+    for (const batch of batches(fair, target.batchSize)) await this.deliver(this.sinkOf(target), batch, lead.signal, names);
     if (this.stopped) return { sent: 0, full: false };
     lead.signal.throwIfAborted();
     const moved = await Promise.all(moves.map(({ name, move }) => moveUsageCursor(this.redis, name, { ...move, token: lead.token })));
@@ -195,8 +198,12 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     return reads;
   }
 
-  /** A refusal or a throw is a DeliveryFailed: no cursor moves; the lead's loss is a LeadLost. */
-  private async deliver(sink: UsageSink, batch: EncodedEvent[], lost: AbortSignal): Promise<void> {
+  /**
+   * A refusal or a throw is a DeliveryFailed: no cursor moves; the lead's loss is a LeadLost. A
+   * permanent refusal is sent again in halves down to the one event refused, which is set aside
+   * (reject), so one bad event never holds the accounts behind it (issue 49): about 2·log2(batch) POSTs.
+   */
+  private async deliver(sink: UsageSink, batch: EncodedEvent[], lost: AbortSignal, names: ReadonlyMap<string, string>): Promise<void> {
     lost.throwIfAborted();
     let answer: Accepted;
     try {
@@ -205,7 +212,32 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       lost.throwIfAborted();
       throw new DeliveryFailed((err as Error).message, { cause: err });
     }
-    if (answer.accepted !== 'all') throw new DeliveryFailed(answer.reason, { retryAfterMs: answer.retryAfterMs });
+    if (answer.accepted === 'all') return;
+    if (!answer.permanent) throw new DeliveryFailed(answer.reason, { retryAfterMs: answer.retryAfterMs });
+    const events = batch.length === 1 ? splitEvents(batch[0]!) : batch;
+    if (events.length > 1) {
+      const half = Math.ceil(events.length / 2);
+      await this.deliver(sink, events.slice(0, half), lost, names);
+      await this.deliver(sink, events.slice(half), lost, names);
+    } else if (answer.permanent.status !== 409) await this.reject(sink, events[0]!, answer.reason, names);
+    // A 409 for one event: the sink has it already, delivered.
+  }
+
+  /** One event a sink refused for good, kept by id in its account's slot (a resend writes the same field) and counted. */
+  private async reject(sink: UsageSink, event: EncodedEvent, reason: string, names: ReadonlyMap<string, string>): Promise<void> {
+    const { id, subject } = JSON.parse(event) as { id: string; subject: string };
+    const name = names.get(subject);
+    if (name === undefined) throw new DeliveryFailed(`${reason}, for an event of no account read this round`);
+    const added = await this.redis.hset(
+      subjectKey.eventsRejected(name),
+      id,
+      `{"reason":${JSON.stringify(reason)},"at":"${new Date().toISOString()}","event":${event}}`,
+    );
+    if (added > 0) this.metrics.rejected(1);
+    this.log.error(
+      { sink: sink.name, event: id, reason },
+      'usage export: the sink refused an event for good; it is set aside, the rest go on',
+    );
   }
 
   private async countDropped(name: string): Promise<void> {

@@ -3,7 +3,10 @@ import type { EncodedEvent } from './events.js';
 import { POST_TIMEOUT_MS } from './leader.js';
 import { ALL_ACCEPTED, type Accepted, type UsageSink } from './sink.js';
 
-/** A 2xx accepts all; anything else none, retried no sooner than the answer's Retry-After. */
+/**
+ * A 2xx accepts all; anything else none, retried no sooner than the answer's Retry-After. A
+ * permanent 4xx (isPermanent) is marked so, for the exporter to split the batch (exporter.ts).
+ */
 export class HttpCloudEventsSink implements UsageSink {
   /** `headers`: the config's, filled from the environment; sent on every POST, never logged. */
   constructor(
@@ -38,9 +41,17 @@ export class HttpCloudEventsSink implements UsageSink {
     }
     if (status >= 200 && status < 300) return ALL_ACCEPTED;
     const after = retryAfterMs(typeof retryAfter === 'string' ? retryAfter : null);
-    return { accepted: 'none', reason: `the sink answered ${status}`, ...(after !== undefined && { retryAfterMs: after }) };
+    return {
+      accepted: 'none',
+      reason: `the sink answered ${status}`,
+      ...(after !== undefined && { retryAfterMs: after }),
+      ...(isPermanent(status) && { permanent: { status } }),
+    };
   }
 }
+
+/** A 4xx the same batch will get again: not a timeout (408), too early (425) or too many (429). */
+const isPermanent = (status: number) => status >= 400 && status < 500 && status !== 408 && status !== 425 && status !== 429;
 
 /** RFC 9110, section 10.2.3: delay-seconds or an HTTP-date. */
 export function retryAfterMs(value: string | null, now = Date.now()): number | undefined {

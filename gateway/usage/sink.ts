@@ -1,7 +1,15 @@
 import type { EncodedEvent } from './events.js';
 
 /** All or none: the exporter moves a cursor past a batch only when all of it was accepted. */
-export type Accepted = { accepted: 'all' } | { accepted: 'none'; reason: string; retryAfterMs?: number };
+export type Accepted =
+  | { accepted: 'all' }
+  | {
+      accepted: 'none';
+      reason: string;
+      retryAfterMs?: number;
+      /** The sink's answer says the batch will never be taken as it is (a 4xx but 408, 425 and 429): it is split to find the event. */
+      permanent?: { status: number };
+    };
 
 export const ALL_ACCEPTED: Accepted = Object.freeze({ accepted: 'all' });
 

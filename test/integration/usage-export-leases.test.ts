@@ -179,7 +179,7 @@ describe('usage export with leases, two gateway processes', () => {
     expect(refunds.map((e) => e.data!.refundOf)).toEqual([events.get(failed.rid)!.id]);
 
     const usage = await usageOf();
-    expect(usage.events).toEqual({ exported: events.size + 1, pending: 0, dropped: 0, unsettled: lost.length });
+    expect(usage.events).toEqual({ exported: events.size + 1, pending: 0, dropped: 0, rejected: 0, unsettled: lost.length });
     // What the windows counted: every answer but the refunded one; = events written net of refunds + unsettled.
     expect(usage.windows.day.used).toBe(answers.length - 1);
     expect(usage.windows.day.used).toBe(events.size - 1 + usage.events.unsettled);
@@ -216,7 +216,7 @@ describe('a leased admission refunded, its instance SIGKILLed before its batch',
     // Neither event reached Redis, so the 502's unit was never given back: both units stay in the day and in unsettled.
     expect({ day: usage.windows.day.used, events: usage.events }).toEqual({
       day: 2,
-      events: { exported: 0, pending: 0, dropped: 0, unsettled: 2 },
+      events: { exported: 0, pending: 0, dropped: 0, rejected: 0, unsettled: 2 },
     });
   });
 });
@@ -250,7 +250,7 @@ describe('a leased admission the gateway answers 504 after a long wait on the ba
       const { dayUsed } = await gw.gateway.store.peek(subject);
       expect({ dayUsed, state: await gw.gateway.store.exportState!(subject) }).toEqual({
         dayUsed: 1,
-        state: { exported: 2, pending: 0, dropped: 0, unsettled: 1 },
+        state: { exported: 2, pending: 0, dropped: 0, rejected: 0, unsettled: 1 },
       });
     },
     scaled(60_000),
@@ -281,7 +281,7 @@ describe('a batch Redis runs after its instance gave up on it', () => {
       );
       expect(sink.requests().map((e) => e.data!.requestId)).toEqual(rids);
       expect(sink.requests().map((e) => e.data!.status)).toEqual([200, 200]);
-      expect(await gw.gateway.store.exportState!(subject)).toEqual({ exported: 2, pending: 0, dropped: 0, unsettled: 0 });
+      expect(await gw.gateway.store.exportState!(subject)).toEqual({ exported: 2, pending: 0, dropped: 0, rejected: 0, unsettled: 0 });
     },
     scaled(60_000),
   );
@@ -305,7 +305,7 @@ describe('a lease that lapses with units not handed out', () => {
       // The day: 2 requests + the second lease's unit not handed out; unsettled: that unit alone.
       expect({ dayUsed, state: await gw.gateway.store.exportState!(subject) }).toEqual({
         dayUsed: 3,
-        state: { exported: 2, pending: 0, dropped: 0, unsettled: 1 },
+        state: { exported: 2, pending: 0, dropped: 0, rejected: 0, unsettled: 1 },
       });
     },
     scaled(120_000),
@@ -352,7 +352,7 @@ describe('a leased admission that fails after its event was written', () => {
       redis: exporting,
       config: () => config,
       log: log as unknown as FastifyBaseLogger,
-      metrics: { exported: () => {}, failed: () => {}, dropped: () => {}, lag: () => {}, round: () => {} },
+      metrics: { exported: () => {}, failed: () => {}, dropped: () => {}, rejected: () => {}, lag: () => {}, round: () => {} },
       sink: (target) => new HttpCloudEventsSink(target.url),
     });
     onTestFinished(async () => {
@@ -393,7 +393,7 @@ describe('a leased admission that fails after its event was written', () => {
     expect({ dayUsed, refunds: refunds.length, state: await store.exportState(subject), failed: store.counts.refundsFailed }).toEqual({
       dayUsed: 2,
       refunds: 0,
-      state: { exported: 2, pending: 0, dropped: 0, unsettled: 0 },
+      state: { exported: 2, pending: 0, dropped: 0, rejected: 0, unsettled: 0 },
       failed: 1,
     });
     expect(warnings).toContain('quota store: a refund came after its usage event was written; the request stays counted');

@@ -70,6 +70,7 @@ describe('usage export across three instances', () => {
       exported: 120,
       pending: 0,
       dropped: 0,
+      rejected: 0,
       unsettled: (await dayUsed(gateways[0]!, key.id)) - 120,
     });
     expect(sink.state.duplicates).toBe(0); // one exporter at a time: nothing was sent twice
@@ -145,7 +146,7 @@ describe('usage export across three instances', () => {
       await fetch(`${gateways[1]!.adminUrl}/admin/accounts/${over.id}/usage`, { headers: { authorization: `Bearer ${TOKEN}` } })
     ).json();
     // Every unit the day counted is in an event written (exported or dropped) or unsettled (a lease's units not handed out).
-    expect(usage.events).toEqual({ exported: delivered, pending: 0, dropped, unsettled: usage.windows.day.used - 1300 });
+    expect(usage.events).toEqual({ exported: delivered, pending: 0, dropped, rejected: 0, unsettled: usage.windows.day.used - 1300 });
   });
 });
 
@@ -358,8 +359,8 @@ describe('usage export to a sink slower than an unrenewed lock would last', () =
     // The units the day counted and no event holds: the instances' leases' units not handed out.
     const unsettled = (k: (typeof keys)[number]) => dayUsed(instances[0]!, k.id).then((used) => used - 30);
     expect(await states()).toEqual([
-      { exported: 30, pending: 0, dropped: 0, unsettled: await unsettled(keys[0]!) },
-      { exported: 30, pending: 0, dropped: 0, unsettled: await unsettled(keys[1]!) },
+      { exported: 30, pending: 0, dropped: 0, rejected: 0, unsettled: await unsettled(keys[0]!) },
+      { exported: 30, pending: 0, dropped: 0, rejected: 0, unsettled: await unsettled(keys[1]!) },
     ]);
     expect(renewedDuringPost).toBeGreaterThan(0); // the scenario happened: a POST outlasted the lock's unrenewed life
     await sink.close();

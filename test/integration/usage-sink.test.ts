@@ -97,6 +97,7 @@ function exporter(config: GatewayConfig, sink: UsageSink, log: FastifyBaseLogger
     exported: (n: number) => void (counted.exported += n),
     failed: () => void counted.failed++,
     dropped: () => {},
+    rejected: () => {},
     lag: () => {},
     round: () => {},
   };
@@ -120,7 +121,7 @@ describe('a second usage sink', () => {
     expect(sink.requestIds()).toEqual(ids);
     expect(sink.batches.map((b) => b.length)).toEqual([5, 5, 2]);
     expect(sink.batches.flat().map((e) => [e.type, e.data.status])).toEqual(ids.map(() => ['com.petstore.gateway.request', 200]));
-    expect(await d.store.exportState(d.subject)).toEqual({ exported: 12, pending: 0, dropped: 0, unsettled: 0 }); // no lease: leaseMax 1
+    expect(await d.store.exportState(d.subject)).toEqual({ exported: 12, pending: 0, dropped: 0, rejected: 0, unsettled: 0 }); // no lease: leaseMax 1
     expect(counted).toEqual({ exported: 12, failed: 0 });
     // The statuses these events joined went with their cursor's move: none left to grow with the traffic.
     expect(await redis.hlen(`${d.subject.name}:statuses`)).toBe(0);
@@ -160,7 +161,7 @@ describe('a second usage sink', () => {
     // Refused twice (the second offer comes after the first refusal's backoff), or a cursor moved anyway.
     const exported = async () => (await d.store.exportState(d.subject)).exported;
     await eventually(async () => sink.offered >= 2 || (await exported()) > 0, 20_000, 'the batch offered twice');
-    expect(await d.store.exportState(d.subject)).toEqual({ exported: 0, pending: 4, dropped: 0, unsettled: 0 });
+    expect(await d.store.exportState(d.subject)).toEqual({ exported: 0, pending: 4, dropped: 0, rejected: 0, unsettled: 0 });
     expect(counted.exported).toBe(0);
     expect(counted.failed).toBeGreaterThanOrEqual(2);
     const failed = lines.find((l) => l.msg === 'usage export: a batch failed');

@@ -155,16 +155,19 @@ export class RedisAccounts {
       .multi()
       .xlen(subjectKey.events(subject.name))
       .hmget(subjectKey.eventsCursor(subject.name), ...fields)
+      .hlen(subjectKey.eventsRejected(subject.name))
       .exec();
-    const [length, values] = (results ?? []).map(([err, value]) => {
+    const [length, values, rejected] = (results ?? []).map(([err, value]) => {
       if (err) throw err;
       return value;
-    }) as [number, Array<string | null>];
+    }) as [number, Array<string | null>, number];
     const c = Object.fromEntries(fields.map((f, i) => [f, Number(values[i] ?? 0)])) as Record<(typeof fields)[number], number>;
     return {
-      exported: c.consumed + c.bconsumed,
+      // The cursor moved past a rejected event as past a sent one.
+      exported: c.consumed + c.bconsumed - rejected,
       pending: length + c.badded - c.bupto,
       dropped: c.dropped + c.bdropped,
+      rejected,
       unsettled: c.unsettled,
     };
   }
