@@ -29,12 +29,13 @@ const rot = acct('free', 'rotco');
 const rev = acct('free', 'revco');
 const rev2 = acct('free', 'revco');
 const kbd = acct('free', 'kbdco');
+const kbd2 = acct('free', 'kbdco');
 const csrf = acct('free', 'csrfco');
 const ent: TestKey = { ...acct('enterprise', 'entco'), limits: { perMinute: 7, perDay: 70 } };
 
 const dir = tempDir();
 const gw = useTestGateway(() => ({
-  config: testConfig([acme1, acme2, bravo, tiny, broke, rot, rev, rev2, kbd, csrf, ent], {
+  config: testConfig([acme1, acme2, bravo, tiny, broke, rot, rev, rev2, kbd, kbd2, csrf, ent], {
     plans: {
       free: { perMinute: 1000, perDay: 100_000 },
       tiny: { perMinute: 3, perDay: 100 },
@@ -83,13 +84,30 @@ async function mintLink(account: string): Promise<{ status: number; body: { url:
   return { status: res.status, body: await res.json() };
 }
 
+/** Opens a link as its holder does: its page, then its button (the GET alone spends nothing). */
+async function openLink(page: Page, url: string): Promise<void> {
+  await page.goto(url);
+  await page.click('button:has-text("Open the portal")');
+  await page.waitForURL(`${gw.url}/portal`);
+}
+
 async function signInByLink(account: string): Promise<Page> {
   const { body } = await mintLink(account);
   const page = await open();
-  await page.goto(body.url);
-  await page.waitForURL(`${gw.url}/portal`);
+  await openLink(page, body.url);
   await page.waitForSelector('[data-scope="account"]');
   return page;
+}
+
+/** Tabs to the control whose text is `text` (a button or link) and works it with `key`: the keyboard only. */
+async function press(page: Page, text: string, key: 'Enter' | 'Space'): Promise<void> {
+  let found = false;
+  for (let i = 0; i < 60 && !found; i++) {
+    await page.keyboard.press('Tab');
+    found = await page.evaluate((t) => document.activeElement?.textContent?.trim() === t, text);
+  }
+  expect(found, `"${text}" reached with Tab`).toBe(true);
+  await page.keyboard.press(key);
 }
 
 const audit = async (account: string) =>
@@ -153,6 +171,8 @@ describe('signing in', () => {
     expect(names.some((n) => n.includes(token))).toBe(false);
     const page = await open();
     await page.goto(minted.body.url);
+    await expectAccessible(page, "the link's page");
+    await page.click('button:has-text("Open the portal")');
     await page.waitForURL(`${gw.url}/portal`);
     await expectAccessible(page, 'the full page');
     expect(page.url()).not.toContain(token);
@@ -162,6 +182,35 @@ describe('signing in', () => {
     expect(res!.status()).toBe(401);
     await expectAccessible(again, 'the used-link page');
     expect((await mintLink('nobody-here')).status).toBe(404);
+  });
+
+  it("spends a link only on its page's POST: a prefetching GET leaves it whole, a second POST is refused", async () => {
+    const { body } = await mintLink('bravo');
+    const token = new URL(body.url).searchParams.get('token')!;
+    const linkKey = portalKeys(gw.gateway.config().redisPrefix).link(digest(token));
+    // A mail scanner's prefetch, twice: the page with its button, no session, the token still there.
+    for (let i = 0; i < 2; i++) {
+      const res = await fetch(body.url, { redirect: 'manual' });
+      expect(res.status).toBe(200);
+      expect(res.headers.get('set-cookie')).toBeNull();
+      expect(await res.text()).toContain('Open the portal');
+    }
+    expect(await gw.redis!.exists(linkKey)).toBe(1);
+    // The button's POST from another site (signing a visitor into an account of its choosing): refused, the token kept.
+    const link = `${gw.url}/portal/link`;
+    expect((await postForm(link, { token }, { origin: 'https://evil.example' })).status).toBe(403);
+    expect((await postForm(link, { token }, {})).status).toBe(403);
+    expect(await gw.redis!.exists(linkKey)).toBe(1);
+    const opened = await postForm(link, { token }, { origin: gw.url });
+    expect(opened.status).toBe(303);
+    expect(opened.headers.get('location')).toBe('/portal');
+    const cookie = opened.headers.get('set-cookie')!.split(';')[0]!;
+    expect(await (await fetch(`${gw.url}/portal`, { headers: { cookie } })).text()).toContain(`data-key="${bravo.id}"`);
+    expect(await gw.redis!.exists(linkKey)).toBe(0);
+    const again = await postForm(link, { token }, { origin: gw.url });
+    expect(again.status).toBe(401);
+    expect(again.headers.get('set-cookie')).toBeNull();
+    expect((await fetch(body.url)).status).toBe(401);
   });
 
   it('by a link from the keys command', async () => {
@@ -176,8 +225,7 @@ describe('signing in', () => {
     expect(await keysCommand(['portal-link', '--account', 'nobody-here', '--config', file], io, env)).toBe(1);
     expect(await keysCommand(['portal-link', '--account', 'bravo', '--config', file], io, env)).toBe(0);
     const page = await open();
-    await page.goto(lines.at(-1)!);
-    await page.waitForURL(`${gw.url}/portal`);
+    await openLink(page, lines.at(-1)!);
     expect(await page.locator(`[data-key="${bravo.id}"]`).count()).toBe(1);
   });
 
@@ -237,18 +285,36 @@ describe('self-service through a portal link', () => {
     expect(res.headers.get('ratelimit-policy')).toBe('"minute";q=7;w=60, "day";q=70;w=86400');
   });
 
-  it('creates a key with the keyboard alone', async () => {
-    const page = await signInByLink('kbdco');
-    let found = false;
-    for (let i = 0; i < 40 && !found; i++) {
-      await page.keyboard.press('Tab');
-      found = await page.evaluate(() => document.activeElement?.textContent === 'Create a key');
-    }
-    expect(found).toBe(true);
-    await page.keyboard.press('Enter');
-    const secret = (await page.locator('[data-secret]').textContent())!.trim();
-    await eventually(async () => (await status(secret)) === 200, 5000, 'the created key accepted');
-    expect((await audit('kbdco')).entries[0]).toMatchObject({ action: 'create' });
+  it('creates, rotates and revokes with the keyboard alone (Tab, Enter, Space; no click)', async () => {
+    const { body } = await mintLink('kbdco');
+    const page = await open();
+    await page.goto(body.url);
+    await press(page, 'Open the portal', 'Enter');
+    await page.waitForSelector('[data-scope="account"]');
+    // Create: the secret shown once, accepted once every gateway has read it.
+    await press(page, 'Create a key', 'Space');
+    const created = (await page.locator('[data-secret]').textContent())!.trim();
+    await eventually(async () => (await status(created)) === 200, 5000, 'the created key accepted');
+    await press(page, 'Back to the usage page', 'Enter');
+    await page.waitForSelector('[data-scope="account"]');
+    expect(await page.content()).not.toContain(created);
+    // Rotate: the new key accepted, the old one through the grace (GRACE_MS), then 401.
+    await press(page, `Rotate ${kbd.id}`, 'Enter');
+    const rotated = (await page.locator('[data-secret]').textContent())!.trim();
+    expect(await status(kbd.key)).toBe(200);
+    await eventually(async () => (await status(rotated)) === 200, 5000, 'the rotated key accepted');
+    await eventually(async () => (await status(kbd.key)) === 401, GRACE_MS + 5000, 'the old key refused after the grace');
+    // Revoke: refused within about a second.
+    await press(page, 'Back to the usage page', 'Enter');
+    await page.waitForSelector('[data-scope="account"]');
+    await press(page, `Revoke ${kbd2.id}`, 'Space');
+    await page.waitForSelector('[role="status"]');
+    await eventually(async () => (await status(kbd2.key)) === 401, 5000, 'the revoked key refused');
+    expect(await status(created)).toBe(200);
+    const { entries } = await audit('kbdco');
+    expect(entries.map((e) => e.action)).toEqual(['revoke', 'rotate', 'create']);
+    expect(entries[1]).toMatchObject({ keyId: kbd.id });
+    expect(entries[0]).toMatchObject({ keyId: kbd2.id });
   });
 });
 
@@ -439,6 +505,7 @@ describe('with Redis down', () => {
     const own = await buildTestGateway({
       config: testConfig([key], { plans: { free: { perMinute: 1000, perDay: 100_000 } }, unauthenticated: { perMinute: 100_000 } }),
       redis: redis.url,
+      // No lease (QUOTA_LEASE_MAX=1): the page's first figures are then exactly one request used, not a lease's worth.
       settings: { quotaLeaseMax: 1 },
       admin: { token: TOKEN },
     });
