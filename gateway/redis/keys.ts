@@ -71,6 +71,9 @@ export const subjectKey = {
   history: (name: string, unit: 'm' | 'd', startMs: number) => `${name}:hist:${unit}:${startMs}`,
 } as const;
 
+/** Requests by outcome of the whole deployment, as the accounts' `history` buckets, in one slot of their own. */
+export const deploymentHistoryKey = (prefix: string, unit: 'm' | 'd', startMs: number) => `${prefix}:{history}:${unit}:${startMs}`;
+
 /**
  * The portal's sessions and single-use links, by the SHA-256 of their secret (Redis never holds
  * one a reader could replay), in one slot of their own: a session is found by its id alone.

@@ -1,3 +1,4 @@
+import { readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { Browser, BrowserContext, Page } from 'playwright-core';
@@ -32,10 +33,14 @@ const kbd = acct('free', 'kbdco');
 const kbd2 = acct('free', 'kbdco');
 const csrf = acct('free', 'csrfco');
 const ent: TestKey = { ...acct('enterprise', 'entco'), limits: { perMinute: 7, perDay: 70 } };
+const refused = acct('tiny', 'refco');
+const dry = acct('prepaid', 'dryco');
+/** More keys than a page of the operator page's account list (100), so it has a second page. */
+const fillers = Array.from({ length: 100 }, () => acct('free', 'fillco'));
 
 const dir = tempDir();
 const gw = useTestGateway(() => ({
-  config: testConfig([acme1, acme2, bravo, tiny, broke, rot, rev, rev2, kbd, kbd2, csrf, ent], {
+  config: testConfig([acme1, acme2, bravo, tiny, broke, rot, rev, rev2, kbd, kbd2, csrf, ent, refused, dry, ...fillers], {
     plans: {
       free: { perMinute: 1000, perDay: 100_000 },
       tiny: { perMinute: 3, perDay: 100 },
@@ -594,5 +599,78 @@ describe('the operator page on the admin port', () => {
       expect(await page.locator('[data-audit="rotate"]').count()).toBe(1);
       await expectAccessible(page, 'the operator account page');
     });
+  });
+  it("charts the deployment's 429s by reason and 402s over time, from the history buckets", async () => {
+    const page = await operator();
+    const rows = async () =>
+      Object.fromEntries(
+        await page
+          .locator('[data-refusal]')
+          .evaluateAll((trs) =>
+            trs.map((tr) => [
+              tr.getAttribute('data-refusal'),
+              [Number(tr.getAttribute('data-last-hour')), Number(tr.getAttribute('data-last-30-days'))],
+            ]),
+          ),
+      ) as Record<string, [number, number]>;
+    const before = await rows();
+    expect(Object.keys(before).sort()).toEqual([
+      'credits',
+      'limited_banned',
+      'limited_day',
+      'limited_hour',
+      'limited_minute',
+      'limited_month',
+    ]);
+    // 3 a minute: the 4th and 5th refused by the minute (2 refusals: the ban takes 3); no credit: 402.
+    const statuses: number[] = [];
+    for (let i = 0; i < 5; i++) statuses.push(await status(refused.key));
+    for (let i = 0; i < 2; i++) statuses.push(await status(dry.key));
+    const n429 = statuses.filter((s) => s === 429).length;
+    const n402 = statuses.filter((s) => s === 402).length;
+    expect(n402).toBe(2);
+    expect(n429).toBeGreaterThan(0); // 2, or fewer when a minute began among them
+    const want = { ...before, limited_minute: before.limited_minute!.map((n) => n + n429), credits: before.credits!.map((n) => n + n402) };
+    await eventually(
+      async () => {
+        await page.goto(`${gw.adminUrl}/admin/ui`);
+        return JSON.stringify(await rows()) === JSON.stringify(want);
+      },
+      5000,
+      'the refusals on the operator page',
+    );
+    const bars = await page
+      .locator('#refusals-last-hour [data-bucket]')
+      .evaluateAll((gs) => gs.map((g) => Number(g.getAttribute('data-total'))));
+    expect(bars).toHaveLength(60);
+    expect(bars.reduce((a, b) => a + b, 0)).toBe(Object.values(want).reduce((n, v) => n + v[0]!, 0));
+    await expectAccessible(page, 'the operator overview with refusals');
+  });
+
+  it("lists the key store's accounts a page at a time, every key once", async () => {
+    const page = await operator();
+    const seen = new Map<string, number>();
+    let pages = 0;
+    for (;;) {
+      pages++;
+      for (const [account, n] of await page
+        .locator('[data-listed-account]')
+        .evaluateAll((trs) =>
+          trs.map((tr) => [tr.getAttribute('data-listed-account')!, Number(tr.lastElementChild!.textContent)] as const),
+        ))
+        seen.set(account, (seen.get(account) ?? 0) + n);
+      const next = page.locator('[data-next-page]');
+      if ((await next.count()) === 0) break;
+      await next.click();
+      await page.waitForSelector('[data-listed-account]');
+    }
+    expect(pages).toBeGreaterThan(1);
+    await expectAccessible(page, 'the last page of accounts');
+    // What the config file holds now (the self-service tests above added keys to it).
+    const file = JSON.parse(readFileSync(join(dir.dir, 'gateway.json'), 'utf8')) as { keys: Array<{ account: string }> };
+    const want = new Map<string, number>();
+    for (const k of file.keys) want.set(k.account, (want.get(k.account) ?? 0) + 1);
+    expect(Object.fromEntries(seen)).toEqual(Object.fromEntries(want));
+    expect((await page.goto(`${gw.adminUrl}/admin/ui?after=<x>`))!.status()).toBe(400);
   });
 });
