@@ -175,7 +175,11 @@ describe('signing in', () => {
     const names = await gw.redis!.keys(`${gw.gateway.config().redisPrefix}:{portal}:*`);
     expect(names.some((n) => n.includes(token))).toBe(false);
     const page = await open();
-    await page.goto(minted.body.url);
+    // Followed from another site (a mail in a web client): the SameSite=Strict cookie must still be
+    // sent to /portal, so the session is set by the page's own POST, not by this cross-site GET.
+    await page.setContent(`<a href="${minted.body.url}">your portal link</a>`);
+    await page.click('a');
+    await page.waitForURL(minted.body.url);
     await expectAccessible(page, "the link's page");
     await page.click('button:has-text("Open the portal")');
     await page.waitForURL(`${gw.url}/portal`);
