@@ -43,7 +43,11 @@ beforeAll(async () => {
     admin: { token: TOKEN },
     // No lease (QUOTA_LEASE_MAX=1): each admission is Redis's, so the page must show exactly what
     // the header said (for a leased key it shows what the leases hold, as the usage lookup does).
-    settings: { quotaLeaseMax: 1 },
+    // REDIS_TIMEOUT_MS 10 s, not 1: the three instances, the sink and Chromium's driver share this
+    // one process on a busy 2-core machine, where a Redis reply can wait past 1 s for the event
+    // loop (seen: 8 of 10,000 requests answered 503 at load 10, the store declared failing). This
+    // file counts; Redis failing is redis-failure.test.ts's, and the portal's with it portal.test.ts's.
+    settings: { quotaLeaseMax: 1, redisTimeoutMs: 10_000 },
   }));
   browser = await launch();
 });
@@ -122,14 +126,15 @@ const p95 = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.ceil(xs.length 
 
 /** Sends with `key` over the instances, `workers` at a time, until `stopAt` or `cap` requests; the statuses seen. */
 async function traffic(key: string, stopAt: number, cap: number, workers = 12) {
-  const statuses = new Map<number, number>();
+  const statuses = new Map<string, number>();
   let sent = 0;
   await Promise.all(
     Array.from({ length: workers }, async () => {
       while (Date.now() < stopAt && sent < cap) {
         const res = await call(`${gws[sent++ % 3]!.url}/v1/pets`, key);
-        await res.arrayBuffer();
-        statuses.set(res.status, (statuses.get(res.status) ?? 0) + 1);
+        const body = await res.text();
+        const what = res.status === 200 ? '200' : `${res.status} ${body}`;
+        statuses.set(what, (statuses.get(what) ?? 0) + 1);
       }
     }),
   );
@@ -141,18 +146,21 @@ const closedRun = { minute: 0, sent: 0 };
 
 describe('a closed minute (3 instances): sent first, checked last', () => {
   it('sends up to 10,000 requests inside one minute over the three instances', async () => {
-    // A minute with at least 20 s to go: waiting for the clock is the point here (a minute that closes).
+    // The traffic stops this long before its minute ends, so the requests in flight then still
+    // answer inside it: 2 s on a quiet machine, stretched on a busy one (at most 10 s).
+    const margin = Math.min(scaled(2000), 10_000);
+    // A minute with at least 15 s of traffic to go: waiting for the clock is the point here (a minute that closes).
     const now = Date.now();
     let minute = now - (now % MINUTE_MS);
-    if (minute + MINUTE_MS - now < 20_000) {
+    if (minute + MINUTE_MS - now < margin + 15_000) {
       await sleep(minute + MINUTE_MS - now + 20);
       minute += MINUTE_MS;
     }
-    // The issue's 10,000, all inside the minute, stopping 3 s before its end: 10,000 took 12.5 s
-    // here (three instances, the sink and Chromium in one process, 2 busy cores); a slower
-    // machine sends fewer, logged below, and every figure is checked against what was sent.
+    // The issue's 10,000, all inside the minute: 10,000 took 12.5-16.4 s here (three instances,
+    // the sink and Chromium in one process, 2 busy cores); a slower machine sends fewer, logged
+    // below, and every figure is checked against what was sent.
     const started = Date.now();
-    const statuses = await traffic(closed.key, minute + MINUTE_MS - 3000, 10_000);
+    const statuses = await traffic(closed.key, minute + MINUTE_MS - margin, 10_000);
     const sent = [...statuses.values()].reduce((a, b) => a + b, 0);
     console.log(
       `portal closed minute: ${sent} requests in ${Date.now() - started} ms over 3 instances, statuses ${JSON.stringify(Object.fromEntries(statuses))}`,
