@@ -120,7 +120,7 @@ ${stackedBars('refusals-last-30-days', 'Refusals in the last 30 days, by day (UT
 function listedSection(listed: Overview['listed']): Html {
   if (!listed) return html`<h2>Accounts in the key store</h2><p class="unavailable">The key store did not answer in time.</p>`;
   return html`<h2>Accounts in the key store</h2>
-<table><caption>Accounts of a page of ${LIST_PAGE} keys, in key id order (the key registry's too)</caption>
+<table><caption>Accounts of a page of ${LIST_PAGE} keys of the store in use (the key registry with KEY_STORE=redis, else the config file), in key id order</caption>
 <thead><tr><th scope="col">Account</th><th scope="col" class="n">Its keys on this page</th></tr></thead>
 <tbody>${listed.accounts.map((a) => html`<tr data-listed-account="${a.account}"><td>${accountLink(a.account)}</td><td class="n">${a.keys}</td></tr>`)}</tbody></table>
 ${listed.next ? html`<p><a data-next-page href="/admin/ui?after=${encodeURIComponent(listed.next)}">Next page of accounts</a></p>` : html`<p>The last page.</p>`}`;
