@@ -1,10 +1,8 @@
 import ipaddr from 'ipaddr.js';
 
 /**
- * Who a client without a key is, for its per-address limit (and the admin port's throttle): an
- * IPv4 address itself (an IPv4-mapped IPv6 one as IPv4), an IPv6 address by its /64, the least
- * a subscriber is given (RFC 6177), so a client walking through its own block's addresses is
- * still one client, and one entry in every map kept by address. Pure: only the address.
+ * An IPv6 address counts by its /64, the least a subscriber is given (RFC 6177): a client walking through its own
+ * block is still one client, and one entry in every map kept by address. IPv4-mapped IPv6 counts as IPv4.
  */
 export function clientOf(address: string): string {
   if (!address.includes(':')) return address; // IPv4, as Node gives it: no parse on the common path

@@ -1,10 +1,7 @@
 import { type Static, Type } from '@sinclair/typebox';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 
-/**
- * The closed catalogue of the gateway's error codes. Every error the gateway makes, the
- * HTTP layer's included, is rendered from here as {code, message, status}. docs/reference.md lists each.
- */
+/** Every error the gateway makes, the HTTP layer's included, is rendered from here; docs/reference.md lists each. */
 export const GATEWAY_ERRORS = {
   bad_request: 400,
   invalid_path: 400,
@@ -38,10 +35,7 @@ export const GATEWAY_ERRORS = {
 } as const;
 export type GatewayErrorCode = keyof typeof GATEWAY_ERRORS;
 
-/**
- * The Error body, as both OpenAPI documents give it. `code` is a plain string: through the
- * public port a client also meets the backend's codes (validation_failed, pet_not_found).
- */
+/** `code` is a plain string: through the public port a client also meets the backend's codes (pet_not_found). */
 export const ErrorBody = Type.Object(
   {
     code: Type.String({ description: 'Machine-readable error code (see docs/reference.md)' }),
@@ -68,7 +62,6 @@ export function renderError(code: GatewayErrorCode, message: string): string {
   return JSON.stringify({ code, message, status: GATEWAY_ERRORS[code] });
 }
 
-/** The framework's own errors, mapped onto the catalogue. */
 export function fromFramework(err: FastifyError): GatewayError {
   switch (err.code) {
     case 'FST_ERR_CTP_BODY_TOO_LARGE':
@@ -83,10 +76,7 @@ export function fromFramework(err: FastifyError): GatewayError {
   return new GatewayError('internal_error', 'Internal error');
 }
 
-/**
- * The one error handler. 5xx details go to the log with the request id, never to the client.
- * Headers already set on the reply (rate limit, deprecation, request id) are kept.
- */
+/** 5xx details go to the log with the request id, never to the client; headers already set on the reply are kept. */
 export function handleError(err: FastifyError, request: FastifyRequest, reply: FastifyReply): void {
   const e = err instanceof GatewayError ? err : fromFramework(err);
   if (e.status >= 500 && !(err instanceof GatewayError)) request.log.error({ err }, 'request failed');

@@ -8,28 +8,24 @@ export const ROUTES = [
   { id: 'listOrders', method: 'GET', path: '/v1/store/orders' },
 ] as const;
 export type Route = (typeof ROUTES)[number];
-/** The gateway's own public route: the API's OpenAPI document (openapi.ts), no key needed. */
+/** No key needed. */
 export const DOCUMENT_ROUTE = { id: 'openapi', method: 'GET', path: '/v1/openapi.json' } as const;
-/** The gateway's own route for a key's holder: its account's quota, answered by the gateway. */
 export const USAGE_ROUTE = { id: 'myUsage', method: 'GET', path: '/v1/me/usage' } as const;
-/** The usage portal (portal/): HTML pages, served on the per-address quota, its own sessions instead of a key. */
+/** Served on the per-address quota, with its own sessions instead of a key. */
 export const PORTAL_ROUTE = { id: 'portal', method: 'GET', path: '/portal' } as const;
 export type RouteId = Route['id'] | typeof DOCUMENT_ROUTE.id | typeof USAGE_ROUTE.id | typeof PORTAL_ROUTE.id;
 
-/** Is `url` this path, with or without a query? */
 const isPath = (url: string, path: string) => url.startsWith(path) && (url.length === path.length || url[path.length] === '?');
 
-/** Is this request for the public document? Then it is served whatever key it carries, per address. */
+/** Served whatever key it carries, per address. */
 export function isDocumentPath(url: string): boolean {
   return isPath(url, DOCUMENT_ROUTE.path);
 }
 
-/** Is this request for the caller's own usage? */
 export function isUsagePath(url: string): boolean {
   return isPath(url, USAGE_ROUTE.path);
 }
 
-/** Is this request for the portal: /portal, or a path under it? */
 export function isPortalPath(url: string): boolean {
   const n = PORTAL_ROUTE.path.length;
   return url.startsWith(PORTAL_ROUTE.path) && (url.length === n || url[n] === '/' || url[n] === '?');
@@ -62,11 +58,7 @@ function matches(pattern: string[], segments: string[]): boolean {
   return pattern.every((p, i) => (p.startsWith('{') ? segments[i] !== '' : p === segments[i]));
 }
 
-/**
- * The route a request may take, or the GatewayError that refuses it: 400 for a path that
- * tries to leave /v1, 404 for an unknown path, 405 (with Allow) for a known path and
- * another method. HEAD follows GET.
- */
+/** 400 for a path that tries to leave /v1, 404 unknown, 405 (with Allow) for another method; HEAD follows GET. */
 export function matchRoute(method: string, url: string): Route | GatewayError {
   const q = url.indexOf('?');
   const path = q === -1 ? url : url.slice(0, q);

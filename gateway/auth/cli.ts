@@ -1,14 +1,11 @@
 import { readFileSync, realpathSync, statSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import { parseArgs } from 'node:util';
-import { ConfigError, type ConfigFile, type KeyEntry, parseConfigText } from '../config/config.js';
-import { Type } from '@sinclair/typebox';
-import { readSettings } from '../../runtime/settings.js';
-import { configFilePath, GatewaySettingsSchema, loadSettings, redisTarget } from '../config/settings.js';
-import { closeRedis, connectRedis, type RedisClient, redisWhere } from '../redis/client.js';
+import { ConfigError, type KeyEntry, parseConfigText } from '../config/config.js';
+import { configFilePath } from '../config/settings.js';
+import { closeRedis } from '../redis/client.js';
 import type { Limits } from '../quota/decision.js';
 import { WINDOWS, type WindowLimits, type WindowName } from '../quota/windows.js';
-import { deploymentPrefix } from '../redis/keys.js';
 import {
   type AccountChange,
   type AccountSettings,
@@ -25,9 +22,10 @@ import {
 import { bothStores, registryAccounts } from './key-stores.js';
 import { exportKeys } from './key-export.js';
 import { importKeys } from './key-import.js';
-import { type ConfigRest, NotBlock, pieces, readConfigRest, readItems } from './key-section.js';
-import { RegistryKeys } from './registry.js';
-import { PortalSessions } from '../portal/sessions.js';
+import { type ConfigRest, NotBlock, pieces, readItems } from './key-section.js';
+import type { RegistryKeys } from './registry.js';
+import { mintPortalLink } from './cli-portal-link.js';
+import { configRest, keyStoreOf, openRegistry, Refusal } from './cli-redis.js';
 
 // `npm run keys -- create|list|revoke|rotate|account|import|export`: the keys in the config file
 // (key-file.ts does the locked, validated edit; the admin API uses the same), or with
@@ -72,7 +70,6 @@ const OPTION: Record<NonNullable<KeyFileError['field']>, string> = {
 };
 
 /** A refusal said in full: printed as it is, exit 1. */
-class Refusal extends Error {}
 
 /** Checked before the command runs, so a wrong path reads the same whatever the command. */
 function checkFile(file: string): void {
@@ -140,95 +137,14 @@ async function run(argv: string[], io: KeysOutput, env: NodeJS.ProcessEnv): Prom
   }
 }
 
-/** KEY_STORE through the gateway's own parser: a value the gateway refuses (`Redis`) is refused here in the same words. */
-function keyStoreOf(env: NodeJS.ProcessEnv): 'file' | 'redis' {
-  try {
-    return readSettings(Type.Object({ keyStore: GatewaySettingsSchema.properties.keyStore }), env, 'gateway').keyStore;
-  } catch (err) {
-    throw new Refusal((err as Error).message);
-  }
-}
-
-/** The Redis the settings name, once it answers; `why` says what needs it. */
-async function openRedis(env: NodeJS.ProcessEnv, why: string) {
-  const settings = loadSettings(env);
-  const redis = connectRedis(redisTarget(settings), settings.redisTimeoutMs);
-  if (!redis) throw new Refusal(`${why}: set REDIS_URL, REDIS_CLUSTER_NODES or REDIS_SENTINELS`);
-  // The first error ends the wait: a refused connection or a service that is not Redis is said at once.
-  const ready = await new Promise<true | Error | undefined>((resolve) => {
-    const timer = setTimeout(() => resolve(undefined), 5000);
-    const done = (outcome: true | Error) => {
-      clearTimeout(timer);
-      resolve(outcome);
-    };
-    redis.once('ready', () => done(true));
-    redis.once('error', (err: Error) => done(err));
-  });
-  // Connected is not yet Redis: an HTTP server accepts the connection, then answers the first command with HTML.
-  const answered =
-    ready === true
-      ? await redis.ping().then(
-          () => true as const,
-          (err: Error) => err,
-        )
-      : ready;
-  if (answered !== true) {
-    redis.disconnect();
-    throw new Refusal(`${why}: ${unreachable(redisWhere(redis), answered)}`);
-  }
-  return { redis, settings };
-}
-
-/** Why Redis could not be used, in words a new user can act on. */
-function unreachable(where: string, err: Error | undefined): string {
-  const at = where.replace(/^Redis at /, '');
-  if (!err) return `${where} did not answer within 5 s (is it running, and is REDIS_URL right?)`;
-  if ((err as NodeJS.ErrnoException).code === 'ECONNREFUSED') return `nothing listens at ${at} (is Redis running, and is REDIS_URL right?)`;
-  if (/Protocol error/.test(err.message)) return `something answered at ${at} that is not Redis (is REDIS_URL's port right?)`;
-  return `${where}: ${err.message}`;
-}
-
-/** The key registry the settings name (KEY_STORE=redis), once Redis answers. */
-async function openRegistry(file: string, env: NodeJS.ProcessEnv): Promise<{ keys: RegistryKeys; redis: RedisClient }> {
-  const { redis, settings } = await openRedis(env, 'KEY_STORE=redis');
-  // The registry needs the plans and the environment only: a file of 200,000 keys is not built for them.
-  const current = await configRest(file);
-  return { keys: new RegistryKeys(redis, () => current, deploymentPrefix(settings.redisKeyPrefix, current.environment)), redis };
-}
-
-/** The file without its keys: the keys section skipped line by line, or (a file of another shape) the whole parsed. */
-async function configRest(file: string): Promise<ConfigRest> {
-  try {
-    return await readConfigRest(file);
-  } catch (err) {
-    if (!(err instanceof NotBlock)) throw err;
-    const whole: Partial<ConfigFile> = parseConfigText(readFileSync(file, 'utf8'), file, { keysElsewhere: true });
-    delete whole.keys;
-    return whole as ConfigRest;
-  }
-}
-
-/** A single-use portal link for an account some key is in (the file's, or the registry's), as the admin route mints it. */
+/** A single-use portal link for an account some key is in, as the admin route mints it. */
 async function portalLink(file: string, values: Values, io: KeysOutput, env: NodeJS.ProcessEnv): Promise<void> {
-  const account = values.account;
-  if (!account) throw new UsageError('portal-link needs --account');
-  const { redis, settings } = await openRedis(env, 'portal-link keeps its link in Redis');
-  try {
-    const current = parseConfigText(readFileSync(file, 'utf8'), file, { keysElsewhere: settings.keyStore === 'redis' });
-    const prefix = deploymentPrefix(settings.redisKeyPrefix, current.environment);
-    const inFile = current.keys.some((k) => (k.account ?? k.id) === account);
-    const inRegistry =
-      settings.keyStore === 'redis' && (await new RegistryKeys(redis, () => current, prefix).accountKeys(account)).length > 0;
-    if (!inFile && !inRegistry) throw new Refusal(`--account: no key in account "${account}"`);
-    const { token, expiresMs } = await new PortalSessions(redis, () => prefix, settings.redisTimeoutMs).mint(account);
-    const base = settings.portalUrl ?? `http://${settings.host}:${settings.port}`;
-    io.err(
-      `a portal link for account "${account}", good once until ${new Date(expiresMs).toISOString()}; give it to the account holder only:`,
-    );
-    io.out(`${base}/portal/link?token=${token}`);
-  } finally {
-    await closeRedis(redis);
-  }
+  if (!values.account) throw new UsageError('portal-link needs --account');
+  const { url, expiresMs } = await mintPortalLink(file, values.account, env);
+  io.err(
+    `a portal link for account "${values.account}", good once until ${new Date(expiresMs).toISOString()}; give it to the account holder only:`,
+  );
+  io.out(url);
 }
 
 /** A command on keys: issued in the registry when there is one (and changed in both stores where a key is in both), else in the file. */

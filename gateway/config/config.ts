@@ -1,3 +1,4 @@
+import { headerProblems } from './env-template.js';
 import { readFileSync } from 'node:fs';
 import { type Static, type TOptional, Type } from '@sinclair/typebox';
 import { Value } from '@sinclair/typebox/value';
@@ -106,6 +107,12 @@ export const ConfigFile = Type.Object(
               /** Events kept per account while the sink lags; older ones are dropped (counted and logged). */
               maxEvents: Type.Integer({ minimum: 1000, maximum: 100_000_000, default: 1_000_000 }),
               batchSize: Type.Integer({ minimum: 1, maximum: 5000, default: 500 }),
+              /** `cloudevents` (unset) or `openmeter`: there a refund is a request event with negative units, so one SUM meter on the request type nets it. */
+              format: Type.Optional(Type.Union([Type.Literal('cloudevents'), Type.Literal('openmeter')])),
+              /** Sent on every POST; `${NAME}` filled from the environment (env-template.ts), e.g. `Authorization: Bearer ${OPENMETER_TOKEN}`. */
+              headers: Type.Optional(
+                Type.Record(Type.String({ pattern: "^[A-Za-z0-9!#$%&'*+.^_`|~-]+$" }), Type.String({ maxLength: 4096 })),
+              ),
             },
             { additionalProperties: false },
           ),
@@ -199,6 +206,9 @@ export interface UsageExport {
   url: string;
   maxEvents: number;
   batchSize: number;
+  format?: 'cloudevents' | 'openmeter';
+  /** As written: `${NAME}` still unfilled (the export thread fills it). */
+  headers?: Readonly<Record<string, string>>;
 }
 
 export class ConfigError extends Error {
@@ -218,6 +228,8 @@ export interface ConfigOptions {
    * admin API check the registry when they set one).
    */
   keysElsewhere?: boolean;
+  /** Where `${NAME}` in the file is looked up (process.env by default). */
+  env?: NodeJS.ProcessEnv;
 }
 
 /** Validates parsed YAML/JSON; returns the typed file or every problem, each with its path. */
@@ -297,6 +309,7 @@ function crossChecks(file: ConfigFile, options: ConfigOptions): string[] {
       problems.push(`deprecations.${i}.sunset: earlier than deprecatedAt (RFC 9745 §4)`);
     }
   });
+  problems.push(...headerProblems(file.usage?.export.headers, 'usage.export.headers', options.env ?? process.env));
   return problems;
 }
 

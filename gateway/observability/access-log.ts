@@ -7,10 +7,9 @@ import { jsonString } from '../json.js';
 import type { RouteId } from '../routes.js';
 import type { LogOutput } from '../../runtime/process.js';
 
-/** What the gateway decided for a request: its quota's outcome, or that it had no valid key (counted by address). */
 export type AccessOutcome = AdmissionOutcome | 'unauthenticated';
 
-/** One answered request, whichever path answered it (proxy, hook, framework error, raw socket). */
+/** Whichever path answered it: proxy, hook, framework error, raw socket. */
 export interface AccessEntry {
   method: string;
   status: number;
@@ -18,11 +17,11 @@ export interface AccessEntry {
   consumer?: Consumer;
   route?: RouteId;
   outcome?: AccessOutcome;
-  /** Units of its quota's overage window past the quota after this request, when it was admitted among them (billed extra). */
+  /** Units past the quota after this request, when it was admitted among them (billed extra). */
   overage?: number;
 }
 
-/** Why a request was refused, for the metric: a 401, or a 429 without a key, is "unauthenticated". */
+/** A 401, or a 429 without a key, is "unauthenticated". */
 function rejection(e: AccessEntry): RejectionReason | undefined {
   if (e.status === 401 || (e.status === 429 && !e.consumer)) return 'unauthenticated';
   if (e.outcome === 'unavailable') return 'unavailable';
@@ -31,11 +30,7 @@ function rejection(e: AccessEntry): RejectionReason | undefined {
   return e.status === 429 && outcome !== undefined && (isWindow(outcome) || outcome === 'banned') ? outcome : undefined;
 }
 
-/**
- * `ms` rounded to a tenth, as JSON writes that number: "12.3", "12", "null" when not finite.
- * Whole tenths are written from two integers, which V8 turns into text from a cache, instead
- * of converting a fraction (the costliest step of the line under perf).
- */
+/** JSON of `ms` to a tenth, from two integers V8 stringifies from a cache: a fraction was the line's costliest step. */
 export function tenths(ms: number): string {
   const t = Math.round(ms * 10);
   if (!(t >= 0 && t <= 0x3fffffff)) return JSON.stringify(t / 10); // negative, huge or NaN: the general path
@@ -44,11 +39,8 @@ export function tenths(ms: number): string {
 }
 
 /**
- * The access line, built from its fixed fields: the line `log.info(fields, 'request')` writes
- * (pino's level, time and fixed fields, then these fields in this order, undefined ones left out,
- * then msg; a test compares the two), handed to the logger's destination as pino would. pino's
- * own path serializes any object, key by key: twice the CPU in a tight loop (2.8 against 1.4 us).
- * What pino would put around the fields comes from where the logger was made (LogOutput).
+ * The line `log.info(fields, 'request')` would write (a test compares the two), built by hand: pino's generic
+ * serializer takes twice the CPU (2.8 against 1.4 us).
  */
 export function accessLine(output: LogOutput): (reqId: string, e: AccessEntry) => void {
   const { log, destination, time, fixedFields } = output;
@@ -63,7 +55,7 @@ export function accessLine(output: LogOutput): (reqId: string, e: AccessEntry) =
   };
 }
 
-/** A key's fields of the line, written once per key (a reload makes new consumers, and new entries). */
+/** A reload makes new consumers, and so new entries. */
 const keyFieldsOf = new WeakMap<Consumer, string>();
 function keyFields(c: Consumer): string {
   let fields = keyFieldsOf.get(c);
@@ -74,7 +66,6 @@ function keyFields(c: Consumer): string {
   return fields;
 }
 
-/** Route ids and methods as JSON strings: a handful of names, each quoted once. */
 const quotedNames = new Map<string, string>();
 function quoted(name: string): string {
   let q = quotedNames.get(name);
@@ -86,11 +77,7 @@ function quoted(name: string): string {
   return q;
 }
 
-/**
- * The access line and the request metrics: one of each for every answer. The line is written
- * for the root logger with the request id as its first field (the same line a request's child
- * logger would write), so no child logger is made for it.
- */
+/** The root logger writes the line with the request id as its first field: no child logger per request. */
 export function accessLog(
   metrics: GatewayMetrics,
   output: LogOutput,
@@ -106,11 +93,11 @@ export function accessLog(
     count?.(e);
     line(reqId, e);
   }
-  /** fastify's onResponse hook (callback style: no promise per request): the request's context as the pipeline left it. */
+  /** Callback style: no promise per request. */
   function onResponse(request: FastifyRequest, reply: FastifyReply, done: () => void): void {
     const { consumer, route, outcome, overage, eventId } = request.ctx;
     record(request.id, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, consumer, route, outcome, overage });
-    // The final status of a request whose usage event was written with its count: in this hook, not one more.
+    // In this hook, not one more: the status of a request whose usage event was written.
     if (eventId !== undefined && recordStatus) recordStatus(request, reply.statusCode);
     done();
   }

@@ -4,13 +4,9 @@ import { Counter, collectDefaultMetrics, Gauge, Histogram, type Metric, Registry
 import type { Refusal } from '../quota/decision.js';
 import type { Operations, StoreCounts } from '../quota/store.js';
 
-/** Why a request was refused: its quota's outcome, no valid key, or a quota store failing closed. */
 export type RejectionReason = Refusal | 'unauthenticated' | 'unavailable';
 
-/**
- * Prometheus metrics, one registry per gateway. Label values are bounded: route ids from the
- * allow-list (or "none"), statuses, plan names from the config; key ids only when configured.
- */
+/** Label values are bounded: allow-listed route ids (or "none"), statuses, configured plans; key ids only when configured. */
 export class GatewayMetrics {
   readonly registry = new Registry();
   readonly redisSeconds: Histogram<never>;
@@ -20,14 +16,10 @@ export class GatewayMetrics {
   readonly overage: Counter<'plan'>;
   /** Requests and connections turned away (503 gateway_busy) or cut, by reason (http/connections.ts). */
   readonly pushback: Counter<'reason'>;
-  /** The usage exporter's: events sent, failed batches, events dropped by the streams' cap, and its lag. */
   readonly usage: ExportMetrics;
   readonly webhooks: WebhookMetrics;
-  // The per-request series are tallied in plain numbers and handed to prom-client when
-  // scraped: its own inc() and observe() validate and hash their labels on every call, even
-  // on a bound child, which cost more than the rest of the access line. Bounded like the
-  // labels: routes x statuses x plans (x key ids when configured). Found by route, then
-  // status, then plan (or key id): no label string is built per request.
+  // Tallied in plain numbers, handed to prom-client when scraped: its inc() validates and hashes labels on every call,
+  // costing more than the rest of the access line. Indexed by route, status, plan: no label string per request.
   private readonly requests: Series[] = [];
   private readonly requestIndex = new Map<string, Map<number, Map<string, Series>>>();
   private readonly rejections: Series[] = [];
@@ -94,12 +86,10 @@ export class GatewayMetrics {
     return this.registry.contentType;
   }
 
-  /** The Prometheus text of this process's metrics. */
   text(): Promise<string> {
     return this.registry.metrics();
   }
 
-  /** The store's state, read when metrics are scraped. */
   watch(store: Pick<Operations, 'degraded' | 'activeBans' | 'counts'>): void {
     const registers = [this.registry];
     const counter = (name: string, help: string, read: (c: StoreCounts) => number, labels: Record<string, string> = {}) =>
@@ -177,7 +167,6 @@ export class GatewayMetrics {
     });
   }
 
-  /** The public port's open connections and requests in progress, read when scraped. */
   watchConnections(counts: { open: number; inFlight: number }): void {
     const registers = [this.registry];
     new Gauge({
@@ -198,7 +187,6 @@ export class GatewayMetrics {
     });
   }
 
-  /** The key registry's change channel (KEY_STORE=redis), read when scraped. */
   watchKeyRegistry(registry: { readonly silent: boolean; readonly silences: number }): void {
     const registers = [this.registry];
     new Gauge({
@@ -221,7 +209,6 @@ export class GatewayMetrics {
     });
   }
 
-  /** Counts one answered request. */
   request(route: string, status: number, plan: string, key: string | undefined, rejected?: RejectionReason): void {
     let byStatus = this.requestIndex.get(route);
     if (!byStatus) this.requestIndex.set(route, (byStatus = new Map()));
@@ -242,26 +229,23 @@ export class GatewayMetrics {
     }
   }
 
-  /** Time from sending to the backend to its response headers, for a route. */
+  /** To the backend's response headers. */
   upstream(route: string, seconds: number): void {
     this.upstreamSeconds.observe(route, seconds);
   }
 }
 
-/** A counter's series as plain numbers: its labels and its count. */
 interface Series {
   labels: Record<string, string | number>;
   n: number;
 }
 
-/** A new series at 0, listed in `all`. */
 function newSeries(all: Series[], labels: Series['labels']): Series {
   const s = { labels, n: 0 };
   all.push(s);
   return s;
 }
 
-/** A counter's collect(): its series read from `all` when scraped. */
 function collectFrom(all: Series[]) {
   return function collect(this: Counter<string>) {
     this.reset();
@@ -269,12 +253,7 @@ function collectFrom(all: Series[]) {
   };
 }
 
-/**
- * A histogram with one label, counted in plain numbers on the hot path and exposed to
- * prom-client's registry as a metric of its own (its get() gives the values prom-client's
- * Histogram would: cumulative buckets, +Inf, _sum, _count; a unit test compares the two).
- * Workers' values add up in the AggregatorRegistry like a Histogram's.
- */
+/** Plain numbers on the hot path; get() gives what prom-client's Histogram would (a unit test compares the two). */
 export class TallyHistogram {
   readonly type = 'histogram';
   readonly aggregator = 'sum';
@@ -322,7 +301,6 @@ export class TallyHistogram {
   }
 }
 
-/** The usage exporter's and the alert webhooks' metrics. */
 function exportMetrics(registers: Registry[]): { usage: ExportMetrics; webhooks: WebhookMetrics } {
   const exported = new Counter({ name: 'gateway_usage_events_exported_total', help: 'Usage events accepted by the sink', registers });
   const failed = new Counter({

@@ -2,14 +2,9 @@ import type { AttributeValue, HrTime } from '@opentelemetry/api';
 import { ProtobufTraceSerializer } from '@opentelemetry/otlp-transformer';
 import type { ReadableSpan } from '@opentelemetry/sdk-trace-base';
 
-// An OTLP ExportTraceServiceRequest in protobuf, byte for byte what the SDK's
-// ProtobufTraceSerializer writes for the gateway's spans, at a fraction of its cost: the SDK's
-// writes every byte from JavaScript, twice (a size pass, then the bytes), some 64,000
-// instructions a span (docs/performance.md). Here each attribute key's bytes are made once, and
-// a KeyValue whose value repeats the previous span's is copied whole; ASCII strings are copied
-// in one pass, ids go from hex straight into the buffer, and a batch is written once into a
-// reused buffer. A batch with what the gateway's spans never carry
-// (events, links, array values, a second resource or scope) goes to the SDK's serializer.
+// Byte for byte what the SDK's ProtobufTraceSerializer writes for the gateway's spans, which costs some 64,000
+// instructions a span (docs/performance.md). What the gateway's spans never carry (events, links, array values,
+// a second resource or scope) goes to the SDK's serializer.
 
 /** Thrown by a value the encoder does not write: the batch is the SDK's to serialise. */
 const UNSUPPORTED = Symbol('unsupported');
@@ -26,7 +21,6 @@ function room(n: number): void {
 
 const varintSize = (v: number) => (v < 0x80 ? 1 : v < 0x4000 ? 2 : v < 0x200000 ? 3 : v < 0x10000000 ? 4 : 5);
 
-/** An unsigned 32-bit varint (tags, lengths, counts). */
 function varint(v: number): void {
   room(5);
   while (v > 0x7f) {
@@ -99,10 +93,9 @@ function str(s: string): void {
   }
 }
 
-/** Each hex digit's value, by its character code (the SDK's hexToBinary's, for the characters ids are made of). */
+/** The SDK's hexToBinary's values, for the characters ids are made of. */
 const NIBBLE = new Uint8Array(128).map((_, c) => (c >= 48 && c <= 57 ? c - 48 : c >= 97 && c <= 102 ? c - 87 : (c - 55) & 0xff));
 
-/** A hex id as bytes, after their length (the SDK's hexToBinary, without its array). */
 function hex(id: string): void {
   const n = id.length >>> 1;
   varint(n);
@@ -123,11 +116,7 @@ function fixed64Time(t: HrTime): void {
   pos += 8;
 }
 
-/**
- * Per attribute key, made once: KeyValue's key field and the value field's tag; and the whole
- * KeyValue of the value seen last under it, kept from its second sighting in a row (most of a
- * gateway span's values repeat from one request to the next: method, route, plan, outcome).
- */
+/** `field`: the whole KeyValue, kept from a value's second sighting in a row: method, route, plan, outcome repeat. */
 interface Key {
   bytes: Buffer;
   last: AttributeValue | undefined;
@@ -180,7 +169,6 @@ function anyValue(value: AttributeValue | undefined): void {
 /** Span.attributes' tag: the only field whose KeyValues are kept (a resource's are written once). */
 const SPAN_ATTRIBUTE = 0x4a;
 
-/** Repeated KeyValue in field `tag`'s byte. */
 function attributes(tag: number, attrs: Record<string, AttributeValue | undefined>): void {
   for (const name in attrs) {
     const value = attrs[name];
@@ -353,7 +341,6 @@ function encode(spans: ReadableSpan[]): Uint8Array {
   return new Uint8Array(buf.subarray(start, end));
 }
 
-/** The SDK's serializer, with serializeRequest as above. */
 export const FastProtobufTraceSerializer: typeof ProtobufTraceSerializer = {
   serializeRequest(spans) {
     if (spans.length === 0) return ProtobufTraceSerializer.serializeRequest(spans);

@@ -1,18 +1,12 @@
 import type { Logger } from 'pino';
 
 /**
- * A request's logger for fastify's childLoggerFactory: pino's child (with the request id
- * bound) is made only when a line is written through it. fastify would otherwise build a
- * child for every request, which costs more than the access line itself; the access line
- * is written by the root logger with the request id as a field, so most requests never need
- * the child. The lines are the same either way.
+ * pino's child is made only when a line goes through it: a child per request costs more than the access line,
+ * and most requests never need one. The lines are the same either way.
  */
 export class LazyRequestLogger {
   #child?: Logger;
-  /**
-   * `level`: a route's own logLevel, as fastify passes it; pino's child then has that level
-   * in place of the root's.
-   */
+  /** `ownLevel`: a route's own logLevel, as fastify passes it. */
   constructor(
     private readonly root: Logger,
     private readonly fields: Record<string, unknown>,

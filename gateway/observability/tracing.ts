@@ -42,30 +42,26 @@ import { DOCUMENT_ROUTE, PORTAL_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from 
 import type { AccessEntry } from './access-log.js';
 import { FastProtobufTraceSerializer } from './otlp-encoder.js';
 
-// OpenTelemetry tracing: one SERVER span per request of the public port, exported over OTLP/HTTP
-// in protobuf, in batches. Loaded only when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (../app.ts): off, the
-// SDK is not even imported and no hook is added. Contexts are passed by hand, not through a
-// global context manager (AsyncLocalStorage on every async step would cost every request).
+// Loaded only when OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set (../app.ts). Contexts are passed by hand: a global
+// context manager (AsyncLocalStorage on every async step) would cost every request.
 
 export type TracingSettings = Pick<GatewaySettings, 'tracingServiceName' | 'tracingSampleRatio' | 'tracingDelayMs'> & {
   tracingUrl: string;
 };
 
-/** How long a shutdown waits for the last spans to reach the collector: within the runner's close margin (5 s). */
+/** Within the runner's close margin (5 s). */
 const FLUSH_MS = 3000;
 
 /**
- * Spans a batch holds, unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE says otherwise (read as the SDK
- * reads it): a quarter of the SDK's 512. A full batch is serialised within a request's hook,
- * so 512 held the event loop some 2 ms, and spans waiting for a batch that long outlived a
- * young-generation collection or two and were promoted (docs/performance.md).
+ * A quarter of the SDK's 512: a full batch is serialised within a request's hook, and 512 held the event loop
+ * some 2 ms while waiting spans outlived young-generation collections and were promoted (docs/performance.md).
  */
 const BATCH_SIZE = getNumberFromEnv('OTEL_BSP_MAX_EXPORT_BATCH_SIZE') ?? 128;
 
 /** The methods HTTP semantic conventions know; any other is `_OTHER`, in a span named `HTTP`. */
 const KNOWN_METHODS = new Set(['CONNECT', 'DELETE', 'GET', 'HEAD', 'OPTIONS', 'PATCH', 'POST', 'PUT', 'TRACE']);
 
-/** Per route, built once: its template (a span's name and http.route never carry a request's own ids) and its span's name. */
+/** The template, never the path: a span's name and http.route never carry a request's own ids. */
 const ROUTE_SPANS = new Map<RouteId, { method: string; template: string; name: string }>(
   [...ROUTES, DOCUMENT_ROUTE, USAGE_ROUTE, PORTAL_ROUTE].map((r) => [
     r.id,
@@ -75,7 +71,6 @@ const ROUTE_SPANS = new Map<RouteId, { method: string; template: string; name: s
 
 const propagator = new W3CTraceContextPropagator();
 
-/** `GET /v1/pets/{petId}`; the method alone without a route (refused before routing, unknown path). */
 function spanName(method: string, route: RouteId | undefined): string {
   const r = route && ROUTE_SPANS.get(route);
   if (r && r.method === method) return r.name;
@@ -83,7 +78,6 @@ function spanName(method: string, route: RouteId | undefined): string {
   return r ? `${method} ${r.template}` : method;
 }
 
-/** `http.request.method` into `attributes`: a method the conventions do not know as `_OTHER`, with the original beside it. */
 function methodAttributes(method: string, attributes: Attributes): Attributes {
   if (KNOWN_METHODS.has(method)) attributes[ATTR_HTTP_REQUEST_METHOD] = method;
   else {
@@ -102,11 +96,8 @@ const LIMITS = [
 ];
 
 /**
- * The answer's status into `attributes`, then all of them into the span, and ERROR for a 5xx (a
- * 4xx is the client's, not the server's, per the HTTP conventions); then the span ends. With no
- * limit set, `attributes` becomes the span's: setAttributes would copy and check each (its key,
- * its value, the count) one keyed store at a time, a quarter of a span's instructions, for
- * values made valid here. A limit set, the SDK takes them and applies it.
+ * ERROR only for a 5xx: a 4xx is the client's, per the HTTP conventions. With no limit set `attributes` becomes the
+ * span's: setAttributes would check each again, a quarter of a span's instructions.
  */
 function finish(span: Span, attributes: Attributes, status: number, end: number, asIs: boolean): void {
   attributes[ATTR_HTTP_RESPONSE_STATUS_CODE] = status;
@@ -114,7 +105,7 @@ function finish(span: Span, attributes: Attributes, status: number, end: number,
     attributes[ATTR_ERROR_TYPE] = String(status);
     span.setStatus({ code: SpanStatusCode.ERROR });
   }
-  // A recording span's own attributes (none on a non-recording one): those given at its start, all in `attributes` too.
+  // Those given at its start are all in `attributes` too.
   const recording = span as { attributes?: Attributes };
   if (asIs && recording.attributes) recording.attributes = attributes;
   else span.setAttributes(attributes);
@@ -124,10 +115,7 @@ function finish(span: Span, attributes: Attributes, status: number, end: number,
 /** Milliseconds to the microsecond: the clock's noise past that only lengthens the export. */
 const ms = (t: number) => Math.round(t * 1000) / 1000;
 
-/**
- * All of a request's attributes, made once at its end: the request's (HTTP conventions), then
- * what the gateway decided, as the pipeline left it in the context; the key's id, never the key.
- */
+/** The key's id, never the key. */
 function requestAttributes(request: FastifyRequest, end: number): Attributes {
   const { route, consumer, outcome, cost, redisMs, leased, overage, sentAt } = request.ctx;
   const q = request.url.indexOf('?');
@@ -154,12 +142,7 @@ function requestAttributes(request: FastifyRequest, end: number): Attributes {
   return a;
 }
 
-/**
- * OTLP/HTTP in protobuf (`application/x-protobuf`), built from the OpenTelemetry pieces as
- * @opentelemetry/exporter-trace-otlp-proto builds it (not installed here), with the gateway's
- * own encoder for the SDK's serialiser (./otlp-encoder.ts: the same bytes, a third of the
- * instructions). Env settings (headers, timeout, compression) are read as by the JSON exporter.
- */
+/** Built as @opentelemetry/exporter-trace-otlp-proto builds it (not installed), with the encoder of ./otlp-encoder.ts. */
 class ProtobufTraceExporter extends OTLPExporterBase<ReadableSpan[]> {
   constructor(url: string) {
     const options = convertLegacyHttpOptions({ url }, 'TRACES', 'v1/traces', { 'Content-Type': 'application/x-protobuf' });
@@ -169,18 +152,14 @@ class ProtobufTraceExporter extends OTLPExporterBase<ReadableSpan[]> {
   }
 }
 
-/** The configured ratio; at 1 or 0 a sampler that decides without hashing the trace id (the same decisions). */
+/** At 1 or 0, a sampler that decides without hashing the trace id (the same decisions). */
 function rootSampler(ratio: number): Sampler {
   if (ratio >= 1) return new AlwaysOnSampler();
   if (ratio <= 0) return new AlwaysOffSampler();
   return new TraceIdRatioBasedSampler(ratio);
 }
 
-/**
- * The OTLP exporter, watched: one warning when exports start failing (collector down, or
- * refusing), one line when they succeed again. OTel's own diagnostics stay unset: they would
- * log every failed batch.
- */
+/** One line when exports start failing and one when they recover: OTel's own diagnostics would log every batch. */
 class WatchedExporter implements SpanExporter {
   private failing = false;
 
@@ -214,17 +193,10 @@ class WatchedExporter implements SpanExporter {
   }
 }
 
-/**
- * The spans of the public port. A request's span starts at its arrival (fastify's reply start)
- * and ends when its answer is finished, whatever answered it: the proxy, a refusal in the
- * pipeline, a framework error or a raw socket. Its parent is the client's `traceparent` when
- * it sent a valid one (the caller's trace is continued, as Kong and Envoy do), and the backend
- * is sent the span's own.
- */
+/** A valid client `traceparent` is continued, as Kong and Envoy do; every answer gets a span, however it was made. */
 export class RequestTracing {
   private readonly provider: BasicTracerProvider;
   private readonly tracer: Tracer;
-  /** No attribute limit set: the attributes made for a span become its own (finish). */
   private readonly asIs = LIMITS.every((name) => getNumberFromEnv(name) === undefined);
 
   constructor(
@@ -243,22 +215,18 @@ export class RequestTracing {
     this.tracer = this.provider.getTracer('pet-store-gateway');
   }
 
-  /** A request's span, dated from its arrival; its attributes come at its end (finish). */
   private start(request: FastifyRequest, startTime: number): Span {
     const parent = propagator.extract(ROOT_CONTEXT, request.headers, defaultTextMapGetter);
     return this.tracer.startSpan(spanName(request.method, request.ctx.route), { kind: SpanKind.SERVER, startTime }, parent);
   }
 
-  /**
-   * onRequest, after the pipeline's: the span of a request the pipeline let through, dated
-   * from its arrival, in place before the proxy writes the backend's `traceparent`.
-   */
+  /** After the pipeline's onRequest, before the proxy writes the backend's `traceparent`. */
   readonly onRequest = (request: FastifyRequest, reply: FastifyReply, done: () => void): void => {
     request.ctx.span = this.start(request, performance.now() - reply.elapsedTime);
     done();
   };
 
-  /** onResponse: the request's attributes and the decision's, the status, the end; a refused request's span is made here, dated from its arrival. */
+  /** A refused request's span is made here, dated from its arrival. */
   readonly onResponse = (request: FastifyRequest, reply: FastifyReply, done: () => void): void => {
     const end = performance.now();
     const span = request.ctx.span ?? this.start(request, end - reply.elapsedTime);
@@ -267,11 +235,7 @@ export class RequestTracing {
     done();
   };
 
-  /**
-   * The proxy's header rewrite: the backend gets this span as its parent (traceparent, and
-   * tracestate if any), written as W3CTraceContextPropagator.inject writes them, without the
-   * context it would be given (a Map copied per request) and its lookups.
-   */
+  /** As W3CTraceContextPropagator.inject writes them, without its context (a Map copied per request). */
   readonly inject = (request: FastifyRequest, headers: IncomingHttpHeaders): void => {
     const span = request.ctx.span;
     if (!span) return;
@@ -283,10 +247,7 @@ export class RequestTracing {
     if (traceState) headers.tracestate = traceState.serialize();
   };
 
-  /**
-   * `record` (the access line), and a span for each answer it records: the answers fastify's
-   * hooks never see (framework errors, raw sockets), described by their access entry.
-   */
+  /** Spans for the answers fastify's hooks never see (framework errors, raw sockets). */
   recording(record: (reqId: string, e: AccessEntry) => void): (reqId: string, e: AccessEntry) => void {
     return (reqId, e) => {
       record(reqId, e);
@@ -302,7 +263,7 @@ export class RequestTracing {
     };
   }
 
-  /** Exports what is left and stops; gives up after FLUSH_MS (a collector that does not answer must not hold the shutdown). */
+  /** Gives up after FLUSH_MS: a collector that does not answer must not hold the shutdown. */
   async shutdown(): Promise<void> {
     let timer: NodeJS.Timeout | undefined;
     const late = new Promise<boolean>((resolve) => (timer = setTimeout(() => resolve(true), FLUSH_MS)));

@@ -1,14 +1,8 @@
 import type { RedisClient } from './client.js';
 
-// The wires to a Lua script, by name (STYLE.md, "name every wire"): each script's KEYS, ARGV and
-// reply fields are listed once, in the order they travel. The script reads them by name
-// (`KEY.lock`, `ARG.holder`: the prelude binds them; the ARGV past the named ones start at
-// `REST`), and the caller builds its arguments by name (wiresArgs). No other place knows a position.
+// KEYS, ARGV and reply fields listed once, in the order they travel; script and caller use names, never positions.
 
-/**
- * A script's wires: its KEYS and ARGV in order, its reply's fields if it returns a record, and
- * the fields of a record another script kept that it reads (`call`: quota.lua's reply).
- */
+/** `call`: the fields of a record another script kept that this one reads (quota.lua's reply). */
 export interface Wires<K extends string, A extends string, R extends string = never> {
   keys: readonly K[];
   argv: readonly A[];
@@ -18,7 +12,7 @@ export interface Wires<K extends string, A extends string, R extends string = ne
 
 export const luaList = (names: readonly string[]) => `{${names.map((n) => `'${n}'`).join(', ')}}`;
 
-/** `name(t)`: a record's fields in order (nil as 0), as a script replies it. */
+/** nil as 0. */
 export const packer = (name: string, fields: readonly string[]) => `local function ${name}(r)
   local out = {}
   for i, n in ipairs(${luaList(fields)}) do if r[n] == nil then out[i] = 0 else out[i] = r[n] end end
@@ -26,7 +20,7 @@ export const packer = (name: string, fields: readonly string[]) => `local functi
 end
 `;
 
-/** Lua run before a script: KEY and ARG by name, REST (the first ARGV past the named ones), and `packed(t)` for its reply. */
+/** REST: the first ARGV past the named ones. */
 export function prelude(w: Wires<string, string, string>): string {
   let lua = `local KEY, ARG = {}, {}
 for i, n in ipairs(${luaList(w.keys)}) do KEY[n] = KEYS[i] end
@@ -37,15 +31,13 @@ local REST = ${w.argv.length + 1}
   return lua;
 }
 
-/** A script as Redis runs it: its prelude, then its body. */
 export const wired = (w: Wires<string, string, string>, body: string) => prelude(w) + body;
 
-/** Each name's position in its list: the one place positions come from. */
+/** The one place positions come from. */
 export function positions<N extends string>(names: readonly N[]): Readonly<Record<N, number>> {
   return Object.freeze(Object.fromEntries(names.map((n, i) => [n, i]))) as Record<N, number>;
 }
 
-/** A script's KEYS then ARGV, each by its name in `w`, then `rest` (read from REST on). */
 export function wiresArgs<K extends string, A extends string>(
   w: Wires<K, A, string>,
   keys: Readonly<Record<K, string>>,
@@ -55,12 +47,11 @@ export function wiresArgs<K extends string, A extends string>(
   return [...w.keys.map((k) => keys[k]), ...w.argv.map((a) => argv[a]), ...rest];
 }
 
-/** A script beside its wires: its body reads them by name. */
 export interface Script<K extends string, A extends string> extends Wires<K, A> {
   lua: string;
 }
 
-/** Defines `s` on a client as the command `name` (defining one twice is harmless). */
+/** Defining one twice is harmless. */
 export function defineScript(redis: RedisClient, name: string, s: Script<string, string>): void {
   redis.defineCommand(name, { numberOfKeys: s.keys.length, lua: wired(s, s.lua) });
 }

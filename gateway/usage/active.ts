@@ -3,19 +3,10 @@ import type { RedisClient } from '../redis/client.js';
 import { loopKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 
-// The accounts with something to send, so a round costs what has traffic, not what is
-// configured (issue 30). Per loop, a sorted set in the loop's own slot
-// (`<prefix>:<environment>:{<loop>}:active`): member the account's Redis name, score how many
-// times it was marked. The instance whose script call wrote an event or an alert marks the
-// account (with its status writes, every 100 ms); the leader unmarks it only when what it read
-// is all sent, and only if no mark came since it read the score: a compare-and-remove in the
-// set's slot, so a write it could not have seen always keeps its mark (docs/reference.md).
+// The accounts with something to send, so a round costs what has traffic, not what is configured (issue 30). The
+// score counts marks; unmarking compares and removes, so a write the leader could not have seen keeps its mark.
 
-/**
- * What the loops read of the config: where their keys live, and the accounts (by name, with
- * their Redis names; `accountOf` names a key registry's too). Plain data but `accountOf`, so the
- * usage exporter's thread rebuilds it from what it is posted (usage/export-thread.ts).
- */
+/** Plain data but `accountOf`, so the export thread rebuilds it from what it is posted. */
 export interface LoopConfig {
   environment: GatewayConfig['environment'];
   redisPrefix: string;
@@ -23,19 +14,15 @@ export interface LoopConfig {
   accountOf(subjectName: string): string | undefined;
 }
 
-/** The two loops that read the index. */
 export type Loop = 'usage-export' | 'alerts';
 
-/** An account as the index holds it: its Redis name and its score when read. */
 export interface Marked {
   name: string;
   score: string;
 }
 
-/** A key of the loop's, beside its lock, in the loop's own slot: its index (`active`), its sweep's position (`sweep`). */
 const activeKey = (config: Pick<LoopConfig, 'redisPrefix'>, loop: Loop) => loopKey(config.redisPrefix, loop, 'active');
 
-/** Each account named from REST on has its score grow by one: a mark the leader has not read keeps it there. */
 const MARK = {
   keys: ['index'],
   argv: [],
@@ -43,7 +30,7 @@ const MARK = {
 return #ARGV - REST + 1`,
 } as const satisfies Script<string, string>;
 
-/** From REST on, pairs of a name and the score read: removes each whose score is still the one read; returns how many. */
+/** From REST on, pairs of a name and the score read. */
 const UNMARK = {
   keys: ['index'],
   argv: [],
@@ -59,13 +46,11 @@ type IndexRedis = RedisClient & {
   unmarkActive(...keysThenArgs: Array<string | number>): Promise<number>;
 };
 
-/** Defines the scripts on a client (defining one twice is harmless). */
 export function defineActiveScripts(redis: RedisClient): void {
   defineScript(redis, 'markActive', MARK);
   defineScript(redis, 'unmarkActive', UNMARK);
 }
 
-/** Marks accounts in a loop's index: one script call in the index's slot. */
 export async function markActive(
   redis: RedisClient,
   config: Pick<LoopConfig, 'redisPrefix'>,
@@ -76,10 +61,7 @@ export async function markActive(
   if (list.length > 0) await (redis as IndexRedis).markActive(...wiresArgs(MARK, { index: activeKey(config, loop) }, {}, list));
 }
 
-/**
- * What a quota store calls every 100 ms with the accounts its script calls wrote to (its
- * `marks` option): marks them in each loop's index.
- */
+/** The quota store's `marks` option, called every 100 ms. */
 export function activityMarks(redis: RedisClient, config: () => GatewayConfig) {
   defineActiveScripts(redis);
   return (active: { usage: Iterable<string>; alerts: Iterable<string> }) =>
@@ -87,10 +69,7 @@ export function activityMarks(redis: RedisClient, config: () => GatewayConfig) {
 }
 
 const byConfig = new WeakMap<LoopConfig, { names: string[]; accounts: Map<string, string> }>();
-/**
- * The config's accounts by Redis name, and the names in order: built once per config, not per
- * round. `account(name)` also names an account the config does not list (a key registry's).
- */
+/** Built once per config, not per round; `account(name)` also names a key registry's accounts. */
 export function accountsOf(config: LoopConfig): { names: string[]; account(name: string): string | undefined } {
   let known = byConfig.get(config);
   if (!known) {
@@ -103,13 +82,9 @@ export function accountsOf(config: LoopConfig): { names: string[]; account(name:
   return { names, account: (name) => accounts.get(name) ?? config.accountOf(name) };
 }
 
-/** How many members one ZSCAN call asks for. */
 const SCAN_COUNT = 500;
 
-/**
- * A leader's walk through the index: passes of ZSCAN, so every account marked for the whole of
- * a pass is visited once in it, whatever the set's size, and a round takes the next few.
- */
+/** ZSCAN passes: every account marked for a whole pass is visited once in it, whatever the set's size. */
 export class ActiveIndex {
   private cursor = '0';
   private scanned = false;
@@ -124,7 +99,6 @@ export class ActiveIndex {
     defineActiveScripts(redis);
   }
 
-  /** The next `max` marked accounts of this pass (each once per pass), and whether the pass has more. */
   async take(config: LoopConfig, max: number): Promise<{ picked: Marked[]; more: boolean }> {
     const key = activeKey(config, this.loop);
     if (key !== this.key) this.restart(key);
@@ -145,7 +119,7 @@ export class ActiveIndex {
     return { picked, more };
   }
 
-  /** Unmarks the accounts whose score is still the one read (no mark since): nothing of theirs is left unsent. */
+  /** Only those whose score is still the one read: no mark since. */
   async unmark(config: LoopConfig, done: Marked[]): Promise<void> {
     if (done.length === 0) return;
     const pairs = done.flatMap((m) => [m.name, m.score]);

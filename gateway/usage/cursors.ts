@@ -3,16 +3,11 @@ import { subjectKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 import { type Bundle, DATA_FIELD, nextId, type UsageEntries } from './events.js';
 
-// The streams' cursors, moved only under the lead in force: each move carries the fencing
-// token its leader got when it took the lead (leader.ts), as Kleppmann's fencing tokens do.
-// The lock lives in another Cluster slot, so a move cannot read it: the cursor keeps the
-// highest token that moved it and refuses a lower one, and it compares-and-sets the cursor id
-// the round read, so a leader that lost the lead can never count or trim a batch twice.
+// Each move carries its leader's fencing token (leader.ts). The lock is in another Cluster slot, so the cursor keeps
+// the highest token that moved it and compares-and-sets the id the round read: a deposed leader never sends twice.
 
-/** A move's outcome: done; refused for a newer lead's token; refused for a cursor moved since the round read it. */
 export type Moved = 'moved' | 'fenced' | 'raced';
 
-/** Why a move was refused, for a log line. */
 export const REFUSED: Record<Exclude<Moved, 'moved'>, string> = {
   fenced: 'moved by a newer lead',
   raced: 'moved since this round read it',
@@ -21,16 +16,11 @@ export const REFUSED: Record<Exclude<Moved, 'moved'>, string> = {
 const outcome = (n: number): Moved => (n === 1 ? 'moved' : n === 0 ? 'fenced' : 'raced');
 
 /**
- * The account's usage cursor hash, its stream, its statuses and its bundles, in one slot
- * (`{k:<account>}`). The stream's cursor (`id`, `consumed`) moves only from the id the round
- * read; the bundles' (`bid`, `bupto`) only forward, by their events (usagebatch.lua): a bundle
- * the cap dropped since the read already moved it, and counts as dropped, not sent. The ids of
- * the entries whose statuses go come from REST on.
+ * One slot (`{k:<account>}`). The stream's cursor moves only from the id the round read; the bundles' only forward,
+ * by their events: a bundle the cap dropped since the read counts as dropped, not sent. Status ids from REST on.
  */
 const MOVE_USAGE = {
   keys: ['cursor', 'stream', 'statuses', 'bundles'],
-  // The stream's cursor id read, the last entry sent ('': none), what it consumes, the first id
-  // kept; the last bundle sent ('': none), the events up to it (its `upto`), the first id kept.
   argv: ['token', 'read', 'sent', 'consumed', 'keepFrom', 'bsent', 'bupto', 'bkeepFrom'],
   lua: `local fence = tonumber(redis.call('HGET', KEY.cursor, 'fence') or '0')
 if tonumber(ARG.token) < fence then return 0 end
@@ -55,7 +45,7 @@ end
 return 1`,
 } as const satisfies Script<string, string>;
 
-/** The account's alerts cursor (a string, as it always was), the highest token that moved it. */
+/** The alerts cursor stays a plain string, as it always was. */
 const MOVE_ALERTS = {
   keys: ['cursor', 'fence'],
   argv: ['token', 'read', 'delivered'],
@@ -67,12 +57,7 @@ redis.call('SET', KEY.fence, ARG.token)
 return 1`,
 } as const satisfies Script<string, string>;
 
-/**
- * What the usage stream's cap dropped, from one consistent view: all it ever took, less what
- * was consumed, less what it holds; recorded in the cursor's `dropped` when it grew. With what
- * the bundles' cap dropped (usagebatch.lua counts it in `bdropped`) since last reported
- * (`bknown`): the growth of both returned.
- */
+/** Dropped = entries-added - consumed - length, read in one script so a write between reads cannot miscount; plus `bdropped` growth. */
 const DROPPED = {
   keys: ['stream', 'cursor'],
   argv: [],
@@ -95,17 +80,7 @@ redis.call('HSET', KEY.cursor, 'dropped', dropped)
 return grown + dropped - known`,
 } as const satisfies Script<string, string>;
 
-/**
- * Up to `count` entries after `after` ('': the cursor), flat (events.ts, UsageEntries: a leased
- * admission's as an older gateway wrote it, usagebatch.lua's earlier layout `kind request at
- * <ms> data <json>`, as `id, at, data`; any other as `id, '', fields`), with the cursor, the
- * statuses found for them (id, status, id, status...) and the stream's length. Then the
- * bundles after `bafter` ('': their cursor), whole, while their events stay within `bcount`
- * (the first always, when there is one; 0: none), flat, BUNDLE values each (`id, n, upto,
- * data, refunds`, usagebatch.lua's fields); their cursor; 1 if more may follow; and the
- * events the bundles' cap dropped not yet reported. What a round needs of an account, in one
- * call in its slot.
- */
+/** All a round needs of an account, in one call in its slot ('' for `after`/`bafter`: from the cursor). */
 const READ_USAGE = {
   keys: ['cursor', 'stream', 'statuses', 'bundles'],
   argv: ['after', 'count', 'bafter', 'bcount'],
@@ -174,7 +149,7 @@ type CursorRedis = RedisClient & {
   countDropped(...keysThenArgs: Args): Promise<number>;
 };
 
-/** Defines the scripts on a client (each loop calls it; defining one twice is harmless). */
+/** Each loop calls it: defining a script twice is harmless. */
 export function defineCursorScripts(redis: RedisClient): void {
   defineScript(redis, 'moveUsage', MOVE_USAGE);
   defineScript(redis, 'moveAlerts', MOVE_ALERTS);
@@ -182,7 +157,6 @@ export function defineCursorScripts(redis: RedisClient): void {
   defineScript(redis, 'readUsage', READ_USAGE);
 }
 
-/** The usage cursor's keys of an account. */
 const usageKeys = (name: string) => ({
   cursor: subjectKey.eventsCursor(name),
   stream: subjectKey.events(name),
@@ -190,33 +164,23 @@ const usageKeys = (name: string) => ({
   bundles: subjectKey.bundles(name),
 });
 
-/** Values a bundle in READ_USAGE's reply. */
 const BUNDLE = 5;
 
-/** What a round read of an account's usage stream and bundles. */
 export interface UsageRead {
-  /** The cursor id ('0-0': none yet). */
+  /** '0-0': none yet. */
   cursor: string;
-  /** Flat: events.ts, UsageEntries. */
   entries: UsageEntries;
-  /** The statuses joined to the entries, by their ids. */
   statuses: Map<string, number>;
-  /** The stream's length. */
   length: number;
-  /** The bundles' cursor id ('0-0': none yet). */
+  /** '0-0': none yet. */
   bundleCursor: string;
   bundles: Bundle[];
-  /** Whether more bundles may follow those read. */
   moreBundles: boolean;
-  /** Events the bundles' cap dropped not yet reported (countDropped reports them). */
+  /** Dropped by the bundles' cap, not yet reported by countDropped. */
   unreported: number;
 }
 
-/**
- * Up to `count` entries of the account's usage stream after `after` (undefined: after its
- * cursor), with their statuses; and its bundles after `bundlesAfter` (undefined: their
- * cursor), whole, up to `bundleEvents` events (the first always).
- */
+/** Bundles come whole, up to `bundleEvents` events, the first always. */
 export async function readUsage(
   redis: RedisClient,
   name: string,
@@ -249,7 +213,7 @@ export async function readUsage(
   };
 }
 
-/** Whether each account's usage stream or bundles hold anything: a move trims what it sent, so an empty one has nothing unsent. */
+/** A move trims what it sent, so an empty stream has nothing unsent. */
 export function usagePending(redis: RedisClient, names: string[]): Promise<boolean[]> {
   return Promise.all(
     names.map(async (name) => {
@@ -259,7 +223,7 @@ export function usagePending(redis: RedisClient, names: string[]): Promise<boole
   );
 }
 
-/** Whether each account's alerts stream has an entry past its cursor (delivered alerts stay in the stream). */
+/** Delivered alerts stay in the stream: compare with the cursor. */
 export function alertsPending(redis: RedisClient, names: string[]): Promise<boolean[]> {
   return Promise.all(
     names.map(async (name) => {
@@ -272,7 +236,6 @@ export function alertsPending(redis: RedisClient, names: string[]): Promise<bool
   );
 }
 
-/** Whether stream id `a` comes after `b`. */
 export function idAfter(a: string, b: string): boolean {
   const [am, as] = a.split('-').map(Number) as [number, number];
   const [bm, bs] = b.split('-').map(Number) as [number, number];
@@ -283,20 +246,15 @@ export interface UsageMove {
   token: number;
   /** The cursor id the round read ('0-0': none yet). */
   from: string;
-  /** The last entry sent (undefined: none). */
+  /** The last entry sent. */
   to?: string;
-  /** Entries from `from` (excluded) to `to`: what `consumed` grows by. */
   consumed: number;
-  /** Their ids, whose joined statuses are deleted. */
+  /** Ids whose joined statuses are deleted. */
   refs: string[];
-  /** The last bundle sent (undefined: none). */
+  /** The last bundle sent. */
   bundle?: Pick<Bundle, 'id' | 'upto'>;
 }
 
-/**
- * The account's usage cursors moved past what was sent, counted, trimmed and its statuses
- * deleted, in one script, if `token` still leads.
- */
 export async function moveUsageCursor(redis: RedisClient, name: string, m: UsageMove): Promise<Moved> {
   const r = redis as CursorRedis;
   const n = await r.moveUsage(
@@ -319,7 +277,6 @@ export async function moveUsageCursor(redis: RedisClient, name: string, m: Usage
   return outcome(Number(n));
 }
 
-/** The account's alerts cursor moved to the entry delivered, if `token` still leads. */
 export async function moveAlertsCursor(redis: RedisClient, name: string, token: number, from: string, to: string): Promise<Moved> {
   return outcome(
     Number(
@@ -334,7 +291,6 @@ export async function moveAlertsCursor(redis: RedisClient, name: string, token: 
   );
 }
 
-/** Events of the account's usage stream its cap dropped since last counted (recorded in the cursor's `dropped`). */
 export async function countDropped(redis: RedisClient, name: string): Promise<number> {
   const keys = { stream: subjectKey.events(name), cursor: subjectKey.eventsCursor(name) };
   return Number(await (redis as CursorRedis).countDropped(...wiresArgs(DROPPED, keys, {})));

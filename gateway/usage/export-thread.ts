@@ -4,16 +4,10 @@ import type { GatewayConfig } from '../config/config.js';
 import type { RedisTarget } from '../redis/client.js';
 import type { ExportMetrics } from './exporter.js';
 
-// The usage exporter on a thread of its own. The leader's work (reading the streams back,
-// encoding, the sink's POSTs, the cursors) costs more a request than the batches every instance
-// writes (15 to 17 us of CPU a request against 9 to 11 at 3,000/s: docs/performance.md, "Usage
-// export off the request thread"): on the gateway's thread, the instance that leads would serve
-// its requests slower than the others, and a deployment's whole export would be bounded by what
-// one request thread has left. Here it has its own event loop, heap and Redis connection; the
-// gateway's thread hands it the config and writes its log lines and metrics, as pino's
-// transports take log lines off the thread that writes them.
+// The exporter on its own thread: leading costs 15-17 us of CPU a request against 9-11 at 3,000/s (docs/performance.md,
+// "Usage export off the request thread"), which would slow the leader's requests and bound the whole export.
 
-/** What the thread reads of the config, as plain data (a message): accounts as `[account, Redis name]`. */
+/** Plain data, to go in a message. */
 export interface PostedConfig {
   environment: GatewayConfig['environment'];
   redisPrefix: string;
@@ -33,7 +27,7 @@ export type FromThread =
   | { kind: 'metric'; name: keyof ExportMetrics; n: number }
   | { kind: 'stopped' };
 
-/** How long a stop waits for the thread to end its round and give its lead up (leader.ts bounds each step). */
+/** For the thread to end its round and give its lead up (leader.ts bounds each step). */
 const STOP_MS = 5000;
 
 const posted = (c: GatewayConfig): PostedConfig => ({
@@ -43,10 +37,7 @@ const posted = (c: GatewayConfig): PostedConfig => ({
   accounts: [...c.accounts].map(([account, subject]) => [account, subject.name]),
 });
 
-/**
- * The thread's entry: the compiled one beside this file, or under `npm test` (the sources, run
- * by tsx) the TypeScript one, through a bootstrap that registers tsx in the thread first.
- */
+/** Under `npm test` (sources run by tsx) a bootstrap registers tsx in the thread first. */
 function entry(): { file: URL; workerData: (data: ThreadData) => ThreadData & { entry?: string } } {
   const own = new URL('./export-worker.js', import.meta.url);
   if (!import.meta.url.endsWith('.ts')) return { file: own, workerData: (d) => d };
@@ -70,7 +61,7 @@ export class ExportThread {
     },
   ) {}
 
-  /** Starts the thread once the config names a sink (and again if it ends); a gateway that exports nothing has none. */
+  /** A gateway that exports nothing has no thread. */
   start(): void {
     if (this.worker || this.stopping || !this.deps.config().usageExport) return;
     this.spawn();
@@ -90,19 +81,16 @@ export class ExportThread {
       this.exited = true;
       this.stopped?.();
       if (this.stopping || this.worker !== worker) return;
-      // Never meant to end: started again, as a restarted process would be.
       this.deps.log.warn('usage export: its thread ended; it starts again in 1 s');
       setTimeout(() => !this.stopping && this.spawn(), 1000).unref();
     });
   }
 
-  /** A new config: the thread reads it from its next round on (started by the first that names a sink). */
   configChanged(config: GatewayConfig): void {
     if (!this.worker) return this.start();
     this.worker.postMessage({ kind: 'config', config: posted(config) } satisfies ToThread);
   }
 
-  /** Stops the exporter (its lead given up: leader.ts) and ends the thread; past STOP_MS, ends it as it is. */
   async stop(): Promise<void> {
     this.stopping = true;
     const worker = this.worker;

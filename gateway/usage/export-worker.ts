@@ -1,14 +1,13 @@
 import { parentPort, workerData } from 'node:worker_threads';
 import type { FastifyBaseLogger } from 'fastify';
+import { fillHeaders } from '../config/env-template.js';
 import { closeRedis, connectRedis } from '../redis/client.js';
 import { accountOfName } from '../redis/keys.js';
 import { type ExportConfig, UsageExporter } from './exporter.js';
 import type { FromThread, PostedConfig, ThreadData, ToThread } from './export-thread.js';
 import { HttpCloudEventsSink } from './http-sink.js';
 
-// The usage exporter's thread (export-thread.ts starts it): a Redis connection of its own, the
-// exporter on it, and the config, log lines and metrics passed to and from the gateway's thread
-// as messages.
+// Started by export-thread.ts; config, log lines and metrics cross as messages.
 
 const port = parentPort!;
 const data = workerData as ThreadData;
@@ -23,7 +22,7 @@ const view = (c: PostedConfig): ExportConfig => ({
 });
 let config = view(data.config);
 
-/** A logger whose lines the gateway's thread writes (its logger, its format, its stream). */
+/** The gateway's thread writes the lines, in its own format and stream. */
 const line =
   (level: 'info' | 'warn' | 'error') =>
   (a: unknown, b?: string): void => {
@@ -50,7 +49,7 @@ const exporter = new UsageExporter({
     lag: (n) => post({ kind: 'metric', name: 'lag', n }),
     round: () => post({ kind: 'metric', name: 'round', n: 1 }),
   },
-  sink: (target) => new HttpCloudEventsSink(target.url),
+  sink: (target) => new HttpCloudEventsSink(target.url, fillHeaders(target.headers, process.env)),
 });
 exporter.start();
 

@@ -4,56 +4,38 @@ import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { accountsOf, ActiveIndex, type LoopConfig, type Marked } from './active.js';
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
-import { bundleEvents, consumable, ENTRY, type EncodedEvent, entryId, splitEvents, toCloudEvents } from './events.js';
+import { bundleEvents, consumable, ENTRY, type EncodedEvent, entryId, refundTypeOf, splitEvents, toCloudEvents } from './events.js';
 import { Sweep } from './sweep.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost } from './leader.js';
 import type { Accepted, UsageSink } from './sink.js';
 
-/** What the exporter reports (observability/metrics.ts). */
 export interface ExportMetrics {
   exported(n: number): void;
   failed(): void;
   dropped(n: number): void;
   lag(seconds: number): void;
-  /** A round the leader ran. */
   round(): void;
 }
 
-/**
- * Accounts one round reads at most: with batches of 500, a share of 8 events each at least of
- * the round's room (ROUND_BATCHES), 2 of its first batch, and one call each, sent together;
- * more wait for the next round, which comes at once.
- */
+/** With batches of 500, a share of at least 8 events each of the round's room (ROUND_BATCHES); the rest go next round, at once. */
 const ACCOUNTS_PER_ROUND = 250;
-/**
- * Sink batches a round reads for at most, posted one after another: a round's own Redis calls
- * (the lead, the index's scan, a read, a move and an unmark an account) and its scheduling are
- * paid once for up to this many, which is what a round costs the leader at a high rate.
- */
+/** A round's own Redis calls and scheduling are paid once for up to this many sink batches: the leader's cost at a high rate. */
 const ROUND_BATCHES = 4;
-/**
- * Accounts (and registry keys) the sweep checks a second (two XLENs each: the stream and the
- * bundles; a registry key an HGET more, sweep.ts): with the round's own few calls, the
- * exporter's idle cost stays under 100 Redis commands a second, 150 when the walk is in a key
- * registry; 100,000 accounts take 42 min.
- */
+/** Two XLENs each (+1 HGET a registry key): idle cost under 100 Redis commands/s (150 in a registry); 100,000 accounts take 42 min. */
 export const EXPORT_SWEEP_PER_SECOND = 40;
 
-/** An account's part of a round: what was read, from which cursors, whether more was left, how much of the stream's can go. */
 interface AccountRead extends UsageRead {
   name: string;
-  /** Whether the stream may hold more than was read (false too once an entry waits for its status). */
+  /** False too once an entry waits for its status. */
   moreEntries: boolean;
   consumed: number;
 }
 
-/** Events in JSON, as a JSON array's elements: one, or a bundle's (events.ts, bundleEvents). */
 interface Part {
   json: EncodedEvent;
   events: number;
 }
 
-/** What the exporter reads of the config: the loops' part, and the export's target. */
 export type ExportConfig = LoopConfig & Pick<GatewayConfig, 'usageExport'>;
 
 export interface ExporterDeps {
@@ -61,24 +43,19 @@ export interface ExporterDeps {
   config: () => ExportConfig;
   log: FastifyBaseLogger;
   metrics: ExportMetrics;
-  /** The sink the config's usage export names (the wiring picks it: the HTTP CloudEvents sink). */
   sink: (target: UsageExport) => UsageSink;
 }
 
 /**
- * The usage exporter. Every gateway instance runs one; the one leading (leader.ts) reads the
- * usage streams of the accounts marked active (active.ts) from their cursors, turns the entries
- * into CloudEvents, delivers them to the sink (sink.ts) in batches shared fairly among the
- * accounts, and only once the sink accepted a batch moves the cursors on and trims what was sent: at least once,
- * with stable ids, so a sink that dedupes by id counts each request once. The cursors survive
- * restarts and a change of leader, in Redis, beside each stream (one Cluster slot per account).
+ * Cursors move only once the sink accepted a batch: at least once, with stable ids, so a sink that dedupes by id
+ * counts each request once. The cursors live beside each stream (one Cluster slot an account), surviving restarts.
  */
 export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   private readonly metrics: ExportMetrics;
   private readonly index: ActiveIndex;
   private readonly sweep: Sweep;
   private readonly sinkFor: (target: UsageExport) => UsageSink;
-  /** The sink of the config's current target: made again only when a reload changes the target. */
+  /** Made again only when a reload changes the target. */
   private sink?: { target: UsageExport; sink: UsageSink };
 
   constructor(deps: ExporterDeps) {
@@ -107,11 +84,6 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     this.log.info({ sink: this.sinkOf(target).name }, 'usage export: the sink takes events again');
   }
 
-  /**
-   * One batch from the next marked accounts (and those the sweep found): read, deliver, then
-   * move the cursors, each only if the sink accepted the batch and this lead is still the newest; an account whose read was all sent
-   * is unmarked. Returns the events sent.
-   */
   protected async round(config: ExportConfig, target: UsageExport, lead: Lead): Promise<{ sent: number; full: boolean }> {
     await this.sweep.step(config);
     const { picked, more } = await this.index.take(config, Math.min(ACCOUNTS_PER_ROUND, target.batchSize));
@@ -121,6 +93,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const room = target.batchSize * ROUND_BATCHES;
     const reads = await this.fill(known, room, now);
     const source = `/pet-store-gateway/${config.environment}`;
+    const refundType = refundTypeOf(config.usageExport?.format);
     const parts: Part[][] = [];
     const moves: Array<{ name: string; events: number; move: Omit<UsageMove, 'token'> }> = [];
     let oldest = now;
@@ -130,11 +103,11 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       if (r.entries.length > 0) oldest = Math.min(oldest, Number(entryId(r.entries, 0).split('-')[0]));
       if (bundle) oldest = Math.min(oldest, Number(r.bundles[0]!.id.split('-')[0]));
       if (r.consumed === 0 && !bundle) continue;
-      const { events, last, joined } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, r.consumed);
+      const { events, last, joined } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, r.consumed, refundType);
       let n = events.length;
       const own: Part[] = events.map((json) => ({ json, events: 1 }));
       for (const b of r.bundles) {
-        own.push({ json: bundleEvents(account(r.name)!, source, b), events: b.events });
+        own.push({ json: bundleEvents(account(r.name)!, source, b, refundType), events: b.events });
         n += b.events;
       }
       parts.push(own);
@@ -152,7 +125,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const refused = moved.findIndex((m) => m !== 'moved');
     if (refused >= 0)
       throw new LeadLost(`the cursor of ${subjectKey.events(moves[refused]!.name)} was ${REFUSED[moved[refused] as 'fenced']}`);
-    // Sent all it read, and read less than it asked for: nothing of it was left when the score was read.
+    // Sent all it read, and read less than it asked: nothing was left when the score was read, so unmarking is safe.
     const done = new Set(
       reads.filter((r) => !r.moreEntries && !r.moreBundles && r.consumed * ENTRY === r.entries.length).map((r) => r.name),
     );
@@ -164,12 +137,8 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   }
 
   /**
-   * Reads the accounts' streams and bundles fairly, each about `room` events: each account gets
-   * an equal share of each, and what some leave unused goes, in equal shares again, to those
-   * that filled theirs (at most three times); one busy account can take the whole batch only
-   * when the others leave it room. Bundles come whole (the first of an account always), so a
-   * round may read a bundle an account past its share: the sink still gets batches of at most
-   * `batchSize` (batches()).
+   * Equal shares of `room`, what some leave going to those that filled theirs (three passes at most): one busy
+   * account takes the batch only when the others leave it room. Whole bundles may overshoot a share; batches() caps.
    */
   private async fill(marked: Marked[], room: number, now: number): Promise<AccountRead[]> {
     const reads: AccountRead[] = marked.map((m) => ({
@@ -187,14 +156,12 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     }));
     let wanting = reads;
     for (let pass = 0; pass < 3 && wanting.length > 0 && room > 0; pass++) {
-      // Fewer entries left than accounts wanting them: one each to the first, the rest next round.
       wanting = wanting.slice(0, room);
       const share = Math.max(1, Math.floor(room / wanting.length));
       const got = await Promise.all(
         wanting.map((r) => {
           const lastBundle = r.bundles.at(-1);
           return readUsage(this.redis, r.name, {
-            // After what the last pass read (an account still wanting read a full share then).
             after: pass === 0 ? undefined : r.entries.length > 0 ? entryId(r.entries, r.entries.length / ENTRY - 1) : r.cursor,
             count: r.moreEntries ? share : 0,
             bundlesAfter: pass === 0 ? undefined : (lastBundle?.id ?? r.bundleCursor),
@@ -220,7 +187,6 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
         r.moreEntries &&= n === share;
         if (r.moreBundles) r.moreBundles = read.moreBundles;
         room -= n;
-        // An entry still waiting for its status stops its account's stream there: no more of it this round.
         r.consumed = consumable(r.entries, r.statuses, now);
         if (r.consumed * ENTRY < r.entries.length) r.moreEntries = false;
       });
@@ -229,10 +195,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     return reads;
   }
 
-  /**
-   * Hands a batch to the sink; the lead's loss aborts it (LeadLost). A refusal, or a sink that
-   * throws, is a DeliveryFailed: no cursor moves, and the batch comes again after the backoff.
-   */
+  /** A refusal or a throw is a DeliveryFailed: no cursor moves; the lead's loss is a LeadLost. */
   private async deliver(sink: UsageSink, batch: EncodedEvent[], lost: AbortSignal): Promise<void> {
     lost.throwIfAborted();
     let answer: Accepted;
@@ -245,11 +208,6 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     if (answer.accepted !== 'all') throw new DeliveryFailed(answer.reason, { retryAfterMs: answer.retryAfterMs });
   }
 
-  /**
-   * Events the stream's cap dropped before they were sent: all it ever took, less what was
-   * consumed here, less what it holds, read in one script (a write or a move between separate
-   * reads would miscount). Counted and logged once each.
-   */
   private async countDropped(name: string): Promise<void> {
     const dropped = await countDropped(this.redis, name);
     if (dropped > 0) {
@@ -259,11 +217,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   }
 }
 
-/**
- * The accounts' parts of a round in one list, taken in turns of about `quantum` events each
- * (a bundle whole), each account's in its order: every account's first events go in the
- * round's first sink batch, however much one of them holds.
- */
+/** Turns of about `quantum` events an account: every account's first events go in the first sink batch. */
 function interleaved(accounts: ReadonlyArray<readonly Part[]>, quantum: number): Part[] {
   const out: Part[] = [];
   const next = accounts.map(() => 0);
@@ -280,10 +234,7 @@ function interleaved(accounts: ReadonlyArray<readonly Part[]>, quantum: number):
   return out;
 }
 
-/**
- * The parts of a round in sink batches of at most `size` events, in order: a bundle goes whole
- * into a batch when it fits, and is split into its events only when it is larger than a batch.
- */
+/** A bundle is split into its events only when it is larger than a batch. */
 export function batches(parts: readonly Part[], size: number): EncodedEvent[][] {
   const out: EncodedEvent[][] = [];
   let batch: EncodedEvent[] = [];

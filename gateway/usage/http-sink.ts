@@ -3,17 +3,18 @@ import type { EncodedEvent } from './events.js';
 import { POST_TIMEOUT_MS } from './leader.js';
 import { ALL_ACCEPTED, type Accepted, type UsageSink } from './sink.js';
 
-/**
- * The HTTP CloudEvents sink: one POST per batch in batched mode
- * (application/cloudevents-batch+json, what OpenMeter's ingest takes). A 2xx accepts it all;
- * any other answer, a reset or a timeout (POST_TIMEOUT_MS) accepts none, and the exporter's
- * backoff says when it comes again: no sooner than the answer's Retry-After, when it has one.
- */
+/** A 2xx accepts all; anything else none, retried no sooner than the answer's Retry-After. */
 export class HttpCloudEventsSink implements UsageSink {
-  constructor(readonly url: string) {}
+  /** `headers`: the config's, filled from the environment; sent on every POST, never logged. */
+  constructor(
+    readonly url: string,
+    private readonly headers: Readonly<Record<string, string>> = {},
+  ) {}
 
+  /** How logs name it: its URL without user info or query, where a credential might sit. */
   get name(): string {
-    return this.url;
+    const u = new URL(this.url);
+    return `${u.protocol}//${u.host}${u.pathname}`;
   }
 
   async deliver(batch: readonly EncodedEvent[], lost: AbortSignal): Promise<Accepted> {
@@ -21,11 +22,10 @@ export class HttpCloudEventsSink implements UsageSink {
     let status: number;
     let retryAfter: string | string[] | undefined;
     try {
-      // undici's request, not fetch: the same client without the web streams around the body,
-      // a third of the export thread's CPU a round (docs/performance.md).
+      // Not fetch: its web streams around the body cost a third of the export thread's CPU (docs/performance.md).
       const res = await request(this.url, {
         method: 'POST',
-        headers: { 'content-type': 'application/cloudevents-batch+json' },
+        headers: { ...this.headers, 'content-type': 'application/cloudevents-batch+json' },
         body: `[${batch.join(',')}]`,
         signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
       });
@@ -42,10 +42,7 @@ export class HttpCloudEventsSink implements UsageSink {
   }
 }
 
-/**
- * A Retry-After (RFC 9110, section 10.2.3: delay-seconds or an HTTP-date) as milliseconds from
- * `now`; undefined when there is none or it is neither.
- */
+/** RFC 9110, section 10.2.3: delay-seconds or an HTTP-date. */
 export function retryAfterMs(value: string | null, now = Date.now()): number | undefined {
   if (value === null) return undefined;
   const text = value.trim();

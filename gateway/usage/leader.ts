@@ -7,14 +7,10 @@ import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 import type { LoopConfig } from './active.js';
 import { defineCursorScripts } from './cursors.js';
 
-/**
- * Takes the lead, or keeps it. The lock holds `<holder>:<token>`; taking it draws a new fencing
- * token, the fence counter's next value but never below Redis's clock in ms, so a failover that
- * lost the last increment cannot hand the same token out twice. Returns the token, or 0.
- */
+/** A new token is never below Redis's clock in ms: a failover that lost the last increment cannot hand one out twice. */
 const LEAD = {
   keys: ['lock', 'fence'], // one slot
-  argv: ['holder', 'ms'], // this loop's id, the lease
+  argv: ['holder', 'ms'],
   lua: `local held = redis.call('GET', KEY.lock)
 local mine = ARG.holder .. ':'
 if held and string.sub(held, 1, #mine) == mine then
@@ -29,7 +25,6 @@ redis.call('SET', KEY.lock, mine .. string.format('%d', token), 'PX', ARG.ms)
 return token`,
 } as const satisfies Script<string, string>;
 
-/** Keeps the lead during a round, only if it is still this holder's (`<id>:<token>`): 1, or 0. */
 const RENEW = {
   keys: ['lock'],
   argv: ['holder', 'ms'],
@@ -37,7 +32,6 @@ const RENEW = {
 return redis.call('PEXPIRE', KEY.lock, ARG.ms)`,
 } as const satisfies Script<string, string>;
 
-/** Gives the lead up, if it is still this holder's. */
 const RELEASE = {
   keys: ['lock'],
   argv: ['holder'],
@@ -45,32 +39,22 @@ const RELEASE = {
 return 0`,
 } as const satisfies Script<string, string>;
 
-/**
- * The lock's life. Longer than a POST may take (POST_TIMEOUT_MS), and renewed every third of
- * it while a round runs, so a round as slow as its sink allows keeps one leader.
- */
+/** Longer than a POST may take (POST_TIMEOUT_MS) and renewed every third: a round as slow as its sink keeps one leader. */
 export const LEASE_MS = 15_000;
 const RENEW_MS = LEASE_MS / 3;
-/**
- * How long a POST to the sink or a receiver may take: a slow one (a customer's sink answered
- * in 6 s) is waited for, and it stays below the lease, so it never outlives a lock that was
- * not renewed.
- */
+/** A customer's sink answered in 6 s; below the lease, so a POST never outlives a lock that was not renewed. */
 export const POST_TIMEOUT_MS = 10_000;
 
-/** The lead for one round: its fencing token, and a signal aborted as soon as the lead is, or may be, lost. */
+/** `signal` is aborted as soon as the lead is, or may be, lost. */
 export interface Lead {
   token: number;
   signal: AbortSignal;
 }
 
-/** The lead was lost (or could not be renewed) during a round: the round sends nothing more and moves nothing. */
+/** The round sends nothing more and moves nothing. */
 export class LeadLost extends Error {}
 
-/**
- * The far end (the sink, a receiver) failed, timed out or refused: what the loop's failure
- * metric counts. `retryAfterMs`: the far end asked for at least that long before the next try.
- */
+/** The far end failed, timed out or refused: what the failure metric counts, unlike a Redis failure. */
 export class DeliveryFailed extends Error {
   readonly retryAfterMs?: number;
 
@@ -87,17 +71,9 @@ type LeaderRedis = RedisClient & {
 };
 
 /**
- * A background loop that one instance of a deployment runs at a time, holding a lock in Redis
- * (`<prefix>:<environment>:{<name>}:lock`, lapsing LEASE_MS after its holder stops renewing
- * it): the usage exporter and the alert dispatcher. The lock is renewed before each round and
- * every third of its life during one; a round whose renewal fails or finds the lock taken is
- * aborted (its POST too), and every cursor move it makes carries its fencing token
- * (cursors.ts). A round reads only the accounts marked active (active.ts) and sweeps a few
- * more at a fixed pace (sweep.ts). It returns how much it sent: the next comes at once after a
- * full one (or one that left marked accounts of its pass unread), a quarter second after
- * some, a second after none; a failed round is tried again with
- * exponential backoff and full jitter. No round runs while Redis is not connected: the store
- * reports Redis, and the sink is not blamed for it.
+ * One instance of a deployment at a time, under a Redis lock: a round whose renewal fails or finds the lock taken is
+ * aborted, POST included, and its cursor moves carry its fencing token (cursors.ts). No round while Redis is down:
+ * the store reports that, and the sink is not blamed.
  */
 export abstract class LeaderLoop<Target, Config extends LoopConfig> {
   protected readonly redis: LeaderRedis;
@@ -107,11 +83,9 @@ export abstract class LeaderLoop<Target, Config extends LoopConfig> {
   private failures = 0;
   private deliveryFailing = false;
   private leading = false;
-  /** The tick in flight, if any: what stop waits for. */
   private running?: Promise<void>;
-  /** The lead of the round in flight: aborted by stop. */
   private inRound?: AbortController;
-  /** The lock this instance holds, and as whom (`<id>:<token>`): given up by stop. */
+  /** Given up by stop. */
   private holding?: { lock: string; holder: string };
 
   constructor(
@@ -119,7 +93,6 @@ export abstract class LeaderLoop<Target, Config extends LoopConfig> {
     protected readonly config: () => Config,
     protected readonly log: FastifyBaseLogger,
     private readonly name: string,
-    /** Told after each round that succeeded (what the rounds metric counts). */
     private readonly counted: () => void = () => {},
   ) {
     defineScript(redis, 'lead', LEAD);
@@ -129,11 +102,9 @@ export abstract class LeaderLoop<Target, Config extends LoopConfig> {
     this.redis = redis as LeaderRedis;
   }
 
-  /** What the config asks this loop to serve; undefined: nothing to do. */
   protected abstract target(config: Config): Target | undefined;
-  /** One round under `lead`; returns what it sent, and whether that filled a batch. */
+  /** `full`: the next round comes at once. */
   protected abstract round(config: Config, target: Target, lead: Lead): Promise<{ sent: number; full: boolean }>;
-  /** A failed delivery (DeliveryFailed), told once per failure. */
   protected abstract failed(target: Target, err: Error, retryInMs: number): void;
   /** A round that succeeded after failed deliveries. */
   protected recovered?(target: Target): void;
@@ -143,11 +114,8 @@ export abstract class LeaderLoop<Target, Config extends LoopConfig> {
   }
 
   /**
-   * Stops: no round starts, a round in flight is aborted (its POST too) and moves no cursor, as if
-   * the process had died, so the next leader sends its batch again with the same ids. Once it has
-   * ended, the lead is given up (if it is still this instance's), so another instance leads at its
-   * next tick (within a second) rather than once the lock lapses (LEASE_MS): a rolling restart
-   * does not pause the loop. Never two rounds at once: the lock goes only after the round ended.
+   * A round in flight is aborted as if the process died (the next leader resends with the same ids); the lock is
+   * released only after it ended, so a rolling restart does not pause the loop for LEASE_MS.
    */
   async stop(): Promise<void> {
     this.stopped = true;
@@ -175,8 +143,7 @@ export abstract class LeaderLoop<Target, Config extends LoopConfig> {
   private async tick(): Promise<void> {
     const config = this.config();
     const target = this.target(config);
-    // ioredis refuses every command until its connection is ready (no offline queue): at boot,
-    // or while Redis is away, there is nothing a round could do.
+    // ioredis has no offline queue: until ready, every command is refused.
     if (!target || this.redis.status !== 'ready') return this.schedule(1000);
     const lock = loopKey(config.redisPrefix, this.name, 'lock');
     let holder: string | undefined;
@@ -204,7 +171,6 @@ export abstract class LeaderLoop<Target, Config extends LoopConfig> {
   /** What a failed round says, to whom, and when the next comes. */
   private async failedRound(target: Target, err: Error, lock: string, holder?: string): Promise<number> {
     if (err instanceof LeadLost) {
-      // Stopping: stop gives the lead up once this round has ended.
       if (this.stopped) return 0;
       this.log.warn({ cause: err.message }, `${this.name}: this instance lost the lead`);
       this.leading = false;
@@ -215,7 +181,6 @@ export abstract class LeaderLoop<Target, Config extends LoopConfig> {
     }
     let wait = backoffMs(++this.failures);
     if (err instanceof DeliveryFailed) {
-      // What the far end asked for, within the backoff's own ceiling.
       wait = Math.max(wait, Math.min(err.retryAfterMs ?? 0, MAX_BACKOFF_MS));
       this.deliveryFailing = true;
       this.failed(target, err, wait);
@@ -233,11 +198,7 @@ export abstract class LeaderLoop<Target, Config extends LoopConfig> {
     return token;
   }
 
-  /**
-   * Runs `round` holding the lead: renewed every RENEW_MS, and aborted when a renewal finds the
-   * lock another's, fails, or has not succeeded by RENEW_MS before the lease would lapse
-   * (counted from when the last successful one was sent: a hung call cannot outlast it).
-   */
+  /** The deadline counts from when the last successful renewal was sent: a hung call cannot outlast the lease. */
   private async held<T>(lock: string, holder: string, token: number, since: number, round: (lead: Lead) => Promise<T>): Promise<T> {
     const controller = new AbortController();
     this.inRound = controller;
@@ -273,10 +234,10 @@ export abstract class LeaderLoop<Target, Config extends LoopConfig> {
 }
 
 const MAX_BACKOFF_MS = 30_000;
-/** How long a stop waits for the round in flight to end, and then for the lock's release. */
+/** For the round in flight to end, then again for the lock's release. */
 const STOP_WAIT_MS = 1000;
 
-/** Exponential backoff with full jitter: up to 0.5 s, 1 s, 2 s ... 30 s. */
+/** Full jitter: up to 0.5 s, 1 s, 2 s ... 30 s. */
 export function backoffMs(failures: number): number {
   return Math.random() * Math.min(MAX_BACKOFF_MS, 500 * 2 ** Math.max(0, failures - 1));
 }

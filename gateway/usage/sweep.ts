@@ -2,24 +2,19 @@ import type { RedisClient } from '../redis/client.js';
 import { accountName, loopKey, registryKeys } from '../redis/keys.js';
 import { accountsOf, type Loop, type LoopConfig, markActive } from './active.js';
 
-// The backstop for marks that were lost (an instance died between its script call and its
-// 100 ms mark flush; a Redis failure lost the flush): the leader walks the config's accounts,
-// then the key registry's keys (KEY_STORE=redis: an account only the registry names, as a key's
-// `account` or its id), at a fixed pace, a few each round, and marks those it finds with
-// something unsent. Its cost per second is the pace, whatever the number of accounts or keys; a
-// full pass takes (accounts + registry keys) / pace.
+// The backstop for lost marks (an instance died before its 100 ms mark flush, or Redis lost it): walks the accounts,
+// then the key registry's, at a fixed pace. Cost per second is the pace, whatever the number of accounts or keys.
 
-/** Whether each account has something unsent, in one call per account (each in its own slot). */
+/** One call per account: each in its own slot. */
 export type PendingCheck = (redis: RedisClient, names: string[]) => Promise<boolean[]>;
 
-/** Most of a second's worth of accounts one round sweeps after a long one (a round that waited on a slow sink). */
+/** The most seconds' worth one step catches up after a round that waited on a slow sink. */
 const CATCH_UP_SECONDS = 2;
 
 export class Sweep {
   private last?: number;
   private carry = 0;
 
-  /** `perSecond`: accounts checked a second; `pending`: the check. */
   constructor(
     private readonly redis: RedisClient,
     private readonly loop: Loop,
@@ -28,12 +23,8 @@ export class Sweep {
   ) {}
 
   /**
-   * Checks the next accounts due at the pace since the last step, marks those with something
-   * unsent, and returns their names. Where the walk is lives in Redis (`{<loop>}:sweep`: the
-   * position the next step starts from), so a new leader carries on from where the last one
-   * stopped. It is kept below the walk's length: a key issued moves the walk's end, not where
-   * it is (a count of every account ever checked, taken modulo a length that changed, would
-   * jump each time to an unrelated place, and could come back to the same few).
+   * The position lives in Redis, so a new leader carries on; it is kept below the walk's length, since a running count
+   * taken modulo a changing length would jump elsewhere each time and could revisit the same few.
    */
   async step(config: LoopConfig, nowMs = performance.now()): Promise<string[]> {
     const { names } = accountsOf(config);
@@ -49,7 +40,7 @@ export class Sweep {
     const key = loopKey(config.redisPrefix, this.loop, 'sweep');
     let end = Number(await this.redis.incrby(key, n));
     if (end >= total) {
-      // Past the walk's end: on from its start (one leader a loop moves it, so no race to lose).
+      // One leader a loop moves it: no race to lose.
       end %= total;
       await this.redis.set(key, end);
     }
@@ -67,13 +58,8 @@ export class Sweep {
 }
 
 /**
- * The accounts of the registry's keys at `ranks` (in its ids' order; consecutive but for one
- * wrap): a key's `account`, or its id when it names none (auth/registry.ts), all in the
- * registry's slot: the ids (a ZRANGE a run of ranks), their records' digests (one MGET), then
- * each record's account (an HGET each, sent together). The registry keeps every key it issued,
- * revoked ones too, so a revoked key's account is still walked; an id without a record (none
- * the registry writes) is skipped. A key issued moves the ids after it by one: the walk sees
- * one key again, and misses none.
+ * A key's `account`, or its id when it names none (auth/registry.ts). Revoked keys stay in the registry, so their
+ * accounts are still walked; a key issued shifts the ranks by one: the walk sees one key again and misses none.
  */
 async function registryAccounts(redis: RedisClient, registry: ReturnType<typeof registryKeys>, ranks: number[]): Promise<string[]> {
   if (ranks.length === 0) return [];

@@ -9,17 +9,15 @@ import type { StreamEntry } from './events.js';
 import { Sweep } from './sweep.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost, POST_TIMEOUT_MS } from './leader.js';
 
-// Threshold alerts as webhooks, signed per the Standard Webhooks specification: quota.lua and
-// topup.lua write each crossing (and its resolution) once, into the account's alerts stream;
-// one dispatcher per deployment delivers them in order, retrying with backoff.
+// Threshold alerts as webhooks signed per Standard Webhooks; quota.lua and topup.lua write each crossing once.
 
-/** Standard Webhooks' signature: `v1,` and the base64 HMAC-SHA256, keyed by the secret's bytes, of `id.timestamp.body`. */
+/** Keyed by the secret's base64-decoded bytes, not its text. */
 export function signature(secret: string, id: string, timestampSec: number, body: string): string {
   const key = Buffer.from(secret.replace(/^whsec_/, ''), 'base64');
   return `v1,${createHmac('sha256', key).update(`${id}.${timestampSec}.${body}`).digest('base64')}`;
 }
 
-/** An alert as its webhook's JSON body: `{type, timestamp, data}`, as Standard Webhooks suggests. */
+/** `{type, timestamp, data}`, as Standard Webhooks suggests. */
 export function alertBody(account: string, fields: Record<string, string>): string {
   return JSON.stringify({
     type: `quota.threshold.${fields.kind}`,
@@ -38,23 +36,17 @@ export function alertBody(account: string, fields: Record<string, string>): stri
 export interface WebhookMetrics {
   delivered(): void;
   failed(): void;
-  /** A round the leader ran. */
   round(): void;
 }
 
-/** Accounts one round reads at most (two calls each, sent together); more wait for the next round, which comes at once. */
+/** Two calls each, sent together; the rest go next round, at once. */
 const ACCOUNTS_PER_ROUND = 100;
-/** Alerts of one account a round delivers at most: one account's burst cannot hold back the others' for long. */
+/** One account's burst cannot hold back the others' for long. */
 const ALERTS_PER_ACCOUNT = 20;
-/**
- * Accounts (and registry keys) the sweep checks a second (a GET and an XREVRANGE each; a
- * registry key an HGET more, sweep.ts): with the round's own few calls, the dispatcher's idle
- * cost stays under 100 Redis commands a second, 150 when the walk is in a key registry; 100,000
- * accounts take 42 min.
- */
+/** A GET and an XREVRANGE each (+1 HGET a registry key): idle cost under 100 Redis commands/s; 100,000 accounts take 42 min. */
 export const ALERTS_SWEEP_PER_SECOND = 40;
 
-/** One delivery, as the admin port lists them (the last 100). */
+/** As the admin port lists them (the last 100). */
 export interface Delivery {
   id: string;
   type: string;
@@ -64,7 +56,6 @@ export interface Delivery {
   at: string;
 }
 
-/** Where alerts go and what signs them. */
 type Target = { url: string; secret: string };
 
 const fieldsOf = (list: string[]) => {
@@ -73,13 +64,7 @@ const fieldsOf = (list: string[]) => {
   return f;
 };
 
-/**
- * Delivers the alerts streams' entries as webhooks, each once it is acknowledged (2xx), in
- * order per account, from a cursor kept in Redis: at least once, with a stable `webhook-id`
- * (`<account>/<entry id>`) receivers dedupe by. One instance at a time leads (a lock in Redis,
- * held for the whole round), reads only the accounts marked active (active.ts) and those its
- * sweep finds (sweep.ts), and a cursor moves only under the newest lead (cursors.ts).
- */
+/** In order per account, at least once, with a stable `webhook-id` (`<account>/<entry id>`) receivers dedupe by. */
 export class WebhookDispatcher extends LeaderLoop<Target, GatewayConfig> {
   private readonly metrics: WebhookMetrics;
   private readonly index: ActiveIndex;
@@ -101,11 +86,6 @@ export class WebhookDispatcher extends LeaderLoop<Target, GatewayConfig> {
     this.log.warn({ receiver: target.url, cause: err.message, retryInMs: Math.round(retryInMs) }, 'alerts: a webhook failed');
   }
 
-  /**
-   * The alerts of the next marked accounts (and those the sweep found), at most ALERTS_PER_ACCOUNT
-   * each, in order per account, each cursor moved only if this lead is still the newest; an
-   * account whose read was all delivered is unmarked. Returns the alerts delivered.
-   */
   protected async round(config: GatewayConfig, target: Target, lead: Lead): Promise<{ sent: number; full: boolean }> {
     await this.sweep.step(config);
     const { picked, more } = await this.index.take(config, ACCOUNTS_PER_ROUND);
@@ -131,7 +111,7 @@ export class WebhookDispatcher extends LeaderLoop<Target, GatewayConfig> {
         sent++;
       }
     }
-    // Delivered all it read, and read less than it asked for: nothing was left when the score was read.
+    // Read less than it asked and delivered it all: nothing was left when the score was read, so unmarking is safe.
     await this.index.unmark(
       config,
       picked.filter((_, i) => reads[i]!.entries.length < ALERTS_PER_ACCOUNT),
@@ -189,7 +169,7 @@ export class WebhookDispatcher extends LeaderLoop<Target, GatewayConfig> {
 
 const deliveriesKey = (config: GatewayConfig) => loopKey(config.redisPrefix, 'alerts', 'deliveries');
 
-/** The last deliveries, newest first (kept in Redis: any instance's admin port shows them). */
+/** Kept in Redis: any instance's admin port shows them. */
 export async function recentDeliveries(redis: RedisClient, config: GatewayConfig): Promise<Delivery[]> {
   return (await redis.lrange(deliveriesKey(config), 0, 99)).map((d) => JSON.parse(d) as Delivery);
 }

@@ -23,6 +23,10 @@ export async function startSink() {
     slow: undefined as (() => Promise<void>) | undefined,
     /** Why `slow` failed, if it did (the batch was then answered 503). */
     problems: [] as string[],
+    /** Each POST's Authorization header, in order (undefined: none sent). */
+    authorizations: [] as Array<string | undefined>,
+    /** When set, every POST is answered with this status and its events are not kept. */
+    answer: undefined as number | undefined,
   };
   const held: Array<() => void> = [];
   const take = (list: CloudEvent<Record<string, unknown>>[]) => {
@@ -35,7 +39,9 @@ export async function startSink() {
     if (state.mode === 'down') return req.socket.destroy();
     state.maxInFlight = Math.max(state.maxInFlight, ++state.inFlight);
     res.once('close', () => state.inFlight--);
+    state.authorizations.push(req.headers.authorization);
     const body = await text(req);
+    if (state.answer !== undefined) return void res.writeHead(state.answer).end();
     let list: CloudEvent<Record<string, unknown>>[];
     try {
       const parsed = HTTP.toEvent({ headers: req.headers as Record<string, string>, body });

@@ -14,8 +14,8 @@ function floorOf(file: string): number {
   // Pure maths and formats: functions of plain values, importing only leaves.
   if (/^quota\/(decision|headers|period|windows)\.ts$|^auth\/keys\.ts$/.test(file)) return 0;
   if (file.startsWith('config/')) return 1;
-  // The entries (the server, the keys command) and the wiring: they may import any capability.
-  if (/^(app|server)\.ts$|^process\/|^auth\/cli\.ts$/.test(file)) return 3;
+  // The entries (the server, the keys command's cli*.ts) and the wiring: they may import any capability.
+  if (/^(app|server)\.ts$|^process\/|^auth\/cli(-[a-z-]+)?\.ts$/.test(file)) return 3;
   return 2;
 }
 
