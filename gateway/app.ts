@@ -144,7 +144,7 @@ function portalParts(
     lookup,
     keys,
     rotateGraceMs: settings.portalRotateGraceMs,
-    history: new OutcomeHistory(redis, log),
+    history: new OutcomeHistory(redis, () => config().redisPrefix, log),
   };
 }
 

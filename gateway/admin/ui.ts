@@ -3,6 +3,7 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { LRUCache } from 'lru-cache';
 import { clientOf } from '../address.js';
 import type { KeyFinder } from '../auth/key-finder.js';
+import type { KeyStore } from '../auth/key-file.js';
 import type { GatewayConfig } from '../config/config.js';
 import { readAudit } from '../portal/audit.js';
 import type { AccountFigures } from '../portal/figures.js';
@@ -30,6 +31,8 @@ export interface OperatorParts {
   /** With Redis: an account's figures and audit log. */
   figures?: AccountFigures;
   redis?: RedisClient;
+  /** The key store the admin key API lists: the operator page lists its accounts a page at a time. */
+  keys?: KeyStore;
   timeoutMs: number;
 }
 
@@ -53,7 +56,10 @@ export async function operatorUi(app: FastifyInstance, parts: OperatorParts): Pr
   app.get('/admin/ui', hide, async (request, reply) => {
     const session = sessionOf(request);
     if (!session) return signIn(reply, 200);
-    return send(reply, 200, overviewPage(await overview(parts), session.csrf));
+    const after = (request.query as Record<string, unknown>).after;
+    if (after !== undefined && (typeof after !== 'string' || !/^[a-z0-9_-]{1,64}$/.test(after)))
+      return send(reply, 400, messagePage('Not a page', 'That is not a page of the account list.', '/admin/ui'));
+    return send(reply, 200, overviewPage(await overview(parts, after), session.csrf));
   });
 
   app.post('/admin/ui/sign-in', hide, async (request, reply) => {
@@ -87,9 +93,14 @@ export async function operatorUi(app: FastifyInstance, parts: OperatorParts): Pr
     if (!parts.figures || !parts.redis) return send(reply, 503, messagePage('No Redis', 'Account figures need Redis (REDIS_URL).', back));
     const f = await parts.figures.read(account);
     if (f.keys.length === 0) return send(reply, 404, messagePage('No such account', 'No key is in that account.', back));
-    const audit = f.unavailable
-      ? []
-      : await readAudit(parts.redis, (await parts.figures.members(account))[0]!.subject.name).catch(() => []);
-    return send(reply, 200, operatorAccountPage(f, audit));
+    const [member] = await parts.figures.members(account);
+    const audit = f.unavailable ? [] : await readAudit(parts.redis, member!.subject.name).catch(() => []);
+    // The export's reconcile, as the account's usage lookup gives it (admin/usage.ts).
+    const { store } = parts;
+    const reconcile =
+      f.unavailable || !store.exportState || member!.subject.events === 0 || store.degraded
+        ? undefined
+        : await store.exportState(member!.subject).catch(() => undefined);
+    return send(reply, 200, operatorAccountPage(f, audit, reconcile));
   });
 }

@@ -4,7 +4,7 @@ import type { Consumer } from '../config/config.js';
 import type { AccountBook, LedgerEntry, Operations } from '../quota/store.js';
 import { type UsageView, usageView } from '../quota/usage-view.js';
 import { LATE, type RedisClient, within } from '../redis/client.js';
-import { type Buckets, readBuckets } from './history.js';
+import { accountBuckets, type Buckets, readBuckets } from './history.js';
 
 // What the portal shows of one account, read the way the admin lookups read it: its keys through
 // the key finder, its windows from the store the gateway enforces with (usage-view.ts, the code
@@ -70,8 +70,8 @@ export class AccountFigures {
       this.from.store.peek(first.subject),
       first.subject.billing.credits ? this.from.store.ledger(first.subject) : Promise.resolve([]),
       Promise.all([
-        readBuckets(this.from.redis, first.subject.name, 'm', 60, nowMs),
-        readBuckets(this.from.redis, first.subject.name, 'd', 30, nowMs),
+        readBuckets(this.from.redis, accountBuckets(first.subject.name), 'm', 60, nowMs),
+        readBuckets(this.from.redis, accountBuckets(first.subject.name), 'd', 30, nowMs),
       ]),
     ]);
     const answer = await within(read, this.from.timeoutMs).catch((): typeof LATE => LATE);

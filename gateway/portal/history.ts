@@ -2,12 +2,13 @@ import type { FastifyBaseLogger } from 'fastify';
 import type { AccessEntry } from '../observability/access-log.js';
 import { isWindow } from '../quota/windows.js';
 import type { RedisClient } from '../redis/client.js';
-import { subjectKey } from '../redis/keys.js';
+import { deploymentHistoryKey, subjectKey } from '../redis/keys.js';
 
 // Requests over time by outcome, per account: counted in memory from what the access line
 // already knows (no Redis call per request) and flushed once a second, one pipeline for each
-// account active in that second (HINCRBY on its minute's and its day's bucket hash, EXPIRE), so
-// the cost follows traffic and nothing ever scans the accounts.
+// account active in that second (HINCRBY on its minute's and its day's bucket hash, EXPIRE), and
+// one more for the deployment's sum of them (what the operator page charts), so the cost follows
+// traffic and nothing ever scans the accounts.
 
 /** The outcomes a chart stacks, in its order: what a bucket's hash fields are named. */
 export const OUTCOME_FIELDS = [
@@ -45,13 +46,27 @@ export function outcomeField(e: AccessEntry): OutcomeField | undefined {
 
 export type Buckets = Array<{ startMs: number; counts: Partial<Record<OutcomeField, number>> }>;
 
+/** Where a unit's bucket starting at a time lives: an account's, or the deployment's. */
+export type BucketKey = (unit: 'm' | 'd', startMs: number) => string;
+export const accountBuckets =
+  (subjectName: string): BucketKey =>
+  (unit, startMs) =>
+    subjectKey.history(subjectName, unit, startMs);
+export const deploymentBuckets =
+  (prefix: string): BucketKey =>
+  (unit, startMs) =>
+    deploymentHistoryKey(prefix, unit, startMs);
+type Counted = Map<number, Map<OutcomeField, number>>;
+
 export class OutcomeHistory {
   /** subject name -> minute start -> field -> count, since the last flush. */
-  private pending = new Map<string, Map<number, Map<OutcomeField, number>>>();
+  private pending = new Map<string, Counted>();
   private readonly timer: NodeJS.Timeout;
 
   constructor(
     private readonly redis: RedisClient,
+    /** The deployment's Redis prefix (the config's `redisPrefix`), read per flush: a reload may change it. */
+    private readonly prefix: () => string,
     private readonly log: FastifyBaseLogger,
     private readonly now: () => number = Date.now,
   ) {
@@ -75,26 +90,36 @@ export class OutcomeHistory {
 
   /**
    * Writes what was counted since the last flush: one pipeline per active account (its keys
-   * share its slot, so a Cluster takes it whole), all sent at once. A flush Redis refuses is
-   * dropped (history is for reading, never billing) and logged.
+   * share its slot, so a Cluster takes it whole) and one for the deployment's sum, all sent at
+   * once. A flush Redis refuses is dropped (history is for reading, never billing) and logged.
    */
   async flush(): Promise<void> {
     if (this.pending.size === 0) return;
     const batch = this.pending;
     this.pending = new Map();
-    await Promise.all([...batch].map(([name, byMinute]) => this.write(name, byMinute)));
+    const sum: Counted = new Map();
+    for (const byMinute of batch.values()) {
+      for (const [minute, fields] of byMinute) {
+        let into = sum.get(minute);
+        if (!into) sum.set(minute, (into = new Map()));
+        for (const [field, n] of fields) into.set(field, (into.get(field) ?? 0) + n);
+      }
+    }
+    const writes = [...batch].map(([name, byMinute]) => this.write(accountBuckets(name), byMinute));
+    writes.push(this.write(deploymentBuckets(this.prefix()), sum));
+    await Promise.all(writes);
   }
 
-  private async write(name: string, byMinute: Map<number, Map<OutcomeField, number>>): Promise<void> {
+  private async write(key: BucketKey, byMinute: Counted): Promise<void> {
     const pipeline = this.redis.pipeline();
     for (const [minute, fields] of byMinute) {
       const buckets = [
-        [subjectKey.history(name, 'm', minute), KEEP_S.m],
-        [subjectKey.history(name, 'd', minute - (minute % DAY_MS)), KEEP_S.d],
+        [key('m', minute), KEEP_S.m],
+        [key('d', minute - (minute % DAY_MS)), KEEP_S.d],
       ] as const;
-      for (const [key, keep] of buckets) {
-        for (const [field, n] of fields) pipeline.hincrby(key, field, n);
-        pipeline.expire(key, keep);
+      for (const [bucket, keep] of buckets) {
+        for (const [field, n] of fields) pipeline.hincrby(bucket, field, n);
+        pipeline.expire(bucket, keep);
       }
     }
     await pipeline
@@ -108,13 +133,13 @@ export class OutcomeHistory {
   }
 }
 
-/** The last `n` buckets of `unit` up to `nowMs`, oldest first, for one account. */
-export async function readBuckets(redis: RedisClient, subjectName: string, unit: 'm' | 'd', n: number, nowMs: number): Promise<Buckets> {
+/** The last `n` buckets of `unit` up to `nowMs`, oldest first: an account's or the deployment's. */
+export async function readBuckets(redis: RedisClient, key: BucketKey, unit: 'm' | 'd', n: number, nowMs: number): Promise<Buckets> {
   const size = unit === 'm' ? MINUTE_MS : DAY_MS;
   const last = nowMs - (nowMs % size);
   const starts = Array.from({ length: n }, (_, i) => last - (n - 1 - i) * size);
   const pipeline = redis.pipeline();
-  for (const start of starts) pipeline.hgetall(subjectKey.history(subjectName, unit, start));
+  for (const start of starts) pipeline.hgetall(key(unit, start));
   const replies = (await pipeline.exec()) ?? [];
   return starts.map((startMs, i) => {
     const [err, hash] = replies[i] ?? [new Error('no reply'), null];

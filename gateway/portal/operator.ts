@@ -1,16 +1,21 @@
 import type { KeyFinder } from '../auth/key-finder.js';
+import type { KeyStore } from '../auth/key-file.js';
 import type { GatewayConfig } from '../config/config.js';
-import type { AccountBook, Operations } from '../quota/store.js';
+import type { AccountBook, ExportState, Operations } from '../quota/store.js';
 import { type UsageView, usageView } from '../quota/usage-view.js';
-import { LATE, within } from '../redis/client.js';
+import { LATE, type RedisClient, within } from '../redis/client.js';
 import type { AuditEntry } from './audit.js';
+import { legend, stackedBars } from './charts.js';
 import type { Figures } from './figures.js';
-import { html, page } from './html.js';
+import { type Buckets, deploymentBuckets, OUTCOME_FIELDS, type OutcomeField, readBuckets } from './history.js';
+import { type Html, html, page } from './html.js';
 import { figuresSections, keysSection, when } from './pages.js';
 
 // The operator's page: every account of the config read once per view (bounded by MAX_ACCOUNTS),
 // ranked by what it used this period, those within 10% of a limit, the prepaid credit still
-// outstanding, and whether this instance decides from its degraded budget right now.
+// outstanding, and whether this instance decides from its degraded budget right now; the
+// deployment's refusals by reason over time (its history buckets, one read per bucket, whatever
+// the number of accounts); and one page of the key store's accounts (the registry's too).
 
 /** Accounts read per view at most: the page is for a deployment's accounts of the config file, not the key registry's millions. */
 export const MAX_ACCOUNTS = 1000;
@@ -24,16 +29,55 @@ export interface Overview {
   rows: Array<{ account: string; view: UsageView; periodUsed: number }>;
   /** Set while the store cannot give true figures. */
   unavailable: boolean;
+  /** The deployment's requests by outcome: the last hour by minute, the last 30 days by day. */
+  history?: { minutes: Buckets; days: Buckets };
+  /** One page of the key store's accounts, in key id order, and the id to go on after. */
+  listed?: { accounts: Array<{ account: string; keys: number }>; next?: string };
 }
+
+/** Keys read for one page of the account list: a page costs this, however many keys the store holds. */
+export const LIST_PAGE = 100;
 
 export interface OverviewSources {
   config: () => GatewayConfig;
   store: AccountBook & Pick<Operations, 'degraded' | 'degradedReason'>;
   find: KeyFinder;
   timeoutMs: number;
+  redis?: RedisClient;
+  /** The key store the admin key API lists (the file's, or the registry's). */
+  keys?: KeyStore;
 }
 
-export async function overview({ config, store, find, timeoutMs }: OverviewSources): Promise<Overview> {
+/** The overview, with the key store's accounts from the key id `after` on. */
+export async function overview(from: OverviewSources, after?: string): Promise<Overview> {
+  const [o, history, listed] = await Promise.all([
+    configAccounts(from),
+    from.redis ? deploymentHistory(from.redis, from.config().redisPrefix, from.timeoutMs) : undefined,
+    from.keys ? listAccounts(from.keys, after, from.timeoutMs) : undefined,
+  ]);
+  return { ...o, history, listed };
+}
+
+async function deploymentHistory(redis: RedisClient, prefix: string, timeoutMs: number): Promise<Overview['history']> {
+  const nowMs = Date.now();
+  const read = Promise.all([
+    readBuckets(redis, deploymentBuckets(prefix), 'm', 60, nowMs),
+    readBuckets(redis, deploymentBuckets(prefix), 'd', 30, nowMs),
+  ]);
+  const answer = await within(read, timeoutMs).catch((): typeof LATE => LATE);
+  return answer === LATE ? undefined : { minutes: answer[0], days: answer[1] };
+}
+
+/** The accounts of one page of keys, each once, in the order met. */
+async function listAccounts(keys: KeyStore, after: string | undefined, timeoutMs: number): Promise<Overview['listed']> {
+  const answer = await within(keys.page({ limit: LIST_PAGE, after }), timeoutMs).catch((): typeof LATE => LATE);
+  if (answer === LATE) return undefined;
+  const counts = new Map<string, number>();
+  for (const k of answer.keys) counts.set(k.account, (counts.get(k.account) ?? 0) + 1);
+  return { accounts: [...counts].map(([account, n]) => ({ account, keys: n })), next: answer.last };
+}
+
+async function configAccounts({ config, store, find, timeoutMs }: OverviewSources): Promise<Overview> {
   const names = [...config().accounts.keys()];
   const base = { degraded: store.degraded, degradedReason: store.degradedReason, total: names.length, read: 0, rows: [] };
   if (store.degraded) return { ...base, unavailable: true };
@@ -51,20 +95,53 @@ export async function overview({ config, store, find, timeoutMs }: OverviewSourc
   return { ...base, read: found.length, rows: found.sort((a, b) => b.periodUsed - a.periodUsed), unavailable: false };
 }
 
+/** The outcomes that are refusals: 429 by reason, and 402. */
+const REFUSALS = OUTCOME_FIELDS.filter((f) => f.startsWith('limited_') || f === 'credits');
+const refusalsOnly = (buckets: Buckets): Buckets =>
+  buckets.map((b) => ({ startMs: b.startMs, counts: Object.fromEntries(REFUSALS.map((f) => [f, b.counts[f] ?? 0])) }));
+const sum = (buckets: Buckets, f: OutcomeField) => buckets.reduce((n, b) => n + (b.counts[f] ?? 0), 0);
+const minuteLabel = (ms: number) => new Date(ms).toISOString().slice(11, 16);
+const dayLabel = (ms: number) => new Date(ms).toISOString().slice(5, 10);
+
+/** The deployment's 429s by reason and 402s: totals, then over time. */
+function refusalsSection(history: Overview['history']): Html {
+  if (!history)
+    return html`<h2>Refusals over time</h2><p class="unavailable" data-refusals-unavailable="">Data unavailable: the history was not read in time.</p>`;
+  return html`<h2>Refusals over time</h2>
+<table><caption>429 by reason and 402, the whole deployment</caption>
+<thead><tr><th scope="col">Reason</th><th scope="col" class="n">Last hour</th><th scope="col" class="n">Last 30 days</th></tr></thead>
+<tbody>${REFUSALS.map((f) => html`<tr data-refusal="${f}" data-last-hour="${sum(history.minutes, f)}" data-last-30-days="${sum(history.days, f)}"><th scope="row">${f === 'credits' ? '402 credits' : `429 ${f.slice('limited_'.length)}`}</th><td class="n">${sum(history.minutes, f)}</td><td class="n">${sum(history.days, f)}</td></tr>`)}</tbody></table>
+${legend()}
+${stackedBars('refusals-last-hour', 'Refusals in the last hour, by minute (UTC)', refusalsOnly(history.minutes), minuteLabel)}
+${stackedBars('refusals-last-30-days', 'Refusals in the last 30 days, by day (UTC)', refusalsOnly(history.days), dayLabel)}`;
+}
+
+/** One page of the key store's accounts, with the link to the next. */
+function listedSection(listed: Overview['listed']): Html {
+  if (!listed) return html`<h2>Accounts in the key store</h2><p class="unavailable">The key store did not answer in time.</p>`;
+  return html`<h2>Accounts in the key store</h2>
+<table><caption>Accounts of a page of ${LIST_PAGE} keys of the store in use (the key registry with KEY_STORE=redis, else the config file), in key id order</caption>
+<thead><tr><th scope="col">Account</th><th scope="col" class="n">Its keys on this page</th></tr></thead>
+<tbody>${listed.accounts.map((a) => html`<tr data-listed-account="${a.account}"><td>${accountLink(a.account)}</td><td class="n">${a.keys}</td></tr>`)}</tbody></table>
+${listed.next ? html`<p><a data-next-page href="/admin/ui?after=${encodeURIComponent(listed.next)}">Next page of accounts</a></p>` : html`<p>The last page.</p>`}`;
+}
+
+const accountLink = (account: string) => html`<a href="/admin/ui/accounts/${encodeURIComponent(account)}">${account}</a>`;
+
 /** Windows with 10% of their limit or less left. */
 const nearLimit = (view: UsageView) => Object.entries(view.windows).filter(([, w]) => w && w.remaining <= w.limit * 0.1);
 
 export function overviewPage(o: Overview, csrf: string): string {
   const near = o.rows.flatMap((r) => nearLimit(r.view).map(([name, w]) => ({ account: r.account, name, w: w! })));
   const outstanding = o.rows.reduce((n, r) => n + (r.view.credits?.balance ?? 0), 0);
-  const link = (account: string) => html`<a href="/admin/ui/accounts/${encodeURIComponent(account)}">${account}</a>`;
+  const link = accountLink;
   const state = o.degraded
     ? html`<p class="unavailable" data-degraded="true"><strong>Degraded now</strong>: Redis is failing (${o.degradedReason ?? 'no answer'}); this instance decides from its degraded budget.</p>`
     : html`<p data-degraded="false">Not degraded: decisions are Redis's.</p>`;
   const body = o.unavailable
     ? html`<div class="unavailable" role="status" data-unavailable=""><strong>Data unavailable</strong>: the quota store is not answering.</div>`
     : html`<h2>Top accounts by usage this period</h2>
-<table><caption>The 10 that used most (month, else day), of ${o.read} accounts read${o.total > o.read ? html` (the first ${o.read} of ${o.total})` : ''}</caption>
+<table><caption>The 10 that used most (month, else day), of ${o.read} accounts of the config file read${o.total > o.read ? html` (the first ${o.read} of ${o.total})` : ''}</caption>
 <thead><tr><th scope="col">Account</th><th scope="col">Plan</th><th scope="col" class="n">Used this period</th></tr></thead>
 <tbody>${o.rows.slice(0, 10).map((r) => html`<tr data-top-account="${r.account}" data-used="${r.periodUsed}"><td>${link(r.account)}</td><td>${r.view.plan}</td><td class="n">${r.periodUsed}</td></tr>`)}</tbody></table>
 <h2>Within 10% of a limit</h2>
@@ -82,15 +159,27 @@ ${
 <form method="post" action="/admin/ui/sign-out"><input type="hidden" name="csrf" value="${csrf}"><button type="submit">Sign out</button></form>
 ${state}
 ${body}
-<p class="note">Accounts of the config file; the key registry's accounts are looked up by name: <a href="/admin/ui/accounts/">/admin/ui/accounts/NAME</a>.</p>`,
+${refusalsSection(o.history)}
+${listedSection(o.listed)}`,
   );
 }
 
-export function operatorAccountPage(f: Figures, audit: AuditEntry[]): string {
+/** The usage export's reconcile: every event written is exported, pending or dropped; every unit counted is in one or unsettled. */
+function reconcileSection(r: ExportState | undefined): Html {
+  if (!r)
+    return html`<h2>Usage export</h2><p data-reconcile="none">No usage export for this account (none configured, or no true figures now).</p>`;
+  return html`<h2>Usage export</h2>
+<table data-reconcile data-exported="${r.exported}" data-pending="${r.pending}" data-dropped="${r.dropped}" data-unsettled="${r.unsettled}"><caption>Events reconciled: written = exported + pending + dropped</caption>
+<thead><tr><th scope="col">Exported</th><th scope="col">Pending</th><th scope="col">Dropped</th><th scope="col">Unsettled units</th></tr></thead>
+<tbody><tr><td class="n">${r.exported}</td><td class="n">${r.pending}</td><td class="n">${r.dropped}</td><td class="n">${r.unsettled}</td></tr></tbody></table>`;
+}
+
+export function operatorAccountPage(f: Figures, audit: AuditEntry[], reconcile?: ExportState): string {
   return page(
     `Account ${f.account}`,
     html`<h1>Account ${f.account}</h1><p><a href="/admin/ui">All accounts</a></p>
 ${figuresSections(f)}
+${reconcileSection(reconcile)}
 ${keysSection(f)}
 <h2>Audit log</h2>
 ${

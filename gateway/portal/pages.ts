@@ -141,14 +141,15 @@ export function messagePage(title: string, message: string, home = '/portal'): s
 }
 
 /**
- * A link's landing: the session is set, and the browser goes on to /portal by itself. A 303
- * would do, but a SameSite=Strict cookie is not sent on a redirect that began on another site
- * (the e-mail with the link); a same-origin refresh is a same-site navigation, so it is.
+ * A link's page: a button that POSTs the token back. A GET never opens the session, so a mail
+ * scanner that prefetches the link leaves it whole; the click, a same-origin POST, spends it and
+ * then a 303 to /portal carries the SameSite=Strict cookie (the redirect began on this site).
  */
-export function landingPage(): string {
+export function linkPage(token: string): string {
   return page(
-    'Signed in',
-    html`<h1>Signed in</h1><p><a href="/portal">Go to the usage portal</a></p>`,
-    html`<meta http-equiv="refresh" content="0;url=/portal">`,
+    'Open the usage portal',
+    html`<h1>Usage portal</h1>
+<p>This link opens a usage portal session for your account, once. It lasts 15 minutes.</p>
+<form method="post" action="/portal/link"><input type="hidden" name="token" value="${token}"><button type="submit">Open the portal</button></form>`,
   );
 }

@@ -8,7 +8,7 @@ import type { RedisClient } from '../redis/client.js';
 import { type AuditRecord, writeAudit } from './audit.js';
 import { type AccountFigures, figuresCsv } from './figures.js';
 import { CSP, html } from './html.js';
-import { dashboardPage, landingPage, messagePage, secretPage, signInPage } from './pages.js';
+import { dashboardPage, linkPage, messagePage, secretPage, signInPage } from './pages.js';
 import { COOKIE, cookieValue, csrfMatches, type PortalSessions, type Session, sessionCookie, StoreUnavailable } from './sessions.js';
 
 // The portal's routes on the public port, registered under the prefix /portal. Every query is filtered by the session's account, as
@@ -140,19 +140,26 @@ function pages(app: FastifyInstance, parts: PortalParts, sessionOf: SessionOf): 
     return reply.code(303).header('location', '/portal').header('cache-control', 'no-store').send();
   });
 
+  const linkRefused = (reply: FastifyReply) =>
+    send(reply, 401, messagePage('Link not valid', 'This portal link was used already, has expired, or is mistyped: ask for a new one.'));
+  // Looking at a link spends nothing (a mail scanner's prefetch is a GET): its page's button does.
   app.get('/link', async (request, reply) => {
     const given = (request.query as Record<string, unknown>).token;
     const token = typeof given === 'string' ? given : ''; // a repeated ?token= is no token
-    const account = await sessions.redeem(token);
-    if (!account)
-      return send(
-        reply,
-        401,
-        messagePage('Link not valid', 'This portal link was used already, has expired, or is mistyped: ask for a new one.'),
-      );
+    if (!(await sessions.usable(token))) return linkRefused(reply);
+    return send(reply, 200, linkPage(token));
+  });
+
+  // The token is the form's own CSRF token (only its holder can post it); the Origin check keeps
+  // another site from signing a visitor into an account of its choosing with a token of its own.
+  app.post('/link', async (request, reply) => {
+    if (!sameOrigin(request)) throw new GatewayError('csrf_failed', 'Open the link from its own page');
+    const given = (request.body as Form | undefined)?.token;
+    const account = await sessions.redeem(typeof given === 'string' ? given : '');
+    if (!account) return linkRefused(reply);
     const { id } = await sessions.open(account, 'full');
     reply.header('set-cookie', sessionCookie(id, secure(request)));
-    return send(reply, 200, landingPage());
+    return reply.code(303).header('location', '/portal').header('cache-control', 'no-store').send();
   });
 
   app.post('/sign-out', async (request, reply) => {

@@ -5,7 +5,8 @@ import { portalKeys } from '../redis/keys.js';
 
 // The portal's sessions and sign-in links, in Redis: a session is a random id in an HttpOnly
 // cookie, its record under the id's SHA-256 (a Redis reader cannot replay it), bound to one
-// account server-side. A link is a single-use token an operator mints, redeemed once (GETDEL).
+// account server-side. A link is a single-use token an operator mints: looking at it (the GET a
+// mail scanner's prefetch makes) leaves it whole; only the POST of its page redeems it (GETDEL).
 
 /** 15 minutes at most, from sign-in: never extended, so a stolen cookie is worth little. */
 export const SESSION_MS = 15 * 60_000;
@@ -96,6 +97,12 @@ export class PortalSessions {
     const secret = token();
     await this.call(this.redis.set(this.keys().link(digest(secret)), account, 'PX', LINK_MS));
     return { token: secret, expiresMs: Date.now() + LINK_MS };
+  }
+
+  /** Whether a link token is one that would still open a session, without taking it. */
+  async usable(secret: string): Promise<boolean> {
+    if (secret.length === 0 || secret.length > 100) return false;
+    return (await this.call(this.redis.exists(this.keys().link(digest(secret))))) === 1;
   }
 
   /** The account a link token opens, taking it (GETDEL: two racing openers, one wins); undefined when unknown, used or expired. */

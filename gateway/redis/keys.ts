@@ -52,6 +52,9 @@ export const subjectKey = {
   history: (name: string, unit: 'm' | 'd', startMs: number) => `${name}:hist:${unit}:${startMs}`,
 } as const;
 
+/** The whole deployment's requests by outcome, as the accounts' `history` buckets, in one slot of their own. */
+export const deploymentHistoryKey = (prefix: string, unit: 'm' | 'd', startMs: number) => `${prefix}:{history}:${unit}:${startMs}`;
+
 /** By the SHA-256 of their secret: Redis never holds one a reader could replay. */
 export function portalKeys(prefix: string) {
   const base = `${prefix}:{portal}`;

@@ -1,3 +1,4 @@
+import { readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { Browser, BrowserContext, Page } from 'playwright-core';
@@ -6,6 +7,7 @@ import { keysCommand } from '../../gateway/auth/cli.js';
 import { portalKeys } from '../../gateway/redis/keys.js';
 import { digest, expectAccessible, freshPage, launch, postForm, sessionCookieOf, windowFigures } from '../helpers/browser.js';
 import { makeKey, type TestKey, tempDir, testConfig } from '../helpers/config.js';
+import { issueKey } from '../helpers/admin.js';
 import { scaled } from '../helpers/budget.js';
 import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';
@@ -24,17 +26,24 @@ const acme1 = acct('free', 'acme');
 const acme2 = acct('free', 'acme');
 const bravo = acct('free', 'bravo');
 const tiny = acct('tiny', 'tinyco');
+/** Its own tiny account, never refused: a run redone in the next minute finds it near its limit again, not banned. */
+const near = acct('tiny', 'nearco');
 const broke = acct('prepaid', 'credit');
 const rot = acct('free', 'rotco');
 const rev = acct('free', 'revco');
 const rev2 = acct('free', 'revco');
 const kbd = acct('free', 'kbdco');
+const kbd2 = acct('free', 'kbdco');
 const csrf = acct('free', 'csrfco');
 const ent: TestKey = { ...acct('enterprise', 'entco'), limits: { perMinute: 7, perDay: 70 } };
+const refused = acct('tiny', 'refco');
+const dry = acct('prepaid', 'dryco');
+/** More keys than a page of the operator page's account list (100), so it has a second page. */
+const fillers = Array.from({ length: 100 }, () => acct('free', 'fillco'));
 
 const dir = tempDir();
 const gw = useTestGateway(() => ({
-  config: testConfig([acme1, acme2, bravo, tiny, broke, rot, rev, rev2, kbd, csrf, ent], {
+  config: testConfig([acme1, acme2, bravo, tiny, broke, rot, rev, rev2, kbd, kbd2, csrf, ent, near, refused, dry, ...fillers], {
     plans: {
       free: { perMinute: 1000, perDay: 100_000 },
       tiny: { perMinute: 3, perDay: 100 },
@@ -83,13 +92,30 @@ async function mintLink(account: string): Promise<{ status: number; body: { url:
   return { status: res.status, body: await res.json() };
 }
 
+/** Opens a link as its holder does: its page, then its button (the GET alone spends nothing). */
+async function openLink(page: Page, url: string): Promise<void> {
+  await page.goto(url);
+  await page.click('button:has-text("Open the portal")');
+  await page.waitForURL(`${gw.url}/portal`);
+}
+
 async function signInByLink(account: string): Promise<Page> {
   const { body } = await mintLink(account);
   const page = await open();
-  await page.goto(body.url);
-  await page.waitForURL(`${gw.url}/portal`);
+  await openLink(page, body.url);
   await page.waitForSelector('[data-scope="account"]');
   return page;
+}
+
+/** Tabs to the control whose text is `text` (a button or link) and works it with `key`: the keyboard only. */
+async function press(page: Page, text: string, key: 'Enter' | 'Space'): Promise<void> {
+  let found = false;
+  for (let i = 0; i < 60 && !found; i++) {
+    await page.keyboard.press('Tab');
+    found = await page.evaluate((t) => document.activeElement?.textContent?.trim() === t, text);
+  }
+  expect(found, `"${text}" reached with Tab`).toBe(true);
+  await page.keyboard.press(key);
 }
 
 const audit = async (account: string) =>
@@ -152,7 +178,13 @@ describe('signing in', () => {
     const names = await gw.redis!.keys(`${gw.gateway.config().redisPrefix}:{portal}:*`);
     expect(names.some((n) => n.includes(token))).toBe(false);
     const page = await open();
-    await page.goto(minted.body.url);
+    // Followed from another site (a mail in a web client): the SameSite=Strict cookie must still be
+    // sent to /portal, so the session is set by the page's own POST, not by this cross-site GET.
+    await page.setContent(`<a href="${minted.body.url}">your portal link</a>`);
+    await page.click('a');
+    await page.waitForURL(minted.body.url);
+    await expectAccessible(page, "the link's page");
+    await page.click('button:has-text("Open the portal")');
     await page.waitForURL(`${gw.url}/portal`);
     await expectAccessible(page, 'the full page');
     expect(page.url()).not.toContain(token);
@@ -162,6 +194,35 @@ describe('signing in', () => {
     expect(res!.status()).toBe(401);
     await expectAccessible(again, 'the used-link page');
     expect((await mintLink('nobody-here')).status).toBe(404);
+  });
+
+  it("spends a link only on its page's POST: a prefetching GET leaves it whole, a second POST is refused", async () => {
+    const { body } = await mintLink('bravo');
+    const token = new URL(body.url).searchParams.get('token')!;
+    const linkKey = portalKeys(gw.gateway.config().redisPrefix).link(digest(token));
+    // A mail scanner's prefetch, twice: the page with its button, no session, the token still there.
+    for (let i = 0; i < 2; i++) {
+      const res = await fetch(body.url, { redirect: 'manual' });
+      expect(res.status).toBe(200);
+      expect(res.headers.get('set-cookie')).toBeNull();
+      expect(await res.text()).toContain('Open the portal');
+    }
+    expect(await gw.redis!.exists(linkKey)).toBe(1);
+    // The button's POST from another site (signing a visitor into an account of its choosing): refused, the token kept.
+    const link = `${gw.url}/portal/link`;
+    expect((await postForm(link, { token }, { origin: 'https://evil.example' })).status).toBe(403);
+    expect((await postForm(link, { token }, {})).status).toBe(403);
+    expect(await gw.redis!.exists(linkKey)).toBe(1);
+    const opened = await postForm(link, { token }, { origin: gw.url });
+    expect(opened.status).toBe(303);
+    expect(opened.headers.get('location')).toBe('/portal');
+    const cookie = opened.headers.get('set-cookie')!.split(';')[0]!;
+    expect(await (await fetch(`${gw.url}/portal`, { headers: { cookie } })).text()).toContain(`data-key="${bravo.id}"`);
+    expect(await gw.redis!.exists(linkKey)).toBe(0);
+    const again = await postForm(link, { token }, { origin: gw.url });
+    expect(again.status).toBe(401);
+    expect(again.headers.get('set-cookie')).toBeNull();
+    expect((await fetch(body.url)).status).toBe(401);
   });
 
   it('by a link from the keys command', async () => {
@@ -176,8 +237,7 @@ describe('signing in', () => {
     expect(await keysCommand(['portal-link', '--account', 'nobody-here', '--config', file], io, env)).toBe(1);
     expect(await keysCommand(['portal-link', '--account', 'bravo', '--config', file], io, env)).toBe(0);
     const page = await open();
-    await page.goto(lines.at(-1)!);
-    await page.waitForURL(`${gw.url}/portal`);
+    await openLink(page, lines.at(-1)!);
     expect(await page.locator(`[data-key="${bravo.id}"]`).count()).toBe(1);
   });
 
@@ -237,18 +297,36 @@ describe('self-service through a portal link', () => {
     expect(res.headers.get('ratelimit-policy')).toBe('"minute";q=7;w=60, "day";q=70;w=86400');
   });
 
-  it('creates a key with the keyboard alone', async () => {
-    const page = await signInByLink('kbdco');
-    let found = false;
-    for (let i = 0; i < 40 && !found; i++) {
-      await page.keyboard.press('Tab');
-      found = await page.evaluate(() => document.activeElement?.textContent === 'Create a key');
-    }
-    expect(found).toBe(true);
-    await page.keyboard.press('Enter');
-    const secret = (await page.locator('[data-secret]').textContent())!.trim();
-    await eventually(async () => (await status(secret)) === 200, 5000, 'the created key accepted');
-    expect((await audit('kbdco')).entries[0]).toMatchObject({ action: 'create' });
+  it('creates, rotates and revokes with the keyboard alone (Tab, Enter, Space; no click)', async () => {
+    const { body } = await mintLink('kbdco');
+    const page = await open();
+    await page.goto(body.url);
+    await press(page, 'Open the portal', 'Enter');
+    await page.waitForSelector('[data-scope="account"]');
+    // Create: the secret shown once, accepted once every gateway has read it.
+    await press(page, 'Create a key', 'Space');
+    const created = (await page.locator('[data-secret]').textContent())!.trim();
+    await eventually(async () => (await status(created)) === 200, 5000, 'the created key accepted');
+    await press(page, 'Back to the usage page', 'Enter');
+    await page.waitForSelector('[data-scope="account"]');
+    expect(await page.content()).not.toContain(created);
+    // Rotate: the new key accepted, the old one through the grace (GRACE_MS), then 401.
+    await press(page, `Rotate ${kbd.id}`, 'Enter');
+    const rotated = (await page.locator('[data-secret]').textContent())!.trim();
+    expect(await status(kbd.key)).toBe(200);
+    await eventually(async () => (await status(rotated)) === 200, 5000, 'the rotated key accepted');
+    await eventually(async () => (await status(kbd.key)) === 401, GRACE_MS + 5000, 'the old key refused after the grace');
+    // Revoke: refused within about a second.
+    await press(page, 'Back to the usage page', 'Enter');
+    await page.waitForSelector('[data-scope="account"]');
+    await press(page, `Revoke ${kbd2.id}`, 'Space');
+    await page.waitForSelector('[role="status"]');
+    await eventually(async () => (await status(kbd2.key)) === 401, 5000, 'the revoked key refused');
+    expect(await status(created)).toBe(200);
+    const { entries } = await audit('kbdco');
+    expect(entries.map((e) => e.action)).toEqual(['revoke', 'rotate', 'create']);
+    expect(entries[1]).toMatchObject({ keyId: kbd.id });
+    expect(entries[0]).toMatchObject({ keyId: kbd2.id });
   });
 });
 
@@ -439,6 +517,7 @@ describe('with Redis down', () => {
     const own = await buildTestGateway({
       config: testConfig([key], { plans: { free: { perMinute: 1000, perDay: 100_000 } }, unauthenticated: { perMinute: 100_000 } }),
       redis: redis.url,
+      // No lease (QUOTA_LEASE_MAX=1): the page's first figures are then exactly one request used, not a lease's worth.
       settings: { quotaLeaseMax: 1 },
       admin: { token: TOKEN },
     });
@@ -508,14 +587,21 @@ describe('the operator page on the admin port', () => {
   });
 
   it('shows the top accounts, those near a limit, the outstanding credit and the degraded state; an account with its audit log', async () => {
+    // acme well ahead of the accounts whose keys the tests above polled for a few seconds (some
+    // 100-200 requests each): 500 more today, 10 at a time, still far from its 1,000 a minute.
+    await Promise.all(
+      Array.from({ length: 10 }, async () => {
+        for (let i = 0; i < 50; i++) expect(await status(acme1.key)).toBe(200);
+      }),
+    );
     await inOneMinute(async () => {
-      for (let i = 0; i < 3; i++) await status(tiny.key);
+      for (let i = 0; i < 3; i++) expect(await status(near.key)).toBe(200);
       const page = await operator();
       await expectAccessible(page, 'the operator overview');
       expect(await page.locator('[data-degraded]').getAttribute('data-degraded')).toBe('false');
       const top = await page.locator('[data-top-account]').evaluateAll((rows) => rows.map((r) => r.getAttribute('data-top-account')));
-      expect(top[0]).toBe('acme'); // the 50 randomized checks above sent it the most
-      expect(await page.locator('[data-near-account="tinyco"][data-window="minute"]').count()).toBe(1);
+      expect(top[0]).toBe('acme');
+      expect(await page.locator('[data-near-account="nearco"][data-window="minute"]').count()).toBe(1);
       expect(await page.locator('[data-near-account="acme"]').count()).toBe(0);
       const credits = await (
         await fetch(`${gw.adminUrl}/admin/accounts/credit/credits`, { headers: { authorization: `Bearer ${TOKEN}` } })
@@ -527,5 +613,107 @@ describe('the operator page on the admin port', () => {
       expect(await page.locator('[data-audit="rotate"]').count()).toBe(1);
       await expectAccessible(page, 'the operator account page');
     });
+  });
+  it("charts the deployment's 429s by reason and 402s over time, from the history buckets", async () => {
+    const page = await operator();
+    const rows = async () =>
+      Object.fromEntries(
+        await page
+          .locator('[data-refusal]')
+          .evaluateAll((trs) =>
+            trs.map((tr) => [
+              tr.getAttribute('data-refusal'),
+              [Number(tr.getAttribute('data-last-hour')), Number(tr.getAttribute('data-last-30-days'))],
+            ]),
+          ),
+      ) as Record<string, [number, number]>;
+    const before = await rows();
+    expect(Object.keys(before).sort()).toEqual([
+      'credits',
+      'limited_banned',
+      'limited_day',
+      'limited_hour',
+      'limited_minute',
+      'limited_month',
+    ]);
+    // 3 a minute: the 4th and 5th refused by the minute (2 refusals: the ban takes 3); no credit: 402.
+    const statuses: number[] = [];
+    for (let i = 0; i < 5; i++) statuses.push(await status(refused.key));
+    for (let i = 0; i < 2; i++) statuses.push(await status(dry.key));
+    const n429 = statuses.filter((s) => s === 429).length;
+    const n402 = statuses.filter((s) => s === 402).length;
+    expect(n402).toBe(2);
+    expect(n429).toBeGreaterThan(0); // 2, or fewer when a minute began among them
+    const want = { ...before, limited_minute: before.limited_minute!.map((n) => n + n429), credits: before.credits!.map((n) => n + n402) };
+    await eventually(
+      async () => {
+        await page.goto(`${gw.adminUrl}/admin/ui`);
+        return JSON.stringify(await rows()) === JSON.stringify(want);
+      },
+      5000,
+      'the refusals on the operator page',
+    );
+    const bars = await page
+      .locator('#refusals-last-hour [data-bucket]')
+      .evaluateAll((gs) => gs.map((g) => Number(g.getAttribute('data-total'))));
+    expect(bars).toHaveLength(60);
+    expect(bars.reduce((a, b) => a + b, 0)).toBe(Object.values(want).reduce((n, v) => n + v[0]!, 0));
+    await expectAccessible(page, 'the operator overview with refusals');
+  });
+
+  it("lists the key store's accounts a page at a time, every key once", async () => {
+    const page = await operator();
+    const seen = new Map<string, number>();
+    let pages = 0;
+    for (;;) {
+      pages++;
+      for (const [account, n] of await page
+        .locator('[data-listed-account]')
+        .evaluateAll((trs) =>
+          trs.map((tr) => [tr.getAttribute('data-listed-account')!, Number(tr.lastElementChild!.textContent)] as const),
+        ))
+        seen.set(account, (seen.get(account) ?? 0) + n);
+      const next = page.locator('[data-next-page]');
+      if ((await next.count()) === 0) break;
+      await next.click();
+      await page.waitForSelector('[data-listed-account]');
+    }
+    expect(pages).toBeGreaterThan(1);
+    await expectAccessible(page, 'the last page of accounts');
+    // What the config file holds now (the self-service tests above added keys to it).
+    const file = JSON.parse(readFileSync(join(dir.dir, 'gateway.json'), 'utf8')) as { keys: Array<{ account: string }> };
+    const want = new Map<string, number>();
+    for (const k of file.keys) want.set(k.account, (want.get(k.account) ?? 0) + 1);
+    expect(Object.fromEntries(seen)).toEqual(Object.fromEntries(want));
+    expect((await page.goto(`${gw.adminUrl}/admin/ui?after=<x>`))!.status()).toBe(400);
+  });
+  it("lists the key registry's accounts (KEY_STORE=redis), not only the file's", async () => {
+    const file = acct('free', 'fileco');
+    const own = await buildTestGateway({
+      config: testConfig([file], { plans: { free: { perMinute: 1000, perDay: 100_000 } }, unauthenticated: { perMinute: 100_000 } }),
+      configFile: join(dir.dir, 'registry.json'),
+      admin: { token: TOKEN },
+      settings: { keyStore: 'redis' },
+    });
+    const issued = [
+      await issueKey(own, TOKEN, { plan: 'free', account: 'regco' }),
+      await issueKey(own, TOKEN, { plan: 'free', account: 'regco' }),
+    ];
+    const page = await open();
+    await page.goto(`${own.adminUrl}/admin/ui`);
+    await page.fill('input[name="token"]', TOKEN);
+    await page.click('button[type="submit"]');
+    const listed = await page
+      .locator('[data-listed-account]')
+      .evaluateAll((trs) =>
+        Object.fromEntries(trs.map((tr) => [tr.getAttribute('data-listed-account'), tr.lastElementChild!.textContent])),
+      );
+    // The list pages the store in use, as the admin key list does (the registry's); the file's accounts lead the overview above it.
+    expect(listed).toEqual({ regco: '2' });
+    expect(await page.locator('[data-top-account="fileco"]').count()).toBe(1);
+    await page.click('[data-listed-account="regco"] a');
+    await page.waitForSelector('[data-scope="account"]');
+    for (const k of issued) expect(await page.locator(`[data-key="${k.id}"]`).count()).toBe(1);
+    await expectAccessible(page, "a registry account's operator page");
   });
 });

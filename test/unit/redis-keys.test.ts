@@ -19,9 +19,11 @@ import {
   accountName,
   accountOfName,
   addressName,
+  deploymentHistoryKey,
   deploymentPrefix,
   gatewaysKey,
   loopKey,
+  portalKeys,
   registryKeys,
   subjectKey,
 } from '../../gateway/redis/keys.js';
@@ -66,6 +68,8 @@ describe('Redis key names (gateway/redis/keys.ts)', () => {
       writtenBack: subjectKey.writtenBack(acme),
       call: subjectKey.call(acme, 'i-1:42'),
       usageBatch: subjectKey.usageBatch(acme, 'i-1:7'),
+      audit: subjectKey.audit(acme),
+      history: subjectKey.history(acme, 'm', 1_800_000_000_000),
     };
     expect(names).toEqual({
       rejections: 'gw:production:{k:acme}:rej',
@@ -84,9 +88,20 @@ describe('Redis key names (gateway/redis/keys.ts)', () => {
       writtenBack: 'gw:production:{k:acme}:wb',
       call: 'gw:production:{k:acme}:call:i-1:42',
       usageBatch: 'gw:production:{k:acme}:ub:i-1:7',
+      audit: 'gw:production:{k:acme}:audit',
+      history: 'gw:production:{k:acme}:hist:m:1800000000000',
     });
     expect(subjectKey.counters(acme)).toBe(acme);
     for (const name of Object.values(names)) expect(calculateSlot(name)).toBe(calculateSlot(acme));
+  });
+
+  it("names the portal's sessions and links, and the deployment's history, each in a slot of their own", () => {
+    const p = portalKeys(prefix);
+    expect([p.session('ab12'), p.link('cd34')]).toEqual(['gw:production:{portal}:session:ab12', 'gw:production:{portal}:link:cd34']);
+    const day = [deploymentHistoryKey(prefix, 'm', 1_800_000_000_000), deploymentHistoryKey(prefix, 'd', 1_799_971_200_000)];
+    expect(day).toEqual(['gw:production:{history}:m:1800000000000', 'gw:production:{history}:d:1799971200000']);
+    // One pipeline writes a second's sum, and one reads a chart: every bucket in the same slot.
+    expect(calculateSlot(day[0]!)).toBe(calculateSlot(day[1]!));
   });
 
   it("names the key registry's keys in one slot", () => {
