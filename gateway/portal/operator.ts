@@ -164,14 +164,14 @@ ${listedSection(o.listed)}`,
   );
 }
 
-/** The usage export's reconcile: every event written is exported, pending or dropped; every unit counted is in one or unsettled. */
+/** The usage export's reconcile: every event written is exported, pending, dropped or rejected; every unit counted is in one or unsettled. */
 function reconcileSection(r: ExportState | undefined): Html {
   if (!r)
     return html`<h2>Usage export</h2><p data-reconcile="none">No usage export for this account (none configured, or no true figures now).</p>`;
   return html`<h2>Usage export</h2>
-<table data-reconcile data-exported="${r.exported}" data-pending="${r.pending}" data-dropped="${r.dropped}" data-unsettled="${r.unsettled}"><caption>Events reconciled: written = exported + pending + dropped</caption>
-<thead><tr><th scope="col">Exported</th><th scope="col">Pending</th><th scope="col">Dropped</th><th scope="col">Unsettled units</th></tr></thead>
-<tbody><tr><td class="n">${r.exported}</td><td class="n">${r.pending}</td><td class="n">${r.dropped}</td><td class="n">${r.unsettled}</td></tr></tbody></table>`;
+<table data-reconcile data-exported="${r.exported}" data-pending="${r.pending}" data-dropped="${r.dropped}" data-rejected="${r.rejected}" data-unsettled="${r.unsettled}"><caption>Events reconciled: written = exported + pending + dropped + rejected by the sink</caption>
+<thead><tr><th scope="col">Exported</th><th scope="col">Pending</th><th scope="col">Dropped</th><th scope="col">Rejected</th><th scope="col">Unsettled units</th></tr></thead>
+<tbody><tr><td class="n">${r.exported}</td><td class="n">${r.pending}</td><td class="n">${r.dropped}</td><td class="n">${r.rejected}</td><td class="n">${r.unsettled}</td></tr></tbody></table>`;
 }
 
 export function operatorAccountPage(f: Figures, audit: AuditEntry[], reconcile?: ExportState): string {

@@ -305,7 +305,7 @@ describe('a closed minute, checked', () => {
     const exported = () => sink.requests().filter((e) => e.subject === 'closedco').length;
     await eventually(() => exported() === sent, 30_000, 'every event of the minute at the sink');
     expect(exported()).toBe(sent);
-    // The operator's account page: the export reconciled, nothing pending, dropped or unsettled.
+    // The operator's account page: the export reconciled, nothing pending, dropped, rejected or unsettled.
     const { context, page: operator } = await freshPage(browser);
     contexts.push(context);
     await operator.goto(`${gws[0]!.adminUrl}/admin/ui`);
@@ -316,12 +316,12 @@ describe('a closed minute, checked', () => {
       await operator.goto(`${gws[0]!.adminUrl}/admin/ui/accounts/closedco`);
       return Object.fromEntries(
         await Promise.all(
-          ['exported', 'pending', 'dropped', 'unsettled'].map(async (f) => [f, Number(await table.getAttribute(`data-${f}`))]),
+          ['exported', 'pending', 'dropped', 'rejected', 'unsettled'].map(async (f) => [f, Number(await table.getAttribute(`data-${f}`))]),
         ),
       );
     };
     // The sink may hold the last batch a moment before the exporter moves its cursor past it.
-    const want = { exported: sent, pending: 0, dropped: 0, unsettled: 0 };
+    const want = { exported: sent, pending: 0, dropped: 0, rejected: 0, unsettled: 0 };
     await eventually(async () => JSON.stringify(await reconcile()) === JSON.stringify(want), 5000, 'the reconcile settled');
     expect(await reconcile()).toEqual(want);
     await expectAccessible(operator, "the operator's account page with its reconcile");
