@@ -7,7 +7,7 @@ import type { GatewayConfig } from '../config/config.js';
 import { type GatewaySettings, redisTarget } from '../config/settings.js';
 import { type AdminPortParts, buildAdminPort, buildGateway, type Gateway, reloadCheck } from '../app.js';
 import { type ReloadCheck, reloader, watchConfig } from './config-watch.js';
-import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient } from '../redis/client.js';
+import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient, warnUntilAnswered } from '../redis/client.js';
 
 // The one start sequence of a gateway process, as envoy's runner.go: connect Redis, build the
 // gateway and its admin port, wait for Redis, take reloads, stop on signals, listen. A single
@@ -105,6 +105,8 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
     : undefined;
   if (!redis) log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
   await awaitRedis(redis, log);
+  // Said again until Redis answers, by the deployment's process (a single one, or the cluster's primary).
+  const stopWarning = options.admin ? warnUntilAnswered(redis, log) : () => {};
   // Once per deployment process: a single one, or the cluster's primary (its workers serve no admin).
   if (options.admin && redis?.status === 'ready') await warnIfNotKept(settings, initial, redis, log);
   // Only where the file is watched: a worker takes the config its primary has checked.
@@ -114,6 +116,7 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   const close = async (redisClose: 'quit' | 'now' = 'quit') => {
     closing = true;
     stopReloads();
+    stopWarning();
     let cut = false;
     if (gateway) cut = await closeServer(gateway.app, settings.shutdownGraceMs);
     if (options.drain) cut = (await options.drain(log)) || cut;
