@@ -375,6 +375,7 @@ export async function persistenceProblem(redis: RedisClient, kept: string[] = ['
 const LOSSES: Record<string, string> = {
   credits: 'every credit balance, top-up and ledger entry',
   'registry keys': 'every key of the key registry (its clients are then told their key is unknown)',
+  'usage export': 'the usage events not yet exported to the billing sink',
 };
 
 export const LATE = Symbol('late');
