@@ -8,6 +8,7 @@ import { bothStores, registryAccounts } from './auth/key-stores.js';
 import { RegistryKeys } from './auth/registry.js';
 import { KeyRegistry } from './auth/registry-cache.js';
 import { registryPlanCheck } from './auth/registry-plans.js';
+import { UnreadRegistry } from './auth/registry-unread.js';
 import { installPlainRawHandlers, plainClientErrorHandler } from './http/raw-answers.js';
 import type { GatewayConfig } from './config/config.js';
 import { ackReplicas, type GatewaySettings } from './config/settings.js';
@@ -183,6 +184,8 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
       : undefined;
   if (keys) metrics.watchKeyRegistry(keys);
   const redis = deps.redis;
+  // With the file as key store, a key refused as unknown says so if a registry it does not read exists.
+  const unread = settings.keyStore === 'file' && redis ? new UnreadRegistry(redis, current, log) : undefined;
   const portal = redis ? portalParts(settings, { ...deps, redis }, current, store, keys, log) : undefined;
   const app: FastifyInstance = await buildPublicApp(settings, {
     log,
@@ -193,6 +196,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     portal,
     tracing,
     keys,
+    unknownKey: unread && (() => unread.unknownKey()),
     close: async () => {
       // Their rounds ended and their leads given up before Redis closes: the next instance leads at once.
       await Promise.all([exporter?.stop(), webhooks?.stop()]);
@@ -204,6 +208,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   const setConfig = (next: GatewayConfig) => {
     config = next;
     exporter?.configChanged(next);
+    void unread?.check();
   };
   return { app, setConfig, config: current, store, metrics, keys };
 }

@@ -4,6 +4,10 @@ import { type Credential, type Malformed, readCredential } from './keys.js';
 
 const REALM = 'Bearer realm="pet-store"';
 const INVALID = `${REALM}, error="invalid_token"`;
+const UNKNOWN = 'Unknown API key';
+
+/** Whether a refusal is of a key no store that was asked holds (not a malformed, revoked or expired one). */
+export const isUnknownKey = (refusal: GatewayError) => refusal.status === 401 && refusal.message === UNKNOWN;
 
 /** What to fix, by why the credential is no key; never the key itself, which may be a real one mistyped. */
 const MALFORMED: Record<Malformed, string> = {
@@ -97,7 +101,7 @@ export function strictest(file: Consumer, other: Lookup): Consumer {
 /** The consumer if its key may be used now, else the 401 that says why. */
 function usable(consumer: Lookup): Consumer | GatewayError {
   if (consumer instanceof GatewayError) return consumer;
-  if (!consumer) return new GatewayError('unauthorized', 'Unknown API key', { 'www-authenticate': INVALID });
+  if (!consumer) return new GatewayError('unauthorized', UNKNOWN, { 'www-authenticate': INVALID });
   if (consumer.revoked) {
     return new GatewayError('unauthorized', 'This API key has been revoked', { 'www-authenticate': INVALID });
   }

@@ -7,6 +7,7 @@ import ms from 'ms';
 import lockfile from 'proper-lockfile';
 import writeFileAtomic from 'write-file-atomic';
 import { type Document, isMap, isScalar, isSeq, parseDocument, type YAMLMap, type YAMLSeq } from 'yaml';
+import { KeyFileThread } from './key-file-thread.js';
 import { AccountSchema, ConfigFile, type ConfigOptions, type KeyEntry, type KeyLimits, parseConfigText } from '../config/config.js';
 import { type LimitField, WINDOWS } from '../quota/windows.js';
 import { generateKey } from './keys.js';
@@ -406,15 +407,22 @@ export function fileKeys(
   options: ConfigOptions = {},
   inForce?: () => { keys: readonly KeyEntry[]; plans: ConfigFile['plans'] },
 ): KeyStore {
+  // A gateway's edits on a thread of their own: the file is parsed whole three times an edit.
+  const thread = inForce && new KeyFileThread();
+  const run = <T>(op: 'createKey' | 'revokeKey' | 'rotateKey', edit: () => Promise<T>, args: unknown[]) =>
+    thread ? thread.call<T>(op, args) : edit();
   return {
     where: file,
     page: async (query) => {
       const current = inForce?.() ?? parseConfigText(readFileSync(file, 'utf8'), file, options);
       return pageOf(current.keys, current.plans, query);
     },
-    create: (request) => createKey(file, request, options),
-    revoke: async (id) => ({ ...(await revokeKey(file, id, options)), stores: [file] }),
-    rotate: async (id, graceMs) => ({ ...(await rotateKey(file, id, graceMs, options)), stores: [file] }),
+    create: (request) => run('createKey', () => createKey(file, request, options), [file, request, options]),
+    revoke: async (id) => ({ ...(await run('revokeKey', () => revokeKey(file, id, options), [file, id, options])), stores: [file] }),
+    rotate: async (id, graceMs) => ({
+      ...(await run('rotateKey', () => rotateKey(file, id, graceMs, options), [file, id, graceMs, options])),
+      stores: [file],
+    }),
   };
 }
 

@@ -347,15 +347,29 @@ function ceilings(quota: Partial<Record<LimitField, number>>, overage: number): 
   return limits;
 }
 
-/** The first key's subject of each account: the keys of one account share it. */
-function accountSubjects(consumers: ReadonlyMap<string, Consumer>): ReadonlyMap<string, QuotaSubject> {
-  const out = new Map<string, QuotaSubject>();
-  for (const c of consumers.values()) if (!out.has(c.account)) out.set(c.account, c.subject);
-  return out;
+/** The deprecated routes' headers and sunsets, by route. */
+function deprecationsOf(file: ConfigFile): Map<RouteId, Deprecation> {
+  const deprecations = new Map<RouteId, Deprecation>();
+  for (const d of file.deprecations) {
+    const route = ROUTES.find((r) => r.method === d.method && r.path === d.path)!;
+    const dates = { deprecatedAtMs: Date.parse(d.deprecatedAt), sunsetMs: Date.parse(d.sunset) };
+    deprecations.set(route.id, compileDeprecation({ ...dates, successor: d.successor, documentation: d.documentation }));
+  }
+  return deprecations;
 }
 
 /** Turns a valid file into the structures the hot path reads. */
 export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayConfig {
+  const build = configBuilder(file, redisKeyPrefix);
+  for (const k of file.keys) build.add(k);
+  return build.done();
+}
+
+/**
+ * compileConfig a key at a time: a reload adds the keys a slice at a time between requests
+ * (load-thread.ts), the file's other sections given whole in `file` (its own keys not added).
+ */
+export function configBuilder(file: ConfigFile, redisKeyPrefix = 'gw'): { add(k: KeyEntry): void; done(): GatewayConfig } {
   const redisPrefix = deploymentPrefix(redisKeyPrefix, file.environment);
   const bans = {
     afterRejected: file.bans.afterRejected,
@@ -392,48 +406,45 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
     };
   };
   const consumers = new Map<string, Consumer>();
-  for (const k of file.keys) consumers.set(k.hash, consumerOf(k)!); // validated: its plan exists
-  const deprecations = new Map<RouteId, Deprecation>();
-  for (const d of file.deprecations) {
-    const route = ROUTES.find((r) => r.method === d.method && r.path === d.path)!;
-    deprecations.set(
-      route.id,
-      compileDeprecation({
-        deprecatedAtMs: Date.parse(d.deprecatedAt),
-        sunsetMs: Date.parse(d.sunset),
-        successor: d.successor,
-        documentation: d.documentation,
-      }),
-    );
-  }
+  const keys: KeyEntry[] = [];
+  // The first key's subject of each account: the keys of one account share it.
+  const accounts = new Map<string, QuotaSubject>();
+  const add = (k: KeyEntry) => {
+    const c = consumerOf(k)!; // validated: its plan exists
+    keys.push(k);
+    consumers.set(k.hash, c);
+    if (!accounts.has(c.account)) accounts.set(c.account, c.subject);
+  };
   const anonymous = { perMinute: file.unauthenticated.perMinute, perDay: 0 };
   const anonymousPolicy = policyHeader(anonymous);
-  return Object.freeze({
-    environment: file.environment,
-    registryKey: gatewaysKey(redisPrefix),
-    redisPrefix,
-    plans: file.plans,
-    consumers,
-    keys: file.keys,
-    consumerOf,
-    accountOf: (name: string) => accountOfName(redisPrefix, name),
-    addressSubject: (address: string) => ({
-      name: addressName(redisPrefix, clientOf(address)),
-      limits: anonymous,
-      bans: null,
-      policy: anonymousPolicy,
-      lasting: false,
-      enforce: true,
-      billing: NO_BILLING,
-      events: 0,
-      alerts: '',
-    }),
-    deprecations,
-    corsOrigins: new Set(file.cors?.origins ?? []),
-    usageExport: file.usage?.export,
-    alerts: file.alerts && { url: file.alerts.url, secret: file.alerts.secret },
-    accounts: accountSubjects(consumers),
-  });
+  const done = (): GatewayConfig =>
+    Object.freeze({
+      environment: file.environment,
+      registryKey: gatewaysKey(redisPrefix),
+      redisPrefix,
+      plans: file.plans,
+      consumers,
+      keys,
+      consumerOf,
+      accountOf: (name: string) => accountOfName(redisPrefix, name),
+      addressSubject: (address: string) => ({
+        name: addressName(redisPrefix, clientOf(address)),
+        limits: anonymous,
+        bans: null,
+        policy: anonymousPolicy,
+        lasting: false,
+        enforce: true,
+        billing: NO_BILLING,
+        events: 0,
+        alerts: '',
+      }),
+      deprecations: deprecationsOf(file),
+      corsOrigins: new Set(file.cors?.origins ?? []),
+      usageExport: file.usage?.export,
+      alerts: file.alerts && { url: file.alerts.url, secret: file.alerts.secret },
+      accounts,
+    });
+  return { add, done };
 }
 
 export function parseConfigText(text: string, source: string, options: ConfigOptions = {}): ConfigFile {
@@ -473,6 +484,11 @@ const UNREADABLE: Record<string, string> = {
  * `setting` names where the path came from, for a file that cannot be read at all.
  */
 export function loadConfigFile(path: string, redisKeyPrefix?: string, setting?: string, options: ConfigOptions = {}): GatewayConfig {
+  return compileConfig(readConfigFile(path, setting, options), redisKeyPrefix);
+}
+
+/** Reads and validates a config file, uncompiled (a reload's thread does this: load-worker.ts). */
+export function readConfigFile(path: string, setting?: string, options: ConfigOptions = {}): ConfigFile {
   let text: string;
   try {
     text = readFileSync(path, 'utf8');
@@ -483,5 +499,5 @@ export function loadConfigFile(path: string, redisKeyPrefix?: string, setting?: 
     error.message = `${error.source}: ${why}`; // one line: there is no content to list problems in
     throw error;
   }
-  return compileConfig(parseConfigText(text, path, options), redisKeyPrefix);
+  return parseConfigText(text, path, options);
 }

@@ -45,6 +45,8 @@ export interface PublicParts {
   tracing?: RequestTracing;
   /** The key registry, with KEY_STORE=redis: keys beyond the config file's. */
   keys?: KeyRegistry;
+  /** Told of each key refused as unknown (KEY_STORE=file: auth/registry-unread.ts). */
+  unknownKey?: () => void;
   /** The usage portal's parts, with Redis; without, /portal says it needs Redis. */
   portal?: PortalParts;
   /** Run when the app closes: what the wiring started for it. */
@@ -106,7 +108,7 @@ export async function buildPublicApp(settings: PublicSettings, parts: PublicPart
   const { store, tracing, metrics } = parts;
   // Answers without fastify's hooks (framework errors, raw sockets) get their span where their access line is written.
   const record = tracing ? tracing.recording(parts.access.record) : parts.access.record;
-  const pipeline = requestPipeline(store, parts.config, record, parts.keys);
+  const pipeline = requestPipeline(store, parts.config, record, parts.keys, parts.unknownKey);
   const raw: RawDeps = {
     admitAddress: async (address) => admit(store, parts.config().addressSubject(address)),
     record,

@@ -1,7 +1,7 @@
 import type { Span } from '@opentelemetry/api';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import type { AccessEntry, AccessOutcome } from '../observability/access-log.js';
-import { authenticate, type KeyLookup } from '../auth/authenticate.js';
+import { authenticate, isUnknownKey, type KeyLookup } from '../auth/authenticate.js';
 import type { Consumer, GatewayConfig } from '../config/config.js';
 import { corsHeaders, preflight } from './cors.js';
 import { rawHeaders } from './reply-headers.js';
@@ -185,11 +185,15 @@ function authenticated(
   reply: FastifyReply,
   ctx: RequestContext,
   who: Consumer | GatewayError,
+  unknownKey?: () => void,
 ): Promise<FastifyReply | void> | undefined {
   // A key the registry could not be asked about (503): Redis is not answering, and the address's
   // quota would wait on it a second time; a key refused (401) is counted against its address.
   if (who instanceof GatewayError && who.status === 503) throw who;
-  if (who instanceof GatewayError) return admitByAddress(store, request, reply, who);
+  if (who instanceof GatewayError) {
+    if (unknownKey && isUnknownKey(who)) unknownKey();
+    return admitByAddress(store, request, reply, who);
+  }
   ctx.consumer = who;
   if (isUsagePath(request.url)) return ownRoute(store, request, reply, USAGE_ROUTE.id);
   const route = matchRoute(request.method, request.url);
@@ -215,6 +219,8 @@ export function requestPipeline(
   config: () => GatewayConfig,
   record: (reqId: string, entry: AccessEntry) => void,
   keys?: KeyLookup,
+  /** Told of each key refused as unknown: with KEY_STORE=file, whether a registry it does not read exists (auth/registry-unread.ts). */
+  unknownKey?: () => void,
 ) {
   /** The pipeline itself: throws its refusal; a promise only where it waits (Redis, or the rarer paths). */
   function steps(request: FastifyRequest, reply: FastifyReply): Promise<FastifyReply | void> | undefined {
@@ -233,8 +239,8 @@ export function requestPipeline(
     }
     // Authentication first, for every other path: a caller without a valid key learns nothing of routes.
     const who = bad ?? authenticate(request.headers.authorization, ctx.config, request.raw.socket, keys);
-    if (who instanceof Promise) return who.then((found) => authenticated(store, request, reply, ctx, found));
-    return authenticated(store, request, reply, ctx, who);
+    if (who instanceof Promise) return who.then((found) => authenticated(store, request, reply, ctx, found, unknownKey));
+    return authenticated(store, request, reply, ctx, who, unknownKey);
   }
 
   /**

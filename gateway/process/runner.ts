@@ -7,7 +7,7 @@ import type { GatewayConfig } from '../config/config.js';
 import { type GatewaySettings, redisTarget } from '../config/settings.js';
 import { type AdminPortParts, buildAdminPort, buildGateway, type Gateway, reloadCheck } from '../app.js';
 import { type ReloadCheck, reloader, watchConfig } from './config-watch.js';
-import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient } from '../redis/client.js';
+import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient, warnUntilAnswered } from '../redis/client.js';
 
 // The one start sequence of a gateway process, as envoy's runner.go: connect Redis, build the
 // gateway and its admin port, wait for Redis, take reloads, stop on signals, listen. A single
@@ -105,15 +105,19 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
     : undefined;
   if (!redis) log.warn('REDIS_URL is not set: quotas are kept in this process only, so limits are per gateway process');
   await awaitRedis(redis, log);
+  // Said again until Redis answers, by the deployment's process (a single one, or the cluster's primary).
+  const stopWarning = options.admin ? warnUntilAnswered(redis, log) : () => {};
   // Once per deployment process: a single one, or the cluster's primary (its workers serve no admin).
-  if (options.admin && redis?.status === 'ready') await warnIfNotKept(settings, initial, redis, log);
+  if (options.admin && redis?.status === 'ready') await warnIfNotKept(keptIn(settings, initial), redis, log);
   // Only where the file is watched: a worker takes the config its primary has checked.
   const check = options.reloads === 'file' ? reloadCheck(settings, redis, config) : undefined;
-  const stopReloads = takeReloads(settings, options, setConfig, log, check);
+  const apply = options.admin && redis ? warningOnReload(settings, config, setConfig, redis, log) : setConfig;
+  const stopReloads = takeReloads(settings, options, apply, log, check);
 
   const close = async (redisClose: 'quit' | 'now' = 'quit') => {
     closing = true;
     stopReloads();
+    stopWarning();
     let cut = false;
     if (gateway) cut = await closeServer(gateway.app, settings.shutdownGraceMs);
     if (options.drain) cut = (await options.drain(log)) || cut;
@@ -143,12 +147,33 @@ function ready(
   announceReady();
 }
 
-/** A warning when Redis keeps nothing on disk and holds what a restart must not lose: credits, registry keys. */
-async function warnIfNotKept(settings: GatewaySettings, initial: GatewayConfig, redis: RedisClient, log: FastifyBaseLogger) {
-  const kept = [
-    ...([...initial.accounts.values()].some((s) => s.billing.credits) ? ['credits'] : []),
+/** What this config has Redis keep that a restart must not lose: credits, registry keys, usage events not yet exported. */
+function keptIn(settings: GatewaySettings, config: GatewayConfig): string[] {
+  return [
+    ...([...config.accounts.values()].some((s) => s.billing.credits) ? ['credits'] : []),
     ...(settings.keyStore === 'redis' ? ['registry keys'] : []),
+    ...(config.usageExport ? ['usage export'] : []),
   ];
+}
+
+/** `apply`, then the persistence warning if the new config adds what Redis must keep: the README adds credits to a running gateway. */
+function warningOnReload(
+  settings: GatewaySettings,
+  config: () => GatewayConfig,
+  apply: (next: GatewayConfig) => void,
+  redis: RedisClient,
+  log: FastifyBaseLogger,
+) {
+  return (next: GatewayConfig) => {
+    const before = keptIn(settings, config());
+    apply(next);
+    const now = keptIn(settings, next);
+    if (now.some((k) => !before.includes(k))) void warnIfNotKept(now, redis, log);
+  };
+}
+
+/** A warning when Redis keeps nothing on disk and holds what a restart must not lose (`kept`). */
+async function warnIfNotKept(kept: string[], redis: RedisClient, log: FastifyBaseLogger) {
   if (kept.length === 0) return;
   const problem = await persistenceProblem(redis, kept).catch(
     (err: Error) => `could not check that Redis keeps ${kept.join(' and ')} on disk: ${err.message}`,

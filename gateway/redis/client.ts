@@ -295,6 +295,41 @@ export async function awaitRedis(redis: RedisClient | undefined, log: FastifyBas
     );
 }
 
+/** How often the start's warning is said again while Redis has never answered: a line at boot scrolls away. */
+export const UNANSWERED_EVERY_MS = 5000;
+
+/**
+ * After awaitRedis: while this Redis has never answered since start (a refused connection, a
+ * service that is not Redis, a refused login), says so again every `everyMs`, naming the
+ * address as the settings give it; stops at the first probe let through (probeAccess). Returns the stop.
+ */
+export function warnUntilAnswered(redis: RedisClient | undefined, log: FastifyBaseLogger, everyMs = UNANSWERED_EVERY_MS): () => void {
+  if (!redis || (redis.status === 'ready' && !refusals.has(redis))) return () => {};
+  const since = Date.now();
+  const timer = setInterval(() => {
+    const why = refusals.get(redis) ?? lastErrors.get(redis) ?? `not connected (${redis.status})`;
+    const seconds = Math.round((Date.now() - since) / 1000);
+    log.warn(
+      `${redisWhere(redis)} has not answered since start (${seconds} s ago): ${refusal(why) ?? why}; is Redis running there, and is ${settingOf(redis)} right? Until it answers, each instance counts alone, from its share of the quota`,
+    );
+  }, everyMs).unref();
+  const stop = () => {
+    clearInterval(timer);
+    redis.off('ready', onReady);
+  };
+  // A connection is not yet an answer: an HTTP server accepts it too, and a login may be refused.
+  const onReady = () => {
+    void probeAccess(redis).then((problem) => {
+      if (problem !== undefined) return;
+      stop();
+      log.info(`${redisWhere(redis)} answered, ${Math.round((Date.now() - since) / 1000)} s after start`);
+    });
+  };
+  redis.on('ready', onReady);
+  if (redis.status === 'ready') onReady();
+  return stop;
+}
+
 /** Resolves when the client is ready, fails an attempt, or after `ms`. */
 function firstOutcome(redis: RedisClient, ms: number): Promise<void> {
   return new Promise<void>((resolve) => {
@@ -340,6 +375,7 @@ export async function persistenceProblem(redis: RedisClient, kept: string[] = ['
 const LOSSES: Record<string, string> = {
   credits: 'every credit balance, top-up and ledger entry',
   'registry keys': 'every key of the key registry (its clients are then told their key is unknown)',
+  'usage export': 'the usage events not yet exported to the billing sink',
 };
 
 export const LATE = Symbol('late');

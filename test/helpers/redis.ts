@@ -3,10 +3,20 @@ import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'nod
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { Redis, type RedisOptions } from 'ioredis';
 import { scaled } from './budget.js';
 import { freePort, waitForPort } from './net.js';
 import type { RedisTls } from './private-ca.js';
 import { spawnOwned } from './processes.js';
+
+/**
+ * A plain ioredis client for a test's own reads and writes. Its connection errors (a Redis the
+ * test stops, freezes or never started) are heard here: the calls' own rejections tell the test,
+ * and unheard, ioredis prints every failed reconnect as "[ioredis] Unhandled error event".
+ */
+export function testClient(url: string, options: RedisOptions = {}): Redis {
+  return new Redis(url, options).on('error', () => {});
+}
 
 // Every redis-server here runs with --set-proc-title no: Redis writes its title over its argv and
 // environment, and with it the mark processes.ts finds a test's processes by.
@@ -84,6 +94,8 @@ const cliAs =
     execFileSync('redis-cli', ['-h', '127.0.0.1', '-p', String(port), ...cliLogin(password, tls), ...args], {
       encoding: 'utf8',
       timeout: 10_000,
+      // Its stderr kept with the error, not printed: a node not up yet is waited for, not news.
+      stdio: ['ignore', 'pipe', 'pipe'],
     }).trim();
 const cli = cliAs(undefined);
 

@@ -11,7 +11,7 @@ import { Sweep } from '../../gateway/usage/sweep.js';
 import { makeKey, type TestKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
-import { spawnCluster, spawnRedis } from '../helpers/redis.js';
+import { spawnCluster, spawnRedis, testClient } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 
@@ -57,7 +57,7 @@ describe('idle export and alert loops', () => {
       alerts: { url: receiver, secret: SECRET, thresholds: [0.5] },
     });
     const gw = await buildTestGateway({ config, redis: server.url });
-    const redis = new Redis(server.url);
+    const redis = testClient(server.url);
     onTestFinished(async () => {
       await redis.quit();
     });
@@ -185,7 +185,7 @@ describe('an account whose mark was lost', () => {
 
 describe('the sweep', () => {
   it("goes on from where it was when keys are issued: its place is kept below the walk's length", async () => {
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     onTestFinished(async () => {
       await redis.quit();
     });
@@ -222,7 +222,7 @@ describe('the sweep', () => {
 
 describe('the active index', () => {
   it('keeps an account marked after its score was read, whatever the leader does with what it read', async () => {
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     onTestFinished(async () => {
       await redis.quit();
     });

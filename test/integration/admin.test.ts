@@ -1,12 +1,11 @@
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { Validator } from '@seriousme/openapi-schema-validator';
-import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { parseConfigText } from '../../gateway/config/config.js';
 import { makeKey, type TestKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway, type TestGatewayOptions } from '../helpers/gateway.js';
-import { spawnRedis } from '../helpers/redis.js';
+import { spawnRedis, testClient } from '../helpers/redis.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
 
 // The admin surface (health, readiness, metrics, key usage) and the access log, through the
@@ -406,7 +405,7 @@ describe('a frozen Redis', () => {
     expect(await metrics(gw)).toMatch(/^gateway_quota_store_degraded 0$/m);
     const res = await gw.call('/v1/pets', spare.key);
     expect(res.status).toBe(200);
-    const check = new Redis(redis.url);
+    const check = testClient(redis.url);
     try {
       expect(await check.hget(redisKey(gw, spare.id), 'dc')).toBe('1'); // counted in Redis, not in this process
     } finally {
@@ -504,7 +503,7 @@ describe('a frozen Redis', () => {
       redis.proc.kill('SIGCONT');
     }
     await eventually(() => !gw.gateway.store.degraded, 5000, 'back on Redis');
-    const check = new Redis(redis.url);
+    const check = testClient(redis.url);
     try {
       // The woken scripts changed nothing; the three admitted meanwhile were written back, once.
       expect(await check.hget(redisKey(gw, k.id), 'dc')).toBe('4');

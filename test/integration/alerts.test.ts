@@ -1,6 +1,5 @@
 import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
-import { Redis } from 'ioredis';
 import { Webhook } from 'standardwebhooks';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
@@ -8,6 +7,7 @@ import { defineCursorScripts, moveAlertsCursor } from '../../gateway/usage/curso
 import { call, makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildInstances, type TestGateway } from '../helpers/gateway.js';
 import { eventually } from '../helpers/time.js';
+import { testClient } from '../helpers/redis.js';
 
 // Threshold alerts: each crossing fires once per account, window, period and threshold across
 // instances racing, a top-up that lifts the balance back resolves it, and every webhook is
@@ -106,7 +106,7 @@ describe('threshold alerts across three instances', () => {
 
 describe("a stale dispatcher's alerts cursor move", () => {
   it('is refused for an older fencing token or an older cursor', async () => {
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     defineCursorScripts(redis);
     const name = `${uniquePrefix()}:{k:acct}`;
     const [a, b] = [

@@ -1,5 +1,4 @@
 import { readFileSync } from 'node:fs';
-import { Redis } from 'ioredis';
 import { parseList } from 'structured-headers';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
@@ -8,6 +7,7 @@ import { call, makeKey, redisKeyOf, type TestKey, testConfig } from '../helpers/
 import { buildInstances, buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
 import { eventually } from '../helpers/time.js';
+import { testClient } from '../helpers/redis.js';
 
 // Billing periods, prepaid credits and overage, decided in quota.lua: exact across three
 // instances of one deployment at the shipped settings (leases on), with Redis's own time.
@@ -268,7 +268,7 @@ describe('periods that did not follow on', () => {
 
 describe('billing.lua', () => {
   it('computes the same periods in Redis as period.ts does with JavaScript dates, for every day of eight years', async () => {
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     try {
       const lua = readFileSync(new URL('../../gateway/quota/redis/billing.lua', import.meta.url), 'utf8');
       const from = Date.UTC(2024, 0, 1);

@@ -7,7 +7,7 @@ import { describe, expect, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { BUDGET, scaled, timeoutFor } from '../helpers/budget.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
-import { makeKey, testConfig } from '../helpers/config.js';
+import { makeKey, tempDir, testConfig, writeConfig } from '../helpers/config.js';
 import { freePort, waitForPort } from '../helpers/net.js';
 import { spawnOwned } from '../helpers/processes.js';
 import { spawnCluster, spawnSentinels } from '../helpers/redis.js';
@@ -119,6 +119,32 @@ describe('top-ups that survive', () => {
     const kept = await ownRedis('--appendonly', 'yes', '--save', '');
     const safe = await buildTestGateway({ config, redis: kept.url, admin: { token: TOKEN } });
     expect(safe.logs.filter((l) => String(l.msg).includes('on disk'))).toEqual([]);
+  });
+
+  it('warns again on a reload that adds credits or usage export, not on one that adds neither', async () => {
+    const { dir, cleanup } = tempDir();
+    onTestFinished(cleanup);
+    const file = join(dir, 'gateway.yaml');
+    const { config: withCredits } = creditsConfig();
+    const plain = { ...withCredits, plans: { topups: { perMinute: 100_000, perDay: 1_000_000 } } };
+    // The suite's Redis runs with --save '' --appendonly no; nothing it must keep at boot.
+    const gw = await buildTestGateway({ config: plain, configFile: file, admin: { token: TOKEN } });
+    const bare = () => gw.logs.filter((l) => String(l.msg).includes('keeps nothing on disk')).map((l) => String(l.msg));
+    const reloaded = async (config: ConfigFile, n: number) => {
+      writeConfig(file, config);
+      await eventually(() => gw.logs.filter((l) => l.msg === 'config reloaded').length === n, BUDGET.change, `reload ${n}`);
+    };
+    expect(bare()).toEqual([]);
+    await reloaded(withCredits, 1);
+    await eventually(() => bare().length === 1, BUDGET.change, 'the credits warning');
+    expect(bare()[0]).toMatch(/loses every credit balance.*set appendonly yes/);
+    await reloaded({ ...withCredits, unauthenticated: { perMinute: 5 } }, 2); // adds nothing Redis must keep
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    await reloaded({ ...withCredits, usage: { export: { url: sink.url, maxEvents: 1000, batchSize: 50 } } }, 3);
+    await eventually(() => bare().length === 2, BUDGET.change, 'the usage export warning');
+    // Reload 2's check, had there been one, ran before reload 3's: two warnings, not three.
+    expect(bare()[1]).toMatch(/loses every credit balance, top-up and ledger entry and the usage events not yet exported/);
   });
 
   it('a Redis restarted from its AOF keeps every acknowledged top-up', { timeout: scaled(60_000) }, async () => {

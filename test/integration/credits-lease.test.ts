@@ -14,6 +14,7 @@ import { call, makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '.
 import { startProcess } from '../helpers/processes.js';
 import { BUDGET, timeoutFor } from '../helpers/budget.js';
 import { eventually } from '../helpers/time.js';
+import { testClient } from '../helpers/redis.js';
 
 // Credits at lease speed, exact: a lease reserves its credits from the balance in the same
 // script (at most 1% of the balance), its holder spends them locally and gives back what it did
@@ -37,7 +38,7 @@ const subject = (grant: number): QuotaSubject => ({
 
 let redis: Redis;
 beforeAll(() => {
-  redis = new Redis(inject('redisUrl'), { enableOfflineQueue: true });
+  redis = testClient(inject('redisUrl'), { enableOfflineQueue: true });
 });
 afterAll(() => redis.quit());
 
@@ -233,7 +234,7 @@ describe('a gateway process killed holding a credit lease', () => {
 describe('a key with credits and usage export, leased', () => {
   const both = (): QuotaSubject => ({ ...subject(2000), events: 10_000 });
   const scripts = () => {
-    const r = redis.duplicate();
+    const r = redis.duplicate().on('error', () => {});
     onTestFinished(() => r.quit().then(() => undefined));
     defineScripts(r);
     return r as unknown as Record<'quota' | 'usagebatch', (...args: Array<string | number>) => Promise<unknown>>;

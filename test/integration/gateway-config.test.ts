@@ -1,6 +1,5 @@
 import { readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import { type EchoBackend, echoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, writeConfig } from '../helpers/config.js';
@@ -9,6 +8,7 @@ import { BUDGET, scaled } from '../helpers/budget.js';
 import { runToEnd } from '../helpers/processes.js';
 import { startGateway, startStack } from '../helpers/stack.js';
 import { eventually, inOneMinute, sleep } from '../helpers/time.js';
+import { testClient } from '../helpers/redis.js';
 
 /** The compiled keys command, as `npm run keys` and the images run it (README, compose). */
 const KEYS_CLI = 'dist/gateway/auth/cli.js';
@@ -55,7 +55,7 @@ describe('the keys command and hot reload', () => {
     const res = await call(`${stack.gateway.url}/v1/pets`, key);
     expect(res.headers.get('x-ratelimit-limit')).toBe('300');
     // The reloaded config still counts under the process's REDIS_KEY_PREFIX, by key id.
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     try {
       // Two requests; leases of 3 (1% of pro's 300 a minute): the first takes one, the second
       // hands out the second unit of it, and the next lease is then taken ahead: 6 counted.
@@ -127,7 +127,7 @@ describe('the keys command and hot reload', () => {
       const fresh = lastLine(rotated);
       await eventually(async () => (await status(fresh)) === 200, 5000, 'the new key accepted');
       expect(await status(old)).toBe(200); // within the grace
-      const redis = new Redis(inject('redisUrl'));
+      const redis = testClient(inject('redisUrl'));
       try {
         // One quota for both: 2 requests with the old key and 1 or more with the new, counted together.
         expect(Number(await redis.hget(`${stack.env.REDIS_KEY_PREFIX}:production:{k:solo}`, 'dc'))).toBeGreaterThanOrEqual(3);

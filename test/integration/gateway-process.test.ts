@@ -4,8 +4,11 @@ import { echoBackend } from '../helpers/backends.js';
 import { call, makeKey, testConfig } from '../helpers/config.js';
 import { freePort } from '../helpers/net.js';
 import { startProcess } from '../helpers/processes.js';
+import { spawnRedis } from '../helpers/redis.js';
 import { startStack } from '../helpers/stack.js';
 import { eventually } from '../helpers/time.js';
+import { scaled, timeoutFor } from '../helpers/budget.js';
+import { UNANSWERED_EVERY_MS } from '../../gateway/redis/client.js';
 
 // What needs a gateway process: signals and graceful shutdown, and LOG_PRETTY output of the
 // process. (Everything else about the gateway runs in-process: admin.test.ts and the others.)
@@ -132,5 +135,29 @@ describe('Redis down at boot', () => {
     const failed = await stack.gateway.waitForLog((l) => String(l.msg).startsWith('quota store: Redis failed'));
     expect(failed.reason).toBe(where);
     expect(stack.gateway.output()).not.toMatch(/\n\s+at |"stack"/); // no stack trace anywhere
+  });
+
+  it('says so again every few seconds, at the address as typed, until Redis answers; then stops', {
+    timeout: timeoutFor(3 * UNANSWERED_EVERY_MS),
+  }, async () => {
+    const k = makeKey('free');
+    const echo = await echoBackend();
+    onTestFinished(() => echo.close());
+    const port = await freePort(); // nothing listens here yet
+    // localhost, not 127.0.0.1: the line names the address as the user typed it.
+    const stack = await startStack(testConfig([k]), { REDIS_URL: `redis://localhost:${port}` }, echo.url);
+    onTestFinished(() => stack.stop());
+    const { gateway } = stack;
+    const again = (l: Record<string, unknown>) => String(l.msg).startsWith(`Redis at localhost:${port} has not answered since start`);
+    const first = await gateway.waitForLog(again, 2 * UNANSWERED_EVERY_MS);
+    expect(first.msg).toMatch(/ECONNREFUSED.*is Redis running there, and is REDIS_URL right\?/);
+    const redis = await spawnRedis({ at: port });
+    onTestFinished(() => redis.stop());
+    await gateway.waitForLog((l) => String(l.msg).startsWith(`Redis at localhost:${port} answered`), 2 * UNANSWERED_EVERY_MS);
+    const said = gateway.logs.filter(again).length;
+    // Nothing to await for a line that must not come: one period and a margin, by the clock.
+    await new Promise((r) => setTimeout(r, UNANSWERED_EVERY_MS + scaled(1000)));
+    expect(gateway.logs.filter(again)).toHaveLength(said);
+    expect((await call(`${gateway.url}/v1/pets`, k.key)).status).toBe(200);
   });
 });

@@ -1,6 +1,5 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
-import { Redis } from 'ioredis';
 import { describe, expect, inject, it } from 'vitest';
 import { loadSettings } from '../../gateway/config/settings.js';
 import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
@@ -10,6 +9,7 @@ import { makeKey, redisKeyOf, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway, useTestGateway } from '../helpers/gateway.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
+import { testClient } from '../helpers/redis.js';
 
 // The hour window as clients meet it, through the in-process gateway: on real Redis (quota.lua)
 // and on the in-process store. A run within one UTC minute is within one UTC hour.
@@ -140,7 +140,7 @@ describe('the hour window and leases (Redis store, at the shipped QUOTA_LEASE_MA
   it('admits exactly the hour across two instances taking leases: no lease reaches past the hour', async () => {
     // A minute far above the hour, so only the hour bounds the leases (leaseSize: 1% of 251, 2 units).
     const limits = { perMinute: 10_000, perHour: 251, perDay: 1_000_000 }; // odd: leases of 2 would step over it
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     const stores = [0, 1].map(() => new RedisQuotaStore(redis, silent, { leaseMax: loadSettings({}).quotaLeaseMax }));
     try {
       await inOneMinute(async () => {

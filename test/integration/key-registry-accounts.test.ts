@@ -1,5 +1,4 @@
 import { join } from 'node:path';
-import { Redis } from 'ioredis';
 import lockfile from 'proper-lockfile';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import { keysCommand } from '../../gateway/auth/cli.js';
@@ -10,7 +9,7 @@ import type { ConfigFile } from '../../gateway/config/config.js';
 import { registryKeys } from '../../gateway/redis/keys.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { makeKey, type TestKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
-import { spawnRedis } from '../helpers/redis.js';
+import { spawnRedis, testClient } from '../helpers/redis.js';
 import { eventually } from '../helpers/time.js';
 
 // Issue 44's account and plan rules for the key registry (KEY_STORE=redis), through the keys
@@ -195,7 +194,7 @@ describe("an account's check at scale", () => {
   it('costs a create the same reads in an account of 5,000 keys as in one of one (it read every key of the account)', async () => {
     const own = await spawnRedis(); // its own Redis: the command counts are this test's alone
     onTestFinished(() => own.stop());
-    const client = new Redis(own.url);
+    const client = testClient(own.url);
     onTestFinished(() => client.disconnect());
     const config = testConfig([]);
     const prefix = `${uniquePrefix()}:production`;

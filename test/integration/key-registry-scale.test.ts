@@ -12,7 +12,7 @@ import { scaled } from '../helpers/budget.js';
 import { makeKey, tempDir, type TestKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { runToEnd } from '../helpers/processes.js';
-import { spawnCluster, spawnRedis } from '../helpers/redis.js';
+import { spawnCluster, spawnRedis, testClient } from '../helpers/redis.js';
 import { eventually } from '../helpers/time.js';
 
 // Keys at scale (issue 44): the admin list and `keys list` go a page at a time through either
@@ -143,7 +143,7 @@ describe('the keys command at scale', () => {
     writeFileSync(file, stringify(testConfig([inBoth, makeKey('free')])));
     const current = parseConfigText(readFileSync(file, 'utf8'), file);
     const prefix = uniquePrefix();
-    const client = new Redis(own.url);
+    const client = testClient(own.url);
     onTestFinished(() => client.disconnect());
     const registry = new RegistryKeys(client, () => current, deploymentPrefix(prefix, current.environment));
     await seed(registry, [...entries(150_000), { id: inBoth.id, hash: inBoth.hash, plan: 'free' }]);
@@ -183,7 +183,7 @@ describe('the keys command at scale', () => {
     };
     const { keys: made, environment } = parseConfigText(readFileSync(file, 'utf8').replace(/ {2}- \{ id: Bad.*\n/, ''), file);
     const prefix = uniquePrefix();
-    const client = new Redis(inject('redisUrl'));
+    const client = testClient(inject('redisUrl'));
     onTestFinished(() => client.disconnect());
     const registry = new RegistryKeys(client, () => ({ plans: {}, environment }), deploymentPrefix(prefix, environment));
     await registry.add(made.find((k) => k.id === 'same')!);

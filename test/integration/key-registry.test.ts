@@ -247,3 +247,36 @@ describe('the key registry', () => {
     expect(fileOnly.stdout).toMatch(/only-in-registry\s/);
   });
 });
+
+describe('a gateway whose key store is the file, beside a registry in its Redis', () => {
+  it('refuses a registry key with a log line naming the store it asked and KEY_STORE=redis; unknown keys then ask Redis nothing', async () => {
+    const own = await spawnRedis(); // its own Redis: the commands counted are this test's alone
+    onTestFinished(() => own.stop());
+    const config = testConfig([], { unauthenticated: { perMinute: 1000 } }); // room for the flood on the per-address quota
+    const redisKeyPrefix = uniquePrefix();
+    // The shipped KEY_STORE (file), started before the registry holds a key, as in the walkthrough.
+    const fileGw = await buildTestGateway({ config, redis: own.url, redisKeyPrefix });
+    const registry = await buildTestGateway({
+      config,
+      redis: own.url,
+      redisKeyPrefix,
+      admin: { token: TOKEN },
+      settings: { keyStore: 'redis' },
+    });
+    const { key } = await issue(registry, { plan: 'free' });
+    const said = (l: Record<string, unknown>) => l.keyStore === 'file' && /KEY_STORE=redis/.test(String(l.msg));
+    // Asked again at most once a second after an unknown key: the first 401s may come before.
+    await eventually(async () => (await statusOn(fileGw, key)) === 401 && fileGw.logs.some(said), 5000, 'the 401 explained');
+    expect(fileGw.logs.find(said)!.msg).toBe(
+      `an API key unknown to the config file was refused (401): KEY_STORE=file, so only the file's keys were asked, and the key registry in Redis at 127.0.0.1:${new URL(own.url).port} holds keys this gateway does not read; start it with KEY_STORE=redis to accept them`,
+    );
+    expect(JSON.stringify(fileGw.logs)).not.toContain(key); // never the plain key
+    const probe = new Redis(own.url).on('error', () => {});
+    onTestFinished(() => probe.disconnect());
+    const checks = async () => Number((await probe.info('commandstats')).match(/cmdstat_zcard:calls=(\d+)/)?.[1] ?? 0);
+    const before = await checks();
+    for (let i = 0; i < 100; i++) expect(await statusOn(fileGw, generateKey('production').key)).toBe(401);
+    expect(await checks()).toBe(before); // known to hold keys: no call per unknown key
+    expect(fileGw.logs.filter(said)).toHaveLength(1); // and a line a minute at most
+  });
+});

@@ -1,5 +1,4 @@
 import { connect, createServer, type Server, type Socket } from 'node:net';
-import { Redis } from 'ioredis';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import { buildTestGateway } from '../helpers/gateway.js';
 import { makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
@@ -11,6 +10,7 @@ import { loadSettings } from '../../gateway/config/settings.js';
 import { commandTimeoutFor } from '../../gateway/redis/client.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
 import { defineScripts, quotaArgs, quotaReply, refundArgs, resolvedFrom } from '../../gateway/quota/redis/script.js';
+import { testClient } from '../helpers/redis.js';
 
 /** The shipped settings: the gateway below runs at them. */
 const shipped = loadSettings({});
@@ -88,7 +88,7 @@ describe('a quota reply lost or late', () => {
       }),
       redis: proxy.url,
     });
-    const direct = new Redis(inject('redisUrl'));
+    const direct = testClient(inject('redisUrl'));
     onTestFinished(() => direct.disconnect());
     const credits = `${gw.gateway.config().accounts.get('lossy')!.name}:credits`;
     const balance = async () => {
@@ -144,7 +144,7 @@ describe('a quota reply lost or late', () => {
 // resend against the store's settle on purpose.
 describe('a call settled without its reply', () => {
   it('is a tombstone: the same call sent again changes nothing, and a second settle refunds nothing', async () => {
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     onTestFinished(() => redis.disconnect());
     defineScripts(redis);
     const scripts = redis as unknown as Record<'quota' | 'refund', (...args: Array<string | number>) => Promise<unknown>>;

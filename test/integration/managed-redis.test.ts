@@ -3,14 +3,13 @@ import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { performance } from 'node:perf_hooks';
-import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { echoBackend } from '../helpers/backends.js';
 import { call, makeKey, type TestKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
 import { freePort } from '../helpers/net.js';
 import { privateCa } from '../helpers/private-ca.js';
 import { type Started, startProcess } from '../helpers/processes.js';
-import { spawnCluster, spawnRedis, spawnSentinels } from '../helpers/redis.js';
+import { spawnCluster, spawnRedis, spawnSentinels, testClient } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
 import { startStack } from '../helpers/stack.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
@@ -272,7 +271,7 @@ describe('TLS with a private CA, and an ACL user', () => {
     expect([...said]).toEqual([expect.stringMatching(/^Not ready: redis: refused: WRONGPASS .*; each instance counts alone meanwhile$/)]);
     // A refused login is tried again at the backoff's longest wait (2 s), not ten times a second:
     // three more logins take two waits at least. Counted on one connection of the test's own.
-    const watcher = new Redis(`redis://:${admin}@127.0.0.1:${port}`);
+    const watcher = testClient(`redis://:${admin}@127.0.0.1:${port}`);
     onTestFinished(() => watcher.disconnect());
     const logins = async () => Number(/total_connections_received:(\d+)/.exec(await watcher.info('stats'))![1]);
     const first = await logins();

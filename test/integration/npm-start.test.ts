@@ -2,7 +2,6 @@ import { execFileSync, spawnSync } from 'node:child_process';
 import { existsSync, mkdirSync, readFileSync, realpathSync, utimesSync, writeFileSync } from 'node:fs';
 import { createInterface } from 'node:readline';
 import { join, resolve } from 'node:path';
-import { Redis } from 'ioredis';
 import { describe, expect, inject, it } from 'vitest';
 import { SERVICES } from '../../runtime/services.js';
 import { call, makeKey, redisKeyOf, tempDir, testConfig, writeConfig } from '../helpers/config.js';
@@ -12,6 +11,7 @@ import { freePort, waitForPort } from '../helpers/net.js';
 import { timeoutFor } from '../helpers/budget.js';
 import { killGroup, runToEnd, spawnOwned, startProcess } from '../helpers/processes.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
+import { testClient } from '../helpers/redis.js';
 
 const ROOT = resolve(import.meta.dirname, '../..');
 
@@ -181,7 +181,7 @@ describe('secrets in Redis', () => {
     }, gw.freshCounters);
     const nearMiss = `${k.key.slice(0, -1)}${k.key.endsWith('Z') ? 'Y' : 'Z'}`; // never the key itself
     expect((await gw.call('/v1/pets', nearMiss)).status).toBe(401); // a near miss, counted by address
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     try {
       const config = gw.gateway.config();
       // Every name in the Redis the tests share, whichever gateway wrote it: none may hold the key.

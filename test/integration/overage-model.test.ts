@@ -6,6 +6,7 @@ import type { EventTag, QuotaSubject } from '../../gateway/quota/decision.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
 import { bundleEvents } from '../../gateway/usage/events.js';
 import { LeasingInstance } from '../helpers/lease-instance.js';
+import { testClient } from '../helpers/redis.js';
 
 // Overage is billed for units delivered past the quota, whatever happens to leases: three
 // instances on one real Redis take leases, hand them out, let them lapse, give them back,
@@ -50,7 +51,7 @@ const steps = fc.array(
 
 let redis: Redis;
 beforeAll(() => {
-  redis = new Redis(inject('redisUrl'), { enableOfflineQueue: true });
+  redis = testClient(inject('redisUrl'), { enableOfflineQueue: true });
 });
 afterAll(() => redis.quit());
 

@@ -13,6 +13,7 @@ import { type QuotaStore, QuotaStoreUnavailable } from '../../gateway/quota/stor
 import { quotaArg, writeBackArgs } from '../../gateway/quota/redis/script.js';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
+import { testClient } from '../helpers/redis.js';
 
 const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
 const bans = { afterRejected: 3, withinMs: 60_000, durationMs: 900_000 };
@@ -38,7 +39,7 @@ async function outcomes(store: QuotaStore, s: QuotaSubject, n: number): Promise<
 
 let redis: Redis;
 beforeAll(async () => {
-  redis = new Redis(inject('redisUrl'), { enableOfflineQueue: true });
+  redis = testClient(inject('redisUrl'), { enableOfflineQueue: true });
 });
 afterAll(() => redis.quit());
 
@@ -299,7 +300,7 @@ describe('redis store', () => {
 
   it('admits exactly the limit under concurrent load from several clients', async () => {
     await inOneMinute(async () => {
-      const clients = [0, 1, 2].map(() => new Redis(inject('redisUrl')));
+      const clients = [0, 1, 2].map(() => testClient(inject('redisUrl')));
       const stores = clients.map((c) => new RedisQuotaStore(c, silent));
       const s = subject(50, 1000, false);
       const results = await Promise.all(Array.from({ length: 300 }, (_, i) => stores[i % 3]!.consume(s)));
@@ -310,7 +311,7 @@ describe('redis store', () => {
 
   it('answers a known ban without a round trip, and another instance learns it from Redis', async () => {
     await inOneMinute(async () => {
-      const own = new Redis(inject('redisUrl'));
+      const own = testClient(inject('redisUrl'));
       const store = new RedisQuotaStore(own, silent);
       const s = subject(1, 100);
       expect(await outcomes(store, s, 5)).toContain('banned');
@@ -325,7 +326,7 @@ describe('redis store', () => {
 
   it('asks Redis again about a ban once a second, one request at a time, and keeps it if Redis fails meanwhile', async () => {
     await inOneMinute(async () => {
-      const own = new Redis(inject('redisUrl'), { enableOfflineQueue: false });
+      const own = testClient(inject('redisUrl'), { enableOfflineQueue: false });
       await eventually(() => own.status === 'ready');
       let skew = 0; // this instance's clock, moved on instead of waiting a second
       const clock = { wall: () => Date.now() + skew, mono: () => performance.now() + skew };
@@ -373,7 +374,7 @@ describe('redis store', () => {
   });
 
   it('logs and counts a refund Redis does not take: the request stays counted', async () => {
-    const own = new Redis(inject('redisUrl'), { enableOfflineQueue: false });
+    const own = testClient(inject('redisUrl'), { enableOfflineQueue: false });
     await eventually(() => own.status === 'ready');
     const warnings: unknown[][] = [];
     const log = { ...silent, warn: (...a: unknown[]) => warnings.push(a) } as unknown as FastifyBaseLogger;
@@ -582,7 +583,7 @@ describe('redis store with leases', () => {
 
   it('with steady traffic, only the first request waits on Redis: every later lease is taken ahead', async () => {
     await inOneMinute(async () => {
-      const client = new Redis(inject('redisUrl'));
+      const client = testClient(inject('redisUrl'));
       try {
         const store = leased(client);
         const calls = watchQuotaCalls(client);
@@ -608,7 +609,7 @@ describe('redis store with leases', () => {
 
   it('takes nothing ahead near the limit, and a lease taken ahead is never a refusal', async () => {
     await inOneMinute(async () => {
-      const client = new Redis(inject('redisUrl'));
+      const client = testClient(inject('redisUrl'));
       try {
         const store = leased(client);
         const calls = watchQuotaCalls(client);
@@ -661,7 +662,7 @@ describe('redis store with leases', () => {
 
   it('never admits past the limit across instances; what one holds is under-admission, not a loss', async () => {
     await inOneMinute(async () => {
-      const clients = [0, 1].map(() => new Redis(inject('redisUrl')));
+      const clients = [0, 1].map(() => testClient(inject('redisUrl')));
       try {
         const [a, b] = clients.map((c) => leased(c, 5));
         const s = subject(500, 100000, false); // leases of 5
@@ -696,7 +697,7 @@ describe('redis store with leases', () => {
 
   it('does not queue requests behind each other when no lease comes', async () => {
     await inOneMinute(async () => {
-      const client = new Redis(inject('redisUrl'));
+      const client = testClient(inject('redisUrl'));
       try {
         const store = leased(client);
         const calls = watchQuotaCalls(client);
@@ -718,7 +719,7 @@ describe('redis store with leases', () => {
 
 /** A client of a Redis that is not there (port 1): every call fails at once, never retried. */
 function unreachableRedis(): Redis {
-  return new Redis('redis://127.0.0.1:1', {
+  return testClient('redis://127.0.0.1:1', {
     enableOfflineQueue: false,
     maxRetriesPerRequest: 0,
     retryStrategy: () => null,

@@ -1,9 +1,8 @@
-import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { makeKey, redisKeyOf, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
-import { spawnRedis } from '../helpers/redis.js';
+import { spawnRedis, testClient } from '../helpers/redis.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
 import { scaled } from '../helpers/budget.js';
 
@@ -29,7 +28,7 @@ async function fleet(config: ConfigFile) {
   };
   await share();
   const counted = async (id: string, field: 'mc' | 'dc') => {
-    const check = new Redis(redis.url);
+    const check = testClient(redis.url);
     try {
       return Number(await check.hget(redisKeyOf(first.gateway.config(), id), field));
     } finally {

@@ -1,7 +1,6 @@
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { FastifyBaseLogger } from 'fastify';
-import { Redis } from 'ioredis';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { compileConfig, type ConfigFile, validateConfigFile } from '../../gateway/config/config.js';
 import { loadSettings } from '../../gateway/config/settings.js';
@@ -15,7 +14,7 @@ import { echoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildTestGateway } from '../helpers/gateway.js';
 import { startProcess } from '../helpers/processes.js';
-import { spawnRedis } from '../helpers/redis.js';
+import { spawnRedis, testClient } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually, sleep } from '../helpers/time.js';
 import { scaled } from '../helpers/budget.js';
@@ -48,7 +47,7 @@ interface Usage {
  * dies before closing it), which would blur "unsettled = the events lost" by that unit.
  */
 async function roomInTheMinute(url: string) {
-  const redis = new Redis(url);
+  const redis = testClient(url);
   const [s, us] = await redis.time();
   redis.disconnect();
   const left = 60_000 - ((Number(s) * 1000 + Math.floor(Number(us) / 1000)) % 60_000);
@@ -332,7 +331,7 @@ describe('a leased admission that fails after its event was written', () => {
       uniquePrefix(),
     );
     const subject = [...config.consumers.values()].find((c) => c.id === key.id)!.subject;
-    const conn = new Redis(redis.url);
+    const conn = testClient(redis.url);
     onTestFinished(() => conn.disconnect());
     const warnings: string[] = [];
     const log = { info: () => {}, error: () => {}, debug: () => {}, warn: (_: object, msg: string) => warnings.push(msg) };
@@ -347,7 +346,7 @@ describe('a leased admission that fails after its event was written', () => {
       marks: activityMarks(conn, () => config),
     });
     onTestFinished(() => store.close());
-    const exporting = new Redis(redis.url);
+    const exporting = testClient(redis.url);
     const exporter = new UsageExporter({
       redis: exporting,
       config: () => config,
@@ -404,7 +403,7 @@ describe('a leased admission that fails after its event was written', () => {
 
 /** Waits for the next minute on Redis's clock (the event a lease lapses on). */
 async function nextMinute(url: string) {
-  const redis = new Redis(url);
+  const redis = testClient(url);
   const [s, us] = await redis.time();
   redis.disconnect();
   await sleep(60_000 - ((Number(s) * 1000 + Math.floor(Number(us) / 1000)) % 60_000) + 50);

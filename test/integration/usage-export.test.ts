@@ -1,7 +1,6 @@
 import { execFileSync } from 'node:child_process';
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { loopKey, subjectKey } from '../../gateway/redis/keys.js';
@@ -13,7 +12,7 @@ import { call, makeKey, redisKeyOf, tempDir, testConfig, uniquePrefix } from '..
 import { buildInstances, buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { freePort, waitForPort } from '../helpers/net.js';
 import { spawnOwned, type Started, startProcess } from '../helpers/processes.js';
-import { spawnRedis } from '../helpers/redis.js';
+import { spawnRedis, testClient } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 
@@ -212,7 +211,7 @@ describe('usage export when the exporting gateway is killed mid-batch', () => {
     await eventually(() => sink.held.length > 0, 20_000, 'a batch held at the sink');
     // Leased admissions' events reach the stream in their instance's batches (within USAGE_BATCH_MS):
     // all of them written before the kill, so what this test loses is only the exporter's batch.
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     onTestFinished(() => void redis.quit());
     // The events the account's bundles took (usagebatch.lua's `badded`): none was sent yet.
     const cursor = `${env.REDIS_KEY_PREFIX}:production:{k:${key.id}}:events:cursor`;
@@ -266,7 +265,7 @@ describe('the usage exporter', () => {
     const config = gw.gateway.config();
     const name = redisKeyOf(config, key.id);
     // Ten events in the account's stream (a leased admission's layout) and the account marked, as a batch leaves them.
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     onTestFinished(() => void redis.quit());
     const data = JSON.stringify({
       requestId: 'r',
@@ -301,7 +300,7 @@ describe('a leading gateway that stops', () => {
       alerts: { url: receiver, secret, thresholds: [0.5] },
     });
     const [gw] = (await buildInstances(1, { config })).instances;
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     onTestFinished(() => void redis.quit());
     const locks = [exportLock(gw!), exportLock(gw!).replace('{usage-export}', '{alerts}')];
     await eventually(async () => (await redis.exists(...locks)) === 2, 15_000, 'both leads taken');
@@ -421,7 +420,7 @@ describe('a Redis that freezes during a round', () => {
 
 describe("a stale leader's cursor move", () => {
   it('is refused for an older fencing token or an older cursor, and counts nothing twice', async () => {
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     defineCursorScripts(redis);
     const name = `${uniquePrefix()}:{k:acct}`;
     const ids: string[] = [];
@@ -452,7 +451,7 @@ describe("a stale leader's cursor move", () => {
 
 describe("the bundles' cap and the exporter's move", () => {
   it('count a bundle the cap dropped after the leader read it once, as dropped: sent + pending + dropped = written', async () => {
-    const redis = new Redis(inject('redisUrl'));
+    const redis = testClient(inject('redisUrl'));
     onTestFinished(() => void redis.quit());
     defineCursorScripts(redis);
     defineScripts(redis);

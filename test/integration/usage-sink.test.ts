@@ -11,6 +11,7 @@ import { ALL_ACCEPTED, type Accepted, type UsageSink } from '../../gateway/usage
 import { loadSettings } from '../../gateway/config/settings.js';
 import { makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { eventually } from '../helpers/time.js';
+import { testClient } from '../helpers/redis.js';
 
 // The sink seam (usage/sink.ts): the exporter hands a second sink, our own, exactly the batches
 // it reads from real Redis streams, and moves no cursor past a batch the sink refused.
@@ -50,7 +51,7 @@ const plans: ConfigFile['plans'] = { metered: { perMinute: 100_000, perDay: 1_00
 
 let redis: Redis;
 beforeAll(() => {
-  redis = new Redis(inject('redisUrl'));
+  redis = testClient(inject('redisUrl'));
 });
 afterAll(() => redis.quit());
 
@@ -91,7 +92,7 @@ async function requests(d: ReturnType<typeof deployment>, n: number): Promise<st
 
 /** The exporter as the wiring builds it, with the test's sink, on a connection of its own. */
 function exporter(config: GatewayConfig, sink: UsageSink, log: FastifyBaseLogger) {
-  const own = new Redis(inject('redisUrl'));
+  const own = testClient(inject('redisUrl'));
   const counted = { exported: 0, failed: 0 };
   const metrics = {
     exported: (n: number) => void (counted.exported += n),

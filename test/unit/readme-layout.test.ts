@@ -58,6 +58,13 @@ const anchors = (md: string) =>
   );
 
 describe('README and docs/ links', () => {
+  it('the README stays a quick start: 250 lines at most, the two commands and the portal on its first screen', () => {
+    const lines = readFileSync('README.md', 'utf8').trimEnd().split('\n');
+    expect(lines.length).toBeLessThanOrEqual(250);
+    const first = lines.slice(0, 40).join('\n');
+    for (const seen of ['npm ci && npm start', 'npm test', '](docs/portal.png)', 'python3, make and g++']) expect(first).toContain(seen);
+  });
+
   it('link every docs/ file from the README', () => {
     expect(pages.length).toBeGreaterThan(5);
     const readme = readFileSync('README.md', 'utf8');
