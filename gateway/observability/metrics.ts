@@ -315,7 +315,7 @@ function exportMetrics(registers: Registry[]): { usage: ExportMetrics; webhooks:
   });
   const rejected = new Counter({
     name: 'gateway_usage_events_rejected_total',
-    help: 'Usage events a sink refused for good (a 4xx but 408, 409, 425, 429), set aside so the rest go on',
+    help: 'Usage events a sink refused for good (400, 413 or 422 for the event alone), set aside so the rest go on',
     registers,
   });
   const lag = new Gauge({

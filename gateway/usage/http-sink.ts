@@ -50,8 +50,13 @@ export class HttpCloudEventsSink implements UsageSink {
   }
 }
 
-/** A 4xx the same batch will get again: not a timeout (408), too early (425) or too many (429). */
-const isPermanent = (status: number) => status >= 400 && status < 500 && status !== 408 && status !== 425 && status !== 429;
+/**
+ * An answer about the events themselves, which the same batch gets again: malformed or refused
+ * (400, 422), a duplicate (409), too large (413). A 401, 403 or 404 is about the sink's setup
+ * (a token, a URL), fixed by its operator: retried like a 5xx, never a reason to set events aside.
+ */
+const PERMANENT = new Set([400, 409, 413, 422]);
+const isPermanent = (status: number) => PERMANENT.has(status);
 
 /** RFC 9110, section 10.2.3: delay-seconds or an HTTP-date. */
 export function retryAfterMs(value: string | null, now = Date.now()): number | undefined {

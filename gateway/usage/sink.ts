@@ -7,7 +7,7 @@ export type Accepted =
       accepted: 'none';
       reason: string;
       retryAfterMs?: number;
-      /** The sink's answer says the batch will never be taken as it is (a 4xx but 408, 425 and 429): it is split to find the event. */
+      /** The sink's answer is about the events (400, 409, 413, 422): the batch is split to find the one refused. */
       permanent?: { status: number };
     };
 
