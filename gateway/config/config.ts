@@ -4,7 +4,7 @@ import { Value } from '@sinclair/typebox/value';
 import { parse as parseYaml } from 'yaml';
 import { clientOf } from '../address.js';
 import { compileDeprecation, type Deprecation } from '../deprecation.js';
-import { type Billing, type Limits, NO_BILLING, type QuotaSubject } from '../quota/decision.js';
+import { type Billing, type Limits, NO_BILLING, type QuotaSubject, type ShortPolicies } from '../quota/decision.js';
 import { policyHeader } from '../quota/headers.js';
 import { type LimitField, type RequiredLimit, WINDOWS } from '../quota/windows.js';
 import { accountName, accountOfName, addressName, deploymentPrefix, gatewaysKey } from '../redis/keys.js';
@@ -25,9 +25,28 @@ export const optionalLimitFields = () =>
   Object.fromEntries(WINDOWS.map((w) => [w.limit, Type.Optional(Type.Integer({ minimum: 1, description: w.describe }))])) as {
     [K in LimitField]: TOptional<CountSchema>;
   };
+/**
+ * The short policies beside the windows (docs/reference.md, Concurrency and burst): requests in
+ * flight at once, and a burst of `size` requests refilled at `perSecond`. A plan's, or a key's own.
+ */
+export const shortFields = () => ({
+  concurrent: Type.Optional(
+    Type.Integer({ minimum: 1, maximum: 100_000, description: 'Requests in flight at once (429 concurrency_limit_exceeded past it)' }),
+  ),
+  burst: Type.Optional(
+    Type.Object(
+      { size: Type.Integer({ minimum: 1, maximum: 1_000_000 }), perSecond: Type.Number({ exclusiveMinimum: 0, maximum: 1_000_000 }) },
+      {
+        additionalProperties: false,
+        description: 'At most `size` requests at once, refilled at `perSecond` (GCRA; 429 burst_limit_exceeded)',
+      },
+    ),
+  ),
+});
 /** A key's own limits (a custom plan's, or over its plan's). */
-const LimitsSchema = Type.Object(limitFields(), { additionalProperties: false });
-export type KeyLimits = Static<typeof LimitsSchema>;
+const LimitsSchema = Type.Object({ ...limitFields(), ...shortFields() }, { additionalProperties: false });
+/** A key's own windows' limits; its short policies (shortFields) may travel beside them. */
+export type KeyLimits = { [K in RequiredLimit]: number } & { [K in Exclude<LimitField, RequiredLimit>]?: number };
 /** Prepaid credits: `grant` units each billing period, added to what is left with `rollover` (else in place of it). */
 export const CreditsSchema = Type.Object(
   { grant: Type.Integer({ minimum: 0 }), every: Type.Literal('month'), rollover: Type.Optional(Type.Boolean()) },
@@ -57,6 +76,7 @@ export const ConfigFile = Type.Object(
       Type.Object(
         {
           ...optionalLimitFields(),
+          ...shortFields(),
           /** Units admitted past the month's quota (the day's, without perMonth), billed extra. */
           overage: Type.Optional(Type.Object({ upTo: Count }, { additionalProperties: false })),
           credits: Type.Optional(CreditsSchema),
@@ -334,11 +354,38 @@ function ceilings(quota: Partial<Record<LimitField, number>>, overage: number): 
   return limits;
 }
 
+/** A key's short policies: its own limits' when it gives limits, else its plan's (as its windows). */
+function shortOf(source: { concurrent?: number; burst?: { size: number; perSecond: number } }): ShortPolicies | undefined {
+  if (source.concurrent === undefined && source.burst === undefined) return undefined;
+  return Object.freeze({
+    ...(source.concurrent !== undefined && { concurrent: source.concurrent }),
+    ...(source.burst && { burst: Object.freeze({ ...source.burst }) }),
+  });
+}
+
 /** The first key's subject of each account: the keys of one account share it. */
 function accountSubjects(consumers: ReadonlyMap<string, Consumer>): ReadonlyMap<string, QuotaSubject> {
   const out = new Map<string, QuotaSubject>();
   for (const c of consumers.values()) if (!out.has(c.account)) out.set(c.account, c.subject);
   return out;
+}
+
+/** The deprecated routes' headers and sunsets, by route. */
+function compileDeprecations(file: ConfigFile): ReadonlyMap<RouteId, Deprecation> {
+  const deprecations = new Map<RouteId, Deprecation>();
+  for (const d of file.deprecations) {
+    const route = ROUTES.find((r) => r.method === d.method && r.path === d.path)!;
+    deprecations.set(
+      route.id,
+      compileDeprecation({
+        deprecatedAtMs: Date.parse(d.deprecatedAt),
+        sunsetMs: Date.parse(d.sunset),
+        successor: d.successor,
+        documentation: d.documentation,
+      }),
+    );
+  }
+  return deprecations;
 }
 
 /** Turns a valid file into the structures the hot path reads. */
@@ -356,6 +403,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
     const account = k.account ?? k.id;
     const billing = billingOf(plan, file.accounts && Object.hasOwn(file.accounts, account) ? file.accounts[account] : undefined);
     const limits = ceilings(k.limits ?? plan, billing.overage);
+    const short = shortOf(k.limits ?? plan);
     return {
       id: k.id,
       account,
@@ -368,31 +416,20 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
         name: accountName(redisPrefix, account),
         limits,
         bans,
-        policy: policyHeader(limits),
+        policy: policyHeader(limits, short),
         lasting: true,
         enforce: k.enforce ?? plan.enforce ?? true,
         billing,
         events: file.usage?.export.maxEvents ?? 0,
         alerts: file.alerts ? (plan.alerts?.thresholds ?? file.alerts.thresholds).join(',') : '',
+        short,
       },
       upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-account': account, 'x-consumer-plan': k.plan }),
     };
   };
   const consumers = new Map<string, Consumer>();
   for (const k of file.keys) consumers.set(k.hash, consumerOf(k)!); // validated: its plan exists
-  const deprecations = new Map<RouteId, Deprecation>();
-  for (const d of file.deprecations) {
-    const route = ROUTES.find((r) => r.method === d.method && r.path === d.path)!;
-    deprecations.set(
-      route.id,
-      compileDeprecation({
-        deprecatedAtMs: Date.parse(d.deprecatedAt),
-        sunsetMs: Date.parse(d.sunset),
-        successor: d.successor,
-        documentation: d.documentation,
-      }),
-    );
-  }
+  const deprecations = compileDeprecations(file);
   const anonymous = { perMinute: file.unauthenticated.perMinute, perDay: 0 };
   const anonymousPolicy = policyHeader(anonymous);
   return Object.freeze({
@@ -414,6 +451,7 @@ export function compileConfig(file: ConfigFile, redisKeyPrefix = 'gw'): GatewayC
       billing: NO_BILLING,
       events: 0,
       alerts: '',
+      short: undefined,
     }),
     deprecations,
     corsOrigins: new Set(file.cors?.origins ?? []),

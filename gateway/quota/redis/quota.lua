@@ -147,13 +147,39 @@ local lo = (tonumber(h.ls) == ow) and tonumber(h.lo) or 0
 local mine = 0
 local eventId = false
 local pending = tonumber(ARG.pendEvents) == 1
+-- Concurrency (`concurrent` slots, 0: none): a sorted set of this subject's slots, each scored
+-- by its expiry on Redis's clock; the expired ones go first (an instance that died holding them).
+-- Burst (`burstSize` at `burstPerSecond`, 0: none): GCRA, one key holding the theoretical
+-- arrival time (TAT, ms). Both are read here and taken only once every other check admits.
+local concurrent = tonumber(ARG.concurrent) or 0
+local inFlight, burstSize = 0, tonumber(ARG.burstSize) or 0
+if concurrent > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEY.slots, '-inf', now)
+  inFlight = redis.call('ZCARD', KEY.slots)
+end
+local interval, span, tat = 0, 0, now
+if burstSize > 0 then
+  interval = 1000 / tonumber(ARG.burstPerSecond)
+  span = burstSize * interval
+  tat = math.max(tonumber(redis.call('GET', KEY.burst)) or now, now)
+end
+local burstRetry = 0
+-- Tokens left with the TAT at `tat`, and ms until the next one comes back (0: full).
+local function burstState()
+  if burstSize <= 0 then return -1, 0 end
+  local left = math.floor((span - (tat - now)) / interval + 1e-9)
+  if left >= burstSize then return burstSize, 0 end
+  return left, math.max(1, math.ceil((tat - now) - (burstSize - left - 1) * interval))
+end
 local function reply(outcome, taken, banUntil)
   local balance = -1
   if grant >= 0 then balance = g + p end
   local alerted = 0
   if alerting and redis.call('XLEN', KEY.alerts) ~= alertsBefore then alerted = 1 end
+  local left, nextMs = burstState()
   local r = {outcome = outcome, nowMs = now, banUntilMs = banUntil, taken = taken, monthUsed = pc, periodStart = ps,
-    periodEnd = pe, balance = balance, overageUsed = oc, overageUnits = mine, eventId = eventId, alerted = alerted}
+    periodEnd = pe, balance = balance, overageUsed = oc, overageUnits = mine, eventId = eventId, alerted = alerted,
+    inFlight = inFlight, burstLeft = left, burstNextMs = nextMs, burstRetryMs = burstRetry}
   for _, w in ipairs(FIXED) do r[w.used] = win[w.name].count end
   local out = packed(r)
   if callKey then redis.call('SET', callKey, cjson.encode(out), 'PX', CALL_KEEP_MS) end
@@ -302,6 +328,23 @@ if violated > 0 then
 end
 -- Every window has room; the balance must cover the cost too (a 402, which bans no one).
 if grant >= 0 and g + p < cost then return reply(5, 0) end
+-- The burst, then a free slot: refused, charged nothing anywhere (no window, no ban, no credit).
+-- The burst first: its wait is known (Retry-After to the token), a slot's is not.
+if burstSize > 0 and tat + cost * interval - now > span + 1e-6 then
+  burstRetry = math.max(1, math.ceil(tat + cost * interval - span - now))
+  return reply(8, 0)
+end
+if concurrent > 0 and inFlight >= concurrent then return reply(7, 0) end
+if burstSize > 0 then
+  tat = tat + cost * interval
+  redis.call('SET', KEY.burst, string.format('%.3f', tat), 'PX', math.ceil(tat - now) + 1)
+end
+if concurrent > 0 then
+  local ttl = tonumber(ARG.slotTtlMs)
+  redis.call('ZADD', KEY.slots, now + ttl, ARG.callId)
+  redis.call('PEXPIRE', KEY.slots, ttl)
+  inFlight = inFlight + 1
+end
 
 -- A lease takes several units at once, for the instance to hand out itself, only while every
 -- window keeps room for two leases: near a limit, one decision per request.
