@@ -3,6 +3,7 @@ import { Redis } from 'ioredis';
 import type { FastifyBaseLogger } from 'fastify';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import { type Decision, MINUTE_MS, NO_BILLING, type QuotaSubject, type ShortPolicies } from '../../gateway/quota/decision.js';
+import { admit } from '../../gateway/quota/admit.js';
 import { rateLimitHeaders, policyHeader } from '../../gateway/quota/headers.js';
 import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis/store.js';
@@ -96,6 +97,26 @@ describe.each([
     expect(rateLimitHeaders(refused, s.policy, s.short)['retry-after']).toBe('1');
     store.release(s, d.slot!);
     expect(await outcome(store, s)).toBe('allowed');
+  });
+});
+
+describe('shadow mode', () => {
+  it('refuses neither: would_concurrent and would_burst are admitted, counted, and hold no slot', async () => {
+    const store = redisStore();
+    const s = { ...subject(1000, { concurrent: 1, burst: { size: 2, perSecond: 0.1 } }), enforce: false };
+    const first = await admit(store, s);
+    expect([first.outcome, first.slot === undefined]).toEqual(['allowed', false]);
+    const second = await admit(store, s);
+    expect([second.outcome, second.slot, second.refusal, second.headers['retry-after']]).toEqual([
+      'would_concurrent',
+      undefined,
+      undefined,
+      undefined,
+    ]);
+    store.release(s, first.slot!);
+    expect((await admit(store, s)).outcome).toBe('allowed');
+    expect((await admit(store, s)).outcome).toBe('would_burst');
+    expect((await store.peek(s)).minuteUsed).toBe(2);
   });
 });
 

@@ -3,6 +3,7 @@ import type { AddressInfo } from 'node:net';
 import { join } from 'node:path';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import { call, makeKey, tempDir, testConfig, type TestKey, uniquePrefix, writeConfig } from '../helpers/config.js';
+import { adminCall } from '../helpers/admin.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { startProcess } from '../helpers/processes.js';
 import { eventually } from '../helpers/time.js';
@@ -210,5 +211,37 @@ describe('an instance killed holding slots', () => {
     await eventually(() => backend.current === 2 || status !== 0, undefined, 'the next request decided');
     expect([backend.current, status]).toEqual([2, 0]);
     backend.wake();
+  }, 60_000);
+});
+
+describe('burst through the gateway', () => {
+  it('a 429 burst_limit_exceeded with the wait to the next token; /v1/me/usage and the admin lookup show both policies', async () => {
+    const backend = await sleepyBackend(0);
+    const key = makeKey('short');
+    const token = 'a-test-admin-token-of-32-chars!!';
+    const gw = await buildTestGateway({
+      config: testConfig([key], {
+        plans: { short: { perMinute: 1000, perDay: 100_000, concurrent: 5, burst: { size: 4, perSecond: 0.5 } } },
+        unauthenticated: { perMinute: 1000 },
+      }),
+      backend: backend.url,
+      admin: { token },
+    });
+    const statuses = [];
+    for (let i = 0; i < 5; i++) statuses.push(await gw.call('/v1/pets', key.key));
+    expect(statuses.map((r) => r.status)).toEqual([200, 200, 200, 200, 429]);
+    const refused = statuses[4]!;
+    expect((await refused.json()).code).toBe('burst_limit_exceeded');
+    // A token every 2 s: the wait is 1 or 2 whole seconds, never 0.
+    expect(['1', '2']).toContain(refused.headers.get('retry-after'));
+    expect(refused.headers.get('ratelimit-policy')).toContain('"concurrent";q=5;qu="concurrent-requests", "burst";q=4;w=8');
+    expect(refused.headers.get('ratelimit')).toMatch(/"concurrent";r=5, "burst";r=0;t=[12]$/);
+    const mine = await (await gw.call('/v1/me/usage', key.key)).json();
+    const admin = await (await adminCall(gw, token, `/admin/keys/${key.id}/usage`)).json();
+    for (const view of [mine, admin]) {
+      expect(view.concurrency).toEqual({ limit: 5, inFlight: 0 });
+      expect(view.burst).toEqual({ size: 4, perSecond: 0.5, remaining: 0 });
+      expect(view.windows.minute.used).toBe(4);
+    }
   }, 60_000);
 });
