@@ -6,6 +6,8 @@ import { call, makeKey, tempDir, testConfig, type TestKey, uniquePrefix, writeCo
 import { adminCall } from '../helpers/admin.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { startProcess } from '../helpers/processes.js';
+import { spawnCluster } from '../helpers/redis.js';
+import { scaled } from '../helpers/budget.js';
 import { eventually } from '../helpers/time.js';
 import type { ConfigFile } from '../../gateway/config/config.js';
 
@@ -86,9 +88,12 @@ function config(key: TestKey): ConfigFile {
   });
 }
 
-async function gateways(key: TestKey, backendUrl: string, n = 3): Promise<TestGateway[]> {
+async function gateways(key: TestKey, backendUrl: string, n = 3, redisClusterNodes?: string): Promise<TestGateway[]> {
   const redisKeyPrefix = uniquePrefix();
-  return Promise.all(Array.from({ length: n }, () => buildTestGateway({ config: config(key), backend: backendUrl, redisKeyPrefix })));
+  const settings = redisClusterNodes ? { redisClusterNodes } : undefined;
+  return Promise.all(
+    Array.from({ length: n }, () => buildTestGateway({ config: config(key), backend: backendUrl, redisKeyPrefix, settings })),
+  );
 }
 
 /** Statuses and error codes of `n` requests sent at once, alternated over the gateways. */
@@ -110,7 +115,7 @@ const inFlight = async (gw: TestGateway, key: string) =>
 
 describe('concurrency across three gateways on one Redis', () => {
   it('the backend sees exactly the limit in flight, run after run, and every refusal is a 429 concurrency_limit_exceeded', async () => {
-    const backend = await sleepyBackend(150);
+    const backend = await sleepyBackend(500);
     const key = makeKey('conc');
     const gws = await gateways(key, backend.url);
     // 5 runs of 300 requests at once (the issue asks 20 of 1,000: minutes on this shared 2-core machine).
@@ -125,6 +130,22 @@ describe('concurrency across three gateways on one Redis', () => {
     expect(res.headers.get('ratelimit-policy')).toContain(`"concurrent";q=${LIMIT};qu="concurrent-requests"`);
     expect(res.headers.get('ratelimit')).toContain(`"concurrent";r=${LIMIT - 1}`);
   }, 120_000);
+
+  it("on a Redis Cluster too: every key of the decision in the account's slot, exactly the limit at the backend", {
+    timeout: scaled(60_000),
+  }, async () => {
+    const cluster = await spawnCluster();
+    onTestFinished(() => cluster.stop());
+    const backend = await sleepyBackend(500);
+    const key = makeKey('conc');
+    const gws = await gateways(key, backend.url, 3, cluster.nodes);
+    for (let run = 0; run < 3; run++) {
+      backend.reset();
+      const { codes } = await wave(gws, key.key, 200);
+      expect({ run, max: backend.max, codes: [...codes] }).toEqual({ run, max: LIMIT, codes: ['429 concurrency_limit_exceeded'] });
+      await eventually(async () => (await inFlight(gws[0]!, key.key)) === 0, undefined, 'no slot left in flight');
+    }
+  });
 
   it('aborted requests hold their slots until the backend is done with them, then leave none in flight', async () => {
     const backend = await sleepyBackend(Number.POSITIVE_INFINITY);
