@@ -20,11 +20,14 @@
 -- `backCredits`, the credit leases closed with the call, `id=unused` comma-separated;
 -- `pendEvents` 1 for a subject whose usage is exported: the units of its leases are added to
 -- `unsettled` in its events cursor (KEY.cursor) until their instance writes their events, and
--- `backPending`, the closed leases' units never handed out, leave it.
+-- `backPending`, the closed leases' units never handed out, leave it. `concurrent` (0: none)
+-- and `slotTtlMs`: in-flight slots in KEY.slots, the call's id the slot's; `burstSize` (0:
+-- none) and `burstPerSecond`: GCRA on KEY.burst. A subject with either takes no lease.
 -- The reply: the outcome (an index into OUTCOMES in decision.ts; -1: past the deadline), the
 -- windows' counts, Redis's time, the ban's end, the units taken, the period, the balance (-1:
--- no credits), the overage billed so far and this request's, its usage event's id (or false)
--- and 1 if an alert was written (the gateway marks the account: usage/active.ts). Time is
+-- no credits), the overage billed so far and this request's, its usage event's id (or false),
+-- 1 if an alert was written (the gateway marks the account: usage/active.ts), the slots in
+-- flight, the burst's tokens left (-1: none), ms to its next, and a burst refusal's wait. Time is
 -- Redis's own, so skewed gateways agree.
 -- A call sent twice (the client sends again what was unanswered when its connection dropped)
 -- gets the first run's reply: never counted twice. KEY.call holds it for CALL_KEEP_MS (script.ts),
