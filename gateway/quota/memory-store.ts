@@ -146,31 +146,25 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
     take: boolean,
   ): { state: ShortState; refused?: 'burst' | 'concurrent'; slot?: string } {
     const { concurrent, burst } = subject.short!;
-    const state: ShortState = {};
-    const held = this.slots.get(subject.name);
-    if (concurrent) state.inFlight = held?.size ?? 0;
-    let tat = now;
-    let interval = 0;
-    if (burst) {
-      interval = 1000 / burst.perSecond;
-      tat = Math.max(this.tats.get(subject.name) ?? now, now);
-      if (take && tat + cost * interval - now > burst.size * interval + 1e-6) {
-        state.burstRetryMs = Math.max(1, Math.ceil(tat + cost * interval - burst.size * interval - now));
-        return { state: Object.assign(state, burstState(burst, interval, tat, now)), refused: 'burst' };
-      }
-    }
-    if (take && concurrent && (held?.size ?? 0) >= concurrent)
-      return { state: Object.assign(state, burst && burstState(burst, interval, tat, now)), refused: 'concurrent' };
-    let slot: string | undefined;
-    if (take && burst) this.tats.set(subject.name, (tat += cost * interval));
-    if (take && concurrent) {
-      slot = `m${++this.slotIds}`;
-      if (held) held.add(slot);
-      else this.slots.set(subject.name, new Set([slot]));
-      state.inFlight = (held?.size ?? 0) + (held ? 0 : 1);
-    }
-    if (burst) Object.assign(state, burstState(burst, interval, tat, now));
-    return { state, slot };
+    let held = this.slots.get(subject.name);
+    const inFlight = held?.size ?? 0;
+    const interval = burst ? 1000 / burst.perSecond : 0;
+    let tat = burst ? Math.max(this.tats.get(subject.name) ?? now, now) : now;
+    const state = (): ShortState => ({
+      ...(concurrent && { inFlight: held?.size ?? 0 }),
+      ...(burst && burstState(burst, interval, tat, now)),
+    });
+    if (!take) return { state: state() };
+    // The burst first (its wait is known), then a free slot; nothing taken unless both admit.
+    const over = burst ? tat + cost * interval - now - burst.size * interval : 0;
+    if (over > 1e-6) return { state: { ...state(), burstRetryMs: Math.max(1, Math.ceil(over)) }, refused: 'burst' };
+    if (concurrent && inFlight >= concurrent) return { state: state(), refused: 'concurrent' };
+    if (burst) this.tats.set(subject.name, (tat += cost * interval));
+    if (!concurrent) return { state: state() };
+    const slot = `m${++this.slotIds}`;
+    if (!held) this.slots.set(subject.name, (held = new Set()));
+    held.add(slot);
+    return { state: state(), slot };
   }
 
   async unban({ name }: QuotaSubject): Promise<boolean> {

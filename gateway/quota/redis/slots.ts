@@ -46,13 +46,6 @@ export class Slots {
     this.redis.zrem(subjectKey.slots(subject.name), id).catch((err: unknown) => this.failed('release', err));
   }
 
-  /** How many slots this instance holds (for tests and the metric of requests in flight). */
-  get held(): number {
-    let n = 0;
-    for (const e of this.live.values()) n += e.ids.size;
-    return n;
-  }
-
   private renew(): void {
     for (const [name, { ids }] of this.live) {
       this.redis.renewslots(...renewArgs(name, this.o.ttlMs, ids)).catch((err: unknown) => this.failed('renewal', err));

@@ -434,11 +434,6 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.slots.release(subject, slot);
   }
 
-  /** Concurrency slots this instance holds now. */
-  get slotsHeld(): number {
-    return this.slots.held;
-  }
-
   refund(subject: QuotaSubject, countedAtMs: number, cost = 1, eventId?: string): Promise<void> {
     return this.refunds.refund(subject, countedAtMs, cost, eventId);
   }
