@@ -141,7 +141,7 @@ async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Va
       // The bench key with a concurrency limit or a burst no run reaches: what the policy itself
       // costs (such a key takes no lease: every request is a script call, plus a release).
       const file = JSON.parse(readFileSync(bed.file, 'utf8')) as { keys: Array<{ limits: object }> };
-      const short = config === 'concurrent' ? { concurrent: 100_000 } : { burst: { size: 1e9, perSecond: 1e9 } };
+      const short = config === 'concurrent' ? { concurrent: 100_000 } : { burst: { size: 1_000_000, perSecond: 1_000_000 } };
       file.keys[0]!.limits = { ...file.keys[0]!.limits, ...short };
       env.GATEWAY_CONFIG = join(bed.dir, `gateway-${config}-${name}.json`);
       writeFileSync(env.GATEWAY_CONFIG, JSON.stringify(file));
