@@ -13,7 +13,7 @@ export class SlotHold {
 
   /** The backend call starts (the proxy sends the request). */
   upstreamStarted(): void {
-    if (this.upstream) return;
+    if (this.upstream || this.open === 0) return;
     this.upstream = true;
     this.open++;
   }

@@ -133,17 +133,23 @@ function applied(
 ): GatewayError | undefined {
   rawHeaders(reply, admission.headers);
   const { ctx } = request;
-  const slot = admission.slot;
-  if (slot !== undefined) {
-    const hold = (ctx.hold = new SlotHold(() => store.release(subject, slot)));
-    reply.raw.once('close', () => hold.answered());
-  }
   ctx.outcome = admission.outcome;
   ctx.countedAtMs = admission.countedAtMs;
   ctx.overage = admission.overage;
   ctx.eventId = tag?.eventId;
   ctx.redisMs = admission.redisMs;
   ctx.leased = admission.leased;
+  const slot = admission.slot;
+  if (slot !== undefined) {
+    const hold = (ctx.hold = new SlotHold(() => store.release(subject, slot)));
+    // A client gone before its admission came back ('close' has been and will not come again):
+    // its slot back at once, and no backend call that would run without one.
+    if (reply.raw.closed) {
+      hold.answered();
+      return new GatewayError('bad_request', 'The client closed the connection before the request was admitted');
+    }
+    reply.raw.once('close', () => hold.answered());
+  }
   return admission.refusal;
 }
 

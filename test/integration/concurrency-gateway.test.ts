@@ -6,7 +6,7 @@ import { call, makeKey, tempDir, testConfig, type TestKey, uniquePrefix, writeCo
 import { adminCall } from '../helpers/admin.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { startProcess } from '../helpers/processes.js';
-import { spawnCluster } from '../helpers/redis.js';
+import { spawnCluster, spawnRedis } from '../helpers/redis.js';
 import { scaled } from '../helpers/budget.js';
 import { eventually } from '../helpers/time.js';
 import type { ConfigFile } from '../../gateway/config/config.js';
@@ -182,6 +182,38 @@ describe('concurrency across three gateways on one Redis', () => {
     for (let i = 0; i < 2 * LIMIT; i++) expect((await gws[0]!.call('/v1/nowhere', key.key)).status).toBe(404);
     for (let i = 0; i < 2 * LIMIT; i++) expect((await gws[0]!.call('/v1/pets', key.key)).status).toBe(502);
     await eventually(async () => (await inFlight(gws[0]!, key.key)) === 0, undefined, 'no slot left');
+  }, 60_000);
+});
+
+describe('a client gone before its admission', () => {
+  it('gets its slot back at once, and its request never reaches the backend', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const backend = await sleepyBackend(0);
+    const key = makeKey('conc');
+    const gw = await buildTestGateway({
+      config: config(key),
+      backend: backend.url,
+      redis: redis.url,
+      admin: {},
+      // The admission must wait for the frozen Redis rather than give it up after the shipped 1 s.
+      settings: { redisTimeoutMs: 60_000 },
+    });
+    const metric = async (name: string) => {
+      const text = await (await fetch(`${gw.adminUrl}/metrics`)).text();
+      return Number(new RegExp(`^${name} (\\d+)`, 'm').exec(text)?.[1] ?? -1);
+    };
+    redis.proc.kill('SIGSTOP');
+    const abort = new AbortController();
+    const sent = gw.call('/v1/pets', key.key, { signal: abort.signal }).catch(() => 'aborted');
+    await eventually(async () => (await metric('gateway_requests_in_flight')) === 1, undefined, 'the request waiting on Redis');
+    abort.abort();
+    expect(await sent).toBe('aborted');
+    await eventually(async () => (await metric('gateway_connections_open')) === 0, undefined, 'the gateway seeing the client gone');
+    redis.proc.kill('SIGCONT');
+    await eventually(async () => (await metric('gateway_requests_in_flight')) === 0, undefined, 'the request over');
+    await eventually(async () => (await inFlight(gw, key.key)) === 0, undefined, 'its slot released');
+    expect(backend.max).toBe(0);
   }, 60_000);
 });
 
