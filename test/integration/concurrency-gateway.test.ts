@@ -6,10 +6,11 @@ import { call, makeKey, tempDir, testConfig, type TestKey, uniquePrefix, writeCo
 import { adminCall } from '../helpers/admin.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { startProcess } from '../helpers/processes.js';
-import { spawnCluster, spawnRedis } from '../helpers/redis.js';
+import { spawnCluster, spawnRedis, spawnSentinels } from '../helpers/redis.js';
 import { scaled } from '../helpers/budget.js';
 import { eventually } from '../helpers/time.js';
 import type { ConfigFile } from '../../gateway/config/config.js';
+import type { GatewaySettings } from '../../gateway/config/settings.js';
 
 // Concurrency through the gateway (issue 47): three gateways on one Redis in front of a backend
 // that sleeps and records its own highest concurrency. The shipped settings, but for the test
@@ -88,9 +89,8 @@ function config(key: TestKey): ConfigFile {
   });
 }
 
-async function gateways(key: TestKey, backendUrl: string, n = 3, redisClusterNodes?: string): Promise<TestGateway[]> {
+async function gateways(key: TestKey, backendUrl: string, n = 3, settings?: Partial<GatewaySettings>): Promise<TestGateway[]> {
   const redisKeyPrefix = uniquePrefix();
-  const settings = redisClusterNodes ? { redisClusterNodes } : undefined;
   return Promise.all(
     Array.from({ length: n }, () => buildTestGateway({ config: config(key), backend: backendUrl, redisKeyPrefix, settings })),
   );
@@ -138,13 +138,24 @@ describe('concurrency across three gateways on one Redis', () => {
     onTestFinished(() => cluster.stop());
     const backend = await sleepyBackend(500);
     const key = makeKey('conc');
-    const gws = await gateways(key, backend.url, 3, cluster.nodes);
+    const gws = await gateways(key, backend.url, 3, { redisClusterNodes: cluster.nodes });
     for (let run = 0; run < 3; run++) {
       backend.reset();
       const { codes } = await wave(gws, key.key, 200);
       expect({ run, max: backend.max, codes: [...codes] }).toEqual({ run, max: LIMIT, codes: ['429 concurrency_limit_exceeded'] });
       await eventually(async () => (await inFlight(gws[0]!, key.key)) === 0, undefined, 'no slot left in flight');
     }
+  });
+
+  it('on a Sentinel group: exactly the limit at the backend', { timeout: scaled(60_000) }, async () => {
+    const group = await spawnSentinels();
+    onTestFinished(() => group.stop());
+    const backend = await sleepyBackend(500);
+    const key = makeKey('conc');
+    const gws = await gateways(key, backend.url, 3, { redisSentinels: group.sentinels, redisSentinelName: group.name });
+    const { codes } = await wave(gws, key.key, 200);
+    expect({ max: backend.max, codes: [...codes] }).toEqual({ max: LIMIT, codes: ['429 concurrency_limit_exceeded'] });
+    await eventually(async () => (await inFlight(gws[0]!, key.key)) === 0, undefined, 'no slot left in flight');
   });
 
   it('aborted requests hold their slots until the backend is done with them, then leave none in flight', async () => {
