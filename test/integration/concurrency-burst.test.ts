@@ -1,4 +1,5 @@
 import { randomUUID } from 'node:crypto';
+import fc from 'fast-check';
 import { Redis } from 'ioredis';
 import type { FastifyBaseLogger } from 'fastify';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
@@ -8,7 +9,7 @@ import { rateLimitHeaders, policyHeader } from '../../gateway/quota/headers.js';
 import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis/store.js';
 import type { QuotaStore } from '../../gateway/quota/store.js';
-import { inOneMinute, sleep } from '../helpers/time.js';
+import { eventually, inOneMinute, sleep } from '../helpers/time.js';
 
 // Concurrency and burst (issue 47) at the store: the same atomic decision as the windows, the
 // credits and the ban, on the Redis store (quota.lua) and its in-process twin.
@@ -186,4 +187,42 @@ describe('across instances (three stores on one Redis)', () => {
     // And the bound is reached, not merely kept: the full burst at once at the start.
     expect(times.length).toBeGreaterThanOrEqual(20 + Math.floor((10 * (Math.max(...times) - Math.min(...times))) / 1000) - 1);
   }, 30_000);
+});
+
+describe('a model of the slots, three instances at the shipped lease size', () => {
+  it('admits exactly while fewer than the limit are in flight, whatever the order of takes and releases; a plain key beside it holds none', async () => {
+    const LIMIT = 5;
+    const steps = fc.array(
+      fc.oneof(
+        fc.record({ kind: fc.constant('take' as const), at: fc.nat(2), n: fc.integer({ min: 1, max: 8 }) }),
+        fc.record({ kind: fc.constant('release' as const), pick: fc.nat(100), n: fc.integer({ min: 1, max: 4 }) }),
+      ),
+      { minLength: 1, maxLength: 25 },
+    );
+    await fc.assert(
+      fc.asyncProperty(steps, async (plan) => {
+        const stores = [redisStore(), redisStore(), redisStore()];
+        const s = { ...subject(1_000_000, { concurrent: LIMIT }), bans: null };
+        const plain = { ...subject(1_000_000, {}), short: undefined, bans: null };
+        const held: Array<{ store: number; slot: string }> = [];
+        for (const step of plan) {
+          if (step.kind === 'take') {
+            const got = await Promise.all(Array.from({ length: step.n }, () => stores[step.at]!.consume(s)));
+            const admitted = got.filter((d) => d.outcome === 'allowed');
+            // Taken at once from one instance: exactly the room there was, the rest refused for concurrency.
+            expect(admitted.length).toBe(Math.min(step.n, LIMIT - held.length));
+            expect(got.every((d) => d.outcome === 'allowed' || d.outcome === 'concurrent')).toBe(true);
+            for (const d of admitted) held.push({ store: step.at, slot: d.slot! });
+            // A plain key on the same instance holds no slot.
+            expect((await stores[step.at]!.consume(plain)).slot).toBeUndefined();
+          } else {
+            for (const h of held.splice(step.pick % Math.max(1, held.length), step.n)) stores[h.store]!.release(s, h.slot);
+          }
+          await eventually(async () => (await stores[0]!.peek(s)).inFlight === held.length, undefined, 'the model and Redis agree');
+        }
+        for (const h of held) stores[h.store]!.release(s, h.slot);
+      }),
+      { numRuns: 15, endOnFailure: true },
+    );
+  }, 120_000);
 });
