@@ -1,6 +1,7 @@
 import { UsageView } from '../quota/usage-view.js';
 import { type Static, type TSchema, Type } from '@sinclair/typebox';
-import { CreditsSchema, limitFields, optionalLimitFields, shortFields } from '../config/config.js';
+import { CreditsSchema, limitFields, optionalLimitFields } from '../config/config.js';
+import { shortFields } from '../config/short.js';
 import { ErrorBody } from '../errors.js';
 
 // The admin port's request and response shapes: route validation, handler types and the

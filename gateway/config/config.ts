@@ -4,8 +4,9 @@ import { Value } from '@sinclair/typebox/value';
 import { parse as parseYaml } from 'yaml';
 import { clientOf } from '../address.js';
 import { compileDeprecation, type Deprecation } from '../deprecation.js';
-import { type Billing, type Limits, NO_BILLING, type QuotaSubject, type ShortPolicies } from '../quota/decision.js';
+import { type Billing, type Limits, NO_BILLING, type QuotaSubject } from '../quota/decision.js';
 import { policyHeader } from '../quota/headers.js';
+import { shortFields, shortOf } from './short.js';
 import { type LimitField, type RequiredLimit, WINDOWS } from '../quota/windows.js';
 import { accountName, accountOfName, addressName, deploymentPrefix, gatewaysKey } from '../redis/keys.js';
 import { ROUTES, type RouteId } from '../routes.js';
@@ -25,24 +26,6 @@ export const optionalLimitFields = () =>
   Object.fromEntries(WINDOWS.map((w) => [w.limit, Type.Optional(Type.Integer({ minimum: 1, description: w.describe }))])) as {
     [K in LimitField]: TOptional<CountSchema>;
   };
-/**
- * The short policies beside the windows (docs/reference.md, Concurrency and burst): requests in
- * flight at once, and a burst of `size` requests refilled at `perSecond`. A plan's, or a key's own.
- */
-export const shortFields = () => ({
-  concurrent: Type.Optional(
-    Type.Integer({ minimum: 1, maximum: 100_000, description: 'Requests in flight at once (429 concurrency_limit_exceeded past it)' }),
-  ),
-  burst: Type.Optional(
-    Type.Object(
-      { size: Type.Integer({ minimum: 1, maximum: 1_000_000 }), perSecond: Type.Number({ exclusiveMinimum: 0, maximum: 1_000_000 }) },
-      {
-        additionalProperties: false,
-        description: 'At most `size` requests at once, refilled at `perSecond` (GCRA; 429 burst_limit_exceeded)',
-      },
-    ),
-  ),
-});
 /** A key's own limits (a custom plan's, or over its plan's). */
 const LimitsSchema = Type.Object({ ...limitFields(), ...shortFields() }, { additionalProperties: false });
 /** A key's own windows' limits; its short policies (shortFields) may travel beside them. */
@@ -352,15 +335,6 @@ function ceilings(quota: Partial<Record<LimitField, number>>, overage: number): 
   if (limits.perMonth) limits.perMonth += overage;
   else limits.perDay += overage;
   return limits;
-}
-
-/** A key's short policies: its own limits' when it gives limits, else its plan's (as its windows). */
-function shortOf(source: { concurrent?: number; burst?: { size: number; perSecond: number } }): ShortPolicies | undefined {
-  if (source.concurrent === undefined && source.burst === undefined) return undefined;
-  return Object.freeze({
-    ...(source.concurrent !== undefined && { concurrent: source.concurrent }),
-    ...(source.burst && { burst: Object.freeze({ ...source.burst }) }),
-  });
 }
 
 /** The first key's subject of each account: the keys of one account share it. */

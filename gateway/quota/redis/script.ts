@@ -3,7 +3,7 @@ import { bundleData, eventHead, eventLine } from '../bundle.js';
 import type { RedisClient } from '../../redis/client.js';
 import { subjectKey } from '../../redis/keys.js';
 import { luaList, packer, positions, prelude, type Wires, wiresArgs, wired } from '../../redis/wires.js';
-import { type EventTag, OUTCOMES, type QuotaSubject, type ShortState, softQuota, type WindowCounts } from '../decision.js';
+import { type EventTag, OUTCOMES, type QuotaSubject, softQuota, type WindowCounts } from '../decision.js';
 import type { Lease } from './lease-book.js';
 import { type Counts, countsFrom, FIXED, type LimitField, WINDOWS, type WindowName, type WindowRow } from '../windows.js';
 import type { WriteBack } from './degraded-budget.js';
@@ -104,6 +104,8 @@ const QUOTA_ARGV = [
   'burstSize',
   'burstPerSecond',
 ] as const;
+/** Concurrency and burst in the reply: slots in flight after the call, the burst's tokens left (-1: none), ms to its next, a burst refusal's wait. */
+const SHORT_REPLY = ['inFlight', 'burstLeft', 'burstNextMs', 'burstRetryMs'] as const;
 const QUOTA_REPLY = [
   'outcome',
   'nowMs',
@@ -116,10 +118,7 @@ const QUOTA_REPLY = [
   'overageUnits',
   'eventId',
   'alerted',
-  'inFlight',
-  'burstLeft',
-  'burstNextMs',
-  'burstRetryMs',
+  ...SHORT_REPLY,
 ] as const;
 /** A fixed window's ARG: the start of the leases given back in it. */
 const backArg = (w: WindowRow) => `back_${w.name}` as const;
@@ -202,11 +201,10 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   a('plan', tag?.plan ?? '');
   a('route', tag?.route ?? '');
   a('method', tag?.method ?? '');
-  const short = subject.short;
-  a('concurrent', short?.concurrent ?? 0);
+  a('concurrent', subject.short?.concurrent ?? 0);
   a('slotTtlMs', c.slotTtlMs ?? 15_000);
-  a('burstSize', short?.burst?.size ?? 0);
-  a('burstPerSecond', short?.burst?.perSecond ?? 0);
+  a('burstSize', subject.short?.burst?.size ?? 0);
+  a('burstPerSecond', subject.short?.burst?.perSecond ?? 0);
   return out;
 }
 
@@ -214,7 +212,7 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
 export const quotaArg = (args: readonly unknown[], arg: QuotaArg): unknown => args[QUOTA.keys.length + QA[arg]];
 
 /** quota.lua's reply by name, each window's count (Counts) included. `outcome` < 0: the call ran past its deadline and changed nothing. */
-export interface QuotaReply extends Counts {
+export interface QuotaReply extends Counts, Record<(typeof SHORT_REPLY)[number], number> {
   outcome: number;
   nowMs: number;
   banUntilMs: number;
@@ -231,11 +229,6 @@ export interface QuotaReply extends Counts {
   eventId?: string;
   /** An alert was written: the account is marked for the dispatcher. */
   alerted: boolean;
-  /** Slots in flight after the call; burst tokens left (-1: no burst), ms to the next, and a burst refusal's wait. */
-  inFlight: number;
-  burstLeft: number;
-  burstNextMs: number;
-  burstRetryMs: number;
 }
 
 export function quotaReply(raw: ReadonlyArray<number | string | null>): QuotaReply {
@@ -256,22 +249,9 @@ export function quotaReply(raw: ReadonlyArray<number | string | null>): QuotaRep
   reply.overageUsed = n('overageUsed');
   reply.overageUnits = n('overageUnits');
   reply.alerted = n('alerted') === 1;
-  reply.inFlight = n('inFlight');
-  reply.burstLeft = n('burstLeft');
-  reply.burstNextMs = n('burstNextMs');
-  reply.burstRetryMs = n('burstRetryMs');
+  for (const f of SHORT_REPLY) reply[f] = n(f);
   if (event) reply.eventId = String(event);
   return reply;
-}
-
-/** The short policies' state in a reply, for a subject that has them; `slot`: the call's id, when it took one. */
-export function shortOf(subject: QuotaSubject, r: QuotaReply, callId: string): Pick<WindowCounts, 'short' | 'slot'> {
-  const policies = subject.short;
-  if (!policies) return {};
-  const short: ShortState = {};
-  if (policies.concurrent) short.inFlight = r.inFlight;
-  if (policies.burst) Object.assign(short, { burstLeft: r.burstLeft, burstNextMs: r.burstNextMs, burstRetryMs: r.burstRetryMs });
-  return r.outcome === 0 && policies.concurrent ? { short, slot: callId } : { short };
 }
 
 /** A reply's counts, in the one shape both stores decide from. */
@@ -496,13 +476,6 @@ export function usageBatchArgs(subject: QuotaSubject, batchId: string, b: BatchE
   return wiresArgs(USAGE_BATCH, keys, argv, [...b.refunds, ...[...b.spends].flat()]);
 }
 
-// renew.lua: this instance's live concurrency slots of one subject, renewed on Redis's clock.
-export const RENEW = { keys: ['slots'], argv: ['ttlMs'] } as const satisfies Wires<string, string>;
-
-/** renew.lua's KEYS then ARGV: `ids`, this instance's slots of `name` still in flight, from REST on. */
-export const renewArgs = (name: string, ttlMs: number, ids: Iterable<string>) =>
-  wiresArgs(RENEW, { slots: subjectKey.slots(name) }, { ttlMs }, [...ids]);
-
 /** The scripts' commands on a connection: `redis.quota(...quotaArgs(...))` and so on. */
 export function defineScripts(redis: RedisClient): void {
   redis.defineCommand('quota', { numberOfKeys: QUOTA.keys.length, lua: script(QUOTA, './billing.lua', './quota.lua') });
@@ -515,7 +488,6 @@ export function defineScripts(redis: RedisClient): void {
   });
   redis.defineCommand('heartbeat', { numberOfKeys: HEARTBEAT.keys.length, lua: wired(HEARTBEAT, source('./heartbeat.lua')) });
   redis.defineCommand('unban', { numberOfKeys: UNBAN.keys.length, lua: wired(UNBAN, source('./unban.lua')) });
-  redis.defineCommand('renewslots', { numberOfKeys: RENEW.keys.length, lua: wired(RENEW, source('./renew.lua')) });
 }
 
 /** topup.lua alone: top-ups with CREDITS_ACK_REPLICAS go on a connection of their own. */

@@ -1,8 +1,19 @@
+import { readFileSync } from 'node:fs';
 import type { FastifyBaseLogger } from 'fastify';
 import type { RedisClient } from '../../redis/client.js';
 import { subjectKey } from '../../redis/keys.js';
-import type { QuotaSubject } from '../decision.js';
-import { renewArgs } from './script.js';
+import type { QuotaSubject, ShortState, WindowCounts } from '../decision.js';
+import { defineScript, type Wires, wiresArgs } from '../../redis/wires.js';
+import type { QuotaReply } from './script.js';
+
+// renew.lua: this instance's live slots of one subject, renewed on Redis's clock. Its wires
+// by name (redis/wires.ts), here beside their one caller.
+const RENEW = { keys: ['slots'], argv: ['ttlMs'] } as const satisfies Wires<string, string>;
+const RENEW_LUA = readFileSync(new URL('./renew.lua', import.meta.url), 'utf8');
+
+/** renew.lua's KEYS then ARGV: `ids`, this instance's slots of `name` still in flight, from REST on. */
+const renewArgs = (name: string, ttlMs: number, ids: Iterable<string>) =>
+  wiresArgs(RENEW, { slots: subjectKey.slots(name) }, { ttlMs }, [...ids]);
 
 type SlotRedis = RedisClient & { renewslots(...keysThenArgs: Array<number | string>): Promise<number> };
 
@@ -26,6 +37,7 @@ export class Slots {
   private readonly redis: SlotRedis;
 
   constructor(private readonly o: SlotsOptions) {
+    defineScript(o.redis, 'renewslots', { ...RENEW, lua: RENEW_LUA });
     this.redis = o.redis as SlotRedis;
     this.timer = setInterval(() => this.renew(), Math.max(1, Math.floor(o.ttlMs / 3)));
     this.timer.unref();
@@ -62,4 +74,14 @@ export class Slots {
   close(): void {
     clearInterval(this.timer);
   }
+}
+
+/** The short policies' state in quota.lua's reply, for a subject that has them; `slot`: the call's id, when it took one. */
+export function shortOf(subject: QuotaSubject, r: QuotaReply, callId: string): Pick<WindowCounts, 'short' | 'slot'> {
+  const policies = subject.short;
+  if (!policies) return {};
+  const short: ShortState = {};
+  if (policies.concurrent) short.inFlight = r.inFlight;
+  if (policies.burst) Object.assign(short, { burstLeft: r.burstLeft, burstNextMs: r.burstNextMs, burstRetryMs: r.burstRetryMs });
+  return r.outcome === 0 && policies.concurrent ? { short, slot: callId } : { short };
 }

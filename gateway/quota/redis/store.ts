@@ -18,13 +18,12 @@ import {
   type QuotaReply,
   quotaArgs,
   quotaReply,
-  shortOf,
   unbanArgs,
   usageBatchArgs,
   type BatchEvents,
 } from './script.js';
 import { RedisAccounts } from './accounts.js';
-import { Slots } from './slots.js';
+import { Slots, shortOf } from './slots.js';
 import { Refunds } from './refunds.js';
 import { type Dropped, StatusWriter } from './status-writer.js';
 import { type Counts, countsAt } from '../windows.js';
@@ -327,8 +326,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     const { taken } = late;
     if (late.outcome !== 0 || taken === 0) return;
     this.tally.undone++;
-    // The slot it took serves no request: free at once rather than at its expiry.
-    if (subject.short?.concurrent) this.slots.release(subject, id);
+    if (subject.short?.concurrent) this.slots.release(subject, id); // a slot serving no request, free at once
     if (taken > cost)
       return this.giveBack(subject, this.leaseFor(subject, leaseOf(taken, taken, sentMono, late.nowMs, countsOf(late), id)));
     void this.refunds.inRedis(subject, late.nowMs, taken, late.eventId);
