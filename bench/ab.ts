@@ -32,7 +32,8 @@ import { spin } from './spin.mjs';
 //     OTLP sink in this process, GATEWAY_CONFIG=export to export every request's usage event to
 //     a sink in this process (the bed's config with usage export on; export-refused: a sink that
 //     refuses every batch, so the exporter backs off and the batches' part is left; credits: the
-//     key's account with prepaid credits; credits-export: both), and BENCH_SPIN_US=5 to add 5 us of CPU to each request
+//     key's account with prepaid credits; credits-export: both; concurrent, burst: the key with
+//     that policy, set past anything the run reaches), and BENCH_SPIN_US=5 to add 5 us of CPU to each request
 //     (bench/spin.mjs): the same build made costlier by a known amount, to check the measure.
 //   BENCH_AB_ROUNDS (7), BENCH_AB_SECONDS (4): rounds and seconds per variant and round;
 //     BENCH_AB_WARMUP (2): seconds of warm-up in each (10: past V8's optimizing, a steady state).
@@ -135,6 +136,15 @@ async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Va
         env.GATEWAY_CONFIG = join(bed.dir, `gateway-credits-${name}.json`);
         writeFileSync(env.GATEWAY_CONFIG, JSON.stringify(withCredits));
       }
+    }
+    if (config === 'concurrent' || config === 'burst') {
+      // The bench key with a concurrency limit or a burst no run reaches: what the policy itself
+      // costs (such a key takes no lease: every request is a script call, plus a release).
+      const file = JSON.parse(readFileSync(bed.file, 'utf8')) as { keys: Array<{ limits: object }> };
+      const short = config === 'concurrent' ? { concurrent: 100_000 } : { burst: { size: 1_000_000, perSecond: 1_000_000 } };
+      file.keys[0]!.limits = { ...file.keys[0]!.limits, ...short };
+      env.GATEWAY_CONFIG = join(bed.dir, `gateway-${config}-${name}.json`);
+      writeFileSync(env.GATEWAY_CONFIG, JSON.stringify(file));
     }
     if (config === 'export' || config === 'export-refused') {
       env.GATEWAY_CONFIG = await exportConfig(bed, JSON.parse(readFileSync(bed.file, 'utf8')), config === 'export-refused');

@@ -62,6 +62,7 @@ type AppSettings = PublicSettings &
     | 'logPretty'
     | 'metricsKeyIds'
     | 'quotaLeaseMax'
+    | 'concurrencySlotTtlMs'
     | 'usageBatchMs'
     | 'keyStore'
     | 'creditsAckReplicas'
@@ -96,6 +97,7 @@ function quotaStore(
   return new RedisQuotaStore(redis, log, {
     observe: (s) => metrics.redisSeconds.observe(s),
     leaseMax: settings.quotaLeaseMax,
+    slotTtlMs: settings.concurrencySlotTtlMs,
     usageBatchMs: settings.usageBatchMs,
     upstreamTimeoutMs: settings.upstreamTimeoutMs,
     requestTimeoutMs: settings.requestTimeoutMs,

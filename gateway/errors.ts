@@ -25,6 +25,8 @@ export const GATEWAY_ERRORS = {
   daily_quota_exceeded: 429,
   monthly_quota_exceeded: 429,
   key_banned: 429,
+  concurrency_limit_exceeded: 429,
+  burst_limit_exceeded: 429,
   headers_too_large: 431,
   internal_error: 500,
   bad_gateway: 502,

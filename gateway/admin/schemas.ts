@@ -1,6 +1,7 @@
 import { UsageView } from '../quota/usage-view.js';
 import { type Static, type TSchema, Type } from '@sinclair/typebox';
 import { CreditsSchema, limitFields, optionalLimitFields } from '../config/config.js';
+import { shortFields } from '../config/short.js';
 import { ErrorBody } from '../errors.js';
 
 // The admin port's request and response shapes: route validation, handler types and the
@@ -35,7 +36,10 @@ export const Ready = described(
   'Redis (if configured) and the backend answer',
 );
 
-const Limits = Type.Object(limitFields(), { additionalProperties: false, description: "The key's own limits instead of its plan's" });
+const Limits = Type.Object(
+  { ...limitFields(), ...shortFields() },
+  { additionalProperties: false, description: "The key's own limits instead of its plan's" },
+);
 
 export const NewKey = Type.Object(
   {
@@ -87,7 +91,7 @@ const KeyRow = Type.Object(
     id: Type.String(),
     account: Type.String(),
     plan: Type.String(),
-    limits: Type.Object(optionalLimitFields()),
+    limits: Type.Object({ ...optionalLimitFields(), ...shortFields() }),
     status: KeyStatus,
     // As written in the file, where seconds may be left out: not always RFC 3339's date-time.
     createdAt: Type.Optional(Type.String()),

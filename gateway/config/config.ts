@@ -1,3 +1,4 @@
+import { UNREADABLE, yamlProblem } from './read-errors.js';
 import { headerProblems } from './env-template.js';
 import { readFileSync } from 'node:fs';
 import { type Static, type TOptional, Type } from '@sinclair/typebox';
@@ -7,6 +8,7 @@ import { clientOf } from '../address.js';
 import { compileDeprecation, type Deprecation } from '../deprecation.js';
 import { type Billing, type Limits, NO_BILLING, type QuotaSubject } from '../quota/decision.js';
 import { policyHeader } from '../quota/headers.js';
+import { shortFields, shortOf } from './short.js';
 import { type LimitField, type RequiredLimit, WINDOWS } from '../quota/windows.js';
 import { accountName, accountOfName, addressName, deploymentPrefix, gatewaysKey } from '../redis/keys.js';
 import { ROUTES, type RouteId } from '../routes.js';
@@ -27,8 +29,9 @@ export const optionalLimitFields = () =>
     [K in LimitField]: TOptional<CountSchema>;
   };
 /** A key's own limits (a custom plan's, or over its plan's). */
-const LimitsSchema = Type.Object(limitFields(), { additionalProperties: false });
-export type KeyLimits = Static<typeof LimitsSchema>;
+const LimitsSchema = Type.Object({ ...limitFields(), ...shortFields() }, { additionalProperties: false });
+/** A key's own windows' limits; its short policies (shortFields) may travel beside them. */
+export type KeyLimits = { [K in RequiredLimit]: number } & { [K in Exclude<LimitField, RequiredLimit>]?: number };
 /** Prepaid credits: `grant` units each billing period, added to what is left with `rollover` (else in place of it). */
 export const CreditsSchema = Type.Object(
   { grant: Type.Integer({ minimum: 0 }), every: Type.Literal('month'), rollover: Type.Optional(Type.Boolean()) },
@@ -58,6 +61,7 @@ export const ConfigFile = Type.Object(
       Type.Object(
         {
           ...optionalLimitFields(),
+          ...shortFields(),
           /** Units admitted past the month's quota (the day's, without perMonth), billed extra. */
           overage: Type.Optional(Type.Object({ upTo: Count }, { additionalProperties: false })),
           credits: Type.Optional(CreditsSchema),
@@ -383,6 +387,7 @@ export function configBuilder(file: ConfigFile, redisKeyPrefix = 'gw'): { add(k:
     const account = k.account ?? k.id;
     const billing = billingOf(plan, file.accounts && Object.hasOwn(file.accounts, account) ? file.accounts[account] : undefined);
     const limits = ceilings(k.limits ?? plan, billing.overage);
+    const short = shortOf(k.limits ?? plan);
     return {
       id: k.id,
       account,
@@ -395,12 +400,13 @@ export function configBuilder(file: ConfigFile, redisKeyPrefix = 'gw'): { add(k:
         name: accountName(redisPrefix, account),
         limits,
         bans,
-        policy: policyHeader(limits),
+        policy: policyHeader(limits, short),
         lasting: true,
         enforce: k.enforce ?? plan.enforce ?? true,
         billing,
         events: file.usage?.export.maxEvents ?? 0,
         alerts: file.alerts ? (plan.alerts?.thresholds ?? file.alerts.thresholds).join(',') : '',
+        short,
       },
       upstreamHeaders: Object.freeze({ 'x-consumer-id': k.id, 'x-consumer-account': account, 'x-consumer-plan': k.plan }),
     };
@@ -437,6 +443,7 @@ export function configBuilder(file: ConfigFile, redisKeyPrefix = 'gw'): { add(k:
         billing: NO_BILLING,
         events: 0,
         alerts: '',
+        short: undefined,
       }),
       deprecations: deprecationsOf(file),
       corsOrigins: new Set(file.cors?.origins ?? []),
@@ -456,28 +463,6 @@ export function parseConfigText(text: string, source: string, options: ConfigOpt
   }
   return validateConfigFile(raw, source, options);
 }
-
-/**
- * A parse error where it was found, with the line before it (an unclosed `{` or `[` is noticed
- * only on a later line) and a caret: `at line 4, column 1: <why>` and the lines, numbered.
- */
-function yamlProblem(err: Error & { linePos?: Array<{ line: number; col: number }> }, text: string): string {
-  const why = err.message.split('\n')[0]!.replace(/ at line \d+, column \d+:?$/, '');
-  const at = err.linePos?.[0];
-  if (!at) return `: ${why}`;
-  const lines = text.split('\n');
-  const shown = [at.line - 1, at.line].filter((n) => n >= 1 && n <= lines.length);
-  const width = String(at.line).length;
-  const excerpt = shown.map((n) => `    ${String(n).padStart(width)} | ${lines[n - 1]}`);
-  excerpt.push(`    ${' '.repeat(width)} | ${' '.repeat(at.col - 1)}^`);
-  return `at line ${at.line}, column ${at.col}: ${why}\n${excerpt.join('\n')}`;
-}
-
-const UNREADABLE: Record<string, string> = {
-  ENOENT: 'no such file',
-  EACCES: 'permission denied',
-  EISDIR: 'a directory, not a file',
-};
 
 /**
  * Reads, validates and compiles a config file; throws ConfigError naming every problem.

@@ -195,6 +195,9 @@ export const GatewaySettingsSchema = Type.Object({
   // While Redis fails: decide from each instance's degraded budget (open) or answer 503 (closed).
   quotaStoreFailure: oneOf('QUOTA_STORE_FAILURE', ['open', 'closed'], 'open'),
   quotaLeaseMax: Type.Integer({ env: 'QUOTA_LEASE_MAX', minimum: 1, maximum: 1000, default: 100 }),
+  // A concurrency slot lives this long without a renewal (renewed every third of it while its
+  // request runs): an instance that dies frees its slots within it (docs/reference.md).
+  concurrencySlotTtlMs: Type.Integer({ env: 'CONCURRENCY_SLOT_TTL_MS', minimum: 300, maximum: 15_000, default: 15_000 }),
   // Leased admissions' usage events are written in batches, this often (or every 1,000): an
   // instance that dies loses at most this much of its events, counted as unsettled (docs/reference.md).
   usageBatchMs: Type.Integer({ env: 'USAGE_BATCH_MS', minimum: 10, maximum: 10_000, default: 1000 }),

@@ -10,6 +10,7 @@ import { GatewayError, handleError } from '../errors.js';
 import { type Admission, admit } from '../quota/admit.js';
 import type { EventTag, QuotaSubject } from '../quota/decision.js';
 import type { RequestPath } from '../quota/store.js';
+import { SlotHold } from './in-flight.js';
 import {
   DOCUMENT_ROUTE,
   isDocumentPath,
@@ -50,6 +51,8 @@ export interface RequestContext {
   leased?: boolean;
   /** Its trace span, while tracing is on (observability/tracing.ts). */
   span?: Span;
+  /** Its concurrency slot, for a key with a concurrency limit: released once the answer and the backend call are over. */
+  hold?: SlotHold;
 }
 
 /**
@@ -72,6 +75,7 @@ function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConf
     redisMs: undefined,
     leased: undefined,
     span: undefined,
+    hold: undefined,
   };
   return request.ctx;
 }
@@ -114,8 +118,19 @@ function eventTag(request: FastifyRequest): EventTag {
   };
 }
 
-/** Admission's headers on the reply, its outcome and its usage event's id (the tag's: EventTag.eventId) in the context; returns the refusal. */
-function applied(request: FastifyRequest, reply: FastifyReply, admission: Admission, tag?: EventTag): GatewayError | undefined {
+/**
+ * Admission's headers on the reply, its outcome and its usage event's id (the tag's:
+ * EventTag.eventId) in the context, its concurrency slot held until the request is over at
+ * both ends (in-flight.ts); returns the refusal.
+ */
+function applied(
+  store: RequestPath,
+  request: FastifyRequest,
+  reply: FastifyReply,
+  subject: QuotaSubject,
+  admission: Admission,
+  tag?: EventTag,
+): GatewayError | undefined {
   rawHeaders(reply, admission.headers);
   const { ctx } = request;
   ctx.outcome = admission.outcome;
@@ -124,6 +139,17 @@ function applied(request: FastifyRequest, reply: FastifyReply, admission: Admiss
   ctx.eventId = tag?.eventId;
   ctx.redisMs = admission.redisMs;
   ctx.leased = admission.leased;
+  const slot = admission.slot;
+  if (slot !== undefined) {
+    const hold = (ctx.hold = new SlotHold(() => store.release(subject, slot)));
+    // A client gone before its admission came back ('close' has been and will not come again):
+    // its slot back at once, and no backend call that would run without one.
+    if (reply.raw.closed) {
+      hold.answered();
+      return new GatewayError('bad_request', 'The client closed the connection before the request was admitted');
+    }
+    reply.raw.once('close', () => hold.answered());
+  }
   return admission.refusal;
 }
 
@@ -140,8 +166,8 @@ function admitRequest(
 ): GatewayError | undefined | Promise<GatewayError | undefined> {
   const tag = subject.events > 0 ? eventTag(request) : undefined;
   const admission = admit(store, subject, cost, tag);
-  if (admission instanceof Promise) return admission.then((a) => applied(request, reply, a, tag));
-  return applied(request, reply, admission, tag);
+  if (admission instanceof Promise) return admission.then((a) => applied(store, request, reply, subject, a, tag));
+  return applied(store, request, reply, subject, admission, tag);
 }
 
 /** The per-address quota of a request without a key: throws its 429, or else `otherwise`. */

@@ -132,14 +132,17 @@ function proxyOptions(app: FastifyInstance, opts: ProxyOptions): FastifyHttpProx
         // Off, a client's traceparent passes unchanged; on, the gateway's span replaces it (its child).
         if (opts.inject) opts.inject(request as FastifyRequest, out);
         ctx.sentAt = performance.now();
+        ctx.hold?.upstreamStarted();
         return out;
       },
       rewriteHeaders: (headers, request) => {
+        (request as FastifyRequest | undefined)?.ctx.hold?.upstreamEnded();
         const sentAt = (request as FastifyRequest | undefined)?.ctx.sentAt;
         if (sentAt !== undefined) opts.upstreamSeconds(request as FastifyRequest, (performance.now() - sentAt) / 1000);
         return copyWithout(headers as Headers, DROPPED);
       },
       onError: (reply, { error }) => {
+        (reply.request as FastifyRequest).ctx.hold?.upstreamEnded();
         opts.failed(reply.request as FastifyRequest);
         const answer = upstreamError(error);
         const what = answer.status === 504 ? 'backend did not answer in time' : 'backend could not be reached';

@@ -27,7 +27,8 @@ function rejection(e: AccessEntry): RejectionReason | undefined {
   if (e.outcome === 'unavailable') return 'unavailable';
   const { outcome } = e;
   if (e.status === 402 && outcome === 'credits') return outcome;
-  return e.status === 429 && outcome !== undefined && (isWindow(outcome) || outcome === 'banned') ? outcome : undefined;
+  const quota = outcome !== undefined && (isWindow(outcome) || outcome === 'banned' || outcome === 'concurrent' || outcome === 'burst');
+  return e.status === 429 && quota ? outcome : undefined;
 }
 
 /** JSON of `ms` to a tenth, from two integers V8 stringifies from a cache: a fraction was the line's costliest step. */

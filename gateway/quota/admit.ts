@@ -16,18 +16,30 @@ export interface Admission {
   /** The decision's wait on Redis and whether a lease answered it (Decision.redisMs, .leased): for its trace. */
   redisMs?: number;
   leased?: boolean;
+  /** The concurrency slot it holds: the caller releases it when the request ends (RequestPath.release). */
+  slot?: string;
 }
 
 const REFUSAL_CODES = {
   banned: 'key_banned',
   credits: 'credits_exhausted',
+  concurrent: 'concurrency_limit_exceeded',
+  burst: 'burst_limit_exceeded',
   ...Object.fromEntries(WINDOWS.map((w) => [w.name, w.code])),
 } as Record<Refusal, GatewayErrorCode>;
 
 /** The 429 a decision calls for, if any. */
-function refusal(d: Decision): GatewayError | undefined {
+function refusal(d: Decision, subject: QuotaSubject): GatewayError | undefined {
   if (d.outcome === 'allowed') return undefined;
   const wait = retryAfterSeconds(d);
+  const short = subject.short;
+  if (d.outcome === 'concurrent')
+    return new GatewayError(
+      REFUSAL_CODES.concurrent,
+      `Concurrency limit of ${short?.concurrent} requests in flight reached; retry after ${wait} s`,
+    );
+  if (d.outcome === 'burst')
+    return new GatewayError(REFUSAL_CODES.burst, `Burst limit of ${short?.burst?.size} requests reached; retry after ${wait} s`);
   if (d.outcome === 'credits') {
     const then = wait === undefined ? 'top up to continue' : `the next grant comes in ${wait} s, or top up`;
     return new GatewayError('credits_exhausted', `Prepaid credits exhausted (${d.balance ?? 0} left); ${then}`);
@@ -73,7 +85,7 @@ function sharedAdmission(d: Decision, subject: QuotaSubject): Admission {
   const headers =
     was && was.second === second && sameCounts(was.decision, d)
       ? was.admission.headers
-      : Object.freeze(rateLimitHeaders(d, subject.policy));
+      : Object.freeze(rateLimitHeaders(d, subject.policy, subject.short));
   const admission = Object.freeze(allowed(d, headers));
   last.set(subject, { decision: d, admission, second });
   return admission;
@@ -88,24 +100,27 @@ function allowed(d: Decision, headers: Readonly<Record<string, string>>): Admiss
     overage: d.overage > 0 ? d.overage : undefined,
     redisMs: d.redisMs,
     leased: d.leased,
+    slot: d.slot,
   };
 }
 
 /** What admission makes of a decision. */
 function admissionOf(d: Decision, subject: QuotaSubject): Admission {
   if (d.outcome === 'allowed') {
-    const shared = subject.lasting && (d.balance === undefined || d.leased === true);
-    return shared ? sharedAdmission(d, subject) : allowed(d, rateLimitHeaders(d, subject.policy));
+    // Concurrency and burst change with every decision, and every one is Redis's: nothing to share.
+    const shared = subject.lasting && d.short === undefined && (d.balance === undefined || d.leased === true);
+    return shared ? sharedAdmission(d, subject) : allowed(d, rateLimitHeaders(d, subject.policy, subject.short));
   }
   if (!subject.enforce) return shadow(d, d.outcome, subject);
   return {
     outcome: d.outcome,
     countedAtMs: undefined,
-    headers: rateLimitHeaders(d, subject.policy),
-    refusal: refusal(d),
+    headers: rateLimitHeaders(d, subject.policy, subject.short),
+    refusal: refusal(d, subject),
     overage: undefined,
     redisMs: d.redisMs,
     leased: d.leased,
+    slot: undefined,
   };
 }
 
@@ -146,7 +161,7 @@ export function admit(store: RequestPath, subject: QuotaSubject, cost = 1, tag?:
  * the windows as they stand, without the Retry-After that only a refusal carries.
  */
 function shadow(decision: Decision, refused: Refusal, subject: QuotaSubject): Admission {
-  const headers = rateLimitHeaders(decision, subject.policy);
+  const headers = rateLimitHeaders(decision, subject.policy, subject.short);
   delete headers['retry-after'];
   return { outcome: `would_${refused}`, headers, redisMs: decision.redisMs, leased: decision.leased };
 }

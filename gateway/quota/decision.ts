@@ -11,7 +11,7 @@ export const DAY_MS = 86_400_000;
  * Why a request was admitted or refused: the one vocabulary of quota.lua (which returns the
  * index), the in-process store, the headers, the error codes, the access line and the metrics.
  */
-export const OUTCOMES = ['allowed', 'minute', 'day', 'banned', 'month', 'credits', 'hour'] as const;
+export const OUTCOMES = ['allowed', 'minute', 'day', 'banned', 'month', 'credits', 'hour', 'concurrent', 'burst'] as const;
 export type Outcome = (typeof OUTCOMES)[number];
 export type Refusal = Exclude<Outcome, 'allowed'>;
 /** A refusal a subject in shadow mode (`enforce: false`) would have had: counted and reported, but admitted. */
@@ -42,6 +42,15 @@ export interface Billing {
 /** Billing for a subject that has none beyond its windows (an address's). */
 export const NO_BILLING: Billing = Object.freeze({ billingDay: 1, overage: 0 });
 
+/**
+ * The short policies beside the windows (docs/reference.md, Concurrency and burst): requests in
+ * flight at once, and a GCRA burst of `size` refilled at `perSecond`. Either absent: none.
+ */
+export interface ShortPolicies {
+  concurrent?: number;
+  burst?: { size: number; perSecond: number };
+}
+
 export interface BanPolicy {
   afterRejected: number;
   withinMs: number;
@@ -65,6 +74,22 @@ export interface QuotaSubject {
   events: number;
   /** Threshold alerts: the fractions of its day, month and credits that fire a webhook, as a comma list ('' none). */
   alerts: string;
+  /** Its concurrency and burst policies, if any: such a subject takes no leases. */
+  short?: ShortPolicies;
+}
+
+/** Whether a subject has a concurrency or burst policy (and so asks its store on every request). */
+export const hasShort = (s: QuotaSubject): boolean => s.short !== undefined;
+
+/** The short policies' state after a decision (a subject that has them). */
+export interface ShortState {
+  /** Requests in flight after the decision (this one's slot included when admitted); absent without concurrency. */
+  inFlight?: number;
+  /** Tokens left after it, and ms until the next comes back (0: full); absent without burst. */
+  burstLeft?: number;
+  burstNextMs?: number;
+  /** A burst refusal: ms until the request's cost fits. */
+  burstRetryMs?: number;
 }
 
 /** The subject's billing period at `nowMs`, if it has a month window or credits. */
@@ -118,6 +143,10 @@ export interface Decision {
   redisMs?: number;
   /** Answered from a lease this instance holds (Redis store). */
   leased?: boolean;
+  /** Concurrency and burst, for a subject with either. */
+  short?: ShortState;
+  /** The concurrency slot this admission holds, released when the request ends (RequestPath.release). */
+  slot?: string;
 }
 
 /** What a store counted: the outcome and the admitted counts of the current windows (Counts: one per window). */
@@ -134,6 +163,8 @@ interface CountedBeyond {
   overageUsed?: number;
   overageUnits?: number;
   eventId?: string;
+  short?: ShortState;
+  slot?: string;
 }
 
 /** What a usage event says of its request beyond the decision: who, what, where. */
@@ -177,6 +208,8 @@ export function decision({ limits, billing }: QuotaSubject, c: WindowCounts): De
     d.overageUsed = c.overageUsed ?? 0;
   }
   if (c.eventId) d.eventId = c.eventId;
+  if (c.short) d.short = c.short;
+  if (c.slot) d.slot = c.slot;
   if (billing.credits && c.balance !== undefined) {
     d.balance = c.balance;
     if (billing.credits.grant > 0 && c.period) d.grantAtMs = c.period.endMs;

@@ -1,4 +1,4 @@
-import type { Decision, Limits, WindowState } from './decision.js';
+import type { Decision, Limits, ShortPolicies, ShortState, WindowState } from './decision.js';
 import { isWindow, WINDOWS, windowRow } from './windows.js';
 
 // Pure header math: a decision in, header values out. No clock, no I/O.
@@ -8,13 +8,30 @@ import { isWindow, WINDOWS, windowRow } from './windows.js';
  * (windows.ts): constant per limits, built at load. A calendar window's item (the month)
  * depends on the period's length (28 to 31 days), so rateLimitHeaders appends it per decision.
  */
-export function policyHeader(limits: Limits): string {
+export function policyHeader(limits: Limits, short?: ShortPolicies): string {
   const parts: string[] = [];
   for (const w of WINDOWS) {
     const limit = limits[w.limit] ?? 0;
     if (w.lengthMs && (w.always || limit > 0)) parts.push(`"${w.name}";q=${limit};w=${w.lengthMs / 1000}`);
   }
+  // The draft's registered unit for in-flight requests; `w` of the burst: seconds to refill from empty (no sub-second values).
+  if (short?.concurrent) parts.push(`"concurrent";q=${short.concurrent};qu="concurrent-requests"`);
+  if (short?.burst) parts.push(`"burst";q=${short.burst.size};w=${burstRefillSeconds(short.burst)}`);
   return parts.join(', ');
+}
+
+/** Whole seconds a burst takes to refill from empty, at least 1. */
+export const burstRefillSeconds = (b: { size: number; perSecond: number }) => Math.max(1, Math.ceil(b.size / b.perSecond));
+
+/** The short policies' RateLimit items: free slots, tokens left and seconds to the next (0 when full). */
+function shortItems(s: ShortState, limits: ShortPolicies | undefined): string {
+  let out = '';
+  if (s.inFlight !== undefined && limits?.concurrent) out += `, "concurrent";r=${Math.max(0, limits.concurrent - s.inFlight)}`;
+  if (s.burstLeft !== undefined) {
+    const t = s.burstNextMs ? Math.max(1, Math.ceil(s.burstNextMs / 1000)) : 0;
+    out += `, "burst";r=${s.burstLeft};t=${t}`;
+  }
+  return out;
 }
 
 /** The policy with the calendar window's item, if the decision has one: its `w` is the period's length in seconds. */
@@ -49,6 +66,9 @@ function reopensAt(d: Decision, w: WindowState): number {
  * only when a grant is due (then until it); else a top-up, not time, is what helps.
  */
 export function retryAfterSeconds(d: Decision): number | undefined {
+  // In flight: no one knows when a slot frees; a second is the shortest delay-seconds can say.
+  if (d.outcome === 'concurrent') return 1;
+  if (d.outcome === 'burst') return Math.max(1, Math.ceil((d.short?.burstRetryMs ?? 1000) / 1000));
   if (d.outcome === 'credits') return d.grantAtMs === undefined ? undefined : secondsUntil(d.grantAtMs, d.nowMs);
   if (d.outcome === 'banned') return secondsUntil(Math.max(...d.windows.map((w) => reopensAt(d, w))), d.nowMs);
   if (d.outcome !== 'allowed') return secondsUntil(reportedWindow(d).resetMs, d.nowMs);
@@ -56,11 +76,12 @@ export function retryAfterSeconds(d: Decision): number | undefined {
 }
 
 /** Every rate-limit header of a response. During a ban every window reports 0 left. */
-export function rateLimitHeaders(d: Decision, policy: string): Record<string, string> {
+export function rateLimitHeaders(d: Decision, policy: string, short?: ShortPolicies): Record<string, string> {
   const w = reportedWindow(d);
   const banned = d.outcome === 'banned';
   const resetMs = banned ? d.banUntilMs : w.resetMs;
-  const state = d.windows.map((x) => `"${x.name}";r=${banned ? 0 : remaining(x)};t=${secondsUntil(reopensAt(d, x), d.nowMs)}`).join(', ');
+  let state = d.windows.map((x) => `"${x.name}";r=${banned ? 0 : remaining(x)};t=${secondsUntil(reopensAt(d, x), d.nowMs)}`).join(', ');
+  if (d.short) state += shortItems(d.short, short);
   const headers: Record<string, string> = {
     'x-ratelimit-limit': String(w.limit),
     'x-ratelimit-remaining': String(banned ? 0 : remaining(w)),

@@ -1,5 +1,15 @@
 import { type CreditState, spend, withGrants } from './credits.js';
-import { DAY_MS, type Decision, decision, MINUTE_MS, type QuotaSubject, softQuota, type WindowCounts, windowStart } from './decision.js';
+import {
+  DAY_MS,
+  type Decision,
+  decision,
+  MINUTE_MS,
+  type QuotaSubject,
+  type ShortState,
+  softQuota,
+  type WindowCounts,
+  windowStart,
+} from './decision.js';
 import { billingPeriod, type Period } from './period.js';
 import {
   type AccountBook,
@@ -55,6 +65,10 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
   private entries = 0;
   /** The fixed windows' counts of the step under way (one at a time: steps are synchronous). */
   private readonly used: number[] = LENGTH.map(() => 0);
+  /** Concurrency slots in flight per subject (in-process: they end with the process, no expiry needed), and each burst's TAT (ms). */
+  private readonly slots = new Map<string, Set<string>>();
+  private readonly tats = new Map<string, number>();
+  private slotIds = 0;
 
   constructor(private readonly clock: () => number = Date.now) {}
 
@@ -85,6 +99,9 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
       period ??= inForce;
     }
     if (period) usage.period = period;
+    const short = this.peekShort(subject, now);
+    if (short?.inFlight !== undefined) usage.inFlight = short.inFlight;
+    if (short?.burstLeft !== undefined) usage.burstLeft = short.burstLeft;
     if (billing.overage > 0) {
       const start = period && limits.perMonth ? period.startMs : windowStart(now, DAY_MS);
       usage.overageUsed = s && s.overageStart === start ? s.overageCount : 0;
@@ -111,6 +128,43 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
     }
     // Given back as purchased credits, which never expire (as refund.lua does).
     if (subject.billing.credits) this.account(subject.name).credits.purchased += cost;
+  }
+
+  release({ name }: QuotaSubject, slot: string): void {
+    const held = this.slots.get(name);
+    if (held?.delete(slot) && held.size === 0) this.slots.delete(name);
+  }
+
+  /**
+   * Concurrency and burst as quota.lua has them: their state now (for the headers), and with
+   * `take`, the refusal if either refuses, else the slot and the burst's tokens taken.
+   */
+  private short(
+    subject: QuotaSubject,
+    now: number,
+    cost: number,
+    take: boolean,
+  ): { state: ShortState; refused?: 'burst' | 'concurrent'; slot?: string } {
+    const { concurrent, burst } = subject.short!;
+    let held = this.slots.get(subject.name);
+    const inFlight = held?.size ?? 0;
+    const interval = burst ? 1000 / burst.perSecond : 0;
+    let tat = burst ? Math.max(this.tats.get(subject.name) ?? now, now) : now;
+    const state = (): ShortState => ({
+      ...(concurrent && { inFlight: held?.size ?? 0 }),
+      ...(burst && burstState(burst, interval, tat, now)),
+    });
+    if (!take) return { state: state() };
+    // The burst first (its wait is known), then a free slot; nothing taken unless both admit.
+    const over = burst ? tat + cost * interval - now - burst.size * interval : 0;
+    if (over > 1e-6) return { state: { ...state(), burstRetryMs: Math.max(1, Math.ceil(over)) }, refused: 'burst' };
+    if (concurrent && inFlight >= concurrent) return { state: state(), refused: 'concurrent' };
+    if (burst) this.tats.set(subject.name, (tat += cost * interval));
+    if (!concurrent) return { state: state() };
+    const slot = `m${++this.slotIds}`;
+    if (!held) this.slots.set(subject.name, (held = new Set()));
+    held.add(slot);
+    return { state: state(), slot };
   }
 
   async unban({ name }: QuotaSubject): Promise<boolean> {
@@ -182,22 +236,7 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
   private step(subject: QuotaSubject, now: number, cost: number): WindowCounts {
     const { name, limits, bans, billing } = subject;
     this.sweep(now);
-    let s = this.states.get(name);
-    if (!s) {
-      s = {
-        starts: LENGTH.map(() => 0),
-        counts: LENGTH.map(() => 0),
-        ban: 0,
-        periodStart: 0,
-        periodEnd: 0,
-        periodCount: 0,
-        overageStart: 0,
-        overageCount: 0,
-        rejections: [],
-        expiresAt: 0,
-      };
-      this.states.set(name, s);
-    }
+    const s = this.stateOf(name);
     // Each fixed window's admitted count now (0 in a window that has started since), and its limit (0: none).
     const used = this.used;
     for (let i = 0; i < LENGTH.length; i++) used[i] = s.starts[i] === now - (now % LENGTH[i]!) ? s.counts[i]! : 0;
@@ -214,6 +253,8 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
       c.banUntilMs = banUntilMs;
       if (period) Object.assign(c, { period, monthUsed: limits.perMonth ? monthUsed + taken : 0 });
       if (account) c.balance = account.credits.granted + account.credits.purchased;
+      // A refusal shows concurrency and burst as they stand (the burst's and a slot's own refusals say more).
+      if (outcome !== 'allowed' && subject.short) c.short = this.peekShort(subject, now);
       return c;
     };
     if (s.ban > now) return counts('banned', 0, s.ban);
@@ -242,6 +283,9 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
     }
     // Every window has room; the balance must cover the cost too (a 402, which bans no one).
     if (account && account.credits.granted + account.credits.purchased < cost) return counts('credits');
+    // Then the burst and a free slot: refused, charged nothing.
+    const short = subject.short ? this.short(subject, now, cost, true) : undefined;
+    if (short?.refused) return Object.assign(counts(short.refused), { short: short.state });
     if (account) spend(account.credits, cost);
     for (let i = 0; i < LENGTH.length; i++) {
       s.starts[i] = windowStart(now, LENGTH[i]!);
@@ -252,7 +296,35 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
       Object.assign(s, { periodStart: period.startMs, periodEnd: period.endMs, periodCount: monthUsed + cost });
     const overageFrom = limits.perMonth ? period!.startMs : windowStart(now, DAY_MS);
     const overage = this.billOverage(subject, s, overageFrom, limits.perMonth ? monthUsed : used[DAY]!, cost);
-    return Object.assign(counts('allowed', cost), overage);
+    const c = Object.assign(counts('allowed', cost), overage);
+    if (short) Object.assign(c, { short: short.state, ...(short.slot && { slot: short.slot }) });
+    return c;
+  }
+
+  /** A subject's state, made at its first request. */
+  private stateOf(name: string): MemoryState {
+    let s = this.states.get(name);
+    if (!s) {
+      s = {
+        starts: LENGTH.map(() => 0),
+        counts: LENGTH.map(() => 0),
+        ban: 0,
+        periodStart: 0,
+        periodEnd: 0,
+        periodCount: 0,
+        overageStart: 0,
+        overageCount: 0,
+        rejections: [],
+        expiresAt: 0,
+      };
+      this.states.set(name, s);
+    }
+    return s;
+  }
+
+  /** The short policies' state without taking anything (a refusal by another check, a reading). */
+  peekShort(subject: QuotaSubject, now: number): ShortState | undefined {
+    return subject.short ? this.short(subject, now, 0, false).state : undefined;
   }
 
   /** The units of an admission past the quota (soft line), added to the window's overage, as quota.lua's take does. */
@@ -270,7 +342,16 @@ export class MemoryQuotaStore implements RequestPath, AccountBook, Operations {
     if (now - this.lastSweep < MINUTE_MS) return;
     this.lastSweep = now;
     for (const [k, s] of this.states) if (s.expiresAt <= now) this.states.delete(k);
+    // A burst back to full is as good as none (quota.lua's key expires then).
+    for (const [k, tat] of this.tats) if (tat <= now) this.tats.delete(k);
   }
+}
+
+/** A burst's tokens left with its TAT at `tat`, and ms until the next (0: full), as quota.lua's burstState. */
+function burstState(burst: { size: number }, interval: number, tat: number, now: number): ShortState {
+  const left = Math.floor((burst.size * interval - (tat - now)) / interval + 1e-9);
+  if (left >= burst.size) return { burstLeft: burst.size, burstNextMs: 0 };
+  return { burstLeft: left, burstNextMs: Math.max(1, Math.ceil(tat - now - (burst.size - left - 1) * interval)) };
 }
 
 /** A state's admitted counts of the fixed windows current at `now`, each with `taken` more. */

@@ -21,6 +21,8 @@ export interface RequestPath {
    * whether or not this request was billed as overage. Best effort: a refund that cannot be made leaves the unit counted.
    */
   refund(subject: QuotaSubject, countedAtMs: number, cost?: number, eventId?: string): Promise<void>;
+  /** An admission's concurrency slot (Decision.slot) given back: its request ended, whichever way. */
+  release(subject: QuotaSubject, slot: string): void;
 }
 
 /** The account book: what a subject has used and holds, read without counting, and top-ups (admin/usage.ts, credits.ts). */
@@ -96,6 +98,9 @@ interface UsageBeyondCounts {
   credits?: { granted: number; purchased: number; reserved?: number };
   /** Units billed as overage in the current overage window (a subject with overage). */
   overageUsed?: number;
+  /** Requests in flight now (a subject with a concurrency limit), and burst tokens left (with a burst). */
+  inFlight?: number;
+  burstLeft?: number;
 }
 
 /**

@@ -74,6 +74,25 @@ export const UsageView = Type.Object(
         { description: 'Prepaid credits: every admitted unit is paid from them; none left answers 402' },
       ),
     ),
+    concurrency: Type.Optional(
+      Type.Object(
+        {
+          limit: Type.Integer({ description: 'Requests in flight at once' }),
+          inFlight: Type.Integer({ minimum: 0, description: "The account's requests in flight now, across every instance" }),
+        },
+        { description: 'In-flight requests: past the limit, 429 concurrency_limit_exceeded' },
+      ),
+    ),
+    burst: Type.Optional(
+      Type.Object(
+        {
+          size: Type.Integer({ description: 'Requests admitted at once from full' }),
+          perSecond: Type.Number({ description: 'Refill rate' }),
+          remaining: Type.Integer({ minimum: 0, description: 'Requests admitted now before refusing' }),
+        },
+        { description: 'Burst (GCRA): past it, 429 burst_limit_exceeded' },
+      ),
+    ),
     ban: Type.Object({ active: Type.Boolean(), until: Type.Union([Instant, Type.Null()]) }),
     recentRejections: Type.Integer({ description: '429s within the ban window so far: a ban follows past the limit' }),
     at: Type.String({ format: 'date-time', description: "The quota store's time of this reading" }),
@@ -111,6 +130,9 @@ export function usageView({ account, plan, subject }: Reader, usage: Usage): Usa
     recentRejections: usage.recentRejections,
     at: iso(usage.nowMs),
   };
+  const short = subject.short;
+  if (short?.concurrent) out.concurrency = { limit: short.concurrent, inFlight: usage.inFlight ?? 0 };
+  if (short?.burst) out.burst = { ...short.burst, remaining: Math.max(0, usage.burstLeft ?? short.burst.size) };
   if (usage.period) out.period = { start: iso(usage.period.startMs), end: iso(usage.period.endMs), billingDay: billing.billingDay };
   if (soft > 0) {
     out.overage = { window: long, quota: soft, upTo: billing.overage, used: usage.overageUsed ?? 0 };

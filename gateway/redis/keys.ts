@@ -43,6 +43,10 @@ export const subjectKey = {
   alertsFence: (name: string) => `${name}:alerts:fence`,
   /** Degraded-budget write-backs already applied (a hash of batch ids). */
   writtenBack: (name: string) => `${name}:wb`,
+  /** Concurrency slots in flight (a sorted set: slot id -> expiry, Redis ms). */
+  slots: (name: string) => `${name}:slots`,
+  /** The burst's theoretical arrival time (GCRA, Redis ms). */
+  burst: (name: string) => `${name}:burst`,
   /** One quota.lua call's reply, by the call's id, for a resend to find. */
   call: (name: string, callId: string) => `${name}:call:${callId}`,
   /** One batch of leased admissions' usage events, by its id, once written: a resend writes nothing. */

@@ -370,6 +370,11 @@ describe('redis store', () => {
     expect((await store.consume(subject(100, 1000, false))).outcome).toBe('allowed'); // a subject without credits: its share
     // Usage events are the bill: a subject that records them is not decided without Redis either.
     await expect(consumed({ ...subject(100, 1000, false), events: 1000 })).rejects.toBeInstanceOf(QuotaStoreUnavailable);
+    // Nor concurrency or burst: their bounds hold across instances only where Redis decides.
+    await expect(consumed({ ...subject(100, 1000, false), short: { concurrent: 10 } })).rejects.toBeInstanceOf(QuotaStoreUnavailable);
+    await expect(consumed({ ...subject(100, 1000, false), short: { burst: { size: 5, perSecond: 1 } } })).rejects.toBeInstanceOf(
+      QuotaStoreUnavailable,
+    );
     broken.disconnect();
   });
 

@@ -133,6 +133,28 @@ describe('config file', () => {
     expect([...config.consumers.keys()]).toEqual([k.hash]);
   });
 
+  it("compiles a plan's concurrency and burst, which a key's own limits replace like its windows", () => {
+    const [a, b] = [generateKey('production'), generateKey('production')];
+    const file = {
+      ...testConfig([]),
+      plans: { api: { perMinute: 600, perDay: 50_000, concurrent: 10, burst: { size: 20, perSecond: 10 } } },
+      keys: [
+        { id: 'plain', hash: a.hash, plan: 'api' },
+        { id: 'own', hash: b.hash, plan: 'api', limits: { perMinute: 60, perDay: 1000, concurrent: 2 } },
+      ],
+    };
+    const config = compileConfig(validateConfigFile(file, 't'), 'px');
+    const [plain, own] = [config.consumers.get(a.hash)!.subject, config.consumers.get(b.hash)!.subject];
+    expect(plain.short).toEqual({ concurrent: 10, burst: { size: 20, perSecond: 10 } });
+    expect(plain.policy).toBe('"minute";q=600;w=60, "day";q=50000;w=86400, "concurrent";q=10;qu="concurrent-requests", "burst";q=20;w=2');
+    expect(own.short).toEqual({ concurrent: 2 });
+    expect(config.addressSubject('127.0.0.1').short).toBeUndefined();
+    expect(problems({ ...file, plans: { api: { perMinute: 1, perDay: 1, burst: { size: 0, perSecond: 0 } } } })).toEqual([
+      'plans.api.burst.size: Expected integer to be greater or equal to 1',
+      'plans.api.burst.perSecond: Expected number to be greater than 0',
+    ]);
+  });
+
   it('gives requests without a key a per-address quota with a minute window only', () => {
     const config = compileConfig(validateConfigFile(testConfig([], { unauthenticated: { perMinute: 7 } }), 't'), 'px');
     expect(config.addressSubject('10.0.0.1')).toEqual({

@@ -91,6 +91,7 @@ describe('settings from their schema', () => {
       redisTimeoutMs: 1000,
       quotaStoreFailure: 'open',
       quotaLeaseMax: 100,
+      concurrencySlotTtlMs: 15_000,
       usageBatchMs: 1000,
       creditsAckTimeoutMs: 2000,
       idempotencyKeyHours: 24,

@@ -71,6 +71,23 @@ function billingUsage(subject: QuotaSubject, now: number, stored: number[], cred
   return out;
 }
 
+/** Slots in flight (`slots`: ZRANGE WITHSCORES, expiries on Redis's clock) and burst tokens left (`tat`), as quota.lua finds them. */
+function shortUsage(subject: QuotaSubject, now: number, slots: string[], tat: string | null): Partial<Usage> {
+  const { concurrent, burst } = subject.short!;
+  const out: Partial<Usage> = {};
+  if (concurrent) {
+    let n = 0;
+    for (let i = 1; i < slots.length; i += 2) if (Number(slots[i]) > now) n++;
+    out.inFlight = n;
+  }
+  if (burst) {
+    const interval = 1000 / burst.perSecond;
+    const backlog = Math.max(0, Number(tat ?? now) - now);
+    out.burstLeft = Math.min(burst.size, Math.floor((burst.size * interval - backlog) / interval + 1e-9));
+  }
+  return out;
+}
+
 /** The fixed windows' fields of the counters hash (windows.ts): each one's start and count. */
 const COUNTER_FIELDS = FIXED.flatMap((w) => [w.stored.start, w.stored.count]);
 
@@ -180,18 +197,27 @@ export class RedisAccounts {
 
   /** One MULTI: Redis time, the counters, the recent 429s and the credits, read together. */
   async read(subject: QuotaSubject): Promise<Usage> {
-    const results = await this.redis
+    const multi = this.redis
       .multi()
       .time()
       .hmget(subjectKey.counters(subject.name), ...COUNTER_FIELDS, 'ban', 'ps', 'pc', 'os', 'oc', 'pe')
       .lrange(subjectKey.rejections(subject.name), 0, -1)
-      .hmget(subjectKey.credits(subject.name), 'g', 'p', 'gp', 'ge', 'r')
-      .exec();
+      .hmget(subjectKey.credits(subject.name), 'g', 'p', 'gp', 'ge', 'r');
+    // The slots' expiries (at most the limit, and those expired not yet swept) and the burst's TAT.
+    if (subject.short) multi.zrange(subjectKey.slots(subject.name), 0, -1, 'WITHSCORES').get(subjectKey.burst(subject.name));
+    const results = await multi.exec();
     const values = (results ?? []).map(([err, value]) => {
       if (err) throw err;
       return value;
     });
-    const [time, fields, rejections, credited] = values as [[string, string], Array<string | null>, string[], Array<string | null>];
+    const [time, fields, rejections, credited, slots, tat] = values as [
+      [string, string],
+      Array<string | null>,
+      string[],
+      Array<string | null>,
+      string[] | undefined,
+      string | null | undefined,
+    ];
     const now = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
     const numbers = fields.map(Number);
     const stored = Object.fromEntries(COUNTER_FIELDS.map((f, i) => [f, numbers[i]!]));
@@ -203,6 +229,7 @@ export class RedisAccounts {
       banUntilMs: ban > now ? ban : 0,
       recentRejections: rejections.filter((t) => Number(t) > now - withinMs).length,
     };
+    if (subject.short) Object.assign(usage, shortUsage(subject, now, slots ?? [], tat ?? null));
     return { ...usage, ...billingUsage(subject, now, billed, credited) };
   }
 

@@ -37,6 +37,8 @@ export interface RedisStoreOptions {
   /** UPSTREAM_TIMEOUT_MS and GATEWAY_REQUEST_TIMEOUT_MS: how long a leased admission's event waits for its status (event-batches.ts). */
   upstreamTimeoutMs?: number;
   requestTimeoutMs?: number;
+  /** CONCURRENCY_SLOT_TTL_MS: a concurrency slot's life without a renewal (renewed every third of it while its request runs). */
+  slotTtlMs?: number;
 }
 
 /** Every option with its default: what the store and its jobs read. */
@@ -57,5 +59,6 @@ export function storeSettings(o: RedisStoreOptions): StoreSettings {
     usageBatchMs: o.usageBatchMs ?? 1000,
     upstreamTimeoutMs: o.upstreamTimeoutMs ?? 10_000,
     requestTimeoutMs: o.requestTimeoutMs ?? 30_000,
+    slotTtlMs: o.slotTtlMs ?? 15_000,
   };
 }

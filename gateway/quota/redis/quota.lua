@@ -20,11 +20,14 @@
 -- `backCredits`, the credit leases closed with the call, `id=unused` comma-separated;
 -- `pendEvents` 1 for a subject whose usage is exported: the units of its leases are added to
 -- `unsettled` in its events cursor (KEY.cursor) until their instance writes their events, and
--- `backPending`, the closed leases' units never handed out, leave it.
+-- `backPending`, the closed leases' units never handed out, leave it. `concurrent` (0: none)
+-- and `slotTtlMs`: in-flight slots in KEY.slots, the call's id the slot's; `burstSize` (0:
+-- none) and `burstPerSecond`: GCRA on KEY.burst. A subject with either takes no lease.
 -- The reply: the outcome (an index into OUTCOMES in decision.ts; -1: past the deadline), the
 -- windows' counts, Redis's time, the ban's end, the units taken, the period, the balance (-1:
--- no credits), the overage billed so far and this request's, its usage event's id (or false)
--- and 1 if an alert was written (the gateway marks the account: usage/active.ts). Time is
+-- no credits), the overage billed so far and this request's, its usage event's id (or false),
+-- 1 if an alert was written (the gateway marks the account: usage/active.ts), the slots in
+-- flight, the burst's tokens left (-1: none), ms to its next, and a burst refusal's wait. Time is
 -- Redis's own, so skewed gateways agree.
 -- A call sent twice (the client sends again what was unanswered when its connection dropped)
 -- gets the first run's reply: never counted twice. KEY.call holds it for CALL_KEEP_MS (script.ts),
@@ -147,13 +150,39 @@ local lo = (tonumber(h.ls) == ow) and tonumber(h.lo) or 0
 local mine = 0
 local eventId = false
 local pending = tonumber(ARG.pendEvents) == 1
+-- Concurrency (`concurrent` slots, 0: none): a sorted set of this subject's slots, each scored
+-- by its expiry on Redis's clock; the expired ones go first (an instance that died holding them).
+-- Burst (`burstSize` at `burstPerSecond`, 0: none): GCRA, one key holding the theoretical
+-- arrival time (TAT, ms). Both are read here and taken only once every other check admits.
+local concurrent = tonumber(ARG.concurrent) or 0
+local inFlight, burstSize = 0, tonumber(ARG.burstSize) or 0
+if concurrent > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEY.slots, '-inf', now)
+  inFlight = redis.call('ZCARD', KEY.slots)
+end
+local interval, span, tat = 0, 0, now
+if burstSize > 0 then
+  interval = 1000 / tonumber(ARG.burstPerSecond)
+  span = burstSize * interval
+  tat = math.max(tonumber(redis.call('GET', KEY.burst)) or now, now)
+end
+local burstRetry = 0
+-- Tokens left with the TAT at `tat`, and ms until the next one comes back (0: full).
+local function burstState()
+  if burstSize <= 0 then return -1, 0 end
+  local left = math.floor((span - (tat - now)) / interval + 1e-9)
+  if left >= burstSize then return burstSize, 0 end
+  return left, math.max(1, math.ceil((tat - now) - (burstSize - left - 1) * interval))
+end
 local function reply(outcome, taken, banUntil)
   local balance = -1
   if grant >= 0 then balance = g + p end
   local alerted = 0
   if alerting and redis.call('XLEN', KEY.alerts) ~= alertsBefore then alerted = 1 end
+  local left, nextMs = burstState()
   local r = {outcome = outcome, nowMs = now, banUntilMs = banUntil, taken = taken, monthUsed = pc, periodStart = ps,
-    periodEnd = pe, balance = balance, overageUsed = oc, overageUnits = mine, eventId = eventId, alerted = alerted}
+    periodEnd = pe, balance = balance, overageUsed = oc, overageUnits = mine, eventId = eventId, alerted = alerted,
+    inFlight = inFlight, burstLeft = left, burstNextMs = nextMs, burstRetryMs = burstRetry}
   for _, w in ipairs(FIXED) do r[w.used] = win[w.name].count end
   local out = packed(r)
   if callKey then redis.call('SET', callKey, cjson.encode(out), 'PX', CALL_KEEP_MS) end
@@ -302,6 +331,23 @@ if violated > 0 then
 end
 -- Every window has room; the balance must cover the cost too (a 402, which bans no one).
 if grant >= 0 and g + p < cost then return reply(5, 0) end
+-- The burst, then a free slot: refused, charged nothing anywhere (no window, no ban, no credit).
+-- The burst first: its wait is known (Retry-After to the token), a slot's is not.
+if burstSize > 0 and tat + cost * interval - now > span + 1e-6 then
+  burstRetry = math.max(1, math.ceil(tat + cost * interval - span - now))
+  return reply(8, 0)
+end
+if concurrent > 0 and inFlight >= concurrent then return reply(7, 0) end
+if burstSize > 0 then
+  tat = tat + cost * interval
+  redis.call('SET', KEY.burst, string.format('%.3f', tat), 'PX', math.ceil(tat - now) + 1)
+end
+if concurrent > 0 then
+  local ttl = tonumber(ARG.slotTtlMs)
+  redis.call('ZADD', KEY.slots, now + ttl, ARG.callId)
+  redis.call('PEXPIRE', KEY.slots, ttl)
+  inFlight = inFlight + 1
+end
 
 -- A lease takes several units at once, for the instance to hand out itself, only while every
 -- window keeps room for two leases: near a limit, one decision per request.

@@ -99,7 +99,13 @@ const QUOTA_ARGV = [
   'backCredits',
   'pendEvents',
   'backPending',
+  'concurrent',
+  'slotTtlMs',
+  'burstSize',
+  'burstPerSecond',
 ] as const;
+/** Concurrency and burst in the reply: slots in flight after the call, the burst's tokens left (-1: none), ms to its next, a burst refusal's wait. */
+const SHORT_REPLY = ['inFlight', 'burstLeft', 'burstNextMs', 'burstRetryMs'] as const;
 const QUOTA_REPLY = [
   'outcome',
   'nowMs',
@@ -112,11 +118,12 @@ const QUOTA_REPLY = [
   'overageUnits',
   'eventId',
   'alerted',
+  ...SHORT_REPLY,
 ] as const;
 /** A fixed window's ARG: the start of the leases given back in it. */
 const backArg = (w: WindowRow) => `back_${w.name}` as const;
 export const QUOTA = {
-  keys: ['counters', 'rejections', 'credits', 'ledger', 'events', 'alerted', 'alerts', 'call', 'cursor'] as const,
+  keys: ['counters', 'rejections', 'credits', 'ledger', 'events', 'alerted', 'alerts', 'call', 'cursor', 'slots', 'burst'] as const,
   // Each window's limit under its limit's name, and each fixed window's lease start given back (windows.ts).
   argv: [...QUOTA_ARGV, ...WINDOWS.map((w) => w.limit), ...FIXED.map(backArg)],
   reply: [...QUOTA_REPLY, ...WINDOWS.map((w) => w.used)],
@@ -140,8 +147,10 @@ export interface QuotaCall {
   refill: boolean;
   /** The request's usage event, if the subject records events. */
   tag?: EventTag;
-  /** Unique per instance and call: a resend finds the first run's reply. */
+  /** Unique per instance and call: a resend finds the first run's reply; also the concurrency slot it takes. */
   callId: string;
+  /** A concurrency slot's life without a renewal (ms, Redis time); default 15 s. */
+  slotTtlMs?: number;
 }
 
 /** quota.lua's KEYS then ARGV for `subject` and `call`, in the order the script takes them. */
@@ -157,6 +166,8 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   out[QK.alerts] = subjectKey.alerts(name);
   out[QK.call] = subjectKey.call(name, c.callId);
   out[QK.cursor] = subjectKey.eventsCursor(name);
+  out[QK.slots] = subjectKey.slots(name);
+  out[QK.burst] = subjectKey.burst(name);
   const a = (arg: QuotaArg, value: string | number) => {
     out[QUOTA.keys.length + QA[arg]] = value;
   };
@@ -190,6 +201,10 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   a('plan', tag?.plan ?? '');
   a('route', tag?.route ?? '');
   a('method', tag?.method ?? '');
+  a('concurrent', subject.short?.concurrent ?? 0);
+  a('slotTtlMs', c.slotTtlMs ?? 15_000);
+  a('burstSize', subject.short?.burst?.size ?? 0);
+  a('burstPerSecond', subject.short?.burst?.perSecond ?? 0);
   return out;
 }
 
@@ -197,7 +212,7 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
 export const quotaArg = (args: readonly unknown[], arg: QuotaArg): unknown => args[QUOTA.keys.length + QA[arg]];
 
 /** quota.lua's reply by name, each window's count (Counts) included. `outcome` < 0: the call ran past its deadline and changed nothing. */
-export interface QuotaReply extends Counts {
+export interface QuotaReply extends Counts, Record<(typeof SHORT_REPLY)[number], number> {
   outcome: number;
   nowMs: number;
   banUntilMs: number;
@@ -234,6 +249,7 @@ export function quotaReply(raw: ReadonlyArray<number | string | null>): QuotaRep
   reply.overageUsed = n('overageUsed');
   reply.overageUnits = n('overageUnits');
   reply.alerted = n('alerted') === 1;
+  for (const f of SHORT_REPLY) reply[f] = n(f);
   if (event) reply.eventId = String(event);
   return reply;
 }

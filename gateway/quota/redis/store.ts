@@ -2,7 +2,7 @@ import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import { LATE, type RedisClient, within } from '../../redis/client.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
-import { type Decision, decision, type EventTag, leaseSize, type QuotaSubject, type WindowCounts } from '../decision.js';
+import { type Decision, decision, type EventTag, hasShort, leaseSize, type QuotaSubject, type WindowCounts } from '../decision.js';
 import { CreditLeases } from './credit-leases.js';
 import { DegradedBudget } from './degraded-budget.js';
 import { EventBatches } from './event-batches.js';
@@ -23,6 +23,7 @@ import {
   type BatchEvents,
 } from './script.js';
 import { RedisAccounts } from './accounts.js';
+import { Slots, shortOf } from './slots.js';
 import { Refunds } from './refunds.js';
 import { type Dropped, StatusWriter } from './status-writer.js';
 import { type Counts, countsAt } from '../windows.js';
@@ -89,6 +90,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private readonly batches: EventBatches;
   private readonly refunds: Refunds;
   private readonly accounts: RedisAccounts;
+  private readonly slots: Slots;
 
   constructor(
     redis: RedisClient,
@@ -132,6 +134,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.refunds = new Refunds({ refund, batches: this.batches, budget, failing, log, written, failed });
     const close = (subject: QuotaSubject) => this.timedCall(subject, 1, 1, true);
     this.credits = new CreditLeases({ leases: this.leases, clock: this.clock, failing, close });
+    this.slots = new Slots({ redis, log, ttlMs: o.slotTtlMs });
   }
 
   get degraded(): boolean {
@@ -179,7 +182,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       this.leases.sweep(this.redisClock.now());
       // A leased unit's usage event comes in a batch, its credit from a credit lease: with both,
       // the batch spends the credit from the lease's hold (usagebatch.lua).
-      const size = cost === 1 && !solo && !this.closing ? leaseSize(limits, this.o.leaseMax) : 1;
+      // A subject with concurrency or burst takes no lease: each of its admissions is Redis's (docs/reference.md).
+      const size = cost === 1 && !solo && !this.closing && !hasShort(subject) ? leaseSize(limits, this.o.leaseMax) : 1;
       if (size === 1) return this.ask(subject, 1, cost, tag, waitedMs);
       const pending = this.leases.inFlight(name);
       if (pending) {
@@ -280,7 +284,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     let reply: QuotaReply | typeof LATE;
     try {
       const deadline = this.redisClock.deadline(sentAt, this.o.timeoutMs);
-      const call = this.call(subject, { lease, back, deadline, cost, refill, tag, callId: id });
+      const call = this.call(subject, { lease, back, deadline, cost, refill, tag, callId: id, slotTtlMs: this.o.slotTtlMs });
       const raw = await within(call, this.o.timeoutMs);
       reply = raw === LATE ? LATE : quotaReply(raw);
       if (reply === LATE)
@@ -307,6 +311,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.markWritten(subject, tag, reply);
     this.redisClock.learn(reply.nowMs, sentAt);
     const counts = countsOf(reply);
+    if (subject.short) Object.assign(counts, shortOf(subject, reply, id));
     this.budget.see(subject.name, counts);
     return { counts, taken: reply.taken, sentMono, waitedMs, id };
   }
@@ -321,6 +326,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     const { taken } = late;
     if (late.outcome !== 0 || taken === 0) return;
     this.tally.undone++;
+    if (subject.short?.concurrent) this.slots.release(subject, id); // a slot serving no request, free at once
     if (taken > cost)
       return this.giveBack(subject, this.leaseFor(subject, leaseOf(taken, taken, sentMono, late.nowMs, countsOf(late), id)));
     void this.refunds.inRedis(subject, late.nowMs, taken, late.eventId);
@@ -336,6 +342,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     const held = taken > cost ? this.leaseFor(subject, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts, id)) : undefined;
     if (held) this.hold(subject, held, false);
     this.learnBan(subject.name, counts);
+    if (counts.slot) this.slots.hold(subject, counts.slot);
     const d = waited(decision(subject, counts), waitedMs + callMs);
     if (held) return this.withEvent(subject, d, counts, tag, held.id);
     if (tag && d.eventId) tag.eventId = d.eventId;
@@ -392,7 +399,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     // A ban this instance knows holds while Redis fails, one being rechecked included.
     const ban = this.bans.get(subject.name, now);
     if (ban) return this.bannedDecision(subject, ban, now);
-    if (this.o.failClosed || subject.billing.credits || subject.events > 0) throw new QuotaStoreUnavailable();
+    // Concurrency and burst hold across instances only where Redis decides: they fail closed too.
+    if (this.o.failClosed || subject.billing.credits || subject.events > 0 || subject.short) throw new QuotaStoreUnavailable();
     this.tally.degraded++;
     return decision(subject, this.budget.consume(subject, cost, now));
   }
@@ -417,6 +425,11 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     // A leased admission's event: written with its status in the next batch (or already written without: none to join).
     if (this.batches.recordStatus(eventId, status) || EventBatches.isLeased(eventId)) return;
     this.statuses.record(subject, eventId, status);
+  }
+
+  /** A request holding a concurrency slot ended, whichever way: the slot is free for every instance. */
+  release(subject: QuotaSubject, slot: string): void {
+    this.slots.release(subject, slot);
   }
 
   refund(subject: QuotaSubject, countedAtMs: number, cost = 1, eventId?: string): Promise<void> {
@@ -476,6 +489,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.closing = true;
     if (!this.fleet.failing) await this.credits.closeAll().catch(() => {});
     this.fleet.stop();
+    this.slots.close();
     // The events of leased admissions still in memory, written before the instance leaves.
     await this.batches.close();
     this.accounts.close();

@@ -1,0 +1,228 @@
+import { randomUUID } from 'node:crypto';
+import fc from 'fast-check';
+import { Redis } from 'ioredis';
+import type { FastifyBaseLogger } from 'fastify';
+import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import { type Decision, MINUTE_MS, NO_BILLING, type QuotaSubject, type ShortPolicies } from '../../gateway/quota/decision.js';
+import { admit } from '../../gateway/quota/admit.js';
+import { rateLimitHeaders, policyHeader } from '../../gateway/quota/headers.js';
+import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
+import { RedisQuotaStore } from '../../gateway/quota/redis/store.js';
+import type { QuotaStore } from '../../gateway/quota/store.js';
+import { eventually, inOneMinute, sleep } from '../helpers/time.js';
+
+// Concurrency and burst (issue 47) at the store: the same atomic decision as the windows, the
+// credits and the ban, on the Redis store (quota.lua) and its in-process twin.
+
+const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
+const subject = (perMinute: number, short: ShortPolicies): QuotaSubject => ({
+  name: `gw:test:{k:${randomUUID()}}`,
+  limits: { perMinute, perDay: 100_000 },
+  bans: { afterRejected: 3, withinMs: 60_000, durationMs: 900_000 },
+  policy: policyHeader({ perMinute, perDay: 100_000 }, short),
+  lasting: true,
+  billing: NO_BILLING,
+  events: 0,
+  alerts: '',
+  enforce: true,
+  short,
+});
+const outcome = async (store: QuotaStore, s: QuotaSubject, cost = 1) => (await store.consume(s, cost)).outcome;
+
+let redis: Redis;
+beforeAll(async () => {
+  redis = new Redis(inject('redisUrl'), { enableOfflineQueue: true });
+});
+afterAll(() => redis.quit());
+
+// The shipped lease size (QUOTA_LEASE_MAX 100): a key with these policies must take none anyway.
+const redisStore = () => new RedisQuotaStore(redis, silent, { leaseMax: 100 }) as QuotaStore;
+
+describe.each([
+  ['redis', redisStore],
+  ['memory', () => new MemoryQuotaStore() as QuotaStore],
+])('%s store', (_, make) => {
+  it('a request refused for concurrency is charged nothing: no window, no ban, no token (litellm#39309)', async () => {
+    await inOneMinute(async () => {
+      const store = make();
+      const s = subject(1000, { concurrent: 2, burst: { size: 100, perSecond: 10 } });
+      const first = await store.consume(s);
+      const second = await store.consume(s);
+      expect([first.outcome, second.outcome, first.slot === undefined, second.slot === undefined]).toEqual([
+        'allowed',
+        'allowed',
+        false,
+        false,
+      ]);
+      // Past the ban's three 429s: concurrency refusals count towards no ban.
+      for (let i = 0; i < 5; i++) expect(await outcome(store, s)).toBe('concurrent');
+      const usage = await store.peek(s);
+      expect([usage.minuteUsed, usage.inFlight, usage.burstLeft, usage.banUntilMs, usage.recentRejections]).toEqual([2, 2, 98, 0, 0]);
+      store.release(s, first.slot!);
+      const third = await store.consume(s);
+      expect(third.outcome).toBe('allowed');
+      expect(third.short?.inFlight).toBe(2);
+      expect((await store.peek(s)).minuteUsed).toBe(3);
+    });
+  });
+
+  it('a request refused by a window or the burst takes no slot; one refused by the burst takes no window', async () => {
+    await inOneMinute(async () => {
+      const store = make();
+      const s = subject(2, { concurrent: 5, burst: { size: 3, perSecond: 0.1 } });
+      expect([await outcome(store, s), await outcome(store, s), await outcome(store, s)]).toEqual(['allowed', 'allowed', 'minute']);
+      expect((await store.peek(s)).inFlight).toBe(2);
+      expect((await store.peek(s)).burstLeft).toBe(1);
+      const b = subject(100, { concurrent: 5, burst: { size: 3, perSecond: 0.1 } });
+      for (let i = 0; i < 3; i++) await store.consume(b);
+      const refused = await store.consume(b);
+      expect(refused.outcome).toBe('burst');
+      // The next token is 10 s away at 0.1 a second: Retry-After says so, to the second.
+      expect(Number(rateLimitHeaders(refused, b.policy, b.short)['retry-after'])).toBeGreaterThanOrEqual(9);
+      const usage = await store.peek(b);
+      expect([usage.minuteUsed, usage.inFlight, usage.burstLeft]).toEqual([3, 3, 0]);
+    });
+  });
+
+  it('a slot given back is free at once, and the headers name both policies in the draft syntax', async () => {
+    const store = make();
+    const s = subject(1000, { concurrent: 1, burst: { size: 20, perSecond: 10 } });
+    const d = await store.consume(s);
+    const h = rateLimitHeaders(d, s.policy, s.short);
+    expect(h['ratelimit-policy']).toBe(
+      '"minute";q=1000;w=60, "day";q=100000;w=86400, "concurrent";q=1;qu="concurrent-requests", "burst";q=20;w=2',
+    );
+    expect(h.ratelimit).toMatch(/, "concurrent";r=0, "burst";r=19;t=1$/);
+    const refused = await store.consume(s);
+    expect(refused.outcome).toBe('concurrent');
+    expect(rateLimitHeaders(refused, s.policy, s.short)['retry-after']).toBe('1');
+    store.release(s, d.slot!);
+    expect(await outcome(store, s)).toBe('allowed');
+  });
+});
+
+describe('shadow mode', () => {
+  it('refuses neither: would_concurrent and would_burst are admitted, counted, and hold no slot', async () => {
+    const store = redisStore();
+    const s = { ...subject(1000, { concurrent: 1, burst: { size: 2, perSecond: 0.1 } }), enforce: false };
+    const first = await admit(store, s);
+    expect([first.outcome, first.slot === undefined]).toEqual(['allowed', false]);
+    const second = await admit(store, s);
+    expect([second.outcome, second.slot, second.refusal, second.headers['retry-after']]).toEqual([
+      'would_concurrent',
+      undefined,
+      undefined,
+      undefined,
+    ]);
+    store.release(s, first.slot!);
+    expect((await admit(store, s)).outcome).toBe('allowed');
+    expect((await admit(store, s)).outcome).toBe('would_burst');
+    expect((await store.peek(s)).minuteUsed).toBe(2);
+  });
+});
+
+/**
+ * Every interval between two admissions, [t_i, t_j], admitted ≤ size + rate·τ (τ = t_j − t_i):
+ * GCRA's bound, checked over every pair of admitted requests' Redis times.
+ */
+function worstExcess(times: number[], size: number, perSecond: number): number {
+  const t = [...times].sort((a, b) => a - b);
+  let worst = Number.NEGATIVE_INFINITY;
+  for (let i = 0; i < t.length; i++) {
+    for (let j = i; j < t.length; j++) worst = Math.max(worst, j - i + 1 - (size + (perSecond * (t[j]! - t[i]!)) / 1000));
+  }
+  return worst;
+}
+
+describe('across instances (three stores on one Redis)', () => {
+  it('the boundary attack: the fixed window admits 2x across W, the burst at most size + rate·τ', async () => {
+    const stores = [redisStore(), redisStore(), redisStore()];
+    // No ban policy: the first wave's 429s would ban both before the second (bans are another defence).
+    const fixed = { ...subject(20, {}), bans: null, short: undefined };
+    const burst = { ...subject(20, { burst: { size: 20, perSecond: 10 } }), bans: null };
+    // The attack: the minute's whole quota just before a minute boundary and again 10 ms after.
+    // The first wave starts 250 ms before, not 10: 90 calls take longer than 10 ms on a busy
+    // 2-core machine, and a first wave that spills past the boundary is no attack.
+    // Each store's connection has its scripts loaded first, so the waves are quick.
+    await Promise.all(stores.map((st) => st.consume(subject(20, {}))));
+    const boundary = Math.ceil((Date.now() + 200) / MINUTE_MS) * MINUTE_MS;
+    const wave = async (s: QuotaSubject) => {
+      const all = await Promise.all(Array.from({ length: 90 }, (_, i) => stores[i % 3]!.consume(s)));
+      return all.filter((d: Decision) => d.outcome === 'allowed');
+    };
+    await sleep(boundary - 250 - Date.now());
+    const before = await Promise.all([wave(fixed), wave(burst)]);
+    await sleep(Math.max(0, boundary + 10 - Date.now()));
+    const after = await Promise.all([wave(fixed), wave(burst)]);
+    const fixedAdmitted = before[0].length + after[0].length;
+    const burstTimes = [...before[1], ...after[1]].map((d) => d.nowMs);
+    // The fixed window's admissions fell on both sides of the boundary (Redis's clock), two
+    // whole minutes' quotas within a fraction of a second: the attack worked on it.
+    const fixedTimes = [...before[0], ...after[0]].map((d) => d.nowMs);
+    expect(fixedTimes.filter((t) => t < boundary).length).toBeGreaterThan(0);
+    expect(fixedTimes.filter((t) => t >= boundary).length).toBeGreaterThan(0);
+    expect(fixedAdmitted).toBe(40);
+    expect(Math.max(...fixedTimes) - Math.min(...fixedTimes)).toBeLessThan(1000);
+    const tau = Math.max(...burstTimes) - Math.min(...burstTimes);
+    expect(burstTimes.length).toBeLessThanOrEqual(20 + Math.floor((10 * tau) / 1000));
+    expect(worstExcess(burstTimes, 20, 10)).toBeLessThanOrEqual(0);
+  }, 90_000);
+
+  it('random bursts from three instances over 3 s: admitted ≤ size + rate·τ in every interval', async () => {
+    const stores = [redisStore(), redisStore(), redisStore()];
+    const s = { ...subject(100_000, { burst: { size: 20, perSecond: 10 } }), bans: null };
+    const times: number[] = [];
+    const end = Date.now() + 3000;
+    let refused = 0;
+    while (Date.now() < end) {
+      const wave = await Promise.all(Array.from({ length: 1 + Math.floor(Math.random() * 15) }, (_, i) => stores[i % 3]!.consume(s)));
+      for (const d of wave) {
+        if (d.outcome === 'allowed') times.push(d.nowMs);
+        else refused++;
+      }
+      await sleep(Math.random() * 150);
+    }
+    expect(refused).toBeGreaterThan(0); // the waves did press against the bound
+    expect(worstExcess(times, 20, 10)).toBeLessThanOrEqual(0);
+    // And the bound is reached, not merely kept: the full burst at once at the start.
+    expect(times.length).toBeGreaterThanOrEqual(20 + Math.floor((10 * (Math.max(...times) - Math.min(...times))) / 1000) - 1);
+  }, 30_000);
+});
+
+describe('a model of the slots, three instances at the shipped lease size', () => {
+  it('admits exactly while fewer than the limit are in flight, whatever the order of takes and releases; a plain key beside it holds none', async () => {
+    const LIMIT = 5;
+    const steps = fc.array(
+      fc.oneof(
+        fc.record({ kind: fc.constant('take' as const), at: fc.nat(2), n: fc.integer({ min: 1, max: 8 }) }),
+        fc.record({ kind: fc.constant('release' as const), pick: fc.nat(100), n: fc.integer({ min: 1, max: 4 }) }),
+      ),
+      { minLength: 1, maxLength: 25 },
+    );
+    await fc.assert(
+      fc.asyncProperty(steps, async (plan) => {
+        const stores = [redisStore(), redisStore(), redisStore()];
+        const s = { ...subject(1_000_000, { concurrent: LIMIT }), bans: null };
+        const plain = { ...subject(1_000_000, {}), short: undefined, bans: null };
+        const held: Array<{ store: number; slot: string }> = [];
+        for (const step of plan) {
+          if (step.kind === 'take') {
+            const got = await Promise.all(Array.from({ length: step.n }, () => stores[step.at]!.consume(s)));
+            const admitted = got.filter((d) => d.outcome === 'allowed');
+            // Taken at once from one instance: exactly the room there was, the rest refused for concurrency.
+            expect(admitted.length).toBe(Math.min(step.n, LIMIT - held.length));
+            expect(got.every((d) => d.outcome === 'allowed' || d.outcome === 'concurrent')).toBe(true);
+            for (const d of admitted) held.push({ store: step.at, slot: d.slot! });
+            // A plain key on the same instance holds no slot.
+            expect((await stores[step.at]!.consume(plain)).slot).toBeUndefined();
+          } else {
+            for (const h of held.splice(step.pick % Math.max(1, held.length), step.n)) stores[h.store]!.release(s, h.slot);
+          }
+          await eventually(async () => (await stores[0]!.peek(s)).inFlight === held.length, undefined, 'the model and Redis agree');
+        }
+        for (const h of held) stores[h.store]!.release(s, h.slot);
+      }),
+      { numRuns: 15, endOnFailure: true },
+    );
+  }, 120_000);
+});
