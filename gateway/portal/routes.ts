@@ -209,10 +209,14 @@ function selfService(app: FastifyInstance, parts: PortalParts, sessionOf: Sessio
     const [first] = await figures.members(session.account);
     if (!first) throw new GatewayError('key_not_found', 'No key in your account to take the plan from');
     const plan = parts.config().plans[first.plan];
-    // A custom plan has no limits of its own: the new key takes the account's first key's windows.
+    // A custom plan has no limits of its own: the new key takes the account's first key's windows
+    // and short policies (concurrency, burst), which the account's keys must agree on.
     const own = first.subject.limits as Partial<Record<LimitField, number>>;
     const limits = plan?.custom
-      ? Object.fromEntries(WINDOWS.filter((w) => (own[w.limit] ?? 0) > 0).map((w) => [w.limit, own[w.limit]]))
+      ? {
+          ...Object.fromEntries(WINDOWS.filter((w) => (own[w.limit] ?? 0) > 0).map((w) => [w.limit, own[w.limit]])),
+          ...first.subject.short,
+        }
       : undefined;
     const created = await store()
       .create({ plan: first.plan, account: session.account, ...(limits && { limits: limits as KeyLimits }) })

@@ -35,7 +35,8 @@ const rev2 = acct('free', 'revco');
 const kbd = acct('free', 'kbdco');
 const kbd2 = acct('free', 'kbdco');
 const csrf = acct('free', 'csrfco');
-const ent: TestKey = { ...acct('enterprise', 'entco'), limits: { perMinute: 7, perDay: 70 } };
+// Its own concurrency too: a key created in the portal must carry it, as the account's keys must agree.
+const ent: TestKey = { ...acct('enterprise', 'entco'), limits: { perMinute: 7, perDay: 70, concurrent: 50 } as TestKey['limits'] };
 const refused = acct('tiny', 'refco');
 const dry = acct('prepaid', 'dryco');
 /** More keys than a page of the operator page's account list (100), so it has a second page. */
@@ -294,7 +295,7 @@ describe('self-service through a portal link', () => {
     const secret = (await page.locator('[data-secret]').textContent())!.trim();
     await eventually(async () => (await status(secret)) === 200, 5000, 'the created key accepted');
     const res = await gw.call('/v1/pets', secret);
-    expect(res.headers.get('ratelimit-policy')).toBe('"minute";q=7;w=60, "day";q=70;w=86400');
+    expect(res.headers.get('ratelimit-policy')).toBe('"minute";q=7;w=60, "day";q=70;w=86400, "concurrent";q=50;qu="concurrent-requests"');
   });
 
   it('creates, rotates and revokes with the keyboard alone (Tab, Enter, Space; no click)', async () => {
