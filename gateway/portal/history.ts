@@ -2,12 +2,13 @@ import type { FastifyBaseLogger } from 'fastify';
 import type { AccessEntry } from '../observability/access-log.js';
 import { isWindow } from '../quota/windows.js';
 import type { RedisClient } from '../redis/client.js';
-import { deploymentHistoryKey, subjectKey } from '../redis/keys.js';
+import { deploymentHistoryKey, deploymentTopKey, subjectKey } from '../redis/keys.js';
 
 // Requests over time by outcome, per account: counted in memory from what the access line
 // already knows (no Redis call per request) and flushed once a second, one pipeline for each
 // account active in that second (HINCRBY on its minute's and its day's bucket hash, EXPIRE), and
-// one more for the deployment's sum of them (what the operator page charts), so the cost follows
+// one more for the deployment's sum of them (what the operator page charts) and the month's
+// ranking of accounts by admitted requests (its top accounts), so the cost follows
 // traffic and nothing ever scans the accounts.
 
 /** The outcomes a chart stacks, in its order: what a bucket's hash fields are named. */
@@ -27,7 +28,13 @@ export type OutcomeField = (typeof OUTCOME_FIELDS)[number];
 export const MINUTE_MS = 60_000;
 export const DAY_MS = 86_400_000;
 /** Minute buckets are kept 48 h, day buckets 400 days (a year and its month of comparison). */
-const KEEP_S = { m: 48 * 3600, d: 400 * 86_400 } as const;
+const KEEP_S = { m: 48 * 3600, d: 400 * 86_400, top: 62 * 86_400 } as const;
+
+/** The UTC calendar month's first instant: what the top accounts are ranked over. */
+export const monthStart = (ms: number) => {
+  const d = new Date(ms);
+  return Date.UTC(d.getUTCFullYear(), d.getUTCMonth(), 1);
+};
 
 /** The bucket field a request's answer counts in, or none (no key, or refused for another reason). */
 export function outcomeField(e: AccessEntry): OutcomeField | undefined {
@@ -106,8 +113,24 @@ export class OutcomeHistory {
       }
     }
     const writes = [...batch].map(([name, byMinute]) => this.write(accountBuckets(name), byMinute));
-    writes.push(this.write(deploymentBuckets(this.prefix()), sum));
+    writes.push(this.write(deploymentBuckets(this.prefix()), sum), this.rank(batch));
     await Promise.all(writes);
+  }
+
+  /** Each active account's admitted requests added to the month's ranking: one ZINCRBY an account a second. */
+  private async rank(batch: ReadonlyMap<string, Counted>): Promise<void> {
+    const key = deploymentTopKey(this.prefix(), monthStart(this.now()));
+    const pipeline = this.redis.pipeline();
+    for (const [name, byMinute] of batch) {
+      let admitted = 0;
+      for (const fields of byMinute.values()) admitted += fields.get('admitted') ?? 0;
+      if (admitted > 0) pipeline.zincrby(key, admitted, name);
+    }
+    if (pipeline.length === 0) return;
+    pipeline.expire(key, KEEP_S.top);
+    await pipeline
+      .exec()
+      .catch((err: Error) => this.log.warn({ cause: err.message }, 'portal history: a second of rankings was not written'));
   }
 
   private async write(key: BucketKey, byMinute: Counted): Promise<void> {

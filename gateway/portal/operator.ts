@@ -7,18 +7,22 @@ import { LATE, type RedisClient, within } from '../redis/client.js';
 import type { AuditEntry } from './audit.js';
 import { legend, stackedBars } from './charts.js';
 import type { Figures } from './figures.js';
-import { type Buckets, deploymentBuckets, OUTCOME_FIELDS, type OutcomeField, readBuckets } from './history.js';
+import { deploymentTopKey } from '../redis/keys.js';
+import { type Buckets, deploymentBuckets, monthStart, OUTCOME_FIELDS, type OutcomeField, readBuckets } from './history.js';
 import { type Html, html, page } from './html.js';
 import { figuresSections, keysSection, when } from './pages.js';
 
-// The operator's page: every account of the config read once per view (bounded by MAX_ACCOUNTS),
-// ranked by what it used this period, those within 10% of a limit, the prepaid credit still
+// The operator's page: the month's top accounts from the history's ranking (by traffic, every
+// key store's); every account of the config read once per view (bounded by MAX_ACCOUNTS) for
+// those within 10% of a limit and the prepaid credit still
 // outstanding, and whether this instance decides from its degraded budget right now; the
 // deployment's refusals by reason over time (its history buckets, one read per bucket, whatever
 // the number of accounts); and one page of the key store's accounts (the registry's too).
 
 /** Accounts read per view at most: the page is for a deployment's accounts of the config file, not the key registry's millions. */
 export const MAX_ACCOUNTS = 1000;
+/** Accounts in the top table. */
+const TOP = 10;
 
 export interface Overview {
   degraded: boolean;
@@ -27,6 +31,8 @@ export interface Overview {
   read: number;
   total: number;
   rows: Array<{ account: string; view: UsageView; periodUsed: number }>;
+  /** The accounts that sent most this UTC month, from every instance's traffic (the history's ranking); undefined: not read in time. */
+  top?: Array<{ account: string; view: UsageView; periodUsed: number; month: number }>;
   /** Set while the store cannot give true figures. */
   unavailable: boolean;
   /** The deployment's requests by outcome: the last hour by minute, the last 30 days by day. */
@@ -50,12 +56,32 @@ export interface OverviewSources {
 
 /** The overview, with the key store's accounts from the key id `after` on. */
 export async function overview(from: OverviewSources, after?: string): Promise<Overview> {
-  const [o, history, listed] = await Promise.all([
+  const [o, history, listed, top] = await Promise.all([
     configAccounts(from),
     from.redis ? deploymentHistory(from.redis, from.config().redisPrefix, from.timeoutMs) : undefined,
     from.keys ? listAccounts(from.keys, after, from.timeoutMs) : undefined,
+    from.redis && !from.store.degraded ? topAccounts(from, from.redis) : undefined,
   ]);
-  return { ...o, history, listed };
+  return { ...o, history, listed, top };
+}
+
+/** The 10 accounts ranked highest this month (one ZREVRANGE), each read as the admin lookup reads it: 11 reads, whatever the number of accounts. */
+async function topAccounts({ config, store, find, timeoutMs }: OverviewSources, redis: RedisClient): Promise<Overview['top']> {
+  const read = async () => {
+    const ranked = await redis.zrevrange(deploymentTopKey(config().redisPrefix, monthStart(Date.now())), 0, TOP - 1, 'WITHSCORES');
+    const rows = await Promise.all(
+      Array.from({ length: ranked.length / 2 }, async (_, i) => {
+        const account = config().accountOf(ranked[i * 2]!);
+        const [member] = account === undefined ? [] : await find.account(account);
+        if (!member || account === undefined) return undefined;
+        const view = usageView(member, await store.peek(member.subject));
+        return { account, view, periodUsed: view.windows.month?.used ?? view.windows.day?.used ?? 0, month: Number(ranked[i * 2 + 1]) };
+      }),
+    );
+    return rows.filter((r) => r !== undefined);
+  };
+  const answer = await within(read(), timeoutMs * 2).catch((): typeof LATE => LATE);
+  return answer === LATE ? undefined : answer;
 }
 
 async function deploymentHistory(redis: RedisClient, prefix: string, timeoutMs: number): Promise<Overview['history']> {
@@ -131,6 +157,14 @@ const accountLink = (account: string) => html`<a href="/admin/ui/accounts/${enco
 /** Windows with 10% of their limit or less left. */
 const nearLimit = (view: UsageView) => Object.entries(view.windows).filter(([, w]) => w && w.remaining <= w.limit * 0.1);
 
+/** The month's ranking, every key store's accounts alike (the history counts them as they send). */
+function topTable(top: Overview['top']): Html {
+  if (!top) return html`<p class="unavailable" data-top-unavailable="">Data unavailable: the ranking was not read in time.</p>`;
+  return html`<table><caption>The ${TOP} accounts that sent most admitted requests this calendar month (UTC), from every instance's traffic; used this period as their windows count it</caption>
+<thead><tr><th scope="col">Account</th><th scope="col">Plan</th><th scope="col" class="n">Requests this month</th><th scope="col" class="n">Used this period</th></tr></thead>
+<tbody>${top.map((r) => html`<tr data-top-account="${r.account}" data-month="${r.month}" data-used="${r.periodUsed}"><td>${accountLink(r.account)}</td><td>${r.view.plan}</td><td class="n">${r.month}</td><td class="n">${r.periodUsed}</td></tr>`)}</tbody></table>`;
+}
+
 export function overviewPage(o: Overview, csrf: string): string {
   const near = o.rows.flatMap((r) => nearLimit(r.view).map(([name, w]) => ({ account: r.account, name, w: w! })));
   const outstanding = o.rows.reduce((n, r) => n + (r.view.credits?.balance ?? 0), 0);
@@ -141,10 +175,9 @@ export function overviewPage(o: Overview, csrf: string): string {
   const body = o.unavailable
     ? html`<div class="unavailable" role="status" data-unavailable=""><strong>Data unavailable</strong>: the quota store is not answering.</div>`
     : html`<h2>Top accounts by usage this period</h2>
-<table><caption>The 10 that used most (month, else day), of ${o.read} accounts of the config file read${o.total > o.read ? html` (the first ${o.read} of ${o.total})` : ''}</caption>
-<thead><tr><th scope="col">Account</th><th scope="col">Plan</th><th scope="col" class="n">Used this period</th></tr></thead>
-<tbody>${o.rows.slice(0, 10).map((r) => html`<tr data-top-account="${r.account}" data-used="${r.periodUsed}"><td>${link(r.account)}</td><td>${r.view.plan}</td><td class="n">${r.periodUsed}</td></tr>`)}</tbody></table>
+${topTable(o.top)}
 <h2>Within 10% of a limit</h2>
+<p>Of ${o.read} accounts of the config file read${o.total > o.read ? html` (the first ${o.read} of ${o.total})` : ''}.</p>
 ${
   near.length === 0
     ? html`<p>None.</p>`

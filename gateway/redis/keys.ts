@@ -58,6 +58,8 @@ export const subjectKey = {
 
 /** The whole deployment's requests by outcome, as the accounts' `history` buckets, in one slot of their own. */
 export const deploymentHistoryKey = (prefix: string, unit: 'm' | 'd', startMs: number) => `${prefix}:{history}:${unit}:${startMs}`;
+/** The accounts' admitted requests in the UTC month from `monthStartMs` (a sorted set, by subject name): the operator's top accounts. */
+export const deploymentTopKey = (prefix: string, monthStartMs: number) => `${prefix}:{history}:top:${monthStartMs}`;
 
 /** By the SHA-256 of their secret: Redis never holds one a reader could replay. */
 export function portalKeys(prefix: string) {

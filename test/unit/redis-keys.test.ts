@@ -20,6 +20,7 @@ import {
   accountOfName,
   addressName,
   deploymentHistoryKey,
+  deploymentTopKey,
   deploymentPrefix,
   gatewaysKey,
   loopKey,
@@ -100,6 +101,7 @@ describe('Redis key names (gateway/redis/keys.ts)', () => {
     expect([p.session('ab12'), p.link('cd34')]).toEqual(['gw:production:{portal}:session:ab12', 'gw:production:{portal}:link:cd34']);
     const day = [deploymentHistoryKey(prefix, 'm', 1_800_000_000_000), deploymentHistoryKey(prefix, 'd', 1_799_971_200_000)];
     expect(day).toEqual(['gw:production:{history}:m:1800000000000', 'gw:production:{history}:d:1799971200000']);
+    expect(deploymentTopKey(prefix, 1_798_761_600_000)).toBe('gw:production:{history}:top:1798761600000');
     // One pipeline writes a second's sum, and one reads a chart: every bucket in the same slot.
     expect(calculateSlot(day[0]!)).toBe(calculateSlot(day[1]!));
   });
