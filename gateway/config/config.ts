@@ -8,7 +8,7 @@ import { clientOf } from '../address.js';
 import { compileDeprecation, type Deprecation } from '../deprecation.js';
 import { type Billing, type Limits, NO_BILLING, type QuotaSubject } from '../quota/decision.js';
 import { policyHeader } from '../quota/headers.js';
-import { shortFields, shortOf } from './short.js';
+import { burstProblems, shortFields, shortOf } from './short.js';
 import { type LimitField, type RequiredLimit, WINDOWS } from '../quota/windows.js';
 import { accountName, accountOfName, addressName, deploymentPrefix, gatewaysKey } from '../redis/keys.js';
 import { ROUTES, type RouteId } from '../routes.js';
@@ -305,6 +305,13 @@ function crossChecks(file: ConfigFile, options: ConfigOptions): string[] {
   };
   for (const [name, plan] of Object.entries(file.plans)) checkCosts(plan.costs, `plans.${name}`);
   file.keys.forEach((k, i) => checkCosts(k.costs, `keys.${i}`));
+  for (const [name, plan] of Object.entries(file.plans)) problems.push(...burstProblems(plan.burst, plan.costs, `plans.${name}`));
+  file.keys.forEach((k, i) => {
+    const plan = Object.hasOwn(file.plans, k.plan) ? file.plans[k.plan] : undefined;
+    // Its own limits replace the plan's burst; its own costs meet whichever burst it has.
+    const burst = k.limits ? k.limits.burst : k.costs && plan?.burst;
+    problems.push(...burstProblems(burst, { ...plan?.costs, ...k.costs }, k.limits ? `keys.${i}.limits` : `keys.${i} (plans.${k.plan})`));
+  });
   file.deprecations.forEach((d, i) => {
     if (!ROUTES.some((r) => r.method === d.method && r.path === d.path)) {
       problems.push(`deprecations.${i}: no route ${d.method} ${d.path}`);

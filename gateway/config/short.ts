@@ -23,6 +23,18 @@ export const shortFields = () => ({
   ),
 });
 
+/**
+ * A burst smaller than a route's cost: a request there needs more tokens than the bucket holds,
+ * so it is refused for ever (429 burst_limit_exceeded, a Retry-After no wait can meet).
+ */
+export function burstProblems(burst: { size: number } | undefined, costs: Record<string, number> | undefined, where: string): string[] {
+  if (!burst) return [];
+  const [route, cost] = Object.entries(costs ?? {}).reduce((most, c) => (c[1] > most[1] ? c : most), ['', 1]);
+  return cost > burst.size
+    ? [`${where}.burst.size: ${burst.size} is less than "${route}"'s cost of ${cost}: that route could never be admitted on it`]
+    : [];
+}
+
 /** A key's short policies: its own limits' when it gives limits, else its plan's (as its windows). */
 export function shortOf(source: { concurrent?: number; burst?: { size: number; perSecond: number } }): ShortPolicies | undefined {
   if (source.concurrent === undefined && source.burst === undefined) return undefined;

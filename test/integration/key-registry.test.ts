@@ -82,7 +82,11 @@ describe('the key registry', () => {
     expect(await statusOn(gw!, key)).toBe(200);
     // What Redis is asked, command by command: a count of all lookups would also see one the
     // gateway rightly makes for the issued key (its cache entry timing out on a slow machine).
-    const monitor = await new Redis(own.url).on('error', () => {}).monitor(); // resolves once MONITOR is on
+    // monitor() opens a connection of its own: the client it was asked of is closed too, or it stays
+    // connected (and reconnecting once its Redis stops) past the test.
+    const base = new Redis(own.url).on('error', () => {});
+    onTestFinished(() => base.disconnect());
+    const monitor = await base.monitor(); // resolves once MONITOR is on
     onTestFinished(() => monitor.disconnect());
     monitor.on('error', () => {}); // its Redis stops with the test
     const looked: string[] = [];

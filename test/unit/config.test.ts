@@ -155,6 +155,23 @@ describe('config file', () => {
     ]);
   });
 
+  it('refuses a burst smaller than a route it would meet costs: that route could never be admitted', () => {
+    const [a, b, c] = [generateKey('production'), generateKey('production'), generateKey('production')];
+    const plans = { api: { perMinute: 600, perDay: 50_000, burst: { size: 4, perSecond: 2 }, costs: { 'POST /v1/pets': 4 } } };
+    const keys = [{ id: 'plain', hash: a.hash, plan: 'api' }];
+    expect(problems({ ...testConfig([]), plans, keys })).toEqual([]);
+    expect(problems({ ...testConfig([]), plans: { api: { ...plans.api, costs: { 'POST /v1/pets': 5 } } }, keys })).toEqual([
+      `plans.api.burst.size: 4 is less than "POST /v1/pets"'s cost of 5: that route could never be admitted on it`,
+    ]);
+    // A key's own costs meet its plan's burst; its own limits bring their own burst.
+    const costly = { id: 'costly', hash: b.hash, plan: 'api', costs: { 'GET /v1/store/orders': 9 } };
+    const own = { id: 'own', hash: c.hash, plan: 'api', limits: { perMinute: 60, perDay: 600, burst: { size: 2, perSecond: 1 } } };
+    expect(problems({ ...testConfig([]), plans, keys: [...keys, costly, own] })).toEqual([
+      `keys.1 (plans.api).burst.size: 4 is less than "GET /v1/store/orders"'s cost of 9: that route could never be admitted on it`,
+      `keys.2.limits.burst.size: 2 is less than "POST /v1/pets"'s cost of 4: that route could never be admitted on it`,
+    ]);
+  });
+
   it('gives requests without a key a per-address quota with a minute window only', () => {
     const config = compileConfig(validateConfigFile(testConfig([], { unauthenticated: { perMinute: 7 } }), 't'), 'px');
     expect(config.addressSubject('10.0.0.1')).toEqual({
