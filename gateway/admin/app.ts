@@ -6,7 +6,7 @@ import { type FastifyPluginAsyncTypebox, type TypeBoxTypeProvider, TypeBoxValida
 import { Type } from '@sinclair/typebox';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance, type FastifySchemaValidationError, LogController } from 'fastify';
 import { clientOf } from '../address.js';
-import { connectionRefusal, isRefusal, probeAccess, type RedisClient } from '../redis/client.js';
+import { connectionRefusal, isRefusal, probeAccess, type RedisClient, within } from '../redis/client.js';
 import type { GatewayConfig } from '../config/config.js';
 import { GatewayError, handleError } from '../errors.js';
 import type { AccountBook, Operations } from '../quota/store.js';
@@ -21,6 +21,7 @@ import { portalAdminRoutes } from './portal.js';
 import { PortalSessions } from '../portal/sessions.js';
 import { AccountFigures } from '../portal/figures.js';
 import { operatorUi } from './ui.js';
+import { defineStandingScripts, recordBalance } from '../portal/standing.js';
 import { recentDeliveries } from '../usage/webhooks.js';
 
 /** What the admin port takes from the settings. */
@@ -268,7 +269,14 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
     const deliveries = deps.redis ? () => recentDeliveries(deps.redis!, deps.config()) : undefined;
     await scope.register(usageRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined, find: deps.find });
     await scope.register(alertRoutes, { deliveries });
-    await scope.register(creditRoutes, { store: deps.store, find: deps.find });
+    const redis = deps.redis;
+    if (redis) defineStandingScripts(redis);
+    const balanceSeen =
+      redis &&
+      (async (name: string, atMs: number, balance: number) => {
+        await within(recordBalance(redis, deps.config().redisPrefix, name, atMs, balance), timeoutMs);
+      });
+    await scope.register(creditRoutes, { store: deps.store, find: deps.find, balanceSeen });
     await scope.register(keyApi, { keys: deps.keys, configFile: deps.configFile, accounts: deps.accounts });
     const sessions = deps.redis ? new PortalSessions(deps.redis, () => deps.config().redisPrefix, deps.redisTimeoutMs ?? 1000) : undefined;
     await scope.register(portalAdminRoutes, { find: deps.find, sessions, redis: deps.redis, portalUrl: deps.portalUrl ?? (() => '') });

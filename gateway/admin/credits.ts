@@ -82,6 +82,8 @@ const unavailable = failure('quota_store_unavailable: Redis did not answer; ask 
 export interface CreditParts {
   store: AccountBook;
   find: KeyFinder;
+  /** Told of each top-up's balance (the subject's name, Redis's time of its ledger entry): the operator page's outstanding credit. */
+  balanceSeen?: (name: string, atMs: number, balance: number) => Promise<void>;
 }
 
 export const creditRoutes: FastifyPluginAsyncTypebox<CreditParts> = async (app, parts) => {
@@ -158,6 +160,7 @@ export const creditRoutes: FastifyPluginAsyncTypebox<CreditParts> = async (app, 
         throw new GatewayError('idempotency_key_reused', 'This Idempotency-Key was used for a top-up of another amount or reason');
       }
       if (done.replayed) reply.header('idempotent-replayed', 'true');
+      else await parts.balanceSeen?.(subject.name, Number.parseInt(done.entryId, 10), done.balance).catch(() => undefined); // a page's figure: nothing billed
       reply.code(done.replayed ? 200 : 201);
       return { account, entryId: done.entryId, amount: request.body.amount, balance: done.balance, replayed: done.replayed };
     },

@@ -8,7 +8,7 @@ import { rawHeaders } from './reply-headers.js';
 import { type Deprecation, sunsetRefusal } from '../deprecation.js';
 import { GatewayError, handleError } from '../errors.js';
 import { type Admission, admit } from '../quota/admit.js';
-import type { EventTag, QuotaSubject } from '../quota/decision.js';
+import type { Decision, EventTag, QuotaSubject } from '../quota/decision.js';
 import type { RequestPath } from '../quota/store.js';
 import { SlotHold } from './in-flight.js';
 import {
@@ -53,6 +53,8 @@ export interface RequestContext {
   span?: Span;
   /** Its concurrency slot, for a key with a concurrency limit: released once the answer and the backend call are over. */
   hold?: SlotHold;
+  /** Its quota decision (Admission.decision), for the portal's history. */
+  decision?: Decision;
 }
 
 /**
@@ -76,6 +78,7 @@ function begin(request: FastifyRequest, reply: FastifyReply, config: GatewayConf
     leased: undefined,
     span: undefined,
     hold: undefined,
+    decision: undefined,
   };
   return request.ctx;
 }
@@ -139,6 +142,7 @@ function applied(
   ctx.eventId = tag?.eventId;
   ctx.redisMs = admission.redisMs;
   ctx.leased = admission.leased;
+  ctx.decision = admission.decision;
   const slot = admission.slot;
   if (slot !== undefined) {
     const hold = (ctx.hold = new SlotHold(() => store.release(subject, slot)));

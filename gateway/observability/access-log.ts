@@ -1,7 +1,7 @@
 import type { FastifyReply, FastifyRequest } from 'fastify';
 import type { Consumer } from '../config/config.js';
 import type { GatewayMetrics, RejectionReason } from './metrics.js';
-import type { AdmissionOutcome } from '../quota/decision.js';
+import type { AdmissionOutcome, Decision } from '../quota/decision.js';
 import { isWindow } from '../quota/windows.js';
 import { jsonString } from '../json.js';
 import type { RouteId } from '../routes.js';
@@ -19,6 +19,8 @@ export interface AccessEntry {
   outcome?: AccessOutcome;
   /** Units past the quota after this request, when it was admitted among them (billed extra). */
   overage?: number;
+  /** The quota decision it was answered from, when one was made (the portal's history reads its windows and balance). */
+  decision?: Decision;
 }
 
 /** A 401, or a 429 without a key, is "unauthenticated". */
@@ -96,8 +98,17 @@ export function accessLog(
   }
   /** Callback style: no promise per request. */
   function onResponse(request: FastifyRequest, reply: FastifyReply, done: () => void): void {
-    const { consumer, route, outcome, overage, eventId } = request.ctx;
-    record(request.id, { method: request.method, status: reply.statusCode, ms: reply.elapsedTime, consumer, route, outcome, overage });
+    const { consumer, route, outcome, overage, eventId, decision } = request.ctx;
+    record(request.id, {
+      method: request.method,
+      status: reply.statusCode,
+      ms: reply.elapsedTime,
+      consumer,
+      route,
+      outcome,
+      overage,
+      decision,
+    });
     // In this hook, not one more: the status of a request whose usage event was written.
     if (eventId !== undefined && recordStatus) recordStatus(request, reply.statusCode);
     done();

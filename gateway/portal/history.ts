@@ -1,15 +1,18 @@
 import type { FastifyBaseLogger } from 'fastify';
 import type { AccessEntry } from '../observability/access-log.js';
+import type { Decision } from '../quota/decision.js';
 import { isWindow } from '../quota/windows.js';
 import type { RedisClient } from '../redis/client.js';
 import { deploymentHistoryKey, deploymentTopKey, subjectKey } from '../redis/keys.js';
+import { defineStandingScripts, writeStanding } from './standing.js';
 
 // Requests over time by outcome, per account: counted in memory from what the access line
 // already knows (no Redis call per request) and flushed once a second, one pipeline for each
 // account active in that second (HINCRBY on its minute's and its day's bucket hash, EXPIRE), and
-// one more for the deployment's sum of them (what the operator page charts) and the month's
-// ranking of accounts by admitted requests (its top accounts), so the cost follows
-// traffic and nothing ever scans the accounts.
+// one more for the deployment's sum of them (what the operator page charts), the month's
+// ranking of accounts by admitted requests (its top accounts) and each active account's
+// standing from its last decision (standing.ts), so the cost follows traffic and nothing ever
+// scans the accounts.
 
 /** The outcomes a chart stacks, in its order: what a bucket's hash fields are named. */
 export const OUTCOME_FIELDS = [
@@ -68,6 +71,8 @@ type Counted = Map<number, Map<OutcomeField, number>>;
 export class OutcomeHistory {
   /** subject name -> minute start -> field -> count, since the last flush. */
   private pending = new Map<string, Counted>();
+  /** subject name -> its last decision since the last flush: its standing (standing.ts). */
+  private last = new Map<string, Decision>();
   private readonly timer: NodeJS.Timeout;
 
   constructor(
@@ -79,6 +84,7 @@ export class OutcomeHistory {
   ) {
     this.timer = setInterval(() => void this.flush(), 1000);
     this.timer.unref();
+    defineStandingScripts(redis);
   }
 
   /** Counts one answered request: a few map updates, no I/O. */
@@ -93,6 +99,7 @@ export class OutcomeHistory {
     let fields = byMinute.get(minute);
     if (!fields) byMinute.set(minute, (fields = new Map()));
     fields.set(field, (fields.get(field) ?? 0) + 1);
+    if (e.decision) this.last.set(name, e.decision);
   }
 
   /**
@@ -103,7 +110,9 @@ export class OutcomeHistory {
   async flush(): Promise<void> {
     if (this.pending.size === 0) return;
     const batch = this.pending;
+    const last = this.last;
     this.pending = new Map();
+    this.last = new Map();
     const sum: Counted = new Map();
     for (const byMinute of batch.values()) {
       for (const [minute, fields] of byMinute) {
@@ -113,7 +122,7 @@ export class OutcomeHistory {
       }
     }
     const writes = [...batch].map(([name, byMinute]) => this.write(accountBuckets(name), byMinute));
-    writes.push(this.write(deploymentBuckets(this.prefix()), sum), this.rank(batch));
+    writes.push(this.write(deploymentBuckets(this.prefix()), sum), this.rank(batch), this.standing(last));
     await Promise.all(writes);
   }
 
@@ -131,6 +140,14 @@ export class OutcomeHistory {
     await pipeline
       .exec()
       .catch((err: Error) => this.log.warn({ cause: err.message }, 'portal history: a second of rankings was not written'));
+  }
+
+  /** Each active account's standing from its last decision: near a limit or not, and its balance. */
+  private async standing(last: ReadonlyMap<string, Decision>): Promise<void> {
+    if (last.size === 0) return;
+    await writeStanding(this.redis, this.prefix(), last, this.now()).catch((err: Error) =>
+      this.log.warn({ cause: err.message }, 'portal history: a second of standings was not written'),
+    );
   }
 
   private async write(key: BucketKey, byMinute: Counted): Promise<void> {

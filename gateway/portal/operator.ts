@@ -8,29 +8,26 @@ import type { AuditEntry } from './audit.js';
 import { legend, stackedBars } from './charts.js';
 import type { Figures } from './figures.js';
 import { deploymentTopKey } from '../redis/keys.js';
+import { type NearWindow, NEAR_MAX, readStanding } from './standing.js';
 import { type Buckets, deploymentBuckets, monthStart, OUTCOME_FIELDS, type OutcomeField, readBuckets } from './history.js';
 import { type Html, html, page } from './html.js';
 import { figuresSections, keysSection, when } from './pages.js';
 
-// The operator's page: the month's top accounts from the history's ranking (by traffic, every
-// key store's); every account of the config read once per view (bounded by MAX_ACCOUNTS) for
-// those within 10% of a limit and the prepaid credit still
-// outstanding, and whether this instance decides from its degraded budget right now; the
-// deployment's refusals by reason over time (its history buckets, one read per bucket, whatever
-// the number of accounts); and one page of the key store's accounts (the registry's too).
+// The operator's page: the month's top accounts from the history's ranking, the accounts within
+// 10% of a limit and the prepaid credit outstanding from their standing (standing.ts), all from
+// every instance's traffic and every key store's accounts; whether this instance decides from
+// its degraded budget right now; the deployment's refusals by reason over time (its history
+// buckets); and one page of the key store's accounts. A view's reads do not grow with the
+// number of accounts.
 
-/** Accounts read per view at most: the page is for a deployment's accounts of the config file, not the key registry's millions. */
-export const MAX_ACCOUNTS = 1000;
 /** Accounts in the top table. */
 const TOP = 10;
 
 export interface Overview {
   degraded: boolean;
   degradedReason?: string;
-  /** Accounts read, and how many the config has. */
-  read: number;
-  total: number;
-  rows: Array<{ account: string; view: UsageView; periodUsed: number }>;
+  /** Accounts near a limit and the outstanding credit; undefined: not read in time. */
+  standing?: { near: Array<{ account: string; windows: NearWindow[] }>; outstanding: number };
   /** The accounts that sent most this UTC month, from every instance's traffic (the history's ranking); undefined: not read in time. */
   top?: Array<{ account: string; view: UsageView; periodUsed: number; month: number }>;
   /** Set while the store cannot give true figures. */
@@ -56,13 +53,26 @@ export interface OverviewSources {
 
 /** The overview, with the key store's accounts from the key id `after` on. */
 export async function overview(from: OverviewSources, after?: string): Promise<Overview> {
-  const [o, history, listed, top] = await Promise.all([
-    configAccounts(from),
-    from.redis ? deploymentHistory(from.redis, from.config().redisPrefix, from.timeoutMs) : undefined,
+  const { store, redis } = from;
+  const live = redis !== undefined && !store.degraded;
+  const [history, listed, top, standing] = await Promise.all([
+    redis ? deploymentHistory(redis, from.config().redisPrefix, from.timeoutMs) : undefined,
     from.keys ? listAccounts(from.keys, after, from.timeoutMs) : undefined,
-    from.redis && !from.store.degraded ? topAccounts(from, from.redis) : undefined,
+    live ? topAccounts(from, redis) : undefined,
+    live ? standingOf(from, redis) : undefined,
   ]);
-  return { ...o, history, listed, top };
+  return { degraded: store.degraded, degradedReason: store.degradedReason, unavailable: !live, history, listed, top, standing };
+}
+
+/** The accounts near a limit (by account: a key of none is its own subject and not listed) and the outstanding credit. */
+async function standingOf({ config, timeoutMs }: OverviewSources, redis: RedisClient): Promise<Overview['standing']> {
+  const answer = await within(readStanding(redis, config().redisPrefix, Date.now()), timeoutMs).catch((): typeof LATE => LATE);
+  if (answer === LATE) return undefined;
+  const near = answer.near.flatMap(({ name, windows }) => {
+    const account = config().accountOf(name);
+    return account === undefined ? [] : [{ account, windows }];
+  });
+  return { near, outstanding: answer.outstanding };
 }
 
 /** The 10 accounts ranked highest this month (one ZREVRANGE), each read as the admin lookup reads it: 11 reads, whatever the number of accounts. */
@@ -103,24 +113,6 @@ async function listAccounts(keys: KeyStore, after: string | undefined, timeoutMs
   return { accounts: [...counts].map(([account, n]) => ({ account, keys: n })), next: answer.last };
 }
 
-async function configAccounts({ config, store, find, timeoutMs }: OverviewSources): Promise<Overview> {
-  const names = [...config().accounts.keys()];
-  const base = { degraded: store.degraded, degradedReason: store.degradedReason, total: names.length, read: 0, rows: [] };
-  if (store.degraded) return { ...base, unavailable: true };
-  const read = Promise.all(
-    names.slice(0, MAX_ACCOUNTS).map(async (account) => {
-      const [member] = await find.account(account);
-      if (!member) return undefined;
-      const view = usageView(member, await store.peek(member.subject));
-      return { account, view, periodUsed: view.windows.month?.used ?? view.windows.day?.used ?? 0 };
-    }),
-  );
-  const rows = await within(read, timeoutMs * 2).catch((): typeof LATE => LATE);
-  if (rows === LATE || store.degraded) return { ...base, degraded: store.degraded, unavailable: true };
-  const found = rows.filter((r) => r !== undefined);
-  return { ...base, read: found.length, rows: found.sort((a, b) => b.periodUsed - a.periodUsed), unavailable: false };
-}
-
 /** The outcomes that are refusals: 429 by reason, and 402. */
 const REFUSALS = OUTCOME_FIELDS.filter((f) => f.startsWith('limited_') || f === 'credits');
 const refusalsOnly = (buckets: Buckets): Buckets =>
@@ -154,8 +146,22 @@ ${listed.next ? html`<p><a data-next-page href="/admin/ui?after=${encodeURICompo
 
 const accountLink = (account: string) => html`<a href="/admin/ui/accounts/${encodeURIComponent(account)}">${account}</a>`;
 
-/** Windows with 10% of their limit or less left. */
-const nearLimit = (view: UsageView) => Object.entries(view.windows).filter(([, w]) => w && w.remaining <= w.limit * 0.1);
+/** The accounts with a window 90% used or more, and the sum of the balances. */
+function standingSections(standing: Overview['standing']): Html {
+  if (!standing)
+    return html`<h2>Within 10% of a limit</h2><p class="unavailable" data-standing-unavailable="">Data unavailable: the standing was not read in time.</p>`;
+  const near = standing.near.flatMap((n) => n.windows.map((w) => ({ account: n.account, w })));
+  return html`<h2>Within 10% of a limit</h2>
+<p>From every instance's traffic: an account is listed from its request that brought a window within 10% of its limit (within a second) until that window resets; at most ${NEAR_MAX}, latest reset first.</p>
+${
+  near.length === 0
+    ? html`<p>None.</p>`
+    : html`<table><caption>Accounts with a window 90% used or more</caption><thead><tr><th scope="col">Account</th><th scope="col">Window</th><th scope="col" class="n">Used</th><th scope="col" class="n">Limit</th><th scope="col">Resets</th></tr></thead>
+<tbody>${near.map((n) => html`<tr data-near-account="${n.account}" data-window="${n.w.name}" data-used="${n.w.used}" data-limit="${n.w.limit}"><td>${accountLink(n.account)}</td><td>${n.w.name}</td><td class="n">${n.w.used}</td><td class="n">${n.w.limit}</td><td>${when(new Date(n.w.resetMs).toISOString())}</td></tr>`)}</tbody></table>`
+}
+<h2>Prepaid credit</h2>
+<p>Outstanding (the sum of every account's balance as its last request or top-up left it): <strong data-outstanding-credit="${standing.outstanding}">${standing.outstanding}</strong> units.</p>`;
+}
 
 /** The month's ranking, every key store's accounts alike (the history counts them as they send). */
 function topTable(top: Overview['top']): Html {
@@ -166,9 +172,6 @@ function topTable(top: Overview['top']): Html {
 }
 
 export function overviewPage(o: Overview, csrf: string): string {
-  const near = o.rows.flatMap((r) => nearLimit(r.view).map(([name, w]) => ({ account: r.account, name, w: w! })));
-  const outstanding = o.rows.reduce((n, r) => n + (r.view.credits?.balance ?? 0), 0);
-  const link = accountLink;
   const state = o.degraded
     ? html`<p class="unavailable" data-degraded="true"><strong>Degraded now</strong>: Redis is failing (${o.degradedReason ?? 'no answer'}); this instance decides from its degraded budget.</p>`
     : html`<p data-degraded="false">Not degraded: decisions are Redis's.</p>`;
@@ -176,16 +179,7 @@ export function overviewPage(o: Overview, csrf: string): string {
     ? html`<div class="unavailable" role="status" data-unavailable=""><strong>Data unavailable</strong>: the quota store is not answering.</div>`
     : html`<h2>Top accounts by usage this period</h2>
 ${topTable(o.top)}
-<h2>Within 10% of a limit</h2>
-<p>Of ${o.read} accounts of the config file read${o.total > o.read ? html` (the first ${o.read} of ${o.total})` : ''}.</p>
-${
-  near.length === 0
-    ? html`<p>None.</p>`
-    : html`<table><caption>Accounts with a window 90% used or more</caption><thead><tr><th scope="col">Account</th><th scope="col">Window</th><th scope="col" class="n">Used</th><th scope="col" class="n">Limit</th></tr></thead>
-<tbody>${near.map((n) => html`<tr data-near-account="${n.account}" data-window="${n.name}"><td>${link(n.account)}</td><td>${n.name}</td><td class="n">${n.w.used}</td><td class="n">${n.w.limit}</td></tr>`)}</tbody></table>`
-}
-<h2>Prepaid credit</h2>
-<p>Outstanding (the sum of balances): <strong data-outstanding-credit="${outstanding}">${outstanding}</strong> units.</p>`;
+${standingSections(o.standing)}`;
   return page(
     'Gateway operator',
     html`<h1>Gateway operator</h1>

@@ -18,6 +18,8 @@ export interface Admission {
   leased?: boolean;
   /** The concurrency slot it holds: the caller releases it when the request ends (RequestPath.release). */
   slot?: string;
+  /** The decision it was made from: the portal's history keeps each account's last (its windows, its balance). */
+  decision?: Decision;
 }
 
 const REFUSAL_CODES = {
@@ -101,6 +103,7 @@ function allowed(d: Decision, headers: Readonly<Record<string, string>>): Admiss
     redisMs: d.redisMs,
     leased: d.leased,
     slot: d.slot,
+    decision: d,
   };
 }
 
@@ -121,6 +124,7 @@ function admissionOf(d: Decision, subject: QuotaSubject): Admission {
     redisMs: d.redisMs,
     leased: d.leased,
     slot: undefined,
+    decision: d,
   };
 }
 
@@ -163,7 +167,7 @@ export function admit(store: RequestPath, subject: QuotaSubject, cost = 1, tag?:
 function shadow(decision: Decision, refused: Refusal, subject: QuotaSubject): Admission {
   const headers = rateLimitHeaders(decision, subject.policy, subject.short);
   delete headers['retry-after'];
-  return { outcome: `would_${refused}`, headers, redisMs: decision.redisMs, leased: decision.leased };
+  return { outcome: `would_${refused}`, headers, redisMs: decision.redisMs, leased: decision.leased, decision };
 }
 
 /**

@@ -60,6 +60,13 @@ export const subjectKey = {
 export const deploymentHistoryKey = (prefix: string, unit: 'm' | 'd', startMs: number) => `${prefix}:{history}:${unit}:${startMs}`;
 /** The accounts' admitted requests in the UTC month from `monthStartMs` (a sorted set, by subject name): the operator's top accounts. */
 export const deploymentTopKey = (prefix: string, monthStartMs: number) => `${prefix}:{history}:top:${monthStartMs}`;
+/** The operator's standing reads (portal/standing.ts): accounts near a limit (a sorted set by when the last near window resets, and a hash of those windows) and each account's last balance (a hash) with their sum. */
+export const deploymentStandingKeys = (prefix: string) => ({
+  near: `${prefix}:{history}:near`,
+  windows: `${prefix}:{history}:near:windows`,
+  balances: `${prefix}:{history}:balances`,
+  total: `${prefix}:{history}:outstanding`,
+});
 
 /** By the SHA-256 of their secret: Redis never holds one a reader could replay. */
 export function portalKeys(prefix: string) {

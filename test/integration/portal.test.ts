@@ -602,8 +602,12 @@ describe('the operator page on the admin port', () => {
       expect(await page.locator('[data-degraded]').getAttribute('data-degraded')).toBe('false');
       const top = await page.locator('[data-top-account]').evaluateAll((rows) => rows.map((r) => r.getAttribute('data-top-account')));
       expect(top[0]).toBe('acme');
-      expect(await page.locator('[data-near-account="nearco"][data-window="minute"]').count()).toBe(1);
+      // The standing is written once a second by the instance that answered: polled until it is.
+      const nearco = page.locator('[data-near-account="nearco"][data-window="minute"]');
+      await eventually(async () => (await page.reload().then(() => nearco.count())) === 1, 5000, 'nearco listed');
+      expect(await nearco.count()).toBe(1);
       expect(await page.locator('[data-near-account="acme"]').count()).toBe(0);
+      // The prepaid accounts: credit (topped up above) and dryco (402s, balance 0).
       const credits = await (
         await fetch(`${gw.adminUrl}/admin/accounts/credit/credits`, { headers: { authorization: `Bearer ${TOKEN}` } })
       ).json();
