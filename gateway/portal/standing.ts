@@ -78,7 +78,7 @@ const BALANCES = {
   end
   if at > wasAt or (at == wasAt and balance < wasBalance) then
     redis.call('HSET', KEY.balances, ARGV[i], ARGV[i + 1] .. ' ' .. ARGV[i + 2])
-    redis.call('INCRBY', KEY.total, balance - wasBalance)
+    redis.call('INCRBY', KEY.total, string.format('%d', balance - wasBalance))
   end
 end
 redis.call('EXPIRE', KEY.balances, ARG.keepS)

@@ -5,6 +5,7 @@ import { expectAccessible, freshPage, launch } from '../helpers/browser.js';
 import { makeKey, type TestKey, testConfig } from '../helpers/config.js';
 import { buildInstances, type TestGateway } from '../helpers/gateway.js';
 import { eventually, inOneMinute } from '../helpers/time.js';
+import { readStanding, recordBalance } from '../../gateway/portal/standing.js';
 
 // The operator page's accounts near a limit and its outstanding credit (issue 46) come from
 // every instance's traffic, not from reading the accounts: two instances on one Redis, 2,000
@@ -116,5 +117,23 @@ describe("the operator page's standing", () => {
       },
       () => share(),
     );
+  });
+
+  it("keeps each account's newest balance whatever order the instances' writes arrive in, to the unit past 2^47", async () => {
+    const redis = gws[0]!.redis!;
+    const prefix = `standing-order-${Date.now()}`;
+    const sum = async () => (await readStanding(redis, prefix, Date.now())).outstanding;
+    await recordBalance(redis, prefix, 'a', 2000, 70);
+    await recordBalance(redis, prefix, 'a', 1000, 100); // an older flush, late: ignored
+    await recordBalance(redis, prefix, 'b', 1000, 5);
+    expect(await sum()).toBe(75);
+    await recordBalance(redis, prefix, 'b', 1000, 4); // the same millisecond: the lower, as only spending moves a balance that fast
+    await recordBalance(redis, prefix, 'b', 1000, 5);
+    expect(await sum()).toBe(74);
+    const big = 2 ** 47 + 3; // past what Lua prints as an integer by default (%.14g)
+    await recordBalance(redis, prefix, 'c', 3000, big);
+    expect(await sum()).toBe(74 + big);
+    await recordBalance(redis, prefix, 'c', 4000, 0);
+    expect(await sum()).toBe(74);
   });
 });
