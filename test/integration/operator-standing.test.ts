@@ -130,7 +130,7 @@ describe("the operator page's standing", () => {
     await recordBalance(redis, prefix, 'b', 1000, 4); // the same millisecond: the lower, as only spending moves a balance that fast
     await recordBalance(redis, prefix, 'b', 1000, 5);
     expect(await sum()).toBe(74);
-    const big = 2 ** 47 + 3; // past what Lua prints as an integer by default (%.14g)
+    const big = 2 ** 47 + 3; // 15 digits: a sum far past any 32-bit or 14-digit formatting
     await recordBalance(redis, prefix, 'c', 3000, big);
     expect(await sum()).toBe(74 + big);
     await recordBalance(redis, prefix, 'c', 4000, 0);
