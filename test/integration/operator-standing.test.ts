@@ -16,7 +16,7 @@ const TOKEN = 'operator-standing-admin-token-01';
 const plans = {
   /** The day's 10: 9 used leaves 1 (10%), near; 8 leaves 2, not. A day window, so no minute boundary moves it. */
   tiny: { perMinute: 1000, perDay: 10 },
-  prepaid: { perMinute: 1000, perDay: 100_000, credits: { grant: 0, every: 'month' } },
+  prepaid: { perMinute: 1000, perDay: 100_000, credits: { grant: 0, every: 'month' as const } },
   free: { perMinute: 1000, perDay: 100_000 },
 };
 const acct = (plan: string, account: string): TestKey => ({ ...makeKey(plan), account });
