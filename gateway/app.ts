@@ -137,7 +137,8 @@ function portalParts(
 ): PortalParts & { history: OutcomeHistory } {
   const { redis } = deps;
   const registry = settings.keyStore === 'redis' ? new RegistryKeys(redis, config, config().redisPrefix) : undefined;
-  const keys: KeyStore | undefined = registry ?? (deps.keyFile ? fileKeys(deps.keyFile) : undefined);
+  // The file's edits on a thread of their own, its pages from the config in force (what `config` holds).
+  const keys: KeyStore | undefined = registry ?? (deps.keyFile ? fileKeys(deps.keyFile, {}, config) : undefined);
   const timeoutMs = settings.redisTimeoutMs;
   return {
     config,

@@ -1,5 +1,6 @@
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import { duration, KeyFileError, type KeyStore, type OtherKeys, setAccount } from '../auth/key-file.js';
+import { KeyFileThread } from '../auth/key-file-thread.js';
 import { ConfigError } from '../config/config.js';
 import { GatewayError } from '../errors.js';
 import {
@@ -144,8 +145,10 @@ export const keyApi: FastifyPluginAsyncTypebox<{
     ...(await keyCall(() => store().revoke(request.params.id))),
   }));
 
+  // Off the request thread, as the file's key edits are: an edit parses the whole file three times.
+  const thread = configFile ? new KeyFileThread() : undefined;
   app.put('/admin/accounts/:account', { schema: SCHEMAS.account }, async (request) =>
-    keyCall(() => setAccount(keyFile(), request.params.account, request.body, accounts)),
+    keyCall(() => setAccount(keyFile(), request.params.account, request.body, accounts, thread)),
   );
 
   app.post(

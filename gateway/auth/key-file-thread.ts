@@ -9,7 +9,7 @@ import { KeyFileError } from './key-file.js';
 
 export interface KeyFileCall {
   id: number;
-  op: 'createKey' | 'revokeKey' | 'rotateKey';
+  op: 'createKey' | 'revokeKey' | 'rotateKey' | 'setAccountIn';
   args: unknown[];
 }
 export type KeyFileReply =

@@ -1,12 +1,12 @@
 import { parentPort } from 'node:worker_threads';
 import { ConfigError } from '../config/config.js';
-import { createKey, KeyFileError, revokeKey, rotateKey } from './key-file.js';
+import { createKey, KeyFileError, revokeKey, rotateKey, setAccountIn } from './key-file.js';
 import type { KeyFileCall, KeyFileReply } from './key-file-thread.js';
 
 // The thread of key-file-thread.ts: a key change in the config file (read, parse, edit, check,
 // write: seconds at 100,000 keys) made here, off the request thread, one at a time.
 
-const OPS = { createKey, revokeKey, rotateKey } as Record<KeyFileCall['op'], (...args: unknown[]) => Promise<unknown>>;
+const OPS = { createKey, revokeKey, rotateKey, setAccountIn } as Record<KeyFileCall['op'], (...args: unknown[]) => Promise<unknown>>;
 const port = parentPort!;
 
 port.on('message', async ({ id, op, args }: KeyFileCall) => {

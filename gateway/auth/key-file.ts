@@ -210,10 +210,30 @@ export async function setAccount(
   account: string,
   change: AccountChange,
   registry?: OtherKeys,
+  /** Where the edit runs: a gateway's own thread (key-file-thread.ts), else here. */
+  thread?: KeyFileThread,
 ): Promise<{ account: string } & AccountSettings> {
   // Asked before the file is locked (the edit itself is synchronous); a key is never deleted from the registry.
   const elsewhere = registry !== undefined && Value.Check(KEY_ENTRY.account, account) && (await registry.hasAccount(account));
-  const options = { keysElsewhere: registry !== undefined };
+  const found: AccountFound = { elsewhere, registryWhere: registry?.where };
+  return thread ? thread.call('setAccountIn', [file, account, change, found]) : setAccountIn(file, account, change, found);
+}
+
+/** What setAccount learnt of the registry before the edit: whether the account has a key there, and its name. */
+export interface AccountFound {
+  elsewhere: boolean;
+  /** Set when a registry is in use beside the file. */
+  registryWhere?: string;
+}
+
+/** setAccount's edit of the file, once the registry was asked. */
+export function setAccountIn(
+  file: string,
+  account: string,
+  change: AccountChange,
+  { elsewhere, registryWhere }: AccountFound,
+): Promise<{ account: string } & AccountSettings> {
+  const options = { keysElsewhere: registryWhere !== undefined };
   return editFile(file, options, (current, doc) => {
     if (!Value.Check(KEY_ENTRY.account, account)) throw new KeyFileError(`${NAME_RULE}, got "${account}"`, 'invalid', 'account');
     const fields = ACCOUNT_FIELDS.filter((f) => change[f] !== undefined);
@@ -223,7 +243,7 @@ export async function setAccount(
       if (problem) throw new KeyFileError(problem, 'invalid', field);
     }
     if (!elsewhere && !current.keys.some((k) => (k.account ?? k.id) === account)) {
-      const where = registry ? `${file} or ${registry.where}` : file;
+      const where = registryWhere !== undefined ? `${file} or ${registryWhere}` : file;
       throw new KeyFileError(`no key of account "${account}" in ${where}: an account is made by creating a key in it`, 'not_found');
     }
     const accounts = mapAt(doc, 'accounts');
