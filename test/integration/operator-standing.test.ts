@@ -136,4 +136,31 @@ describe("the operator page's standing", () => {
     await recordBalance(redis, prefix, 'c', 4000, 0);
     expect(await sum()).toBe(74);
   });
+
+  it("opens a session signed in on one instance's admin port on the other's, and a sign-out ends it on both", async () => {
+    const signIn = await fetch(`${gws[0]!.adminUrl}/admin/ui/sign-in`, {
+      method: 'POST',
+      redirect: 'manual',
+      headers: { origin: gws[0]!.adminUrl, 'content-type': 'application/x-www-form-urlencoded' },
+      body: new URLSearchParams({ token: TOKEN }).toString(),
+    });
+    expect(signIn.status).toBe(303);
+    const cookie = signIn.headers.get('set-cookie')!.split(';')[0]!;
+    const overview = (g: TestGateway) => fetch(`${g.adminUrl}/admin/ui`, { headers: { cookie } }).then((r) => r.text());
+    const other = await overview(gws[1]!);
+    expect(other).toContain('data-degraded=');
+    const csrf = /name="csrf" value="([^"]+)"/.exec(other)![1]!;
+    const out = await fetch(`${gws[1]!.adminUrl}/admin/ui/sign-out`, {
+      method: 'POST',
+      redirect: 'manual',
+      headers: { cookie, origin: gws[1]!.adminUrl, 'content-type': 'application/x-www-form-urlencoded' },
+      body: new URLSearchParams({ csrf }).toString(),
+    });
+    expect(out.status).toBe(303);
+    for (const g of gws) {
+      const page = await overview(g);
+      expect(page).not.toContain('data-degraded=');
+      expect(page).toContain('name="token"');
+    }
+  });
 });
