@@ -1,6 +1,6 @@
 import { UNREADABLE, yamlProblem } from './read-errors.js';
 import { headerProblems } from './env-template.js';
-import { type UsageExport, UsageExportSchema } from './usage-export.js';
+import { exportProblems, type UsageExport, UsageExportSchema } from './usage-export.js';
 import { readFileSync } from 'node:fs';
 import { type Static, type TOptional, Type } from '@sinclair/typebox';
 import { Value } from '@sinclair/typebox/value';
@@ -301,6 +301,7 @@ function crossChecks(file: ConfigFile, options: ConfigOptions): string[] {
     }
   });
   problems.push(...headerProblems(file.usage?.export.headers, 'usage.export.headers', options.env ?? process.env));
+  problems.push(...exportProblems(file.usage?.export));
   return problems;
 }
 

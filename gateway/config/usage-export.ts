@@ -41,3 +41,16 @@ export type ExportFormat = NonNullable<UsageExport['format']>;
 /** A format's events a POST may carry: the configured batch, capped by the biller's limit. */
 export const batchLimit = (target: UsageExport) =>
   target.format === 'stripe' || target.format === 'lago' ? Math.min(target.batchSize, BILLER_BATCH) : target.batchSize;
+
+/** What the schema cannot say: a biller's format needs its customers, and a biller's section goes with its format. */
+export function exportProblems(target: UsageExport | undefined): string[] {
+  if (!target) return [];
+  const problems: string[] = [];
+  const biller = target.format === 'stripe' || target.format === 'lago';
+  if (biller && target.customers === undefined)
+    problems.push(`usage.export.customers: required with format ${target.format} (account → its ${target.format} customer)`);
+  if (!biller && target.customers !== undefined) problems.push('usage.export.customers: only with format stripe or lago');
+  for (const section of ['stripe', 'lago'] as const)
+    if (target[section] !== undefined && target.format !== section) problems.push(`usage.export.${section}: only with format ${section}`);
+  return problems;
+}
