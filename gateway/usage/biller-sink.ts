@@ -165,6 +165,7 @@ export class BillerSink implements UsageSink {
         if (why !== undefined || 'unmapped' in u) setAside.push({ event: json, reason: why ?? NO_CUSTOMER });
         else pending.push(u);
       }
+    let held = 0;
     // Each turn takes at least one event out, so this ends.
     while (pending.length > 0) {
       const answer = await this.post(this.profile.body(pending), lost);
@@ -182,9 +183,10 @@ export class BillerSink implements UsageSink {
         };
       }
       for (const [i, why] of named.refused) setAside.push({ event: pending[i]!.json, reason: why });
+      held += named.held.size;
       pending = pending.filter((_, i) => !named.held.has(i) && !named.refused.has(i));
     }
-    return { accepted: 'all', ...(setAside.length > 0 && { setAside }) };
+    return { accepted: 'all', ...(setAside.length > 0 && { setAside }), ...(held > 0 && { held }) };
   }
 
   private async post(

@@ -48,6 +48,7 @@ const exporter = new UsageExporter({
     failed: () => post({ kind: 'metric', name: 'failed', n: 1 }),
     dropped: (n) => post({ kind: 'metric', name: 'dropped', n }),
     rejected: (n) => post({ kind: 'metric', name: 'rejected', n }),
+    duplicates: (n) => post({ kind: 'metric', name: 'duplicates', n }),
     lag: (n) => post({ kind: 'metric', name: 'lag', n }),
     round: () => post({ kind: 'metric', name: 'round', n: 1 }),
   },

@@ -16,6 +16,8 @@ export interface ExportMetrics {
   dropped(n: number): void;
   /** Events a sink refused for good, set aside. */
   rejected(n: number): void;
+  /** Events a sink said it held already: a resend, delivered. */
+  duplicates(n: number): void;
   lag(seconds: number): void;
   round(): void;
 }
@@ -216,6 +218,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     }
     if (answer.accepted === 'all') {
       for (const { event, reason } of answer.setAside ?? []) await this.reject(sink, event, reason, names);
+      if (answer.held) this.metrics.duplicates(answer.held);
       return;
     }
     if (!answer.permanent) throw new DeliveryFailed(answer.reason, { retryAfterMs: answer.retryAfterMs });
@@ -225,6 +228,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       await this.deliver(sink, events.slice(0, half), lost, names);
       await this.deliver(sink, events.slice(half), lost, names);
     } else if (answer.permanent.status !== 409) await this.reject(sink, events[0]!, answer.reason, names);
+    else this.metrics.duplicates(1);
     // A 409 for one event: the sink has it already, delivered.
   }
 

@@ -6,6 +6,8 @@ export type Accepted =
       accepted: 'all';
       /** Events the sink will never take (a biller's rule: no customer, too old), each with why: set aside, not sent. */
       setAside?: ReadonlyArray<{ event: EncodedEvent; reason: string }>;
+      /** Of those delivered, how many the sink answered it held already (a resend). */
+      held?: number;
     }
   | {
       accepted: 'none';

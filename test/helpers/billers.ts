@@ -66,6 +66,8 @@ interface Double<E> {
     invalid: string[];
     /** POSTs refused for an id already kept. */
     duplicates: number;
+    /** The events those refusals named. */
+    duplicateEvents: number;
     /** Keep the next POSTs' events (Lago: `keepHalf`, the first half) and answer 503: a biller that stored, then timed out. */
     failAfterKeeping: number;
     keepHalf: boolean;
@@ -87,7 +89,7 @@ async function serve<E>(
     url: '',
     kept: new Map(),
     meter: new Map(),
-    state: { posts: 0, sizes: [], invalid: [], duplicates: 0, failAfterKeeping: 0, keepHalf: false, times: [] },
+    state: { posts: 0, sizes: [], invalid: [], duplicates: 0, duplicateEvents: 0, failAfterKeeping: 0, keepHalf: false, times: [] },
   };
   const server = createServer(async (req: IncomingMessage, res) => {
     d.state.times.push(Date.now());
@@ -168,6 +170,7 @@ export function startStripe(customers: readonly string[]): Promise<Double<Stripe
         if (at < now - 35 * DAY_MS || at > now + 5 * 60_000) return refuse(res, 'Timestamp must be within the past 35 days');
         if (d.kept.has(e.identifier) || seen.has(e.identifier)) {
           d.state.duplicates++;
+          d.state.duplicateEvents++;
           return refuse(res, `An event already exists with identifier ${e.identifier}.`);
         }
         seen.add(e.identifier);
@@ -207,6 +210,7 @@ export function startLago(): Promise<Double<LagoEvent>> {
       });
       if (Object.keys(details).length > 0) {
         d.state.duplicates++;
+        d.state.duplicateEvents += Object.keys(details).length;
         return unprocessable(details);
       }
       keep(

@@ -38,6 +38,9 @@ async function halfBroken() {
   return `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
 }
 
+const metric = async (gw: TestGateway, name: string) =>
+  Number(/ (\d+)$/m.exec(await gw.gateway.metrics.registry.getSingleMetricAsString(name))?.[1] ?? Number.NaN);
+
 const subjectOf = (gw: TestGateway, id: string) => [...gw.gateway.config().consumers.values()].find((c) => c.id === id)!.subject;
 
 /** Requests one at a time (the backend's every-other drop then falls on every other one): how many were answered 200. */
@@ -93,6 +96,7 @@ async function checkAccounts(r: Awaited<ReturnType<typeof run>>) {
   );
   expect(aside.length).toBe(r.ghostEvents);
   for (const a of aside) expect(a).toMatchObject({ reason: NO_CUSTOMER, event: { subject: r.ghost.id } });
+  expect(await metric(r.gw, 'gateway_usage_events_rejected_total')).toBe(r.ghostEvents);
 }
 
 const gated = () => {
@@ -110,6 +114,9 @@ describe('usage export in the stripe format', () => {
     const r = await run('stripe', stripe.url, g);
     expect(stripe.state.invalid).toEqual([]);
     expect(stripe.state.duplicates).toBeGreaterThan(0);
+    // Held events of a resend that then failed are counted again on the next: at most what Stripe named.
+    expect(await metric(r.gw, 'gateway_usage_events_duplicate_total')).toBeGreaterThan(0);
+    expect(await metric(r.gw, 'gateway_usage_events_duplicate_total')).toBeLessThanOrEqual(stripe.state.duplicateEvents);
     // The SUM meter nets each refund (value "-1"): exactly the units delivered.
     expect(stripe.meter.get('cus_shop')).toBe(r.delivered);
     expect([...stripe.meter.keys()]).toEqual(['cus_shop']);
@@ -130,6 +137,8 @@ describe('usage export in the lago format', () => {
     const r = await run('lago', lago.url, g);
     expect(lago.state.invalid).toEqual([]);
     expect(lago.state.duplicates).toBeGreaterThan(0);
+    expect(await metric(r.gw, 'gateway_usage_events_duplicate_total')).toBeGreaterThan(0);
+    expect(await metric(r.gw, 'gateway_usage_events_duplicate_total')).toBeLessThanOrEqual(lago.state.duplicateEvents);
     expect(lago.meter.get('cus_shop')).toBe(r.delivered);
     expect([...lago.meter.keys()]).toEqual(['cus_shop']);
     expect(lago.kept.size).toBe(r.shopEvents);
@@ -187,7 +196,7 @@ describe("Stripe's backdate window", () => {
     expect([...stripe.kept.keys()]).toEqual(['shop/2-0', expect.stringMatching(/^sha256-[A-Za-z0-9_-]{43}$/)]);
     expect(stripe.meter.get('cus_shop')).toBe(6);
     // The same long id again is the same identifier: Stripe's duplicate, delivered.
-    expect(await sink.deliver([event(long, 0)], new AbortController().signal)).toEqual({ accepted: 'all' });
+    expect(await sink.deliver([event(long, 0)], new AbortController().signal)).toEqual({ accepted: 'all', held: 1 });
     expect(stripe.state.duplicates).toBe(1);
   });
 });
