@@ -71,8 +71,10 @@ async function run(format: 'stripe' | 'lago', url: string, gate: { release: () =
   onTestFinished(() => gw.close());
   const delivered = await send(gw, shop, SHOP_REQUESTS);
   const ghostEvents = 2 * GHOST_REQUESTS - (await send(gw, ghost, GHOST_REQUESTS));
-  gate.release();
   const [shopSubject, ghostSubject] = [subjectOf(gw, shop.id), subjectOf(gw, ghost.id)];
+  // Over 100 of shop's events wait behind the held answer: more than one biller batch.
+  await eventually(async () => (await gw.gateway.store.exportState!(shopSubject)).pending > 100, 20_000, 'shop events waiting');
+  gate.release();
   const shopEvents = SHOP_REQUESTS + (SHOP_REQUESTS - delivered);
   await eventually(
     async () => {
@@ -121,7 +123,8 @@ describe('usage export in the stripe format', () => {
     expect(stripe.meter.get('cus_shop')).toBe(r.delivered);
     expect([...stripe.meter.keys()]).toEqual(['cus_shop']);
     expect(stripe.kept.size).toBe(r.shopEvents);
-    expect(Math.max(...stripe.state.sizes)).toBe(100);
+    // At the shipped batchSize (500) a POST would carry all the events waiting at the release.
+    expect(Math.max(...stripe.state.sizes)).toBeLessThanOrEqual(100);
     await checkAccounts(r);
   });
 });
@@ -142,7 +145,7 @@ describe('usage export in the lago format', () => {
     expect(lago.meter.get('cus_shop')).toBe(r.delivered);
     expect([...lago.meter.keys()]).toEqual(['cus_shop']);
     expect(lago.kept.size).toBe(r.shopEvents);
-    expect(Math.max(...lago.state.sizes)).toBe(100);
+    expect(Math.max(...lago.state.sizes)).toBeLessThanOrEqual(100);
     await checkAccounts(r);
   });
 
