@@ -19,7 +19,6 @@ export const TOO_OLD = "older than Stripe's 35-day backdate window";
 /** One usage event as the billers read it. */
 export interface Usage {
   id: string;
-  account: string;
   customer: string;
   time: string;
   units: number;
@@ -123,7 +122,7 @@ export function usageOf(json: EncodedEvent, customers: Readonly<Record<string, s
   if (e.type !== REQUEST_TYPE && e.type !== REFUND_TYPE) return 'not usage';
   const customer = Object.hasOwn(customers, e.subject) ? customers[e.subject] : undefined;
   if (customer === undefined) return { unmapped: true };
-  return { id: e.id, account: e.subject, customer, time: e.time, units: Number(e.data.units), json };
+  return { id: e.id, customer, time: e.time, units: Number(e.data.units), json };
 }
 
 /**
@@ -162,8 +161,8 @@ export class BillerSink implements UsageSink {
         const u = usageOf(json, this.customers);
         if (u === 'not usage') continue;
         const why = 'unmapped' in u ? NO_CUSTOMER : this.profile.refusedBefore?.(u, now);
-        if (why !== undefined || 'unmapped' in u) setAside.push({ event: json, reason: why ?? NO_CUSTOMER });
-        else pending.push(u);
+        if (why !== undefined) setAside.push({ event: json, reason: why });
+        else pending.push(u as Usage);
       }
     let held = 0;
     // Each turn takes at least one event out, so this ends.
