@@ -1,5 +1,6 @@
 import { UNREADABLE, yamlProblem } from './read-errors.js';
 import { headerProblems } from './env-template.js';
+import { exportProblems, type UsageExport, UsageExportSchema } from './usage-export.js';
 import { readFileSync } from 'node:fs';
 import { type Static, type TOptional, Type } from '@sinclair/typebox';
 import { Value } from '@sinclair/typebox/value';
@@ -105,21 +106,7 @@ export const ConfigFile = Type.Object(
     usage: Type.Optional(
       Type.Object(
         {
-          export: Type.Object(
-            {
-              url: Type.String({ pattern: '^https?://[^\\s]+$' }),
-              /** Events kept per account while the sink lags; older ones are dropped (counted and logged). */
-              maxEvents: Type.Integer({ minimum: 1000, maximum: 100_000_000, default: 1_000_000 }),
-              batchSize: Type.Integer({ minimum: 1, maximum: 5000, default: 500 }),
-              /** `cloudevents` (unset) or `openmeter`: there a refund is a request event with negative units, so one SUM meter on the request type nets it. */
-              format: Type.Optional(Type.Union([Type.Literal('cloudevents'), Type.Literal('openmeter')])),
-              /** Sent on every POST; `${NAME}` filled from the environment (env-template.ts), e.g. `Authorization: Bearer ${OPENMETER_TOKEN}`. */
-              headers: Type.Optional(
-                Type.Record(Type.String({ pattern: "^[A-Za-z0-9!#$%&'*+.^_`|~-]+$" }), Type.String({ maxLength: 4096 })),
-              ),
-            },
-            { additionalProperties: false },
-          ),
+          export: UsageExportSchema,
         },
         { additionalProperties: false },
       ),
@@ -206,14 +193,7 @@ export interface GatewayConfig {
   accounts: ReadonlyMap<string, QuotaSubject>;
 }
 
-export interface UsageExport {
-  url: string;
-  maxEvents: number;
-  batchSize: number;
-  format?: 'cloudevents' | 'openmeter';
-  /** As written: `${NAME}` still unfilled (the export thread fills it). */
-  headers?: Readonly<Record<string, string>>;
-}
+export type { UsageExport } from './usage-export.js';
 
 export class ConfigError extends Error {
   constructor(
@@ -321,6 +301,7 @@ function crossChecks(file: ConfigFile, options: ConfigOptions): string[] {
     }
   });
   problems.push(...headerProblems(file.usage?.export.headers, 'usage.export.headers', options.env ?? process.env));
+  problems.push(...exportProblems(file.usage?.export));
   return problems;
 }
 

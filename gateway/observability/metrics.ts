@@ -318,6 +318,11 @@ function exportMetrics(registers: Registry[]): { usage: ExportMetrics; webhooks:
     help: 'Usage events a sink refused for good (400, 413 or 422 for the event alone), set aside so the rest go on',
     registers,
   });
+  const duplicates = new Counter({
+    name: 'gateway_usage_events_duplicate_total',
+    help: "Usage events a sink answered it already held (Stripe's 400 duplicate, Lago's 422 value_already_exist, a 409), counted as delivered",
+    registers,
+  });
   const lag = new Gauge({
     name: 'gateway_usage_export_lag_seconds',
     help: 'Age of the oldest usage event not yet sent, at the last batch',
@@ -334,6 +339,7 @@ function exportMetrics(registers: Registry[]): { usage: ExportMetrics; webhooks:
     failed: () => failed.inc(),
     dropped: (n) => dropped.inc(n),
     rejected: (n) => rejected.inc(n),
+    duplicates: (n) => duplicates.inc(n),
     lag: (s) => lag.set(s),
     round: () => rounds.inc({ loop: 'usage-export' }),
   };

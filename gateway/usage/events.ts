@@ -30,7 +30,7 @@ export const REFUND_TYPE = 'com.petstore.gateway.request.refunded';
  * A refund's type by the export's format: OpenMeter meters one exact type, so there a refund is
  * a request event with negative units (its SUM meter nets it); elsewhere it is a type of its own.
  */
-export const refundTypeOf = (format: 'cloudevents' | 'openmeter' | undefined) => (format === 'openmeter' ? REQUEST_TYPE : REFUND_TYPE);
+export const refundTypeOf = (format: string | undefined) => (format === 'openmeter' ? REQUEST_TYPE : REFUND_TYPE);
 /** By ledger entry kind: the sink holds the whole ledger, Redis only its last entries. */
 export const CREDITS_TYPES: Readonly<Record<string, string>> = {
   topup: 'com.petstore.gateway.credits.topped_up',

@@ -5,6 +5,7 @@ import { closeRedis, connectRedis } from '../redis/client.js';
 import { accountOfName } from '../redis/keys.js';
 import { type ExportConfig, UsageExporter } from './exporter.js';
 import type { FromThread, PostedConfig, ThreadData, ToThread } from './export-thread.js';
+import { BillerSink } from './biller-sink.js';
 import { HttpCloudEventsSink } from './http-sink.js';
 
 // Started by export-thread.ts; config, log lines and metrics cross as messages.
@@ -47,10 +48,17 @@ const exporter = new UsageExporter({
     failed: () => post({ kind: 'metric', name: 'failed', n: 1 }),
     dropped: (n) => post({ kind: 'metric', name: 'dropped', n }),
     rejected: (n) => post({ kind: 'metric', name: 'rejected', n }),
+    duplicates: (n) => post({ kind: 'metric', name: 'duplicates', n }),
     lag: (n) => post({ kind: 'metric', name: 'lag', n }),
     round: () => post({ kind: 'metric', name: 'round', n: 1 }),
   },
-  sink: (target) => new HttpCloudEventsSink(target.url, fillHeaders(target.headers, process.env)),
+  sink: (target) => {
+    const headers = fillHeaders(target.headers, process.env);
+    const { format } = target;
+    return format === 'stripe' || format === 'lago'
+      ? new BillerSink({ ...target, format }, headers)
+      : new HttpCloudEventsSink(target.url, headers);
+  },
 });
 exporter.start();
 

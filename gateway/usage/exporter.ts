@@ -1,5 +1,6 @@
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig, UsageExport } from '../config/config.js';
+import { batchLimit } from '../config/usage-export.js';
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { accountsOf, ActiveIndex, type LoopConfig, type Marked } from './active.js';
@@ -15,6 +16,8 @@ export interface ExportMetrics {
   dropped(n: number): void;
   /** Events a sink refused for good, set aside. */
   rejected(n: number): void;
+  /** Events a sink said it held already: a resend, delivered. */
+  duplicates(n: number): void;
   lag(seconds: number): void;
   round(): void;
 }
@@ -88,11 +91,12 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
 
   protected async round(config: ExportConfig, target: UsageExport, lead: Lead): Promise<{ sent: number; full: boolean }> {
     await this.sweep.step(config);
-    const { picked, more } = await this.index.take(config, Math.min(ACCOUNTS_PER_ROUND, target.batchSize));
+    const size = batchLimit(target);
+    const { picked, more } = await this.index.take(config, Math.min(ACCOUNTS_PER_ROUND, size));
     const { account } = accountsOf(config);
     const known = picked.filter((m) => account(m.name) !== undefined);
     const now = Date.now();
-    const room = target.batchSize * ROUND_BATCHES;
+    const room = size * ROUND_BATCHES;
     const reads = await this.fill(known, room, now);
     const source = `/pet-store-gateway/${config.environment}`;
     const refundType = refundTypeOf(config.usageExport?.format);
@@ -118,9 +122,9 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     }
     await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9 || r.unreported > 0).map((r) => this.countDropped(r.name)));
     this.metrics.lag((now - oldest) / 1000);
-    const fair = interleaved(parts, Math.max(1, Math.floor(target.batchSize / Math.max(1, parts.length))));
+    const fair = interleaved(parts, Math.max(1, Math.floor(size / Math.max(1, parts.length))));
     const names = new Map(reads.map((r) => [account(r.name)!, r.name]));
-    for (const batch of batches(fair, target.batchSize)) await this.deliver(this.sinkOf(target), batch, lead.signal, names);
+    for (const batch of batches(fair, size)) await this.deliver(this.sinkOf(target), batch, lead.signal, names);
     if (this.stopped) return { sent: 0, full: false };
     lead.signal.throwIfAborted();
     const moved = await Promise.all(moves.map(({ name, move }) => moveUsageCursor(this.redis, name, { ...move, token: lead.token })));
@@ -212,7 +216,11 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       lost.throwIfAborted();
       throw new DeliveryFailed((err as Error).message, { cause: err });
     }
-    if (answer.accepted === 'all') return;
+    if (answer.accepted === 'all') {
+      for (const { event, reason } of answer.setAside ?? []) await this.reject(sink, event, reason, names);
+      if (answer.held) this.metrics.duplicates(answer.held);
+      return;
+    }
     if (!answer.permanent) throw new DeliveryFailed(answer.reason, { retryAfterMs: answer.retryAfterMs });
     const events = batch.length === 1 ? splitEvents(batch[0]!) : batch;
     if (events.length > 1) {
@@ -220,6 +228,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       await this.deliver(sink, events.slice(0, half), lost, names);
       await this.deliver(sink, events.slice(half), lost, names);
     } else if (answer.permanent.status !== 409) await this.reject(sink, events[0]!, answer.reason, names);
+    else this.metrics.duplicates(1);
     // A 409 for one event: the sink has it already, delivered.
   }
 

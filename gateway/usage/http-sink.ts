@@ -23,7 +23,7 @@ export class HttpCloudEventsSink implements UsageSink {
   async deliver(batch: readonly EncodedEvent[], lost: AbortSignal): Promise<Accepted> {
     lost.throwIfAborted();
     let status: number;
-    let retryAfter: string | string[] | undefined;
+    let headers: Record<string, string | string[] | undefined>;
     try {
       // Not fetch: its web streams around the body cost a third of the export thread's CPU (docs/performance.md).
       const res = await request(this.url, {
@@ -34,13 +34,13 @@ export class HttpCloudEventsSink implements UsageSink {
       });
       await res.body.dump();
       status = res.statusCode;
-      retryAfter = res.headers['retry-after'];
+      headers = res.headers;
     } catch (err) {
       lost.throwIfAborted();
       return { accepted: 'none', reason: (err as Error).message };
     }
     if (status >= 200 && status < 300) return ALL_ACCEPTED;
-    const after = retryAfterMs(typeof retryAfter === 'string' ? retryAfter : null);
+    const after = waitMs(status, headers);
     return {
       accepted: 'none',
       reason: `the sink answered ${status}`,
@@ -56,7 +56,27 @@ export class HttpCloudEventsSink implements UsageSink {
  * (a token, a URL), fixed by its operator: retried like a 5xx, never a reason to set events aside.
  */
 const PERMANENT = new Set([400, 409, 413, 422]);
-const isPermanent = (status: number) => PERMANENT.has(status);
+export const isPermanent = (status: number) => PERMANENT.has(status);
+
+const one = (v: string | string[] | undefined) => (typeof v === 'string' ? v : null);
+
+/**
+ * How long the sink asks us to wait: its Retry-After, else on a 429 its X-RateLimit-Reset (seconds
+ * to wait, or an epoch in seconds when larger than 10^9, as some APIs send). The leader caps any
+ * wait at 30 s (leader.ts, MAX_BACKOFF_MS), so a bad value never parks the export.
+ */
+export function waitMs(
+  status: number,
+  headers: Readonly<Record<string, string | string[] | undefined>>,
+  now = Date.now(),
+): number | undefined {
+  const after = retryAfterMs(one(headers['retry-after']), now);
+  if (after !== undefined || status !== 429) return after;
+  const reset = one(headers['x-ratelimit-reset'])?.trim();
+  if (reset === undefined || !/^\d+(\.\d+)?$/.test(reset)) return undefined;
+  const n = Number(reset);
+  return Math.max(0, Math.ceil(n > 1e9 ? n * 1000 - now : n * 1000));
+}
 
 /** RFC 9110, section 10.2.3: delay-seconds or an HTTP-date. */
 export function retryAfterMs(value: string | null, now = Date.now()): number | undefined {

@@ -2,7 +2,13 @@ import type { EncodedEvent } from './events.js';
 
 /** All or none: the exporter moves a cursor past a batch only when all of it was accepted. */
 export type Accepted =
-  | { accepted: 'all' }
+  | {
+      accepted: 'all';
+      /** Events the sink will never take (a biller's rule: no customer, too old), each with why: set aside, not sent. */
+      setAside?: ReadonlyArray<{ event: EncodedEvent; reason: string }>;
+      /** Of those delivered, how many the sink answered it held already (a resend). */
+      held?: number;
+    }
   | {
       accepted: 'none';
       reason: string;

@@ -351,7 +351,15 @@ describe('a leased admission that fails after its event was written', () => {
       redis: exporting,
       config: () => config,
       log: log as unknown as FastifyBaseLogger,
-      metrics: { exported: () => {}, failed: () => {}, dropped: () => {}, rejected: () => {}, lag: () => {}, round: () => {} },
+      metrics: {
+        exported: () => {},
+        failed: () => {},
+        dropped: () => {},
+        rejected: () => {},
+        duplicates: () => {},
+        lag: () => {},
+        round: () => {},
+      },
       sink: (target) => new HttpCloudEventsSink(target.url),
     });
     onTestFinished(async () => {

@@ -99,6 +99,7 @@ function exporter(config: GatewayConfig, sink: UsageSink, log: FastifyBaseLogger
     failed: () => void counted.failed++,
     dropped: () => {},
     rejected: () => {},
+    duplicates: () => {},
     lag: () => {},
     round: () => {},
   };

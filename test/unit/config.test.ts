@@ -17,6 +17,17 @@ const problems = (raw: unknown): string[] => {
 const key = { id: 'acme', hash: hashKey('x'), plan: 'free' };
 
 describe('config file', () => {
+  it('asks a biller format for its customers, and a biller section for its format', () => {
+    const usage = (exp: Record<string, unknown>) =>
+      problems({ ...testConfig([]), usage: { export: { url: 'http://sink/e', maxEvents: 1000, batchSize: 500, ...exp } } });
+    expect(usage({ format: 'stripe' })).toEqual(['usage.export.customers: required with format stripe (account → its stripe customer)']);
+    expect(usage({ format: 'lago', customers: { acme: 'sub_1' }, stripe: { eventName: 'x' } })).toEqual([
+      'usage.export.stripe: only with format stripe',
+    ]);
+    expect(usage({ customers: { acme: 'cus_1' } })).toEqual(['usage.export.customers: only with format stripe or lago']);
+    expect(usage({ format: 'stripe', customers: { acme: 'cus_1' }, stripe: { eventName: 'api_requests' } })).toEqual([]);
+  });
+
   it('accepts the shipped production and staging configs', () => {
     expect(loadConfigFile('config/gateway.yaml').environment).toBe('production');
     expect(loadConfigFile('config/staging.yaml').environment).toBe('staging');

@@ -1,0 +1,209 @@
+import { createHash } from 'node:crypto';
+import { request } from 'undici';
+import type { UsageExport } from '../config/usage-export.js';
+import { type EncodedEvent, REFUND_TYPE, REQUEST_TYPE, splitEvents } from './events.js';
+import { isPermanent, waitMs } from './http-sink.js';
+import { POST_TIMEOUT_MS } from './leader.js';
+import type { Accepted, UsageSink } from './sink.js';
+
+// Stripe's and Lago's sink profiles (issue 49): our CloudEvents translated in the export thread
+// into the biller's own batch, and the biller's answers read by its documented rules.
+
+/** Stripe takes an event no older than 35 days (and up to 5 minutes ahead): an older one is refused for ever. */
+export const STRIPE_BACKDATE_MS = 35 * 24 * 3600 * 1000;
+/** Stripe's `identifier`: at most 100 characters. */
+export const STRIPE_IDENTIFIER_MAX = 100;
+export const NO_CUSTOMER = 'no customer mapping';
+export const TOO_OLD = "older than Stripe's 35-day backdate window";
+
+/** One usage event as the billers read it. */
+export interface Usage {
+  id: string;
+  customer: string;
+  time: string;
+  units: number;
+  /** The CloudEvent, to set aside as it is. */
+  json: EncodedEvent;
+}
+
+/** What a 4xx's body says of the events posted: those the biller holds already, those it refuses with why. */
+export interface Named {
+  held: Set<number>;
+  refused: Map<number, string>;
+}
+
+interface Profile {
+  body(events: readonly Usage[]): string;
+  /** Why the biller would refuse it for ever, before any POST. */
+  refusedBefore?(u: Usage, now: number): string | undefined;
+  named(status: number, body: string, events: readonly Usage[]): Named | undefined;
+}
+
+/** Stable across resends, so Stripe's uniqueness check sees a resend as the same event. */
+export const stripeIdentifier = (id: string) =>
+  id.length <= STRIPE_IDENTIFIER_MAX ? id : `sha256-${createHash('sha256').update(id).digest('base64url')}`;
+
+const errorMessage = (body: string): string => {
+  try {
+    const m = (JSON.parse(body) as { error?: { message?: unknown } }).error?.message;
+    return typeof m === 'string' ? m : '';
+  } catch {
+    return '';
+  }
+};
+
+function stripeProfile(eventName: string): Profile {
+  return {
+    body: (events) =>
+      JSON.stringify({
+        events: events.map((u) => ({
+          event_name: eventName,
+          identifier: stripeIdentifier(u.id),
+          payload: { stripe_customer_id: u.customer, value: String(u.units) },
+          timestamp: u.time,
+        })),
+      }),
+    refusedBefore: (u, now) => (Date.parse(u.time) < now - STRIPE_BACKDATE_MS ? TOO_OLD : undefined),
+    // `400 An event already exists with identifier <id>.`: the event it names is delivered (langfuse/langfuse#16292).
+    named: (status, body, events) => {
+      const message = errorMessage(body);
+      if (status !== 400 || !/already exists with identifier/.test(message)) return undefined;
+      let best = -1;
+      events.forEach((u, i) => {
+        const ident = stripeIdentifier(u.id);
+        if (message.includes(`identifier ${ident}`) && (best < 0 || ident.length > stripeIdentifier(events[best]!.id).length)) best = i;
+      });
+      if (best < 0 && events.length === 1) best = 0;
+      return best < 0 ? undefined : { held: new Set([best]), refused: new Map() };
+    },
+  };
+}
+
+function lagoProfile(code: string): Profile {
+  return {
+    body: (events) =>
+      JSON.stringify({
+        events: events.map((u) => ({
+          transaction_id: u.id,
+          external_subscription_id: u.customer,
+          code,
+          timestamp: Math.floor(Date.parse(u.time) / 1000),
+          properties: { units: u.units },
+        })),
+      }),
+    // A 422 refuses the whole batch, its `error_details` by position: `{"3":{"transaction_id":["value_already_exist"]}}` (getlago/lago-api#3049).
+    named: (status, body, events) => {
+      if (status !== 422) return undefined;
+      let details: Record<string, Record<string, unknown>>;
+      try {
+        details = (JSON.parse(body) as { error_details?: Record<string, Record<string, unknown>> }).error_details ?? {};
+      } catch {
+        return undefined;
+      }
+      const named: Named = { held: new Set(), refused: new Map() };
+      for (const [at, errors] of Object.entries(details)) {
+        const i = Number(at);
+        if (!Number.isInteger(i) || i < 0 || i >= events.length || typeof errors !== 'object' || errors === null) continue;
+        const fields = Object.entries(errors);
+        const seen = fields.every(
+          ([f, codes]) => f === 'transaction_id' && Array.isArray(codes) && codes.every((c) => c === 'value_already_exist'),
+        );
+        if (seen && fields.length > 0) named.held.add(i);
+        else named.refused.set(i, `lago answered 422: ${JSON.stringify(errors).slice(0, 200)}`);
+      }
+      return named.held.size + named.refused.size > 0 ? named : undefined;
+    },
+  };
+}
+
+/** Request and refund events, in the biller's terms; a credits ledger event is no usage (the biller keeps its own credits). */
+export function usageOf(json: EncodedEvent, customers: Readonly<Record<string, string>>): Usage | 'not usage' | { unmapped: true } {
+  const e = JSON.parse(json) as { id: string; type: string; subject: string; time: string; data: { units?: number } };
+  if (e.type !== REQUEST_TYPE && e.type !== REFUND_TYPE) return 'not usage';
+  const customer = Object.hasOwn(customers, e.subject) ? customers[e.subject] : undefined;
+  if (customer === undefined) return { unmapped: true };
+  return { id: e.id, customer, time: e.time, units: Number(e.data.units), json };
+}
+
+/**
+ * All or none, as every sink: a POST's events are delivered when the biller took them or says it
+ * holds them already. A 4xx naming events (a duplicate, or Lago's per-position errors) takes
+ * those out and sends the rest again, so the new events of a refused batch land; one that names
+ * none is `permanent`, for the exporter to split the batch down to the event refused.
+ */
+export class BillerSink implements UsageSink {
+  private readonly profile: Profile;
+  private readonly customers: Readonly<Record<string, string>>;
+
+  constructor(
+    readonly target: UsageExport & { format: 'stripe' | 'lago' },
+    private readonly headers: Readonly<Record<string, string>> = {},
+  ) {
+    this.customers = target.customers ?? {};
+    this.profile =
+      target.format === 'stripe'
+        ? stripeProfile(target.stripe?.eventName ?? 'api_requests')
+        : lagoProfile(target.lago?.code ?? 'api_requests');
+  }
+
+  get name(): string {
+    const u = new URL(this.target.url);
+    return `${this.target.format} ${u.protocol}//${u.host}${u.pathname}`;
+  }
+
+  async deliver(batch: readonly EncodedEvent[], lost: AbortSignal): Promise<Accepted> {
+    lost.throwIfAborted();
+    const setAside: Array<{ event: EncodedEvent; reason: string }> = [];
+    let pending: Usage[] = [];
+    const now = Date.now();
+    for (const part of batch)
+      for (const json of splitEvents(part)) {
+        const u = usageOf(json, this.customers);
+        if (u === 'not usage') continue;
+        const why = 'unmapped' in u ? NO_CUSTOMER : this.profile.refusedBefore?.(u, now);
+        if (why !== undefined) setAside.push({ event: json, reason: why });
+        else pending.push(u as Usage);
+      }
+    let held = 0;
+    // Each turn takes at least one event out, so this ends.
+    while (pending.length > 0) {
+      const answer = await this.post(this.profile.body(pending), lost);
+      if ('accepted' in answer) return answer;
+      if (answer.status >= 200 && answer.status < 300) break;
+      const named = this.profile.named(answer.status, answer.body, pending);
+      const reason = `the sink answered ${answer.status}${answer.message ? `: ${answer.message}` : ''}`;
+      if (!named) {
+        const after = waitMs(answer.status, answer.headers);
+        return {
+          accepted: 'none',
+          reason,
+          ...(after !== undefined && { retryAfterMs: after }),
+          ...(isPermanent(answer.status) && { permanent: { status: answer.status } }),
+        };
+      }
+      for (const [i, why] of named.refused) setAside.push({ event: pending[i]!.json, reason: why });
+      held += named.held.size;
+      pending = pending.filter((_, i) => !named.held.has(i) && !named.refused.has(i));
+    }
+    return { accepted: 'all', ...(setAside.length > 0 && { setAside }), ...(held > 0 && { held }) };
+  }
+
+  private async post(
+    body: string,
+    lost: AbortSignal,
+  ): Promise<Accepted | { status: number; body: string; message: string; headers: Record<string, string | string[] | undefined> }> {
+    try {
+      const res = await request(this.target.url, {
+        method: 'POST',
+        headers: { ...this.headers, 'content-type': 'application/json' },
+        body,
+        signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
+      });
+      const text = await res.body.text();
+      return { status: res.statusCode, body: text, message: errorMessage(text).slice(0, 200), headers: res.headers };
+    } catch (err) {
+      lost.throwIfAborted();
+      return { accepted: 'none', reason: (err as Error).message };
+    }
+  }
+}

@@ -1,0 +1,226 @@
+import { createServer, type IncomingMessage, type ServerResponse } from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { text } from 'node:stream/consumers';
+import { type Static, type TSchema, Type } from '@sinclair/typebox';
+import { Ajv2020, type ValidateFunction } from 'ajv/dist/2020.js';
+import addFormats from 'ajv-formats';
+import { onTestFinished } from 'vitest';
+
+// Stripe's and Lago's documented rules on real HTTP servers. The request bodies are checked by
+// ajv against schemas written from the vendors' reference (Stripe: the `stripe` npm package's
+// V2.Billing.MeterEventStreamCreateParams; Lago: `POST /api/v1/events/batch`), not by our code.
+
+const ajv = new Ajv2020({ strict: false, allErrors: true });
+addFormats.default(ajv);
+const compile = <T extends TSchema>(schema: T) => ajv.compile<Static<T>>(schema);
+
+/** stripe (npm) types/V2/Billing/MeterEventStreamResource.d.ts: up to 100 events a request; the identifier at most 100 characters. */
+const StripeStream = Type.Object({
+  events: Type.Array(
+    Type.Object(
+      {
+        event_name: Type.String({ minLength: 1, maxLength: 100 }),
+        identifier: Type.String({ minLength: 1, maxLength: 100 }),
+        payload: Type.Object(
+          { stripe_customer_id: Type.String({ minLength: 1 }), value: Type.String({ pattern: '^-?\\d+$' }) },
+          { additionalProperties: Type.String() },
+        ),
+        timestamp: Type.String({ format: 'date-time' }),
+      },
+      { additionalProperties: false },
+    ),
+    { minItems: 1, maxItems: 100 },
+  ),
+});
+
+/** Lago's batch: at most 100 events; `timestamp` in Unix seconds. */
+const LagoBatch = Type.Object({
+  events: Type.Array(
+    Type.Object(
+      {
+        transaction_id: Type.String({ minLength: 1 }),
+        external_subscription_id: Type.String({ minLength: 1 }),
+        code: Type.String({ minLength: 1 }),
+        timestamp: Type.Integer({ minimum: 0 }),
+        properties: Type.Object({ units: Type.Integer() }),
+      },
+      { additionalProperties: false },
+    ),
+    { minItems: 1 },
+  ),
+});
+
+const DAY_MS = 24 * 3600 * 1000;
+
+interface Double<E> {
+  url: string;
+  /** Each event kept, by its id, once. */
+  kept: Map<string, E>;
+  /** SUM of the value by customer (Stripe) or subscription (Lago): the meter. */
+  meter: Map<string, number>;
+  state: {
+    posts: number;
+    /** Events in each POST, in order. */
+    sizes: number[];
+    /** Bodies refused by the schema, with why. */
+    invalid: string[];
+    /** POSTs refused for an id already kept. */
+    duplicates: number;
+    /** The events those refusals named. */
+    duplicateEvents: number;
+    /** Keep the next POSTs' events (Lago: `keepHalf`, the first half) and answer 503: a biller that stored, then timed out. */
+    failAfterKeeping: number;
+    keepHalf: boolean;
+    /** Answer the next POST this (e.g. 429) without keeping anything. */
+    answer?: { status: number; headers?: Record<string, string> };
+    /** Awaited before a POST is read: a biller holding its answers. */
+    gate?: Promise<void>;
+    /** When each POST arrived (ms). */
+    times: number[];
+  };
+}
+
+async function serve<E>(
+  path: string,
+  handle: (body: unknown, d: Double<E>, res: ServerResponse) => void,
+  validate: ValidateFunction,
+): Promise<Double<E>> {
+  const d: Double<E> = {
+    url: '',
+    kept: new Map(),
+    meter: new Map(),
+    state: { posts: 0, sizes: [], invalid: [], duplicates: 0, duplicateEvents: 0, failAfterKeeping: 0, keepHalf: false, times: [] },
+  };
+  const server = createServer(async (req: IncomingMessage, res) => {
+    d.state.times.push(Date.now());
+    await d.state.gate;
+    const body = await text(req);
+    d.state.posts++;
+    if (req.method !== 'POST' || req.url !== path || req.headers['content-type'] !== 'application/json')
+      return void res.writeHead(404).end();
+    const answer = d.state.answer;
+    d.state.answer = undefined;
+    if (answer) return void res.writeHead(answer.status, answer.headers).end();
+    let parsed: unknown;
+    try {
+      parsed = JSON.parse(body);
+    } catch {
+      d.state.invalid.push('not JSON');
+      return void res.writeHead(400).end();
+    }
+    d.state.sizes.push(Array.isArray((parsed as { events?: unknown }).events) ? (parsed as { events: unknown[] }).events.length : -1);
+    if (!validate(parsed)) {
+      d.state.invalid.push(ajv.errorsText(validate.errors));
+      return void json(res, path.includes('v2') ? 400 : 422, {
+        error: { type: 'invalid_request_error', message: ajv.errorsText(validate.errors) },
+        ...(!path.includes('v2') && { status: 422, code: 'validation_errors', error_details: { events: ['invalid'] } }),
+      });
+    }
+    handle(parsed, d, res);
+  });
+  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+  onTestFinished(
+    () =>
+      new Promise<void>((r) => {
+        server.closeAllConnections();
+        server.close(() => r());
+      }),
+  );
+  d.url = `http://127.0.0.1:${(server.address() as AddressInfo).port}${path}`;
+  return d;
+}
+
+const json = (res: ServerResponse, status: number, body: unknown) =>
+  void res.writeHead(status, { 'content-type': 'application/json' }).end(JSON.stringify(body));
+
+/** Keeps the events, or (failAfterKeeping) keeps them and answers 503. */
+function keep<E>(d: Double<E>, res: ServerResponse, list: E[], id: (e: E) => string, meter: (e: E) => [string, number]) {
+  const taken = d.state.failAfterKeeping > 0 && d.state.keepHalf ? list.slice(0, Math.ceil(list.length / 2)) : list;
+  for (const e of taken) {
+    d.kept.set(id(e), e);
+    const [who, v] = meter(e);
+    d.meter.set(who, (d.meter.get(who) ?? 0) + v);
+  }
+  if (d.state.failAfterKeeping > 0) {
+    d.state.failAfterKeeping--;
+    return void res.writeHead(503).end();
+  }
+  json(res, 200, {});
+}
+
+export type StripeEvent = Static<typeof StripeStream>['events'][number];
+
+/**
+ * Stripe's v2 meter event stream: a request is refused whole (400, its `error.message`) for an
+ * unknown customer, a timestamp outside the past 35 days (or over 5 minutes ahead), or an
+ * identifier it holds: `An event already exists with identifier <id>.`. A SUM meter by customer.
+ */
+export function startStripe(customers: readonly string[]): Promise<Double<StripeEvent>> {
+  const known = new Set(customers);
+  const refuse = (res: ServerResponse, message: string) => json(res, 400, { error: { type: 'invalid_request_error', message } });
+  return serve<StripeEvent>(
+    '/v2/billing/meter_event_stream',
+    (body, d, res) => {
+      const list = (body as Static<typeof StripeStream>).events;
+      const now = Date.now();
+      const seen = new Set<string>();
+      for (const e of list) {
+        if (!known.has(e.payload.stripe_customer_id)) return refuse(res, `No such customer: '${e.payload.stripe_customer_id}'`);
+        const at = Date.parse(e.timestamp);
+        if (at < now - 35 * DAY_MS || at > now + 5 * 60_000) return refuse(res, 'Timestamp must be within the past 35 days');
+        if (d.kept.has(e.identifier) || seen.has(e.identifier)) {
+          d.state.duplicates++;
+          d.state.duplicateEvents++;
+          return refuse(res, `An event already exists with identifier ${e.identifier}.`);
+        }
+        seen.add(e.identifier);
+      }
+      keep(
+        d,
+        res,
+        list,
+        (e) => e.identifier,
+        (e) => [e.payload.stripe_customer_id, Number(e.payload.value)],
+      );
+    },
+    compile(StripeStream),
+  );
+}
+
+export type LagoEvent = Static<typeof LagoBatch>['events'][number];
+
+/**
+ * Lago's `/api/v1/events/batch`: over 100 events is a 422 (`too_many_events`); a transaction_id
+ * it holds (or twice in the batch) refuses the whole batch with 422, `error_details` by position
+ * (getlago/lago-api#3049). A SUM meter of `properties.units` by subscription.
+ */
+export function startLago(): Promise<Double<LagoEvent>> {
+  return serve<LagoEvent>(
+    '/api/v1/events/batch',
+    (body, d, res) => {
+      const list = (body as Static<typeof LagoBatch>).events;
+      const unprocessable = (details: unknown) =>
+        json(res, 422, { status: 422, error: 'Unprocessable Entity', code: 'validation_errors', error_details: details });
+      if (list.length > 100) return unprocessable({ events: ['too_many_events'] });
+      const details: Record<string, unknown> = {};
+      const seen = new Set<string>();
+      list.forEach((e, i) => {
+        if (d.kept.has(e.transaction_id) || seen.has(e.transaction_id)) details[i] = { transaction_id: ['value_already_exist'] };
+        seen.add(e.transaction_id);
+      });
+      if (Object.keys(details).length > 0) {
+        d.state.duplicates++;
+        d.state.duplicateEvents += Object.keys(details).length;
+        return unprocessable(details);
+      }
+      keep(
+        d,
+        res,
+        list,
+        (e) => e.transaction_id,
+        (e) => [e.external_subscription_id, e.properties.units],
+      );
+    },
+    compile(LagoBatch),
+  );
+}
