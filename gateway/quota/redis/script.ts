@@ -103,9 +103,10 @@ const QUOTA_ARGV = [
   'slotTtlMs',
   'burstSize',
   'burstPerSecond',
+  'burstTake',
 ] as const;
-/** Concurrency and burst in the reply: slots in flight after the call, the burst's tokens left (-1: none), ms to its next, a burst refusal's wait. */
-const SHORT_REPLY = ['inFlight', 'burstLeft', 'burstNextMs', 'burstRetryMs'] as const;
+/** Concurrency and burst in the reply: slots in flight, the burst's tokens left (-1: none), ms to its next, a refusal's wait, tokens leased. */
+const SHORT_REPLY = ['inFlight', 'burstLeft', 'burstNextMs', 'burstRetryMs', 'burstTaken'] as const;
 const QUOTA_REPLY = [
   'outcome',
   'nowMs',
@@ -151,6 +152,8 @@ export interface QuotaCall {
   callId: string;
   /** A concurrency slot's life without a renewal (ms, Redis time); default 15 s. */
   slotTtlMs?: number;
+  /** Burst tokens to lease beyond the cost, if the bucket has them (0: none). */
+  tokens?: number;
 }
 
 /** quota.lua's KEYS then ARGV for `subject` and `call`, in the order the script takes them. */
@@ -205,6 +208,7 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   a('slotTtlMs', c.slotTtlMs ?? 15_000);
   a('burstSize', subject.short?.burst?.size ?? 0);
   a('burstPerSecond', subject.short?.burst?.perSecond ?? 0);
+  a('burstTake', c.tokens ?? 0);
   return out;
 }
 

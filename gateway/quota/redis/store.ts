@@ -1,6 +1,7 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import { LATE, type RedisClient, within } from '../../redis/client.js';
+import { QuotaCalls, type RawReply } from './quota-calls.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
 import { type Decision, decision, type EventTag, hasShort, leaseSize, type QuotaSubject, type WindowCounts } from '../decision.js';
 import { CreditLeases } from './credit-leases.js';
@@ -11,19 +12,9 @@ import { type Clock, RedisClock } from './clock.js';
 import { type RedisStoreOptions, type StoreSettings, storeSettings } from './options.js';
 import { Fleet } from './fleet.js';
 import { LostReplies } from './lost-replies.js';
-import {
-  countsOf,
-  defineScripts,
-  type QuotaCall,
-  type QuotaReply,
-  quotaArgs,
-  quotaReply,
-  unbanArgs,
-  usageBatchArgs,
-  type BatchEvents,
-} from './script.js';
+import { countsOf, defineScripts, type QuotaReply, unbanArgs, usageBatchArgs, type BatchEvents } from './script.js';
 import { RedisAccounts } from './accounts.js';
-import { Slots, shortOf } from './slots.js';
+import { Slots } from './slots.js';
 import { Refunds } from './refunds.js';
 import { type Dropped, StatusWriter } from './status-writer.js';
 import { type Counts, countsAt } from '../windows.js';
@@ -41,7 +32,6 @@ import {
   type Usage,
 } from '../store.js';
 
-type RawReply = Array<number | string | null>;
 /** The scripts as script.ts defines them: each takes its KEYS then ARGV as script.ts builds them. */
 type QuotaRedis = RedisClient & {
   quota(...keysThenArgs: Array<number | string>): Promise<RawReply>;
@@ -74,8 +64,6 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private readonly bans = new BanCache();
   private readonly budget: DegradedBudget;
   private readonly instanceId = randomUUID();
-  /** Calls of quota.lua made so far: with the instance's id, each call's own id. */
-  private calls = 0;
   private readonly tally = {
     ...{ degraded: 0, refundsFailed: 0, writtenBack: 0, undone: 0, unresolved: 0 },
     dropped: { status_cap: 0, status_write: 0, mark: 0 } as Record<Dropped, number>,
@@ -91,6 +79,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private readonly refunds: Refunds;
   private readonly accounts: RedisAccounts;
   private readonly slots: Slots;
+  private readonly quota: QuotaCalls;
 
   constructor(
     redis: RedisClient,
@@ -132,9 +121,16 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     });
     const failed = () => this.tally.refundsFailed++;
     this.refunds = new Refunds({ refund, batches: this.batches, budget, failing, log, written, failed });
-    const close = (subject: QuotaSubject) => this.timedCall(subject, 1, 1, true);
+    const close = (subject: QuotaSubject) => this.quota.call(subject, 1, 1, true);
     this.credits = new CreditLeases({ leases: this.leases, clock: this.clock, failing, close });
     this.slots = new Slots({ redis, log, ttlMs: o.slotTtlMs });
+    const { leases, statuses } = this;
+    const late = (subject: QuotaSubject, r: QuotaReply, sentMono: number, cost: number, id: string) =>
+      this.undo(subject, r, sentMono, cost, id);
+    const quota = (...args: Array<number | string>) => this.redis.quota(...args);
+    const fleet = () => this.fleet;
+    const lost = () => this.lost;
+    this.quota = new QuotaCalls({ quota, o, clock: this.clock, redisClock, instanceId, leases, budget, statuses, fleet, lost, late });
   }
 
   get degraded(): boolean {
@@ -258,64 +254,6 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     return d;
   }
 
-  /** One run of quota.lua: `back` the leases closed (their unused units and size), `refill` a lease taken ahead. */
-  private call(subject: QuotaSubject, c: QuotaCall): Promise<RawReply> {
-    return this.redis.quota(...quotaArgs(subject, c));
-  }
-
-  /**
-   * One call, bounded by timeoutMs. The script carries the moment this instance gives up, in
-   * Redis time, and changes nothing if Redis runs it later, so a request given up on is
-   * counted once, from the degraded budget. Undefined: Redis is failing (now declared).
-   */
-  private async timedCall(
-    subject: QuotaSubject,
-    lease: number,
-    cost: number,
-    refill: boolean,
-    tag?: EventTag,
-  ): Promise<{ counts?: WindowCounts; taken: number; sentMono: number; waitedMs: number; id: string }> {
-    // If the call fails they stay counted (the safe side); a credit lease's credits go back when it lapses in Redis.
-    const back = this.leases.takeUnused(subject.name);
-    const sentMono = this.clock.mono();
-    const sentAt = this.clock.wall();
-    // The call's id, and the id of a credit lease it takes.
-    const id = `${this.instanceId}:${++this.calls}`;
-    let reply: QuotaReply | typeof LATE;
-    try {
-      const deadline = this.redisClock.deadline(sentAt, this.o.timeoutMs);
-      const call = this.call(subject, { lease, back, deadline, cost, refill, tag, callId: id, slotTtlMs: this.o.slotTtlMs });
-      const raw = await within(call, this.o.timeoutMs);
-      reply = raw === LATE ? LATE : quotaReply(raw);
-      if (reply === LATE)
-        call.then(
-          (late) => this.undo(subject, quotaReply(late), sentMono, cost, id),
-          (err: unknown) => this.lost.add(subject, id, cost, sentMono, err),
-        );
-    } catch (err) {
-      const waitedMs = this.clock.mono() - sentMono;
-      this.o.observe(waitedMs / 1000);
-      this.lost.add(subject, id, cost, sentMono, err);
-      this.fleet.failed(err);
-      this.markWritten(subject, tag);
-      return { taken: 0, sentMono, waitedMs, id };
-    }
-    const waitedMs = this.clock.mono() - sentMono;
-    this.o.observe(waitedMs / 1000);
-    // Unanswered in time, or answered so late that Redis found its deadline passed.
-    if (reply === LATE || reply.outcome < 0) {
-      this.fleet.failed(new Error(`no answer within REDIS_TIMEOUT_MS (${this.o.timeoutMs} ms)`));
-      if (reply === LATE) this.markWritten(subject, tag);
-      return { taken: 0, sentMono, waitedMs, id };
-    }
-    this.markWritten(subject, tag, reply);
-    this.redisClock.learn(reply.nowMs, sentAt);
-    const counts = countsOf(reply);
-    if (subject.short) Object.assign(counts, shortOf(subject, reply, id));
-    this.budget.see(subject.name, counts);
-    return { counts, taken: reply.taken, sentMono, waitedMs, id };
-  }
-
   /**
    * A reply that came after this instance gave up on it (and answered the request otherwise:
    * 503, or the degraded budget): what it counted is undone. A lease's units are given back
@@ -337,7 +275,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * fails meanwhile. `waitedMs`: what the request already waited on a sibling's call.
    */
   private async ask(subject: QuotaSubject, lease: number, cost: number, tag: EventTag | undefined, waitedMs: number): Promise<Decision> {
-    const { counts, taken, sentMono, waitedMs: callMs, id } = await this.timedCall(subject, lease, cost, false, tag);
+    const { counts, taken, sentMono, waitedMs: callMs, id } = await this.quota.call(subject, lease, cost, false, tag);
     if (!counts) return waited(this.degradedDecision(subject, cost), waitedMs + callMs);
     const held = taken > cost ? this.leaseFor(subject, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts, id)) : undefined;
     if (held) this.hold(subject, held, false);
@@ -366,7 +304,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private refill(subject: QuotaSubject, size: number): void {
     const { name } = subject;
     if (this.leases.inFlight(name) || this.leases.hasAhead(name)) return;
-    const done = this.timedCall(subject, size, 1, true).then(({ counts, taken, sentMono, id }) => {
+    const done = this.quota.call(subject, size, 1, true).then(({ counts, taken, sentMono, id }) => {
       if (!counts) return false;
       this.learnBan(name, counts);
       // With credits, a lease may be smaller than asked (1% of the balance): its size is what was taken.
@@ -403,18 +341,6 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     if (this.o.failClosed || subject.billing.credits || subject.events > 0 || subject.short) throw new QuotaStoreUnavailable();
     this.tally.degraded++;
     return decision(subject, this.budget.consume(subject, cost, now));
-  }
-
-  /**
-   * Marks the account for the usage loops when the call wrote to its streams: a request's event
-   * (or, with credits, a grant's), an alert; without a reply (a call that failed or was given
-   * up on), whatever it may have written.
-   */
-  private markWritten(subject: QuotaSubject, tag: EventTag | undefined, reply?: QuotaReply): void {
-    if (!this.statuses.marking) return;
-    const events = tag !== undefined && subject.events > 0;
-    if (events && (!reply || reply.eventId || subject.billing.credits)) this.statuses.mark('usage', subject);
-    if (subject.alerts && (!reply || reply.alerted)) this.statuses.mark('alerts', subject);
   }
 
   /**
