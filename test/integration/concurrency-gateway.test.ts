@@ -300,6 +300,8 @@ describe('burst through the gateway', () => {
     expect(['1', '2']).toContain(refused.headers.get('retry-after'));
     expect(refused.headers.get('ratelimit-policy')).toContain('"concurrent";q=5;qu="concurrent-requests", "burst";q=4;w=8');
     expect(refused.headers.get('ratelimit')).toMatch(/"concurrent";r=5, "burst";r=0;t=[12]$/);
+    // The last request's slot lingers (CONCURRENCY_SLOT_LINGER_MS, 20 ms), counted in Redis, until released.
+    await eventually(async () => (await inFlight(gw, key.key)) === 0, undefined, 'the last slot released');
     const mine = await (await gw.call('/v1/me/usage', key.key)).json();
     const admin = await (await adminCall(gw, token, `/admin/keys/${key.id}/usage`)).json();
     for (const view of [mine, admin]) {

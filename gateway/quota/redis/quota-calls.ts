@@ -53,9 +53,18 @@ export class QuotaCalls {
 
   /**
    * One call taking `lease` units (a request's `cost` among them, or, with `refill`, a lease
-   * ahead of need) and, with `tokens` > 0, up to that many burst tokens beyond the cost.
+   * ahead of need), with `tokens` > 0 up to that many burst tokens beyond the cost, and a
+   * concurrency slot: `slotId`, one lingering here (held already), else the call's id.
    */
-  async call(subject: QuotaSubject, lease: number, cost: number, refill: boolean, tag?: EventTag, tokens = 0): Promise<CallResult> {
+  async call(
+    subject: QuotaSubject,
+    lease: number,
+    cost: number,
+    refill: boolean,
+    tag?: EventTag,
+    tokens = 0,
+    slotId?: string,
+  ): Promise<CallResult> {
     const { o, clock, redisClock } = this.c;
     // If the call fails they stay counted (the safe side); a credit lease's credits go back when it lapses in Redis.
     const back = this.c.leases.takeUnused(subject.name);
@@ -66,7 +75,7 @@ export class QuotaCalls {
     let reply: QuotaReply | typeof LATE;
     try {
       const deadline = redisClock.deadline(sentAt, o.timeoutMs);
-      const args = quotaArgs(subject, { lease, back, deadline, cost, refill, tag, callId: id, slotTtlMs: o.slotTtlMs, tokens });
+      const args = quotaArgs(subject, { lease, back, deadline, cost, refill, tag, callId: id, slotTtlMs: o.slotTtlMs, tokens, slotId });
       const call = this.c.quota(...args);
       const raw = await within(call, o.timeoutMs);
       reply = raw === LATE ? LATE : quotaReply(raw);
@@ -94,7 +103,7 @@ export class QuotaCalls {
     this.markWritten(subject, tag, reply);
     redisClock.learn(reply.nowMs, sentAt);
     const counts = countsOf(reply);
-    if (subject.short) Object.assign(counts, shortOf(subject, reply, id));
+    if (subject.short) Object.assign(counts, shortOf(subject, reply, slotId ?? id));
     this.c.budget.see(subject.name, counts);
     return { counts, taken: reply.taken, tokens: reply.burstTaken, sentMono, waitedMs, id };
   }

@@ -3,7 +3,7 @@ import type { FastifyBaseLogger } from 'fastify';
 import { LATE, type RedisClient, within } from '../../redis/client.js';
 import { QuotaCalls, type RawReply } from './quota-calls.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
-import { type Decision, decision, type EventTag, hasShort, leaseSize, type QuotaSubject, type WindowCounts } from '../decision.js';
+import { type Decision, decision, type EventTag, leaseSize, type QuotaSubject, type WindowCounts } from '../decision.js';
 import { CreditLeases } from './credit-leases.js';
 import { DegradedBudget } from './degraded-budget.js';
 import { EventBatches } from './event-batches.js';
@@ -15,6 +15,7 @@ import { LostReplies } from './lost-replies.js';
 import { countsOf, defineScripts, type QuotaReply, unbanArgs, usageBatchArgs, type BatchEvents } from './script.js';
 import { RedisAccounts } from './accounts.js';
 import { Slots } from './slots.js';
+import { BurstTokens } from './burst-tokens.js';
 import { Refunds } from './refunds.js';
 import { type Dropped, StatusWriter } from './status-writer.js';
 import { type Counts, countsAt } from '../windows.js';
@@ -80,6 +81,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private readonly accounts: RedisAccounts;
   private readonly slots: Slots;
   private readonly quota: QuotaCalls;
+  private readonly tokens: BurstTokens;
 
   constructor(
     redis: RedisClient,
@@ -123,7 +125,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.refunds = new Refunds({ refund, batches: this.batches, budget, failing, log, written, failed });
     const close = (subject: QuotaSubject) => this.quota.call(subject, 1, 1, true);
     this.credits = new CreditLeases({ leases: this.leases, clock: this.clock, failing, close });
-    this.slots = new Slots({ redis, log, ttlMs: o.slotTtlMs });
+    this.slots = new Slots({ redis, log, ttlMs: o.slotTtlMs, lingerMs: o.slotLingerMs });
+    this.tokens = new BurstTokens(this.clock);
     const { leases, statuses } = this;
     const late = (subject: QuotaSubject, r: QuotaReply, sentMono: number, cost: number, id: string) =>
       this.undo(subject, r, sentMono, cost, id);
@@ -158,8 +161,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private decideHere(subject: QuotaSubject, cost: number, tag?: EventTag): Decision | undefined {
     const { name } = subject;
     // A unit Redis granted this instance is handed out whatever else holds: it is counted.
-    const lease = cost === 1 ? this.leases.take(name) : undefined;
-    if (lease) return this.withEvent(subject, this.fromLease(subject, lease), lease, tag, lease.id);
+    const lease = cost === 1 && this.shortHere(subject) ? this.leases.take(name) : undefined;
+    if (lease) return this.withEvent(subject, this.shortOf(subject, this.fromLease(subject, lease), lease), lease, tag, lease.id);
     const now = this.redisClock.now();
     // While Redis answers, a ban is asked again once a second: it may have been lifted.
     const ban = this.bans.get(name, now, !this.fleet.failing);
@@ -178,8 +181,13 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       this.leases.sweep(this.redisClock.now());
       // A leased unit's usage event comes in a batch, its credit from a credit lease: with both,
       // the batch spends the credit from the lease's hold (usagebatch.lua).
-      // A subject with concurrency or burst takes no lease: each of its admissions is Redis's (docs/reference.md).
-      const size = cost === 1 && !solo && !this.closing && !hasShort(subject) ? leaseSize(limits, this.o.leaseMax) : 1;
+      let size = cost === 1 && !solo && !this.closing ? leaseSize(limits, this.o.leaseMax) : 1;
+      // A subject with concurrency or burst asks Redis for a slot or tokens: with units here, or
+      // a sibling's call bringing some (which brings no slot for this request), no lease more.
+      // A burst too small to lease tokens (under 10) has every request decided by Redis: no lease either.
+      const short = subject.short;
+      if (size > 1 && short && (this.leases.hasUnits(name) || (short.concurrent && this.leases.inFlight(name)))) size = 1;
+      if (short?.burst && this.tokensMax(short.burst.size) === 0) size = 1;
       if (size === 1) return this.ask(subject, 1, cost, tag, waitedMs);
       const pending = this.leases.inFlight(name);
       if (pending) {
@@ -202,6 +210,39 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       );
       return call;
     }
+  }
+
+  /**
+   * A subject with concurrency or burst: whether what a unit of a lease needs beside it is here
+   * (a slot lingering, a leased token); if not, Redis decides (docs/reference.md).
+   */
+  private shortHere(subject: QuotaSubject): boolean {
+    const short = subject.short;
+    if (!short) return true;
+    return (!short.concurrent || this.slots.hasIdle(subject.name)) && (!short.burst || this.tokens.has(subject.name));
+  }
+
+  /** A leased unit's decision with the slot and the token it takes (a subject with concurrency or burst): its own copy. */
+  private shortOf(subject: QuotaSubject, d: Decision, lease: Lease): Decision {
+    const short = subject.short;
+    if (!short) return d;
+    if (short.burst) this.tokens.take(subject.name);
+    // Its own time, not the second's shared one: a burst's bound is over the admissions' times.
+    const nowMs = Math.min(this.redisClock.now(), lease.windowEndMs - 1);
+    return { ...d, nowMs, short: lease.short ?? {}, slot: short.concurrent ? this.slots.takeIdle(subject) : undefined };
+  }
+
+  /** Burst tokens to lease with a call: when units are leased too (a token needs one), a tenth of the size at most. */
+  private tokensFor(subject: QuotaSubject, lease: number, cost: number): number {
+    const burst = subject.short?.burst;
+    // Tokens held here are spent first, and asked for by one call at a time: a grant replaces them.
+    if (!burst || cost !== 1 || !this.tokens.mayAsk(subject.name) || (lease === 1 && !this.leases.hasUnits(subject.name))) return 0;
+    return this.tokensMax(burst.size);
+  }
+
+  /** Tokens a call leases for a burst of `size`: a tenth of it, at most BURST_TOKEN_LEASE. */
+  private tokensMax(size: number): number {
+    return Math.min(this.o.burstTokens, Math.floor(size / 10));
   }
 
   /** A lease of `subject`'s, marked when its units' events are written in batches. */
@@ -275,10 +316,19 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * fails meanwhile. `waitedMs`: what the request already waited on a sibling's call.
    */
   private async ask(subject: QuotaSubject, lease: number, cost: number, tag: EventTag | undefined, waitedMs: number): Promise<Decision> {
-    const { counts, taken, sentMono, waitedMs: callMs, id } = await this.quota.call(subject, lease, cost, false, tag);
+    const want = this.tokensFor(subject, lease, cost);
+    // A slot lingering here goes with the call: still held in Redis, it needs no free one.
+    const kept = subject.short?.concurrent ? this.slots.takeIdle(subject) : undefined;
+    if (want > 0) this.tokens.ask(subject.name);
+    const { counts, taken, tokens, sentMono, waitedMs: callMs, id } = await this.quota.call(subject, lease, cost, false, tag, want, kept);
+    if (want > 0) this.tokens.answered(subject.name);
+    // Not admitted: the slot it brought lingers on (or is released in the next round).
+    if (kept && counts?.slot !== kept) this.slots.end(subject, kept);
     if (!counts) return waited(this.degradedDecision(subject, cost), waitedMs + callMs);
     const held = taken > cost ? this.leaseFor(subject, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts, id)) : undefined;
     if (held) this.hold(subject, held, false);
+    if (counts.short) this.leases.seeShort(subject.name, counts.short);
+    if (tokens > 0) this.tokens.grant(subject.name, tokens, sentMono, this.o.burstTokenMs);
     this.learnBan(subject.name, counts);
     if (counts.slot) this.slots.hold(subject, counts.slot);
     const d = waited(decision(subject, counts), waitedMs + callMs);
@@ -308,8 +358,10 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       if (!counts) return false;
       this.learnBan(name, counts);
       // With credits, a lease may be smaller than asked (1% of the balance): its size is what was taken.
-      if (counts.outcome !== 'banned' && taken > 0)
+      if (counts.outcome !== 'banned' && taken > 0) {
         this.hold(subject, this.leaseFor(subject, leaseOf(taken, taken, sentMono, counts.nowMs, counts, id)), true);
+        if (counts.short) this.leases.seeShort(name, counts.short);
+      }
       return taken > 0;
     });
     this.leases.track(name, done);
@@ -353,9 +405,12 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.statuses.record(subject, eventId, status);
   }
 
-  /** A request holding a concurrency slot ended, whichever way: the slot is free for every instance. */
+  /**
+   * A request holding a concurrency slot ended, whichever way: the slot lingers for the
+   * account's next request here (CONCURRENCY_SLOT_LINGER_MS), then is free for every instance.
+   */
   release(subject: QuotaSubject, slot: string): void {
-    this.slots.release(subject, slot);
+    this.slots.end(subject, slot);
   }
 
   refund(subject: QuotaSubject, countedAtMs: number, cost = 1, eventId?: string): Promise<void> {
