@@ -126,7 +126,7 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     const close = (subject: QuotaSubject) => this.quota.call(subject, 1, 1, true);
     this.credits = new CreditLeases({ leases: this.leases, clock: this.clock, failing, close });
     this.slots = new Slots({ redis, log, ttlMs: o.slotTtlMs, lingerMs: o.slotLingerMs });
-    this.tokens = new BurstTokens(this.clock);
+    this.tokens = new BurstTokens(this.clock, o.burstTokens);
     const { leases, statuses } = this;
     const late = (subject: QuotaSubject, r: QuotaReply, sentMono: number, cost: number, id: string) =>
       this.undo(subject, r, sentMono, cost, id);
@@ -181,13 +181,23 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       this.leases.sweep(this.redisClock.now());
       // A leased unit's usage event comes in a batch, its credit from a credit lease: with both,
       // the batch spends the credit from the lease's hold (usagebatch.lua).
+      // A call asking for the subject's burst tokens in flight: this request waits for them.
+      const tokensAsked = this.tokens.asked(subject, cost, this.slots.hasIdle(subject.name));
+      if (tokensAsked) {
+        const since = this.clock.mono();
+        await tokensAsked;
+        waitedMs += this.clock.mono() - since;
+        const now = this.decideHere(subject, cost, tag);
+        if (now) return { ...now, redisMs: waitedMs };
+        continue;
+      }
       let size = cost === 1 && !solo && !this.closing ? leaseSize(limits, this.o.leaseMax) : 1;
       // A subject with concurrency or burst asks Redis for a slot or tokens: with units here, or
       // a sibling's call bringing some (which brings no slot for this request), no lease more.
       // A burst too small to lease tokens (under 10) has every request decided by Redis: no lease either.
       const short = subject.short;
       if (size > 1 && short && (this.leases.hasUnits(name) || (short.concurrent && this.leases.inFlight(name)))) size = 1;
-      if (short?.burst && this.tokensMax(short.burst.size) === 0) size = 1;
+      if (short?.burst && this.tokens.perCall(short.burst.size) === 0) size = 1;
       if (size === 1) return this.ask(subject, 1, cost, tag, waitedMs);
       const pending = this.leases.inFlight(name);
       if (pending) {
@@ -230,19 +240,6 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     // Its own time, not the second's shared one: a burst's bound is over the admissions' times.
     const nowMs = Math.min(this.redisClock.now(), lease.windowEndMs - 1);
     return { ...d, nowMs, short: lease.short ?? {}, slot: short.concurrent ? this.slots.takeIdle(subject) : undefined };
-  }
-
-  /** Burst tokens to lease with a call: when units are leased too (a token needs one), a tenth of the size at most. */
-  private tokensFor(subject: QuotaSubject, lease: number, cost: number): number {
-    const burst = subject.short?.burst;
-    // Tokens held here are spent first, and asked for by one call at a time: a grant replaces them.
-    if (!burst || cost !== 1 || !this.tokens.mayAsk(subject.name) || (lease === 1 && !this.leases.hasUnits(subject.name))) return 0;
-    return this.tokensMax(burst.size);
-  }
-
-  /** Tokens a call leases for a burst of `size`: a tenth of it, at most BURST_TOKEN_LEASE. */
-  private tokensMax(size: number): number {
-    return Math.min(this.o.burstTokens, Math.floor(size / 10));
   }
 
   /** A lease of `subject`'s, marked when its units' events are written in batches. */
@@ -316,19 +313,21 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * fails meanwhile. `waitedMs`: what the request already waited on a sibling's call.
    */
   private async ask(subject: QuotaSubject, lease: number, cost: number, tag: EventTag | undefined, waitedMs: number): Promise<Decision> {
-    const want = this.tokensFor(subject, lease, cost);
+    const want = this.tokens.want(subject, cost, lease > 1 || this.leases.hasUnits(subject.name));
     // A slot lingering here goes with the call: still held in Redis, it needs no free one.
     const kept = subject.short?.concurrent ? this.slots.takeIdle(subject) : undefined;
-    if (want > 0) this.tokens.ask(subject.name);
+    const answered = want > 0 ? this.tokens.ask(subject.name) : undefined;
     const { counts, taken, tokens, sentMono, waitedMs: callMs, id } = await this.quota.call(subject, lease, cost, false, tag, want, kept);
-    if (want > 0) this.tokens.answered(subject.name);
+    // Granted before the requests waiting for them resume (quota-calls.ts never throws).
+    if (tokens > 0) this.tokens.grant(subject.name, tokens, sentMono, this.o.burstTokenMs);
+    answered?.();
     // Not admitted: the slot it brought lingers on (or is released in the next round).
     if (kept && counts?.slot !== kept) this.slots.end(subject, kept);
     if (!counts) return waited(this.degradedDecision(subject, cost), waitedMs + callMs);
     const held = taken > cost ? this.leaseFor(subject, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts, id)) : undefined;
     if (held) this.hold(subject, held, false);
     if (counts.short) this.leases.seeShort(subject.name, counts.short);
-    if (tokens > 0) this.tokens.grant(subject.name, tokens, sentMono, this.o.burstTokenMs);
+
     this.learnBan(subject.name, counts);
     if (counts.slot) this.slots.hold(subject, counts.slot);
     const d = waited(decision(subject, counts), waitedMs + callMs);
