@@ -92,8 +92,14 @@ function config(key: TestKey): ConfigFile {
 async function gateways(key: TestKey, backendUrl: string, n = 3, settings?: Partial<GatewaySettings>): Promise<TestGateway[]> {
   const redisKeyPrefix = uniquePrefix();
   return Promise.all(
-    Array.from({ length: n }, () => buildTestGateway({ config: config(key), backend: backendUrl, redisKeyPrefix, settings })),
+    Array.from({ length: n }, () => buildTestGateway({ config: config(key), backend: backendUrl, redisKeyPrefix, settings, admin: {} })),
   );
+}
+
+/** Calls of quota.lua a gateway made (its latency histogram's count, on the admin port). */
+async function scriptCalls(gw: TestGateway): Promise<number> {
+  const text = await (await fetch(`${gw.adminUrl}/metrics`)).text();
+  return Number(/^gateway_redis_duration_seconds_count (\d+)$/m.exec(text)?.[1]);
 }
 
 /** Statuses and error codes of `n` requests sent at once, alternated over the gateways. */
@@ -129,6 +135,35 @@ describe('concurrency across three gateways on one Redis', () => {
     const res = await gws[1]!.call('/v1/pets', key.key);
     expect(res.headers.get('ratelimit-policy')).toContain(`"concurrent";q=${LIMIT};qu="concurrent-requests"`);
     expect(res.headers.get('ratelimit')).toContain(`"concurrent";r=${LIMIT - 1}`);
+  }, 120_000);
+
+  it('clients sending again as soon as answered: freed slots are handed on without a Redis call, and the backend never sees more than the limit', async () => {
+    const backend = await sleepyBackend(10);
+    const key = makeKey('conc');
+    const gws = await gateways(key, backend.url);
+    const before = await Promise.all(gws.map(scriptCalls));
+    // Four clients a gateway, twelve against the limit of ten, each sending its next request as
+    // soon as it has its answer: a freed slot lingers (20 ms) and the next request here takes it.
+    let admitted = 0;
+    const codes = new Set<string>();
+    await Promise.all(
+      Array.from({ length: 12 }, async (_, c) => {
+        for (let i = 0; i < 25; i++) {
+          const res = await gws[c % 3]!.call('/v1/pets', key.key);
+          const body = (await res.json()) as { code?: string };
+          if (res.status === 200) admitted++;
+          else codes.add(`${res.status} ${body.code}`);
+        }
+      }),
+    );
+    expect(backend.max).toBeLessThanOrEqual(LIMIT);
+    expect([...codes].filter((c) => c !== '429 concurrency_limit_exceeded')).toEqual([]);
+    const calls = (await Promise.all(gws.map(scriptCalls))).reduce((sum, n, i) => sum + n - before[i]!, 0);
+    // Every refusal is a call (the client sends again at once); without the linger so is every
+    // admission, with it most are handed a slot here.
+    expect(admitted).toBeGreaterThan(150);
+    expect(calls - (300 - admitted)).toBeLessThan(admitted / 3);
+    await eventually(async () => (await inFlight(gws[0]!, key.key)) === 0, undefined, 'no slot left in flight');
   }, 120_000);
 
   it("on a Redis Cluster too: every key of the decision in the account's slot, exactly the limit at the backend", {
