@@ -1,4 +1,5 @@
 import { createServer, type Server } from 'node:http';
+import { Redis } from 'ioredis';
 import type { AddressInfo } from 'node:net';
 import { join } from 'node:path';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
@@ -345,4 +346,52 @@ describe('burst through the gateway', () => {
       expect(view.windows.minute.used).toBe(4);
     }
   }, 60_000);
+});
+
+describe('cost (issue 47, item 6: at most 2 Redis commands a request)', () => {
+  it('fifty clients on a concurrency key, a burst key and a plain key: the short keys cost a small fraction of a Redis call a request', async () => {
+    // A Redis of its own: its command counts are this test's alone.
+    const server = await spawnRedis();
+    onTestFinished(() => server.stop());
+    const r = new Redis(server.url);
+    onTestFinished(async () => {
+      await r.quit();
+    });
+    const backend = await sleepyBackend(0);
+    /** Commands a gateway sends itself (the scripts, and the slots' ZREMs), from Redis's own counts. */
+    const sent = async () => {
+      const info = await r.info('commandstats');
+      const n = (cmd: string) => Number(new RegExp(`^cmdstat_${cmd}:calls=(\\d+)`, 'm').exec(info)?.[1] ?? 0);
+      return n('evalsha') + n('eval') + n('zrem');
+    };
+    const N = 1500;
+    const perRequest: Record<string, number> = {};
+    const shorts = { plain: {}, concurrent: { concurrent: 100_000 }, burst: { burst: { size: 1_000_000, perSecond: 1_000_000 } } };
+    for (const [name, short] of Object.entries(shorts)) {
+      const key = makeKey('p');
+      const plans = { p: { perMinute: 1_000_000, perDay: 100_000_000, ...short } };
+      const gw = await buildTestGateway({ config: testConfig([key], { plans }), backend: backend.url, redis: server.url });
+      expect((await gw.call('/v1/pets', key.key)).status).toBe(200); // its scripts loaded, its first lease taken
+      const before = await sent();
+      let left = N;
+      const statuses = new Set<number>();
+      await Promise.all(
+        Array.from({ length: 50 }, async () => {
+          while (left-- > 0) {
+            const res = await gw.call('/v1/pets', key.key);
+            await res.arrayBuffer();
+            statuses.add(res.status);
+          }
+        }),
+      );
+      // The last slots' linger over: their release counted too.
+      if (name === 'concurrent') await eventually(async () => (await inFlight(gw, key.key)) === 0, undefined, 'no slot left');
+      perRequest[name] = ((await sent()) - before) / N;
+      expect([...statuses]).toEqual([200]);
+    }
+    // Before leases for them, each request of either was a script call, and a ZREM with concurrency.
+    expect(perRequest.concurrent).toBeLessThan(0.25);
+    expect(perRequest.burst).toBeLessThan(0.25);
+    expect(perRequest.plain).toBeLessThan(0.05);
+  }, 120_000);
 });
