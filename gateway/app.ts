@@ -63,6 +63,9 @@ type AppSettings = PublicSettings &
     | 'metricsKeyIds'
     | 'quotaLeaseMax'
     | 'concurrencySlotTtlMs'
+    | 'concurrencySlotLingerMs'
+    | 'burstTokenLease'
+    | 'burstTokenLeaseMs'
     | 'usageBatchMs'
     | 'keyStore'
     | 'creditsAckReplicas'
@@ -98,6 +101,9 @@ function quotaStore(
     observe: (s) => metrics.redisSeconds.observe(s),
     leaseMax: settings.quotaLeaseMax,
     slotTtlMs: settings.concurrencySlotTtlMs,
+    slotLingerMs: settings.concurrencySlotLingerMs,
+    burstTokens: settings.burstTokenLease,
+    burstTokenMs: settings.burstTokenLeaseMs,
     usageBatchMs: settings.usageBatchMs,
     upstreamTimeoutMs: settings.upstreamTimeoutMs,
     requestTimeoutMs: settings.requestTimeoutMs,

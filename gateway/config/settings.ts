@@ -198,6 +198,13 @@ export const GatewaySettingsSchema = Type.Object({
   // A concurrency slot lives this long without a renewal (renewed every third of it while its
   // request runs): an instance that dies frees its slots within it (docs/reference.md).
   concurrencySlotTtlMs: Type.Integer({ env: 'CONCURRENCY_SLOT_TTL_MS', minimum: 300, maximum: 15_000, default: 15_000 }),
+  // A freed slot lingers this long for the account's next request on the same instance (no
+  // Redis call), still counted in Redis; other instances see it taken that much longer.
+  concurrencySlotLingerMs: Type.Integer({ env: 'CONCURRENCY_SLOT_LINGER_MS', minimum: 0, maximum: 1000, default: 20 }),
+  // Burst tokens an instance takes beyond a request's in one call (at most a tenth of the size),
+  // spent here within BURST_TOKEN_LEASE_MS: the bound's additive excess (docs/reference.md).
+  burstTokenLease: Type.Integer({ env: 'BURST_TOKEN_LEASE', minimum: 0, maximum: 100, default: 10 }),
+  burstTokenLeaseMs: Type.Integer({ env: 'BURST_TOKEN_LEASE_MS', minimum: 10, maximum: 1000, default: 100 }),
   // Leased admissions' usage events are written in batches, this often (or every 1,000): an
   // instance that dies loses at most this much of its events, counted as unsettled (docs/reference.md).
   usageBatchMs: Type.Integer({ env: 'USAGE_BATCH_MS', minimum: 10, maximum: 10_000, default: 1000 }),

@@ -74,7 +74,7 @@ export interface QuotaSubject {
   events: number;
   /** Threshold alerts: the fractions of its day, month and credits that fire a webhook, as a comma list ('' none). */
   alerts: string;
-  /** Its concurrency and burst policies, if any: such a subject takes no leases. */
+  /** Its concurrency and burst policies, if any: a leased unit of such a subject goes with a lingering slot and a leased token. */
   short?: ShortPolicies;
 }
 

@@ -1,4 +1,5 @@
 import { createServer, type Server } from 'node:http';
+import { Redis } from 'ioredis';
 import type { AddressInfo } from 'node:net';
 import { join } from 'node:path';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
@@ -92,8 +93,14 @@ function config(key: TestKey): ConfigFile {
 async function gateways(key: TestKey, backendUrl: string, n = 3, settings?: Partial<GatewaySettings>): Promise<TestGateway[]> {
   const redisKeyPrefix = uniquePrefix();
   return Promise.all(
-    Array.from({ length: n }, () => buildTestGateway({ config: config(key), backend: backendUrl, redisKeyPrefix, settings })),
+    Array.from({ length: n }, () => buildTestGateway({ config: config(key), backend: backendUrl, redisKeyPrefix, settings, admin: {} })),
   );
+}
+
+/** Calls of quota.lua a gateway made (its latency histogram's count, on the admin port). */
+async function scriptCalls(gw: TestGateway): Promise<number> {
+  const text = await (await fetch(`${gw.adminUrl}/metrics`)).text();
+  return Number(/^gateway_redis_duration_seconds_count (\d+)$/m.exec(text)?.[1]);
 }
 
 /** Statuses and error codes of `n` requests sent at once, alternated over the gateways. */
@@ -129,6 +136,35 @@ describe('concurrency across three gateways on one Redis', () => {
     const res = await gws[1]!.call('/v1/pets', key.key);
     expect(res.headers.get('ratelimit-policy')).toContain(`"concurrent";q=${LIMIT};qu="concurrent-requests"`);
     expect(res.headers.get('ratelimit')).toContain(`"concurrent";r=${LIMIT - 1}`);
+  }, 120_000);
+
+  it('clients sending again as soon as answered: freed slots are handed on without a Redis call, and the backend never sees more than the limit', async () => {
+    const backend = await sleepyBackend(10);
+    const key = makeKey('conc');
+    const gws = await gateways(key, backend.url);
+    const before = await Promise.all(gws.map(scriptCalls));
+    // Four clients a gateway, twelve against the limit of ten, each sending its next request as
+    // soon as it has its answer: a freed slot lingers (20 ms) and the next request here takes it.
+    let admitted = 0;
+    const codes = new Set<string>();
+    await Promise.all(
+      Array.from({ length: 12 }, async (_, c) => {
+        for (let i = 0; i < 25; i++) {
+          const res = await gws[c % 3]!.call('/v1/pets', key.key);
+          const body = (await res.json()) as { code?: string };
+          if (res.status === 200) admitted++;
+          else codes.add(`${res.status} ${body.code}`);
+        }
+      }),
+    );
+    expect(backend.max).toBeLessThanOrEqual(LIMIT);
+    expect([...codes].filter((c) => c !== '429 concurrency_limit_exceeded')).toEqual([]);
+    const calls = (await Promise.all(gws.map(scriptCalls))).reduce((sum, n, i) => sum + n - before[i]!, 0);
+    // Every refusal is a call (the client sends again at once); without the linger so is every
+    // admission, with it most are handed a slot here.
+    expect(admitted).toBeGreaterThan(150);
+    expect(calls - (300 - admitted)).toBeLessThan(admitted / 3);
+    await eventually(async () => (await inFlight(gws[0]!, key.key)) === 0, undefined, 'no slot left in flight');
   }, 120_000);
 
   it("on a Redis Cluster too: every key of the decision in the account's slot, exactly the limit at the backend", {
@@ -300,6 +336,8 @@ describe('burst through the gateway', () => {
     expect(['1', '2']).toContain(refused.headers.get('retry-after'));
     expect(refused.headers.get('ratelimit-policy')).toContain('"concurrent";q=5;qu="concurrent-requests", "burst";q=4;w=8');
     expect(refused.headers.get('ratelimit')).toMatch(/"concurrent";r=5, "burst";r=0;t=[12]$/);
+    // The last request's slot lingers (CONCURRENCY_SLOT_LINGER_MS, 20 ms), counted in Redis, until released.
+    await eventually(async () => (await inFlight(gw, key.key)) === 0, undefined, 'the last slot released');
     const mine = await (await gw.call('/v1/me/usage', key.key)).json();
     const admin = await (await adminCall(gw, token, `/admin/keys/${key.id}/usage`)).json();
     for (const view of [mine, admin]) {
@@ -308,4 +346,52 @@ describe('burst through the gateway', () => {
       expect(view.windows.minute.used).toBe(4);
     }
   }, 60_000);
+});
+
+describe('cost (issue 47, item 6: at most 2 Redis commands a request)', () => {
+  it('fifty clients on a concurrency key, a burst key and a plain key: the short keys cost a small fraction of a Redis call a request', async () => {
+    // A Redis of its own: its command counts are this test's alone.
+    const server = await spawnRedis();
+    onTestFinished(() => server.stop());
+    const r = new Redis(server.url);
+    onTestFinished(async () => {
+      await r.quit();
+    });
+    const backend = await sleepyBackend(0);
+    /** Commands a gateway sends itself (the scripts, and the slots' ZREMs), from Redis's own counts. */
+    const sent = async () => {
+      const info = await r.info('commandstats');
+      const n = (cmd: string) => Number(new RegExp(`^cmdstat_${cmd}:calls=(\\d+)`, 'm').exec(info)?.[1] ?? 0);
+      return n('evalsha') + n('eval') + n('zrem');
+    };
+    const N = 1500;
+    const perRequest: Record<string, number> = {};
+    const shorts = { plain: {}, concurrent: { concurrent: 100_000 }, burst: { burst: { size: 1_000_000, perSecond: 1_000_000 } } };
+    for (const [name, short] of Object.entries(shorts)) {
+      const key = makeKey('p');
+      const plans = { p: { perMinute: 1_000_000, perDay: 100_000_000, ...short } };
+      const gw = await buildTestGateway({ config: testConfig([key], { plans }), backend: backend.url, redis: server.url });
+      expect((await gw.call('/v1/pets', key.key)).status).toBe(200); // its scripts loaded, its first lease taken
+      const before = await sent();
+      let left = N;
+      const statuses = new Set<number>();
+      await Promise.all(
+        Array.from({ length: 50 }, async () => {
+          while (left-- > 0) {
+            const res = await gw.call('/v1/pets', key.key);
+            await res.arrayBuffer();
+            statuses.add(res.status);
+          }
+        }),
+      );
+      // The last slots' linger over: their release counted too.
+      if (name === 'concurrent') await eventually(async () => (await inFlight(gw, key.key)) === 0, undefined, 'no slot left');
+      perRequest[name] = ((await sent()) - before) / N;
+      expect([...statuses]).toEqual([200]);
+    }
+    // Before leases for them, each request of either was a script call, and a ZREM with concurrency.
+    expect(perRequest.concurrent).toBeLessThan(0.25);
+    expect(perRequest.burst).toBeLessThan(0.25);
+    expect(perRequest.plain).toBeLessThan(0.05);
+  }, 120_000);
 });

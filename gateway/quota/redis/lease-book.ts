@@ -1,4 +1,4 @@
-import { DAY_MS, type Decision, MINUTE_MS, type QuotaSubject, windowStart } from '../decision.js';
+import { DAY_MS, type Decision, MINUTE_MS, type QuotaSubject, type ShortState, windowStart } from '../decision.js';
 import type { Period } from '../period.js';
 import type { Clock } from './clock.js';
 import { type Counts, FIXED, type WindowName } from '../windows.js';
@@ -32,6 +32,8 @@ export interface Lease extends Counts {
   credits?: Array<[id: string, left: number]>;
   /** Taken for a subject whose usage is exported: its units never handed out leave the account's `unsettled` when it closes. */
   events?: boolean;
+  /** A subject with concurrency or burst: their state as its call saw it, what a unit's headers report. */
+  short?: ShortState;
   /** The decision its units share within one second of Redis time, for one subject (see RedisStore.fromLease). */
   shared?: { second: number; subject: QuotaSubject; decision: Decision };
 }
@@ -110,6 +112,20 @@ export class LeaseBook {
 
   hasCurrent(name: string): boolean {
     return this.current.has(name);
+  }
+
+  /** Whether a unit of the subject's may be handed out here now (the current lease's, or the one ahead). */
+  hasUnits(name: string): boolean {
+    const lease = this.current.get(name);
+    return (lease !== undefined && lease.left > 0 && this.clock.mono() < lease.until) || this.ahead.has(name);
+  }
+
+  /** The short policies' state a call of the subject's saw: what its leased units report from now on. */
+  seeShort(name: string, short: ShortState): void {
+    for (const held of [this.current, this.ahead]) {
+      const lease = held.get(name);
+      if (lease) lease.short = short;
+    }
   }
 
   hasAhead(name: string): boolean {

@@ -39,6 +39,12 @@ export interface RedisStoreOptions {
   requestTimeoutMs?: number;
   /** CONCURRENCY_SLOT_TTL_MS: a concurrency slot's life without a renewal (renewed every third of it while its request runs). */
   slotTtlMs?: number;
+  /** CONCURRENCY_SLOT_LINGER_MS: a freed slot kept for the account's next request here (slots.ts). */
+  slotLingerMs?: number;
+  /** BURST_TOKEN_LEASE: burst tokens taken beyond a request's in one call, at most a tenth of the size (0: none). */
+  burstTokens?: number;
+  /** BURST_TOKEN_LEASE_MS: leased burst tokens unspent this long after their call was sent are dropped. */
+  burstTokenMs?: number;
 }
 
 /** Every option with its default: what the store and its jobs read. */
@@ -60,5 +66,8 @@ export function storeSettings(o: RedisStoreOptions): StoreSettings {
     upstreamTimeoutMs: o.upstreamTimeoutMs ?? 10_000,
     requestTimeoutMs: o.requestTimeoutMs ?? 30_000,
     slotTtlMs: o.slotTtlMs ?? 15_000,
+    slotLingerMs: o.slotLingerMs ?? 20,
+    burstTokens: o.burstTokens ?? 10,
+    burstTokenMs: o.burstTokenMs ?? 100,
   };
 }

@@ -21,13 +21,16 @@
 -- `pendEvents` 1 for a subject whose usage is exported: the units of its leases are added to
 -- `unsettled` in its events cursor (KEY.cursor) until their instance writes their events, and
 -- `backPending`, the closed leases' units never handed out, leave it. `concurrent` (0: none)
--- and `slotTtlMs`: in-flight slots in KEY.slots, the call's id the slot's; `burstSize` (0:
--- none) and `burstPerSecond`: GCRA on KEY.burst. A subject with either takes no lease.
+-- and `slotTtlMs`: in-flight slots in KEY.slots, `slotId` the one to take (the call's id, or
+-- a slot the instance kept lingering: still a member, it needs no room); `burstSize` (0:
+-- none) and `burstPerSecond`: GCRA on KEY.burst; `burstTake`, tokens an admitted request's
+-- instance may take beyond its cost, as many as the bucket holds, to spend itself.
 -- The reply: the outcome (an index into OUTCOMES in decision.ts; -1: past the deadline), the
 -- windows' counts, Redis's time, the ban's end, the units taken, the period, the balance (-1:
 -- no credits), the overage billed so far and this request's, its usage event's id (or false),
 -- 1 if an alert was written (the gateway marks the account: usage/active.ts), the slots in
--- flight, the burst's tokens left (-1: none), ms to its next, and a burst refusal's wait. Time is
+-- flight, the burst's tokens left (-1: none), ms to its next, a burst refusal's wait, and the
+-- tokens taken beyond the cost. Time is
 -- Redis's own, so skewed gateways agree.
 -- A call sent twice (the client sends again what was unanswered when its connection dropped)
 -- gets the first run's reply: never counted twice. KEY.call holds it for CALL_KEEP_MS (script.ts),
@@ -156,9 +159,13 @@ local pending = tonumber(ARG.pendEvents) == 1
 -- arrival time (TAT, ms). Both are read here and taken only once every other check admits.
 local concurrent = tonumber(ARG.concurrent) or 0
 local inFlight, burstSize = 0, tonumber(ARG.burstSize) or 0
+local slotHeld = false
 if concurrent > 0 then
   redis.call('ZREMRANGEBYSCORE', KEY.slots, '-inf', now)
   inFlight = redis.call('ZCARD', KEY.slots)
+  slotHeld = redis.call('ZSCORE', KEY.slots, ARG.slotId) ~= false
+  -- The slot the call brings is its own: in flight beside it are the others.
+  if slotHeld then inFlight = inFlight - 1 end
 end
 local interval, span, tat = 0, 0, now
 if burstSize > 0 then
@@ -166,7 +173,7 @@ if burstSize > 0 then
   span = burstSize * interval
   tat = math.max(tonumber(redis.call('GET', KEY.burst)) or now, now)
 end
-local burstRetry = 0
+local burstRetry, burstTaken = 0, 0
 -- Tokens left with the TAT at `tat`, and ms until the next one comes back (0: full).
 local function burstState()
   if burstSize <= 0 then return -1, 0 end
@@ -182,7 +189,7 @@ local function reply(outcome, taken, banUntil)
   local left, nextMs = burstState()
   local r = {outcome = outcome, nowMs = now, banUntilMs = banUntil, taken = taken, monthUsed = pc, periodStart = ps,
     periodEnd = pe, balance = balance, overageUsed = oc, overageUnits = mine, eventId = eventId, alerted = alerted,
-    inFlight = inFlight, burstLeft = left, burstNextMs = nextMs, burstRetryMs = burstRetry}
+    inFlight = inFlight, burstLeft = left, burstNextMs = nextMs, burstRetryMs = burstRetry, burstTaken = burstTaken}
   for _, w in ipairs(FIXED) do r[w.used] = win[w.name].count end
   local out = packed(r)
   if callKey then redis.call('SET', callKey, cjson.encode(out), 'PX', CALL_KEEP_MS) end
@@ -339,12 +346,17 @@ if burstSize > 0 and tat + cost * interval - now > span + 1e-6 then
 end
 if concurrent > 0 and inFlight >= concurrent then return reply(7, 0) end
 if burstSize > 0 then
-  tat = tat + cost * interval
+  -- Tokens leased beyond the cost: whole ones the bucket holds once the request's are out.
+  local want = tonumber(ARG.burstTake) or 0
+  if want > 0 then
+    burstTaken = math.max(0, math.min(want, math.floor((span - (tat + cost * interval - now)) / interval + 1e-9)))
+  end
+  tat = tat + (cost + burstTaken) * interval
   redis.call('SET', KEY.burst, string.format('%.3f', tat), 'PX', math.ceil(tat - now) + 1)
 end
 if concurrent > 0 then
   local ttl = tonumber(ARG.slotTtlMs)
-  redis.call('ZADD', KEY.slots, now + ttl, ARG.callId)
+  redis.call('ZADD', KEY.slots, now + ttl, ARG.slotId)
   redis.call('PEXPIRE', KEY.slots, ttl)
   inFlight = inFlight + 1
 end

@@ -9,10 +9,9 @@ import { type Counts, countsFrom, FIXED, type LimitField, WINDOWS, type WindowNa
 import type { WriteBack } from './degraded-budget.js';
 import { type TopUp, topUpFingerprint } from '../store.js';
 
-// The wires to the quota scripts, by name (redis/wires.ts): each script's KEYS, ARGV and reply
-// fields are listed once, here, in the order they travel; the scripts read them by name
-// (`KEY.counters`, `ARG.perMinute`) and build their reply with `packed{...}`, and the TypeScript
-// side reads replies by name. No other file knows a position.
+// The wires to the quota scripts, by name (redis/wires.ts): each script's KEYS, ARGV and reply fields
+// listed once, here, in the order they travel; the scripts read them by name (`KEY.counters`,
+// `ARG.perMinute`) and reply with `packed{...}`, read here by name. No other file knows a position.
 
 /**
  * How long Redis keeps each quota.lua call's reply (KEY.call): a call sent again within it gets
@@ -22,10 +21,7 @@ import { type TopUp, topUpFingerprint } from '../store.js';
  */
 export const CALL_KEEP_MS = 60_000;
 
-/**
- * The prelude (redis/wires.ts), CALL_KEEP_MS, and for a script that reads a kept call,
- * `packed_call(t)` and `unpacked_call(list)` by its fields.
- */
+/** The prelude (redis/wires.ts), CALL_KEEP_MS, and for a script reading a kept call, `packed_call(t)` and `unpacked_call(list)`. */
 function quotaPrelude(w: Wires<string, string, string>): string {
   let lua = `${prelude(w)}local CALL_KEEP_MS = ${CALL_KEEP_MS}
 `;
@@ -101,11 +97,13 @@ const QUOTA_ARGV = [
   'backPending',
   'concurrent',
   'slotTtlMs',
+  'slotId',
   'burstSize',
   'burstPerSecond',
+  'burstTake',
 ] as const;
-/** Concurrency and burst in the reply: slots in flight after the call, the burst's tokens left (-1: none), ms to its next, a burst refusal's wait. */
-const SHORT_REPLY = ['inFlight', 'burstLeft', 'burstNextMs', 'burstRetryMs'] as const;
+/** Concurrency and burst in the reply: slots in flight, the burst's tokens left (-1: none), ms to its next, a refusal's wait, tokens leased. */
+const SHORT_REPLY = ['inFlight', 'burstLeft', 'burstNextMs', 'burstRetryMs', 'burstTaken'] as const;
 const QUOTA_REPLY = [
   'outcome',
   'nowMs',
@@ -147,10 +145,12 @@ export interface QuotaCall {
   refill: boolean;
   /** The request's usage event, if the subject records events. */
   tag?: EventTag;
-  /** Unique per instance and call: a resend finds the first run's reply; also the concurrency slot it takes. */
+  /** Unique per instance and call: a resend finds the first run's reply. */
   callId: string;
-  /** A concurrency slot's life without a renewal (ms, Redis time); default 15 s. */
+  /** The slot to take (the call's id, or a lingering one: held, it needs no room), its life (default 15 s), burst tokens to lease. */
+  slotId?: string;
   slotTtlMs?: number;
+  tokens?: number;
 }
 
 /** quota.lua's KEYS then ARGV for `subject` and `call`, in the order the script takes them. */
@@ -203,8 +203,10 @@ export function quotaArgs(subject: QuotaSubject, c: QuotaCall): Array<string | n
   a('method', tag?.method ?? '');
   a('concurrent', subject.short?.concurrent ?? 0);
   a('slotTtlMs', c.slotTtlMs ?? 15_000);
+  a('slotId', c.slotId ?? c.callId);
   a('burstSize', subject.short?.burst?.size ?? 0);
   a('burstPerSecond', subject.short?.burst?.perSecond ?? 0);
+  a('burstTake', c.tokens ?? 0);
   return out;
 }
 

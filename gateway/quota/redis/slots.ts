@@ -22,25 +22,85 @@ export interface SlotsOptions {
   log: FastifyBaseLogger;
   /** A slot's life without a renewal (CONCURRENCY_SLOT_TTL_MS): what an instance that dies holds them for at most. */
   ttlMs: number;
+  /** CONCURRENCY_SLOT_LINGER_MS: how long a freed slot is kept for the account's next request here (0: freed at once). */
+  lingerMs: number;
+}
+
+/** An account's freed slots kept here: `young` freed since the last round, `old` before it (released at the next). */
+interface Idle {
+  subject: QuotaSubject;
+  young: string[];
+  old: string[];
 }
 
 /**
- * This instance's concurrency slots in flight (quota.lua takes them): renewed together, one
- * renew.lua call per subject with live slots every third of the TTL, on Redis's clock, and each
- * released (ZREM) when its request ends. A request shorter than a third of the TTL is never
- * renewed: its cost is the take and the release. Cost by traffic: a round touches only the
- * subjects with a request in flight here.
+ * This instance's concurrency slots (quota.lua takes them): renewed together, one renew.lua
+ * call per subject with slots here every third of the TTL, on Redis's clock. A slot whose
+ * request ended lingers (at most `lingerMs`, never over a sixth of the TTL): still a member of
+ * the account's set in Redis, so still counted against the limit by every instance, and handed
+ * to the account's next request here without a call. The slots that lingered through a whole
+ * round (half the linger) unused are released together: one ZREM per account a round. Cost by
+ * traffic: a round touches only the subjects with slots here.
  */
 export class Slots {
   private readonly live = new Map<string, { subject: QuotaSubject; ids: Set<string> }>();
+  private readonly idle = new Map<string, Idle>();
   private readonly timer: NodeJS.Timeout;
+  private lingerTimer: NodeJS.Timeout | undefined;
   private readonly redis: SlotRedis;
+  private readonly lingerMs: number;
 
   constructor(private readonly o: SlotsOptions) {
     defineScript(o.redis, 'renewslots', { ...RENEW, lua: RENEW_LUA });
     this.redis = o.redis as SlotRedis;
     this.timer = setInterval(() => this.renew(), Math.max(1, Math.floor(o.ttlMs / 3)));
     this.timer.unref();
+    // A sixth of the TTL at most: a lingering slot is renewed with the live ones, well before it could expire.
+    this.lingerMs = Math.min(o.lingerMs, Math.floor(o.ttlMs / 6));
+  }
+
+  /** Whether a freed slot of the subject's lingers here, for its next request to take. */
+  hasIdle(name: string): boolean {
+    return this.idle.has(name);
+  }
+
+  /** A lingering slot of the subject's, held again for a request (undefined: none lingers). */
+  takeIdle(subject: QuotaSubject): string | undefined {
+    const idle = this.idle.get(subject.name);
+    if (!idle) return undefined;
+    const id = idle.young.pop() ?? idle.old.pop();
+    if (idle.young.length === 0 && idle.old.length === 0) this.idle.delete(subject.name);
+    if (id !== undefined) this.hold(subject, id);
+    return id;
+  }
+
+  /** The request holding the slot ended: it lingers for the account's next request here, or is released. */
+  end(subject: QuotaSubject, id: string): void {
+    if (this.lingerMs <= 0) return this.release(subject, id);
+    const entry = this.live.get(subject.name);
+    if (!entry?.ids.delete(id)) return; // not held here (released already)
+    if (entry.ids.size === 0) this.live.delete(subject.name);
+    let idle = this.idle.get(subject.name);
+    if (!idle) this.idle.set(subject.name, (idle = { subject, young: [], old: [] }));
+    idle.young.push(id);
+    this.lingerTimer ??= setTimeout(() => this.round(), Math.max(1, this.lingerMs >> 1));
+  }
+
+  /** Releases the slots that lingered unused since the last round: one ZREM per account. */
+  private round(): void {
+    this.lingerTimer = undefined;
+    for (const [name, idle] of this.idle) {
+      if (idle.old.length > 0) this.zrem(name, idle.old);
+      idle.old = idle.young;
+      idle.young = [];
+      if (idle.old.length === 0) this.idle.delete(name);
+    }
+    if (this.idle.size > 0) this.lingerTimer = setTimeout(() => this.round(), Math.max(1, this.lingerMs >> 1));
+  }
+
+  private zrem(name: string, ids: string[]): void {
+    // Not awaited: a release Redis does not take leaves the slot to expire within the TTL.
+    this.redis.zrem(subjectKey.slots(name), ...ids).catch((err: unknown) => this.failed('release', err));
   }
 
   /** A slot quota.lua granted to a request of `subject`, held until `release`. */
@@ -50,16 +110,19 @@ export class Slots {
     entry.ids.add(id);
   }
 
-  /** The request ended (answered, failed, aborted): its slot is free at once for every instance. */
+  /** A slot serving no request: free at once for every instance. */
   release(subject: QuotaSubject, id: string): void {
     const entry = this.live.get(subject.name);
     if (entry?.ids.delete(id) && entry.ids.size === 0) this.live.delete(subject.name);
-    // Not awaited: a release Redis does not take leaves the slot to expire within the TTL.
-    this.redis.zrem(subjectKey.slots(subject.name), id).catch((err: unknown) => this.failed('release', err));
+    this.zrem(subject.name, [id]);
   }
 
+  /** The slots held here, in flight or lingering: one call per subject. */
   private renew(): void {
-    for (const [name, { ids }] of this.live) {
+    const names = new Set([...this.live.keys(), ...this.idle.keys()]);
+    for (const name of names) {
+      const idle = this.idle.get(name);
+      const ids = [...(this.live.get(name)?.ids ?? []), ...(idle?.young ?? []), ...(idle?.old ?? [])];
       this.redis.renewslots(...renewArgs(name, this.o.ttlMs, ids)).catch((err: unknown) => this.failed('renewal', err));
     }
   }
@@ -71,8 +134,13 @@ export class Slots {
     );
   }
 
+  /** Stops the timers; the lingering slots are released at once. */
   close(): void {
     clearInterval(this.timer);
+    clearTimeout(this.lingerTimer);
+    this.lingerTimer = undefined;
+    for (const [name, idle] of this.idle) this.zrem(name, [...idle.young, ...idle.old]);
+    this.idle.clear();
   }
 }
 

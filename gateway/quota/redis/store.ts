@@ -1,8 +1,9 @@
 import { randomUUID } from 'node:crypto';
 import type { FastifyBaseLogger } from 'fastify';
 import { LATE, type RedisClient, within } from '../../redis/client.js';
+import { QuotaCalls, type RawReply } from './quota-calls.js';
 import { BanCache, type BillingCounts } from './ban-cache.js';
-import { type Decision, decision, type EventTag, hasShort, leaseSize, type QuotaSubject, type WindowCounts } from '../decision.js';
+import { type Decision, decision, type EventTag, leaseSize, type QuotaSubject, type WindowCounts } from '../decision.js';
 import { CreditLeases } from './credit-leases.js';
 import { DegradedBudget } from './degraded-budget.js';
 import { EventBatches } from './event-batches.js';
@@ -11,19 +12,10 @@ import { type Clock, RedisClock } from './clock.js';
 import { type RedisStoreOptions, type StoreSettings, storeSettings } from './options.js';
 import { Fleet } from './fleet.js';
 import { LostReplies } from './lost-replies.js';
-import {
-  countsOf,
-  defineScripts,
-  type QuotaCall,
-  type QuotaReply,
-  quotaArgs,
-  quotaReply,
-  unbanArgs,
-  usageBatchArgs,
-  type BatchEvents,
-} from './script.js';
+import { countsOf, defineScripts, type QuotaReply, unbanArgs, usageBatchArgs, type BatchEvents } from './script.js';
 import { RedisAccounts } from './accounts.js';
-import { Slots, shortOf } from './slots.js';
+import { Slots } from './slots.js';
+import { BurstTokens } from './burst-tokens.js';
 import { Refunds } from './refunds.js';
 import { type Dropped, StatusWriter } from './status-writer.js';
 import { type Counts, countsAt } from '../windows.js';
@@ -41,7 +33,6 @@ import {
   type Usage,
 } from '../store.js';
 
-type RawReply = Array<number | string | null>;
 /** The scripts as script.ts defines them: each takes its KEYS then ARGV as script.ts builds them. */
 type QuotaRedis = RedisClient & {
   quota(...keysThenArgs: Array<number | string>): Promise<RawReply>;
@@ -74,8 +65,6 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private readonly bans = new BanCache();
   private readonly budget: DegradedBudget;
   private readonly instanceId = randomUUID();
-  /** Calls of quota.lua made so far: with the instance's id, each call's own id. */
-  private calls = 0;
   private readonly tally = {
     ...{ degraded: 0, refundsFailed: 0, writtenBack: 0, undone: 0, unresolved: 0 },
     dropped: { status_cap: 0, status_write: 0, mark: 0 } as Record<Dropped, number>,
@@ -91,6 +80,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private readonly refunds: Refunds;
   private readonly accounts: RedisAccounts;
   private readonly slots: Slots;
+  private readonly quota: QuotaCalls;
+  private readonly tokens: BurstTokens;
 
   constructor(
     redis: RedisClient,
@@ -132,9 +123,17 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     });
     const failed = () => this.tally.refundsFailed++;
     this.refunds = new Refunds({ refund, batches: this.batches, budget, failing, log, written, failed });
-    const close = (subject: QuotaSubject) => this.timedCall(subject, 1, 1, true);
+    const close = (subject: QuotaSubject) => this.quota.call(subject, 1, 1, true);
     this.credits = new CreditLeases({ leases: this.leases, clock: this.clock, failing, close });
-    this.slots = new Slots({ redis, log, ttlMs: o.slotTtlMs });
+    this.slots = new Slots({ redis, log, ttlMs: o.slotTtlMs, lingerMs: o.slotLingerMs });
+    this.tokens = new BurstTokens(this.clock, o.burstTokens);
+    const { leases, statuses } = this;
+    const late = (subject: QuotaSubject, r: QuotaReply, sentMono: number, cost: number, id: string) =>
+      this.undo(subject, r, sentMono, cost, id);
+    const quota = (...args: Array<number | string>) => this.redis.quota(...args);
+    const fleet = () => this.fleet;
+    const lost = () => this.lost;
+    this.quota = new QuotaCalls({ quota, o, clock: this.clock, redisClock, instanceId, leases, budget, statuses, fleet, lost, late });
   }
 
   get degraded(): boolean {
@@ -162,8 +161,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private decideHere(subject: QuotaSubject, cost: number, tag?: EventTag): Decision | undefined {
     const { name } = subject;
     // A unit Redis granted this instance is handed out whatever else holds: it is counted.
-    const lease = cost === 1 ? this.leases.take(name) : undefined;
-    if (lease) return this.withEvent(subject, this.fromLease(subject, lease), lease, tag, lease.id);
+    const lease = cost === 1 && this.shortHere(subject) ? this.leases.take(name) : undefined;
+    if (lease) return this.withEvent(subject, this.shortOf(subject, this.fromLease(subject, lease), lease), lease, tag, lease.id);
     const now = this.redisClock.now();
     // While Redis answers, a ban is asked again once a second: it may have been lifted.
     const ban = this.bans.get(name, now, !this.fleet.failing);
@@ -182,8 +181,23 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       this.leases.sweep(this.redisClock.now());
       // A leased unit's usage event comes in a batch, its credit from a credit lease: with both,
       // the batch spends the credit from the lease's hold (usagebatch.lua).
-      // A subject with concurrency or burst takes no lease: each of its admissions is Redis's (docs/reference.md).
-      const size = cost === 1 && !solo && !this.closing && !hasShort(subject) ? leaseSize(limits, this.o.leaseMax) : 1;
+      // A call asking for the subject's burst tokens in flight: this request waits for them.
+      const tokensAsked = this.tokens.asked(subject, cost, this.slots.hasIdle(subject.name));
+      if (tokensAsked) {
+        const since = this.clock.mono();
+        await tokensAsked;
+        waitedMs += this.clock.mono() - since;
+        const now = this.decideHere(subject, cost, tag);
+        if (now) return { ...now, redisMs: waitedMs };
+        continue;
+      }
+      let size = cost === 1 && !solo && !this.closing ? leaseSize(limits, this.o.leaseMax) : 1;
+      // A subject with concurrency or burst asks Redis for a slot or tokens: with units here, or
+      // a sibling's call bringing some (which brings no slot for this request), no lease more.
+      // A burst too small to lease tokens (under 10) has every request decided by Redis: no lease either.
+      const short = subject.short;
+      if (size > 1 && short && (this.leases.hasUnits(name) || (short.concurrent && this.leases.inFlight(name)))) size = 1;
+      if (short?.burst && this.tokens.perCall(short.burst.size) === 0) size = 1;
       if (size === 1) return this.ask(subject, 1, cost, tag, waitedMs);
       const pending = this.leases.inFlight(name);
       if (pending) {
@@ -206,6 +220,26 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
       );
       return call;
     }
+  }
+
+  /**
+   * A subject with concurrency or burst: whether what a unit of a lease needs beside it is here
+   * (a slot lingering, a leased token); if not, Redis decides (docs/reference.md).
+   */
+  private shortHere(subject: QuotaSubject): boolean {
+    const short = subject.short;
+    if (!short) return true;
+    return (!short.concurrent || this.slots.hasIdle(subject.name)) && (!short.burst || this.tokens.has(subject.name));
+  }
+
+  /** A leased unit's decision with the slot and the token it takes (a subject with concurrency or burst): its own copy. */
+  private shortOf(subject: QuotaSubject, d: Decision, lease: Lease): Decision {
+    const short = subject.short;
+    if (!short) return d;
+    if (short.burst) this.tokens.take(subject.name);
+    // Its own time, not the second's shared one: a burst's bound is over the admissions' times.
+    const nowMs = Math.min(this.redisClock.now(), lease.windowEndMs - 1);
+    return { ...d, nowMs, short: lease.short ?? {}, slot: short.concurrent ? this.slots.takeIdle(subject) : undefined };
   }
 
   /** A lease of `subject`'s, marked when its units' events are written in batches. */
@@ -258,64 +292,6 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     return d;
   }
 
-  /** One run of quota.lua: `back` the leases closed (their unused units and size), `refill` a lease taken ahead. */
-  private call(subject: QuotaSubject, c: QuotaCall): Promise<RawReply> {
-    return this.redis.quota(...quotaArgs(subject, c));
-  }
-
-  /**
-   * One call, bounded by timeoutMs. The script carries the moment this instance gives up, in
-   * Redis time, and changes nothing if Redis runs it later, so a request given up on is
-   * counted once, from the degraded budget. Undefined: Redis is failing (now declared).
-   */
-  private async timedCall(
-    subject: QuotaSubject,
-    lease: number,
-    cost: number,
-    refill: boolean,
-    tag?: EventTag,
-  ): Promise<{ counts?: WindowCounts; taken: number; sentMono: number; waitedMs: number; id: string }> {
-    // If the call fails they stay counted (the safe side); a credit lease's credits go back when it lapses in Redis.
-    const back = this.leases.takeUnused(subject.name);
-    const sentMono = this.clock.mono();
-    const sentAt = this.clock.wall();
-    // The call's id, and the id of a credit lease it takes.
-    const id = `${this.instanceId}:${++this.calls}`;
-    let reply: QuotaReply | typeof LATE;
-    try {
-      const deadline = this.redisClock.deadline(sentAt, this.o.timeoutMs);
-      const call = this.call(subject, { lease, back, deadline, cost, refill, tag, callId: id, slotTtlMs: this.o.slotTtlMs });
-      const raw = await within(call, this.o.timeoutMs);
-      reply = raw === LATE ? LATE : quotaReply(raw);
-      if (reply === LATE)
-        call.then(
-          (late) => this.undo(subject, quotaReply(late), sentMono, cost, id),
-          (err: unknown) => this.lost.add(subject, id, cost, sentMono, err),
-        );
-    } catch (err) {
-      const waitedMs = this.clock.mono() - sentMono;
-      this.o.observe(waitedMs / 1000);
-      this.lost.add(subject, id, cost, sentMono, err);
-      this.fleet.failed(err);
-      this.markWritten(subject, tag);
-      return { taken: 0, sentMono, waitedMs, id };
-    }
-    const waitedMs = this.clock.mono() - sentMono;
-    this.o.observe(waitedMs / 1000);
-    // Unanswered in time, or answered so late that Redis found its deadline passed.
-    if (reply === LATE || reply.outcome < 0) {
-      this.fleet.failed(new Error(`no answer within REDIS_TIMEOUT_MS (${this.o.timeoutMs} ms)`));
-      if (reply === LATE) this.markWritten(subject, tag);
-      return { taken: 0, sentMono, waitedMs, id };
-    }
-    this.markWritten(subject, tag, reply);
-    this.redisClock.learn(reply.nowMs, sentAt);
-    const counts = countsOf(reply);
-    if (subject.short) Object.assign(counts, shortOf(subject, reply, id));
-    this.budget.see(subject.name, counts);
-    return { counts, taken: reply.taken, sentMono, waitedMs, id };
-  }
-
   /**
    * A reply that came after this instance gave up on it (and answered the request otherwise:
    * 503, or the degraded budget): what it counted is undone. A lease's units are given back
@@ -337,10 +313,21 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * fails meanwhile. `waitedMs`: what the request already waited on a sibling's call.
    */
   private async ask(subject: QuotaSubject, lease: number, cost: number, tag: EventTag | undefined, waitedMs: number): Promise<Decision> {
-    const { counts, taken, sentMono, waitedMs: callMs, id } = await this.timedCall(subject, lease, cost, false, tag);
+    const want = this.tokens.want(subject, cost, lease > 1 || this.leases.hasUnits(subject.name));
+    // A slot lingering here goes with the call: still held in Redis, it needs no free one.
+    const kept = subject.short?.concurrent ? this.slots.takeIdle(subject) : undefined;
+    const answered = want > 0 ? this.tokens.ask(subject.name) : undefined;
+    const { counts, taken, tokens, sentMono, waitedMs: callMs, id } = await this.quota.call(subject, lease, cost, false, tag, want, kept);
+    // Granted before the requests waiting for them resume (quota-calls.ts never throws).
+    if (tokens > 0) this.tokens.grant(subject.name, tokens, sentMono, this.o.burstTokenMs);
+    answered?.();
+    // Not admitted: the slot it brought lingers on (or is released in the next round).
+    if (kept && counts?.slot !== kept) this.slots.end(subject, kept);
     if (!counts) return waited(this.degradedDecision(subject, cost), waitedMs + callMs);
     const held = taken > cost ? this.leaseFor(subject, leaseOf(taken - 1, taken, sentMono, counts.nowMs, counts, id)) : undefined;
     if (held) this.hold(subject, held, false);
+    if (counts.short) this.leases.seeShort(subject.name, counts.short);
+
     this.learnBan(subject.name, counts);
     if (counts.slot) this.slots.hold(subject, counts.slot);
     const d = waited(decision(subject, counts), waitedMs + callMs);
@@ -366,12 +353,14 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   private refill(subject: QuotaSubject, size: number): void {
     const { name } = subject;
     if (this.leases.inFlight(name) || this.leases.hasAhead(name)) return;
-    const done = this.timedCall(subject, size, 1, true).then(({ counts, taken, sentMono, id }) => {
+    const done = this.quota.call(subject, size, 1, true).then(({ counts, taken, sentMono, id }) => {
       if (!counts) return false;
       this.learnBan(name, counts);
       // With credits, a lease may be smaller than asked (1% of the balance): its size is what was taken.
-      if (counts.outcome !== 'banned' && taken > 0)
+      if (counts.outcome !== 'banned' && taken > 0) {
         this.hold(subject, this.leaseFor(subject, leaseOf(taken, taken, sentMono, counts.nowMs, counts, id)), true);
+        if (counts.short) this.leases.seeShort(name, counts.short);
+      }
       return taken > 0;
     });
     this.leases.track(name, done);
@@ -406,18 +395,6 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
   }
 
   /**
-   * Marks the account for the usage loops when the call wrote to its streams: a request's event
-   * (or, with credits, a grant's), an alert; without a reply (a call that failed or was given
-   * up on), whatever it may have written.
-   */
-  private markWritten(subject: QuotaSubject, tag: EventTag | undefined, reply?: QuotaReply): void {
-    if (!this.statuses.marking) return;
-    const events = tag !== undefined && subject.events > 0;
-    if (events && (!reply || reply.eventId || subject.billing.credits)) this.statuses.mark('usage', subject);
-    if (subject.alerts && (!reply || reply.alerted)) this.statuses.mark('alerts', subject);
-  }
-
-  /**
    * An admitted request's final status, joined to its usage event: a leased admission's in its
    * event's batch (event-batches.ts), any other's by the status writer.
    */
@@ -427,9 +404,12 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.statuses.record(subject, eventId, status);
   }
 
-  /** A request holding a concurrency slot ended, whichever way: the slot is free for every instance. */
+  /**
+   * A request holding a concurrency slot ended, whichever way: the slot lingers for the
+   * account's next request here (CONCURRENCY_SLOT_LINGER_MS), then is free for every instance.
+   */
   release(subject: QuotaSubject, slot: string): void {
-    this.slots.release(subject, slot);
+    this.slots.end(subject, slot);
   }
 
   refund(subject: QuotaSubject, countedAtMs: number, cost = 1, eventId?: string): Promise<void> {
