@@ -2,12 +2,14 @@ import { parentPort } from 'node:worker_threads';
 import { ConfigError } from '../config/config.js';
 import { createKey, KeyFileError, revokeKey, rotateKey, setAccountIn } from './key-file.js';
 import type { KeyFileCall, KeyFileReply } from './key-file-thread.js';
+import { asBackgroundThread } from '../config/thread-priority.js';
 
 // The thread of key-file-thread.ts: a key change in the config file (read, parse, edit, check,
 // write: seconds at 100,000 keys) made here, off the request thread, one at a time.
 
 const OPS = { createKey, revokeKey, rotateKey, setAccountIn } as Record<KeyFileCall['op'], (...args: unknown[]) => Promise<unknown>>;
 const port = parentPort!;
+asBackgroundThread();
 
 port.on('message', async ({ id, op, args }: KeyFileCall) => {
   let reply: KeyFileReply;

@@ -1,6 +1,7 @@
 import { parentPort, workerData } from 'node:worker_threads';
 import { ConfigError, type ConfigOptions, readConfigFile } from './config.js';
 import type { FromLoader } from './load-thread.js';
+import { asBackgroundThread } from './thread-priority.js';
 
 // A reload's thread (load-thread.ts): reads and validates the config file off the request
 // thread, then hands it over: its sections without the keys first, then the keys a slice at a
@@ -8,6 +9,7 @@ import type { FromLoader } from './load-thread.js';
 
 const { path, options, slice } = workerData as { path: string; options: ConfigOptions; slice: number };
 const port = parentPort!;
+asBackgroundThread();
 const post = (m: FromLoader) => port.postMessage(m);
 
 try {
