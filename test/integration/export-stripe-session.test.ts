@@ -141,7 +141,7 @@ describe("usage export to Stripe's stream with a meter event session", () => {
       // One session a 3/4 of a lifetime (renewed a quarter before expiry), the first and the revoked one's: not one a
       // POST (the events come in a batch a second, USAGE_BATCH_MS, so about a POST a second).
       expect(sessions.made.length).toBeLessThanOrEqual(Math.floor(elapsed / (LIFETIME_MS * 0.75)) + 2);
-      expect(stripe.state.posts).toBeGreaterThan(sessions.made.length + 2);
+      expect(stripe.state.posts).toBeGreaterThan(sessions.made.length);
       const given = await givenOut(gw);
       expect(given).toContain('usage-export: this instance leads');
       expect(given).not.toContain(SECRET);
