@@ -97,6 +97,8 @@ export interface Sessions {
   refusedTokens: number;
   /** Revoke the token the next stream POST carries, before reading it: a token Stripe stopped taking early. */
   revokeNext: boolean;
+  /** Refuse every token while set, naming it in the message (none of Stripe's messages do): a log must not carry it. */
+  refuseAll: boolean;
 }
 
 async function serve<E>(
@@ -202,6 +204,11 @@ async function session(s: Sessions, req: IncomingMessage, res: ServerResponse): 
 /** The stream takes a live session's token only: an unknown or expired one is a 401, as Stripe's. */
 function authorized(s: Sessions, req: IncomingMessage, res: ServerResponse): boolean {
   const token = /^Bearer (.+)$/.exec(req.headers.authorization ?? '')?.[1];
+  if (s.refuseAll) {
+    s.refusedTokens++;
+    json(res, 401, { error: { type: 'invalid_request_error', code: 'invalid_token', message: `Token ${token} is not valid.` } });
+    return false;
+  }
   if (s.revokeNext && token !== undefined) {
     s.tokens.delete(token);
     s.revokeNext = false;
@@ -259,7 +266,7 @@ export function startStripe(
       );
     },
     compile(StripeStream),
-    auth && { ...auth, tokens: new Map(), made: [], refusedKeys: [], refusedTokens: 0, revokeNext: false },
+    auth && { ...auth, tokens: new Map(), made: [], refusedKeys: [], refusedTokens: 0, revokeNext: false, refuseAll: false },
   );
 }
 

@@ -186,4 +186,33 @@ describe("usage export to Stripe's stream with a meter event session", () => {
     },
     timeoutFor(SETUP_RETRY_MS, 20_000, 20_000),
   );
+
+  it(
+    'retries a stream that refuses every token like a 5xx, without the token in its log line, and loses none',
+    async () => {
+      const stripe = await startStripe(['cus_0'], { secret: SECRET, lifetimeMs: 60_000 });
+      secretInEnv('STRIPE_SESSION_TEST_KEY', SECRET);
+      const key = makeKey('metered');
+      const sessionUrl = stripe.url.replace(/meter_event_stream$/, 'meter_event_session');
+      const gw = await buildTestGateway({
+        config: stripeConfig([key], stripe.url, { secretKey: '${STRIPE_SESSION_TEST_KEY}', sessionUrl }),
+      });
+      const sessions = stripe.sessions!;
+      sessions.refuseAll = true;
+      await send(gw, key, 10);
+      const line = await gw.waitForLog((l) => l.msg === 'usage export: a batch failed');
+      expect(String(line.cause)).toMatch(/^the sink answered 401: Token <token> is not valid\.$/);
+      // One new session for the first 401 of a batch, none for the second: the round fails and is retried.
+      expect(sessions.refusedTokens).toBeGreaterThanOrEqual(2);
+      sessions.refuseAll = false;
+      await eventually(() => stripe.kept.size === 10, 20_000, 'the 10 events at Stripe');
+      await eventually(async () => (await gw.gateway.store.exportState!(subjectOf(gw, key.id))).pending === 0, 20_000, 'the cursor moved');
+      expect(stripe.meter.get('cus_0')).toBe(10);
+      expect(stripe.state.duplicates).toBe(0);
+      const given = await givenOut(gw);
+      expect(given).not.toContain(SECRET);
+      expect(given).not.toContain('mes_tok_');
+    },
+    timeoutFor(20_000, 20_000, 20_000),
+  );
 });
