@@ -127,6 +127,9 @@ describe("usage export to Stripe's stream with a meter event session", () => {
       expect(stripe.state.duplicates).toBe(0);
       expect(stripe.meter.get('cus_0')).toBe(sent / 2);
       expect(stripe.meter.get('cus_1')).toBe(sent / 2);
+      // The cursors move once Stripe answered: a moment after the last events were kept.
+      for (const key of keys)
+        await eventually(async () => (await gw.gateway.store.exportState!(subjectOf(gw, key.id))).pending === 0, 20_000, 'moved');
       for (const key of keys)
         expect(await gw.gateway.store.exportState!(subjectOf(gw, key.id))).toMatchObject({
           exported: sent / 2,
