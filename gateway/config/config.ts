@@ -1,5 +1,5 @@
 import { UNREADABLE, yamlProblem } from './read-errors.js';
-import { headerProblems } from './env-template.js';
+import { headerProblems, secretProblems } from './env-template.js';
 import { exportProblems, type UsageExport, UsageExportSchema } from './usage-export.js';
 import { readFileSync } from 'node:fs';
 import { type Static, type TOptional, Type } from '@sinclair/typebox';
@@ -301,6 +301,7 @@ function crossChecks(file: ConfigFile, options: ConfigOptions): string[] {
     }
   });
   problems.push(...headerProblems(file.usage?.export.headers, 'usage.export.headers', options.env ?? process.env));
+  problems.push(...secretProblems(file.usage?.export.stripe?.secretKey, 'usage.export.stripe.secretKey', options.env ?? process.env));
   problems.push(...exportProblems(file.usage?.export));
   return problems;
 }

@@ -54,3 +54,13 @@ export function headerProblems(headers: Readonly<Record<string, string>> | undef
   }
   return problems;
 }
+
+/** A secret named in the file: exactly one `${NAME}`, set in `env`, on one line; a filled value is never quoted. */
+export function secretProblems(value: string | undefined, path: string, env: NodeJS.ProcessEnv): string[] {
+  if (value === undefined) return [];
+  if (!/^\$\{[A-Za-z_][A-Za-z0-9_]*\}$/.test(value))
+    return [`${path}: a secret comes from the environment, not the file (e.g. "\${STRIPE_SECRET_KEY}")`];
+  const { value: filled, missing } = fill(value, env);
+  if (missing.length > 0) return [`${path}: ${value} not set in the environment`];
+  return /[\r\n\0]/.test(filled) ? [`${path}: its value from the environment holds a line break`] : [];
+}

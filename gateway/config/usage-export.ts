@@ -24,8 +24,20 @@ export const UsageExportSchema = Type.Object(
     headers: Type.Optional(Type.Record(Type.String({ pattern: "^[A-Za-z0-9!#$%&'*+.^_`|~-]+$" }), Type.String({ maxLength: 4096 }))),
     /** Account → the biller's customer (Stripe: `cus_…`) or subscription (Lago: its `external_id`). */
     customers: Type.Optional(Type.Record(Type.String({ pattern: '^[a-z0-9_-]{1,64}$' }), Name)),
-    /** The meter's `event_name` on Stripe's side. */
-    stripe: Type.Optional(Type.Object({ eventName: Type.Optional(Name) }, { additionalProperties: false })),
+    /**
+     * `eventName`: the meter's `event_name` on Stripe's side. `secretKey`: a `${NAME}` filled from the environment; with
+     * it the export thread makes and renews the stream's meter event session itself (stripe-session.ts).
+     */
+    stripe: Type.Optional(
+      Type.Object(
+        {
+          eventName: Type.Optional(Name),
+          secretKey: Type.Optional(Type.String({ maxLength: 200 })),
+          sessionUrl: Type.Optional(Type.String({ pattern: '^https?://[^\\s]+$' })),
+        },
+        { additionalProperties: false },
+      ),
+    ),
     /** The billable metric's `code` on Lago's side. */
     lago: Type.Optional(Type.Object({ code: Type.Optional(Name) }, { additionalProperties: false })),
   },
@@ -37,6 +49,9 @@ export type UsageExport = Omit<Static<typeof UsageExportSchema>, 'headers'> & {
   headers?: Readonly<Record<string, string>>;
 };
 export type ExportFormat = NonNullable<UsageExport['format']>;
+
+/** Where a meter event session is made (Stripe's API reference, v2 Billing: Meter Event Streams). */
+export const STRIPE_SESSION_URL = 'https://api.stripe.com/v2/billing/meter_event_session';
 
 /** A format's events a POST may carry: the configured batch, capped by the biller's limit. */
 export const batchLimit = (target: UsageExport) =>
@@ -50,6 +65,11 @@ export function exportProblems(target: UsageExport | undefined): string[] {
   if (biller && target.customers === undefined)
     problems.push(`usage.export.customers: required with format ${target.format} (account → its ${target.format} customer)`);
   if (!biller && target.customers !== undefined) problems.push('usage.export.customers: only with format stripe or lago');
+  if (target.stripe?.sessionUrl !== undefined && target.stripe.secretKey === undefined)
+    problems.push('usage.export.stripe.sessionUrl: only with usage.export.stripe.secretKey');
+  const own = Object.keys(target.headers ?? {}).find((h) => h.toLowerCase() === 'authorization');
+  if (target.stripe?.secretKey !== undefined && own !== undefined)
+    problems.push(`usage.export.headers.${own}: set from the meter event session when usage.export.stripe.secretKey is set`);
   for (const section of ['stripe', 'lago'] as const)
     if (target[section] !== undefined && target.format !== section) problems.push(`usage.export.${section}: only with format ${section}`);
   return problems;

@@ -5,6 +5,7 @@ import { type EncodedEvent, REFUND_TYPE, REQUEST_TYPE, splitEvents } from './eve
 import { isPermanent, waitMs } from './http-sink.js';
 import { POST_TIMEOUT_MS } from './leader.js';
 import type { Accepted, UsageSink } from './sink.js';
+import type { StripeSession } from './stripe-session.js';
 
 // Stripe's and Lago's sink profiles (issue 49): our CloudEvents translated in the export thread
 // into the biller's own batch, and the biller's answers read by its documented rules.
@@ -138,6 +139,8 @@ export class BillerSink implements UsageSink {
   constructor(
     readonly target: UsageExport & { format: 'stripe' | 'lago' },
     private readonly headers: Readonly<Record<string, string>> = {},
+    /** With `stripe.secretKey`: the stream's token comes from it (the config refuses an Authorization header then). */
+    private readonly session?: StripeSession,
   ) {
     this.customers = target.customers ?? {};
     this.profile =
@@ -165,11 +168,20 @@ export class BillerSink implements UsageSink {
         else pending.push(u as Usage);
       }
     let held = 0;
-    // Each turn takes at least one event out, so this ends.
+    let renewed = false;
+    // Each turn takes at least one event out, or renews the session once, so this ends.
     while (pending.length > 0) {
-      const answer = await this.post(this.profile.body(pending), lost);
+      const token = await this.session?.token(lost);
+      if (typeof token === 'object') return { accepted: 'none', ...token };
+      const answer = await this.post(this.profile.body(pending), lost, token);
       if ('accepted' in answer) return answer;
       if (answer.status >= 200 && answer.status < 300) break;
+      // A token expired early (or revoked): one new session, and the same events again.
+      if (answer.status === 401 && token !== undefined && !renewed) {
+        this.session!.expire(token);
+        renewed = true;
+        continue;
+      }
       const named = this.profile.named(answer.status, answer.body, pending);
       const reason = `the sink answered ${answer.status}${answer.message ? `: ${answer.message}` : ''}`;
       if (!named) {
@@ -191,16 +203,19 @@ export class BillerSink implements UsageSink {
   private async post(
     body: string,
     lost: AbortSignal,
+    token?: string,
   ): Promise<Accepted | { status: number; body: string; message: string; headers: Record<string, string | string[] | undefined> }> {
     try {
       const res = await request(this.target.url, {
         method: 'POST',
-        headers: { ...this.headers, 'content-type': 'application/json' },
+        headers: { ...this.headers, ...(token !== undefined && { authorization: `Bearer ${token}` }), 'content-type': 'application/json' },
         body,
         signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
       });
       const text = await res.body.text();
-      return { status: res.statusCode, body: text, message: errorMessage(text).slice(0, 200), headers: res.headers };
+      // A message that echoes the token (none of Stripe's do) must not carry it into a log line.
+      const message = errorMessage(text).slice(0, 200);
+      return { status: res.statusCode, body: text, message: token ? message.replaceAll(token, '<token>') : message, headers: res.headers };
     } catch (err) {
       lost.throwIfAborted();
       return { accepted: 'none', reason: (err as Error).message };

@@ -1,12 +1,14 @@
 import { parentPort, workerData } from 'node:worker_threads';
 import type { FastifyBaseLogger } from 'fastify';
-import { fillHeaders } from '../config/env-template.js';
+import { fill, fillHeaders } from '../config/env-template.js';
+import { STRIPE_SESSION_URL, type UsageExport } from '../config/usage-export.js';
 import { closeRedis, connectRedis } from '../redis/client.js';
 import { accountOfName } from '../redis/keys.js';
 import { type ExportConfig, UsageExporter } from './exporter.js';
 import type { FromThread, PostedConfig, ThreadData, ToThread } from './export-thread.js';
 import { BillerSink } from './biller-sink.js';
 import { HttpCloudEventsSink } from './http-sink.js';
+import { StripeSession } from './stripe-session.js';
 
 // Started by export-thread.ts; config, log lines and metrics cross as messages.
 
@@ -38,6 +40,17 @@ const log = {
   trace: () => {},
 } as unknown as FastifyBaseLogger;
 
+/** Kept across reloads that leave the key and the URL as they were: a key edit makes no new session. */
+let session: { same: string; session: StripeSession } | undefined;
+function sessionOf(target: UsageExport, headers: Readonly<Record<string, string>>): StripeSession | undefined {
+  const key = target.format === 'stripe' ? target.stripe?.secretKey : undefined;
+  if (key === undefined) return (session = undefined);
+  const [url, secret] = [target.stripe?.sessionUrl ?? STRIPE_SESSION_URL, fill(key, process.env).value];
+  const same = JSON.stringify([url, secret, headers]);
+  if (session?.same !== same) session = { same, session: new StripeSession(url, secret, headers) };
+  return session.session;
+}
+
 const redis = connectRedis(data.target, data.timeoutMs)!;
 const exporter = new UsageExporter({
   redis,
@@ -56,7 +69,7 @@ const exporter = new UsageExporter({
     const headers = fillHeaders(target.headers, process.env);
     const { format } = target;
     return format === 'stripe' || format === 'lago'
-      ? new BillerSink({ ...target, format }, headers)
+      ? new BillerSink({ ...target, format }, headers, sessionOf(target, headers))
       : new HttpCloudEventsSink(target.url, headers);
   },
 });

@@ -82,6 +82,14 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
 
   protected failed(target: UsageExport, err: Error, retryInMs: number): void {
     this.metrics.failed();
+    if (err instanceof DeliveryFailed && err.setup) {
+      const sink = this.sinkOf(target).name;
+      this.log.error(
+        { sink, cause: err.message, retryInMs: Math.round(retryInMs) },
+        'usage export: the sink refuses our credentials; events wait',
+      );
+      return;
+    }
     this.log.warn({ sink: this.sinkOf(target).name, cause: err.message, retryInMs: Math.round(retryInMs) }, 'usage export: a batch failed');
   }
 
@@ -221,7 +229,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       if (answer.held) this.metrics.duplicates(answer.held);
       return;
     }
-    if (!answer.permanent) throw new DeliveryFailed(answer.reason, { retryAfterMs: answer.retryAfterMs });
+    if (!answer.permanent) throw new DeliveryFailed(answer.reason, { retryAfterMs: answer.retryAfterMs, setup: answer.setup });
     const events = batch.length === 1 ? splitEvents(batch[0]!) : batch;
     if (events.length > 1) {
       const half = Math.ceil(events.length / 2);

@@ -57,10 +57,13 @@ export class LeadLost extends Error {}
 /** The far end failed, timed out or refused: what the failure metric counts, unlike a Redis failure. */
 export class DeliveryFailed extends Error {
   readonly retryAfterMs?: number;
+  /** About the sink's setup (a credential refused), not the events: an operator's to fix. */
+  readonly setup: boolean;
 
-  constructor(message: string, options?: ErrorOptions & { retryAfterMs?: number }) {
+  constructor(message: string, options?: ErrorOptions & { retryAfterMs?: number; setup?: boolean }) {
     super(message, options);
     this.retryAfterMs = options?.retryAfterMs;
+    this.setup = options?.setup ?? false;
   }
 }
 

@@ -13,6 +13,8 @@ export type Accepted =
       accepted: 'none';
       reason: string;
       retryAfterMs?: number;
+      /** The sink refuses our credentials (Stripe, the secret key): its operator's to fix; logged as an error. */
+      setup?: true;
       /** The sink's answer is about the events (400, 409, 413, 422): the batch is split to find the one refused. */
       permanent?: { status: number };
     };

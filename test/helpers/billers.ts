@@ -78,24 +78,49 @@ interface Double<E> {
     /** When each POST arrived (ms). */
     times: number[];
   };
+  /** Stripe's meter event sessions, when the double was started with a secret key. */
+  sessions?: Sessions;
+}
+
+/** Stripe's `POST /v2/billing/meter_event_session` and the tokens it gave, each valid `lifetimeMs`. */
+export interface Sessions {
+  /** The secret key it takes (Bearer): set another to refuse the gateway's, as Stripe does a revoked key. */
+  secret: string;
+  lifetimeMs: number;
+  /** Token → when it expires (ms). */
+  tokens: Map<string, number>;
+  /** Sessions made, with when. */
+  made: number[];
+  /** Session requests refused for a wrong key, with when. */
+  refusedKeys: number[];
+  /** Stream POSTs refused for an unknown or expired token. */
+  refusedTokens: number;
+  /** Revoke the token the next stream POST carries, before reading it: a token Stripe stopped taking early. */
+  revokeNext: boolean;
+  /** Refuse every token while set, naming it in the message (none of Stripe's messages do): a log must not carry it. */
+  refuseAll: boolean;
 }
 
 async function serve<E>(
   path: string,
   handle: (body: unknown, d: Double<E>, res: ServerResponse) => void,
   validate: ValidateFunction,
+  sessions?: Sessions,
 ): Promise<Double<E>> {
   const d: Double<E> = {
+    ...(sessions && { sessions }),
     url: '',
     kept: new Map(),
     meter: new Map(),
     state: { posts: 0, sizes: [], invalid: [], duplicates: 0, duplicateEvents: 0, failAfterKeeping: 0, keepHalf: false, times: [] },
   };
   const server = createServer(async (req: IncomingMessage, res) => {
+    if (d.sessions && req.url === SESSION_PATH) return void session(d.sessions, req, res);
     d.state.times.push(Date.now());
     await d.state.gate;
     const body = await text(req);
     d.state.posts++;
+    if (d.sessions && !authorized(d.sessions, req, res)) return;
     if (req.method !== 'POST' || req.url !== path || req.headers['content-type'] !== 'application/json')
       return void res.writeHead(404).end();
     const answer = d.state.answer;
@@ -148,14 +173,71 @@ function keep<E>(d: Double<E>, res: ServerResponse, list: E[], id: (e: E) => str
   json(res, 200, {});
 }
 
+const SESSION_PATH = '/v2/billing/meter_event_session';
+let tokenSeq = 0;
+
+/**
+ * A session for the secret key (Bearer), else 401 as Stripe answers a wrong key (it masks the
+ * key in its message): `{id, object, authentication_token, created, expires_at, livemode}`.
+ */
+async function session(s: Sessions, req: IncomingMessage, res: ServerResponse): Promise<void> {
+  await text(req);
+  if (req.method !== 'POST') return void res.writeHead(405).end();
+  const now = Date.now();
+  if (req.headers.authorization !== `Bearer ${s.secret}`) {
+    s.refusedKeys.push(now);
+    return json(res, 401, { error: { type: 'invalid_request_error', message: 'Invalid API Key provided: sk_test_****' } });
+  }
+  const token = `mes_tok_${process.pid}_${++tokenSeq}_${Math.random().toString(36).slice(2)}`;
+  s.tokens.set(token, now + s.lifetimeMs);
+  s.made.push(now);
+  json(res, 200, {
+    id: `mes_${tokenSeq}`,
+    object: 'v2.billing.meter_event_session',
+    authentication_token: token,
+    created: new Date(now).toISOString(),
+    expires_at: new Date(now + s.lifetimeMs).toISOString(),
+    livemode: false,
+  });
+}
+
+/** The stream takes a live session's token only: an unknown or expired one is a 401, as Stripe's. */
+function authorized(s: Sessions, req: IncomingMessage, res: ServerResponse): boolean {
+  const token = /^Bearer (.+)$/.exec(req.headers.authorization ?? '')?.[1];
+  if (s.refuseAll) {
+    s.refusedTokens++;
+    json(res, 401, { error: { type: 'invalid_request_error', code: 'invalid_token', message: `Token ${token} is not valid.` } });
+    return false;
+  }
+  if (s.revokeNext && token !== undefined) {
+    s.tokens.delete(token);
+    s.revokeNext = false;
+  }
+  const expires = token === undefined ? undefined : s.tokens.get(token);
+  if (expires !== undefined && Date.now() < expires) return true;
+  s.refusedTokens++;
+  json(res, 401, {
+    error:
+      expires === undefined
+        ? { type: 'invalid_request_error', code: 'invalid_token', message: 'The provided authentication token is not valid.' }
+        : { type: 'invalid_request_error', code: 'billing_meter_event_session_expired', message: 'The meter event session has expired.' },
+  });
+  return false;
+}
+
 export type StripeEvent = Static<typeof StripeStream>['events'][number];
 
 /**
  * Stripe's v2 meter event stream: a request is refused whole (400, its `error.message`) for an
  * unknown customer, a timestamp outside the past 35 days (or over 5 minutes ahead), or an
  * identifier it holds: `An event already exists with identifier <id>.`. A SUM meter by customer.
+ * With `auth`, the stream takes a meter event session's token, made at `/v2/billing/meter_event_session`.
  */
-export function startStripe(customers: readonly string[]): Promise<Double<StripeEvent>> {
+export function startStripe(
+  customers: readonly string[],
+  /** Stripe's meter event sessions in front of the stream: the secret key they take, and each token's life. */
+  auth?: { secret: string; lifetimeMs: number },
+): Promise<Double<StripeEvent>> {
   const known = new Set(customers);
   const refuse = (res: ServerResponse, message: string) => json(res, 400, { error: { type: 'invalid_request_error', message } });
   return serve<StripeEvent>(
@@ -184,6 +266,7 @@ export function startStripe(customers: readonly string[]): Promise<Double<Stripe
       );
     },
     compile(StripeStream),
+    auth && { ...auth, tokens: new Map(), made: [], refusedKeys: [], refusedTokens: 0, revokeNext: false, refuseAll: false },
   );
 }
 
