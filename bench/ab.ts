@@ -139,7 +139,7 @@ async function variantsOf(bed: Awaited<ReturnType<typeof benchBed>>): Promise<Va
     }
     if (config === 'concurrent' || config === 'burst') {
       // The bench key with a concurrency limit or a burst no run reaches: what the policy itself
-      // costs (such a key takes no lease: every request is a script call, plus a release).
+      // costs (leased windows, lingering slots and leased tokens: reference.md, Concurrency and burst).
       const file = JSON.parse(readFileSync(bed.file, 'utf8')) as { keys: Array<{ limits: object }> };
       const short = config === 'concurrent' ? { concurrent: 100_000 } : { burst: { size: 1_000_000, perSecond: 1_000_000 } };
       file.keys[0]!.limits = { ...file.keys[0]!.limits, ...short };

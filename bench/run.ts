@@ -5,7 +5,7 @@ import { cpus } from 'node:os';
 import { join, resolve } from 'node:path';
 import { Redis } from 'ioredis';
 import { hashKey } from '../gateway/auth/keys.js';
-import { testConfig } from '../test/helpers/config.js';
+import { type TestKey, testConfig } from '../test/helpers/config.js';
 import { freePort, waitForPort } from '../test/helpers/net.js';
 import {
   benchBed,
@@ -136,6 +136,7 @@ function scriptCommands(): Set<string> {
  */
 function writeKeys(bed: Bed) {
   const [refused, banned, monthly, prepaid] = [legacyKey('refused'), legacyKey('banned'), legacyKey('monthly'), legacyKey('prepaid')];
+  const [concurrent, burst] = [legacyKey('concurrent'), legacyKey('burst')];
   const config = testConfig(
     [
       { id: 'bench', key: bed.key, hash: hashKey(bed.key), plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } },
@@ -143,6 +144,9 @@ function writeKeys(bed: Bed) {
       { ...banned, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } },
       { ...monthly, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9, perMonth: 1e12 } },
       { ...prepaid, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9 } },
+      // Issue 47's short policies, never reached by a run (wrk's 50 connections, its rate): what the policy itself costs.
+      { ...concurrent, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9, concurrent: 64 } as TestKey['limits'] },
+      { ...burst, plan: 'enterprise', limits: { perMinute: 1e9, perDay: 1e9, burst: { size: 1e6, perSecond: 1e6 } } as TestKey['limits'] },
     ],
     {
       // No ban from the 429 path's refusals: that path is measured on its own.
@@ -152,7 +156,7 @@ function writeKeys(bed: Bed) {
     },
   );
   writeFileSync(bed.file, JSON.stringify(config));
-  return { refused, banned, monthly, prepaid, config };
+  return { refused, banned, monthly, prepaid, concurrent, burst, config };
 }
 
 /** The bed's config without the prepaid account's credits, in a file of its own: what the in-process store may run. */
@@ -180,6 +184,9 @@ async function startAll(bed: Bed, exportFile: string) {
     // The billing features, each on a process of its own (a key with a month window; one with credits).
     monthly: await gateway('gateway-month', redis),
     prepaid: await gateway('gateway-credits', redis),
+    // A concurrency limit, and a burst, each on a process of its own (issue 47's target: 0.9x the plain key).
+    concurrent: await gateway('gateway-concurrent', redis),
+    burst: await gateway('gateway-burst', redis),
     // Usage export on: leased like the plain key, the events written in batches (USAGE_BATCH_MS),
     // an exporter posting them; its config keeps the prepaid account's credits, for the row with both.
     exporting: await gateway('gateway-export', { ...redis, GATEWAY_CONFIG: exportFile, REDIS_KEY_PREFIX: 'gwx' }),
@@ -214,6 +221,15 @@ function variantsOf(bed: Bed, p: Started, keys: ReturnType<typeof writeKeys>): V
       status: 200,
       redis: true,
     },
+    {
+      name: 'gateway, Redis, concurrency limit',
+      url: p.concurrent.url,
+      headers: auth(keys.concurrent.key),
+      pids: [p.concurrent.pid],
+      status: 200,
+      redis: true,
+    },
+    { name: 'gateway, Redis, burst limit', url: p.burst.url, headers: auth(keys.burst.key), pids: [p.burst.pid], status: 200, redis: true },
     { name: 'gateway, Redis, usage export', url: p.exporting.url, headers: ok, pids: [p.exporting.pid], status: 200, redis: true },
     { name: 'gateway, Redis, tracing on', url: p.tracing.url, headers: ok, pids: [p.tracing.pid], status: 200, redis: true },
     {
