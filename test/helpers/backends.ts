@@ -3,6 +3,7 @@ import type { AddressInfo } from 'node:net';
 import type { FastifyInstance } from 'fastify';
 import { buildBackend } from '../../backend/app.js';
 import { PetStore } from '../../backend/store.js';
+import { listening } from './net.js';
 
 export interface Seen {
   method: string;
@@ -93,4 +94,15 @@ export async function allPets(backendUrl: string): Promise<Array<{ id: number; n
     more = cursor !== undefined;
   }
   return pets;
+}
+
+/** A backend that drops every other connection unanswered: the gateway answers those 502 and refunds them. */
+export async function halfBroken(): Promise<string> {
+  let n = 0;
+  return listening(
+    createServer((req, res) => {
+      if (n++ % 2 === 1) return req.socket.destroy();
+      res.writeHead(200, { 'content-type': 'application/json' }).end('[]');
+    }),
+  );
 }

@@ -1,10 +1,11 @@
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http';
-import type { AddressInfo } from 'node:net';
+
 import { text } from 'node:stream/consumers';
 import { type Static, type TSchema, Type } from '@sinclair/typebox';
 import { Ajv2020, type ValidateFunction } from 'ajv/dist/2020.js';
 import addFormats from 'ajv-formats';
-import { onTestFinished } from 'vitest';
+
+import { listening } from './net.js';
 
 // Stripe's and Lago's documented rules on real HTTP servers. The request bodies are checked by
 // ajv against schemas written from the vendors' reference (Stripe: the `stripe` npm package's
@@ -143,15 +144,8 @@ async function serve<E>(
     }
     handle(parsed, d, res);
   });
-  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
-  onTestFinished(
-    () =>
-      new Promise<void>((r) => {
-        server.closeAllConnections();
-        server.close(() => r());
-      }),
-  );
-  d.url = `http://127.0.0.1:${(server.address() as AddressInfo).port}${path}`;
+  const base = await listening(server);
+  d.url = `${base}${path}`;
   return d;
 }
 

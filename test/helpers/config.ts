@@ -2,7 +2,7 @@ import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { generateKey } from '../../gateway/auth/keys.js';
-import type { ConfigFile, GatewayConfig } from '../../gateway/config/config.js';
+import { type ConfigError, type ConfigFile, type GatewayConfig, validateConfigFile } from '../../gateway/config/config.js';
 
 export interface TestKey {
   id: string;
@@ -97,4 +97,14 @@ export function call(url: string, key?: string, init: RequestInit = {}): Promise
   const headers = new Headers(init.headers);
   if (key) headers.set('authorization', `Bearer ${key}`);
   return fetch(url, { ...init, headers });
+}
+
+/** The problems validateConfigFile names for `file` with the environment `env`; none: it loads. */
+export function problemsOf(file: unknown, env: NodeJS.ProcessEnv): string[] {
+  try {
+    validateConfigFile(file, 'gateway.yaml', { env });
+    return [];
+  } catch (err) {
+    return (err as ConfigError).problems;
+  }
 }

@@ -1,4 +1,6 @@
-import { createServer, connect } from 'node:net';
+import type { Server } from 'node:http';
+import { type AddressInfo, createServer, connect } from 'node:net';
+import { onTestFinished } from 'vitest';
 import { scaled } from './budget.js';
 
 export function freePort(): Promise<number> {
@@ -29,4 +31,17 @@ export async function waitForPort(port: number, quietMs: number): Promise<void> 
     await new Promise((r) => setTimeout(r, 50));
   }
   throw new Error(`port ${port} did not open within ${timeoutMs} ms`);
+}
+
+/** Listens on a free loopback port, closed (its connections cut) when the test ends; its base URL. */
+export async function listening(server: Server): Promise<string> {
+  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+  onTestFinished(
+    () =>
+      new Promise<void>((r) => {
+        server.closeAllConnections();
+        server.close(() => r());
+      }),
+  );
+  return `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
 }

@@ -1,5 +1,3 @@
-import { createServer } from 'node:http';
-import type { AddressInfo } from 'node:net';
 import { Redis } from 'ioredis';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
@@ -9,6 +7,7 @@ import { startLago, startStripe } from '../helpers/billers.js';
 import { call, makeKey, type TestKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { eventually } from '../helpers/time.js';
+import { halfBroken } from '../helpers/backends.js';
 
 // Stripe's and Lago's sink profiles (issue 49, items 1 and 4) against doubles keeping the
 // billers' rules (test/helpers/billers.ts), through a real gateway and Redis, at the shipped
@@ -19,24 +18,6 @@ import { eventually } from '../helpers/time.js';
 const plans: ConfigFile['plans'] = { metered: { perMinute: 100_000, perDay: 1_000_000 } };
 const SHOP_REQUESTS = 240;
 const GHOST_REQUESTS = 6;
-
-/** A backend that drops every other connection unanswered: the gateway answers those 502 and refunds them. */
-async function halfBroken() {
-  let n = 0;
-  const server = createServer((req, res) => {
-    if (n++ % 2 === 1) return req.socket.destroy();
-    res.writeHead(200, { 'content-type': 'application/json' }).end('[]');
-  });
-  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
-  onTestFinished(
-    () =>
-      new Promise<void>((r) => {
-        server.closeAllConnections();
-        server.close(() => r());
-      }),
-  );
-  return `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
-}
 
 const metric = async (gw: TestGateway, name: string) =>
   Number(/ (\d+)$/m.exec(await gw.gateway.metrics.registry.getSingleMetricAsString(name))?.[1] ?? Number.NaN);

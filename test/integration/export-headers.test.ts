@@ -1,9 +1,9 @@
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
-import { type ConfigFile, ConfigError, validateConfigFile } from '../../gateway/config/config.js';
+import type { ConfigFile } from '../../gateway/config/config.js';
 import { echoBackend } from '../helpers/backends.js';
-import { call, makeKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
+import { call, makeKey, tempDir, testConfig, uniquePrefix, problemsOf } from '../helpers/config.js';
 import { type Started, startProcess } from '../helpers/processes.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
@@ -17,14 +17,6 @@ const TOKEN = 'admin-token-0123456789';
 const SECRET = 'om_live_5ecret0f7h3b1ller9q';
 const plans: ConfigFile['plans'] = { metered: { perMinute: 100_000, perDay: 1_000_000 } };
 
-const problemsOf = (file: unknown, env: NodeJS.ProcessEnv): string[] => {
-  try {
-    validateConfigFile(file, 'gateway.yaml', { env });
-    return [];
-  } catch (err) {
-    return (err as ConfigError).problems;
-  }
-};
 const withHeaders = (headers: Record<string, string>) =>
   testConfig([makeKey('metered')], {
     plans,

@@ -1,11 +1,10 @@
-import { createServer } from 'node:http';
-import type { AddressInfo } from 'node:net';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { call, makeKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway } from '../helpers/gateway.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
+import { halfBroken } from '../helpers/backends.js';
 
 // OpenMeter meters one exact event type (a meter's `eventType`) and dedupes on (source, id); its
 // SUM meter over `$.units` is what the docs' OpenMeter section tells a provider to define. With
@@ -15,24 +14,6 @@ import { eventually } from '../helpers/time.js';
 
 const plans: ConfigFile['plans'] = { metered: { perMinute: 100_000, perDay: 1_000_000 } };
 const REQUEST_TYPE = 'com.petstore.gateway.request';
-
-/** A backend that drops every other connection unanswered: the gateway answers those 502 and refunds them. */
-async function halfBroken() {
-  let n = 0;
-  const server = createServer((req, res) => {
-    if (n++ % 2 === 1) return req.socket.destroy();
-    res.writeHead(200, { 'content-type': 'application/json' }).end('[]');
-  });
-  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
-  onTestFinished(
-    () =>
-      new Promise<void>((r) => {
-        server.closeAllConnections();
-        server.close(() => r());
-      }),
-  );
-  return `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
-}
 
 describe('usage export in the openmeter format', () => {
   it("nets each refund in the request type's SUM meter: the meter equals the units delivered", async () => {

@@ -1,5 +1,5 @@
 import { createServer } from 'node:http';
-import type { AddressInfo } from 'node:net';
+
 import { text } from 'node:stream/consumers';
 import { type CloudEvent, HTTP } from 'cloudevents';
 import { Redis } from 'ioredis';
@@ -9,6 +9,7 @@ import { subjectKey } from '../../gateway/redis/keys.js';
 import { call, makeKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { eventually } from '../helpers/time.js';
+import { listening } from '../helpers/net.js';
 
 // A biller refuses a whole batch for one event it will never take (Stripe: an unknown customer,
 // or an event past its 35 days; Lago: a 422 for the batch), and answers a redelivered event with
@@ -47,15 +48,8 @@ async function biller(unknown: string) {
     }
     res.writeHead(200).end();
   });
-  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
-  onTestFinished(
-    () =>
-      new Promise<void>((r) => {
-        server.closeAllConnections();
-        server.close(() => r());
-      }),
-  );
-  return { url: `http://127.0.0.1:${(server.address() as AddressInfo).port}/events`, kept, state };
+  const base = await listening(server);
+  return { url: `${base}/events`, kept, state };
 }
 
 const nameOf = (gw: TestGateway, id: string) => [...gw.gateway.config().consumers.values()].find((c) => c.id === id)!.subject;

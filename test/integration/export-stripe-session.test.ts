@@ -1,8 +1,8 @@
 import { describe, expect, it, onTestFinished } from 'vitest';
-import { type ConfigError, type ConfigFile, validateConfigFile } from '../../gateway/config/config.js';
+import type { ConfigFile } from '../../gateway/config/config.js';
 import { SETUP_RETRY_MS } from '../../gateway/usage/stripe-session.js';
 import { startStripe } from '../helpers/billers.js';
-import { call, makeKey, type TestKey, testConfig } from '../helpers/config.js';
+import { call, makeKey, type TestKey, testConfig, problemsOf } from '../helpers/config.js';
 import { timeoutFor } from '../helpers/budget.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { eventually } from '../helpers/time.js';
@@ -16,15 +16,6 @@ const plans: ConfigFile['plans'] = { metered: { perMinute: 100_000, perDay: 1_00
 /** What a Stripe secret key looks like; searched for in everything the gateway gives out. */
 const SECRET = 'sk_test_51Gw4yS3cr3tK3yF0rTh3M3t3r';
 const LIFETIME_MS = 4000;
-
-const problemsOf = (file: unknown, env: NodeJS.ProcessEnv): string[] => {
-  try {
-    validateConfigFile(file, 'gateway.yaml', { env });
-    return [];
-  } catch (err) {
-    return (err as ConfigError).problems;
-  }
-};
 
 const stripeConfig = (keys: TestKey[], url: string, stripe: Record<string, string>, headers?: Record<string, string>) =>
   testConfig(keys, {
