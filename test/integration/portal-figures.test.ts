@@ -2,7 +2,7 @@ import { gzipSync } from 'node:zlib';
 import type { Browser, BrowserContext, Page } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { subjectKey } from '../../gateway/redis/keys.js';
-import { expectAccessible, freshPage, launch } from '../helpers/browser.js';
+import { expectAccessible, freshPage, launch, firstContentfulPaint } from '../helpers/browser.js';
 import { scaled } from '../helpers/budget.js';
 import { call, makeKey, redisKeyOf, type TestKey, testConfig } from '../helpers/config.js';
 import { buildInstances, type TestGateway } from '../helpers/gateway.js';
@@ -264,16 +264,7 @@ describe('the consumer page against what the gateway enforces', () => {
     await page.waitForSelector('[data-scope="account"]');
     const res = await page.goto(`${gws[1]!.url}/portal`);
     const body = await res!.body();
-    // The paint is recorded after the load event that goto waits for: observed, not read at once.
-    const fcp = await page.evaluate(
-      () =>
-        new Promise<number>((resolve) => {
-          new PerformanceObserver((list) => {
-            const paint = list.getEntriesByName('first-contentful-paint')[0];
-            if (paint) resolve(paint.startTime);
-          }).observe({ type: 'paint', buffered: true });
-        }),
-    );
+    const fcp = await firstContentfulPaint(page);
     const scripts = await page.evaluate(() => document.scripts.length);
     console.log(
       `portal page with a year of day buckets: first contentful paint ${fcp.toFixed(0)} ms; ${body.length} bytes of HTML (${gzipSync(body).length} gzipped), ${scripts} scripts`,

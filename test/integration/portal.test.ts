@@ -5,7 +5,16 @@ import type { Browser, BrowserContext, Page } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import { keysCommand } from '../../gateway/auth/cli.js';
 import { portalKeys } from '../../gateway/redis/keys.js';
-import { digest, expectAccessible, freshPage, launch, postForm, sessionCookieOf, windowFigures } from '../helpers/browser.js';
+import {
+  digest,
+  expectAccessible,
+  freshPage,
+  launch,
+  postForm,
+  sessionCookieOf,
+  windowFigures,
+  firstContentfulPaint,
+} from '../helpers/browser.js';
 import { makeKey, type TestKey, tempDir, testConfig } from '../helpers/config.js';
 import { issueKey } from '../helpers/admin.js';
 import { scaled } from '../helpers/budget.js';
@@ -474,16 +483,7 @@ describe('figures that agree with what the gateway enforces', () => {
       inline: [...document.scripts].reduce((n, s) => n + s.text.length, 0),
       fetched: performance.getEntriesByType('resource').filter((e) => (e as PerformanceResourceTiming).initiatorType === 'script').length,
     }));
-    // The paint is recorded after the load event that goto waits for: observed, not read at once (it raced, -1 ms).
-    const fcp = await page.evaluate(
-      () =>
-        new Promise<number>((resolve) => {
-          new PerformanceObserver((list) => {
-            const paint = list.getEntriesByName('first-contentful-paint')[0];
-            if (paint) resolve(paint.startTime);
-          }).observe({ type: 'paint', buffered: true });
-        }),
-    );
+    const fcp = await firstContentfulPaint(page);
     console.log(
       `portal page: ${html} bytes of HTML, ${scripts.inline} bytes of script (${scripts.fetched} fetched), first contentful paint ${fcp.toFixed(0)} ms`,
     );
