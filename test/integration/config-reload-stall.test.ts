@@ -1,8 +1,9 @@
-import { readdirSync, readFileSync } from 'node:fs';
+import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { describe, expect, it, onTestFinished } from 'vitest';
+import { beforeAll, describe, expect, it, onTestFinished } from 'vitest';
+import { compileConfig } from '../../gateway/config/config.js';
 import { generateKey } from '../../gateway/auth/keys.js';
-import { scaled, timeoutFor } from '../helpers/budget.js';
+import { timeoutFor } from '../helpers/budget.js';
 import { makeKey, tempDir, testConfig, writeConfig } from '../helpers/config.js';
 import { buildTestGateway } from '../helpers/gateway.js';
 import { adminCall, issueKey } from '../helpers/admin.js';
@@ -14,23 +15,39 @@ import { eventually } from '../helpers/time.js';
 
 const KEYS = 20_000;
 
+/** This thread's time on a CPU in ms (/proc/thread-self/schedstat, nanoseconds), or undefined off Linux. */
+function threadCpuMs(): number | undefined {
+  if (!existsSync('/proc/thread-self/schedstat')) return undefined;
+  return Number(readFileSync('/proc/thread-self/schedstat', 'utf8').split(' ')[0]) / 1e6;
+}
+
 /**
  * The test and the gateway share this event loop: the longest gap between two turns of a 5 ms
- * timer is the longest any request waited meanwhile.
+ * timer is the longest any request waited meanwhile. A gap is wall time, so on a loaded machine
+ * it also holds the time the scheduler gave this thread's CPU to others (a CI run once saw 201 ms
+ * in a gap); what the gateway's own code holds is this thread's CPU time within the gap, which
+ * is what is asserted (`held`), the wall gap printed beside it.
  */
-function longestGap(): { stop(): number } {
-  let longest = 0;
+function longestGap(): { stop(): { wallMs: number; heldMs: number } } {
+  let wall = 0;
+  let held = 0;
   let last = performance.now();
-  const tick = setInterval(() => {
+  let lastCpu = threadCpuMs();
+  const measure = () => {
     const now = performance.now();
-    longest = Math.max(longest, now - last);
+    const cpu = threadCpuMs();
+    wall = Math.max(wall, now - last);
+    held = Math.max(held, cpu === undefined || lastCpu === undefined ? now - last : cpu - lastCpu);
     last = now;
-  }, 5);
+    lastCpu = cpu;
+  };
+  const tick = setInterval(measure, 5);
   onTestFinished(() => clearInterval(tick));
   return {
     stop: () => {
       clearInterval(tick);
-      return Math.max(longest, performance.now() - last); // a stall just before the stop, no tick since
+      measure(); // a stall just before the stop, no tick since
+      return { wallMs: wall, heldMs: held };
     },
   };
 }
@@ -45,6 +62,23 @@ function threadNices(): number[] {
 const many = () => Array.from({ length: KEYS }, (_, i) => ({ id: `k${i}`, plan: 'free', ...generateKey('production') }));
 
 describe('a large key file', () => {
+  /**
+   * The reference, in this run on this machine: this thread's CPU time to compile the same keys
+   * at once (the better of two, the second warm), what a request would wait if the compile were
+   * not cut into turns (load-thread.ts). A turn of the gateway's holds a fraction of it.
+   */
+  let atOnceMs = 0;
+  beforeAll(() => {
+    const file = testConfig(many());
+    const times = [0, 1].map(() => {
+      const before = threadCpuMs() ?? performance.now();
+      compileConfig(file);
+      return (threadCpuMs() ?? performance.now()) - before;
+    });
+    atOnceMs = Math.min(...times);
+    console.log(`${KEYS} keys compiled at once: ${atOnceMs.toFixed(1)} ms of this thread's CPU`);
+  });
+
   it(`holds no request for long at ${KEYS.toLocaleString('en')} keys, then serves the new key`, {
     timeout: timeoutFor(60_000),
   }, async () => {
@@ -58,10 +92,12 @@ describe('a large key file', () => {
     writeConfig(file, testConfig([...keys, added])); // reloaded once the watch's debounce is over: later than this turn
     const gaps = longestGap();
     await gw.waitForLog((l) => l.msg === 'config reloaded', 60_000);
-    const longestMs = gaps.stop();
-    console.log(`reload of ${KEYS} keys: the event loop's longest delay ${longestMs.toFixed(1)} ms`);
-    // 50 ms is the goal (bench:scale measures it at 100,000); the margin is for a GC on a busy machine.
-    expect(longestMs).toBeLessThan(scaled(100));
+    const { wallMs, heldMs } = gaps.stop();
+    console.log(
+      `reload of ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU`,
+    );
+    // At most half the compile at once: a turn compiles for 5 ms (bench:scale measures the wait at 100,000).
+    expect(heldMs).toBeLessThan(atOnceMs / 2);
     expect((await gw.call('/v1/pets', added.key)).status).toBe(200);
   });
 
@@ -75,9 +111,11 @@ describe('a large key file', () => {
     const gaps = longestGap();
     const { key } = await issueKey(gw, token, { plan: 'free' }); // the file edited, then reloaded
     await eventually(async () => (await gw.call('/v1/pets', key)).status === 200, 60_000, 'the new key accepted');
-    const longestMs = gaps.stop();
-    console.log(`a key issued at ${KEYS} keys: the event loop's longest delay ${longestMs.toFixed(1)} ms`);
-    expect(longestMs).toBeLessThan(scaled(100));
+    const { wallMs, heldMs } = gaps.stop();
+    console.log(
+      `a key issued at ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU`,
+    );
+    expect(heldMs).toBeLessThan(atOnceMs / 2);
   });
 
   it(`an account's settings set through the admin port hold no request for long at ${KEYS.toLocaleString('en')} keys`, {
@@ -95,9 +133,11 @@ describe('a large key file', () => {
     // The edit's thread (kept 2 s once idle) runs at the lowest priority: on Linux a thread's nice is its own.
     if (process.platform === 'linux') expect(threadNices()).toContain(19);
     await gw.waitForLog((l) => l.msg === 'config reloaded', 60_000);
-    const longestMs = gaps.stop();
-    console.log(`an account set at ${KEYS} keys: the event loop's longest delay ${longestMs.toFixed(1)} ms`);
-    expect(longestMs).toBeLessThan(scaled(100));
+    const { wallMs, heldMs } = gaps.stop();
+    console.log(
+      `an account set at ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU`,
+    );
+    expect(heldMs).toBeLessThan(atOnceMs / 2);
   });
 
   it(`a key created in the portal holds no request for long at ${KEYS.toLocaleString('en')} keys`, {
@@ -127,8 +167,10 @@ describe('a large key file', () => {
     const created = await fetch(`${gw.url}/portal/keys`, form({ csrf }, cookie));
     expect(created.status).toBe(201);
     await gw.waitForLog((l) => l.msg === 'config reloaded', 60_000);
-    const longestMs = gaps.stop();
-    console.log(`a key created in the portal at ${KEYS} keys: the event loop's longest delay ${longestMs.toFixed(1)} ms`);
-    expect(longestMs).toBeLessThan(scaled(100));
+    const { wallMs, heldMs } = gaps.stop();
+    console.log(
+      `a key created in the portal at ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU`,
+    );
+    expect(heldMs).toBeLessThan(atOnceMs / 2);
   });
 });
