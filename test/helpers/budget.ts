@@ -53,3 +53,9 @@ export const BUDGET = {
  * than as a bare test timeout.
  */
 export const timeoutFor = (...waits: number[]) => scaled(BUDGET.test + waits.reduce((sum, ms) => sum + ms, 0));
+
+/**
+ * TEST_FULL_SIZE=1 (`npm run test:full`): the few tests that have an issue's full size run at it
+ * (minutes each, so not in `npm test`, which runs them smaller or not at all; each says which).
+ */
+export const FULL_SIZE = process.env.TEST_FULL_SIZE === '1';

@@ -10,6 +10,7 @@ import { MemoryQuotaStore } from '../../gateway/quota/memory-store.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis/store.js';
 import type { QuotaStore } from '../../gateway/quota/store.js';
 import { eventually, inOneMinute, sleep } from '../helpers/time.js';
+import { FULL_SIZE, timeoutFor } from '../helpers/budget.js';
 
 // Concurrency and burst (issue 47) at the store: the same atomic decision as the windows, the
 // credits and the ban, on the Redis store (quota.lua) and its in-process twin.
@@ -197,6 +198,59 @@ describe('across instances (three stores on one Redis)', () => {
     expect(burstTimes.length).toBeLessThanOrEqual(20 + Math.floor((10 * tau) / 1000));
     expect(worstExcess(burstTimes, 20, 10)).toBeLessThanOrEqual(0);
   }, 90_000);
+
+  // Issue 47's size, under `npm run test:full` only: 10⁶ calls take a minute or more here.
+  it.runIf(FULL_SIZE)(
+    'the boundary attack in 10⁶ calls from three instances: the fixed window 2x across W, the burst within its bound in every interval',
+    async () => {
+      const N = 1_000_000;
+      const stores = [redisStore(), redisStore(), redisStore()];
+      const fixed = { ...subject(1000, {}), bans: null, short: undefined };
+      // The burst alone binds: windows far above what it admits.
+      const burst = {
+        ...subject(20, { burst: { size: 20, perSecond: 10 } }),
+        bans: null,
+        limits: { perMinute: 10_000_000, perDay: 10_000_000 },
+      };
+      const burstTimes: number[] = [];
+      let sent = 0;
+      const calls = async (s: QuotaSubject, n: number) => {
+        const all = await Promise.all(Array.from({ length: n }, (_, i) => stores[i % 3]!.consume(s)));
+        sent += n;
+        return all.filter((d: Decision) => d.outcome === 'allowed').map((d) => d.nowMs);
+      };
+      const burstUntil = async (done: () => boolean) => {
+        while (!done()) burstTimes.push(...(await calls(burst, 300)));
+      };
+      // The rate this machine sends at now, to put about half the calls before the boundary.
+      const t0 = performance.now();
+      await calls({ ...subject(1_000_000, {}), bans: null }, 6000);
+      const perMs = 6000 / (performance.now() - t0);
+      const boundary = Math.ceil((Date.now() + N / 2 / perMs + 1000) / MINUTE_MS) * MINUTE_MS;
+      await burstUntil(() => Date.now() >= boundary - 400);
+      // The attack: a full window and a burst just before W, and again 10 ms after it.
+      await sleep(Math.max(0, boundary - 250 - Date.now()));
+      const before = await Promise.all([calls(fixed, 1500), calls(burst, 300)]);
+      await sleep(Math.max(0, boundary + 10 - Date.now()));
+      const after = await Promise.all([calls(fixed, 1500), calls(burst, 300)]);
+      burstTimes.push(...before[1], ...after[1]);
+      await burstUntil(() => sent >= N);
+      const fixedTimes = [...before[0], ...after[0]];
+      expect(fixedTimes.filter((t) => t < boundary).length).toBe(1000);
+      expect(fixedTimes.filter((t) => t >= boundary).length).toBe(1000);
+      expect(Math.max(...fixedTimes) - Math.min(...fixedTimes)).toBeLessThan(2000);
+      // The bound at the shipped defaults (leased tokens), in every interval of the run.
+      expect(burstTimes.filter((t) => Math.abs(t - boundary) < 1000).length).toBeGreaterThan(0);
+      expect(worstExcess(burstTimes, 20, 10, leaseExcess(20, 10, 3), SKEW_MS)).toBeLessThanOrEqual(0);
+      // And pressed against it: the run admitted nearly size + rate·τ over its whole length.
+      const tau = Math.max(...burstTimes) - Math.min(...burstTimes);
+      expect(burstTimes.length).toBeGreaterThan(0.9 * (20 + (10 * tau) / 1000));
+      console.log(
+        `boundary attack: ${sent} calls, fixed ${fixedTimes.length} admitted across W, burst ${burstTimes.length} admitted over ${tau / 1000} s`,
+      );
+    },
+    timeoutFor(600_000),
+  );
 
   it.each([
     ['at the shipped defaults (leased tokens): ≤ size + rate·τ + min(3k, rate·E)', {}, leaseExcess(20, 10, 3)],

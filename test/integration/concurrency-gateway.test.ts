@@ -8,7 +8,7 @@ import { adminCall } from '../helpers/admin.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { startProcess } from '../helpers/processes.js';
 import { spawnCluster, spawnRedis, spawnSentinels } from '../helpers/redis.js';
-import { scaled } from '../helpers/budget.js';
+import { FULL_SIZE, scaled } from '../helpers/budget.js';
 import { eventually } from '../helpers/time.js';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import type { GatewaySettings } from '../../gateway/config/settings.js';
@@ -121,22 +121,27 @@ const inFlight = async (gw: TestGateway, key: string) =>
   ((await (await gw.call('/v1/me/usage', key)).json()) as { concurrency: { inFlight: number } }).concurrency.inFlight;
 
 describe('concurrency across three gateways on one Redis', () => {
-  it('the backend sees exactly the limit in flight, run after run, and every refusal is a 429 concurrency_limit_exceeded', async () => {
-    const backend = await sleepyBackend(500);
-    const key = makeKey('conc');
-    const gws = await gateways(key, backend.url);
-    // 5 runs of 300 requests at once (the issue asks 20 of 1,000: minutes on this shared 2-core machine).
-    for (let run = 0; run < 5; run++) {
-      backend.reset();
-      const { statuses, codes } = await wave(gws, key.key, 300);
-      expect({ run, max: backend.max, codes: [...codes] }).toEqual({ run, max: LIMIT, codes: ['429 concurrency_limit_exceeded'] });
-      expect(statuses.filter((s) => s === 200).length).toBeGreaterThanOrEqual(LIMIT);
-      await eventually(async () => (await inFlight(gws[0]!, key.key)) === 0, undefined, 'no slot left in flight');
-    }
-    const res = await gws[1]!.call('/v1/pets', key.key);
-    expect(res.headers.get('ratelimit-policy')).toContain(`"concurrent";q=${LIMIT};qu="concurrent-requests"`);
-    expect(res.headers.get('ratelimit')).toContain(`"concurrent";r=${LIMIT - 1}`);
-  }, 120_000);
+  it(
+    'the backend sees exactly the limit in flight, run after run, and every refusal is a 429 concurrency_limit_exceeded',
+    async () => {
+      const backend = await sleepyBackend(500);
+      const key = makeKey('conc');
+      const gws = await gateways(key, backend.url);
+      // 5 runs of 300 requests at once; the issue's 20 of 1,000 under `npm run test:full` (minutes here).
+      const [runs, size] = FULL_SIZE ? [20, 1000] : [5, 300];
+      for (let run = 0; run < runs; run++) {
+        backend.reset();
+        const { statuses, codes } = await wave(gws, key.key, size);
+        expect({ run, max: backend.max, codes: [...codes] }).toEqual({ run, max: LIMIT, codes: ['429 concurrency_limit_exceeded'] });
+        expect(statuses.filter((s) => s === 200).length).toBeGreaterThanOrEqual(LIMIT);
+        await eventually(async () => (await inFlight(gws[0]!, key.key)) === 0, undefined, 'no slot left in flight');
+      }
+      const res = await gws[1]!.call('/v1/pets', key.key);
+      expect(res.headers.get('ratelimit-policy')).toContain(`"concurrent";q=${LIMIT};qu="concurrent-requests"`);
+      expect(res.headers.get('ratelimit')).toContain(`"concurrent";r=${LIMIT - 1}`);
+    },
+    FULL_SIZE ? 600_000 : 120_000,
+  );
 
   it('clients sending again as soon as answered: freed slots are handed on without a Redis call, and the backend never sees more than the limit', async () => {
     const backend = await sleepyBackend(10);
