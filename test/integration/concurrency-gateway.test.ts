@@ -319,6 +319,34 @@ describe('an instance killed holding slots', () => {
   }, 60_000);
 });
 
+describe('a Redis that lost the slots held', () => {
+  it('gets them back from the instance serving them: a restart without persistence admits none past the limit', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const backend = await sleepyBackend(Number.POSITIVE_INFINITY);
+    const key = makeKey('conc');
+    const redisKeyPrefix = uniquePrefix();
+    const [holder, other] = await Promise.all(
+      [0, 1].map(() => buildTestGateway({ config: config(key), backend: backend.url, redis: redis.url, redisKeyPrefix })),
+    );
+    for (let i = 0; i < LIMIT; i++) void holder!.call('/v1/pets', key.key).catch(() => {});
+    await eventually(() => backend.current === LIMIT, undefined, 'the holder serving the limit');
+    // Killed and started again on its port, empty (no persistence): the set of slots is gone,
+    // as the last writes are in a failover to a replica that had not received them.
+    const port = Number(new URL(redis.url).port);
+    redis.proc.kill('SIGKILL');
+    const again = await spawnRedis({ at: port });
+    onTestFinished(() => again.stop());
+    // The holder puts its slots back once connected again (and at each renewal, a third of the
+    // shipped 15 s TTL, did the reconnect go unseen): the other instance counts them.
+    await eventually(async () => (await inFlight(other!, key.key)) === LIMIT, undefined, 'the slots back in the new Redis');
+    const { codes } = await wave([other!, holder!], key.key, 30);
+    expect({ max: backend.max, codes: [...codes] }).toEqual({ max: LIMIT, codes: ['429 concurrency_limit_exceeded'] });
+    backend.wake();
+    await eventually(async () => (await inFlight(other!, key.key)) === 0, undefined, 'the slots released once served');
+  }, 60_000);
+});
+
 describe('burst through the gateway', () => {
   it('a 429 burst_limit_exceeded with the wait to the next token; /v1/me/usage and the admin lookup show both policies', async () => {
     const backend = await sleepyBackend(0);

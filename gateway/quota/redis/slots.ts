@@ -35,7 +35,7 @@ interface Idle {
 
 /**
  * This instance's concurrency slots (quota.lua takes them): renewed together, one renew.lua
- * call per subject with slots here every third of the TTL, on Redis's clock. A slot whose
+ * call per subject with slots here every third of the TTL, and at once when connected again, on Redis's clock. A slot whose
  * request ended lingers (at most `lingerMs`, never over a sixth of the TTL): still a member of
  * the account's set in Redis, so still counted against the limit by every instance, and handed
  * to the account's next request here without a call. The slots that lingered through a whole
@@ -55,6 +55,9 @@ export class Slots {
     this.redis = o.redis as SlotRedis;
     this.timer = setInterval(() => this.renew(), Math.max(1, Math.floor(o.ttlMs / 3)));
     this.timer.unref();
+    // Connected again (a restart, a failover): the slots held here go back at once, lest a Redis
+    // that lost them admit others into them until the next round.
+    o.redis.on('ready', this.renewNow);
     // A sixth of the TTL at most: a lingering slot is renewed with the live ones, well before it could expire.
     this.lingerMs = Math.min(o.lingerMs, Math.floor(o.ttlMs / 6));
   }
@@ -117,6 +120,8 @@ export class Slots {
     this.zrem(subject.name, [id]);
   }
 
+  private readonly renewNow = () => this.renew();
+
   /** The slots held here, in flight or lingering: one call per subject. */
   private renew(): void {
     const names = new Set([...this.live.keys(), ...this.idle.keys()]);
@@ -137,6 +142,7 @@ export class Slots {
   /** Stops the timers; the lingering slots are released at once. */
   close(): void {
     clearInterval(this.timer);
+    this.o.redis.off('ready', this.renewNow);
     clearTimeout(this.lingerTimer);
     this.lingerTimer = undefined;
     for (const [name, idle] of this.idle) this.zrem(name, [...idle.young, ...idle.old]);
