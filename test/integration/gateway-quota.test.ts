@@ -67,24 +67,28 @@ describe('quotas through the gateway', () => {
       for (const other of [b, c]) other.gateway.setConfig(gw.gateway.config());
     };
     share();
-    await inOneMinute(async () => {
-      // 5 admitted, 3 refusals allowed, the 4th refusal within 60 s bans.
-      expect(await statuses(gw, offender.key, 9)).toEqual([200, 200, 200, 200, 200, 429, 429, 429, 429]);
-      const first = await b.call('/v1/pets', offender.key);
-      expect(first.status).toBe(429);
-      expect((await first.json()).code).toBe('key_banned');
-      const retry = Number(first.headers.get('retry-after'));
-      expect(retry).toBeGreaterThan(890);
-      expect(retry).toBeLessThanOrEqual(900);
-      expect(first.headers.get('x-ratelimit-remaining')).toBe('0');
-      const reset = Number(first.headers.get('x-ratelimit-reset'));
-      expect(Math.abs(reset - (Date.now() / 1000 + retry))).toBeLessThanOrEqual(2);
-      for (const g of [...all, gw]) {
-        const res = await g.call('/v1/pets', offender.key);
-        expect(res.status).toBe(429);
-        expect(res.headers.get('x-ratelimit-reset')).toBe(String(reset)); // not extended
-      }
-    }, share);
+    await inOneMinute(
+      async () => {
+        // 5 admitted, 3 refusals allowed, the 4th refusal within 60 s bans.
+        expect(await statuses(gw, offender.key, 9)).toEqual([200, 200, 200, 200, 200, 429, 429, 429, 429]);
+        const first = await b.call('/v1/pets', offender.key);
+        expect(first.status).toBe(429);
+        expect((await first.json()).code).toBe('key_banned');
+        const retry = Number(first.headers.get('retry-after'));
+        expect(retry).toBeGreaterThan(890);
+        expect(retry).toBeLessThanOrEqual(900);
+        expect(first.headers.get('x-ratelimit-remaining')).toBe('0');
+        const reset = Number(first.headers.get('x-ratelimit-reset'));
+        expect(Math.abs(reset - (Date.now() / 1000 + retry))).toBeLessThanOrEqual(2);
+        for (const g of [...all, gw]) {
+          const res = await g.call('/v1/pets', offender.key);
+          expect(res.status).toBe(429);
+          expect(res.headers.get('x-ratelimit-reset')).toBe(String(reset)); // not extended
+        }
+      },
+      share,
+      all,
+    );
   });
 
   it('limits requests without a valid key per address', async () => {
@@ -99,16 +103,20 @@ describe('quotas through the gateway', () => {
 describe('several gateway instances on one Redis', () => {
   it('admit exactly the limit under concurrent load', async () => {
     const { instances, share } = await buildInstances(3, { config, backend: gw.backendUrl });
-    await inOneMinute(async () => {
-      const all = await Promise.all(
-        Array.from({ length: 120 }, (_, i) => call(`${instances[i % 3]!.url}/v1/pets`, crowd.key).then((r) => r.status)),
-      );
-      expect(all.filter((s) => s === 200)).toHaveLength(40);
-      expect(all.filter((s) => s === 429)).toHaveLength(80);
-      const after = await instances[1]!.call('/v1/pets', crowd.key);
-      expect(after.headers.get('x-ratelimit-limit')).toBe('40');
-      expect(after.headers.get('x-ratelimit-remaining')).toBe('0');
-    }, share);
+    await inOneMinute(
+      async () => {
+        const all = await Promise.all(
+          Array.from({ length: 120 }, (_, i) => call(`${instances[i % 3]!.url}/v1/pets`, crowd.key).then((r) => r.status)),
+        );
+        expect(all.filter((s) => s === 200)).toHaveLength(40);
+        expect(all.filter((s) => s === 429)).toHaveLength(80);
+        const after = await instances[1]!.call('/v1/pets', crowd.key);
+        expect(after.headers.get('x-ratelimit-limit')).toBe('40');
+        expect(after.headers.get('x-ratelimit-remaining')).toBe('0');
+      },
+      share,
+      instances,
+    );
   });
 });
 
@@ -130,22 +138,26 @@ describe('shadow mode (enforce: false) across instances', () => {
     };
     const fromLines = () =>
       ['would_minute', 'would_banned'].map((o) => instances.flatMap((g) => g.logs).filter((l) => l.outcome === o).length);
-    await inOneMinute(async () => {
-      // An attempt redone after a minute boundary starts from what the discarded one left.
-      const [metricsBefore, linesBefore] = [await fromMetrics(), fromLines()];
-      const all = await Promise.all(
-        Array.from({ length: 90 }, (_, i) => call(`${instances[i % 3]!.url}/v1/pets`, trial.key).then((r) => r.status)),
-      );
-      expect(all).toEqual(Array(90).fill(200));
-      // Counted as the enforced plan counts: exactly its 30, at the shipped leases and Redis timeout.
-      const usage = await instances[2]!.call('/v1/pets', trial.key);
-      expect(usage.headers.get('ratelimit')).toMatch(/^"minute";r=0;/);
-      expect(usage.headers.get('retry-after')).toBeNull();
-      // The refusals an enforced plan would have made: 3 over the minute, then the ban
-      // (afterRejected 3) for the other 58 (57 of the burst and the last call).
-      const since = (now: number[], before: number[]) => now.map((n, i) => n - before[i]!);
-      expect(since(await fromMetrics(), metricsBefore)).toEqual([3, 58]);
-      await eventually(() => since(fromLines(), linesBefore).join() === '3,58', 2000, 'the access lines of the refusals not made');
-    }, share);
+    await inOneMinute(
+      async () => {
+        // An attempt redone after a minute boundary starts from what the discarded one left.
+        const [metricsBefore, linesBefore] = [await fromMetrics(), fromLines()];
+        const all = await Promise.all(
+          Array.from({ length: 90 }, (_, i) => call(`${instances[i % 3]!.url}/v1/pets`, trial.key).then((r) => r.status)),
+        );
+        expect(all).toEqual(Array(90).fill(200));
+        // Counted as the enforced plan counts: exactly its 30, at the shipped leases and Redis timeout.
+        const usage = await instances[2]!.call('/v1/pets', trial.key);
+        expect(usage.headers.get('ratelimit')).toMatch(/^"minute";r=0;/);
+        expect(usage.headers.get('retry-after')).toBeNull();
+        // The refusals an enforced plan would have made: 3 over the minute, then the ban
+        // (afterRejected 3) for the other 58 (57 of the burst and the last call).
+        const since = (now: number[], before: number[]) => now.map((n, i) => n - before[i]!);
+        expect(since(await fromMetrics(), metricsBefore)).toEqual([3, 58]);
+        await eventually(() => since(fromLines(), linesBefore).join() === '3,58', 2000, 'the access lines of the refusals not made');
+      },
+      share,
+      instances,
+    );
   });
 });
