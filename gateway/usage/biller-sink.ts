@@ -5,7 +5,7 @@ import { type EncodedEvent, REFUND_TYPE, REQUEST_TYPE, splitEvents } from './eve
 import { isPermanent, waitMs } from './http-sink.js';
 import { POST_TIMEOUT_MS } from './leader.js';
 import type { Accepted, UsageSink } from './sink.js';
-import type { StripeSession } from './stripe-session.js';
+import { type StripeSession, withStripeVersion } from './stripe-session.js';
 
 // Stripe's and Lago's sink profiles (issue 49): our CloudEvents translated in the export thread
 // into the biller's own batch, and the biller's answers read by its documented rules.
@@ -53,17 +53,30 @@ const errorMessage = (body: string): string => {
   }
 };
 
+/** The body of Stripe's `POST /v2/billing/meter_event_stream` (test/unit/biller-sdk-types checks it against the `stripe` package's). */
+export const stripeBody = (eventName: string, events: readonly Usage[]) => ({
+  events: events.map((u) => ({
+    event_name: eventName,
+    identifier: stripeIdentifier(u.id),
+    payload: { stripe_customer_id: u.customer, value: String(u.units) },
+    timestamp: u.time,
+  })),
+});
+
+/** The body of Lago's `POST /api/v1/events/batch` (checked against `lago-javascript-client`'s EventBatchInput). */
+export const lagoBody = (code: string, events: readonly Usage[]) => ({
+  events: events.map((u) => ({
+    transaction_id: u.id,
+    external_subscription_id: u.customer,
+    code,
+    timestamp: Math.floor(Date.parse(u.time) / 1000),
+    properties: { units: u.units },
+  })),
+});
+
 function stripeProfile(eventName: string): Profile {
   return {
-    body: (events) =>
-      JSON.stringify({
-        events: events.map((u) => ({
-          event_name: eventName,
-          identifier: stripeIdentifier(u.id),
-          payload: { stripe_customer_id: u.customer, value: String(u.units) },
-          timestamp: u.time,
-        })),
-      }),
+    body: (events) => JSON.stringify(stripeBody(eventName, events)),
     refusedBefore: (u, now) => (Date.parse(u.time) < now - STRIPE_BACKDATE_MS ? TOO_OLD : undefined),
     // `400 An event already exists with identifier <id>.`: the event it names is delivered (langfuse/langfuse#16292).
     named: (status, body, events) => {
@@ -82,16 +95,7 @@ function stripeProfile(eventName: string): Profile {
 
 function lagoProfile(code: string): Profile {
   return {
-    body: (events) =>
-      JSON.stringify({
-        events: events.map((u) => ({
-          transaction_id: u.id,
-          external_subscription_id: u.customer,
-          code,
-          timestamp: Math.floor(Date.parse(u.time) / 1000),
-          properties: { units: u.units },
-        })),
-      }),
+    body: (events) => JSON.stringify(lagoBody(code, events)),
     // A 422 refuses the whole batch, its `error_details` by position: `{"3":{"transaction_id":["value_already_exist"]}}` (getlago/lago-api#3049).
     named: (status, body, events) => {
       if (status !== 422) return undefined;
@@ -135,14 +139,16 @@ export function usageOf(json: EncodedEvent, customers: Readonly<Record<string, s
 export class BillerSink implements UsageSink {
   private readonly profile: Profile;
   private readonly customers: Readonly<Record<string, string>>;
+  private readonly headers: Readonly<Record<string, string>>;
 
   constructor(
     readonly target: UsageExport & { format: 'stripe' | 'lago' },
-    private readonly headers: Readonly<Record<string, string>> = {},
+    headers: Readonly<Record<string, string>> = {},
     /** With `stripe.secretKey`: the stream's token comes from it (the config refuses an Authorization header then). */
     private readonly session?: StripeSession,
   ) {
     this.customers = target.customers ?? {};
+    this.headers = target.format === 'stripe' ? withStripeVersion(headers) : headers;
     this.profile =
       target.format === 'stripe'
         ? stripeProfile(target.stripe?.eventName ?? 'api_requests')

@@ -7,6 +7,17 @@ import { POST_TIMEOUT_MS } from './leader.js';
 // answers `{authentication_token, created, expires_at}`, valid 15 minutes (Stripe's API
 // reference, "Create billing meter event stream authentication session").
 
+/**
+ * The API version our Stripe bodies are written for: the pinned `stripe` package's
+ * (`Stripe.API_VERSION`; test/unit/biller-sdk-types keeps the two equal), so an account's default
+ * version never reads them. Sent as `stripe-version` on the session and the stream unless the
+ * config's headers name one.
+ */
+export const STRIPE_API_VERSION = '2026-10-28.endive';
+
+export const withStripeVersion = (headers: Readonly<Record<string, string>>): Readonly<Record<string, string>> =>
+  Object.keys(headers).some((h) => h.toLowerCase() === 'stripe-version') ? headers : { ...headers, 'stripe-version': STRIPE_API_VERSION };
+
 /** Renewed this long before it expires (a quarter of its life when shorter, as a test's are). */
 export const SESSION_MARGIN_MS = 60_000;
 /** A secret key Stripe refuses waits for its operator: asked again this often, not at the backoff's pace. */
@@ -28,12 +39,16 @@ export interface SessionFailure {
 export class StripeSession {
   private current?: { token: string; renewAt: number };
 
-  /** `headers`: the config's others (say, Stripe-Version), sent with the key. */
+  private readonly headers: Readonly<Record<string, string>>;
+
+  /** `headers`: the config's others, sent with the key, and STRIPE_API_VERSION unless they name a version. */
   constructor(
     private readonly url: string,
     private readonly secret: string,
-    private readonly headers: Readonly<Record<string, string>> = {},
-  ) {}
+    headers: Readonly<Record<string, string>> = {},
+  ) {
+    this.headers = withStripeVersion(headers);
+  }
 
   async token(lost: AbortSignal): Promise<string | SessionFailure> {
     if (this.current && performance.now() < this.current.renewAt) return this.current.token;

@@ -78,6 +78,8 @@ interface Double<E> {
     gate?: Promise<void>;
     /** When each POST arrived (ms). */
     times: number[];
+    /** Each POST's `stripe-version` header (undefined: none), as Node reads it (two would be joined). */
+    versions: Array<string | string[] | undefined>;
   };
   /** Stripe's meter event sessions, when the double was started with a secret key. */
   sessions?: Sessions;
@@ -100,6 +102,8 @@ export interface Sessions {
   revokeNext: boolean;
   /** Refuse every token while set, naming it in the message (none of Stripe's messages do): a log must not carry it. */
   refuseAll: boolean;
+  /** Each session request's `stripe-version` header. */
+  versions: Array<string | string[] | undefined>;
 }
 
 async function serve<E>(
@@ -113,11 +117,22 @@ async function serve<E>(
     url: '',
     kept: new Map(),
     meter: new Map(),
-    state: { posts: 0, sizes: [], invalid: [], duplicates: 0, duplicateEvents: 0, failAfterKeeping: 0, keepHalf: false, times: [] },
+    state: {
+      posts: 0,
+      sizes: [],
+      invalid: [],
+      duplicates: 0,
+      duplicateEvents: 0,
+      failAfterKeeping: 0,
+      keepHalf: false,
+      times: [],
+      versions: [],
+    },
   };
   const server = createServer(async (req: IncomingMessage, res) => {
     if (d.sessions && req.url === SESSION_PATH) return void session(d.sessions, req, res);
     d.state.times.push(Date.now());
+    d.state.versions.push(req.headers['stripe-version']);
     await d.state.gate;
     const body = await text(req);
     d.state.posts++;
@@ -176,6 +191,7 @@ let tokenSeq = 0;
  */
 async function session(s: Sessions, req: IncomingMessage, res: ServerResponse): Promise<void> {
   await text(req);
+  s.versions.push(req.headers['stripe-version']);
   if (req.method !== 'POST') return void res.writeHead(405).end();
   const now = Date.now();
   if (req.headers.authorization !== `Bearer ${s.secret}`) {
@@ -260,7 +276,7 @@ export function startStripe(
       );
     },
     compile(StripeStream),
-    auth && { ...auth, tokens: new Map(), made: [], refusedKeys: [], refusedTokens: 0, revokeNext: false, refuseAll: false },
+    auth && { ...auth, tokens: new Map(), made: [], refusedKeys: [], refusedTokens: 0, revokeNext: false, refuseAll: false, versions: [] },
   );
 }
 

@@ -2,6 +2,7 @@ import { Redis } from 'ioredis';
 import { describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { BillerSink, NO_CUSTOMER, TOO_OLD } from '../../gateway/usage/biller-sink.js';
+import { STRIPE_API_VERSION } from '../../gateway/usage/stripe-session.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
 import { startLago, startStripe } from '../helpers/billers.js';
 import { call, makeKey, type TestKey, testConfig } from '../helpers/config.js';
@@ -106,6 +107,8 @@ describe('usage export in the stripe format', () => {
     expect(stripe.kept.size).toBe(r.shopEvents);
     // At the shipped batchSize (500) a POST would carry all the events waiting at the release.
     expect(Math.max(...stripe.state.sizes)).toBeLessThanOrEqual(100);
+    // Every POST names the API version our bodies are written for (the pinned SDK's), not the account's default.
+    expect(new Set(stripe.state.versions)).toEqual(new Set([STRIPE_API_VERSION]));
     await checkAccounts(r);
   });
 });
@@ -127,6 +130,7 @@ describe('usage export in the lago format', () => {
     expect([...lago.meter.keys()]).toEqual(['cus_shop']);
     expect(lago.kept.size).toBe(r.shopEvents);
     expect(Math.max(...lago.state.sizes)).toBeLessThanOrEqual(100);
+    expect(new Set(lago.state.versions)).toEqual(new Set([undefined]));
     await checkAccounts(r);
   });
 
@@ -182,5 +186,26 @@ describe("Stripe's backdate window", () => {
     // The same long id again is the same identifier: Stripe's duplicate, delivered.
     expect(await sink.deliver([event(long, 0)], new AbortController().signal)).toEqual({ accepted: 'all', held: 1 });
     expect(stripe.state.duplicates).toBe(1);
+  });
+});
+
+describe("Stripe's API version", () => {
+  it('is the one usage.export.headers names, when it names one, sent once', async () => {
+    const stripe = await startStripe(['cus_shop']);
+    const target = { url: stripe.url, maxEvents: 1_000_000, batchSize: 500, format: 'stripe' as const, customers: { shop: 'cus_shop' } };
+    // An account that pins its own (any case of the name): ours must not go beside it (Node would join the two).
+    const sink = new BillerSink(target, { 'Stripe-Version': '2025-03-31.basil' });
+    const event = JSON.stringify({
+      specversion: '1.0',
+      id: 'shop/1-0',
+      source: '/pet-store-gateway/production',
+      type: 'com.petstore.gateway.request',
+      subject: 'shop',
+      time: new Date().toISOString(),
+      datacontenttype: 'application/json',
+      data: { units: 1 },
+    });
+    expect(await sink.deliver([event], new AbortController().signal)).toEqual({ accepted: 'all' });
+    expect(stripe.state.versions).toEqual(['2025-03-31.basil']);
   });
 });

@@ -1,6 +1,6 @@
 import { describe, expect, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
-import { SETUP_RETRY_MS } from '../../gateway/usage/stripe-session.js';
+import { SETUP_RETRY_MS, STRIPE_API_VERSION } from '../../gateway/usage/stripe-session.js';
 import { startStripe } from '../helpers/billers.js';
 import { call, makeKey, type TestKey, testConfig, problemsOf } from '../helpers/config.js';
 import { timeoutFor } from '../helpers/budget.js';
@@ -136,6 +136,9 @@ describe("usage export to Stripe's stream with a meter event session", () => {
       // POST (the events come in a batch a second, USAGE_BATCH_MS, so about a POST a second).
       expect(sessions.made.length).toBeLessThanOrEqual(Math.floor(elapsed / (LIFETIME_MS * 0.75)) + 2);
       expect(stripe.state.posts).toBeGreaterThan(sessions.made.length);
+      // The session and the stream both name the API version our bodies are written for (the pinned SDK's).
+      expect(new Set(sessions.versions)).toEqual(new Set([STRIPE_API_VERSION]));
+      expect(new Set(stripe.state.versions)).toEqual(new Set([STRIPE_API_VERSION]));
       const given = await givenOut(gw);
       expect(given).toContain('usage-export: this instance leads');
       expect(given).not.toContain(SECRET);
