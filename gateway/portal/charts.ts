@@ -1,6 +1,6 @@
 import type { Buckets, OutcomeField } from './history.js';
 import { OUTCOME_FIELDS } from './history.js';
-import { type Html, html } from './html.js';
+import { figure, type Html, html } from './html.js';
 
 // Requests over time as stacked bars, hand-written SVG: no chart library and no script. Each
 // bar carries its bucket's start and total as data attributes, so a test reads the chart's
@@ -47,7 +47,7 @@ export function stackedBars(id: string, title: string, buckets: Buckets, label: 
       y -= h;
       return html`<rect x="${(i * step).toFixed(1)}" y="${y.toFixed(1)}" width="${Math.max(1, step - 1).toFixed(1)}" height="${h.toFixed(1)}" fill="${COLOURS[f]}"/>`;
     });
-    return html`<g data-bucket="${b.startMs}" data-total="${total(b.counts)}"><title>${label(b.startMs)}: ${total(b.counts)}</title>${parts}</g>`;
+    return html`<g data-bucket="${b.startMs}" data-total="${total(b.counts)}"><title>${label(b.startMs)}: ${figure(total(b.counts))}</title>${parts}</g>`;
   });
   const first = buckets[0];
   const last = buckets.at(-1);

@@ -66,3 +66,7 @@ export function page(title: string, body: Html, head?: Html): string {
  * only to this origin, never framed. An injected tag would have nothing to run with.
  */
 export const CSP = `default-src 'none'; style-src 'sha256-${createHash('sha256').update(STYLE).digest('base64')}'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'`;
+
+const GROUPED = new Intl.NumberFormat('en-US', { maximumFractionDigits: 2 });
+/** A figure as the pages show it, grouped by thousands (99,904); data- attributes keep the plain number. */
+export const figure = (n: number): string => GROUPED.format(n);

@@ -10,7 +10,7 @@ import type { Figures } from './figures.js';
 import { deploymentTopKey } from '../redis/keys.js';
 import { type NearWindow, NEAR_MAX, readStanding } from './standing.js';
 import { type Buckets, deploymentBuckets, monthStart, OUTCOME_FIELDS, type OutcomeField, readBuckets } from './history.js';
-import { type Html, html, page } from './html.js';
+import { figure, type Html, html, page } from './html.js';
 import { figuresSections, keysSection, when } from './pages.js';
 
 // The operator's page: the month's top accounts from the history's ranking, the accounts within
@@ -128,7 +128,7 @@ function refusalsSection(history: Overview['history']): Html {
   return html`<h2>Refusals over time</h2>
 <table><caption>429 by reason and 402, the whole deployment</caption>
 <thead><tr><th scope="col">Reason</th><th scope="col" class="n">Last hour</th><th scope="col" class="n">Last 30 days</th></tr></thead>
-<tbody>${REFUSALS.map((f) => html`<tr data-refusal="${f}" data-last-hour="${sum(history.minutes, f)}" data-last-30-days="${sum(history.days, f)}"><th scope="row">${f === 'credits' ? '402 credits' : `429 ${f.slice('limited_'.length)}`}</th><td class="n">${sum(history.minutes, f)}</td><td class="n">${sum(history.days, f)}</td></tr>`)}</tbody></table>
+<tbody>${REFUSALS.map((f) => html`<tr data-refusal="${f}" data-last-hour="${sum(history.minutes, f)}" data-last-30-days="${sum(history.days, f)}"><th scope="row">${f === 'credits' ? '402 credits' : `429 ${f.slice('limited_'.length)}`}</th><td class="n">${figure(sum(history.minutes, f))}</td><td class="n">${figure(sum(history.days, f))}</td></tr>`)}</tbody></table>
 ${legend()}
 ${stackedBars('refusals-last-hour', 'Refusals in the last hour, by minute (UTC)', refusalsOnly(history.minutes), minuteLabel)}
 ${stackedBars('refusals-last-30-days', 'Refusals in the last 30 days, by day (UTC)', refusalsOnly(history.days), dayLabel)}`;
@@ -140,7 +140,7 @@ function listedSection(listed: Overview['listed']): Html {
   return html`<h2>Accounts in the key store</h2>
 <table><caption>Accounts of a page of ${LIST_PAGE} keys of the store in use (the key registry with KEY_STORE=redis, else the config file), in key id order</caption>
 <thead><tr><th scope="col">Account</th><th scope="col" class="n">Its keys on this page</th></tr></thead>
-<tbody>${listed.accounts.map((a) => html`<tr data-listed-account="${a.account}"><td>${accountLink(a.account)}</td><td class="n">${a.keys}</td></tr>`)}</tbody></table>
+<tbody>${listed.accounts.map((a) => html`<tr data-listed-account="${a.account}"><td>${accountLink(a.account)}</td><td class="n">${figure(a.keys)}</td></tr>`)}</tbody></table>
 ${listed.next ? html`<p><a data-next-page href="/admin/ui?after=${encodeURIComponent(listed.next)}">Next page of accounts</a></p>` : html`<p>The last page.</p>`}`;
 }
 
@@ -157,10 +157,10 @@ ${
   near.length === 0
     ? html`<p>None.</p>`
     : html`<table><caption>Accounts with a window 90% used or more</caption><thead><tr><th scope="col">Account</th><th scope="col">Window</th><th scope="col" class="n">Used</th><th scope="col" class="n">Limit</th><th scope="col">Resets</th></tr></thead>
-<tbody>${near.map((n) => html`<tr data-near-account="${n.account}" data-window="${n.w.name}" data-used="${n.w.used}" data-limit="${n.w.limit}"><td>${accountLink(n.account)}</td><td>${n.w.name}</td><td class="n">${n.w.used}</td><td class="n">${n.w.limit}</td><td>${when(new Date(n.w.resetMs).toISOString())}</td></tr>`)}</tbody></table>`
+<tbody>${near.map((n) => html`<tr data-near-account="${n.account}" data-window="${n.w.name}" data-used="${n.w.used}" data-limit="${n.w.limit}"><td>${accountLink(n.account)}</td><td>${n.w.name}</td><td class="n">${figure(n.w.used)}</td><td class="n">${figure(n.w.limit)}</td><td>${when(new Date(n.w.resetMs).toISOString())}</td></tr>`)}</tbody></table>`
 }
 <h2>Prepaid credit</h2>
-<p>Outstanding (the sum of every account's balance as its last request or top-up left it): <strong data-outstanding-credit="${standing.outstanding}">${standing.outstanding}</strong> units.</p>`;
+<p>Outstanding (the sum of every account's balance as its last request or top-up left it): <strong data-outstanding-credit="${standing.outstanding}">${figure(standing.outstanding)}</strong> units.</p>`;
 }
 
 /** The month's ranking, every key store's accounts alike (the history counts them as they send). */
@@ -168,7 +168,7 @@ function topTable(top: Overview['top']): Html {
   if (!top) return html`<p class="unavailable" data-top-unavailable="">Data unavailable: the ranking was not read in time.</p>`;
   return html`<table><caption>The ${TOP} accounts that sent most admitted requests this calendar month (UTC), from every instance's traffic; used this period as their windows count it</caption>
 <thead><tr><th scope="col">Account</th><th scope="col">Plan</th><th scope="col" class="n">Requests this month</th><th scope="col" class="n">Used this period</th></tr></thead>
-<tbody>${top.map((r) => html`<tr data-top-account="${r.account}" data-month="${r.month}" data-used="${r.periodUsed}"><td>${accountLink(r.account)}</td><td>${r.view.plan}</td><td class="n">${r.month}</td><td class="n">${r.periodUsed}</td></tr>`)}</tbody></table>`;
+<tbody>${top.map((r) => html`<tr data-top-account="${r.account}" data-month="${r.month}" data-used="${r.periodUsed}"><td>${accountLink(r.account)}</td><td>${r.view.plan}</td><td class="n">${figure(r.month)}</td><td class="n">${figure(r.periodUsed)}</td></tr>`)}</tbody></table>`;
 }
 
 export function overviewPage(o: Overview, csrf: string): string {
@@ -198,7 +198,7 @@ function reconcileSection(r: ExportState | undefined): Html {
   return html`<h2>Usage export</h2>
 <table data-reconcile data-exported="${r.exported}" data-pending="${r.pending}" data-dropped="${r.dropped}" data-rejected="${r.rejected}" data-unsettled="${r.unsettled}"><caption>Events reconciled: written = exported + pending + dropped + rejected by the sink</caption>
 <thead><tr><th scope="col">Exported</th><th scope="col">Pending</th><th scope="col">Dropped</th><th scope="col">Rejected</th><th scope="col">Unsettled units</th></tr></thead>
-<tbody><tr><td class="n">${r.exported}</td><td class="n">${r.pending}</td><td class="n">${r.dropped}</td><td class="n">${r.rejected}</td><td class="n">${r.unsettled}</td></tr></tbody></table>`;
+<tbody><tr><td class="n">${figure(r.exported)}</td><td class="n">${figure(r.pending)}</td><td class="n">${figure(r.dropped)}</td><td class="n">${figure(r.rejected)}</td><td class="n">${figure(r.unsettled)}</td></tr></tbody></table>`;
 }
 
 export function operatorAccountPage(f: Figures, audit: AuditEntry[], reconcile?: ExportState): string {

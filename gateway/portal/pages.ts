@@ -1,7 +1,7 @@
 import type { UsageView } from '../quota/usage-view.js';
 import { legend, stackedBars } from './charts.js';
 import type { Figures, KeyFigures } from './figures.js';
-import { type Html, html, page } from './html.js';
+import { figure, type Html, html, page } from './html.js';
 import type { Session } from './sessions.js';
 
 // The portal's pages, from figures already read: pure functions of their arguments. Every figure
@@ -31,8 +31,8 @@ function windowRows(view: UsageView): Html {
   return html`${Object.entries(view.windows).map(([name, w]) =>
     w
       ? html`<tr data-window="${name}" data-used="${w.used}" data-limit="${w.limit}" data-remaining="${w.remaining}">
-<th scope="row">${name}</th><td class="n">${w.used}</td><td class="n">${w.limit}</td><td class="n">${w.remaining}</td>
-<td><meter min="0" max="${w.limit}" value="${w.used}" aria-label="${name}: ${w.used} of ${w.limit} used"></meter></td><td>${when(w.resetAt)}</td></tr>`
+<th scope="row">${name}</th><td class="n">${figure(w.used)}</td><td class="n">${figure(w.limit)}</td><td class="n">${figure(w.remaining)}</td>
+<td><meter min="0" max="${w.limit}" value="${w.used}" aria-label="${name}: ${figure(w.used)} of ${figure(w.limit)} used"></meter></td><td>${when(w.resetAt)}</td></tr>`
       : '',
   )}`;
 }
@@ -61,19 +61,19 @@ function creditsSection(f: Figures): Html {
   const c = f.view?.credits;
   if (!c) return html``;
   return html`<h2>Credits</h2>
-<p>Balance: <strong data-credits-balance="${c.balance}">${c.balance}</strong> units (${c.granted} granted, ${c.purchased} purchased, ${c.reserved} held by leases)${c.nextGrantAt ? html`; next grant of ${c.grant} at ${when(c.nextGrantAt)}` : ''}.</p>
+<p>Balance: <strong data-credits-balance="${c.balance}">${figure(c.balance)}</strong> units (${figure(c.granted)} granted, ${figure(c.purchased)} purchased, ${figure(c.reserved)} held by leases)${c.nextGrantAt ? html`; next grant of ${figure(c.grant)} at ${when(c.nextGrantAt)}` : ''}.</p>
 <table><caption>Last ledger entries, newest first</caption>
 <thead><tr><th scope="col">When</th><th scope="col">Kind</th><th scope="col" class="n">Amount</th><th scope="col" class="n">Balance after</th><th scope="col">Reason</th></tr></thead>
 <tbody>${f.ledger.map(
     (e) =>
-      html`<tr data-ledger-entry="${e.id}"><td>${when(new Date(e.atMs).toISOString())}</td><td>${e.kind}</td><td class="n">${e.amount}</td><td class="n">${e.balance}</td><td>${e.reason ?? ''}</td></tr>`,
+      html`<tr data-ledger-entry="${e.id}"><td>${when(new Date(e.atMs).toISOString())}</td><td>${e.kind}</td><td class="n">${figure(e.amount)}</td><td class="n">${figure(e.balance)}</td><td>${e.reason ?? ''}</td></tr>`,
   )}</tbody></table>`;
 }
 
 function overageSection(view: UsageView | undefined): Html {
   const o = view?.overage;
   if (!o) return html``;
-  return html`<p data-overage-used="${o.used}">Overage this ${o.window}: <strong>${o.used}</strong> units past the quota of ${o.quota} (up to ${o.upTo} more are admitted, billed extra).</p>`;
+  return html`<p data-overage-used="${o.used}">Overage this ${o.window}: <strong>${figure(o.used)}</strong> units past the quota of ${figure(o.quota)} (up to ${figure(o.upTo)} more are admitted, billed extra).</p>`;
 }
 
 function historySection(f: Figures): Html {

@@ -288,6 +288,11 @@ describe('a closed minute, checked', () => {
     // The account had traffic in that minute only: its month window counts exactly that minute's requests.
     const month = page!.locator('[data-scope="account"] [data-window="month"]');
     expect(await month.getAttribute('data-used')).toBe(String(sent));
+    // Shown grouped by thousands (10,000, not 10000): the same digits, a comma before each three.
+    const shown = (await month.locator('td').first().textContent())!;
+    expect(sent).toBeGreaterThanOrEqual(1000);
+    expect(shown).toMatch(/^\d{1,3}(,\d{3})+$/);
+    expect(shown.replaceAll(',', '')).toBe(String(sent));
     const bar = page!.locator(`#last-hour [data-bucket="${minute}"]`);
     await eventually(
       async () => {
