@@ -332,22 +332,47 @@ export async function status(url: string, key: string): Promise<number> {
   return res?.status ?? 0;
 }
 
-/** A request every 10 ms with `key` while `work` runs, and one second after: each answer's time (ms). */
-export async function waitsDuring(url: string, key: string, work: () => Promise<unknown>): Promise<number[]> {
-  const waits: number[] = [];
-  const probes: Array<Promise<void>> = [];
+/** A thread's time on a CPU in ms (its schedstat), or NaN once it is gone. */
+const threadCpuMs = (pid: number, tid = pid) => {
+  try {
+    return Number(readFileSync(`/proc/${pid}/task/${tid}/schedstat`, 'utf8').split(' ')[0]) / 1e6;
+  } catch {
+    return Number.NaN;
+  }
+};
+
+/**
+ * A request every 10 ms with `key` while `work` runs, and one second after: each answer's time
+ * (ms) and, with the gateway's `pid`, its request thread's time on a CPU meanwhile (`heldMs`).
+ * On a loaded machine a wait is mostly the scheduler's (the thread runnable, not running); the
+ * thread's own CPU time within the wait is what the gateway held the request for.
+ */
+export async function probesDuring(
+  url: string,
+  key: string,
+  work: () => Promise<unknown>,
+  pid?: number,
+): Promise<Array<{ waitMs: number; heldMs: number }>> {
+  const probes: Array<{ waitMs: number; heldMs: number }> = [];
+  const sent: Array<Promise<void>> = [];
   const timer = setInterval(() => {
     const t = performance.now();
-    probes.push(status(url, key).then(() => void waits.push(performance.now() - t)));
+    const cpu = pid === undefined ? Number.NaN : threadCpuMs(pid);
+    sent.push(
+      status(url, key).then(() => {
+        const heldMs = pid === undefined ? Number.NaN : threadCpuMs(pid) - cpu;
+        probes.push({ waitMs: performance.now() - t, heldMs });
+      }),
+    );
   }, 10);
   await work();
   await new Promise((r) => setTimeout(r, 1000));
   clearInterval(timer);
-  await Promise.all(probes);
-  return waits;
+  await Promise.all(sent);
+  return probes;
 }
 
-/** A request every 10 ms with `key` while `work` runs, and one second after: the longest answer (ms). */
-export async function longestWait(url: string, key: string, work: () => Promise<unknown>): Promise<number> {
-  return Math.round(Math.max(0, ...(await waitsDuring(url, key, work))));
+/** A request every 10 ms with `key` while `work` runs, and one second after: each answer's time (ms). */
+export async function waitsDuring(url: string, key: string, work: () => Promise<unknown>): Promise<number[]> {
+  return (await probesDuring(url, key, work)).map((p) => p.waitMs);
 }
