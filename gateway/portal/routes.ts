@@ -249,10 +249,21 @@ function selfService(app: FastifyInstance, parts: PortalParts, sessionOf: Sessio
   });
 }
 
-/** Without Redis there is nowhere to keep sessions: the portal says so instead of pretending. */
+/** What `/portal` says on a gateway without Redis (`npm start`'s in-process store): what to do about it. */
+export const PORTAL_OFF =
+  'The usage portal keeps its sessions and figures in Redis, and this gateway runs without it (REDIS_URL is not set). ' +
+  'Start it with REDIS_URL=redis://127.0.0.1:6379 npm start beside a local redis-server, or with docker compose up, which brings one.';
+
+/**
+ * Without Redis there is nowhere to keep sessions: the portal says so instead of pretending,
+ * to a sign-in form's POST too (answered before its body is read, so never a parser's 400).
+ */
 export const portalOff: FastifyPluginAsync = async (app) => {
-  const off = (_r: FastifyRequest, reply: FastifyReply) =>
-    send(reply, 503, messagePage('Portal unavailable', 'The usage portal needs the shared quota store (REDIS_URL) on this gateway.'));
-  app.all('/', off);
-  app.all('/*', off);
+  // Answered here, and `done` never called: the request goes no further (Fastify's hooks guide).
+  app.addHook('onRequest', (_r: FastifyRequest, reply: FastifyReply) => {
+    send(reply, 503, messagePage('Portal unavailable', PORTAL_OFF));
+  });
+  const never = async () => undefined; // the hook has answered
+  app.all('/', never);
+  app.all('/*', never);
 };

@@ -510,6 +510,29 @@ describe('figures that agree with what the gateway enforces', () => {
   });
 });
 
+describe("on a gateway without Redis (npm start's in-process store)", () => {
+  it('says what to do, to a page and to a sign-in POST alike: a 503 page naming REDIS_URL and compose, never a JSON 400', async () => {
+    const key = makeKey('free');
+    const gw = await buildTestGateway({ config: testConfig([key]), redis: false });
+    const asked = [
+      await fetch(`${gw.url}/portal`),
+      await fetch(`${gw.url}/portal/sign-in`, {
+        method: 'POST',
+        headers: { origin: gw.url, 'content-type': 'application/x-www-form-urlencoded' },
+        body: new URLSearchParams({ key: key.key }).toString(),
+      }),
+    ];
+    for (const res of asked) {
+      const body = await res.text();
+      expect([res.status, res.headers.get('content-type')]).toEqual([503, 'text/html; charset=utf-8']);
+      expect(body).toContain('<h1>Portal unavailable</h1>');
+      expect(body).toContain('REDIS_URL=redis://127.0.0.1:6379 npm start');
+      expect(body).toContain('docker compose up');
+      expect(body).not.toContain(key.key);
+    }
+  });
+});
+
 describe('with Redis down', () => {
   it('says the data is unavailable, with the time of the last good figures: never a false zero', async () => {
     const redis = await spawnRedis();
