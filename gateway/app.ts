@@ -223,7 +223,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
 }
 
 /** The primary's own parts of its admin port: its workers' aggregated metrics, and their problems. */
-export type AdminPortParts = Partial<Pick<AdminParts, 'metrics' | 'problems'>>;
+export type AdminPortParts = Partial<Pick<AdminParts, 'metrics' | 'problems' | 'warnings'>>;
 
 /** What the admin port reads: this process's gateway (none in a cluster's primary), Redis, the config in force. */
 export interface AdminSources {
@@ -233,7 +233,7 @@ export interface AdminSources {
   config: () => GatewayConfig;
   closing: () => boolean;
   portalUrl: () => string;
-  /** The primary's own parts (its workers' metrics and problems), in place of this process's. */
+  /** The primary's own parts (its workers' metrics, problems and warnings), in place of this process's. */
   own: AdminPortParts;
   /** The config file the key API edits: only where this process watches it. */
   configFile?: string;
@@ -259,8 +259,8 @@ export function buildAdminPort(settings: GatewaySettings, from: AdminSources): P
       config: from.config,
       store,
       metrics,
-      problems: () => [...(own.problems?.() ?? []), ...(from.gateway?.keys?.problems() ?? [])],
-      warnings: () => from.gateway?.keys?.warnings() ?? [],
+      problems: async () => [...((await own.problems?.()) ?? []), ...(from.gateway?.keys?.problems() ?? [])],
+      warnings: async () => [...((await own.warnings?.()) ?? []), ...(from.gateway?.keys?.warnings() ?? [])],
       redis: from.redis,
       closing: from.closing,
       log: from.log,

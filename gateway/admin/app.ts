@@ -45,12 +45,12 @@ export interface AdminParts {
   store: AccountBook & Operations;
   /** The Prometheus text: this process's registry, or every worker's, aggregated. */
   metrics: { contentType: string; text(): Promise<string> };
-  /** Problems that make this instance unready beyond Redis and the backend (a worker down). */
-  problems?: () => string[];
+  /** Problems that make this instance unready beyond Redis and the backend (a worker down, a worker's key registry). */
+  problems?: () => string[] | Promise<string[]>;
   /** Answers to what Node refuses before fastify has a request (http/raw-answers.ts, handed in by the wiring). */
   rawAnswers: { install(server: Server): void; clientError(err: Error & { code?: string }, socket: Socket): void };
-  /** What /readyz reports beside a 200 (the key registry's lost keys). */
-  warnings?: () => string[];
+  /** What /readyz reports beside a 200 (the key registry's lost keys, here or in a worker). */
+  warnings?: () => string[] | Promise<string[]>;
   redis?: RedisClient;
   /** Where the key API issues keys (the config file, or the key registry); none: no key API here. */
   keys?: KeyStore;
@@ -101,7 +101,7 @@ async function redisProblems(redis: RedisClient, store: Operations): Promise<str
 async function readinessProblems(deps: AdminDeps): Promise<string[]> {
   const problems: string[] = [];
   if (deps.closing()) problems.push('shutting down');
-  problems.push(...(deps.problems?.() ?? []));
+  problems.push(...((await deps.problems?.()) ?? []));
   if (deps.redis) problems.push(...(await redisProblems(deps.redis, deps.store)));
   await fetch(`${deps.backendUrl}/healthz`, { signal: AbortSignal.timeout(1000) }).then(
     (res) => {
@@ -184,7 +184,7 @@ const operations: FastifyPluginAsyncTypebox<AdminDeps> = async (app, deps) => {
       const problems = await readinessProblems(deps);
       if (problems.length > 0) throw new GatewayError('not_ready', `Not ready: ${problems.join('; ')}`);
       reply.header('cache-control', 'no-store');
-      const warnings = deps.warnings?.() ?? [];
+      const warnings = (await deps.warnings?.()) ?? [];
       return {
         status: 'ready' as const,
         store: deps.redis ? ('redis' as const) : ('memory' as const),

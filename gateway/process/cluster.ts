@@ -21,7 +21,11 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
     serve: false,
     admin: {
       metrics: { contentType: aggregator.contentType, text: () => aggregator.clusterMetrics() },
-      problems: () => (listening.size < settings.workers ? [`workers: ${listening.size} of ${settings.workers} listening`] : []),
+      problems: async () => [
+        ...(listening.size < settings.workers ? [`workers: ${listening.size} of ${settings.workers} listening`] : []),
+        ...(await askWorkers('problems')),
+      ],
+      warnings: () => askWorkers('warnings'),
     },
     reloads: 'file',
     // A config the primary refused is not sent on: every worker keeps the one in force.
@@ -64,6 +68,43 @@ export async function runPrimary(settings: GatewaySettings, initial: GatewayConf
 
 const workers = () => Object.values(cluster.workers ?? {}).filter((w): w is Worker => w !== undefined);
 
+/** The primary's question to a worker, and the worker's answer: its key registry's problems or warnings. */
+const KEYS_STATE = 'gateway:keys-state';
+type KeysStateAsk = { type: typeof KEYS_STATE; id: number; part: 'problems' | 'warnings' };
+type KeysStateAnswer = { type: typeof KEYS_STATE; id: number; lines: string[] };
+/**
+ * A worker that does not answer within this is a warning, not a problem: under a load spike a
+ * readiness that flapped on it would take the whole instance out of its balancer.
+ */
+const ASK_MS = 500;
+let asked = 0;
+
+/**
+ * What each worker's key registry reports (its problems or its warnings), each line naming its
+ * worker: the primary has no registry of its own, and /readyz on its admin port speaks for all.
+ */
+function askWorkers(part: KeysStateAsk['part']): Promise<string[]> {
+  const ask = (w: Worker) =>
+    new Promise<string[]>((resolve) => {
+      const id = ++asked;
+      const done = (lines: string[]) => {
+        clearTimeout(timer);
+        w.off('message', heard);
+        resolve(lines.map((line) => `worker ${w.id}: ${line}`));
+      };
+      const heard = (m: Partial<KeysStateAnswer>) => m?.type === KEYS_STATE && m.id === id && done(m.lines ?? []);
+      const unknown = `did not answer within ${ASK_MS} ms: its key registry's state is unknown`;
+      const timer = setTimeout(() => done(part === 'warnings' ? [unknown] : []), ASK_MS);
+      w.on('message', heard);
+      w.send({ type: KEYS_STATE, id, part } satisfies KeysStateAsk, (err: Error | null) => err && done([]));
+    });
+  return Promise.all(
+    workers()
+      .filter((w) => w.isConnected())
+      .map(ask),
+  ).then((all) => all.flat());
+}
+
 /**
  * SIGTERM to every worker (each finishes its in-flight requests); resolves with the worst
  * exit code. A worker still alive after `deadlineMs` (its own grace period plus a margin) is
@@ -105,4 +146,10 @@ export async function runWorker(settings: GatewaySettings, initial: GatewayConfi
   // The primary asks each worker for its registry and sums them (prom-client's cluster support).
   new AggregatorRegistry();
   AggregatorRegistry.setRegistries([gateway!.metrics.registry]);
+  // And for its key registry's state, for /readyz (askWorkers).
+  process.on('message', (m: Partial<KeysStateAsk>) => {
+    if (m?.type !== KEYS_STATE || (m.part !== 'problems' && m.part !== 'warnings')) return;
+    const lines = gateway!.keys?.[m.part]() ?? [];
+    process.send?.({ type: KEYS_STATE, id: m.id, lines } satisfies Partial<KeysStateAnswer>);
+  });
 }

@@ -8,6 +8,7 @@ import { makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { adminCall, issueKey } from '../helpers/admin.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { spawnRedis } from '../helpers/redis.js';
+import { startStack } from '../helpers/stack.js';
 import { tcpProxy } from '../helpers/tcp-proxy.js';
 import { eventually } from '../helpers/time.js';
 
@@ -212,5 +213,36 @@ describe('the key registry under faults', () => {
     const ready = await fetch(`${gw.adminUrl}/readyz`);
     expect(ready.status).toBe(200);
     expect((await ready.json()).warnings).toEqual([expect.stringMatching(/Redis lost the registry/)]);
+  });
+});
+
+describe('the key registry under GATEWAY_WORKERS', () => {
+  it("/readyz on the primary's admin port names each worker whose change channel went silent, and is ready again once it delivers", {
+    timeout: scaled(90_000),
+  }, async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const proxy = await tcpProxy(new URL(redis.url).host);
+    const stack = await startStack(testConfig([makeKey('free')]), { GATEWAY_WORKERS: '2', KEY_STORE: 'redis', REDIS_URL: proxy.url });
+    onTestFinished(() => stack.stop());
+    const readyz = async () => {
+      const res = await fetch(`${stack.gateway.adminUrl}/readyz`);
+      return { status: res.status, body: (await res.json()) as { message?: string } };
+    };
+    await eventually(async () => (await readyz()).status === 200, 10_000, 'ready at first');
+    // Each worker's subscriber stays open and passes nothing, as a dead peer leaves it (the primary subscribes to none).
+    expect(proxy.hold((sent) => sent.includes('subscribe'))).toBe(2);
+    let last = { status: 0, body: {} as { message?: string } };
+    await eventually(
+      async () => {
+        last = await readyz();
+        return (last.body.message?.match(/worker \d+: key registry: its change channel has been silent since/g) ?? []).length === 2;
+      },
+      10_000,
+      "both workers' silence on the primary's /readyz",
+    );
+    expect(last.status).toBe(503);
+    proxy.release();
+    await eventually(async () => (await readyz()).status === 200, 15_000, 'ready again once the channels deliver');
   });
 });
