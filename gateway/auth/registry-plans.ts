@@ -76,3 +76,17 @@ export function registryPlanCheck(redis: RedisClient, current: () => GatewayConf
     });
   };
 }
+
+/**
+ * At boot, what a reload would have refused: plans the registry's keys name that the config in
+ * force has not (its keys answer 401 until it has). One HGETALL, whatever the number of keys.
+ */
+export async function registryPlansMissing(redis: RedisClient, config: GatewayConfig): Promise<string[]> {
+  const counts = await registryPlanCounts(redis, config.redisPrefix);
+  return [...counts]
+    .filter(([plan, n]) => n > 0 && !Object.hasOwn(config.plans, plan))
+    .map(
+      ([plan, n]) =>
+        `key registry: plan "${plan}" is named by ${n} key${n === 1 ? '' : 's'} of the registry, and this config has no such plan: they answer 401 until it has`,
+    );
+}

@@ -23,6 +23,8 @@ const TOKEN = 'registry-accounts-token-0123456789';
 interface Deployment {
   gw: TestGateway;
   file: string;
+  /** Its Redis key prefix, for another instance of the deployment. */
+  prefix: string;
   /** The keys command on this deployment's file and registry: its exit code and what it printed. */
   keys(args: string[]): Promise<{ code: number; stdout: string; stderr: string }>;
   admin(path: string, init?: RequestInit): Promise<Response>;
@@ -44,6 +46,7 @@ async function deployment(keys: TestKey[], over: Partial<ConfigFile> = {}): Prom
   return {
     gw,
     file,
+    prefix: redisKeyPrefix,
     keys: async (args) => {
       let stdout = '';
       let stderr = '';
@@ -273,6 +276,29 @@ describe('a plan that registry keys name', () => {
     expect(refused.problems).toEqual(['plans: plan "gold" is still named by 2 keys of the key registry']);
     expect(await statusOn(d.gw, key)).toBe(200);
     expect(Object.keys(d.gw.gateway.config().plans)).toContain('gold');
+  });
+
+  it('missing from the config a gateway boots with: one warning line per plan at boot, with the count', async () => {
+    const d = await deployment([], { plans: withGold().plans });
+    expect((await d.keys(['create', '--plan', 'gold', '--id', 'gold-c'])).code).toBe(0);
+    expect((await d.keys(['create', '--plan', 'gold', '--id', 'gold-d'])).code).toBe(0);
+    // Another instance of the deployment, booted on a config without the plan.
+    const { dir, cleanup } = tempDir();
+    onTestFinished(cleanup);
+    const other = await buildTestGateway({
+      config: testConfig([]),
+      configFile: join(dir, 'gateway.yaml'),
+      redisKeyPrefix: d.prefix,
+      admin: { token: TOKEN },
+      settings: { keyStore: 'redis' },
+    });
+    const said = await other.waitForLog((l) => String(l.msg).startsWith('key registry: plan'));
+    expect([said.level, said.msg]).toEqual([
+      40,
+      'key registry: plan "gold" is named by 2 keys of the registry, and this config has no such plan: they answer 401 until it has',
+    ]);
+    // And none from the instance whose config has it.
+    expect(d.gw.logs.filter((l) => String(l.msg).startsWith('key registry: plan'))).toEqual([]);
   });
 
   it('is counted for a registry written before the count existed, once, on the first reload that needs it', async () => {
