@@ -66,10 +66,13 @@ export class KeyFileThread {
       this.waiting.delete(reply.id);
       if ('error' in reply) waiter?.reject(thrown(reply.error));
       else waiter?.resolve(reply.value);
-      if (this.waiting.size === 0) this.idle = setTimeout(() => void worker.terminate(), IDLE_MS).unref();
+      if (this.waiting.size === 0) this.idle = setTimeout(() => this.retire(worker), IDLE_MS).unref();
     });
+    // Only the current thread's end fails the calls waiting: a retired one had none left, and
+    // those made since are the next thread's.
     const failed = (err: Error) => {
-      if (this.worker === worker) this.worker = undefined;
+      if (this.worker !== worker) return;
+      this.worker = undefined;
       for (const w of this.waiting.values()) w.reject(err);
       this.waiting.clear();
     };
@@ -77,5 +80,15 @@ export class KeyFileThread {
     worker.on('exit', (code) => failed(new Error(`the key file's thread ended (exit ${code})`)));
     this.worker = worker;
     return worker;
+  }
+
+  /**
+   * Idle: the thread ends, and is no longer the one calls go to. A call made while it ends (its
+   * exit comes a turn or more later) starts the next thread, rather than posting to this one and
+   * failing with its exit (a portal key create failed so on a loaded machine).
+   */
+  private retire(worker: Worker): void {
+    if (this.worker === worker) this.worker = undefined;
+    void worker.terminate();
   }
 }

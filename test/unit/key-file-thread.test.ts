@@ -1,0 +1,34 @@
+import { join } from 'node:path';
+import { Worker } from 'node:worker_threads';
+import { afterEach, describe, expect, it, onTestFinished } from 'vitest';
+import { KeyFileThread } from '../../gateway/auth/key-file-thread.js';
+import { tempDir, testConfig, writeConfig } from '../helpers/config.js';
+
+// The key file's edit thread (key-file-thread.ts) ends once idle for 2 s; its exit comes a turn
+// or more after. A change made in that gap was posted to the ending thread and failed with its
+// exit: a portal key create answered an error page on a loaded machine (CI, 2026-11-29).
+
+const terminate = Worker.prototype.terminate;
+afterEach(() => {
+  Worker.prototype.terminate = terminate;
+});
+
+describe('the key file thread', () => {
+  it('takes a change made just as its idle thread ends: on a new thread, the change made', { timeout: 30_000 }, async () => {
+    const { dir, cleanup } = tempDir();
+    onTestFinished(cleanup);
+    const file = join(dir, 'gateway.json');
+    writeConfig(file, testConfig([]));
+    const thread = new KeyFileThread();
+    expect(await thread.call<{ id: string }>('createKey', [file, { plan: 'free', id: 'first' }])).toMatchObject({ id: 'first' });
+    // The change made at the very moment the idle thread is told to end.
+    const racing = new Promise<unknown>((resolve) => {
+      Worker.prototype.terminate = function (this: Worker) {
+        const ended = terminate.call(this);
+        resolve(thread.call('createKey', [file, { plan: 'free', id: 'second' }]).catch((err: Error) => err));
+        return ended;
+      };
+    });
+    expect(await racing).toMatchObject({ id: 'second' });
+  });
+});
