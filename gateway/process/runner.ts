@@ -175,13 +175,13 @@ function warningOnReload(
   };
 }
 
-/** A warning when Redis keeps nothing on disk and holds what a restart must not lose (`kept`). */
 /** The registry's keys whose plan the config lacks, one line per plan; a Redis that fails or stalls here is said elsewhere. */
 async function warnIfPlansMissing(redis: RedisClient, config: GatewayConfig, log: FastifyBaseLogger, timeoutMs: number) {
   const lines = await within(registryPlansMissing(redis, config), timeoutMs).catch(() => undefined);
   if (Array.isArray(lines)) for (const line of lines) log.warn(line);
 }
 
+/** A warning when Redis keeps nothing on disk and holds what a restart must not lose (`kept`). */
 async function warnIfNotKept(kept: string[], redis: RedisClient, log: FastifyBaseLogger) {
   if (kept.length === 0) return;
   const problem = await persistenceProblem(redis, kept).catch(
