@@ -36,9 +36,9 @@ interface Idle {
 /**
  * This instance's concurrency slots (quota.lua takes them): renewed together, one renew.lua
  * call per subject with slots here every third of the TTL and at once when connected again, on
- * Redis's clock. A slot whose request ended lingers (at most `lingerMs`, never over a sixth of the TTL): still a member of
- * the account's set in Redis, so still counted against the limit by every instance, and handed
- * to the account's next request here without a call. The slots that lingered through a whole
+ * Redis's clock. A slot whose request ended lingers (at most `lingerMs`, never over a sixth of
+ * the TTL): still a member of the account's set in Redis, so still counted against the limit by
+ * every instance, and handed to the account's next request here without a call. The slots that lingered through a whole
  * round (half the linger) unused are released together: one ZREM per account a round. Cost by
  * traffic: a round touches only the subjects with slots here.
  */
