@@ -7,7 +7,7 @@ import { keyFinder } from './auth/key-finder.js';
 import { bothStores, registryAccounts } from './auth/key-stores.js';
 import { RegistryKeys } from './auth/registry.js';
 import { KeyRegistry } from './auth/registry-cache.js';
-import { registryPlanCheck } from './auth/registry-plans.js';
+import { registryPlanCheck, registryPlansMissing } from './auth/registry-plans.js';
 import { UnreadRegistry } from './auth/registry-unread.js';
 import { installPlainRawHandlers, plainClientErrorHandler } from './http/raw-answers.js';
 import type { GatewayConfig } from './config/config.js';
@@ -276,4 +276,9 @@ export function buildAdminPort(settings: GatewaySettings, from: AdminSources): P
 /** What a reload of the watched file is checked against beyond the file itself: the plans the key registry's keys name. */
 export function reloadCheck(settings: Pick<GatewaySettings, 'keyStore'>, redis: RedisClient | undefined, config: () => GatewayConfig) {
   return redis && settings.keyStore === 'redis' ? registryPlanCheck(redis, config) : undefined;
+}
+
+/** What boot says of the config in force beyond the file itself: the plans the key registry's keys name that it lacks. */
+export function bootWarnings(settings: Pick<GatewaySettings, 'keyStore'>, redis: RedisClient, config: GatewayConfig): Promise<string[]> {
+  return settings.keyStore === 'redis' ? registryPlansMissing(redis, config) : Promise.resolve([]);
 }

@@ -5,9 +5,8 @@ import type { DestinationStream } from 'pino';
 import { announceReady, closeServer, createLogger, exitOnSignals, listenOrExit } from '../../runtime/process.js';
 import type { GatewayConfig } from '../config/config.js';
 import { type GatewaySettings, redisTarget } from '../config/settings.js';
-import { type AdminPortParts, buildAdminPort, buildGateway, type Gateway, reloadCheck } from '../app.js';
+import { type AdminPortParts, bootWarnings, buildAdminPort, buildGateway, type Gateway, reloadCheck } from '../app.js';
 import { type ReloadCheck, reloader, watchConfig } from './config-watch.js';
-import { registryPlansMissing } from '../auth/registry-plans.js';
 import { awaitRedis, closeRedis, connectRedis, persistenceProblem, type RedisClient, warnUntilAnswered, within } from '../redis/client.js';
 
 // The one start sequence of a gateway process, as envoy's runner.go: connect Redis, build the
@@ -110,8 +109,7 @@ export async function run(settings: GatewaySettings, initial: GatewayConfig, opt
   const stopWarning = options.admin ? warnUntilAnswered(redis, log) : () => {};
   // Once per deployment process: a single one, or the cluster's primary (its workers serve no admin).
   if (options.admin && redis?.status === 'ready') await warnIfNotKept(keptIn(settings, initial), redis, log);
-  if (options.admin && redis?.status === 'ready' && settings.keyStore === 'redis')
-    await warnIfPlansMissing(redis, initial, log, settings.redisTimeoutMs);
+  if (options.admin && redis?.status === 'ready') await warnAtBoot(bootWarnings(settings, redis, initial), log, settings.redisTimeoutMs);
   // Only where the file is watched: a worker takes the config its primary has checked.
   const check = options.reloads === 'file' ? reloadCheck(settings, redis, config) : undefined;
   const apply = options.admin && redis ? warningOnReload(settings, config, setConfig, redis, log) : setConfig;
@@ -175,9 +173,9 @@ function warningOnReload(
   };
 }
 
-/** The registry's keys whose plan the config lacks, one line per plan; a Redis that fails or stalls here is said elsewhere. */
-async function warnIfPlansMissing(redis: RedisClient, config: GatewayConfig, log: FastifyBaseLogger, timeoutMs: number) {
-  const lines = await within(registryPlansMissing(redis, config), timeoutMs).catch(() => undefined);
+/** Boot's warnings (app.ts: the registry's keys whose plan the config lacks), a line each; a Redis that fails or stalls here is said elsewhere. */
+async function warnAtBoot(warnings: Promise<string[]>, log: FastifyBaseLogger, timeoutMs: number) {
+  const lines = await within(warnings, timeoutMs).catch(() => undefined);
   if (Array.isArray(lines)) for (const line of lines) log.warn(line);
 }
 
