@@ -4,6 +4,7 @@ import { join } from 'node:path';
 import type { Browser, BrowserContext, Page } from 'playwright-core';
 import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import { keysCommand } from '../../gateway/auth/cli.js';
+import { MINUTE_MS } from '../../gateway/quota/decision.js';
 import { portalKeys } from '../../gateway/redis/keys.js';
 import {
   digest,
@@ -545,12 +546,19 @@ describe('with Redis down', () => {
       settings: { quotaLeaseMax: 1 },
       admin: { token: TOKEN },
     });
+    // The request and the page's read in one UTC minute: past its 45th second, the next one (a
+    // read after the boundary found the new minute empty: used 0, a CI run on 2026-11-29).
+    const into = Date.now() % MINUTE_MS;
+    if (into > MINUTE_MS - 15_000) await sleep(MINUTE_MS - into + 10);
+    const minute = Math.floor(Date.now() / MINUTE_MS);
     expect((await own.call('/v1/pets', key.key)).status).toBe(200);
     const page = await open();
     await page.goto(`${own.url}/portal`);
     await page.fill('input[name="key"]', key.key);
     await page.click('button[type="submit"]');
-    expect(await windowFigures(page, '[data-scope="account"]', 'minute')).toMatchObject({ used: '1', remaining: '999' });
+    const figures = await windowFigures(page, '[data-scope="account"]', 'minute');
+    expect(Math.floor(Date.now() / MINUTE_MS), 'the request and the read within 45 s').toBe(minute);
+    expect(figures).toMatchObject({ used: '1', remaining: '999' });
     const cookie = `portal_session=${(await sessionCookieOf(page.context()))!.value}`;
     redis.proc.kill('SIGSTOP'); // frozen: connected, silent
     await page.goto(`${own.url}/portal`);
