@@ -1,16 +1,11 @@
 import { createHash } from 'node:crypto';
 import { AxeBuilder } from '@axe-core/playwright';
-import { type Browser, type BrowserContext, chromium, type Page } from 'playwright-core';
+import type { Browser, BrowserContext, Page } from 'playwright-core';
 import { expect } from 'vitest';
 
-// A real browser for the portal's tests: Debian's Chromium driven by playwright-core (Playwright's
-// own browser download cannot be used here; .ci/run installs the `chromium` package when missing).
+// The portal tests' browser helpers; the browser itself (Debian's Chromium) is chromium.ts's.
 
-export const CHROMIUM = '/usr/bin/chromium';
-
-export function launch(): Promise<Browser> {
-  return chromium.launch({ executablePath: CHROMIUM, args: ['--no-sandbox'] });
-}
+export { CHROMIUM, firstContentfulPaint, launch } from './chromium.js';
 
 /** A fresh context (no cookies) and its page: @axe-core/playwright needs a page made this way. */
 export async function freshPage(browser: Browser): Promise<{ context: BrowserContext; page: Page }> {
@@ -48,20 +43,4 @@ export function postForm(url: string, fields: Record<string, string>, headers: R
     headers: { 'content-type': 'application/x-www-form-urlencoded', ...headers },
     body: new URLSearchParams(fields).toString(),
   });
-}
-
-/**
- * The page's first contentful paint (ms). It is recorded after the load event that goto waits
- * for: observed, not read at once (read at once, it raced: -1 ms).
- */
-export function firstContentfulPaint(page: Page): Promise<number> {
-  return page.evaluate(
-    () =>
-      new Promise<number>((resolve) => {
-        new PerformanceObserver((list) => {
-          const paint = list.getEntriesByName('first-contentful-paint')[0];
-          if (paint) resolve(paint.startTime);
-        }).observe({ type: 'paint', buffered: true });
-      }),
-  );
 }
