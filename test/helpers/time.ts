@@ -8,11 +8,32 @@ import { BUDGET, scaled } from './budget.js';
  * minute is final: its failure is the test's. Redis runs on this machine, so its clock is
  * this clock. No sleeping: a run is short, so at most one is ever discarded in practice.
  */
-export async function inOneMinute<T>(
+export function inOneMinute<T>(
   attempt: () => Promise<T>,
   reset: () => unknown = () => {},
   /** Each gateway of the run: a run during which one declared Redis failing is discarded too (see below). */
   gateways: Array<{ logs: Array<{ msg?: unknown }> }> = [],
+): Promise<T> {
+  return discarding(attempt, reset, gateways, true);
+}
+
+/**
+ * Runs `attempt` as inOneMinute does, discarding only a run during which a gateway declared
+ * Redis failing: for runs that count in-flight slots or a burst, not a minute's window.
+ */
+export function decidedByRedis<T>(
+  gateways: Array<{ logs: Array<{ msg?: unknown }> }>,
+  attempt: () => Promise<T>,
+  reset: () => unknown = () => {},
+): Promise<T> {
+  return discarding(attempt, reset, gateways, false);
+}
+
+async function discarding<T>(
+  attempt: () => Promise<T>,
+  reset: () => unknown,
+  gateways: Array<{ logs: Array<{ msg?: unknown }> }>,
+  oneMinute: boolean,
 ): Promise<T> {
   for (let run = 1; ; run++) {
     const minute = Math.floor(Date.now() / MINUTE_MS);
@@ -27,12 +48,13 @@ export async function inOneMinute<T>(
     // failing and decides from its degraded budget, as it should: such a run says nothing of
     // the counts Redis keeps, and is discarded like one across a minute.
     const failed = redisFailures(gateways) > failedBefore;
-    if ((Math.floor(Date.now() / MINUTE_MS) === minute && !failed) || run === 3) {
+    const crossed = oneMinute && Math.floor(Date.now() / MINUTE_MS) !== minute;
+    if ((!crossed && !failed) || run === 3) {
       if (!result.ok) throw result.error;
       return result.value;
     }
     if (failed) {
-      console.log(`inOneMinute: run ${run} discarded: a gateway declared Redis failing during it`);
+      console.log(`run ${run} discarded: a gateway declared Redis failing during it`);
       await eventually(() => gateways.every(answering), undefined, 'every gateway deciding on Redis again');
     }
     await reset();

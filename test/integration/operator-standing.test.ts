@@ -116,6 +116,7 @@ describe("the operator page's standing", () => {
         await page.context().close();
       },
       () => share(),
+      gws,
     );
   });
 

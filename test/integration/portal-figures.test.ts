@@ -305,6 +305,7 @@ describe('a closed minute, checked', () => {
     await operator.goto(`${gws[0]!.adminUrl}/admin/ui`);
     await operator.fill('input[name="token"]', TOKEN);
     await operator.click('button[type="submit"]');
+    await operator.waitForSelector('[data-degraded]'); // signed in: the overview, not the sign-in's redirect still under way
     const table = operator.locator('[data-reconcile]');
     const reconcile = async () => {
       await operator.goto(`${gws[0]!.adminUrl}/admin/ui/accounts/closedco`);

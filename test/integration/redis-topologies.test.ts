@@ -57,6 +57,7 @@ describe('Redis Cluster', () => {
         expect(got).toEqual([200, 200, 200, 200, 200, 429]);
       },
       () => run++,
+      [gw],
     );
     const name = redisKeyOf(gw.gateway.config(), keys[run]!.id);
     const owner = cluster.masterOf(name);
@@ -182,6 +183,7 @@ describe('Redis Sentinel', () => {
         expect(got).toEqual([200, 200, 200, 200, 200, 429]);
       },
       () => gw.freshCounters(),
+      [gw],
     );
     const onMaster = new Redis({ port: group.master.port, host: '127.0.0.1' }).on('error', () => {});
     onTestFinished(() => onMaster.disconnect());

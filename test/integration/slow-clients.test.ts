@@ -3,6 +3,7 @@ import { describe, expect, it } from 'vitest';
 import { makeKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, useTestGateway } from '../helpers/gateway.js';
 import { eventually } from '../helpers/time.js';
+import { scaled } from '../helpers/budget.js';
 
 // Slow clients (Slowloris): a request whose headers or body trickle in is cut once
 // GATEWAY_REQUEST_TIMEOUT_MS has passed, with 408 in the Error shape where an answer can
@@ -24,8 +25,8 @@ function trickle(head: string, drip: string, port = gw.port): Promise<{ text: st
     const deadline = setTimeout(() => {
       clearInterval(timer);
       s.destroy();
-      reject(new Error(`not cut within 10 s; got: ${text}`));
-    }, 10_000);
+      reject(new Error(`not cut within ${scaled(10_000)} ms; got: ${text}`));
+    }, scaled(10_000));
     s.on('close', () => {
       clearInterval(timer);
       clearTimeout(deadline);
@@ -54,7 +55,7 @@ describe('slow clients', () => {
     const body = JSON.parse(text.slice(text.indexOf('\r\n\r\n') + 4));
     expect(body).toEqual({ code: 'request_timeout', message: expect.any(String), status: 408 });
     expect(ms).toBeGreaterThanOrEqual(900);
-    expect(ms).toBeLessThan(5000); // 1 s timeout, checked every second: well inside 5 s
+    expect(ms).toBeLessThan(scaled(5000)); // 1 s timeout, checked every second: well inside 5 s on a quiet machine
     expect(text.toLowerCase()).toContain('\r\nx-ratelimit-limit: ');
     await eventually(() => lines408() > before, 2000, 'the access line of the 408'); // written in batches
     expect(lines408()).toBe(before + 1); // one access line, as for any request
