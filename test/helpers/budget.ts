@@ -8,8 +8,10 @@ import { availableParallelism, loadavg } from 'node:os';
 
 /**
  * TEST_TIME_SCALE when set (a number, 1 or more); else 1 + the load average per core when the
- * run starts, at most 5: on a 2-core machine at load 6, every process takes about four times as
- * long to get the CPU, and its waits get four times as long.
+ * run starts, at least 2 and at most 5: on a 2-core machine at load 6, every process takes about
+ * four times as long to get the CPU, and its waits get four times as long. At least 2 because the
+ * suite's own files keep every core busy once it runs, whatever the load average said before
+ * (busy processes started with it are not in the average yet).
  */
 export function timeScale(env: NodeJS.ProcessEnv = process.env): number {
   const set = env.TEST_TIME_SCALE;
@@ -19,7 +21,7 @@ export function timeScale(env: NodeJS.ProcessEnv = process.env): number {
     return n;
   }
   const perCore = loadavg()[0]! / availableParallelism();
-  return Math.min(5, Math.round((1 + perCore) * 10) / 10);
+  return Math.min(5, Math.max(2, Math.round((1 + perCore) * 10) / 10));
 }
 
 /** The run's factor: vitest.config.ts fixes it in TEST_TIME_SCALE before any worker starts, so all agree. */

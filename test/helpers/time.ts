@@ -85,4 +85,13 @@ export async function eventually(check: () => boolean | Promise<boolean>, quietM
   throw new Error(`${what} not met within ${ms} ms`);
 }
 
+/**
+ * The whole seconds a Retry-After may say to `endMs` when decided between `sentAt` and
+ * `answeredAt` (this machine's clock, which is Redis's), a second either way for the rounding:
+ * bracketed by the request, so a slow answer on a loaded machine is not a wrong one.
+ */
+export function secondsTo(endMs: number, sentAt: number, answeredAt: number): { min: number; max: number } {
+  return { min: Math.ceil((endMs - answeredAt) / 1000) - 1, max: Math.ceil((endMs - sentAt) / 1000) + 1 };
+}
+
 export const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));

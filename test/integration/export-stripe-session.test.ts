@@ -3,7 +3,7 @@ import type { ConfigFile } from '../../gateway/config/config.js';
 import { SETUP_RETRY_MS, STRIPE_API_VERSION } from '../../gateway/usage/stripe-session.js';
 import { startStripe } from '../helpers/billers.js';
 import { call, makeKey, type TestKey, testConfig, problemsOf } from '../helpers/config.js';
-import { timeoutFor } from '../helpers/budget.js';
+import { scaled, timeoutFor } from '../helpers/budget.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { eventually } from '../helpers/time.js';
 
@@ -15,7 +15,11 @@ import { eventually } from '../helpers/time.js';
 const plans: ConfigFile['plans'] = { metered: { perMinute: 100_000, perDay: 1_000_000 } };
 /** What a Stripe secret key looks like; searched for in everything the gateway gives out. */
 const SECRET = 'sk_test_51Gw4yS3cr3tK3yF0rTh3M3t3r';
-const LIFETIME_MS = 4000;
+/**
+ * A session's life here (Stripe's: 15 minutes): 4 s on a quiet machine, scaled, since the renewal
+ * a quarter before expiry must come in time beside a stall of a loaded machine's.
+ */
+const LIFETIME_MS = scaled(4000);
 
 const stripeConfig = (keys: TestKey[], url: string, stripe: Record<string, string>, headers?: Record<string, string>) =>
   testConfig(keys, {
