@@ -168,23 +168,33 @@ const SKEW_MS = 5;
 describe('across instances (three stores on one Redis)', () => {
   it('the boundary attack: the fixed window admits 2x across W, the burst at most size + rate·τ', async () => {
     const stores = [redisStore(), redisStore(), redisStore()];
-    // No ban policy: the first wave's 429s would ban both before the second (bans are another defence).
-    const fixed = { ...subject(20, {}), bans: null, short: undefined };
-    const burst = { ...subject(20, { burst: { size: 20, perSecond: 10 } }), bans: null };
-    // The attack: the minute's whole quota just before a minute boundary and again 10 ms after.
-    // The first wave starts 250 ms before, not 10: 90 calls take longer than 10 ms on a busy
-    // 2-core machine, and a first wave that spills past the boundary is no attack.
     // Each store's connection has its scripts loaded first, so the waves are quick.
     await Promise.all(stores.map((st) => st.consume(subject(20, {}))));
-    const boundary = Math.ceil((Date.now() + 200) / MINUTE_MS) * MINUTE_MS;
     const wave = async (s: QuotaSubject) => {
       const all = await Promise.all(Array.from({ length: 90 }, (_, i) => stores[i % 3]!.consume(s)));
       return all.filter((d: Decision) => d.outcome === 'allowed');
     };
-    await sleep(boundary - 250 - Date.now());
-    const before = await Promise.all([wave(fixed), wave(burst)]);
-    await sleep(Math.max(0, boundary + 10 - Date.now()));
-    const after = await Promise.all([wave(fixed), wave(burst)]);
+    // The attack: the minute's whole quota just before a minute boundary and again 10 ms after.
+    // The first wave starts 250 ms before, not 10: 90 calls take longer than 10 ms on a busy
+    // 2-core machine. A first wave that still spilled past the boundary (a stall) is no attack:
+    // made again at the next minute, with fresh subjects, up to three times.
+    const attack = async () => {
+      // No ban policy: the first wave's 429s would ban both before the second (bans are another defence).
+      const fixed = { ...subject(20, {}), bans: null, short: undefined };
+      const burst = { ...subject(20, { burst: { size: 20, perSecond: 10 } }), bans: null };
+      const boundary = Math.ceil((Date.now() + 200) / MINUTE_MS) * MINUTE_MS;
+      await sleep(boundary - 250 - Date.now());
+      const before = await Promise.all([wave(fixed), wave(burst)]);
+      await sleep(Math.max(0, boundary + 10 - Date.now()));
+      const after = await Promise.all([wave(fixed), wave(burst)]);
+      return { boundary, before, after };
+    };
+    let run = await attack();
+    for (let n = 1; n < 3 && run.before.flat().some((d) => d.nowMs >= run.boundary); n++) {
+      console.log('boundary attack: the first wave spilled past the boundary; made again at the next minute');
+      run = await attack();
+    }
+    const { boundary, before, after } = run;
     const fixedAdmitted = before[0].length + after[0].length;
     const burstTimes = [...before[1], ...after[1]].map((d) => d.nowMs);
     // The fixed window's admissions fell on both sides of the boundary (Redis's clock), two
@@ -197,7 +207,7 @@ describe('across instances (three stores on one Redis)', () => {
     const tau = Math.max(...burstTimes) - Math.min(...burstTimes);
     expect(burstTimes.length).toBeLessThanOrEqual(20 + Math.floor((10 * tau) / 1000));
     expect(worstExcess(burstTimes, 20, 10)).toBeLessThanOrEqual(0);
-  }, 90_000);
+  }, 200_000); // up to three attacks, each at a minute's end
 
   // Issue 47's size, under `npm run test:full` only: 10⁶ calls take a minute or more here.
   it.runIf(FULL_SIZE)(

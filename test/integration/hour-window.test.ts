@@ -22,7 +22,6 @@ const config = testConfig([hourly, own], {
 
 const silent = { warn: () => {}, info: () => {}, error: () => {} } as unknown as FastifyBaseLogger;
 
-
 async function refusedPastTheHour(gw: TestGateway, key: string, perHour: number) {
   const first = await gw.call('/v1/pets', key);
   expect(first.status).toBe(200);
