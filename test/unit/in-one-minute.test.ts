@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { inOneMinute } from '../helpers/time.js';
+import { decidedByRedis, inOneMinute } from '../helpers/time.js';
 
 // The test helper that discards a run that proves nothing (test/helpers/time.ts): its rules are
 // what every counting test across instances leans on, so they are tested themselves.
@@ -36,6 +36,31 @@ describe('inOneMinute', () => {
         runs++;
         throw new Error('a real failure');
       }, () => {}, [gateway]),
+    ).rejects.toThrow('a real failure');
+    expect(runs).toBe(1);
+  });
+});
+
+describe('decidedByRedis', () => {
+  it('runs again a run during which a gateway declared Redis failing, and only that: a failure beside healthy gateways is final', async () => {
+    const gateway = { logs: [] as Array<{ msg?: unknown }> };
+    let runs = 0;
+    const value = await decidedByRedis([gateway], async () => {
+      runs++;
+      if (runs === 1) {
+        gateway.logs.push(failing);
+        setTimeout(() => gateway.logs.push(answers), 50);
+        throw new Error('503 from the degraded budget');
+      }
+      return runs;
+    });
+    expect(value).toBe(2);
+    runs = 0;
+    await expect(
+      decidedByRedis([gateway], async () => {
+        runs++;
+        throw new Error('a real failure');
+      }),
     ).rejects.toThrow('a real failure');
     expect(runs).toBe(1);
   });
