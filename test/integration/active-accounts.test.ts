@@ -13,7 +13,7 @@ import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { freePort } from '../helpers/net.js';
 import { spawnCluster, spawnRedis, testClient } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
-import { eventually } from '../helpers/time.js';
+import { decidedByRedis, eventually } from '../helpers/time.js';
 
 // Issue 30: the export and alert loops read the accounts marked active, not every account
 // configured; a paced sweep finds what a lost mark would have left behind; and one busy account
@@ -286,11 +286,16 @@ describe('usage export on a Redis Cluster', () => {
     const gw = await buildTestGateway({ config, settings: { redisClusterNodes: cluster.nodes } });
     const nodes = new Set(accounts.map((k) => cluster.masterOf(`${nameOf(gw, k.account!)}:statuses`).port));
     expect(nodes.size).toBeGreaterThan(1); // the scenario: one status batch spans nodes
-    // Together, so their statuses go in the same batch.
-    const answers = await Promise.all(accounts.map((k) => gw.call('/v1/pets', k.key)));
-    expect(answers.map((a) => a.status)).toEqual(accounts.map(() => 200));
+    // Together, so their statuses go in the same batch. A run during which the gateway declared
+    // the Cluster failing (a stall on a loaded machine) answers 503 and is made again; a 503 writes no event.
+    await decidedByRedis([gw], async () => {
+      const answers = await Promise.all(accounts.map((k) => gw.call('/v1/pets', k.key)));
+      expect(answers.map((a) => a.status)).toEqual(accounts.map(() => 200));
+    });
     // A status not joined is waited for 10 s, then sent as null: the first events are those with one.
     await eventually(() => sink.requests().length >= 9, 30_000, 'the events at the sink');
-    expect(sink.requests().map((e) => e.data!.status)).toEqual(accounts.map(() => 200));
+    const statuses = sink.requests().map((e) => e.data!.status);
+    expect(statuses.length).toBeGreaterThanOrEqual(9);
+    expect(statuses.filter((s) => s !== 200)).toEqual([]);
   }, 60_000);
 });

@@ -1,5 +1,6 @@
 import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { PerformanceObserver } from 'node:perf_hooks';
 import { beforeAll, describe, expect, it, onTestFinished } from 'vitest';
 import { compileConfig } from '../../gateway/config/config.js';
 import { generateKey } from '../../gateway/auth/keys.js';
@@ -28,29 +29,45 @@ function threadCpuMs(): number | undefined {
  * The test and the gateway share this event loop: the longest gap between two turns of a 5 ms
  * timer is the longest any request waited meanwhile. A gap is wall time, so on a loaded machine
  * it also holds the time the scheduler gave this thread's CPU to others (a CI run once saw 201 ms
- * in a gap); what the gateway's own code holds is this thread's CPU time within the gap, which
- * is what is asserted (`held`), the wall gap printed beside it.
+ * in a gap); what the gateway's own code holds is this thread's CPU time within the gap, less the
+ * garbage collector's pauses in it (`held`, asserted): a major GC of a heap holding 60,000 keys
+ * took over 100 ms once on Node 24 under load, whether or not the compile is cut into turns. The
+ * wall gap and the CPU with the pauses are printed beside it.
  */
-function longestGap(): { stop(): { wallMs: number; heldMs: number } } {
-  let wall = 0;
-  let held = 0;
+function longestGap(): { stop(): Promise<{ wallMs: number; heldMs: number; withGcMs: number }> } {
+  const gaps: Array<{ from: number; to: number; cpu: number }> = [];
+  const pauses: Array<{ from: number; to: number }> = [];
+  const gc = new PerformanceObserver((list) => {
+    for (const e of list.getEntries()) pauses.push({ from: e.startTime, to: e.startTime + e.duration });
+  });
+  gc.observe({ entryTypes: ['gc'] });
   let last = performance.now();
   let lastCpu = threadCpuMs();
   const measure = () => {
     const now = performance.now();
     const cpu = threadCpuMs();
-    wall = Math.max(wall, now - last);
-    held = Math.max(held, cpu === undefined || lastCpu === undefined ? now - last : cpu - lastCpu);
+    gaps.push({ from: last, to: now, cpu: cpu === undefined || lastCpu === undefined ? now - last : cpu - lastCpu });
     last = now;
     lastCpu = cpu;
   };
   const tick = setInterval(measure, 5);
-  onTestFinished(() => clearInterval(tick));
+  onTestFinished(() => {
+    clearInterval(tick);
+    gc.disconnect();
+  });
+  const paused = (g: { from: number; to: number }) =>
+    pauses.reduce((ms, p) => ms + Math.max(0, Math.min(p.to, g.to) - Math.max(p.from, g.from)), 0);
   return {
-    stop: () => {
+    stop: async () => {
       clearInterval(tick);
       measure(); // a stall just before the stop, no tick since
-      return { wallMs: wall, heldMs: held };
+      await new Promise((r) => setTimeout(r, 50)); // the observer's last entries
+      gc.disconnect();
+      return {
+        wallMs: Math.max(...gaps.map((g) => g.to - g.from)),
+        heldMs: Math.max(...gaps.map((g) => g.cpu - paused(g))),
+        withGcMs: Math.max(...gaps.map((g) => g.cpu)),
+      };
     },
   };
 }
@@ -95,9 +112,9 @@ describe('a large key file', () => {
     writeConfig(file, testConfig([...keys, added])); // reloaded once the watch's debounce is over: later than this turn
     const gaps = longestGap();
     await gw.waitForLog((l) => l.msg === 'config reloaded', 180_000);
-    const { wallMs, heldMs } = gaps.stop();
+    const { wallMs, heldMs, withGcMs } = await gaps.stop();
     console.log(
-      `reload of ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU`,
+      `reload of ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU besides GC (${withGcMs.toFixed(1)} ms with it)`,
     );
     // At most half the compile at once: a turn compiles for 5 ms (bench:scale measures the wait at 100,000).
     expect(heldMs).toBeLessThan(atOnceMs / 2);
@@ -114,9 +131,9 @@ describe('a large key file', () => {
     const gaps = longestGap();
     const { key } = await issueKey(gw, token, { plan: 'free' }); // the file edited, then reloaded
     await eventually(async () => (await gw.call('/v1/pets', key)).status === 200, 180_000, 'the new key accepted');
-    const { wallMs, heldMs } = gaps.stop();
+    const { wallMs, heldMs, withGcMs } = await gaps.stop();
     console.log(
-      `a key issued at ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU`,
+      `a key issued at ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU besides GC (${withGcMs.toFixed(1)} ms with it)`,
     );
     expect(heldMs).toBeLessThan(atOnceMs / 2);
   });
@@ -136,9 +153,9 @@ describe('a large key file', () => {
     // The edit's thread (kept 2 s once idle) runs at the lowest priority: on Linux a thread's nice is its own.
     if (process.platform === 'linux') expect(threadNices()).toContain(19);
     await gw.waitForLog((l) => l.msg === 'config reloaded', 180_000);
-    const { wallMs, heldMs } = gaps.stop();
+    const { wallMs, heldMs, withGcMs } = await gaps.stop();
     console.log(
-      `an account set at ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU`,
+      `an account set at ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU besides GC (${withGcMs.toFixed(1)} ms with it)`,
     );
     expect(heldMs).toBeLessThan(atOnceMs / 2);
   });
@@ -170,9 +187,9 @@ describe('a large key file', () => {
     const created = await fetch(`${gw.url}/portal/keys`, form({ csrf }, cookie));
     expect(created.status).toBe(201);
     await gw.waitForLog((l) => l.msg === 'config reloaded', 180_000);
-    const { wallMs, heldMs } = gaps.stop();
+    const { wallMs, heldMs, withGcMs } = await gaps.stop();
     console.log(
-      `a key created in the portal at ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU`,
+      `a key created in the portal at ${KEYS} keys: the event loop's longest delay ${wallMs.toFixed(1)} ms, ${heldMs.toFixed(1)} ms of it on this thread's CPU besides GC (${withGcMs.toFixed(1)} ms with it)`,
     );
     expect(heldMs).toBeLessThan(atOnceMs / 2);
   });
