@@ -299,4 +299,25 @@ describe('a key with credits and usage export, leased', () => {
     // Spent: the five handed out, less the refunded one, given back as a purchased credit.
     expect(await credited(s)).toEqual({ balance: 2000 - 4, reserved: 0 });
   });
+
+  it('gives back the units a closed lease handed out when their holder dies before its batch: spent only with their events', async () => {
+    const s = both();
+    const run = scripts();
+    await run.quota(...quotaArgs(s, { lease: 20, deadline: 0, cost: 1, refill: false, tag: tag('r0'), callId: 'L1' }));
+    // Closed with 15 not handed out: the 5 handed out stay held until their events are written.
+    const back = {
+      ...leaseOf(15, 20, 0, Date.now(), { minuteUsed: 20, dayUsed: 20, balance: 1980 }, 'L1'),
+      credits: [['L1', 15]] as Array<[string, number]>,
+      events: true,
+    };
+    await run.quota(...quotaArgs(s, { lease: 1, deadline: 0, cost: 0, refill: true, back, callId: 'L2' }));
+    expect(await credited(s)).toEqual({ balance: 1995, reserved: 5 });
+    // The holder dies with its batch: the rest lapses (its time set in the past rather than 70 s waited), all of it back.
+    const hold = (await redis.hget(subjectKey.credits(s.name), 'h:L1'))!;
+    await redis.hset(subjectKey.credits(s.name), 'h:L1', hold.replace(/\d+$/, '1'), 'rx', 1);
+    await run.quota(...quotaArgs(s, { lease: 1, deadline: 0, cost: 0, refill: true, callId: 'L3' }));
+    expect(await credited(s)).toEqual({ balance: 2000, reserved: 0 });
+    const ledger = await redis.xrange(subjectKey.ledger(s.name), '-', '+');
+    expect(ledger.filter(([, f]) => f[1] === 'lapsed').map(([, f]) => f[3])).toEqual(['5']);
+  });
 });

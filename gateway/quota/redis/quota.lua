@@ -103,14 +103,21 @@ if grant >= 0 then
 end
 -- `units` of the reservation `v` (as stored) back to the balance: its purchased part first, the
 -- rest to the grant if it is still the one in force, else as purchased credits (a refund's way).
-local function unhold(field, v, units)
-  local size, fromGrant, from = string.match(v, '^(%d+) (%d+) (%d+)')
+-- With `keep`, the rest stays held (its units handed out, their events not written yet): their
+-- instance's batch spends them (usagebatch.lua), or they lapse back if it dies first.
+local function unhold(field, v, units, keep)
+  local size, fromGrant, from, x = string.match(v, '^(%d+) (%d+) (%d+) (%d+)')
   size, fromGrant = tonumber(size), tonumber(fromGrant)
-  redis.call('HDEL', KEY.credits, field)
-  held = math.max(0, held - size)
   units = math.min(units, size)
   local toPurchased = math.min(units, size - fromGrant)
   local toGrant = units - toPurchased
+  if keep and units < size then
+    redis.call('HSET', KEY.credits, field, (size - units) .. ' ' .. (fromGrant - toGrant) .. ' ' .. from .. ' ' .. x)
+    held = math.max(0, held - units)
+  else
+    redis.call('HDEL', KEY.credits, field)
+    held = math.max(0, held - size)
+  end
   if tonumber(from) ~= gp then toPurchased, toGrant = units, 0 end
   g, p = g + toGrant, p + toPurchased
   return units
@@ -122,7 +129,8 @@ end
 if grant >= 0 and ARG.backCredits and ARG.backCredits ~= '' then
   for id, left in string.gmatch(ARG.backCredits, '([^,=]+)=(%d+)') do
     local v = redis.call('HGET', KEY.credits, 'h:' .. id)
-    if v then unhold('h:' .. id, v, tonumber(left)) end
+    -- An exporting subject's handed-out units stay held until their events are written.
+    if v then unhold('h:' .. id, v, tonumber(left), tonumber(ARG.pendEvents) == 1) end
   end
   saveHeld()
 end

@@ -23,9 +23,10 @@
 -- written, its credit is spent from that lease's hold (quota.lua: `h:<id>`, "size fromGrant gp
 -- x"; `r` the holds' sum), so it no longer goes back to the balance when the lease closes or
 -- lapses; a refunded unit's credit goes back as a purchased one, as refund.lua gives it. The
--- holder closing its lease first gives back only what it did not hand out: its hold is gone then,
--- and nothing is spent twice. So spent = events written net of refunds, whenever the holder dies:
--- its lost events' credits go back with the lapse, their units stay in `unsettled`.
+-- holder closing its lease first gives back only what it did not hand out: the units it handed
+-- out stay held (quota.lua, unhold) until this spends them, so nothing is spent twice, nor
+-- before its event. So spent = events written net of refunds, whenever the holder dies, before
+-- or after closing: its lost events' credits go back with the lapse, their units stay in `unsettled`.
 -- Returns the events written (0: a batch sent again, already written).
 if not redis.call('SET', KEY.batch, 1, 'NX', 'PX', 86400000) then return 0 end
 -- `units` of the hold `field` spent: its grant's part first, as the hold gives its purchased part back first.
