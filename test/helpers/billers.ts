@@ -168,7 +168,8 @@ async function serve<E>(
     if (fault === 'fail') return void res.writeHead(503).end();
     if (fault === 'hold') {
       d.state.holding++;
-      await once(res, 'close');
+      // Its client may have closed it already (then no 'close' is left to wait for).
+      if (res.socket && !res.socket.destroyed) await once(res, 'close');
       d.state.holding--;
     }
     if (!fault) return handle(parsed, d, res);

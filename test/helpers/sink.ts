@@ -70,7 +70,8 @@ export async function startSink() {
     if (fault === 'fail') return void res.writeHead(503).end();
     if (fault === 'hold') {
       state.holding++;
-      await once(res, 'close');
+      // Its client may have closed it already (then no 'close' is left to wait for).
+      if (res.socket && !res.socket.destroyed) await once(res, 'close');
       state.holding--;
     }
     if (fault) {
