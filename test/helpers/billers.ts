@@ -1,3 +1,4 @@
+import { once } from 'node:events';
 import { createServer, type IncomingMessage, type ServerResponse } from 'node:http';
 
 import { text } from 'node:stream/consumers';
@@ -6,6 +7,7 @@ import { Ajv2020, type ValidateFunction } from 'ajv/dist/2020.js';
 import addFormats from 'ajv-formats';
 
 import { listening } from './net.js';
+import type { Fault } from './sink.js';
 
 // Stripe's and Lago's documented rules on real HTTP servers. The request bodies are checked by
 // ajv against schemas written from the vendors' reference (Stripe: the `stripe` npm package's
@@ -76,6 +78,10 @@ interface Double<E> {
     answer?: { status: number; headers?: Record<string, string> };
     /** Awaited before a POST is read: a biller holding its answers. */
     gate?: Promise<void>;
+    /** Asked for each valid POST: the fault to play on it (sink.ts's Fault), if any. */
+    fault?: () => Fault | undefined;
+    /** POSTs a `hold` keeps unanswered now. */
+    holding: number;
     /** When each POST arrived (ms). */
     times: number[];
     /** Each POST's `stripe-version` header (undefined: none), as Node reads it (two would be joined). */
@@ -125,6 +131,7 @@ async function serve<E>(
       duplicateEvents: 0,
       failAfterKeeping: 0,
       keepHalf: false,
+      holding: 0,
       times: [],
       versions: [],
     },
@@ -157,12 +164,26 @@ async function serve<E>(
         ...(!path.includes('v2') && { status: 422, code: 'validation_errors', error_details: { events: ['invalid'] } }),
       });
     }
-    handle(parsed, d, res);
+    const fault = d.state.fault?.();
+    if (fault === 'fail') return void res.writeHead(503).end();
+    if (fault === 'hold') {
+      d.state.holding++;
+      // Its client may have closed it already (then no 'close' is left to wait for).
+      if (res.socket && !res.socket.destroyed) await once(res, 'close');
+      d.state.holding--;
+    }
+    if (!fault) return handle(parsed, d, res);
+    // The biller's rules run as always; its answer goes nowhere.
+    handle(parsed, d, UNHEARD);
+    res.socket?.destroy();
   });
   const base = await listening(server);
   d.url = `${base}${path}`;
   return d;
 }
+
+/** A response that nobody receives: a biller's answer lost on its way. */
+const UNHEARD = { writeHead: () => ({ end: () => undefined }) } as unknown as ServerResponse;
 
 const json = (res: ServerResponse, status: number, body: unknown) =>
   void res.writeHead(status, { 'content-type': 'application/json' }).end(JSON.stringify(body));

@@ -1,7 +1,16 @@
+import { once } from 'node:events';
 import { createServer } from 'node:http';
 import { text } from 'node:stream/consumers';
 import type { AddressInfo } from 'node:net';
 import { type CloudEvent, HTTP } from 'cloudevents';
+
+/**
+ * A fault a double plays on one POST it took (its body valid): `fail` answers 503 and keeps
+ * nothing; `lose` keeps the events and drops the connection unanswered (the answer lost on its
+ * way: the same batch comes again); `hold` keeps the POST unanswered until its client closes it
+ * (the exporter's timeout, or its death), then keeps the events.
+ */
+export type Fault = 'fail' | 'lose' | 'hold';
 
 /**
  * A billing sink: a real HTTP server that takes batches of CloudEvents, parsed and validated by
@@ -27,6 +36,10 @@ export async function startSink() {
     authorizations: [] as Array<string | undefined>,
     /** When set, every POST is answered with this status and its events are not kept. */
     answer: undefined as number | undefined,
+    /** Asked for each valid POST: the fault to play on it, if any. */
+    fault: undefined as (() => Fault | undefined) | undefined,
+    /** POSTs a `hold` keeps unanswered now. */
+    holding: 0,
   };
   const held: Array<() => void> = [];
   const take = (list: CloudEvent<Record<string, unknown>>[]) => {
@@ -53,6 +66,18 @@ export async function startSink() {
       return;
     }
     state.posts++;
+    const fault = state.fault?.();
+    if (fault === 'fail') return void res.writeHead(503).end();
+    if (fault === 'hold') {
+      state.holding++;
+      // Its client may have closed it already (then no 'close' is left to wait for).
+      if (res.socket && !res.socket.destroyed) await once(res, 'close');
+      state.holding--;
+    }
+    if (fault) {
+      take(list);
+      return void req.socket.destroy();
+    }
     const accept = () => {
       take(list);
       if (!res.destroyed) res.writeHead(200).end();
