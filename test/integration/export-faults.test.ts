@@ -19,6 +19,9 @@ import { eventually } from '../helpers/time.js';
 // (exported + pending + dropped + unsettled + rejected = counted) with nothing pending, dropped,
 // unsettled or rejected. Not here: a Redis failover and a billing-day boundary during the run.
 
+// Not in `npm test` (four minutes a file on a busy machine for parts it already runs smaller):
+// `npm run test:full` at the issue's 10^5, TEST_FULL_SIZE=smoke at 3,000.
+const SMOKE = process.env.TEST_FULL_SIZE === 'smoke';
 const [REQUESTS, CLIENTS] = FULL_SIZE ? [100_000, 24] : [3_000, 8];
 const ACCOUNTS = 4;
 const TOKEN = 'admin-token-0123456789';
@@ -228,7 +231,7 @@ async function check(format: Format) {
 const budget = scaled(FULL_SIZE ? 1_800_000 : 240_000);
 
 describe('usage export to the billers under faults, three instances on one Redis', () => {
-  it.each(['stripe', 'lago', 'openmeter'] as const)(
+  it.runIf(FULL_SIZE || SMOKE).each(['stripe', 'lago', 'openmeter'] as const)(
     '%s: the meter equals what was counted per account, through a leader SIGKILL, 503 bursts, a timeout and lost answers',
     (format) => check(format),
     budget,
