@@ -22,6 +22,7 @@ import type { PortalParts } from './portal/routes.js';
 import { PortalSessions } from './portal/sessions.js';
 import { MemoryQuotaStore } from './quota/memory-store.js';
 import { RedisQuotaStore } from './quota/redis/store.js';
+import { statusWait } from './quota/redis/event-batches.js';
 import type { QuotaStore } from './quota/store.js';
 import type { RedisClient, RedisTarget } from './redis/client.js';
 import { activityMarks } from './usage/active.js';
@@ -177,7 +178,14 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
   // leads, on a thread of its own (usage/export-thread.ts), its log lines and metrics this one's.
   const exporter =
     deps.redis && deps.redisConnection
-      ? new ExportThread({ ...deps.redisConnection, config: current, log, metrics: metrics.usage })
+      ? new ExportThread({
+          ...deps.redisConnection,
+          config: current,
+          log,
+          metrics: metrics.usage,
+          // An event of a period is written by then (event-batches.ts), or its instance died: two batches and a round more.
+          settleMs: statusWait(settings) + 2 * settings.usageBatchMs + 1000,
+        })
       : undefined;
   const webhooks = deps.redis ? new WebhookDispatcher({ redis: deps.redis, config: current, log, metrics: metrics.webhooks }) : undefined;
   exporter?.start();
@@ -203,6 +211,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
     metrics,
     access: accessLog(metrics, output, recordStatus, portal && ((e) => portal.history.count(e))),
     portal,
+    redis: deps.redis,
     tracing,
     keys,
     unknownKey: unread && (() => unread.unknownKey()),

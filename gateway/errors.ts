@@ -16,6 +16,7 @@ export const GATEWAY_ERRORS = {
   config_read_only: 409,
   config_busy: 409,
   credits_not_enabled: 409,
+  statements_not_enabled: 409,
   route_sunset: 410,
   payload_too_large: 413,
   expectation_failed: 417,

@@ -11,9 +11,16 @@ export type Route = (typeof ROUTES)[number];
 /** No key needed. */
 export const DOCUMENT_ROUTE = { id: 'openapi', method: 'GET', path: '/v1/openapi.json' } as const;
 export const USAGE_ROUTE = { id: 'myUsage', method: 'GET', path: '/v1/me/usage' } as const;
+/** The key's account's usage statement for a billing period (usage/statements.ts), served as the usage route is. */
+export const STATEMENT_ROUTE = { id: 'myStatement', method: 'GET', path: '/v1/me/statements/{period}' } as const;
 /** Served on the per-address quota, with its own sessions instead of a key. */
 export const PORTAL_ROUTE = { id: 'portal', method: 'GET', path: '/portal' } as const;
-export type RouteId = Route['id'] | typeof DOCUMENT_ROUTE.id | typeof USAGE_ROUTE.id | typeof PORTAL_ROUTE.id;
+export type RouteId =
+  | Route['id']
+  | typeof DOCUMENT_ROUTE.id
+  | typeof USAGE_ROUTE.id
+  | typeof STATEMENT_ROUTE.id
+  | typeof PORTAL_ROUTE.id;
 
 const isPath = (url: string, path: string) => url.startsWith(path) && (url.length === path.length || url[path.length] === '?');
 
@@ -24,6 +31,14 @@ export function isDocumentPath(url: string): boolean {
 
 export function isUsagePath(url: string): boolean {
   return isPath(url, USAGE_ROUTE.path);
+}
+
+const STATEMENTS = '/v1/me/statements/';
+/** One segment after it, whatever it is: the route answers a bad one with 400. */
+export function isStatementPath(url: string): boolean {
+  if (!url.startsWith(STATEMENTS)) return false;
+  const rest = url.slice(STATEMENTS.length).split('?')[0]!;
+  return rest.length > 0 && !rest.includes('/');
 }
 
 export function isPortalPath(url: string): boolean {

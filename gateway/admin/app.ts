@@ -267,7 +267,13 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
   await app.register(async (scope) => {
     guard(scope, deps.adminToken);
     const deliveries = deps.redis ? () => recentDeliveries(deps.redis!, deps.config()) : undefined;
-    await scope.register(usageRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined, find: deps.find });
+    await scope.register(usageRoutes, {
+      config: deps.config,
+      store: deps.store,
+      redis: deps.redis !== undefined,
+      find: deps.find,
+      statements: deps.redis,
+    });
     await scope.register(alertRoutes, { deliveries });
     const redis = deps.redis;
     if (redis) defineStandingScripts(redis);

@@ -5,6 +5,9 @@ import { GatewayError } from '../errors.js';
 import type { AccountBook, Operations } from '../quota/store.js';
 import { usageView } from '../quota/usage-view.js';
 import type { Delivery } from '../usage/webhooks.js';
+import type { RedisClient } from '../redis/client.js';
+import { accountStatement, StatementSchema } from '../usage/statements.js';
+import { Type } from '@sinclair/typebox';
 import { AccountParams, AccountUsage, Deliveries, failure, KeyParams, KeyUsage, Unbanned, type Usage } from './schemas.js';
 
 export interface UsageParts {
@@ -15,6 +18,8 @@ export interface UsageParts {
   redis: boolean;
   /** Keys by id and accounts by name (the file's and the key registry's). */
   find: KeyFinder;
+  /** Where the usage statements are read (usage/statements.ts). */
+  statements?: RedisClient;
 }
 
 /** An account's windows, ban and recent 429s, read from the store the gateway enforces with. */
@@ -63,6 +68,31 @@ export const usageRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, pa
       const members = await parts.find.account(request.params.account);
       if (members.length === 0) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
       return { keys: members.map((c) => c.id).sort(), ...(await usageOf(members[0]!, parts)) };
+    },
+  );
+
+  app.get(
+    '/admin/accounts/:account/statements/:period',
+    {
+      schema: {
+        operationId: 'accountStatement',
+        tags: ['usage'],
+        description:
+          "The account's usage statement for a billing period: what the usage export delivered for it, per plan and route, with refunds, credits, totals and their digest (docs/operators.md, Statements). `period`: current, previous, or a UTC date (YYYY-MM-DD) inside it.",
+        params: Type.Object({ account: AccountParams.properties.account, period: Type.String({ maxLength: 64 }) }),
+        response: {
+          200: StatementSchema,
+          400: failure('bad_request: a malformed account name or period'),
+          404: failure('key_not_found: no key in that account'),
+          409: failure('statements_not_enabled: the gateway exports no usage'),
+          503: failure('quota_store_unavailable: Redis did not answer'),
+        },
+      },
+    },
+    async (request) => {
+      const [member] = await parts.find.account(request.params.account);
+      if (!member) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
+      return accountStatement(parts.statements, parts.config(), member, request.params.period);
     },
   );
 

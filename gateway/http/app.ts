@@ -10,6 +10,8 @@ import type { RequestTracing } from '../observability/tracing.js';
 import type { KeyRegistry } from '../auth/registry-cache.js';
 import { admit } from '../quota/admit.js';
 import type { QuotaStore } from '../quota/store.js';
+import type { RedisClient } from '../redis/client.js';
+import { accountStatement } from '../usage/statements.js';
 import { usageView } from '../quota/usage-view.js';
 import { type PortalParts, portalOff, portalRoutes } from '../portal/routes.js';
 import { USAGE_ROUTE } from '../routes.js';
@@ -47,6 +49,8 @@ export interface PublicParts {
   keys?: KeyRegistry;
   /** Told of each key refused as unknown (KEY_STORE=file: auth/registry-unread.ts). */
   unknownKey?: () => void;
+  /** Where the usage statements are read (usage/statements.ts); none without Redis. */
+  redis?: RedisClient;
   /** The usage portal's parts, with Redis; without, /portal says it needs Redis. */
   portal?: PortalParts;
   /** Run when the app closes: what the wiring started for it. */
@@ -129,6 +133,10 @@ export async function buildPublicApp(settings: PublicSettings, parts: PublicPart
   app.get(USAGE_ROUTE.path, async ({ ctx }, reply) => {
     reply.header('cache-control', 'no-store');
     return usageView(ctx.consumer!, await store.peek(ctx.consumer!.subject));
+  });
+  app.get<{ Params: { period: string } }>('/v1/me/statements/:period', async ({ ctx, params }, reply) => {
+    reply.header('cache-control', 'no-store');
+    return accountStatement(parts.redis, ctx.config, ctx.consumer!, params.period);
   });
   if (parts.portal) await app.register(portalRoutes, { ...parts.portal, prefix: '/portal' });
   else await app.register(portalOff, { prefix: '/portal' });

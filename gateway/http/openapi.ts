@@ -2,7 +2,8 @@ import type { GatewayConfig } from '../config/config.js';
 import type { Deprecation } from '../deprecation.js';
 import { ErrorBody, GatewayError } from '../errors.js';
 import { UsageView } from '../quota/usage-view.js';
-import { DOCUMENT_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from '../routes.js';
+import { DOCUMENT_ROUTE, ROUTES, type RouteId, STATEMENT_ROUTE, USAGE_ROUTE } from '../routes.js';
+import { StatementSchema } from '../usage/statements.js';
 
 // The API's OpenAPI document as clients see it through the gateway, served to anyone at
 // GET /v1/openapi.json (it counts against the per-address limit). The backend's document stays
@@ -225,6 +226,35 @@ function usageOperation(): Operation {
   };
 }
 
+/** GET /v1/me/statements/{period}: the account's usage statement, on the same per-address terms as the usage route. */
+function statementOperation(): Operation {
+  const responses: Record<string, Response> = {
+    '200': {
+      description: "The key's account's statement for the billing period: what the usage export delivered for it",
+      headers: Object.fromEntries(EVERY_ANSWER.map((name) => [name, ref('headers', name)])),
+      content: { 'application/json': { schema: ref('schemas', 'Statement') } },
+    },
+  };
+  for (const status of ['400', '401', '409', '429', '503', 'default']) responses[status] = errorResponse(status);
+  return {
+    operationId: 'getMyStatement',
+    tags: ['usage'],
+    summary: "This key's account's usage statement for a billing period",
+    description:
+      'Lines per plan and route, refunds, credits and totals of the events the usage export delivered for the period, and their digest. `period`: current, previous, or a UTC date (YYYY-MM-DD) inside it. 409 statements_not_enabled when the gateway exports no usage. Counted as /v1/me/usage is.',
+    parameters: [
+      {
+        name: 'period',
+        in: 'path',
+        required: true,
+        schema: { type: 'string', pattern: '^(current|previous|\\d{4}-\\d{2}-\\d{2})$' },
+        description: 'current, previous, or a UTC date inside the period',
+      },
+    ],
+    responses,
+  };
+}
+
 /** The document operation itself: public, limited per client address. */
 function documentOperation(): Operation {
   const responses: Record<string, Response> = {
@@ -270,6 +300,8 @@ export function gatewayDocument(backend: OpenApiDocument, deprecations: Readonly
   paths[OPENAPI_PATH] = { get: document, head: headOf(document) };
   const usage = usageOperation();
   paths[USAGE_ROUTE.path] = { get: usage, head: headOf(usage) };
+  const statement = statementOperation();
+  paths[STATEMENT_ROUTE.path] = { get: statement, head: headOf(statement) };
   const used = new Set(Object.values(paths).flatMap((ops) => Object.values(ops).flatMap((op) => (op.tags as string[] | undefined) ?? [])));
   return {
     openapi: backend.openapi,
@@ -291,7 +323,7 @@ export function gatewayDocument(backend: OpenApiDocument, deprecations: Readonly
     paths,
     components: {
       ...backend.components,
-      schemas: { ...backend.components?.schemas, Error: ErrorBody, Usage: UsageView },
+      schemas: { ...backend.components?.schemas, Error: ErrorBody, Usage: UsageView, Statement: StatementSchema },
       securitySchemes: {
         apiKey: { type: 'http', scheme: 'bearer', description: 'An API key: psk_live_… (production) or psk_test_… (staging)' },
       },

@@ -15,10 +15,12 @@ import {
   DOCUMENT_ROUTE,
   isDocumentPath,
   isPortalPath,
+  isStatementPath,
   isUsagePath,
   matchRoute,
   PORTAL_ROUTE,
   type RouteId,
+  STATEMENT_ROUTE,
   USAGE_ROUTE,
 } from '../routes.js';
 
@@ -226,6 +228,7 @@ function authenticated(
   }
   ctx.consumer = who;
   if (isUsagePath(request.url)) return ownRoute(store, request, reply, USAGE_ROUTE.id);
+  if (isStatementPath(request.url)) return ownRoute(store, request, reply, STATEMENT_ROUTE.id);
   const route = matchRoute(request.method, request.url);
   const deprecation = route instanceof GatewayError ? undefined : ctx.config.deprecations.get(route.id);
   if (!(route instanceof GatewayError)) ctx.route = route.id;

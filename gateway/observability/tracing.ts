@@ -38,7 +38,7 @@ import {
 } from '@opentelemetry/semantic-conventions';
 import type { FastifyBaseLogger, FastifyReply, FastifyRequest } from 'fastify';
 import type { GatewaySettings } from '../config/settings.js';
-import { DOCUMENT_ROUTE, PORTAL_ROUTE, ROUTES, type RouteId, USAGE_ROUTE } from '../routes.js';
+import { DOCUMENT_ROUTE, PORTAL_ROUTE, ROUTES, type RouteId, STATEMENT_ROUTE, USAGE_ROUTE } from '../routes.js';
 import type { AccessEntry } from './access-log.js';
 import { FastProtobufTraceSerializer } from './otlp-encoder.js';
 
@@ -63,7 +63,7 @@ const KNOWN_METHODS = new Set(['CONNECT', 'DELETE', 'GET', 'HEAD', 'OPTIONS', 'P
 
 /** The template, never the path: a span's name and http.route never carry a request's own ids. */
 const ROUTE_SPANS = new Map<RouteId, { method: string; template: string; name: string }>(
-  [...ROUTES, DOCUMENT_ROUTE, USAGE_ROUTE, PORTAL_ROUTE].map((r) => [
+  [...ROUTES, DOCUMENT_ROUTE, USAGE_ROUTE, STATEMENT_ROUTE, PORTAL_ROUTE].map((r) => [
     r.id,
     { method: r.method, template: r.path, name: `${r.method} ${r.path}` },
   ]),

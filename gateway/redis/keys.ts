@@ -16,7 +16,7 @@ export const addressName = (prefix: string, address: string) => `${prefix}:{a:${
 /** A hash: id -> last heartbeat. */
 export const gatewaysKey = (prefix: string) => `${prefix}:{gateways}`;
 
-export const loopKey = (prefix: string, loop: string, what: 'lock' | 'active' | 'sweep' | 'deliveries') => `${prefix}:{${loop}}:${what}`;
+export const loopKey = (prefix: string, loop: string, what: 'lock' | 'active' | 'sweep' | 'deliveries' | 'periods') => `${prefix}:{${loop}}:${what}`;
 
 /** Plain functions, not an object per subject: quota.lua's keys are built on every call. */
 export const subjectKey = {
@@ -37,6 +37,8 @@ export const subjectKey = {
   statuses: (name: string) => `${name}:statuses`,
   /** Leased admissions' events, a bundle an entry (usagebatch.lua); their cursor is in the events cursor's hash. */
   bundles: (name: string) => `${name}:bundles`,
+  /** Per billing period, the events the sink accepted (usage/periods.ts): a hash, `<period start>|<figure>` -> value. */
+  statements: (name: string) => `${name}:statements`,
   alerted: (name: string) => `${name}:alerted`,
   alerts: (name: string) => `${name}:alerts`,
   alertsCursor: (name: string) => `${name}:alerts:cursor`,

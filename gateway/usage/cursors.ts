@@ -2,6 +2,7 @@ import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 import { type Bundle, DATA_FIELD, nextId, type UsageEntries } from './events.js';
+import { APPLY_TALLY } from './periods.js';
 
 // Each move carries its leader's fencing token (leader.ts). The lock is in another Cluster slot, so the cursor keeps
 // the highest token that moved it and compares-and-sets the id the round read: a deposed leader never sends twice.
@@ -20,22 +21,26 @@ const outcome = (n: number): Moved => (n === 1 ? 'moved' : n === 0 ? 'fenced' : 
  * by their events: a bundle the cap dropped since the read counts as dropped, not sent. Status ids from REST on.
  */
 const MOVE_USAGE = {
-  keys: ['cursor', 'stream', 'statuses', 'bundles'],
-  argv: ['token', 'read', 'sent', 'consumed', 'keepFrom', 'bsent', 'bupto', 'bkeepFrom'],
-  lua: `local fence = tonumber(redis.call('HGET', KEY.cursor, 'fence') or '0')
+  keys: ['cursor', 'stream', 'statuses', 'bundles', 'statements'],
+  argv: ['token', 'read', 'sent', 'consumed', 'keepFrom', 'bsent', 'bupto', 'bkeepFrom', 'frozen', 'stats'],
+  lua: `${APPLY_TALLY}local fence = tonumber(redis.call('HGET', KEY.cursor, 'fence') or '0')
 if tonumber(ARG.token) < fence then return 0 end
 if ARG.sent ~= '' and (redis.call('HGET', KEY.cursor, 'id') or '0-0') ~= ARG.read then return -1 end
+-- The round tallied its events against the periods frozen when it read (periods.ts): a freeze since, and it reads again.
+if (redis.call('HGET', KEY.statements, 'frozen') or '0') ~= ARG.frozen then return -1 end
 redis.call('HSET', KEY.cursor, 'fence', ARG.token)
+local bat = tonumber(redis.call('HGET', KEY.cursor, 'bupto') or '0')
+applyTally(ARG.stats, ARG.sent ~= '', bat)
 if ARG.sent ~= '' then
   redis.call('HSET', KEY.cursor, 'id', ARG.sent)
   redis.call('HINCRBY', KEY.cursor, 'consumed', ARG.consumed)
   redis.call('XTRIM', KEY.stream, 'MINID', ARG.keepFrom)
 end
 if ARG.bsent ~= '' then
-  local through, at = tonumber(ARG.bupto), tonumber(redis.call('HGET', KEY.cursor, 'bupto') or '0')
-  if through > at then
+  local through = tonumber(ARG.bupto)
+  if through > bat then
     redis.call('HSET', KEY.cursor, 'bid', ARG.bsent, 'bupto', through)
-    redis.call('HINCRBY', KEY.cursor, 'bconsumed', through - at)
+    redis.call('HINCRBY', KEY.cursor, 'bconsumed', through - bat)
     redis.call('XTRIM', KEY.bundles, 'MINID', ARG.bkeepFrom)
   end
 end
@@ -82,7 +87,7 @@ return grown + dropped - known`,
 
 /** All a round needs of an account, in one call in its slot ('' for `after`/`bafter`: from the cursor). */
 const READ_USAGE = {
-  keys: ['cursor', 'stream', 'statuses', 'bundles'],
+  keys: ['cursor', 'stream', 'statuses', 'bundles', 'statements'],
   argv: ['after', 'count', 'bafter', 'bcount'],
   lua: `local cursor = redis.call('HGET', KEY.cursor, 'id') or '0-0'
 local after = ARG.after
@@ -138,12 +143,14 @@ end
 local more = 0
 if want > 0 and taken >= want then more = 1 end
 return {cursor, flat, found, redis.call('XLEN', KEY.stream), bcursor, bundles, more,
-  (tonumber(b[2]) or 0) - (tonumber(b[3]) or 0)}`,
+  (tonumber(b[2]) or 0) - (tonumber(b[3]) or 0), redis.call('HGET', KEY.statements, 'frozen') or '0'}`,
 } as const satisfies Script<string, string>;
 
 type Args = Array<string | number>;
 type CursorRedis = RedisClient & {
-  readUsage(...keysThenArgs: Args): Promise<[string, UsageEntries, string[], number, string, Array<string | number>, number, number]>;
+  readUsage(
+    ...keysThenArgs: Args
+  ): Promise<[string, UsageEntries, string[], number, string, Array<string | number>, number, number, string]>;
   moveUsage(...keysThenArgs: Args): Promise<number>;
   moveAlerts(...keysThenArgs: Args): Promise<number>;
   countDropped(...keysThenArgs: Args): Promise<number>;
@@ -162,6 +169,7 @@ const usageKeys = (name: string) => ({
   stream: subjectKey.events(name),
   statuses: subjectKey.statuses(name),
   bundles: subjectKey.bundles(name),
+  statements: subjectKey.statements(name),
 });
 
 const BUNDLE = 5;
@@ -178,6 +186,8 @@ export interface UsageRead {
   moreBundles: boolean;
   /** Dropped by the bundles' cap, not yet reported by countDropped. */
   unreported: number;
+  /** The end (ms) of the account's last frozen period, as MOVE_USAGE must find it ('0': none). */
+  frozen: string;
 }
 
 /** Bundles come whole, up to `bundleEvents` events, the first always. */
@@ -186,7 +196,7 @@ export async function readUsage(
   name: string,
   at: { after?: string; count: number; bundlesAfter?: string; bundleEvents: number },
 ): Promise<UsageRead> {
-  const [cursor, entries, found, length, bundleCursor, flat, more, unreported] = await (redis as CursorRedis).readUsage(
+  const [cursor, entries, found, length, bundleCursor, flat, more, unreported, frozen] = await (redis as CursorRedis).readUsage(
     ...wiresArgs(READ_USAGE, usageKeys(name), {
       after: at.after ?? '',
       count: at.count,
@@ -210,6 +220,7 @@ export async function readUsage(
     bundles,
     moreBundles: Number(more) === 1,
     unreported: Number(unreported),
+    frozen,
   };
 }
 
@@ -253,6 +264,10 @@ export interface UsageMove {
   refs: string[];
   /** The last bundle sent. */
   bundle?: Pick<Bundle, 'id' | 'upto'>;
+  /** As the round read it (UsageRead.frozen; none: '0'). */
+  frozen?: string;
+  /** periods.ts, tallyLine: a line a part (none: nothing tallied). */
+  stats?: string[];
 }
 
 export async function moveUsageCursor(redis: RedisClient, name: string, m: UsageMove): Promise<Moved> {
@@ -270,6 +285,8 @@ export async function moveUsageCursor(redis: RedisClient, name: string, m: Usage
         bsent: m.bundle?.id ?? '',
         bupto: m.bundle?.upto ?? 0,
         bkeepFrom: m.bundle ? nextId(m.bundle.id) : '',
+        frozen: m.frozen ?? '0',
+        stats: (m.stats ?? []).join('\n'),
       },
       m.refs,
     ),

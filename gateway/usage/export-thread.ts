@@ -12,7 +12,9 @@ export interface PostedConfig {
   environment: GatewayConfig['environment'];
   redisPrefix: string;
   usageExport: GatewayConfig['usageExport'];
-  accounts: Array<[account: string, name: string]>;
+  accounts: Array<[account: string, name: string, billingDay: number]>;
+  /** exporter.ts, ExportConfig.settleMs. */
+  settleMs: number;
 }
 
 export interface ThreadData {
@@ -30,11 +32,12 @@ export type FromThread =
 /** For the thread to end its round and give its lead up (leader.ts bounds each step). */
 const STOP_MS = 5000;
 
-const posted = (c: GatewayConfig): PostedConfig => ({
+const posted = (c: GatewayConfig, settleMs: number): PostedConfig => ({
   environment: c.environment,
   redisPrefix: c.redisPrefix,
   usageExport: c.usageExport,
-  accounts: [...c.accounts].map(([account, subject]) => [account, subject.name]),
+  accounts: [...c.accounts].map(([account, subject]) => [account, subject.name, subject.billing.billingDay]),
+  settleMs,
 });
 
 /** Under `npm test` (sources run by tsx) a bootstrap registers tsx in the thread first. */
@@ -58,6 +61,8 @@ export class ExportThread {
       config: () => GatewayConfig;
       log: FastifyBaseLogger;
       metrics: ExportMetrics;
+      /** How long after a period's end an event of it may still be written (exporter.ts, ExportConfig.settleMs). */
+      settleMs: number;
     },
   ) {}
 
@@ -70,7 +75,7 @@ export class ExportThread {
   private spawn(): void {
     const { file, workerData } = entry();
     const worker = new Worker(file, {
-      workerData: workerData({ target: this.deps.target, timeoutMs: this.deps.timeoutMs, config: posted(this.deps.config()) }),
+      workerData: workerData({ target: this.deps.target, timeoutMs: this.deps.timeoutMs, config: posted(this.deps.config(), this.deps.settleMs) }),
     });
     this.worker = worker;
     this.exited = false;
@@ -88,7 +93,7 @@ export class ExportThread {
 
   configChanged(config: GatewayConfig): void {
     if (!this.worker) return this.start();
-    this.worker.postMessage({ kind: 'config', config: posted(config) } satisfies ToThread);
+    this.worker.postMessage({ kind: 'config', config: posted(config, this.deps.settleMs) } satisfies ToThread);
   }
 
   async stop(): Promise<void> {

@@ -7,6 +7,8 @@ import { accountsOf, ActiveIndex, type LoopConfig, type Marked } from './active.
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
 import { bundleEvents, consumable, ENTRY, type EncodedEvent, entryId, refundTypeOf, splitEvents, toCloudEvents } from './events.js';
 import { Sweep } from './sweep.js';
+import { closedEvent, CLOSE_RETRY_MS, defineCloseScripts, duePeriods, freeze, frozenStatement, markClosed, periodsTouched } from './closes.js';
+import { mergeTally, type PartTally, tallyLine, tallyPart } from './periods.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost } from './leader.js';
 import type { Accepted, UsageSink } from './sink.js';
 
@@ -41,7 +43,16 @@ interface Part {
   events: number;
 }
 
-export type ExportConfig = LoopConfig & Pick<GatewayConfig, 'usageExport'>;
+export type ExportConfig = LoopConfig &
+  Pick<GatewayConfig, 'usageExport'> & {
+    /** By account, its billing day (1 when not named): what its events' periods are. */
+    billingDays?: ReadonlyMap<string, number>;
+    /** How long after a period's end an event of it may still be written (closes.ts): this instance's settings'. */
+    settleMs?: number;
+  };
+
+/** At the shipped settings (event-batches.ts, statusWaitMs at 60 s, and two USAGE_BATCH_MS), and a round. */
+export const SETTLE_MS = 63_000;
 
 export interface ExporterDeps {
   redis: RedisClient;
@@ -62,6 +73,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   private readonly sinkFor: (target: UsageExport) => UsageSink;
   /** Made again only when a reload changes the target. */
   private sink?: { target: UsageExport; sink: UsageSink };
+  private nextClose = 0;
 
   constructor(deps: ExporterDeps) {
     super(deps.redis, deps.config, deps.log, 'usage-export', () => deps.metrics.round());
@@ -69,6 +81,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     this.sinkFor = deps.sink;
     this.index = new ActiveIndex(deps.redis, 'usage-export');
     this.sweep = new Sweep(deps.redis, 'usage-export', EXPORT_SWEEP_PER_SECOND, usagePending);
+    defineCloseScripts(deps.redis);
   }
 
   protected target(config: ExportConfig): UsageExport | undefined {
@@ -112,21 +125,38 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const moves: Array<{ name: string; events: number; move: Omit<UsageMove, 'token'> }> = [];
     let oldest = now;
     let sent = 0;
+    const touched: Array<{ name: string; start: number; end: number }> = [];
     for (const r of reads) {
       const bundle = r.bundles.at(-1);
       if (r.entries.length > 0) oldest = Math.min(oldest, Number(entryId(r.entries, 0).split('-')[0]));
       if (bundle) oldest = Math.min(oldest, Number(r.bundles[0]!.id.split('-')[0]));
       if (r.consumed === 0 && !bundle) continue;
-      const { events, last, joined } = toCloudEvents(account(r.name)!, source, r.entries, r.statuses, r.consumed, refundType);
+      const name = account(r.name)!;
+      const { events, last, joined } = toCloudEvents(name, source, r.entries, r.statuses, r.consumed, refundType);
+      // Each part tallied into its billing period (periods.ts), an event of a frozen period rewritten as a correction.
+      const day = config.billingDays?.get(name) ?? 1;
+      const frozen = Number(r.frozen);
+      const tallies: PartTally[] = [];
+      const entries: PartTally = { adds: new Map(), digests: new Map(), ends: new Map() };
+      const own: Part[] = events.map((json) => {
+        const t = tallyPart(json, day, frozen);
+        mergeTally(entries, t.tally);
+        return { json: t.json, events: 1 };
+      });
+      const stats = events.length > 0 ? [tallyLine(0, entries)] : [];
+      tallies.push(entries);
       let n = events.length;
-      const own: Part[] = events.map((json) => ({ json, events: 1 }));
       for (const b of r.bundles) {
-        own.push({ json: bundleEvents(account(r.name)!, source, b, refundType), events: b.events });
+        const t = tallyPart(bundleEvents(name, source, b, refundType), day, frozen);
+        own.push({ json: t.json, events: b.events });
+        stats.push(tallyLine(b.upto, t.tally));
+        tallies.push(t.tally);
         n += b.events;
       }
+      for (const t of tallies) for (const [start, end] of t.ends) touched.push({ name: r.name, start, end });
       parts.push(own);
       sent += n;
-      moves.push({ name: r.name, events: n, move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined, bundle } });
+      moves.push({ name: r.name, events: n, move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined, bundle, frozen: r.frozen, stats } });
     }
     await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9 || r.unreported > 0).map((r) => this.countDropped(r.name)));
     this.metrics.lag((now - oldest) / 1000);
@@ -140,6 +170,8 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const refused = moved.findIndex((m) => m !== 'moved');
     if (refused >= 0)
       throw new LeadLost(`the cursor of ${subjectKey.events(moves[refused]!.name)} was ${REFUSED[moved[refused] as 'fenced']}`);
+    await periodsTouched(this.redis, config.redisPrefix, touched);
+    await this.closeDue(config, target, lead, source);
     // Sent all it read, and read less than it asked: nothing was left when the score was read, so unmarking is safe.
     const done = new Set(
       reads.filter((r) => !r.moreEntries && !r.moreBundles && r.consumed * ENTRY === r.entries.length).map((r) => r.name),
@@ -149,6 +181,32 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       picked.filter((m) => done.has(m.name) || account(m.name) === undefined),
     );
     return { sent, full: sent >= room || more };
+  }
+
+  /**
+   * The periods ended that can close (closes.ts), a try a second at most: frozen, their close
+   * event delivered as any batch, then marked closed. An account no longer configured is left in the index.
+   */
+  private async closeDue(config: ExportConfig, target: UsageExport, lead: Lead, source: string): Promise<void> {
+    const now = Date.now();
+    if (now < this.nextClose) return;
+    this.nextClose = now + CLOSE_RETRY_MS;
+    const { account } = accountsOf(config);
+    for (const d of await duePeriods(this.redis, config.redisPrefix, now)) {
+      const name = account(d.name);
+      if (name === undefined) continue;
+      const frozen = await freeze(this.redis, d, lead.token, config.settleMs ?? SETTLE_MS);
+      if (frozen === 'not yet') continue;
+      if (frozen === 'fenced') throw new LeadLost(`the period of ${subjectKey.statements(d.name)} was frozen by a newer lead`);
+      const statement = await frozenStatement(this.redis, d);
+      await this.deliver(this.sinkOf(target), [closedEvent(name, source, statement)], lead.signal, new Map([[name, d.name]]));
+      if (!(await markClosed(this.redis, config.redisPrefix, d, lead.token)))
+        throw new LeadLost(`the period of ${subjectKey.statements(d.name)} was closed by a newer lead`);
+      this.log.info(
+        { account: name, period: statement.period.start, units: statement.totals.units, events: statement.events },
+        'usage export: a billing period closed',
+      );
+    }
   }
 
   /**
@@ -168,6 +226,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       unreported: 0,
       moreEntries: true,
       consumed: 0,
+      frozen: '0',
     }));
     let wanting = reads;
     for (let pass = 0; pass < 3 && wanting.length > 0 && room > 0; pass++) {
@@ -187,6 +246,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       wanting.forEach((r, i) => {
         const read = got[i]!;
         if (pass === 0) {
+          r.frozen = read.frozen;
           r.cursor = read.cursor;
           r.bundleCursor = read.bundleCursor;
           r.entries = read.entries;

@@ -20,6 +20,10 @@ export const MAX_KEPT = 100_000;
 /** The least an admission waits for its status (statusWaitMs). */
 const STATUS_WAIT_MS = 60_000;
 
+/** How long an admission's event may wait in memory for its status (EventBatchDeps.upstreamTimeoutMs). */
+export const statusWait = (s: { requestTimeoutMs: number; upstreamTimeoutMs: number }) =>
+  Math.max(STATUS_WAIT_MS, s.requestTimeoutMs + 2 * s.upstreamTimeoutMs);
+
 /** The ids of leased admissions' events start so (a stream's ids are `<ms>-<n>`). */
 const LEASED = 'lease:';
 /** A leased admission's event not kept (MAX_KEPT): never opened. */
@@ -95,7 +99,7 @@ export class EventBatches {
   private readonly statusWaitMs: number;
 
   constructor(private readonly deps: EventBatchDeps) {
-    this.statusWaitMs = Math.max(STATUS_WAIT_MS, deps.requestTimeoutMs + 2 * deps.upstreamTimeoutMs);
+    this.statusWaitMs = statusWait(deps);
   }
 
   /**

@@ -1,0 +1,216 @@
+import { createHash } from 'node:crypto';
+import { billingPeriod, type Period } from '../quota/period.js';
+import { CREDITS_TYPES, REFUND_TYPE, REQUEST_TYPE } from './events.js';
+
+// Billing periods as the sink received them (issue 49): every exported event is tallied into its
+// account's period, in the same script that moves the cursor past it (cursors.ts, MOVE_USAGE),
+// so a period's figures are exactly the events the sink accepted, each once, whatever the
+// resends and leader changes. Pure here: the tally of a part's events, and the statement read
+// from the tally; the close is closes.ts.
+
+export const CLOSED_TYPE = 'com.petstore.gateway.period.closed';
+/** A hash per account (`<account>:statements`), a field per figure: `<period start ms>|<figure>`. */
+export const SEP = '|';
+/** Its events' ids and units: the sum of SHA-256(`<id> <units>`) over them, mod 2^256 (order-free, so it grows with each move). */
+export const DIGEST = 'sha256-sum';
+const MOD = 1n << 256n;
+
+/** An event as the sink gets it: the fields the tally reads. */
+interface SentEvent {
+  id: string;
+  type: string;
+  time: string;
+  data: {
+    units?: number;
+    plan?: string;
+    route?: string;
+    overage?: number;
+    amount?: number;
+    refundOf?: string;
+  };
+  correctionof?: string;
+  originaltime?: string;
+}
+
+/** One part's (a stream entry's or a bundle's) increments, as MOVE_USAGE applies them: `field value` pairs. */
+export interface PartTally {
+  adds: Map<string, number>;
+  digests: Map<number, bigint>;
+  ends: Map<number, number>;
+}
+
+export const digestOf = (id: string, units: number) => BigInt(`0x${createHash('sha256').update(`${id} ${units}`).digest('hex')}`);
+export const digestHex = (sum: bigint) => (((sum % MOD) + MOD) % MOD).toString(16).padStart(64, '0');
+
+const add = (t: PartTally, field: string, n: number) => n !== 0 && t.adds.set(field, (t.adds.get(field) ?? 0) + n);
+
+/**
+ * Counts a part's events into their periods (`billingDay`'s) and returns the part as it is to
+ * be sent. An event stamped before `frozenUntil` belongs to a period already closed (or closing):
+ * it goes into the period from `frozenUntil` as a correction, flagged (`correctionof`: the
+ * closed period's start; `originaltime`: its own time) and stamped at that period's start, so a
+ * biller that bills by time puts it there too.
+ */
+export function tallyPart(json: string, billingDay: number, frozenUntil: number): { json: string; tally: PartTally } {
+  const tally: PartTally = { adds: new Map(), digests: new Map(), ends: new Map() };
+  const events = JSON.parse(`[${json}]`) as SentEvent[];
+  let rewritten = false;
+  for (const e of events) {
+    let at = Date.parse(e.time);
+    let period = billingPeriod(at, billingDay);
+    let correction = false;
+    if (at < frozenUntil) {
+      const open = billingPeriod(frozenUntil, billingDay);
+      e.correctionof = new Date(period.startMs).toISOString();
+      e.originaltime = e.time;
+      e.time = new Date(open.startMs).toISOString();
+      at = open.startMs;
+      period = open;
+      correction = rewritten = true;
+    }
+    count(tally, e, period, correction);
+  }
+  return { json: rewritten ? events.map((e) => JSON.stringify(e)).join(',') : json, tally };
+}
+
+function count(t: PartTally, e: SentEvent, period: Period, correction: boolean): void {
+  const s = period.startMs;
+  const f = (name: string) => `${s}${SEP}${name}`;
+  t.ends.set(s, period.endMs);
+  if (e.type === CREDITS_TYPES.grant) return void add(t, f('granted'), Number(e.data.amount));
+  if (e.type === CREDITS_TYPES.topup) return void add(t, f('purchased'), Number(e.data.amount));
+  if (e.type !== REQUEST_TYPE && e.type !== REFUND_TYPE) return;
+  const units = Number(e.data.units);
+  const overage = Number(e.data.overage ?? 0);
+  add(t, f('events'), 1);
+  add(t, f('units'), units);
+  add(t, f('overage'), overage);
+  if (correction) add(t, f('corrections'), 1);
+  t.digests.set(s, (t.digests.get(s) ?? 0n) + digestOf(e.id, units));
+  // A refund (its own type, or OpenMeter's: the request's type with negative units) names the event it refunds.
+  if (e.data.refundOf !== undefined) {
+    add(t, f('refunds'), 1);
+    add(t, f('refunded'), -units);
+    return;
+  }
+  const line = `${s}${SEP}l${SEP}${e.data.plan}${SEP}${e.data.route}${SEP}`;
+  add(t, f('requests'), 1);
+  add(t, `${line}n`, 1);
+  add(t, `${line}u`, units);
+  add(t, `${line}o`, overage);
+}
+
+/** MOVE_USAGE's line for a part: its gate (0: the stream's entries; else the bundle's `upto`), then `field value` pairs. */
+export function tallyLine(gate: number, t: PartTally): string {
+  const out: Array<string | number> = [gate];
+  for (const [field, n] of t.adds) out.push(field, n);
+  for (const [s, sum] of t.digests) out.push(`${s}${SEP}digest`, digestHex(sum));
+  for (const [s, end] of t.ends) out.push(`${s}${SEP}end`, end);
+  return out.join(' ');
+}
+
+/** Adds `b` into `a` (the entries of one account are one part in MOVE_USAGE). */
+export function mergeTally(a: PartTally, b: PartTally): void {
+  for (const [f, n] of b.adds) add(a, f, n);
+  for (const [s, sum] of b.digests) a.digests.set(s, (a.digests.get(s) ?? 0n) + sum);
+  for (const [s, end] of b.ends) a.ends.set(s, end);
+}
+
+/**
+ * Lua, for MOVE_USAGE: applies the lines of `stats` whose gate passes (`moved`: the stream's
+ * entries moved; `bupto`: the bundles' cursor before this move), into `KEY.statements`.
+ */
+export const APPLY_TALLY = `local function addhex(a, b)
+  local out, carry = {}, 0
+  for i = 61, 1, -4 do
+    local s = tonumber(string.sub(a, i, i + 3), 16) + tonumber(string.sub(b, i, i + 3), 16) + carry
+    carry = math.floor(s / 65536)
+    out[(i + 3) / 4] = string.format('%04x', s % 65536)
+  end
+  return table.concat(out)
+end
+local function applyTally(stats, moved, bupto)
+  local any = false
+  for line in string.gmatch(stats, '[^\\n]+') do
+    local gate, rest = string.match(line, '^(%d+) ?(.*)$')
+    gate = tonumber(gate)
+    if (gate == 0 and moved) or (gate > 0 and gate > bupto) then
+      local field
+      for v in string.gmatch(rest, '%S+') do
+        if not field then field = v else
+          if string.sub(field, -7) == '${SEP}digest' then
+            redis.call('HSET', KEY.statements, field, addhex(redis.call('HGET', KEY.statements, field) or string.rep('0', 64), v))
+          elseif string.sub(field, -4) == '${SEP}end' then redis.call('HSET', KEY.statements, field, v)
+          else redis.call('HINCRBY', KEY.statements, field, v) end
+          field = nil
+          any = true
+        end
+      end
+    end
+  end
+  -- A statement is kept some 13 months after its last event.
+  if any then redis.call('PEXPIRE', KEY.statements, 400 * 86400000) end
+end
+`;
+
+export interface StatementLine {
+  plan: string;
+  route: string;
+  requests: number;
+  units: number;
+  overage: number;
+}
+
+export interface Statement {
+  period: { start: string; end: string };
+  /** open: events still come; closing: frozen, its close event not yet accepted by the sink; closed. */
+  status: 'open' | 'closing' | 'closed';
+  closedAt: string | null;
+  lines: StatementLine[];
+  totals: {
+    requests: number;
+    /** Net of refunds: what the sink's SUM of units gives for the period. */
+    units: number;
+    refunds: { events: number; units: number };
+    overage: number;
+    /** Events of a closed period that came after its close, counted here. */
+    corrections: number;
+  };
+  credits: { granted: number; purchased: number };
+  /** Request and refund events. */
+  events: number;
+  digest: { algorithm: typeof DIGEST; value: string };
+}
+
+/** The statement of the period `period` from an account's statements hash (HGETALL): zeros for a period with no event exported. */
+export function statementOf(hash: Readonly<Record<string, string>>, period: Period): Statement {
+  const p = `${period.startMs}${SEP}`;
+  const n = (name: string) => Number(hash[p + name] ?? 0);
+  const lines = new Map<string, StatementLine>();
+  for (const [field, value] of Object.entries(hash)) {
+    if (!field.startsWith(`${p}l${SEP}`)) continue;
+    const [, , plan, route, what] = field.split(SEP) as [string, string, string, string, 'n' | 'u' | 'o'];
+    const key = `${plan}${SEP}${route}`;
+    let line = lines.get(key);
+    if (!line) lines.set(key, (line = { plan, route, requests: 0, units: 0, overage: 0 }));
+    line[what === 'n' ? 'requests' : what === 'u' ? 'units' : 'overage'] = Number(value);
+  }
+  const closed = hash[`${p}closed`];
+  const frozen = hash[`${p}frozen`];
+  return {
+    period: { start: new Date(period.startMs).toISOString(), end: new Date(period.endMs).toISOString() },
+    status: closed ? 'closed' : frozen ? 'closing' : 'open',
+    closedAt: closed ? new Date(Number(closed)).toISOString() : null,
+    lines: [...lines.values()].sort((a, b) => a.plan.localeCompare(b.plan) || a.route.localeCompare(b.route)),
+    totals: {
+      requests: n('requests'),
+      units: n('units'),
+      refunds: { events: n('refunds'), units: n('refunded') },
+      overage: n('overage'),
+      corrections: n('corrections'),
+    },
+    credits: { granted: n('granted'), purchased: n('purchased') },
+    events: n('events'),
+    digest: { algorithm: DIGEST, value: hash[`${p}digest`] ?? digestHex(0n) },
+  };
+}

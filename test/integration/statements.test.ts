@@ -1,0 +1,270 @@
+import { createHash } from 'node:crypto';
+import type { Redis } from 'ioredis';
+import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import type { ConfigFile } from '../../gateway/config/config.js';
+import { subjectKey } from '../../gateway/redis/keys.js';
+import { defineCloseScripts, freeze } from '../../gateway/usage/closes.js';
+import { defineCursorScripts, moveUsageCursor } from '../../gateway/usage/cursors.js';
+import { adminCall } from '../helpers/admin.js';
+import { call, makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
+import { buildInstances, buildTestGateway, type TestGateway } from '../helpers/gateway.js';
+import { testClient } from '../helpers/redis.js';
+import { startSink } from '../helpers/sink.js';
+import { eventually } from '../helpers/time.js';
+
+// Billing periods at the sink (issue 49): each exported event tallied into its period as its
+// cursor moves; a period that ended closes with one period.closed event whose figures and digest
+// equal what the sink holds; the statement equals the sink and the month's count; an event of a
+// closed period that comes late goes into the next as a correction.
+//
+// A billing-day boundary cannot be waited for: the previous period's events are written into the
+// account's stream as an instance wrote them then (quota.lua's and refund.lua's fields, their
+// stream ids at their time), as billing.test seeds a past period's count.
+
+const TOKEN = 'admin-token-0123456789';
+const CLOSED = 'com.petstore.gateway.period.closed';
+const plans: ConfigFile['plans'] = { metered: { perMinute: 100_000, perDay: 1_000_000, perMonth: 10_000_000 } };
+
+/** 00:00 UTC of billing day `day` in month `month` (0-based, may run over), a day past the month's end its last: the calendar, not period.ts. */
+const dayIn = (year: number, month: number, day: number) =>
+  Date.UTC(year, month, Math.min(day, new Date(Date.UTC(year, month + 1, 0)).getUTCDate()));
+
+/** The test's own digest: the sum of SHA-256("<id> <units>") mod 2^256, as docs/operators.md tells a biller to compute it. */
+function digest(events: ReadonlyArray<{ id: string; units: number }>): string {
+  let sum = 0n;
+  for (const e of events) sum += BigInt(`0x${createHash('sha256').update(`${e.id} ${e.units}`).digest('hex')}`);
+  return (sum % (1n << 256n)).toString(16).padStart(64, '0');
+}
+
+type Sunk = { id: string; type: string; time: string; data: Record<string, unknown>; correctionof?: string; originaltime?: string };
+
+describe('a billing period closed at the sink', () => {
+  let sink: Awaited<ReturnType<typeof startSink>>;
+  let gateways: TestGateway[];
+  let redis: Redis;
+  const account = `acct${Date.now().toString(36)}`;
+  const key = { ...makeKey('metered'), account };
+  const today = new Date();
+  const billingDay = today.getUTCDate();
+  const currentStart = dayIn(today.getUTCFullYear(), today.getUTCMonth(), billingDay);
+  const previousStart = dayIn(today.getUTCFullYear(), today.getUTCMonth() - 1, billingDay);
+  const iso = (ms: number) => new Date(ms).toISOString();
+  const sunk = () => [...sink.events.values()] as unknown as Sunk[];
+  const usage = (e: Sunk) => e.type.startsWith('com.petstore.gateway.request');
+  const statement = async (g: TestGateway, period: string) =>
+    (await adminCall(g, TOKEN, `/admin/accounts/${account}/statements/${period}`)).json();
+
+  beforeAll(async () => {
+    sink = await startSink();
+    redis = testClient(inject('redisUrl'));
+    ({ instances: gateways } = await buildInstances(3, {
+      config: testConfig([key], {
+        plans,
+        accounts: { [account]: { billingDay } },
+        usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 50 } },
+      }),
+      admin: { token: TOKEN },
+    }));
+  });
+  afterAll(async () => {
+    for (const g of gateways) await g.close();
+    await sink.close();
+    redis.disconnect();
+  });
+
+  it('closes the previous period once its events are at the sink; its statement, the close event and the sink agree; the current one equals the month', async () => {
+    const name = gateways[0]!.gateway.config().accounts.get(account)!.name;
+    const stream = subjectKey.events(name);
+    // The previous period, as the instances wrote it: three requests (one of a route costing 5), a
+    // refund of the second (its backend failed), a top-up.
+    const seeded: Array<[number, string[]]> = [
+      [4, ['route', 'listPets', 'method', 'GET', 'units', '1']],
+      [3, ['route', 'listPets', 'method', 'GET', 'units', '1']],
+      [2, ['route', 'createPet', 'method', 'POST', 'units', '5']],
+    ];
+    const ids: string[] = [];
+    for (const [hoursBefore, fields] of seeded) {
+      const at = currentStart - hoursBefore * 3_600_000;
+      const rid = `seed-${hoursBefore}`;
+      const entry = ['kind', 'request', 'rid', rid, 'key', key.id, 'plan', 'metered', ...fields, 'at', String(at)];
+      ids.push(
+        (await redis.xadd(stream, `${at}-0`, ...entry, 'minute', '1', 'day', '1', 'month', '1', 'overage', '0', 'credits', '-1', 'status', '200'))!,
+      );
+    }
+    const refundAt = currentStart - 3_600_000;
+    await redis.xadd(stream, `${refundAt}-0`, 'kind', 'refund', 'ref', ids[1]!, 'units', '1', 'overage', '0', 'at', String(refundAt));
+    const topUpAt = currentStart - 1_800_000;
+    await redis.xadd(stream, `${topUpAt}-0`, 'kind', 'credits', 'entry', 'topup', 'ledger', `${topUpAt}-0`, 'at', String(topUpAt),
+      'amount', '50', 'balance', '50', 'reason', 'seeded', 'idempotencyKey', 'seed-1');
+
+    // The current period: traffic through two instances; the first only leads the export.
+    let sent = 0;
+    for (let i = 0; i < 40; i++) {
+      const res = await call(`${gateways[1 + (i % 2)]!.url}${i % 4 === 3 ? '/v1/nope' : '/v1/pets'}`, key.key);
+      await res.arrayBuffer();
+      expect([200, 404]).toContain(res.status);
+      sent++;
+    }
+    const closeId = `${account}/period/${iso(previousStart)}`;
+    await eventually(() => sink.events.has(closeId), 30_000, 'the previous period closed');
+    for (const g of gateways.slice(1)) await g.close();
+    await eventually(() => sunk().filter(usage).length === 4 + sent, 30_000, 'every event at the sink');
+
+    const previous = sunk().filter((e) => usage(e) && Date.parse(e.time) < currentStart);
+    const close = sink.events.get(closeId)! as unknown as Sunk;
+    expect(close.type).toBe(CLOSED);
+    expect(close.data).toEqual({
+      period: { start: iso(previousStart), end: iso(currentStart) },
+      requests: 3,
+      units: 6,
+      refunds: { events: 1, units: 1 },
+      overage: 0,
+      corrections: 0,
+      credits: { granted: 0, purchased: 50 },
+      events: 4,
+      digest: { algorithm: 'sha256-sum', value: digest(previous.map((e) => ({ id: e.id, units: Number(e.data.units) }))) },
+    });
+    expect(previous.reduce((n, e) => n + Number(e.data.units), 0)).toBe(6);
+    const last = await statement(gateways[0]!, iso(previousStart).slice(0, 10));
+    expect(last).toMatchObject({ account, billingDay, status: 'closed', period: close.data.period, events: 4, digest: close.data.digest });
+    expect(last.lines).toEqual([
+      { plan: 'metered', route: 'createPet', requests: 1, units: 5, overage: 0 },
+      { plan: 'metered', route: 'listPets', requests: 2, units: 2, overage: 0 },
+    ]);
+
+    // The current period, three ways: the statement, the sink's SUM of units, the month's count.
+    const current = sunk().filter((e) => usage(e) && Date.parse(e.time) >= currentStart);
+    const now = await statement(gateways[0]!, 'current');
+    const month = await (await adminCall(gateways[0]!, TOKEN, `/admin/accounts/${account}/usage`)).json();
+    // A lease's units not handed out stay counted and unsettled (docs/reference.md, "Usage export at lease speed").
+    expect(month.events.pending).toBe(0);
+    expect({
+      statement: now.totals.units,
+      sink: current.reduce((n, e) => n + Number(e.data.units), 0),
+      month: month.windows.month.used - month.events.unsettled,
+    }).toEqual({ statement: sent, sink: sent, month: sent });
+    expect(now).toMatchObject({ status: 'open', events: sent, digest: { value: digest(current.map((e) => ({ id: e.id, units: 1 }))) } });
+    // The public route gives the key's own account the same statement.
+    const own = await call(`${gateways[0]!.url}/v1/me/statements/current`, key.key);
+    expect(own.status).toBe(200);
+    expect(await own.json()).toEqual(now);
+  });
+
+  it('sends an event of the closed period that comes late into the current one, flagged, and leaves the closed one as it was', async () => {
+    const name = gateways[0]!.gateway.config().accounts.get(account)!.name;
+    const at = currentStart - 600_000;
+    const before = await statement(gateways[0]!, 'previous');
+    const now = await statement(gateways[0]!, 'current');
+    // Written now (its batch was held up), stamped in the previous period.
+    await redis.xadd(subjectKey.events(name), '*', 'kind', 'request', 'rid', 'late-1', 'key', key.id, 'plan', 'metered', 'route',
+      'listPets', 'method', 'GET', 'units', '1', 'at', String(at), 'minute', '1', 'day', '1', 'month', '1', 'overage', '0', 'credits',
+      '-1', 'status', '200');
+    await call(`${gateways[0]!.url}/v1/pets`, key.key); // marks the account for the export
+    await eventually(() => sunk().some((e) => e.data.requestId === 'late-1'), 30_000, 'the late event at the sink');
+    const late = sunk().find((e) => e.data.requestId === 'late-1')!;
+    expect({ time: late.time, correctionof: late.correctionof, originaltime: late.originaltime }).toEqual({
+      time: iso(currentStart),
+      correctionof: iso(previousStart),
+      originaltime: iso(at),
+    });
+    await eventually(async () => (await statement(gateways[0]!, 'current')).events === now.events + 2, 30_000, 'both tallied');
+    const after = await statement(gateways[0]!, 'current');
+    expect(after.totals).toMatchObject({ corrections: 1, units: now.totals.units + 2 });
+    expect(await statement(gateways[0]!, 'previous')).toEqual(before);
+    expect(sunk().filter((e) => e.type === CLOSED)).toHaveLength(1);
+  });
+});
+
+describe('freezing a period', () => {
+  let redis: Redis;
+  const prefix = uniquePrefix();
+  let serial = 0;
+  beforeAll(() => {
+    redis = testClient(inject('redisUrl'));
+    defineCloseScripts(redis);
+    defineCursorScripts(redis);
+  });
+  afterAll(() => redis.disconnect());
+
+  const redisNow = async () => {
+    const [s, us] = await redis.time();
+    return Number(s) * 1000 + Math.floor(Number(us) / 1000);
+  };
+  /** A period of a fresh account that ended `agoMs` ago (Redis's time), with a settle of 60 s. */
+  async function ended(agoMs: number) {
+    const name = `${prefix}:{k:a${++serial}}`;
+    const end = (await redisNow()) - agoMs;
+    const d = { name, startMs: end - 30 * 86_400_000, endMs: end };
+    return { name, end, try: (token = 1) => freeze(redis, d, token, 60_000) };
+  }
+
+  it('waits for its end, then for its unsettled units until the settle has passed', async () => {
+    const future = await ended(-60_000);
+    expect(await future.try()).toBe('not yet');
+    const p = await ended(1000);
+    await redis.hset(subjectKey.eventsCursor(p.name), 'unsettled', 3);
+    expect(await p.try()).toBe('not yet');
+    await redis.hset(subjectKey.eventsCursor(p.name), 'unsettled', 0);
+    expect(await p.try()).toBe('frozen');
+    expect(await redis.hget(subjectKey.statements(p.name), 'frozen')).toBe(String(p.end));
+    const lost = await ended(61_000); // an instance died with its units: they never come
+    await redis.hset(subjectKey.eventsCursor(lost.name), 'unsettled', 3);
+    expect(await lost.try()).toBe('frozen');
+  });
+
+  it('waits while an unsent entry or bundle holds an event from before its end', async () => {
+    const p = await ended(61_000);
+    const id = await redis.xadd(subjectKey.events(p.name), `${p.end - 5}-0`, 'kind', 'request', 'at', String(p.end - 5));
+    expect(await p.try()).toBe('not yet');
+    await redis.xdel(subjectKey.events(p.name), id!);
+    await redis.xadd(subjectKey.events(p.name), '*', 'kind', 'request', 'at', String(p.end + 5));
+    const bundle = (from: number) => ['n', '1', 'upto', '1', 'data', `\u0002minute\u0002${from}\u0002h\u00020 0 200 1 "r"`, 'refunds', ''];
+    const b = await redis.xadd(subjectKey.bundles(p.name), '*', ...bundle(p.end - 1));
+    expect(await p.try()).toBe('not yet');
+    await redis.xdel(subjectKey.bundles(p.name), b!);
+    await redis.xadd(subjectKey.bundles(p.name), '*', ...bundle(p.end + 1));
+    expect(await p.try()).toBe('frozen');
+  });
+
+  it('is fenced as the cursor is: a deposed leader freezes nothing', async () => {
+    const p = await ended(61_000);
+    await redis.hset(subjectKey.eventsCursor(p.name), 'fence', 5);
+    expect(await p.try(4)).toBe('fenced');
+    expect(await redis.exists(subjectKey.statements(p.name))).toBe(0);
+    expect(await p.try(5)).toBe('frozen');
+  });
+
+  it('a move tallies a bundle once, whichever leader moves it, and nothing against a freeze it did not read', async () => {
+    const name = `${prefix}:{k:a${++serial}}`;
+    const line = (upto: number, units: number, hex: string) => `${upto} 0|units ${units} 0|digest ${hex}`;
+    const h1 = createHash('sha256').update('x 1').digest('hex');
+    const h2 = createHash('sha256').update('y 1').digest('hex');
+    const bundle = (upto: number) => ({ id: `${upto}-0`, upto });
+    expect(await moveUsageCursor(redis, name, { token: 1, from: '0-0', consumed: 0, refs: [], bundle: bundle(1), stats: [line(1, 1, h1)] })).toBe('moved');
+    // A second leader sent bundles 1 and 2 again: only the second is tallied.
+    expect(
+      await moveUsageCursor(redis, name, { token: 2, from: '0-0', consumed: 0, refs: [], bundle: bundle(2), stats: [line(1, 1, h1), line(2, 1, h2)] }),
+    ).toBe('moved');
+    const hash = await redis.hgetall(subjectKey.statements(name));
+    expect(hash['0|units']).toBe('2');
+    expect(hash['0|digest']).toBe(((BigInt(`0x${h1}`) + BigInt(`0x${h2}`)) % (1n << 256n)).toString(16).padStart(64, '0'));
+    await redis.hset(subjectKey.statements(name), 'frozen', 7);
+    expect(await moveUsageCursor(redis, name, { token: 2, from: '0-0', consumed: 0, refs: [], bundle: bundle(3), stats: [line(3, 9, h1)] })).toBe('raced');
+    expect((await redis.hgetall(subjectKey.statements(name)))['0|units']).toBe('2');
+  });
+});
+
+describe('the statements routes', () => {
+  it('refuse a malformed period, an unknown account and a gateway that exports nothing, each in the Error shape', async () => {
+    const key = makeKey('metered');
+    const gw = await buildTestGateway({ config: testConfig([key], { plans }), admin: { token: TOKEN } });
+    const bad = await call(`${gw.url}/v1/me/statements/2026-02-30`, key.key);
+    expect({ status: bad.status, body: await bad.json() }).toMatchObject({ status: 400, body: { code: 'bad_request', status: 400 } });
+    const off = await call(`${gw.url}/v1/me/statements/current`, key.key);
+    expect(await off.json()).toMatchObject({ code: 'statements_not_enabled', status: 409 });
+    const none = await adminCall(gw, TOKEN, '/admin/accounts/nobody/statements/current');
+    expect(await none.json()).toMatchObject({ code: 'key_not_found', status: 404 });
+    const unkeyed = await call(`${gw.url}/v1/me/statements/current`, 'psk_live_nope');
+    expect(unkeyed.status).toBe(401);
+  });
+});
