@@ -15,12 +15,7 @@ export const USAGE_ROUTE = { id: 'myUsage', method: 'GET', path: '/v1/me/usage' 
 export const STATEMENT_ROUTE = { id: 'myStatement', method: 'GET', path: '/v1/me/statements/{period}' } as const;
 /** Served on the per-address quota, with its own sessions instead of a key. */
 export const PORTAL_ROUTE = { id: 'portal', method: 'GET', path: '/portal' } as const;
-export type RouteId =
-  | Route['id']
-  | typeof DOCUMENT_ROUTE.id
-  | typeof USAGE_ROUTE.id
-  | typeof STATEMENT_ROUTE.id
-  | typeof PORTAL_ROUTE.id;
+export type RouteId = Route['id'] | typeof DOCUMENT_ROUTE.id | typeof USAGE_ROUTE.id | typeof STATEMENT_ROUTE.id | typeof PORTAL_ROUTE.id;
 
 const isPath = (url: string, path: string) => url.startsWith(path) && (url.length === path.length || url[path.length] === '?');
 

@@ -15,7 +15,7 @@ import { type KeyFinder, keyFinder } from '../auth/key-finder.js';
 import { AuthThrottle, FAILURES_PER_MINUTE } from './auth-throttle.js';
 import { keyApi } from './keys.js';
 import { failure, Health, Ready, SharedError } from './schemas.js';
-import { alertRoutes, usageRoutes } from './usage.js';
+import { alertRoutes, statementRoutes, usageRoutes } from './usage.js';
 import { creditRoutes } from './credits.js';
 import { portalAdminRoutes } from './portal.js';
 import { PortalSessions } from '../portal/sessions.js';
@@ -267,7 +267,8 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
   await app.register(async (scope) => {
     guard(scope, deps.adminToken);
     const deliveries = deps.redis ? () => recentDeliveries(deps.redis!, deps.config()) : undefined;
-    await scope.register(usageRoutes, {
+    await scope.register(usageRoutes, { config: deps.config, store: deps.store, redis: deps.redis !== undefined, find: deps.find });
+    await scope.register(statementRoutes, {
       config: deps.config,
       store: deps.store,
       redis: deps.redis !== undefined,

@@ -18,7 +18,7 @@ export interface UsageParts {
   redis: boolean;
   /** Keys by id and accounts by name (the file's and the key registry's). */
   find: KeyFinder;
-  /** Where the usage statements are read (usage/statements.ts). */
+  /** Where the usage statements are read (usage/statements.ts); none without Redis. */
   statements?: RedisClient;
 }
 
@@ -71,31 +71,6 @@ export const usageRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, pa
     },
   );
 
-  app.get(
-    '/admin/accounts/:account/statements/:period',
-    {
-      schema: {
-        operationId: 'accountStatement',
-        tags: ['usage'],
-        description:
-          "The account's usage statement for a billing period: what the usage export delivered for it, per plan and route, with refunds, credits, totals and their digest (docs/operators.md, Statements). `period`: current, previous, or a UTC date (YYYY-MM-DD) inside it.",
-        params: Type.Object({ account: AccountParams.properties.account, period: Type.String({ maxLength: 64 }) }),
-        response: {
-          200: StatementSchema,
-          400: failure('bad_request: a malformed account name or period'),
-          404: failure('key_not_found: no key in that account'),
-          409: failure('statements_not_enabled: the gateway exports no usage'),
-          503: failure('quota_store_unavailable: Redis did not answer'),
-        },
-      },
-    },
-    async (request) => {
-      const [member] = await parts.find.account(request.params.account);
-      if (!member) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
-      return accountStatement(parts.statements, parts.config(), member, request.params.period);
-    },
-  );
-
   // A ban is an account's, like its quota: lifting it is a call on the account.
   app.post(
     '/admin/accounts/:account/unban',
@@ -124,6 +99,34 @@ export const usageRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, pa
         );
       });
       return { account: request.params.account, lifted };
+    },
+  );
+};
+
+/** An account's usage statement for a billing period (usage/statements.ts). */
+export const statementRoutes: FastifyPluginAsyncTypebox<UsageParts> = async (app, parts) => {
+  app.get(
+    '/admin/accounts/:account/statements/:period',
+    {
+      schema: {
+        operationId: 'accountStatement',
+        tags: ['usage'],
+        description:
+          "The account's usage statement for a billing period: what the usage export delivered for it, per plan and route, with refunds, credits, totals and their digest (docs/operators.md, Statements). `period`: current, previous, or a UTC date (YYYY-MM-DD) inside it.",
+        params: Type.Object({ account: AccountParams.properties.account, period: Type.String({ maxLength: 64 }) }),
+        response: {
+          200: StatementSchema,
+          400: failure('bad_request: a malformed account name or period'),
+          404: failure('key_not_found: no key in that account'),
+          409: failure('statements_not_enabled: the gateway exports no usage'),
+          503: failure('quota_store_unavailable: Redis did not answer'),
+        },
+      },
+    },
+    async (request) => {
+      const [member] = await parts.find.account(request.params.account);
+      if (!member) throw new GatewayError('key_not_found', `No key in account "${request.params.account}"`);
+      return accountStatement(parts.statements, parts.config(), member, request.params.period);
     },
   );
 };

@@ -191,6 +191,8 @@ export interface GatewayConfig {
   alerts?: { url: string; secret: string };
   /** One subject per account (its first key's): what the exporter reads. */
   accounts: ReadonlyMap<string, QuotaSubject>;
+  /** The billing days the `accounts:` section sets (1 for any other account), a key registry's accounts' too. */
+  billingDays: ReadonlyMap<string, number>;
 }
 
 export type { UsageExport } from './usage-export.js';
@@ -322,6 +324,10 @@ export type KeyEntry = ConfigFile['keys'][number];
 type AccountEntry = NonNullable<ConfigFile['accounts']>[string];
 
 /** What an account is billed by: its billing day, its plan's overage, and its own credits or else its plan's. */
+/** The billing days the `accounts:` section sets. */
+const billingDays = (file: ConfigFile): Map<string, number> =>
+  new Map(Object.entries(file.accounts ?? {}).flatMap(([a, s]) => (s.billingDay ? [[a, s.billingDay] as const] : [])));
+
 function billingOf(plan: PlanEntry, account: AccountEntry | undefined): Billing {
   const credits = account?.credits ?? plan.credits;
   return Object.freeze({
@@ -402,8 +408,7 @@ export function configBuilder(file: ConfigFile, redisKeyPrefix = 'gw'): { add(k:
   };
   const consumers = new Map<string, Consumer>();
   const keys: KeyEntry[] = [];
-  // The first key's subject of each account: the keys of one account share it.
-  const accounts = new Map<string, QuotaSubject>();
+  const accounts = new Map<string, QuotaSubject>(); // each account's first key's subject: its keys share it
   const add = (k: KeyEntry) => {
     const c = consumerOf(k)!; // validated: its plan exists
     keys.push(k);
@@ -422,6 +427,7 @@ export function configBuilder(file: ConfigFile, redisKeyPrefix = 'gw'): { add(k:
       keys,
       consumerOf,
       accountOf: (name: string) => accountOfName(redisPrefix, name),
+      billingDays: billingDays(file),
       addressSubject: (address: string) => ({
         name: addressName(redisPrefix, clientOf(address)),
         limits: anonymous,

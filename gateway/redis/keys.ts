@@ -16,7 +16,8 @@ export const addressName = (prefix: string, address: string) => `${prefix}:{a:${
 /** A hash: id -> last heartbeat. */
 export const gatewaysKey = (prefix: string) => `${prefix}:{gateways}`;
 
-export const loopKey = (prefix: string, loop: string, what: 'lock' | 'active' | 'sweep' | 'deliveries' | 'periods') => `${prefix}:{${loop}}:${what}`;
+export const loopKey = (prefix: string, loop: string, what: 'lock' | 'active' | 'sweep' | 'deliveries' | 'periods') =>
+  `${prefix}:{${loop}}:${what}`;
 
 /** Plain functions, not an object per subject: quota.lua's keys are built on every call. */
 export const subjectKey = {

@@ -72,7 +72,11 @@ export function defineCloseScripts(redis: RedisClient): void {
 }
 
 /** After a round's moves: each period its events went to waits for its close (one ZADD, whatever the accounts). */
-export async function periodsTouched(redis: RedisClient, prefix: string, touched: ReadonlyArray<{ name: string; start: number; end: number }>) {
+export async function periodsTouched(
+  redis: RedisClient,
+  prefix: string,
+  touched: ReadonlyArray<{ name: string; start: number; end: number }>,
+) {
   if (touched.length === 0) return;
   const args: Array<string | number> = [];
   for (const t of touched) args.push(t.end, member(t.name, t.start));
@@ -114,6 +118,11 @@ export async function freeze(redis: RedisClient, d: Due, token: number, settleMs
 export async function frozenStatement(redis: RedisClient, d: Due): Promise<Statement & { frozenAt: number }> {
   const hash = await redis.hgetall(subjectKey.statements(d.name));
   return { ...statementOf(hash, d), frozenAt: Number(hash[`${d.startMs}${SEP}frozen`]) };
+}
+
+/** Out of the index without a close: its account is no longer configured, and has no name to close it under. */
+export async function forget(redis: RedisClient, prefix: string, d: Due): Promise<void> {
+  await redis.zrem(periodsKey(prefix), member(d.name, d.startMs));
 }
 
 /** Closed, and out of the index; false: fenced. */

@@ -12,7 +12,9 @@ export interface PostedConfig {
   environment: GatewayConfig['environment'];
   redisPrefix: string;
   usageExport: GatewayConfig['usageExport'];
-  accounts: Array<[account: string, name: string, billingDay: number]>;
+  accounts: Array<[account: string, name: string]>;
+  /** GatewayConfig.billingDays. */
+  billingDays: Array<[account: string, day: number]>;
   /** exporter.ts, ExportConfig.settleMs. */
   settleMs: number;
 }
@@ -36,7 +38,8 @@ const posted = (c: GatewayConfig, settleMs: number): PostedConfig => ({
   environment: c.environment,
   redisPrefix: c.redisPrefix,
   usageExport: c.usageExport,
-  accounts: [...c.accounts].map(([account, subject]) => [account, subject.name, subject.billing.billingDay]),
+  accounts: [...c.accounts].map(([account, subject]) => [account, subject.name]),
+  billingDays: [...c.billingDays],
   settleMs,
 });
 
@@ -75,7 +78,11 @@ export class ExportThread {
   private spawn(): void {
     const { file, workerData } = entry();
     const worker = new Worker(file, {
-      workerData: workerData({ target: this.deps.target, timeoutMs: this.deps.timeoutMs, config: posted(this.deps.config(), this.deps.settleMs) }),
+      workerData: workerData({
+        target: this.deps.target,
+        timeoutMs: this.deps.timeoutMs,
+        config: posted(this.deps.config(), this.deps.settleMs),
+      }),
     });
     this.worker = worker;
     this.exited = false;

@@ -22,7 +22,7 @@ const view = (c: PostedConfig): ExportConfig => ({
   usageExport: c.usageExport,
   accounts: new Map(c.accounts.map(([account, name]) => [account, { name }])),
   accountOf: (name) => accountOfName(c.redisPrefix, name),
-  billingDays: new Map(c.accounts.map(([account, , day]) => [account, day])),
+  billingDays: new Map(c.billingDays),
   settleMs: c.settleMs,
 });
 let config = view(data.config);

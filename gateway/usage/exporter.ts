@@ -7,7 +7,17 @@ import { accountsOf, ActiveIndex, type LoopConfig, type Marked } from './active.
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
 import { bundleEvents, consumable, ENTRY, type EncodedEvent, entryId, refundTypeOf, splitEvents, toCloudEvents } from './events.js';
 import { Sweep } from './sweep.js';
-import { closedEvent, CLOSE_RETRY_MS, defineCloseScripts, duePeriods, freeze, frozenStatement, markClosed, periodsTouched } from './closes.js';
+import {
+  closedEvent,
+  CLOSE_RETRY_MS,
+  defineCloseScripts,
+  duePeriods,
+  forget,
+  freeze,
+  frozenStatement,
+  markClosed,
+  periodsTouched,
+} from './closes.js';
 import { mergeTally, type PartTally, tallyLine, tallyPart } from './periods.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost } from './leader.js';
 import type { Accepted, UsageSink } from './sink.js';
@@ -156,7 +166,11 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       for (const t of tallies) for (const [start, end] of t.ends) touched.push({ name: r.name, start, end });
       parts.push(own);
       sent += n;
-      moves.push({ name: r.name, events: n, move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined, bundle, frozen: r.frozen, stats } });
+      moves.push({
+        name: r.name,
+        events: n,
+        move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined, bundle, frozen: r.frozen, stats },
+      });
     }
     await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9 || r.unreported > 0).map((r) => this.countDropped(r.name)));
     this.metrics.lag((now - oldest) / 1000);
@@ -185,7 +199,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
 
   /**
    * The periods ended that can close (closes.ts), a try a second at most: frozen, their close
-   * event delivered as any batch, then marked closed. An account no longer configured is left in the index.
+   * event delivered as any batch, then marked closed. An account no longer configured leaves the index unclosed.
    */
   private async closeDue(config: ExportConfig, target: UsageExport, lead: Lead, source: string): Promise<void> {
     const now = Date.now();
@@ -194,7 +208,10 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const { account } = accountsOf(config);
     for (const d of await duePeriods(this.redis, config.redisPrefix, now)) {
       const name = account(d.name);
-      if (name === undefined) continue;
+      if (name === undefined) {
+        await forget(this.redis, config.redisPrefix, d);
+        continue;
+      }
       const frozen = await freeze(this.redis, d, lead.token, config.settleMs ?? SETTLE_MS);
       if (frozen === 'not yet') continue;
       if (frozen === 'fenced') throw new LeadLost(`the period of ${subjectKey.statements(d.name)} was frozen by a newer lead`);

@@ -56,7 +56,7 @@ export function tallyPart(json: string, billingDay: number, frozenUntil: number)
   const events = JSON.parse(`[${json}]`) as SentEvent[];
   let rewritten = false;
   for (const e of events) {
-    let at = Date.parse(e.time);
+    const at = Date.parse(e.time);
     let period = billingPeriod(at, billingDay);
     let correction = false;
     if (at < frozenUntil) {
@@ -64,7 +64,6 @@ export function tallyPart(json: string, billingDay: number, frozenUntil: number)
       e.correctionof = new Date(period.startMs).toISOString();
       e.originaltime = e.time;
       e.time = new Date(open.startMs).toISOString();
-      at = open.startMs;
       period = open;
       correction = rewritten = true;
     }

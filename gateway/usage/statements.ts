@@ -30,13 +30,12 @@ export const StatementSchema = Type.Object(
       description: 'open: events still come; closing: frozen, its close event not yet taken by the sink; closed',
     }),
     closedAt: Type.Union([Iso, Type.Null()]),
-    lines: Type.Array(
-      Type.Object({ plan: Type.String(), route: Type.String(), requests: Int(), units: Int(), overage: Int() }),
-      { description: 'Per plan and route: the requests exported for the period, their units and overage (before refunds)' },
-    ),
+    lines: Type.Array(Type.Object({ plan: Type.String(), route: Type.String(), requests: Int(), units: Int(), overage: Int() }), {
+      description: 'Per plan and route: the requests exported for the period, their units and overage (before refunds)',
+    }),
     totals: Type.Object({
       requests: Int(),
-      units: Int('Net of refunds: what a SUM of the exported events\' units gives for the period'),
+      units: Int("Net of refunds: what a SUM of the exported events' units gives for the period"),
       refunds: Type.Object({ events: Int(), units: Int() }),
       overage: Int('Net of refunds'),
       corrections: Int('Events of an earlier, closed period that came after its close, counted here'),

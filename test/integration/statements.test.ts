@@ -88,14 +88,48 @@ describe('a billing period closed at the sink', () => {
       const rid = `seed-${hoursBefore}`;
       const entry = ['kind', 'request', 'rid', rid, 'key', key.id, 'plan', 'metered', ...fields, 'at', String(at)];
       ids.push(
-        (await redis.xadd(stream, `${at}-0`, ...entry, 'minute', '1', 'day', '1', 'month', '1', 'overage', '0', 'credits', '-1', 'status', '200'))!,
+        (await redis.xadd(
+          stream,
+          `${at}-0`,
+          ...entry,
+          'minute',
+          '1',
+          'day',
+          '1',
+          'month',
+          '1',
+          'overage',
+          '0',
+          'credits',
+          '-1',
+          'status',
+          '200',
+        ))!,
       );
     }
     const refundAt = currentStart - 3_600_000;
     await redis.xadd(stream, `${refundAt}-0`, 'kind', 'refund', 'ref', ids[1]!, 'units', '1', 'overage', '0', 'at', String(refundAt));
     const topUpAt = currentStart - 1_800_000;
-    await redis.xadd(stream, `${topUpAt}-0`, 'kind', 'credits', 'entry', 'topup', 'ledger', `${topUpAt}-0`, 'at', String(topUpAt),
-      'amount', '50', 'balance', '50', 'reason', 'seeded', 'idempotencyKey', 'seed-1');
+    await redis.xadd(
+      stream,
+      `${topUpAt}-0`,
+      'kind',
+      'credits',
+      'entry',
+      'topup',
+      'ledger',
+      `${topUpAt}-0`,
+      'at',
+      String(topUpAt),
+      'amount',
+      '50',
+      'balance',
+      '50',
+      'reason',
+      'seeded',
+      'idempotencyKey',
+      'seed-1',
+    );
 
     // The current period: traffic through two instances; the first only leads the export.
     let sent = 0;
@@ -156,9 +190,38 @@ describe('a billing period closed at the sink', () => {
     const before = await statement(gateways[0]!, 'previous');
     const now = await statement(gateways[0]!, 'current');
     // Written now (its batch was held up), stamped in the previous period.
-    await redis.xadd(subjectKey.events(name), '*', 'kind', 'request', 'rid', 'late-1', 'key', key.id, 'plan', 'metered', 'route',
-      'listPets', 'method', 'GET', 'units', '1', 'at', String(at), 'minute', '1', 'day', '1', 'month', '1', 'overage', '0', 'credits',
-      '-1', 'status', '200');
+    await redis.xadd(
+      subjectKey.events(name),
+      '*',
+      'kind',
+      'request',
+      'rid',
+      'late-1',
+      'key',
+      key.id,
+      'plan',
+      'metered',
+      'route',
+      'listPets',
+      'method',
+      'GET',
+      'units',
+      '1',
+      'at',
+      String(at),
+      'minute',
+      '1',
+      'day',
+      '1',
+      'month',
+      '1',
+      'overage',
+      '0',
+      'credits',
+      '-1',
+      'status',
+      '200',
+    );
     await call(`${gateways[0]!.url}/v1/pets`, key.key); // marks the account for the export
     await eventually(() => sunk().some((e) => e.data.requestId === 'late-1'), 30_000, 'the late event at the sink');
     const late = sunk().find((e) => e.data.requestId === 'late-1')!;
@@ -240,16 +303,27 @@ describe('freezing a period', () => {
     const h1 = createHash('sha256').update('x 1').digest('hex');
     const h2 = createHash('sha256').update('y 1').digest('hex');
     const bundle = (upto: number) => ({ id: `${upto}-0`, upto });
-    expect(await moveUsageCursor(redis, name, { token: 1, from: '0-0', consumed: 0, refs: [], bundle: bundle(1), stats: [line(1, 1, h1)] })).toBe('moved');
+    expect(
+      await moveUsageCursor(redis, name, { token: 1, from: '0-0', consumed: 0, refs: [], bundle: bundle(1), stats: [line(1, 1, h1)] }),
+    ).toBe('moved');
     // A second leader sent bundles 1 and 2 again: only the second is tallied.
     expect(
-      await moveUsageCursor(redis, name, { token: 2, from: '0-0', consumed: 0, refs: [], bundle: bundle(2), stats: [line(1, 1, h1), line(2, 1, h2)] }),
+      await moveUsageCursor(redis, name, {
+        token: 2,
+        from: '0-0',
+        consumed: 0,
+        refs: [],
+        bundle: bundle(2),
+        stats: [line(1, 1, h1), line(2, 1, h2)],
+      }),
     ).toBe('moved');
     const hash = await redis.hgetall(subjectKey.statements(name));
     expect(hash['0|units']).toBe('2');
     expect(hash['0|digest']).toBe(((BigInt(`0x${h1}`) + BigInt(`0x${h2}`)) % (1n << 256n)).toString(16).padStart(64, '0'));
     await redis.hset(subjectKey.statements(name), 'frozen', 7);
-    expect(await moveUsageCursor(redis, name, { token: 2, from: '0-0', consumed: 0, refs: [], bundle: bundle(3), stats: [line(3, 9, h1)] })).toBe('raced');
+    expect(
+      await moveUsageCursor(redis, name, { token: 2, from: '0-0', consumed: 0, refs: [], bundle: bundle(3), stats: [line(3, 9, h1)] }),
+    ).toBe('raced');
     expect((await redis.hgetall(subjectKey.statements(name)))['0|units']).toBe('2');
   });
 });

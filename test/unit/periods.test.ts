@@ -1,0 +1,61 @@
+import { describe, expect, it } from 'vitest';
+import { tallyPart } from '../../gateway/usage/periods.js';
+
+// The tally of a part's events into billing periods, as each format sends them: what the
+// statement and the close event are made of (test/integration/statements.test.ts runs it whole).
+
+const event = (id: string, type: string, time: string, data: Record<string, unknown>) =>
+  JSON.stringify({ specversion: '1.0', id, source: '/s', type, subject: 'acme', time, datacontenttype: 'application/json', data });
+const REQUEST = 'com.petstore.gateway.request';
+
+describe('tallyPart', () => {
+  it("counts OpenMeter's refund (the request's type, negative units, refundOf) as a refund, not a request", () => {
+    const json = [
+      event('acme/1', REQUEST, '2026-11-10T00:00:00.000Z', { plan: 'pro', route: 'listPets', units: 1, overage: 0 }),
+      event('acme/1.refund', REQUEST, '2026-11-10T00:00:01.000Z', { refundOf: 'acme/1', units: -1 }),
+    ].join(',');
+    const { tally } = tallyPart(json, 1, 0);
+    const s = Date.UTC(2026, 10, 1);
+    expect(Object.fromEntries(tally.adds)).toEqual({
+      [`${s}|events`]: 2,
+      [`${s}|requests`]: 1,
+      [`${s}|refunds`]: 1,
+      [`${s}|refunded`]: 1,
+      [`${s}|units`]: 0, // 1 - 1
+      [`${s}|l|pro|listPets|n`]: 1,
+      [`${s}|l|pro|listPets|u`]: 1,
+    });
+  });
+
+  it('puts each event in the period of its time by the billing day, and a grant and a top-up in the credits', () => {
+    const json = [
+      event('acme/a', REQUEST, '2026-11-14T23:59:59.999Z', { plan: 'pro', route: 'listPets', units: 2, overage: 1 }),
+      event('acme/b', REQUEST, '2026-11-15T00:00:00.000Z', { plan: 'pro', route: 'listPets', units: 1, overage: 0 }),
+      event('acme/g', 'com.petstore.gateway.credits.granted', '2026-11-15T00:00:00.000Z', { amount: 100 }),
+      event('acme/t', 'com.petstore.gateway.credits.topped_up', '2026-11-16T00:00:00.000Z', { amount: 30 }),
+    ].join(',');
+    const { tally, json: out } = tallyPart(json, 15, 0);
+    const [october, november] = [Date.UTC(2026, 9, 15), Date.UTC(2026, 10, 15)];
+    expect(tally.adds.get(`${october}|units`)).toBe(2);
+    expect(tally.adds.get(`${october}|overage`)).toBe(1);
+    expect(tally.adds.get(`${november}|units`)).toBe(1);
+    expect(tally.adds.get(`${november}|granted`)).toBe(100);
+    expect(tally.adds.get(`${november}|purchased`)).toBe(30);
+    expect(tally.ends.get(october)).toBe(november);
+    expect(out).toBe(json); // nothing late: sent as it came
+  });
+
+  it('rewrites an event of a frozen period as a correction of the next, stamped at its start', () => {
+    const json = event('acme/late', REQUEST, '2026-10-31T23:00:00.000Z', { plan: 'pro', route: 'listPets', units: 1, overage: 0 });
+    const november = Date.UTC(2026, 10, 1);
+    const { tally, json: out } = tallyPart(json, 1, november);
+    expect(JSON.parse(out)).toMatchObject({
+      id: 'acme/late',
+      time: '2026-11-01T00:00:00.000Z',
+      correctionof: '2026-10-01T00:00:00.000Z',
+      originaltime: '2026-10-31T23:00:00.000Z',
+    });
+    expect(tally.adds.get(`${november}|corrections`)).toBe(1);
+    expect(tally.adds.get(`${Date.UTC(2026, 9, 1)}|units`)).toBeUndefined();
+  });
+});
