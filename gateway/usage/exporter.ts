@@ -18,7 +18,7 @@ import {
   markClosed,
   periodsTouched,
 } from './closes.js';
-import { mergeTally, type PartTally, tallyLine, tallyPart } from './periods.js';
+import { type Source, tallyAccount } from './periods.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost } from './leader.js';
 import type { Accepted, UsageSink } from './sink.js';
 
@@ -84,6 +84,8 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   /** Made again only when a reload changes the target. */
   private sink?: { target: UsageExport; sink: UsageSink };
   private nextClose = 0;
+  /** The ids of the events the sink set aside this round. */
+  private readonly setAside = new Set<string>();
 
   constructor(deps: ExporterDeps) {
     super(deps.redis, deps.config, deps.log, 'usage-export', () => deps.metrics.round());
@@ -136,6 +138,8 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     let oldest = now;
     let sent = 0;
     const touched: Array<{ name: string; start: number; end: number }> = [];
+    const tallies: Array<{ parts: Source[]; day: number; frozen: number }> = [];
+    this.setAside.clear();
     for (const r of reads) {
       const bundle = r.bundles.at(-1);
       if (r.entries.length > 0) oldest = Math.min(oldest, Number(entryId(r.entries, 0).split('-')[0]));
@@ -145,31 +149,22 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       const { events, last, joined } = toCloudEvents(name, source, r.entries, r.statuses, r.consumed, refundType);
       // Each part tallied into its billing period (periods.ts), an event of a frozen period rewritten as a correction.
       const day = config.billingDays?.get(name) ?? 1;
-      const frozen = Number(r.frozen);
-      const tallies: PartTally[] = [];
-      const entries: PartTally = { adds: new Map(), digests: new Map(), ends: new Map() };
-      const own: Part[] = events.map((json) => {
-        const t = tallyPart(json, day, frozen);
-        mergeTally(entries, t.tally);
-        return { json: t.json, events: 1 };
-      });
-      const stats = events.length > 0 ? [tallyLine(0, entries)] : [];
-      tallies.push(entries);
-      let n = events.length;
-      for (const b of r.bundles) {
-        const t = tallyPart(bundleEvents(name, source, b, refundType), day, frozen);
-        own.push({ json: t.json, events: b.events });
-        stats.push(tallyLine(b.upto, t.tally));
-        tallies.push(t.tally);
-        n += b.events;
-      }
-      for (const t of tallies) for (const [start, end] of t.ends) touched.push({ name: r.name, start, end });
+      const sources: Source[] = events.map((json) => ({ gate: 0, json }));
+      for (const b of r.bundles) sources.push({ gate: b.upto, json: bundleEvents(name, source, b, refundType) });
+      const tallied = tallyAccount(sources, day, Number(r.frozen));
+      const own: Part[] = tallied.parts.map((p, i) => ({
+        json: p.json,
+        events: i < events.length ? 1 : r.bundles[i - events.length]!.events,
+      }));
+      const n = events.length + r.bundles.reduce((sum, b) => sum + b.events, 0);
+      for (const [start, end] of tallied.periods) touched.push({ name: r.name, start, end });
+      tallies.push({ parts: tallied.parts, day, frozen: Number(r.frozen) });
       parts.push(own);
       sent += n;
       moves.push({
         name: r.name,
         events: n,
-        move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined, bundle, frozen: r.frozen, stats },
+        move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined, bundle, frozen: r.frozen, stats: tallied.lines },
       });
     }
     await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9 || r.unreported > 0).map((r) => this.countDropped(r.name)));
@@ -179,6 +174,14 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     for (const batch of batches(fair, size)) await this.deliver(this.sinkOf(target), batch, lead.signal, names);
     if (this.stopped) return { sent: 0, full: false };
     lead.signal.throwIfAborted();
+    // The events the sink set aside are not the period's: tallied again without them.
+    if (this.setAside.size > 0) {
+      moves.forEach(({ move }, i) => {
+        const t = tallies[i]!;
+        if (t.parts.some((p) => [...this.setAside].some((id) => p.json.includes(JSON.stringify(id)))))
+          move.stats = tallyAccount(t.parts, t.day, t.frozen, this.setAside).lines;
+      });
+    }
     const moved = await Promise.all(moves.map(({ name, move }) => moveUsageCursor(this.redis, name, { ...move, token: lead.token })));
     moves.forEach(({ events }, i) => moved[i] === 'moved' && this.metrics.exported(events));
     const refused = moved.findIndex((m) => m !== 'moved');
@@ -328,6 +331,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       `{"reason":${JSON.stringify(reason)},"at":"${new Date().toISOString()}","event":${event}}`,
     );
     if (added > 0) this.metrics.rejected(1);
+    this.setAside.add(id);
     this.log.error(
       { sink: sink.name, event: id, reason },
       'usage export: the sink refused an event for good; it is set aside, the rest go on',

@@ -51,14 +51,20 @@ const add = (t: PartTally, field: string, n: number) => n !== 0 && t.adds.set(fi
  * closed period's start; `originaltime`: its own time) and stamped at that period's start, so a
  * biller that bills by time puts it there too.
  */
-export function tallyPart(json: string, billingDay: number, frozenUntil: number): { json: string; tally: PartTally } {
+export function tallyPart(
+  json: string,
+  billingDay: number,
+  frozenUntil: number,
+  exclude?: ReadonlySet<string>,
+): { json: string; tally: PartTally } {
   const tally: PartTally = { adds: new Map(), digests: new Map(), ends: new Map() };
   const events = JSON.parse(`[${json}]`) as SentEvent[];
   let rewritten = false;
   for (const e of events) {
     const at = Date.parse(e.time);
     let period = billingPeriod(at, billingDay);
-    let correction = false;
+    // Tallied again after the sink set some aside (exclude), it is already rewritten.
+    let correction = e.correctionof !== undefined;
     if (at < frozenUntil) {
       const open = billingPeriod(frozenUntil, billingDay);
       e.correctionof = new Date(period.startMs).toISOString();
@@ -67,7 +73,7 @@ export function tallyPart(json: string, billingDay: number, frozenUntil: number)
       period = open;
       correction = rewritten = true;
     }
-    count(tally, e, period, correction);
+    if (!exclude?.has(e.id)) count(tally, e, period, correction);
   }
   return { json: rewritten ? events.map((e) => JSON.stringify(e)).join(',') : json, tally };
 }
@@ -108,8 +114,35 @@ export function tallyLine(gate: number, t: PartTally): string {
   return out.join(' ');
 }
 
+/** A part as the exporter read it: 0 for a stream entry, else its bundle's `upto` (MOVE_USAGE's gate). */
+export interface Source {
+  gate: number;
+  json: string;
+}
+
+/**
+ * An account's parts tallied (`exclude`: the ids a sink set aside, which it does not hold): each
+ * part as it is to be sent, MOVE_USAGE's lines (the stream's entries merged into one, gate 0),
+ * and the periods they touch (start -> end).
+ */
+export function tallyAccount(sources: readonly Source[], billingDay: number, frozenUntil: number, exclude?: ReadonlySet<string>) {
+  const entries: PartTally = { adds: new Map(), digests: new Map(), ends: new Map() };
+  const parts: Source[] = [];
+  const lines: string[] = [];
+  const periods = new Map<number, number>();
+  for (const source of sources) {
+    const { json, tally } = tallyPart(source.json, billingDay, frozenUntil, exclude);
+    parts.push({ gate: source.gate, json });
+    if (source.gate === 0) mergeTally(entries, tally);
+    else lines.push(tallyLine(source.gate, tally));
+    for (const [start, end] of tally.ends) periods.set(start, end);
+  }
+  if (parts.some((p) => p.gate === 0)) lines.unshift(tallyLine(0, entries));
+  return { parts, lines, periods };
+}
+
 /** Adds `b` into `a` (the entries of one account are one part in MOVE_USAGE). */
-export function mergeTally(a: PartTally, b: PartTally): void {
+function mergeTally(a: PartTally, b: PartTally): void {
   for (const [f, n] of b.adds) add(a, f, n);
   for (const [s, sum] of b.digests) a.digests.set(s, (a.digests.get(s) ?? 0n) + sum);
   for (const [s, end] of b.ends) a.ends.set(s, end);

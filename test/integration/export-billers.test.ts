@@ -81,6 +81,13 @@ async function checkAccounts(r: Awaited<ReturnType<typeof run>>) {
   expect(aside.length).toBe(r.ghostEvents);
   for (const a of aside) expect(a).toMatchObject({ reason: NO_CUSTOMER, event: { subject: r.ghost.id } });
   expect(await metric(r.gw, 'gateway_usage_events_rejected_total')).toBe(r.ghostEvents);
+  // The period's statement holds what the biller took: shop's units net of refunds, none of ghost's set-aside events.
+  const tallied = async (name: string, figure: string) =>
+    Object.entries(await redis.hgetall(subjectKey.statements(name)))
+      .filter(([f]) => f.endsWith(`|${figure}`))
+      .reduce((n, [, v]) => n + Number(v), 0);
+  expect(await tallied(r.ghostSubject.name, 'events')).toBe(0);
+  expect(await tallied(r.shopSubject.name, 'units')).toBe(r.delivered);
 }
 
 const gated = () => {

@@ -130,6 +130,12 @@ interface Reconcile {
 const usage = async (admin: string, id: string) =>
   (await (await fetch(`${admin}/admin/accounts/${id}/usage`, { headers: { authorization: `Bearer ${TOKEN}` } })).json()) as Reconcile;
 
+const statement = async (admin: string, id: string) =>
+  (await (await fetch(`${admin}/admin/accounts/${id}/statements/current`, { headers: { authorization: `Bearer ${TOKEN}` } })).json()) as {
+    totals: { units: number };
+    events: number;
+  };
+
 /** Three processes on one Redis exporting to `biller`; the config gives each account its customer. */
 async function deployment(format: Format, keys: TestKey[], biller: Biller) {
   const dir = tempDir();
@@ -219,6 +225,8 @@ async function check(format: Format) {
     expect(r.biller.meter(k.id)).toBe(counted);
     expect(events).toEqual({ exported: counted, pending: 0, dropped: 0, rejected: 0, unsettled: 0 });
     expect(events.exported + events.pending + events.dropped + events.unsettled + events.rejected).toBe(counted);
+    // The period's statement, tallied as the cursor moved: each event once, whatever the resends.
+    expect((await statement(r.live[0]!.admin, k.id)).totals.units).toBe(counted);
   }
   const [answers, redelivered] = r.biller.duplicates();
   // The faults happened: both holds (the timeout's and the kill's), both bursts, lost answers; and redeliveries.
