@@ -1,4 +1,4 @@
-import { createHash } from 'node:crypto';
+import crypto from 'node:crypto';
 import { billingPeriod, type Period } from '../quota/period.js';
 import { CREDITS_TYPES, REFUND_TYPE, REQUEST_TYPE } from './events.js';
 
@@ -39,17 +39,30 @@ export interface PartTally {
   ends: Map<number, number>;
 }
 
-export const digestOf = (id: string, units: number) => BigInt(`0x${createHash('sha256').update(`${id} ${units}`).digest('hex')}`);
+/** One-shot where Node has it (20.12+): a third cheaper than a Hash object an event. */
+const sha256: (data: string) => Buffer =
+  typeof crypto.hash === 'function'
+    ? (data) => crypto.hash('sha256', data, 'buffer')
+    : (data) => crypto.createHash('sha256').update(data).digest();
 export const digestHex = (sum: bigint) => (((sum % MOD) + MOD) % MOD).toString(16).padStart(64, '0');
 
-const add = (t: PartTally, field: string, n: number) => n !== 0 && t.adds.set(field, (t.adds.get(field) ?? 0) + n);
+/** A part's figures of one period, counted as plain numbers; made into fields once a part (partTally). */
+interface Acc {
+  end: number;
+  figures: Record<string, number>;
+  /** `plan|route` -> requests, units, overage. */
+  lines: Map<string, [number, number, number]>;
+  /** The digests' sum in eight 32-bit limbs, most significant first, carried once at the end. */
+  limbs: number[];
+}
 
 /**
  * Counts a part's events into their periods (`billingDay`'s) and returns the part as it is to
  * be sent. An event stamped before `frozenUntil` belongs to a period already closed (or closing):
  * it goes into the period from `frozenUntil` as a correction, flagged (`correctionof`: the
  * closed period's start; `originaltime`: its own time) and stamped at that period's start, so a
- * biller that bills by time puts it there too.
+ * biller that bills by time puts it there too. About 3.5 us an event, half of it the parse and
+ * a third the hash (bench/tally.ts).
  */
 export function tallyPart(
   json: string,
@@ -57,52 +70,83 @@ export function tallyPart(
   frozenUntil: number,
   exclude?: ReadonlySet<string>,
 ): { json: string; tally: PartTally } {
-  const tally: PartTally = { adds: new Map(), digests: new Map(), ends: new Map() };
   const events = JSON.parse(`[${json}]`) as SentEvent[];
+  const accs = new Map<number, Acc>();
+  let period: Period = { startMs: 0, endMs: 0 };
   let rewritten = false;
   for (const e of events) {
     const at = Date.parse(e.time);
-    let period = billingPeriod(at, billingDay);
+    if (at < period.startMs || at >= period.endMs) period = billingPeriod(at, billingDay);
+    let into = period;
     // Tallied again after the sink set some aside (exclude), it is already rewritten.
     let correction = e.correctionof !== undefined;
     if (at < frozenUntil) {
-      const open = billingPeriod(frozenUntil, billingDay);
+      into = billingPeriod(frozenUntil, billingDay);
       e.correctionof = new Date(period.startMs).toISOString();
       e.originaltime = e.time;
-      e.time = new Date(open.startMs).toISOString();
-      period = open;
+      e.time = new Date(into.startMs).toISOString();
       correction = rewritten = true;
     }
-    if (!exclude?.has(e.id)) count(tally, e, period, correction);
+    if (exclude?.has(e.id)) continue;
+    let acc = accs.get(into.startMs);
+    if (!acc) accs.set(into.startMs, (acc = { end: into.endMs, figures: {}, lines: new Map(), limbs: [0, 0, 0, 0, 0, 0, 0, 0] }));
+    count(acc, e, correction);
   }
-  return { json: rewritten ? events.map((e) => JSON.stringify(e)).join(',') : json, tally };
+  return { json: rewritten ? events.map((e) => JSON.stringify(e)).join(',') : json, tally: partTally(accs) };
 }
 
-function count(t: PartTally, e: SentEvent, period: Period, correction: boolean): void {
-  const s = period.startMs;
-  const f = (name: string) => `${s}${SEP}${name}`;
-  t.ends.set(s, period.endMs);
-  if (e.type === CREDITS_TYPES.grant) return void add(t, f('granted'), Number(e.data.amount));
-  if (e.type === CREDITS_TYPES.topup) return void add(t, f('purchased'), Number(e.data.amount));
+const bump = (f: Record<string, number>, name: string, n: number) => {
+  f[name] = (f[name] ?? 0) + n;
+};
+
+function count(acc: Acc, e: SentEvent, correction: boolean): void {
+  const f = acc.figures;
+  if (e.type === CREDITS_TYPES.grant) return bump(f, 'granted', Number(e.data.amount));
+  if (e.type === CREDITS_TYPES.topup) return bump(f, 'purchased', Number(e.data.amount));
   if (e.type !== REQUEST_TYPE && e.type !== REFUND_TYPE) return;
   const units = Number(e.data.units);
   const overage = Number(e.data.overage ?? 0);
-  add(t, f('events'), 1);
-  add(t, f('units'), units);
-  add(t, f('overage'), overage);
-  if (correction) add(t, f('corrections'), 1);
-  t.digests.set(s, (t.digests.get(s) ?? 0n) + digestOf(e.id, units));
+  bump(f, 'events', 1);
+  bump(f, 'units', units);
+  bump(f, 'overage', overage);
+  if (correction) bump(f, 'corrections', 1);
+  const h = sha256(`${e.id} ${units}`);
+  for (let i = 0; i < 8; i++) acc.limbs[i]! += h.readUInt32BE(i * 4);
   // A refund (its own type, or OpenMeter's: the request's type with negative units) names the event it refunds.
   if (e.data.refundOf !== undefined) {
-    add(t, f('refunds'), 1);
-    add(t, f('refunded'), -units);
+    bump(f, 'refunds', 1);
+    bump(f, 'refunded', -units);
     return;
   }
-  const line = `${s}${SEP}l${SEP}${e.data.plan}${SEP}${e.data.route}${SEP}`;
-  add(t, f('requests'), 1);
-  add(t, `${line}n`, 1);
-  add(t, `${line}u`, units);
-  add(t, `${line}o`, overage);
+  bump(f, 'requests', 1);
+  const key = `${e.data.plan}${SEP}${e.data.route}`;
+  const line = acc.lines.get(key);
+  if (line) {
+    line[0]++;
+    line[1] += units;
+    line[2] += overage;
+  } else acc.lines.set(key, [1, units, overage]);
+}
+
+/** The accumulators as MOVE_USAGE's fields: a figure that stayed 0 is left out. */
+function partTally(accs: ReadonlyMap<number, Acc>): PartTally {
+  const t: PartTally = { adds: new Map(), digests: new Map(), ends: new Map() };
+  for (const [s, acc] of accs) {
+    t.ends.set(s, acc.end);
+    for (const [name, n] of Object.entries(acc.figures)) if (n !== 0) t.adds.set(`${s}${SEP}${name}`, n);
+    for (const [key, [n, u, o]] of acc.lines) {
+      const line = `${s}${SEP}l${SEP}${key}${SEP}`;
+      t.adds.set(`${line}n`, n);
+      if (u !== 0) t.adds.set(`${line}u`, u);
+      if (o !== 0) t.adds.set(`${line}o`, o);
+    }
+    if (acc.figures.events)
+      t.digests.set(
+        s,
+        acc.limbs.reduce((sum, limb) => (sum << 32n) + BigInt(limb), 0n),
+      );
+  }
+  return t;
 }
 
 /** MOVE_USAGE's line for a part: its gate (0: the stream's entries; else the bundle's `upto`), then `field value` pairs. */
@@ -143,7 +187,7 @@ export function tallyAccount(sources: readonly Source[], billingDay: number, fro
 
 /** Adds `b` into `a` (the entries of one account are one part in MOVE_USAGE). */
 function mergeTally(a: PartTally, b: PartTally): void {
-  for (const [f, n] of b.adds) add(a, f, n);
+  for (const [f, n] of b.adds) a.adds.set(f, (a.adds.get(f) ?? 0) + n);
   for (const [s, sum] of b.digests) a.digests.set(s, (a.digests.get(s) ?? 0n) + sum);
   for (const [s, end] of b.ends) a.ends.set(s, end);
 }

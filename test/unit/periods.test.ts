@@ -21,7 +21,6 @@ describe('tallyPart', () => {
       [`${s}|requests`]: 1,
       [`${s}|refunds`]: 1,
       [`${s}|refunded`]: 1,
-      [`${s}|units`]: 0, // 1 - 1
       [`${s}|l|pro|listPets|n`]: 1,
       [`${s}|l|pro|listPets|u`]: 1,
     });
