@@ -44,11 +44,13 @@ describe('GET /v1/openapi.json through the gateway', () => {
   it('lists exactly the operations the gateway serves, each behind the bearer scheme but the document itself', () => {
     const ops = Object.entries(doc.paths).flatMap(([path, methods]) => Object.keys(methods).map((m) => `${m.toUpperCase()} ${path}`));
     expect(ops.sort()).toEqual([
+      'GET /v1/me/statements/{period}',
       'GET /v1/me/usage',
       'GET /v1/openapi.json',
       'GET /v1/pets',
       'GET /v1/pets/{petId}',
       'GET /v1/store/orders',
+      'HEAD /v1/me/statements/{period}',
       'HEAD /v1/me/usage',
       'HEAD /v1/openapi.json',
       'HEAD /v1/pets',
@@ -63,8 +65,8 @@ describe('GET /v1/openapi.json through the gateway', () => {
     for (const [path, methods] of Object.entries(doc.paths)) {
       for (const [method, op] of Object.entries(methods)) {
         const statuses = Object.keys(op.responses);
-        // The usage route never reaches the backend: no 502 or 504.
-        const backend = path === '/v1/me/usage' ? [] : ['502', '504'];
+        // The usage and statement routes never reach the backend: no 502 or 504.
+        const backend = path.startsWith('/v1/me/') ? [] : ['502', '504'];
         const errors = ['429', ...backend, '503', 'default', ...(path === '/v1/openapi.json' ? [] : ['401'])];
         expect(statuses, `${method} ${path}`).toEqual(expect.arrayContaining(errors));
         for (const status of errors) {
@@ -182,6 +184,12 @@ describe('GET /v1/openapi.json through the gateway', () => {
         401: (method) => gw.call('/v1/me/usage', undefined, { method }),
         default: (method) => gw.call('/v1/me/usage', key.key, { method, headers: huge }),
       },
+      'GET /v1/me/statements/{period}': {
+        400: (method) => gw.call('/v1/me/statements/yesterday', key.key, { method }),
+        401: (method) => gw.call('/v1/me/statements/current', undefined, { method }),
+        409: (method) => gw.call('/v1/me/statements/current', key.key, { method }),
+        default: (method) => gw.call('/v1/me/statements/current', key.key, { method, headers: huge }),
+      },
       'GET /v1/openapi.json': {
         200: (method) => gw.call('/v1/openapi.json', undefined, { method }),
         default: (method) => gw.call('/v1/openapi.json', undefined, { method, headers: huge }),
@@ -193,6 +201,10 @@ describe('GET /v1/openapi.json through the gateway', () => {
       'HEAD /v1/openapi.json 429': 'as GET',
       'GET /v1/me/usage 429': 'the per-address limit: me-usage.test.ts, on a gateway with 4 a minute',
       'HEAD /v1/me/usage 429': 'as GET',
+      'GET /v1/me/statements/{period} 200': 'with a usage export only: statements.test.ts checks the body against this document',
+      'HEAD /v1/me/statements/{period} 200': 'as GET',
+      'GET /v1/me/statements/{period} 429': 'the per-address limit, as /v1/me/usage',
+      'HEAD /v1/me/statements/{period} 429': 'as GET',
       'GET /v1/openapi.json 502': 'backend unreachable: the test after it',
       'GET /v1/pets/{petId} 410': 'after the sunset only: gateway-config.test.ts drives the 410 with a past sunset',
       'HEAD /v1/pets/{petId} 410': 'as GET',

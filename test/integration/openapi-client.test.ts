@@ -51,7 +51,7 @@ import createClient from 'openapi-fetch';
 import type { components, paths } from './api.js';
 
 type Schemas = components['schemas'];
-export type Named = [Schemas['Pet'], Schemas['NewPet'], Schemas['PetStatus'], Schemas['Order'], Schemas['OrderStatus'], Schemas['Error'], Schemas['Usage']];
+export type Named = [Schemas['Pet'], Schemas['NewPet'], Schemas['PetStatus'], Schemas['Order'], Schemas['OrderStatus'], Schemas['Error'], Schemas['Usage'], Schemas['Statement']];
 
 export async function everyOperation(baseUrl: string): Promise<Schemas['Pet'][]> {
   const client = createClient<paths>({ baseUrl, headers: { authorization: 'Bearer psk_live_...' } });
@@ -71,7 +71,10 @@ export async function everyOperation(baseUrl: string): Promise<Schemas['Pet'][]>
   const usage: Schemas['Usage'] | undefined = (await client.GET('/v1/me/usage', {})).data;
   const left: number | undefined = usage?.windows.minute.remaining;
   await client.HEAD('/v1/me/usage', {});
-  void left;
+  const statement: Schemas['Statement'] | undefined = (await client.GET('/v1/me/statements/{period}', { params: { path: { period: 'current' } } })).data;
+  const billed: number | undefined = statement?.totals.units;
+  await client.HEAD('/v1/me/statements/{period}', { params: { path: { period: 'previous' } } });
+  void [left, billed];
   // @ts-expect-error PetStatus has no "lost"
   await client.GET('/v1/pets', { params: { query: { status: 'lost' } } });
   // @ts-expect-error a NewPet has a name
@@ -216,6 +219,11 @@ describe('a client generated from the public document', () => {
     const mine = await call('get', '/v1/me/usage', client.GET('/v1/me/usage', {}), 200);
     expect(mine.data).toMatchObject({ plan: 'free', windows: { minute: { limit: 1000 } } });
     await call('head', '/v1/me/usage', client.HEAD('/v1/me/usage', {}), 200);
+    // This gateway exports no usage: its statements answer 409 (statements.test.ts checks a 200's body against this document).
+    const period = { params: { path: { period: 'current' } } };
+    const off = await call('get', '/v1/me/statements/{period}', client.GET('/v1/me/statements/{period}', period), 409);
+    expect(off.error).toMatchObject({ code: 'statements_not_enabled' });
+    await call('head', '/v1/me/statements/{period}', client.HEAD('/v1/me/statements/{period}', period), 409);
 
     const operations = Object.entries(doc.paths).flatMap(([path, methods]) =>
       Object.keys(methods).map((m) => `${m.toUpperCase()} ${path}`),

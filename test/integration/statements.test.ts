@@ -1,4 +1,6 @@
 import { createHash } from 'node:crypto';
+import { Ajv2020 } from 'ajv/dist/2020.js';
+import formats from 'ajv-formats';
 import type { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
@@ -64,6 +66,7 @@ describe('a billing period closed at the sink', () => {
         usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 50 } },
       }),
       admin: { token: TOKEN },
+      backend: 'pets', // its document: the gateway's is made from it
     }));
   });
   afterAll(async () => {
@@ -181,7 +184,14 @@ describe('a billing period closed at the sink', () => {
     // The public route gives the key's own account the same statement.
     const own = await call(`${gateways[0]!.url}/v1/me/statements/current`, key.key);
     expect(own.status).toBe(200);
-    expect(await own.json()).toEqual(now);
+    const body = await own.json();
+    expect(body).toEqual(now);
+    // As the public document says (ajv, not our code): gateway-openapi.test.ts drives the route's other answers.
+    const doc = await (await call(`${gateways[0]!.url}/v1/openapi.json`)).json();
+    const ajv = new Ajv2020({ strict: false });
+    formats.default(ajv);
+    const valid = ajv.addSchema(doc, 'api').getSchema('api#/components/schemas/Statement')!;
+    expect(valid(body), JSON.stringify(valid.errors)).toBe(true);
   });
 
   it('sends an event of the closed period that comes late into the current one, flagged, and leaves the closed one as it was', async () => {
