@@ -29,12 +29,19 @@ export function isUsagePath(url: string): boolean {
 }
 
 const STATEMENTS = '/v1/me/statements/';
-/** One segment after it, whatever it is: the route answers a bad one with 400. */
+/**
+ * One segment after it, of at most 64 characters: the route answers a bad one with 400. Longer,
+ * fastify's router (its params end at 100) would not give it to the route; it is then no
+ * statement path, and an unknown route of the key's (404).
+ */
 export function isStatementPath(url: string): boolean {
   if (!url.startsWith(STATEMENTS)) return false;
   const rest = url.slice(STATEMENTS.length).split('?')[0]!;
-  return rest.length > 0 && !rest.includes('/');
+  return rest.length > 0 && rest.length <= 64 && !rest.includes('/');
 }
+
+/** The gateway's own answers, on the key's per-address terms: never proxied (http/proxy.ts). */
+export const OWN_ROUTES: ReadonlySet<RouteId> = new Set([USAGE_ROUTE.id, STATEMENT_ROUTE.id, DOCUMENT_ROUTE.id, PORTAL_ROUTE.id]);
 
 export function isPortalPath(url: string): boolean {
   const n = PORTAL_ROUTE.path.length;

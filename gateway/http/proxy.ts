@@ -3,6 +3,7 @@ import { Readable } from 'node:stream';
 import proxy, { type FastifyHttpProxyOptions } from '@fastify/http-proxy';
 import type { FastifyInstance, FastifyRequest } from 'fastify';
 import { GatewayError } from '../errors.js';
+import { OWN_ROUTES } from '../routes.js';
 
 // Hop-by-hop headers (RFC 9110 §7.6.1) and the client's credentials never cross the gateway;
 // undici also throws on some of them (keep-alive, upgrade, expect).
@@ -96,6 +97,12 @@ export async function registerProxy(app: FastifyInstance, opts: ProxyOptions): P
     const level = app.log.level === 'silent' || app.log.level === 'fatal' ? (app.log.level as 'silent' | 'fatal') : 'error';
     scope.addHook('onRoute', (route) => {
       route.logLevel = level;
+    });
+    // A request the pipeline took for one of the gateway's own routes (counted per address, not
+    // on the key) that the router gave to the proxy instead never reaches the backend.
+    scope.addHook('preHandler', (request, _reply, done) => {
+      const route = request.ctx.route;
+      done(route !== undefined && OWN_ROUTES.has(route) ? new GatewayError('route_not_found', 'No such route') : undefined);
     });
     await scope.register(proxy, proxyOptions(app, opts));
   });

@@ -5,6 +5,9 @@ import type { AccountBook, LedgerEntry, Operations } from '../quota/store.js';
 import { type UsageView, usageView } from '../quota/usage-view.js';
 import { LATE, type RedisClient, within } from '../redis/client.js';
 import { accountBuckets, type Buckets, readBuckets } from './history.js';
+import { billingPeriod } from '../quota/period.js';
+import { subjectKey } from '../redis/keys.js';
+import { type Statement, statementOf } from '../usage/periods.js';
 
 // What the portal shows of one account, read the way the admin lookups read it: its keys through
 // the key finder, its windows from the store the gateway enforces with (usage-view.ts, the code
@@ -29,6 +32,8 @@ export interface Figures {
   keys: KeyFigures[];
   ledger: LedgerEntry[];
   history?: { minutes: Buckets; days: Buckets };
+  /** The billing period's statement so far, when the gateway exports usage (usage/periods.ts: what the sink took). */
+  statement?: Statement;
   /** Set when Redis cannot give true figures: when the last good ones were read (ms), if ever on this instance. */
   unavailable?: { lastGoodMs?: number };
 }
@@ -73,11 +78,12 @@ export class AccountFigures {
         readBuckets(this.from.redis, accountBuckets(first.subject.name), 'm', 60, nowMs),
         readBuckets(this.from.redis, accountBuckets(first.subject.name), 'd', 30, nowMs),
       ]),
+      first.subject.events > 0 ? this.from.redis.hgetall(subjectKey.statements(first.subject.name)) : Promise.resolve(undefined),
     ]);
     const answer = await within(read, this.from.timeoutMs).catch((): typeof LATE => LATE);
     // A store that turned degraded while reading answered from its budget: not figures to show.
     if (answer === LATE || this.from.store.degraded) return unavailable();
-    const [usage, ledger, [minutes, days]] = answer;
+    const [usage, ledger, [minutes, days], tallied] = answer;
     if (first.subject.billing.credits && !usage.credits) return unavailable();
     figures.view = usageView(first, usage);
     for (const k of keys) {
@@ -86,6 +92,7 @@ export class AccountFigures {
     }
     figures.ledger = ledger.slice(-LEDGER_SHOWN).reverse();
     figures.history = { minutes, days };
+    if (tallied) figures.statement = statementOf(tallied, billingPeriod(usage.nowMs, first.subject.billing.billingDay));
     this.lastGood.set(account, usage.nowMs);
     return figures;
   }

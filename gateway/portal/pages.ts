@@ -76,6 +76,23 @@ function overageSection(view: UsageView | undefined): Html {
   return html`<p data-overage-used="${o.used}">Overage this ${o.window}: <strong>${figure(o.used)}</strong> units past the quota of ${figure(o.quota)} (up to ${figure(o.upTo)} more are admitted, billed extra).</p>`;
 }
 
+/** The billing period as delivered to billing so far: the statement's lines and totals (usage/statements.ts). */
+function statementSection(f: Figures): Html {
+  const s = f.statement;
+  if (!s) return html``;
+  const t = s.totals;
+  return html`<h2>This billing period</h2>
+<table data-statement data-period="${s.period.start}" data-status="${s.status}" data-units="${t.units}" data-events="${s.events}">
+<caption>From ${when(s.period.start)} to ${when(s.period.end)}: what has reached billing so far</caption>
+<thead><tr><th scope="col">Plan</th><th scope="col">Route</th><th scope="col" class="n">Requests</th><th scope="col" class="n">Units</th><th scope="col" class="n">Overage</th></tr></thead>
+<tbody>${s.lines.map(
+    (l) =>
+      html`<tr><td>${l.plan}</td><td>${l.route}</td><td class="n">${figure(l.requests)}</td><td class="n">${figure(l.units)}</td><td class="n">${figure(l.overage)}</td></tr>`,
+  )}
+<tr><th scope="row" colspan="2">Refunded (the backend failed)</th><td class="n">${figure(t.refunds.events)}</td><td class="n">-${figure(t.refunds.units)}</td><td></td></tr></tbody>
+<tfoot><tr><th scope="row" colspan="2">Total</th><td class="n">${figure(t.requests)}</td><td class="n">${figure(t.units)}</td><td class="n">${figure(t.overage)}</td></tr></tfoot></table>`;
+}
+
 function historySection(f: Figures): Html {
   if (!f.history) return html``;
   return html`<h2>Requests over time</h2>${legend()}
@@ -99,6 +116,7 @@ export function figuresSections(f: Figures): Html {
 ${v ? html`<p>Plan ${v.plan}${v.enforced ? '' : ' (shadow mode: not enforced)'}${v.ban.active ? html`; <strong>banned until ${when(v.ban.until!)}</strong>` : ''}.</p>${windowsTable('Windows of the account', v)}` : ''}
 ${overageSection(v)}</section>
 ${creditsSection(f)}
+${statementSection(f)}
 ${historySection(f)}`;
 }
 

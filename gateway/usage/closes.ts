@@ -1,7 +1,6 @@
 import type { RedisClient } from '../redis/client.js';
 import { loopKey, subjectKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
-import { COMPACT } from '../quota/bundle.js';
 import { eventId, type EncodedEvent } from './events.js';
 import { CLOSED_TYPE, SEP, type Statement, statementOf } from './periods.js';
 
@@ -11,22 +10,26 @@ import { CLOSED_TYPE, SEP, type Statement, statementOf } from './periods.js';
 // and marks it closed once the sink took it. A leader that dies in between leaves it frozen;
 // the next one sends the same event (same figures, same id) and closes it.
 
-/** Periods to close a round at most; a period waits in the index (score: its end) until it closes. */
-const CLOSES_PER_ROUND = 16;
-/** A period not ready is tried again no sooner than this. */
+/** Periods tried a round at most; their close events go in one sink batch. */
+const CLOSES_PER_ROUND = 100;
+/** A period not ready is tried again no sooner than this (a round tries closes once a second at most). */
 export const CLOSE_RETRY_MS = 1000;
-/** Bundles still unsent past which a period waits whatever they hold: the sink is behind. */
-const PENDING_BUNDLES = 16;
+/** A period not ready waits this long in the index before its next try: those behind it get theirs. */
+const NOT_YET_MS = 5000;
 
 const periodsKey = (prefix: string) => loopKey(prefix, 'usage-export', 'periods');
-const member = (name: string, startMs: number) => `${startMs} ${name}`;
+/** Its start and end, then the account's Redis name: the score is when to try it next. */
+const member = (d: Due) => `${d.startMs} ${d.endMs} ${d.name}`;
 
 /**
  * Freezes period ARG.start (ending ARG.end) once Redis's time is past its end and nothing of it
- * can still come: no unsent entry stamped before its end, no unsent bundle with an event from
- * before it, and no leased unit unsettled (which may be its) unless `settle` has passed since the
- * end (an instance that died keeps its units unsettled for good). Fenced as the cursor's moves.
- * 1: frozen (now or before); 0: not yet; -2: fenced.
+ * can still come: no unsent entry stamped before its end (the events stream is in time order),
+ * no leased unit unsettled (which may be its) unless `settle` has passed since the end (an
+ * instance that died keeps its units unsettled for good), and no unsent bundle written before
+ * the end plus `settle` (a bundle's events are its instance's of the last `settle`, in the order
+ * their statuses came, so none written after that holds one of the period's, but for an instance
+ * that Redis held up longer: a correction). Fenced as the cursor's moves. 1: frozen (now or
+ * before); 0: not yet; -2: fenced.
  */
 const FREEZE = {
   keys: ['statements', 'cursor', 'stream', 'bundles'],
@@ -35,16 +38,13 @@ const FREEZE = {
 if redis.call('HEXISTS', KEY.statements, ARG.start .. '${SEP}frozen') == 1 then return 1 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local e = tonumber(ARG['end'])
+local e, settle = tonumber(ARG['end']), tonumber(ARG.settle)
 if now < e then return 0 end
-if now < e + tonumber(ARG.settle) and tonumber(redis.call('HGET', KEY.cursor, 'unsettled') or '0') > 0 then return 0 end
+if now < e + settle and tonumber(redis.call('HGET', KEY.cursor, 'unsettled') or '0') > 0 then return 0 end
 local first = redis.call('XRANGE', KEY.stream, '-', '+', 'COUNT', 1)[1]
 if first and tonumber(string.match(first[1], '^(%d+)')) < e then return 0 end
-if redis.call('XLEN', KEY.bundles) > ${PENDING_BUNDLES} then return 0 end
-for _, b in ipairs(redis.call('XRANGE', KEY.bundles, '-', '+')) do
-  local from = string.match(b[2][6] or '', '^${COMPACT}[^${COMPACT}]*${COMPACT}(%d+)${COMPACT}')
-  if not from or tonumber(from) < e then return 0 end
-end
+local bundle = redis.call('XRANGE', KEY.bundles, '-', '+', 'COUNT', 1)[1]
+if bundle and tonumber(string.match(bundle[1], '^(%d+)')) < e + settle then return 0 end
 redis.call('HSET', KEY.statements, ARG.start .. '${SEP}frozen', now)
 if tonumber(redis.call('HGET', KEY.statements, 'frozen') or '0') < e then redis.call('HSET', KEY.statements, 'frozen', e) end
 redis.call('HSET', KEY.cursor, 'fence', ARG.token)
@@ -71,16 +71,16 @@ export function defineCloseScripts(redis: RedisClient): void {
   defineScript(redis, 'closePeriod', CLOSE);
 }
 
-/** After a round's moves: each period its events went to waits for its close (one ZADD, whatever the accounts). */
-export async function periodsTouched(
-  redis: RedisClient,
-  prefix: string,
-  touched: ReadonlyArray<{ name: string; start: number; end: number }>,
-) {
+/**
+ * Each period a round's events go to waits for its close, from its end (one ZADD, whatever the
+ * accounts; NX: a period already waiting keeps its next try). Before the round's moves: a round
+ * that fails after them has indexed its periods all the same.
+ */
+export async function periodsTouched(redis: RedisClient, prefix: string, touched: readonly Due[]) {
   if (touched.length === 0) return;
   const args: Array<string | number> = [];
-  for (const t of touched) args.push(t.end, member(t.name, t.start));
-  await redis.zadd(periodsKey(prefix), ...args);
+  for (const d of touched) args.push(d.endMs, member(d));
+  await redis.zadd(periodsKey(prefix), 'NX', ...args);
 }
 
 export interface Due {
@@ -89,16 +89,18 @@ export interface Due {
   endMs: number;
 }
 
-/** The periods ended by `nowMs`, oldest end first. */
+/** The periods whose try is due by `nowMs`, the oldest first. */
 export async function duePeriods(redis: RedisClient, prefix: string, nowMs: number): Promise<Due[]> {
-  const got = await redis.zrangebyscore(periodsKey(prefix), '-inf', nowMs, 'WITHSCORES', 'LIMIT', 0, CLOSES_PER_ROUND);
-  const out: Due[] = [];
-  for (let i = 0; i < got.length; i += 2) {
-    const m = got[i]!;
-    const space = m.indexOf(' ');
-    out.push({ name: m.slice(space + 1), startMs: Number(m.slice(0, space)), endMs: Number(got[i + 1]) });
-  }
-  return out;
+  const got = await redis.zrangebyscore(periodsKey(prefix), '-inf', nowMs, 'LIMIT', 0, CLOSES_PER_ROUND);
+  return got.map((m) => {
+    const [start, end] = m.split(' ', 2) as [string, string];
+    return { startMs: Number(start), endMs: Number(end), name: m.slice(start.length + end.length + 2) };
+  });
+}
+
+/** A period not ready: tried again in NOT_YET_MS, so the ones behind it are tried meanwhile. */
+export async function notYet(redis: RedisClient, prefix: string, d: Due, nowMs: number): Promise<void> {
+  await redis.zadd(periodsKey(prefix), 'XX', nowMs + NOT_YET_MS, member(d));
 }
 
 export async function freeze(redis: RedisClient, d: Due, token: number, settleMs: number): Promise<'frozen' | 'not yet' | 'fenced'> {
@@ -122,14 +124,14 @@ export async function frozenStatement(redis: RedisClient, d: Due): Promise<State
 
 /** Out of the index without a close: its account is no longer configured, and has no name to close it under. */
 export async function forget(redis: RedisClient, prefix: string, d: Due): Promise<void> {
-  await redis.zrem(periodsKey(prefix), member(d.name, d.startMs));
+  await redis.zrem(periodsKey(prefix), member(d));
 }
 
 /** Closed, and out of the index; false: fenced. */
 export async function markClosed(redis: RedisClient, prefix: string, d: Due, token: number): Promise<boolean> {
   const keys = { statements: subjectKey.statements(d.name), cursor: subjectKey.eventsCursor(d.name) };
   if (Number(await (redis as CloseRedis).closePeriod(...wiresArgs(CLOSE, keys, { token, start: d.startMs }))) !== 1) return false;
-  await redis.zrem(periodsKey(prefix), member(d.name, d.startMs));
+  await redis.zrem(periodsKey(prefix), member(d));
   return true;
 }
 

@@ -30,7 +30,10 @@ if ARG.sent ~= '' and (redis.call('HGET', KEY.cursor, 'id') or '0-0') ~= ARG.rea
 if (redis.call('HGET', KEY.statements, 'frozen') or '0') ~= ARG.frozen then return -1 end
 redis.call('HSET', KEY.cursor, 'fence', ARG.token)
 local bat = tonumber(redis.call('HGET', KEY.cursor, 'bupto') or '0')
-applyTally(ARG.stats, ARG.sent ~= '', bat)
+-- The bundles tallied so far: moved by this alone (the cap moves bupto too, past bundles the sink may hold).
+local tat = tonumber(redis.call('HGET', KEY.cursor, 'tupto') or '0')
+applyTally(ARG.stats, ARG.sent ~= '', tat)
+if ARG.bsent ~= '' and tonumber(ARG.bupto) > tat then redis.call('HSET', KEY.cursor, 'tupto', ARG.bupto) end
 if ARG.sent ~= '' then
   redis.call('HSET', KEY.cursor, 'id', ARG.sent)
   redis.call('HINCRBY', KEY.cursor, 'consumed', ARG.consumed)

@@ -10,12 +10,14 @@ import { Sweep } from './sweep.js';
 import {
   closedEvent,
   CLOSE_RETRY_MS,
+  type Due,
   defineCloseScripts,
   duePeriods,
   forget,
   freeze,
   frozenStatement,
   markClosed,
+  notYet,
   periodsTouched,
 } from './closes.js';
 import { type Source, tallyAccount } from './periods.js';
@@ -137,7 +139,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const moves: Array<{ name: string; events: number; move: Omit<UsageMove, 'token'> }> = [];
     let oldest = now;
     let sent = 0;
-    const touched: Array<{ name: string; start: number; end: number }> = [];
+    const touched: Due[] = [];
     const tallies: Array<{ parts: Source[]; day: number; frozen: number }> = [];
     this.setAside.clear();
     for (const r of reads) {
@@ -157,7 +159,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
         events: i < events.length ? 1 : r.bundles[i - events.length]!.events,
       }));
       const n = events.length + r.bundles.reduce((sum, b) => sum + b.events, 0);
-      for (const [start, end] of tallied.periods) touched.push({ name: r.name, start, end });
+      for (const [startMs, endMs] of tallied.periods) touched.push({ name: r.name, startMs, endMs });
       tallies.push({ parts: tallied.parts, day, frozen: Number(r.frozen) });
       parts.push(own);
       sent += n;
@@ -171,15 +173,21 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     this.metrics.lag((now - oldest) / 1000);
     const fair = interleaved(parts, Math.max(1, Math.floor(size / Math.max(1, parts.length))));
     const names = new Map(reads.map((r) => [account(r.name)!, r.name]));
+    await periodsTouched(this.redis, config.redisPrefix, touched);
     for (const batch of batches(fair, size)) await this.deliver(this.sinkOf(target), batch, lead.signal, names);
     if (this.stopped) return { sent: 0, full: false };
     lead.signal.throwIfAborted();
-    // The events the sink set aside are not the period's: tallied again without them.
+    // The events the sink set aside are not the period's: each account's parts tallied again without its own.
     if (this.setAside.size > 0) {
-      moves.forEach(({ move }, i) => {
-        const t = tallies[i]!;
-        if (t.parts.some((p) => [...this.setAside].some((id) => p.json.includes(JSON.stringify(id)))))
-          move.stats = tallyAccount(t.parts, t.day, t.frozen, this.setAside).lines;
+      const byAccount = new Map<string, Set<string>>();
+      for (const id of this.setAside) {
+        const of = id.slice(0, id.indexOf('/'));
+        if (!byAccount.has(of)) byAccount.set(of, new Set());
+        byAccount.get(of)!.add(id);
+      }
+      moves.forEach(({ name, move }, i) => {
+        const aside = byAccount.get(account(name)!);
+        if (aside) move.stats = tallyAccount(tallies[i]!.parts, tallies[i]!.day, tallies[i]!.frozen, aside).lines;
       });
     }
     const moved = await Promise.all(moves.map(({ name, move }) => moveUsageCursor(this.redis, name, { ...move, token: lead.token })));
@@ -187,7 +195,6 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const refused = moved.findIndex((m) => m !== 'moved');
     if (refused >= 0)
       throw new LeadLost(`the cursor of ${subjectKey.events(moves[refused]!.name)} was ${REFUSED[moved[refused] as 'fenced']}`);
-    await periodsTouched(this.redis, config.redisPrefix, touched);
     await this.closeDue(config, target, lead, source);
     // Sent all it read, and read less than it asked: nothing was left when the score was read, so unmarking is safe.
     const done = new Set(
@@ -202,13 +209,15 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
 
   /**
    * The periods ended that can close (closes.ts), a try a second at most: frozen, their close
-   * event delivered as any batch, then marked closed. An account no longer configured leaves the index unclosed.
+   * events delivered in one batch, then marked closed. A period with nothing exported has no
+   * close event; an account no longer configured leaves the index unclosed.
    */
   private async closeDue(config: ExportConfig, target: UsageExport, lead: Lead, source: string): Promise<void> {
     const now = Date.now();
     if (now < this.nextClose) return;
     this.nextClose = now + CLOSE_RETRY_MS;
     const { account } = accountsOf(config);
+    const closing: Array<{ d: Due; name: string; statement: Awaited<ReturnType<typeof frozenStatement>> }> = [];
     for (const d of await duePeriods(this.redis, config.redisPrefix, now)) {
       const name = account(d.name);
       if (name === undefined) {
@@ -216,10 +225,21 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
         continue;
       }
       const frozen = await freeze(this.redis, d, lead.token, config.settleMs ?? SETTLE_MS);
-      if (frozen === 'not yet') continue;
       if (frozen === 'fenced') throw new LeadLost(`the period of ${subjectKey.statements(d.name)} was frozen by a newer lead`);
-      const statement = await frozenStatement(this.redis, d);
-      await this.deliver(this.sinkOf(target), [closedEvent(name, source, statement)], lead.signal, new Map([[name, d.name]]));
+      if (frozen === 'not yet') await notYet(this.redis, config.redisPrefix, d, now);
+      else closing.push({ d, name, statement: await frozenStatement(this.redis, d) });
+    }
+    const events = closing.filter((c) => c.statement.events + c.statement.credits.granted + c.statement.credits.purchased > 0);
+    if (events.length > 0) {
+      const names = new Map(events.map((c) => [c.name, c.d.name]));
+      await this.deliver(
+        this.sinkOf(target),
+        events.map((c) => closedEvent(c.name, source, c.statement)),
+        lead.signal,
+        names,
+      );
+    }
+    for (const { d, name, statement } of closing) {
       if (!(await markClosed(this.redis, config.redisPrefix, d, lead.token)))
         throw new LeadLost(`the period of ${subjectKey.statements(d.name)} was closed by a newer lead`);
       this.log.info(

@@ -194,7 +194,7 @@ function mergeTally(a: PartTally, b: PartTally): void {
 
 /**
  * Lua, for MOVE_USAGE: applies the lines of `stats` whose gate passes (`moved`: the stream's
- * entries moved; `bupto`: the bundles' cursor before this move), into `KEY.statements`.
+ * entries moved; `tupto`: the last bundle tallied, which only MOVE_USAGE moves), into `KEY.statements`.
  */
 export const APPLY_TALLY = `local function addhex(a, b)
   local out, carry = {}, 0
@@ -205,12 +205,12 @@ export const APPLY_TALLY = `local function addhex(a, b)
   end
   return table.concat(out)
 end
-local function applyTally(stats, moved, bupto)
+local function applyTally(stats, moved, tupto)
   local any = false
   for line in string.gmatch(stats, '[^\\n]+') do
     local gate, rest = string.match(line, '^(%d+) ?(.*)$')
     gate = tonumber(gate)
-    if (gate == 0 and moved) or (gate > 0 and gate > bupto) then
+    if (gate == 0 and moved) or (gate > 0 and gate > tupto) then
       local field
       for v in string.gmatch(rest, '%S+') do
         if not field then field = v else

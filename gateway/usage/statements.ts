@@ -94,7 +94,8 @@ export async function accountStatement(
   return {
     account: consumer.account,
     billingDay,
-    included: consumer.subject.limits.perMonth ?? null,
+    // The quota the overage counts past: the month's limit less what overage admits (config.ts, ceilings).
+    included: consumer.subject.limits.perMonth ? consumer.subject.limits.perMonth - consumer.subject.billing.overage : null,
     ...statementOf(hash, period),
   };
 }

@@ -5,9 +5,10 @@ import type { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
-import { defineCloseScripts, freeze } from '../../gateway/usage/closes.js';
+import { defineCloseScripts, duePeriods, freeze, notYet, periodsTouched } from '../../gateway/usage/closes.js';
 import { defineCursorScripts, moveUsageCursor } from '../../gateway/usage/cursors.js';
 import { adminCall } from '../helpers/admin.js';
+import { expectAccessible, freshPage, launch } from '../helpers/browser.js';
 import { call, makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildInstances, buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { testClient } from '../helpers/redis.js';
@@ -63,6 +64,8 @@ describe('a billing period closed at the sink', () => {
       config: testConfig([key], {
         plans,
         accounts: { [account]: { billingDay } },
+        // The statement routes, the document and the portal's pages count on the per-address quota: more than testConfig's 4 a minute here.
+        unauthenticated: { perMinute: 1000 },
         usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 50 } },
       }),
       admin: { token: TOKEN },
@@ -192,6 +195,22 @@ describe('a billing period closed at the sink', () => {
     formats.default(ajv);
     const valid = ajv.addSchema(doc, 'api').getSchema('api#/components/schemas/Statement')!;
     expect(valid(body), JSON.stringify(valid.errors)).toBe(true);
+    // The portal shows the key's account the same period, read by the same code, in a real browser.
+    const browser = await launch();
+    try {
+      const { page } = await freshPage(browser);
+      await page.goto(`${gateways[0]!.url}/portal`);
+      await page.fill('input[name="key"]', key.key);
+      await page.click('button[type="submit"]');
+      const table = page.locator('[data-statement]');
+      await table.waitFor();
+      const shown = { units: await table.getAttribute('data-units'), events: await table.getAttribute('data-events') };
+      expect(shown).toEqual({ units: String(now.totals.units), events: String(now.events) });
+      expect(await table.locator('tfoot td').first().textContent()).toBe(String(now.totals.requests));
+      await expectAccessible(page, 'the portal with a statement');
+    } finally {
+      await browser.close();
+    }
   });
 
   it('sends an event of the closed period that comes late into the current one, flagged, and leaves the closed one as it was', async () => {
@@ -285,18 +304,32 @@ describe('freezing a period', () => {
     expect(await lost.try()).toBe('frozen');
   });
 
-  it('waits while an unsent entry or bundle holds an event from before its end', async () => {
+  it('waits while an unsent entry holds an event from before its end, or a bundle written before its end and the settle', async () => {
     const p = await ended(61_000);
     const id = await redis.xadd(subjectKey.events(p.name), `${p.end - 5}-0`, 'kind', 'request', 'at', String(p.end - 5));
     expect(await p.try()).toBe('not yet');
     await redis.xdel(subjectKey.events(p.name), id!);
     await redis.xadd(subjectKey.events(p.name), '*', 'kind', 'request', 'at', String(p.end + 5));
-    const bundle = (from: number) => ['n', '1', 'upto', '1', 'data', `\u0002minute\u0002${from}\u0002h\u00020 0 200 1 "r"`, 'refunds', ''];
-    const b = await redis.xadd(subjectKey.bundles(p.name), '*', ...bundle(p.end - 1));
+    // A bundle's events are its instance's of the settle before it was written: one written 30 s after the end may hold the period's.
+    const bundle = ['n', '1', 'upto', '1', 'data', '', 'refunds', ''];
+    const b = await redis.xadd(subjectKey.bundles(p.name), `${p.end + 30_000}-0`, ...bundle);
     expect(await p.try()).toBe('not yet');
     await redis.xdel(subjectKey.bundles(p.name), b!);
-    await redis.xadd(subjectKey.bundles(p.name), '*', ...bundle(p.end + 1));
+    await redis.xadd(subjectKey.bundles(p.name), '*', ...bundle);
     expect(await p.try()).toBe('frozen');
+  });
+
+  it('tries a period not ready again later, so the ones behind it get their turn', async () => {
+    const own = `${prefix}x${++serial}`;
+    const now = await redisNow();
+    const [a, b] = [1, 2].map((i) => ({ name: `${own}:{k:a${i}}`, startMs: now - 40 * 86_400_000 + i, endMs: now - 10 * 86_400_000 + i }));
+    await periodsTouched(redis, own, [a!, b!]);
+    expect((await duePeriods(redis, own, now)).map((d) => d.name)).toEqual([a!.name, b!.name]);
+    await notYet(redis, own, a!, now);
+    expect(await duePeriods(redis, own, now)).toEqual([b]);
+    // Touched again by a round, it keeps its next try.
+    await periodsTouched(redis, own, [a!]);
+    expect(await duePeriods(redis, own, now)).toEqual([b]);
   });
 
   it('is fenced as the cursor is: a deposed leader freezes nothing', async () => {
@@ -330,11 +363,24 @@ describe('freezing a period', () => {
     const hash = await redis.hgetall(subjectKey.statements(name));
     expect(hash['0|units']).toBe('2');
     expect(hash['0|digest']).toBe(((BigInt(`0x${h1}`) + BigInt(`0x${h2}`)) % (1n << 256n)).toString(16).padStart(64, '0'));
+    // Bundles 3 and 4 sent, then dropped by the stream's cap before the move (usagebatch.lua moves bupto past them): still tallied.
+    await redis.hset(subjectKey.eventsCursor(name), 'bupto', 4);
+    expect(
+      await moveUsageCursor(redis, name, {
+        token: 2,
+        from: '0-0',
+        consumed: 0,
+        refs: [],
+        bundle: bundle(4),
+        stats: [line(3, 1, h1), line(4, 1, h1)],
+      }),
+    ).toBe('moved');
+    expect((await redis.hgetall(subjectKey.statements(name)))['0|units']).toBe('4');
     await redis.hset(subjectKey.statements(name), 'frozen', 7);
     expect(
-      await moveUsageCursor(redis, name, { token: 2, from: '0-0', consumed: 0, refs: [], bundle: bundle(3), stats: [line(3, 9, h1)] }),
+      await moveUsageCursor(redis, name, { token: 2, from: '0-0', consumed: 0, refs: [], bundle: bundle(5), stats: [line(5, 9, h1)] }),
     ).toBe('raced');
-    expect((await redis.hgetall(subjectKey.statements(name)))['0|units']).toBe('2');
+    expect((await redis.hgetall(subjectKey.statements(name)))['0|units']).toBe('4');
   });
 });
 
@@ -350,5 +396,11 @@ describe('the statements routes', () => {
     expect(await none.json()).toMatchObject({ code: 'key_not_found', status: 404 });
     const unkeyed = await call(`${gw.url}/v1/me/statements/current`, 'psk_live_nope');
     expect(unkeyed.status).toBe(401);
+    // A segment too long for the router's params is no statement, and never reaches the backend.
+    for (const period of ['x'.repeat(65), 'x'.repeat(150)]) {
+      const long = await call(`${gw.url}/v1/me/statements/${period}`, key.key);
+      expect({ status: long.status, body: await long.json() }).toMatchObject({ status: 404, body: { code: 'route_not_found' } });
+    }
+    expect(gw.echo!.seen).toEqual([]);
   });
 });
