@@ -177,19 +177,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     for (const batch of batches(fair, size)) await this.deliver(this.sinkOf(target), batch, lead.signal, names);
     if (this.stopped) return { sent: 0, full: false };
     lead.signal.throwIfAborted();
-    // The events the sink set aside are not the period's: each account's parts tallied again without its own.
-    if (this.setAside.size > 0) {
-      const byAccount = new Map<string, Set<string>>();
-      for (const id of this.setAside) {
-        const of = id.slice(0, id.indexOf('/'));
-        if (!byAccount.has(of)) byAccount.set(of, new Set());
-        byAccount.get(of)!.add(id);
-      }
-      moves.forEach(({ name, move }, i) => {
-        const aside = byAccount.get(account(name)!);
-        if (aside) move.stats = tallyAccount(tallies[i]!.parts, tallies[i]!.day, tallies[i]!.frozen, aside).lines;
-      });
-    }
+    if (this.setAside.size > 0) this.tallyWithoutSetAside(moves, tallies, account);
     const moved = await Promise.all(moves.map(({ name, move }) => moveUsageCursor(this.redis, name, { ...move, token: lead.token })));
     moves.forEach(({ events }, i) => moved[i] === 'moved' && this.metrics.exported(events));
     const refused = moved.findIndex((m) => m !== 'moved');
@@ -205,6 +193,24 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       picked.filter((m) => done.has(m.name) || account(m.name) === undefined),
     );
     return { sent, full: sent >= room || more };
+  }
+
+  /** The events the sink set aside are not the period's: each account's parts tallied again without its own. */
+  private tallyWithoutSetAside(
+    moves: ReadonlyArray<{ name: string; move: Omit<UsageMove, 'token'> }>,
+    tallies: ReadonlyArray<{ parts: Source[]; day: number; frozen: number }>,
+    account: (name: string) => string | undefined,
+  ): void {
+    const byAccount = new Map<string, Set<string>>();
+    for (const id of this.setAside) {
+      const of = id.slice(0, id.indexOf('/'));
+      if (!byAccount.has(of)) byAccount.set(of, new Set());
+      byAccount.get(of)!.add(id);
+    }
+    moves.forEach(({ name, move }, i) => {
+      const aside = byAccount.get(account(name)!);
+      if (aside) move.stats = tallyAccount(tallies[i]!.parts, tallies[i]!.day, tallies[i]!.frozen, aside).lines;
+    });
   }
 
   /**
