@@ -78,7 +78,8 @@ export class AccountFigures {
         readBuckets(this.from.redis, accountBuckets(first.subject.name), 'm', 60, nowMs),
         readBuckets(this.from.redis, accountBuckets(first.subject.name), 'd', 30, nowMs),
       ]),
-      first.subject.events > 0 ? this.from.redis.hgetall(subjectKey.statements(first.subject.name)) : Promise.resolve(undefined),
+      // The statement is an extra: without it, the rest of the page still stands.
+      first.subject.events > 0 ? this.from.redis.hgetall(subjectKey.statements(first.subject.name)).catch(() => undefined) : undefined,
     ]);
     const answer = await within(read, this.from.timeoutMs).catch((): typeof LATE => LATE);
     // A store that turned degraded while reading answered from its budget: not figures to show.

@@ -2,7 +2,7 @@ import type { RedisClient } from '../redis/client.js';
 import { loopKey, subjectKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 import { eventId, type EncodedEvent } from './events.js';
-import { CLOSED_TYPE, SEP, type Statement, statementOf } from './periods.js';
+import { CLOSED_TYPE, SEP, STATEMENT_KEEP_MS, type Statement, statementOf } from './periods.js';
 
 // The period close (issue 49): once a billing period has ended and nothing of it is still to
 // come, the leader freezes it (from then on its late events go into the next period as
@@ -46,6 +46,7 @@ if first and tonumber(string.match(first[1], '^(%d+)')) < e then return 0 end
 local bundle = redis.call('XRANGE', KEY.bundles, '-', '+', 'COUNT', 1)[1]
 if bundle and tonumber(string.match(bundle[1], '^(%d+)')) < e + settle then return 0 end
 redis.call('HSET', KEY.statements, ARG.start .. '${SEP}frozen', now)
+redis.call('PEXPIRE', KEY.statements, ${STATEMENT_KEEP_MS})
 if tonumber(redis.call('HGET', KEY.statements, 'frozen') or '0') < e then redis.call('HSET', KEY.statements, 'frozen', e) end
 redis.call('HSET', KEY.cursor, 'fence', ARG.token)
 return 1`,
@@ -58,6 +59,7 @@ const CLOSE = {
   lua: `if tonumber(ARG.token) < tonumber(redis.call('HGET', KEY.cursor, 'fence') or '0') then return -2 end
 local t = redis.call('TIME')
 redis.call('HSETNX', KEY.statements, ARG.start .. '${SEP}closed', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+redis.call('PEXPIRE', KEY.statements, ${STATEMENT_KEEP_MS})
 return 1`,
 } as const satisfies Script<string, string>;
 

@@ -86,6 +86,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   /** Made again only when a reload changes the target. */
   private sink?: { target: UsageExport; sink: UsageSink };
   private nextClose = 0;
+  private closeBackoffMs = 0;
   /** The ids of the events the sink set aside this round. */
   private readonly setAside = new Set<string>();
 
@@ -236,15 +237,17 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       else closing.push({ d, name, statement: await frozenStatement(this.redis, d) });
     }
     const events = closing.filter((c) => c.statement.events + c.statement.credits.granted + c.statement.credits.purchased > 0);
-    if (events.length > 0) {
-      const names = new Map(events.map((c) => [c.name, c.d.name]));
-      await this.deliver(
-        this.sinkOf(target),
+    if (
+      events.length > 0 &&
+      !(await this.deliverCloses(
+        target,
         events.map((c) => closedEvent(c.name, source, c.statement)),
-        lead.signal,
-        names,
-      );
-    }
+        lead,
+        events,
+        now,
+      ))
+    )
+      return;
     for (const { d, name, statement } of closing) {
       if (!(await markClosed(this.redis, config.redisPrefix, d, lead.token)))
         throw new LeadLost(`the period of ${subjectKey.statements(d.name)} was closed by a newer lead`);
@@ -253,6 +256,36 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
         'usage export: a billing period closed',
       );
     }
+  }
+
+  /**
+   * The close events in the sink's batches. A failure holds up the closes alone (their own
+   * backoff, up to 30 s), never the round: the events behind them go on at their pace.
+   */
+  private async deliverCloses(
+    target: UsageExport,
+    closes: EncodedEvent[],
+    lead: Lead,
+    of: ReadonlyArray<{ d: Due; name: string }>,
+    now: number,
+  ): Promise<boolean> {
+    const sink = this.sinkOf(target);
+    const names = new Map(of.map((c) => [c.name, c.d.name]));
+    const size = batchLimit(target);
+    try {
+      for (let i = 0; i < closes.length; i += size) await this.deliver(sink, closes.slice(i, i + size), lead.signal, names);
+    } catch (err) {
+      if (!(err instanceof DeliveryFailed)) throw err;
+      this.closeBackoffMs = Math.min(30_000, Math.max(CLOSE_RETRY_MS, this.closeBackoffMs * 2));
+      this.nextClose = now + this.closeBackoffMs;
+      this.log.warn(
+        { sink: sink.name, cause: err.message, periods: closes.length, retryInMs: this.closeBackoffMs },
+        "usage export: the sink did not take the billing periods' close events; they are sent again",
+      );
+      return false;
+    }
+    this.closeBackoffMs = 0;
+    return true;
   }
 
   /**

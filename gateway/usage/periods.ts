@@ -14,6 +14,8 @@ export const SEP = '|';
 /** Its events' ids and units: the sum of SHA-256(`<id> <units>`) over them, mod 2^256 (order-free, so it grows with each move). */
 export const DIGEST = 'sha256-sum';
 const MOD = 1n << 256n;
+/** A statement is kept some 13 months after its last write. */
+export const STATEMENT_KEEP_MS = 400 * 86_400_000;
 
 /** An event as the sink gets it: the fields the tally reads. */
 interface SentEvent {
@@ -224,8 +226,7 @@ local function applyTally(stats, moved, tupto)
       end
     end
   end
-  -- A statement is kept some 13 months after its last event.
-  if any then redis.call('PEXPIRE', KEY.statements, 400 * 86400000) end
+  if any then redis.call('PEXPIRE', KEY.statements, ${STATEMENT_KEEP_MS}) end
 end
 `;
 

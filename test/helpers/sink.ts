@@ -36,8 +36,8 @@ export async function startSink() {
     authorizations: [] as Array<string | undefined>,
     /** When set, every POST is answered with this status and its events are not kept. */
     answer: undefined as number | undefined,
-    /** Asked for each valid POST: the fault to play on it, if any. */
-    fault: undefined as (() => Fault | undefined) | undefined,
+    /** Asked for each valid POST, with its events: the fault to play on it, if any. */
+    fault: undefined as ((events?: ReadonlyArray<CloudEvent<Record<string, unknown>>>) => Fault | undefined) | undefined,
     /** POSTs a `hold` keeps unanswered now. */
     holding: 0,
   };
@@ -66,7 +66,7 @@ export async function startSink() {
       return;
     }
     state.posts++;
-    const fault = state.fault?.();
+    const fault = state.fault?.(list);
     if (fault === 'fail') return void res.writeHead(503).end();
     if (fault === 'hold') {
       state.holding++;

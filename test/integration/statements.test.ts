@@ -39,6 +39,8 @@ function digest(events: ReadonlyArray<{ id: string; units: number }>): string {
   return (sum % (1n << 256n)).toString(16).padStart(64, '0');
 }
 
+const iso = (ms: number) => new Date(ms).toISOString();
+
 type Sunk = { id: string; type: string; time: string; data: Record<string, unknown>; correctionof?: string; originaltime?: string };
 
 describe('a billing period closed at the sink', () => {
@@ -51,7 +53,6 @@ describe('a billing period closed at the sink', () => {
   const billingDay = today.getUTCDate();
   const currentStart = dayIn(today.getUTCFullYear(), today.getUTCMonth(), billingDay);
   const previousStart = dayIn(today.getUTCFullYear(), today.getUTCMonth() - 1, billingDay);
-  const iso = (ms: number) => new Date(ms).toISOString();
   const sunk = () => [...sink.events.values()] as unknown as Sunk[];
   const usage = (e: Sunk) => e.type.startsWith('com.petstore.gateway.request');
   const statement = async (g: TestGateway, period: string) =>
@@ -264,6 +265,75 @@ describe('a billing period closed at the sink', () => {
     expect(after.totals).toMatchObject({ corrections: 1, units: now.totals.units + 2 });
     expect(await statement(gateways[0]!, 'previous')).toEqual(before);
     expect(sunk().filter((e) => e.type === CLOSED)).toHaveLength(1);
+  });
+});
+
+describe('a sink that refuses the close events', () => {
+  it('holds up the closes alone: the events behind them go on, no round fails, and the period closes once it takes them', async () => {
+    const sink = await startSink();
+    const redis = testClient(inject('redisUrl'));
+    const account = `refuser${Date.now().toString(36)}`;
+    const key = { ...makeKey('metered'), account };
+    const today = new Date();
+    const billingDay = today.getUTCDate();
+    const currentStart = dayIn(today.getUTCFullYear(), today.getUTCMonth(), billingDay);
+    const gw = await buildTestGateway({
+      config: testConfig([key], {
+        plans,
+        accounts: { [account]: { billingDay } },
+        unauthenticated: { perMinute: 1000 }, // the statement reads below count per address
+        usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 50 } },
+      }),
+      admin: { token: TOKEN },
+    });
+    try {
+      const name = gw.gateway.config().accounts.get(account)!.name;
+      const at = currentStart - 3_600_000;
+      await redis.xadd(
+        subjectKey.events(name),
+        `${at}-0`,
+        'kind',
+        'request',
+        'rid',
+        'seed',
+        'key',
+        key.id,
+        'plan',
+        'metered',
+        'route',
+        'listPets',
+        'method',
+        'GET',
+        'units',
+        '1',
+        'at',
+        String(at),
+        'overage',
+        '0',
+        'credits',
+        '-1',
+        'status',
+        '200',
+      );
+      sink.state.fault = (events) => (events?.some((e) => e.type === CLOSED) ? 'fail' : undefined);
+      const previous = async () => (await adminCall(gw, TOKEN, `/admin/accounts/${account}/statements/previous`)).json();
+      for (let i = 0; i < 10; i++) expect((await call(`${gw.url}/v1/pets`, key.key)).status).toBe(200);
+      await eventually(async () => (await previous()).status === 'closing', 30_000, 'the previous period frozen, its close refused');
+      await gw.waitForLog((l) => String(l.msg).includes('close events; they are sent again'));
+      // Events sent while the closes are refused all reach the sink, and no round failed for it.
+      for (let i = 0; i < 10; i++) expect((await call(`${gw.url}/v1/pets`, key.key)).status).toBe(200);
+      await eventually(() => sink.requests().length === 21, 30_000, 'every request event at the sink');
+      const failures = await gw.gateway.metrics.registry.getSingleMetricAsString('gateway_usage_export_failures_total');
+      expect(Number(/ (\d+)$/m.exec(failures)?.[1])).toBe(0);
+      expect((await previous()).status).toBe('closing');
+      sink.state.fault = undefined;
+      await eventually(async () => (await previous()).status === 'closed', 40_000, 'closed once the sink takes it');
+      expect(sink.events.has(`${account}/period/${iso(dayIn(today.getUTCFullYear(), today.getUTCMonth() - 1, billingDay))}`)).toBe(true);
+    } finally {
+      await gw.close();
+      await sink.close();
+      redis.disconnect();
+    }
   });
 });
 
