@@ -22,7 +22,7 @@ const outcome = (n: number): Moved => (n === 1 ? 'moved' : n === 0 ? 'fenced' : 
  */
 const MOVE_USAGE = {
   keys: ['cursor', 'stream', 'statuses', 'bundles', 'statements'],
-  argv: ['token', 'read', 'sent', 'consumed', 'keepFrom', 'bsent', 'bupto', 'bkeepFrom', 'frozen', 'stats'],
+  argv: ['token', 'read', 'sent', 'consumed', 'keepFrom', 'bsent', 'bupto', 'bkeepFrom', 'bfrom', 'frozen', 'stats'],
   lua: `${APPLY_TALLY}local fence = tonumber(redis.call('HGET', KEY.cursor, 'fence') or '0')
 if tonumber(ARG.token) < fence then return 0 end
 if ARG.sent ~= '' and (redis.call('HGET', KEY.cursor, 'id') or '0-0') ~= ARG.read then return -1 end
@@ -41,6 +41,16 @@ if ARG.sent ~= '' then
 end
 if ARG.bsent ~= '' then
   local through = tonumber(ARG.bupto)
+  -- Bundles this move delivered, (bfrom, through], that the cap dropped after the round read them
+  -- (it moved bupto past them) and no move delivered before (tupto): the sink has them, so they
+  -- are exported, not dropped. Sent or dropped, never both.
+  if ARG.bfrom ~= '' then
+    local both = math.min(through, bat) - math.max(tonumber(ARG.bfrom), tat)
+    if both > 0 then
+      redis.call('HINCRBY', KEY.cursor, 'bdropped', -both)
+      redis.call('HINCRBY', KEY.cursor, 'bconsumed', both)
+    end
+  end
   if through > bat then
     redis.call('HSET', KEY.cursor, 'bid', ARG.bsent, 'bupto', through)
     redis.call('HINCRBY', KEY.cursor, 'bconsumed', through - bat)
@@ -267,6 +277,8 @@ export interface UsageMove {
   refs: string[];
   /** The last bundle sent. */
   bundle?: Pick<Bundle, 'id' | 'upto'>;
+  /** The events the account's bundles took up to the first bundle sent (its `upto` less its events). */
+  bundleFrom?: number;
   /** As the round read it (UsageRead.frozen; none: '0'). */
   frozen?: string;
   /** periods.ts, tallyLine: a line a part (none: nothing tallied). */
@@ -288,6 +300,7 @@ export async function moveUsageCursor(redis: RedisClient, name: string, m: Usage
         bsent: m.bundle?.id ?? '',
         bupto: m.bundle?.upto ?? 0,
         bkeepFrom: m.bundle ? nextId(m.bundle.id) : '',
+        bfrom: m.bundleFrom ?? '',
         frozen: m.frozen ?? '0',
         stats: (m.stats ?? []).join('\n'),
       },

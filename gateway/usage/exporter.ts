@@ -167,7 +167,16 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       moves.push({
         name: r.name,
         events: n,
-        move: { from: r.cursor, to: last, consumed: r.consumed, refs: joined, bundle, frozen: r.frozen, stats: tallied.lines },
+        move: {
+          from: r.cursor,
+          to: last,
+          consumed: r.consumed,
+          refs: joined,
+          bundle,
+          bundleFrom: r.bundles[0] && r.bundles[0].upto - r.bundles[0].events,
+          frozen: r.frozen,
+          stats: tallied.lines,
+        },
       });
     }
     await Promise.all(reads.filter((r) => r.length >= target.maxEvents * 0.9 || r.unreported > 0).map((r) => this.countDropped(r.name)));

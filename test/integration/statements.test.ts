@@ -433,8 +433,9 @@ describe('freezing a period', () => {
     const hash = await redis.hgetall(subjectKey.statements(name));
     expect(hash['0|units']).toBe('2');
     expect(hash['0|digest']).toBe(((BigInt(`0x${h1}`) + BigInt(`0x${h2}`)) % (1n << 256n)).toString(16).padStart(64, '0'));
-    // Bundles 3 and 4 sent, then dropped by the stream's cap before the move (usagebatch.lua moves bupto past them): still tallied.
-    await redis.hset(subjectKey.eventsCursor(name), 'bupto', 4);
+    // Bundles 3 and 4 sent, then dropped by the stream's cap before the move (usagebatch.lua moves bupto past them and
+    // counts them dropped): still tallied, and exported, not dropped, in the reconcile.
+    await redis.hset(subjectKey.eventsCursor(name), 'bupto', 4, 'bdropped', 2);
     expect(
       await moveUsageCursor(redis, name, {
         token: 2,
@@ -442,15 +443,32 @@ describe('freezing a period', () => {
         consumed: 0,
         refs: [],
         bundle: bundle(4),
+        bundleFrom: 2,
         stats: [line(3, 1, h1), line(4, 1, h1)],
       }),
     ).toBe('moved');
     expect((await redis.hgetall(subjectKey.statements(name)))['0|units']).toBe('4');
+    const reconciled = async () => (await redis.hmget(subjectKey.eventsCursor(name), 'bconsumed', 'bdropped')).map(Number);
+    expect(await reconciled()).toEqual([4, 0]);
+    // Bundles 5 to 10 dropped before any round read them: dropped they stay.
+    await redis.hset(subjectKey.eventsCursor(name), 'bupto', 10, 'bdropped', 6);
+    expect(
+      await moveUsageCursor(redis, name, {
+        token: 2,
+        from: '0-0',
+        consumed: 0,
+        refs: [],
+        bundle: bundle(11),
+        bundleFrom: 10,
+        stats: [line(11, 1, h1)],
+      }),
+    ).toBe('moved');
+    expect(await reconciled()).toEqual([5, 6]);
     await redis.hset(subjectKey.statements(name), 'frozen', 7);
     expect(
       await moveUsageCursor(redis, name, { token: 2, from: '0-0', consumed: 0, refs: [], bundle: bundle(5), stats: [line(5, 9, h1)] }),
     ).toBe('raced');
-    expect((await redis.hgetall(subjectKey.statements(name)))['0|units']).toBe('4');
+    expect((await redis.hgetall(subjectKey.statements(name)))['0|units']).toBe('5');
   });
 });
 

@@ -135,17 +135,21 @@ describe('usage export across three instances', () => {
     sink.state.mode = 'up';
     await eventually(async () => (await events()).pending === 0, 40_000, 'the stream and bundles sent');
     const delivered = sink.requests().filter((e) => e.subject === over.id).length;
-    const dropped = await metricSum(gateways, 'gateway_usage_events_dropped_total');
+    const seen = await metricSum(gateways, 'gateway_usage_events_dropped_total');
     expect(answers.every((a) => a.status === 200 || a.status === 404)).toBe(true);
-    expect(dropped).toBeGreaterThan(0);
-    expect(delivered + dropped).toBe(1300);
     expect(sink.requests().length - before).toBe(delivered);
-    // The admin lookup reconciles the same: every event written is exported, pending or dropped.
+    // The admin lookup reconciles: every event written is exported, pending or dropped, never two of them.
     const usage = await (
       await fetch(`${gateways[1]!.adminUrl}/admin/accounts/${over.id}/usage`, { headers: { authorization: `Bearer ${TOKEN}` } })
     ).json();
+    const { dropped } = usage.events;
+    expect(dropped).toBeGreaterThan(0);
+    expect(delivered + dropped).toBe(1300);
     // Every unit the day counted is in an event written (exported or dropped) or unsettled (a lease's units not handed out).
     expect(usage.events).toEqual({ exported: delivered, pending: 0, dropped, rejected: 0, unsettled: usage.windows.day.used - 1300 });
+    // The metric counts each drop as the leader finds it: a bundle the cap dropped after a round read it, then
+    // delivered, is in it too (statements.test.ts, "tallies a bundle once"), and exported in the reconcile.
+    expect(seen).toBeGreaterThanOrEqual(dropped);
   });
 });
 
