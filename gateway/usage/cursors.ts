@@ -18,7 +18,7 @@ const outcome = (n: number): Moved => (n === 1 ? 'moved' : n === 0 ? 'fenced' : 
 
 /**
  * One slot (`{k:<account>}`). The stream's cursor moves only from the id the round read; the bundles' only forward,
- * by their events: a bundle the cap dropped since the read counts as dropped, not sent. Status ids from REST on.
+ * by their events: a bundle the cap dropped since the read, then delivered, counts as sent, not dropped. Status ids from REST on.
  */
 const MOVE_USAGE = {
   keys: ['cursor', 'stream', 'statuses', 'bundles', 'statements'],

@@ -47,7 +47,8 @@ local total = n + refunds
 local cursor = redis.call('HMGET', KEY.cursor, 'badded', 'bupto')
 local added, upto = tonumber(cursor[1]) or 0, tonumber(cursor[2]) or 0
 -- The cap, in events: the oldest bundles go until this one fits, each counted as dropped and
--- passed by the cursor (the exporter's move then counts only what follows: sent or dropped, never both).
+-- passed by the cursor (the exporter's move then counts only what follows, and what it delivered of these as
+-- sent instead: sent or dropped, never both).
 local cap = tonumber(ARG.eventsCap)
 while added + total - upto > cap do
   local oldest = redis.call('XRANGE', KEY.bundles, '-', '+', 'COUNT', 1)[1]
