@@ -89,7 +89,7 @@ function statementSection(f: Figures): Html {
     (l) =>
       html`<tr><td>${l.plan}</td><td>${l.route}</td><td class="n">${figure(l.requests)}</td><td class="n">${figure(l.units)}</td><td class="n">${figure(l.overage)}</td></tr>`,
   )}
-<tr><th scope="row" colspan="2">Refunded (the backend failed)</th><td class="n">${figure(t.refunds.events)}</td><td class="n">-${figure(t.refunds.units)}</td><td></td></tr></tbody>
+<tr><th scope="row" colspan="2">Refunded (the backend failed)</th><td class="n">${figure(t.refunds.events)}</td><td class="n">${t.refunds.units > 0 ? `-${figure(t.refunds.units)}` : '0'}</td><td></td></tr></tbody>
 <tfoot><tr><th scope="row" colspan="2">Total</th><td class="n">${figure(t.requests)}</td><td class="n">${figure(t.units)}</td><td class="n">${figure(t.overage)}</td></tr></tfoot></table>`;
 }
 

@@ -208,6 +208,8 @@ describe('a billing period closed at the sink', () => {
       const shown = { units: await table.getAttribute('data-units'), events: await table.getAttribute('data-events') };
       expect(shown).toEqual({ units: String(now.totals.units), events: String(now.events) });
       expect(await table.locator('tfoot td').first().textContent()).toBe(String(now.totals.requests));
+      // No refund this period: its units read 0, not -0.
+      expect(await table.locator('tbody tr').last().locator('td').nth(1).textContent()).toBe('0');
       await expectAccessible(page, 'the portal with a statement');
     } finally {
       await browser.close();
