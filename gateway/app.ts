@@ -22,7 +22,7 @@ import type { PortalParts } from './portal/routes.js';
 import { PortalSessions } from './portal/sessions.js';
 import { MemoryQuotaStore } from './quota/memory-store.js';
 import { RedisQuotaStore } from './quota/redis/store.js';
-import { statusWait } from './quota/redis/event-batches.js';
+import { settleOf } from './quota/redis/event-batches.js';
 import type { QuotaStore } from './quota/store.js';
 import type { RedisClient, RedisTarget } from './redis/client.js';
 import { activityMarks } from './usage/active.js';
@@ -183,8 +183,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
           config: current,
           log,
           metrics: metrics.usage,
-          // An event of a period is written by then (event-batches.ts), or its instance died: two batches and a round more.
-          settleMs: statusWait(settings) + 2 * settings.usageBatchMs + 1000,
+          settleMs: settleOf(settings),
         })
       : undefined;
   const webhooks = deps.redis ? new WebhookDispatcher({ redis: deps.redis, config: current, log, metrics: metrics.webhooks }) : undefined;

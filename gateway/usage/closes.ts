@@ -100,9 +100,13 @@ export async function duePeriods(redis: RedisClient, prefix: string, nowMs: numb
   });
 }
 
-/** A period not ready: tried again in NOT_YET_MS, so the ones behind it are tried meanwhile. */
-export async function notYet(redis: RedisClient, prefix: string, d: Due, nowMs: number): Promise<void> {
-  await redis.zadd(periodsKey(prefix), 'XX', nowMs + NOT_YET_MS, member(d));
+/**
+ * A period not ready: tried again in NOT_YET_MS, so the ones behind it are tried meanwhile, or
+ * at its settle's end if that comes first (a busy account's units are unsettled until then).
+ */
+export async function notYet(redis: RedisClient, prefix: string, d: Due, nowMs: number, settleMs: number): Promise<void> {
+  const settled = d.endMs + settleMs;
+  await redis.zadd(periodsKey(prefix), 'XX', nowMs < settled ? Math.min(nowMs + NOT_YET_MS, settled) : nowMs + NOT_YET_MS, member(d));
 }
 
 export async function freeze(redis: RedisClient, d: Due, token: number, settleMs: number): Promise<'frozen' | 'not yet' | 'fenced'> {

@@ -63,8 +63,8 @@ export type ExportConfig = LoopConfig &
     settleMs?: number;
   };
 
-/** At the shipped settings (event-batches.ts, statusWaitMs at 60 s, and two USAGE_BATCH_MS), and a round. */
-export const SETTLE_MS = 63_000;
+/** At the shipped settings (event-batches.ts, settleOf): a test holds the two equal. */
+export const SETTLE_MS = 55_000;
 
 export interface ExporterDeps {
   redis: RedisClient;
@@ -242,7 +242,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       }
       const frozen = await freeze(this.redis, d, lead.token, config.settleMs ?? SETTLE_MS);
       if (frozen === 'fenced') throw new LeadLost(`the period of ${subjectKey.statements(d.name)} was frozen by a newer lead`);
-      if (frozen === 'not yet') await notYet(this.redis, config.redisPrefix, d, now);
+      if (frozen === 'not yet') await notYet(this.redis, config.redisPrefix, d, now, config.settleMs ?? SETTLE_MS);
       else closing.push({ d, name, statement: await frozenStatement(this.redis, d) });
     }
     const events = closing.filter((c) => c.statement.events + c.statement.credits.granted + c.statement.credits.purchased > 0);

@@ -7,6 +7,7 @@ import type { ConfigFile } from '../../gateway/config/config.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
 import { defineCloseScripts, duePeriods, freeze, notYet, periodsTouched } from '../../gateway/usage/closes.js';
 import { defineCursorScripts, moveUsageCursor } from '../../gateway/usage/cursors.js';
+import { SETTLE_MS } from '../../gateway/usage/exporter.js';
 import { adminCall } from '../helpers/admin.js';
 import { expectAccessible, freshPage, launch } from '../helpers/browser.js';
 import { call, makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
@@ -354,12 +355,12 @@ describe('freezing a period', () => {
     const [s, us] = await redis.time();
     return Number(s) * 1000 + Math.floor(Number(us) / 1000);
   };
-  /** A period of a fresh account that ended `agoMs` ago (Redis's time), with a settle of 60 s. */
+  /** A period of a fresh account that ended `agoMs` ago (Redis's time), with the shipped settle. */
   async function ended(agoMs: number) {
     const name = `${prefix}:{k:a${++serial}}`;
     const end = (await redisNow()) - agoMs;
     const d = { name, startMs: end - 30 * 86_400_000, endMs: end };
-    return { name, end, try: (token = 1) => freeze(redis, d, token, 60_000) };
+    return { name, end, try: (token = 1) => freeze(redis, d, token, SETTLE_MS) };
   }
 
   it('waits for its end, then for its unsettled units until the settle has passed', async () => {
@@ -371,13 +372,13 @@ describe('freezing a period', () => {
     await redis.hset(subjectKey.eventsCursor(p.name), 'unsettled', 0);
     expect(await p.try()).toBe('frozen');
     expect(await redis.hget(subjectKey.statements(p.name), 'frozen')).toBe(String(p.end));
-    const lost = await ended(61_000); // an instance died with its units: they never come
+    const lost = await ended(SETTLE_MS + 1000); // an instance died with its units: they never come
     await redis.hset(subjectKey.eventsCursor(lost.name), 'unsettled', 3);
     expect(await lost.try()).toBe('frozen');
   });
 
   it('waits while an unsent entry holds an event from before its end, or a bundle written before its end and the settle', async () => {
-    const p = await ended(61_000);
+    const p = await ended(SETTLE_MS + 1000);
     const id = await redis.xadd(subjectKey.events(p.name), `${p.end - 5}-0`, 'kind', 'request', 'at', String(p.end - 5));
     expect(await p.try()).toBe('not yet');
     await redis.xdel(subjectKey.events(p.name), id!);
@@ -397,15 +398,26 @@ describe('freezing a period', () => {
     const [a, b] = [1, 2].map((i) => ({ name: `${own}:{k:a${i}}`, startMs: now - 40 * 86_400_000 + i, endMs: now - 10 * 86_400_000 + i }));
     await periodsTouched(redis, own, [a!, b!]);
     expect((await duePeriods(redis, own, now)).map((d) => d.name)).toEqual([a!.name, b!.name]);
-    await notYet(redis, own, a!, now);
+    await notYet(redis, own, a!, now, SETTLE_MS);
     expect(await duePeriods(redis, own, now)).toEqual([b]);
     // Touched again by a round, it keeps its next try.
     await periodsTouched(redis, own, [a!]);
     expect(await duePeriods(redis, own, now)).toEqual([b]);
   });
 
+  it('tries a period waiting on its settle again when the settle ends, not a whole wait later', async () => {
+    const own = `${prefix}x${++serial}`;
+    const now = await redisNow();
+    // Ended 52 s ago with units unsettled: its settle ends in 3 s, before NOT_YET_MS (5 s) would try it.
+    const d = { name: `${own}:{k:a1}`, startMs: now - 30 * 86_400_000, endMs: now - (SETTLE_MS - 3000) };
+    await periodsTouched(redis, own, [d]);
+    await notYet(redis, own, d, now, SETTLE_MS);
+    expect(await duePeriods(redis, own, now + 2999)).toEqual([]);
+    expect(await duePeriods(redis, own, now + 3000)).toEqual([d]);
+  });
+
   it('is fenced as the cursor is: a deposed leader freezes nothing', async () => {
-    const p = await ended(61_000);
+    const p = await ended(SETTLE_MS + 1000);
     await redis.hset(subjectKey.eventsCursor(p.name), 'fence', 5);
     expect(await p.try(4)).toBe('fenced');
     expect(await redis.exists(subjectKey.statements(p.name))).toBe(0);

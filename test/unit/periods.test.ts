@@ -1,4 +1,8 @@
 import { describe, expect, it } from 'vitest';
+import { loadSettings } from '../../gateway/config/settings.js';
+import { settleOf, statusWait } from '../../gateway/quota/redis/event-batches.js';
+import { CLOSE_RETRY_MS } from '../../gateway/usage/closes.js';
+import { SETTLE_MS } from '../../gateway/usage/exporter.js';
 import { tallyPart } from '../../gateway/usage/periods.js';
 
 // The tally of a part's events into billing periods, as each format sends them: what the
@@ -56,5 +60,16 @@ describe('tallyPart', () => {
     });
     expect(tally.adds.get(`${november}|corrections`)).toBe(1);
     expect(tally.adds.get(`${Date.UTC(2026, 9, 1)}|units`)).toBeUndefined();
+  });
+});
+
+describe('the settle', () => {
+  it("is the shipped settings' settleOf, and a busy account's period closes within 60 s of its end", () => {
+    const shipped = loadSettings({});
+    expect(settleOf(shipped)).toBe(SETTLE_MS);
+    // A not-ready period is tried again at its settle's end (closes.ts, notYet), then within a round's retry.
+    expect(SETTLE_MS + CLOSE_RETRY_MS).toBeLessThanOrEqual(57_000);
+    // As long as a request may live after its admission: its headers and body, then the backend's two timeouts.
+    expect(statusWait(shipped)).toBeGreaterThan(shipped.requestTimeoutMs + 2 * shipped.upstreamTimeoutMs);
   });
 });

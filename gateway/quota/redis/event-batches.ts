@@ -17,12 +17,27 @@ const PER_CALL = 250;
  * gets no event (its unit stays in the account's `unsettled`, so the reconcile still adds up).
  */
 export const MAX_KEPT = 100_000;
-/** The least an admission waits for its status (statusWaitMs). */
-const STATUS_WAIT_MS = 60_000;
+/**
+ * Past a request's longest life, what an admission's event waits more for its status: the
+ * request's own timer is checked once a second (GATEWAY_REQUEST_TIMEOUT_MS), and a busy loop lags.
+ */
+const STATUS_MARGIN_MS = 2000;
 
-/** How long an admission's event may wait in memory for its status (EventBatchDeps.upstreamTimeoutMs). */
+/**
+ * How long an admission's event may wait in memory for its status (statusWaitMs): as long as
+ * its request may live after its admission (its headers and body, then the backend's connect
+ * and headers, then its body), and a margin. 52 s at the shipped settings.
+ */
 export const statusWait = (s: { requestTimeoutMs: number; upstreamTimeoutMs: number }) =>
-  Math.max(STATUS_WAIT_MS, s.requestTimeoutMs + 2 * s.upstreamTimeoutMs);
+  s.requestTimeoutMs + 2 * s.upstreamTimeoutMs + STATUS_MARGIN_MS;
+
+/**
+ * How long after a billing period's end an event of it may still be written (usage/closes.ts):
+ * its status wait, two batches (the one it waits in, and one Redis did not answer) and a round.
+ * 55 s at the shipped settings, so a busy account's period closes within 60 s of its end.
+ */
+export const settleOf = (s: { requestTimeoutMs: number; upstreamTimeoutMs: number; usageBatchMs: number }) =>
+  statusWait(s) + 2 * s.usageBatchMs + 1000;
 
 /** The ids of leased admissions' events start so (a stream's ids are `<ms>-<n>`). */
 const LEASED = 'lease:';
