@@ -151,7 +151,7 @@ function portalParts(
     config,
     redis,
     sessions: new PortalSessions(redis, () => config().redisPrefix, timeoutMs),
-    figures: new AccountFigures({ store, find: keyFinder(config, registry), redis, timeoutMs }),
+    figures: new AccountFigures({ store, find: keyFinder(config, registry), redis, timeoutMs, config }),
     lookup,
     keys,
     rotateGraceMs: settings.portalRotateGraceMs,

@@ -262,7 +262,9 @@ export async function buildAdmin(settings: AdminSettings, parts: AdminParts): Pr
   await app.register(operations, deps);
   // The operator's page: its own form sign-in and session cookie, so outside the bearer guard.
   const timeoutMs = deps.redisTimeoutMs ?? 1000;
-  const figures = deps.redis ? new AccountFigures({ store: deps.store, find: deps.find, redis: deps.redis, timeoutMs }) : undefined;
+  const figures = deps.redis
+    ? new AccountFigures({ store: deps.store, find: deps.find, redis: deps.redis, timeoutMs, config: deps.config })
+    : undefined;
   await app.register(async (scope) => operatorUi(scope, { ...deps, figures, timeoutMs }));
   await app.register(async (scope) => {
     guard(scope, deps.adminToken);

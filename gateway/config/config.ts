@@ -18,6 +18,13 @@ import { ROUTES, type RouteId } from '../routes.js';
 // every problem named by its path, and compiled into the frozen structures the hot path reads.
 
 const Count = Type.Integer({ minimum: 1 });
+/** Decimals a price may have (a millionth of a cent and finer): usage/prices.ts computes at this scale. */
+export const PRICE_DECIMALS = 9;
+/** Quoted in YAML: `"0.002"` (a bare 0.002 is a float, and a message says to quote it). */
+const Price = Type.String({
+  pattern: `^(0|[1-9][0-9]{0,8})([.][0-9]{1,${PRICE_DECIMALS}})?$`,
+  hint: 'a price is a decimal in quotes, as "0.002" (unquoted, YAML reads a float)',
+});
 type CountSchema = typeof Count;
 /** The limits' fields, one per window (quota/windows.ts), required where the row says a plan must give it. */
 export const limitFields = () =>
@@ -70,6 +77,13 @@ export const ConfigFile = Type.Object(
           alerts: Type.Optional(Type.Object({ thresholds: Thresholds }, { additionalProperties: false })),
           custom: Type.Optional(Type.Boolean()),
           costs: Type.Optional(Costs),
+          /** A unit's price within the quota and past it, for the statements (usage/prices.ts): `"0.002"`. */
+          prices: Type.Optional(
+            Type.Object(
+              { currency: Type.String({ pattern: '^[A-Z]{3}$' }), unit: Type.Optional(Price), overage: Type.Optional(Price) },
+              { additionalProperties: false },
+            ),
+          ),
           /** false: shadow mode, counted and reported as if enforced but never refused for quota. */
           enforce: Type.Optional(Type.Boolean()),
         },
@@ -221,7 +235,9 @@ export interface ConfigOptions {
 /** Validates parsed YAML/JSON; returns the typed file or every problem, each with its path. */
 export function validateConfigFile(raw: unknown, source: string, options: ConfigOptions = {}): ConfigFile {
   const value = Value.Default(ConfigFile, structuredClone(raw ?? {}));
-  const problems = [...Value.Errors(ConfigFile, value)].map((e) => `${e.path.slice(1).replaceAll('/', '.') || '(root)'}: ${e.message}`);
+  const problems = [...Value.Errors(ConfigFile, value)].map(
+    (e) => `${e.path.slice(1).replaceAll('/', '.') || '(root)'}: ${e.message}${e.schema.hint ? `: ${e.schema.hint}` : ''}`,
+  );
   if (problems.length === 0) problems.push(...crossChecks(value as ConfigFile, options));
   if (problems.length > 0) throw new ConfigError(source, problems);
   return value as ConfigFile;
@@ -249,6 +265,9 @@ function crossChecks(file: ConfigFile, options: ConfigOptions): string[] {
     const fixed = WINDOWS.every((w) => w.inPlans === 'optional' || plan[w.limit] !== undefined);
     if (plan.custom ? given.length > 0 : !fixed) problems.push(`plans.${name}: give either ${PLAN_LIMITS}, or custom: true`);
   }
+  const currencies = new Set(Object.values(file.plans).flatMap((p) => (p.prices ? [p.prices.currency] : [])));
+  if (currencies.size > 1)
+    problems.push(`plans: prices are in one currency, a statement's total in it; found ${[...currencies].join(', ')}`);
   const ids = new Set<string>();
   const hashes = new Set<string>();
   const accounts = new Map<string, { index: number; plan: string; limits: string; enforce: boolean }>();

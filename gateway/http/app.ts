@@ -63,7 +63,10 @@ export interface PublicParts {
  */
 function refund(store: QuotaStore, ctx: RequestContext): void {
   if (ctx.consumer && ctx.countedAtMs !== undefined) {
-    void store.refund(ctx.consumer.subject, ctx.countedAtMs, ctx.cost, ctx.eventId);
+    void store.refund(ctx.consumer.subject, ctx.countedAtMs, ctx.cost, ctx.eventId, {
+      plan: ctx.consumer.plan,
+      route: ctx.route ?? 'none',
+    });
   }
   ctx.overage = undefined;
 }

@@ -1,13 +1,14 @@
 import { LRUCache } from 'lru-cache';
 import type { KeyFinder } from '../auth/key-finder.js';
-import type { Consumer } from '../config/config.js';
+import type { Consumer, GatewayConfig } from '../config/config.js';
 import type { AccountBook, LedgerEntry, Operations } from '../quota/store.js';
 import { type UsageView, usageView } from '../quota/usage-view.js';
 import { LATE, type RedisClient, within } from '../redis/client.js';
 import { accountBuckets, type Buckets, readBuckets } from './history.js';
 import { billingPeriod } from '../quota/period.js';
 import { subjectKey } from '../redis/keys.js';
-import { type Statement, statementOf } from '../usage/periods.js';
+import { statementOf } from '../usage/periods.js';
+import { type PricedStatement, priced } from '../usage/prices.js';
 
 // What the portal shows of one account, read the way the admin lookups read it: its keys through
 // the key finder, its windows from the store the gateway enforces with (usage-view.ts, the code
@@ -33,7 +34,7 @@ export interface Figures {
   ledger: LedgerEntry[];
   history?: { minutes: Buckets; days: Buckets };
   /** The billing period's statement so far, when the gateway exports usage (usage/periods.ts: what the sink took). */
-  statement?: Statement;
+  statement?: PricedStatement;
   /** Set when Redis cannot give true figures: when the last good ones were read (ms), if ever on this instance. */
   unavailable?: { lastGoodMs?: number };
 }
@@ -43,6 +44,8 @@ export interface FigureSources {
   find: KeyFinder;
   redis: RedisClient;
   timeoutMs: number;
+  /** The config in force: its plans' prices price the statement (usage/prices.ts). */
+  config: () => Pick<GatewayConfig, 'plans'>;
 }
 
 const LEDGER_SHOWN = 10;
@@ -93,7 +96,12 @@ export class AccountFigures {
     }
     figures.ledger = ledger.slice(-LEDGER_SHOWN).reverse();
     figures.history = { minutes, days };
-    if (tallied) figures.statement = statementOf(tallied, billingPeriod(usage.nowMs, first.subject.billing.billingDay));
+    if (tallied) {
+      figures.statement = priced(
+        statementOf(tallied, billingPeriod(usage.nowMs, first.subject.billing.billingDay)),
+        this.from.config().plans,
+      );
+    }
     this.lastGood.set(account, usage.nowMs);
     return figures;
   }

@@ -84,13 +84,12 @@ function statementSection(f: Figures): Html {
   return html`<h2>This billing period</h2>
 <table data-statement data-period="${s.period.start}" data-status="${s.status}" data-units="${t.units}" data-events="${s.events}">
 <caption>From ${when(s.period.start)} to ${when(s.period.end)}: what has reached billing so far</caption>
-<thead><tr><th scope="col">Plan</th><th scope="col">Route</th><th scope="col" class="n">Requests</th><th scope="col" class="n">Units</th><th scope="col" class="n">Overage</th></tr></thead>
+<thead><tr><th scope="col">Plan</th><th scope="col">Route</th><th scope="col" class="n">Requests</th><th scope="col" class="n">Refunded (the backend failed)</th><th scope="col" class="n">Units</th><th scope="col" class="n">Overage</th>${s.currency ? html`<th scope="col" class="n">Amount (${s.currency})</th>` : ''}</tr></thead>
 <tbody>${s.lines.map(
     (l) =>
-      html`<tr><td>${l.plan}</td><td>${l.route}</td><td class="n">${figure(l.requests)}</td><td class="n">${figure(l.units)}</td><td class="n">${figure(l.overage)}</td></tr>`,
-  )}
-<tr><th scope="row" colspan="2">Refunded (the backend failed)</th><td class="n">${figure(t.refunds.events)}</td><td class="n">${t.refunds.units > 0 ? `-${figure(t.refunds.units)}` : '0'}</td><td></td></tr></tbody>
-<tfoot><tr><th scope="row" colspan="2">Total</th><td class="n">${figure(t.requests)}</td><td class="n">${figure(t.units)}</td><td class="n">${figure(t.overage)}</td></tr></tfoot></table>`;
+      html`<tr><td>${l.plan}</td><td>${l.route}</td><td class="n">${figure(l.requests)}</td><td class="n">${figure(l.refunds)}</td><td class="n">${figure(l.units)}</td><td class="n">${figure(l.overage)}</td>${s.currency ? html`<td class="n">${l.amount ?? ''}</td>` : ''}</tr>`,
+  )}</tbody>
+<tfoot><tr><th scope="row" colspan="2">Total</th><td class="n">${figure(t.requests)}</td><td class="n">${figure(t.refunds.events)}</td><td class="n">${figure(t.units)}</td><td class="n">${figure(t.overage)}</td>${s.currency ? html`<td class="n" data-amount>${t.amount}</td>` : ''}</tr></tfoot></table>`;
 }
 
 function historySection(f: Figures): Html {

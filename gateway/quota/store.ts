@@ -5,6 +5,12 @@ import type { Counts, Stored } from './windows.js';
 // The contract both stores keep, in three parts by who calls them: each caller depends on the
 // part it uses, and a new store (or a test's) sees which members make up each job.
 
+/** A refunded request's plan and route: its refund event's statement line (usage/periods.ts). */
+export interface RefundLine {
+  plan: string;
+  route: string;
+}
+
 /** The per-request path: one decision per request, its final status, and a refund (http/, admit.ts). */
 export interface RequestPath {
   /**
@@ -20,7 +26,7 @@ export interface RequestPath {
    * is not charged. The overage billed then takes back what no delivered unit is under any more (at most `cost`),
    * whether or not this request was billed as overage. Best effort: a refund that cannot be made leaves the unit counted.
    */
-  refund(subject: QuotaSubject, countedAtMs: number, cost?: number, eventId?: string): Promise<void>;
+  refund(subject: QuotaSubject, countedAtMs: number, cost?: number, eventId?: string, line?: RefundLine): Promise<void>;
   /** An admission's concurrency slot (Decision.slot) given back: its request ended, whichever way. */
   release(subject: QuotaSubject, slot: string): void;
 }

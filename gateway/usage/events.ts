@@ -204,7 +204,13 @@ export function splitEvents(json: string): string[] {
 function refundEvent(account: string, source: string, id: string, f: Record<string, string>, type: string): CloudEvent {
   return {
     ...head(account, source, id, type, f.at!),
-    data: { refundOf: eventId(account, f.ref!), units: -Number(f.units), ...(Number(f.overage) > 0 && { overage: -Number(f.overage) }) },
+    data: {
+      refundOf: eventId(account, f.ref!),
+      units: -Number(f.units),
+      ...(Number(f.overage) > 0 && { overage: -Number(f.overage) }),
+      // The request's statement line (refund.lua's; a bundle's refund gets its request's in the tally: periods.ts).
+      ...(f.plan && { plan: f.plan, route: f.route }),
+    },
   };
 }
 

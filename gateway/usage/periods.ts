@@ -13,6 +13,8 @@ export const CLOSED_TYPE = 'com.petstore.gateway.period.closed';
 export const SEP = '|';
 /** Its events' ids and units: the sum of SHA-256(`<id> <units>`) over them, mod 2^256 (order-free, so it grows with each move). */
 export const DIGEST = 'sha256-sum';
+/** The plan and route of a refund whose request was not at hand (a reply Redis kept, settled later): its own line. */
+export const UNKNOWN_LINE = '-';
 const MOD = 1n << 256n;
 /** A statement is kept some 13 months after its last write. */
 export const STATEMENT_KEEP_MS = 400 * 86_400_000;
@@ -52,8 +54,8 @@ export const digestHex = (sum: bigint) => (((sum % MOD) + MOD) % MOD).toString(1
 interface Acc {
   end: number;
   figures: Record<string, number>;
-  /** `plan|route` -> requests, units, overage. */
-  lines: Map<string, [number, number, number]>;
+  /** `plan|route` -> requests, units and overage net of refunds, refunds. */
+  lines: Map<string, [number, number, number, number]>;
   /** The digests' sum in eight 32-bit limbs, most significant first, carried once at the end. */
   limbs: number[];
 }
@@ -76,7 +78,16 @@ export function tallyPart(
   const accs = new Map<number, Acc>();
   let period: Period = { startMs: 0, endMs: 0 };
   let rewritten = false;
+  let requests: Map<string, SentEvent['data']> | undefined;
   for (const e of events) {
+    // A bundle's refund (events.ts, bundleEvents) names its request, in the same part: its line is that request's.
+    if (e.data.refundOf !== undefined && e.data.plan === undefined) {
+      requests ??= new Map(events.flatMap((r) => (r.data.refundOf === undefined && r.data.plan !== undefined ? [[r.id, r.data]] : [])));
+      const of = requests.get(e.data.refundOf as string);
+      e.data.plan = of?.plan ?? UNKNOWN_LINE;
+      e.data.route = of?.route ?? UNKNOWN_LINE;
+      rewritten = true;
+    }
     const at = Date.parse(e.time);
     if (at < period.startMs || at >= period.endMs) period = billingPeriod(at, billingDay);
     let into = period;
@@ -115,19 +126,17 @@ function count(acc: Acc, e: SentEvent, correction: boolean): void {
   const h = sha256(`${e.id} ${units}`);
   for (let i = 0; i < 8; i++) acc.limbs[i]! += h.readUInt32BE(i * 4);
   // A refund (its own type, or OpenMeter's: the request's type with negative units) names the event it refunds.
-  if (e.data.refundOf !== undefined) {
+  const refund = e.data.refundOf !== undefined;
+  if (refund) {
     bump(f, 'refunds', 1);
     bump(f, 'refunded', -units);
-    return;
-  }
-  bump(f, 'requests', 1);
+  } else bump(f, 'requests', 1);
   const key = `${e.data.plan}${SEP}${e.data.route}`;
-  const line = acc.lines.get(key);
-  if (line) {
-    line[0]++;
-    line[1] += units;
-    line[2] += overage;
-  } else acc.lines.set(key, [1, units, overage]);
+  let line = acc.lines.get(key);
+  if (!line) acc.lines.set(key, (line = [0, 0, 0, 0]));
+  line[refund ? 3 : 0]++;
+  line[1] += units;
+  line[2] += overage;
 }
 
 /** The accumulators as MOVE_USAGE's fields: a figure that stayed 0 is left out. */
@@ -136,11 +145,12 @@ function partTally(accs: ReadonlyMap<number, Acc>): PartTally {
   for (const [s, acc] of accs) {
     t.ends.set(s, acc.end);
     for (const [name, n] of Object.entries(acc.figures)) if (n !== 0) t.adds.set(`${s}${SEP}${name}`, n);
-    for (const [key, [n, u, o]] of acc.lines) {
+    for (const [key, [n, u, o, r]] of acc.lines) {
       const line = `${s}${SEP}l${SEP}${key}${SEP}`;
-      t.adds.set(`${line}n`, n);
+      if (n !== 0) t.adds.set(`${line}n`, n);
       if (u !== 0) t.adds.set(`${line}u`, u);
       if (o !== 0) t.adds.set(`${line}o`, o);
+      if (r !== 0) t.adds.set(`${line}r`, r);
     }
     if (acc.figures.events)
       t.digests.set(
@@ -234,9 +244,14 @@ export interface StatementLine {
   plan: string;
   route: string;
   requests: number;
+  /** Net of its refunds, as `overage`. */
   units: number;
   overage: number;
+  refunds: number;
 }
+
+/** A line's fields in the statements hash (`<start>|l|<plan>|<route>|<n, u, o or r>`). */
+const LINE_FIELDS = { n: 'requests', u: 'units', o: 'overage', r: 'refunds' } as const;
 
 export interface Statement {
   period: { start: string; end: string };
@@ -266,11 +281,11 @@ export function statementOf(hash: Readonly<Record<string, string>>, period: Peri
   const lines = new Map<string, StatementLine>();
   for (const [field, value] of Object.entries(hash)) {
     if (!field.startsWith(`${p}l${SEP}`)) continue;
-    const [, , plan, route, what] = field.split(SEP) as [string, string, string, string, 'n' | 'u' | 'o'];
+    const [, , plan, route, what] = field.split(SEP) as [string, string, string, string, keyof typeof LINE_FIELDS];
     const key = `${plan}${SEP}${route}`;
     let line = lines.get(key);
-    if (!line) lines.set(key, (line = { plan, route, requests: 0, units: 0, overage: 0 }));
-    line[what === 'n' ? 'requests' : what === 'u' ? 'units' : 'overage'] = Number(value);
+    if (!line) lines.set(key, (line = { plan, route, requests: 0, units: 0, overage: 0, refunds: 0 }));
+    line[LINE_FIELDS[what]] = Number(value);
   }
   const closed = hash[`${p}closed`];
   const frozen = hash[`${p}frozen`];

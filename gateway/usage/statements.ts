@@ -3,14 +3,15 @@ import { GatewayError } from '../errors.js';
 import { billingPeriod, type Period } from '../quota/period.js';
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
-import { DIGEST, type Statement, statementOf } from './periods.js';
+import { DIGEST, statementOf } from './periods.js';
+import { type PricedStatement, priced } from './prices.js';
 import { Type } from '@sinclair/typebox';
 
 // A usage statement per billing period (issue 49): GET /v1/me/statements/{period} and
 // GET /admin/accounts/{account}/statements/{period}, read from the figures the export tallied
 // as the sink accepted each event (periods.ts): one HGETALL, whatever the traffic.
 
-export interface AccountStatement extends Statement {
+export interface AccountStatement extends PricedStatement {
   account: string;
   billingDay: number;
   /** The plan's units a period (perMonth), where it has one: what the overage counts past. */
@@ -19,6 +20,8 @@ export interface AccountStatement extends Statement {
 
 const Int = (description?: string) => Type.Integer(description ? { description } : {});
 const Iso = Type.String({ format: 'date-time' });
+/** An exact decimal (usage/prices.ts), as a string so no float rounds it. */
+const Money = Type.String({ pattern: '^-?[0-9]+([.][0-9]+)?$' });
 /** The answer's shape, for both ports' documents and the admin port's serializer. */
 export const StatementSchema = Type.Object(
   {
@@ -30,15 +33,32 @@ export const StatementSchema = Type.Object(
       description: 'open: events still come; closing: frozen, its close event not yet taken by the sink; closed',
     }),
     closedAt: Type.Union([Iso, Type.Null()]),
-    lines: Type.Array(Type.Object({ plan: Type.String(), route: Type.String(), requests: Int(), units: Int(), overage: Int() }), {
-      description: 'Per plan and route: the requests exported for the period, their units and overage (before refunds)',
+    currency: Type.Union([Type.String({ pattern: '^[A-Z]{3}$' }), Type.Null()], {
+      description: "The plans' currency (ISO 4217); null: no plan of the statement's lines has prices",
     }),
+    lines: Type.Array(
+      Type.Object({
+        plan: Type.String(),
+        route: Type.String(),
+        requests: Int(),
+        refunds: Int('Refund events (the backend failed the request)'),
+        units: Int('Net of refunds'),
+        included: Int('Units within the quota: units less overage'),
+        overage: Int('Units past the quota, net of refunds'),
+        price: Type.Union([Type.Object({ unit: Money, overage: Money }), Type.Null()], {
+          description: "The plan's prices (config: plans.<plan>.prices) a unit, within the quota and past it; null: none set",
+        }),
+        amount: Type.Union([Money, Type.Null()], { description: 'included x unit + overage x overage price, exact (not rounded)' }),
+      }),
+      { description: 'Per plan and route: the requests exported for the period and their refunds, units and overage' },
+    ),
     totals: Type.Object({
       requests: Int(),
       units: Int("Net of refunds: what a SUM of the exported events' units gives for the period"),
       refunds: Type.Object({ events: Int(), units: Int() }),
       overage: Int('Net of refunds'),
       corrections: Int('Events of an earlier, closed period that came after its close, counted here'),
+      amount: Type.Union([Money, Type.Null()], { description: "The lines' amounts summed; null: no line has a price" }),
     }),
     credits: Type.Object({ granted: Int(), purchased: Int() }, { description: 'Credits granted and bought in the period' }),
     events: Int('Request and refund events exported for the period'),
@@ -96,6 +116,6 @@ export async function accountStatement(
     billingDay,
     // The quota the overage counts past: the month's limit less what overage admits (config.ts, ceilings).
     included: consumer.subject.limits.perMonth ? consumer.subject.limits.perMonth - consumer.subject.billing.overage : null,
-    ...statementOf(hash, period),
+    ...priced(statementOf(hash, period), config.plans),
   };
 }

@@ -9,7 +9,8 @@ import { compileConfig, validateConfigFile } from '../../gateway/config/config.j
 import { loadSettings } from '../../gateway/config/settings.js';
 import { commandTimeoutFor } from '../../gateway/redis/client.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
-import { defineScripts, quotaArgs, quotaReply, refundArgs, resolvedFrom } from '../../gateway/quota/redis/script.js';
+import { refundArgs } from '../../gateway/quota/redis/refunds.js';
+import { defineScripts, quotaArgs, quotaReply, resolvedFrom } from '../../gateway/quota/redis/script.js';
 import { testClient } from '../helpers/redis.js';
 
 /** The shipped settings: the gateway below runs at them. */

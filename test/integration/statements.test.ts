@@ -27,7 +27,9 @@ import { eventually } from '../helpers/time.js';
 
 const TOKEN = 'admin-token-0123456789';
 const CLOSED = 'com.petstore.gateway.period.closed';
-const plans: ConfigFile['plans'] = { metered: { perMinute: 100_000, perDay: 1_000_000, perMonth: 10_000_000 } };
+const plans: ConfigFile['plans'] = {
+  metered: { perMinute: 100_000, perDay: 1_000_000, perMonth: 10_000_000, prices: { currency: 'EUR', unit: '0.0125' } },
+};
 
 /** 00:00 UTC of billing day `day` in month `month` (0-based, may run over), a day past the month's end its last: the calendar, not period.ts. */
 const dayIn = (year: number, month: number, day: number) =>
@@ -116,7 +118,23 @@ describe('a billing period closed at the sink', () => {
       );
     }
     const refundAt = currentStart - 3_600_000;
-    await redis.xadd(stream, `${refundAt}-0`, 'kind', 'refund', 'ref', ids[1]!, 'units', '1', 'overage', '0', 'at', String(refundAt));
+    const refund = [
+      'kind',
+      'refund',
+      'ref',
+      ids[1]!,
+      'units',
+      '1',
+      'overage',
+      '0',
+      'at',
+      String(refundAt),
+      'plan',
+      'metered',
+      'route',
+      'listPets',
+    ];
+    await redis.xadd(stream, `${refundAt}-0`, ...refund);
     const topUpAt = currentStart - 1_800_000;
     await redis.xadd(
       stream,
@@ -169,10 +187,16 @@ describe('a billing period closed at the sink', () => {
     expect(previous.reduce((n, e) => n + Number(e.data.units), 0)).toBe(6);
     const last = await statement(gateways[0]!, iso(previousStart).slice(0, 10));
     expect(last).toMatchObject({ account, billingDay, status: 'closed', period: close.data.period, events: 4, digest: close.data.digest });
-    expect(last.lines).toEqual([
-      { plan: 'metered', route: 'createPet', requests: 1, units: 5, overage: 0 },
-      { plan: 'metered', route: 'listPets', requests: 2, units: 2, overage: 0 },
-    ]);
+    // Priced at the plan's 0.0125 a unit: 5 units, 0.0625; two requests less one refunded, 0.0125.
+    const price = { unit: '0.0125', overage: '0.0125' };
+    expect({ currency: last.currency, lines: last.lines, amount: last.totals.amount }).toEqual({
+      currency: 'EUR',
+      lines: [
+        { plan: 'metered', route: 'createPet', requests: 1, refunds: 0, units: 5, included: 5, overage: 0, price, amount: '0.0625' },
+        { plan: 'metered', route: 'listPets', requests: 2, refunds: 1, units: 1, included: 1, overage: 0, price, amount: '0.0125' },
+      ],
+      amount: '0.075',
+    });
 
     // The current period, three ways: the statement, the sink's SUM of units, the month's count.
     const current = sunk().filter((e) => usage(e) && Date.parse(e.time) >= currentStart);
@@ -186,6 +210,8 @@ describe('a billing period closed at the sink', () => {
       month: month.windows.month.used - month.events.unsettled,
     }).toEqual({ statement: sent, sink: sent, month: sent });
     expect(now).toMatchObject({ status: 'open', events: sent, digest: { value: digest(current.map((e) => ({ id: e.id, units: 1 }))) } });
+    expect(sent).toBe(40);
+    expect(now.totals.amount).toBe('0.5'); // 40 units at 0.0125
     // The public route gives the key's own account the same statement.
     const own = await call(`${gateways[0]!.url}/v1/me/statements/current`, key.key);
     expect(own.status).toBe(200);
@@ -209,8 +235,10 @@ describe('a billing period closed at the sink', () => {
       const shown = { units: await table.getAttribute('data-units'), events: await table.getAttribute('data-events') };
       expect(shown).toEqual({ units: String(now.totals.units), events: String(now.events) });
       expect(await table.locator('tfoot td').first().textContent()).toBe(String(now.totals.requests));
-      // No refund this period: its units read 0, not -0.
-      expect(await table.locator('tbody tr').last().locator('td').nth(1).textContent()).toBe('0');
+      // No refund this period, and the amount the API gives, in the plan's currency.
+      expect(await table.locator('tfoot td').nth(1).textContent()).toBe('0');
+      expect(await table.locator('thead th').last().textContent()).toBe('Amount (EUR)');
+      expect(await table.locator('[data-amount]').textContent()).toBe(now.totals.amount);
       await expectAccessible(page, 'the portal with a statement');
     } finally {
       await browser.close();

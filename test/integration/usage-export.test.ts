@@ -178,7 +178,8 @@ describe('a refund in the export', () => {
     const [request] = sink.requests();
     const refund = [...sink.events.values()].find((e) => e.type === 'com.petstore.gateway.request.refunded')!;
     expect(request!.data).toMatchObject({ requestId: res.headers.get('x-request-id'), units: 1, status: 502 });
-    expect(refund.data).toEqual({ refundOf: request!.id, units: -1 });
+    // Its statement line with it (refund.lua's): a biller grouping by route nets it in the request's.
+    expect(refund.data).toEqual({ refundOf: request!.id, units: -1, plan: 'metered', route: 'listPets' });
     expect(refund.subject).toBe(key.id);
     await sink.close();
   });

@@ -54,8 +54,8 @@ describe('event batches past MAX_KEPT (Redis not taking them)', () => {
 describe('a leased admission waiting for its status', () => {
   it('waits as long as a request may live before a 502: its body within GATEWAY_REQUEST_TIMEOUT_MS, then connect and headers', () => {
     // An operator who takes uploads of minutes raises GATEWAY_REQUEST_TIMEOUT_MS (here 120 s):
-    // a slow upload that ends in a 502 then comes after the 60 s floor, and its refund must still
-    // find its event. The clock is the batches' own (mono), moved by hand; nothing is sent.
+    // a slow upload that ends in a 502 then comes after the shipped wait (52 s), and its refund
+    // must still find its event. The clock is the batches' own (mono), moved by hand; nothing is sent.
     let now = 0;
     const batches = new EventBatches({
       send: () => new Promise(() => {}),
@@ -73,8 +73,8 @@ describe('a leased admission waiting for its status', () => {
       void batches.flush(); // what is due leaves at once; the send never settles
       return batches.refund(slow, 1); // true while its event waits: the refund goes in its batch
     };
-    // Until the upload's 120 s and the backend's connect and headers (10 s each) are over; then written with none.
-    expect({ at139s: open(139_000), at141s: open(141_000) }).toEqual({ at139s: true, at141s: false });
+    // Until the upload's 120 s, the backend's connect and headers (10 s each) and 2 s more are over; then written with none.
+    expect({ at141s: open(141_000), at143s: open(143_000) }).toEqual({ at141s: true, at143s: false });
   });
 });
 

@@ -11,9 +11,10 @@ import { tallyPart } from '../../gateway/usage/periods.js';
 const event = (id: string, type: string, time: string, data: Record<string, unknown>) =>
   JSON.stringify({ specversion: '1.0', id, source: '/s', type, subject: 'acme', time, datacontenttype: 'application/json', data });
 const REQUEST = 'com.petstore.gateway.request';
+const REFUND = 'com.petstore.gateway.request.refunded';
 
 describe('tallyPart', () => {
-  it("counts OpenMeter's refund (the request's type, negative units, refundOf) as a refund, not a request", () => {
+  it("counts OpenMeter's refund (the request's type, negative units, refundOf) as a refund, not a request, in its request's line", () => {
     const json = [
       event('acme/1', REQUEST, '2026-11-10T00:00:00.000Z', { plan: 'pro', route: 'listPets', units: 1, overage: 0 }),
       event('acme/1.refund', REQUEST, '2026-11-10T00:00:01.000Z', { refundOf: 'acme/1', units: -1 }),
@@ -26,7 +27,41 @@ describe('tallyPart', () => {
       [`${s}|refunds`]: 1,
       [`${s}|refunded`]: 1,
       [`${s}|l|pro|listPets|n`]: 1,
-      [`${s}|l|pro|listPets|u`]: 1,
+      [`${s}|l|pro|listPets|r`]: 1,
+    });
+  });
+
+  it("puts a refund in its own line, its request's (named by the refund, or found in its part), or '-' for one not at hand", () => {
+    const json = [
+      event('acme/1', REQUEST, '2026-11-10T00:00:00.000Z', { plan: 'pro', route: 'listPets', units: 1, overage: 1 }),
+      event('acme/2', REQUEST, '2026-11-10T00:00:00.000Z', { plan: 'pro', route: 'createPet', units: 5, overage: 0 }),
+      // A bundle's refund: no line of its own, its request is in the part.
+      event('acme/1.refund', REFUND, '2026-11-10T00:00:01.000Z', { refundOf: 'acme/1', units: -1, overage: -1 }),
+      // refund.lua's: it names its line.
+      event('acme/9.refund', REFUND, '2026-11-10T00:00:01.000Z', { refundOf: 'acme/9', units: -2, plan: 'pro', route: 'createPet' }),
+      // A settled call's, its request long sent.
+      event('acme/8.refund', REFUND, '2026-11-10T00:00:01.000Z', { refundOf: 'acme/8', units: -1 }),
+    ].join(',');
+    const { tally, json: out } = tallyPart(json, 1, 0);
+    const s = Date.UTC(2026, 10, 1);
+    const lines = Object.fromEntries([...tally.adds].filter(([f]) => f.includes('|l|')));
+    expect(lines).toEqual({
+      [`${s}|l|pro|listPets|n`]: 1,
+      [`${s}|l|pro|listPets|r`]: 1,
+      [`${s}|l|pro|createPet|n`]: 1,
+      [`${s}|l|pro|createPet|u`]: 3,
+      [`${s}|l|pro|createPet|r`]: 1,
+      [`${s}|l|-|-|u`]: -1,
+      [`${s}|l|-|-|r`]: 1,
+    });
+    // The sink gets the line too (OpenMeter's group-by nets the refund in its request's route).
+    const sent = JSON.parse(`[${out}]`) as Array<{ id: string; data: Record<string, unknown> }>;
+    expect(sent.find((e) => e.id === 'acme/1.refund')!.data).toEqual({
+      refundOf: 'acme/1',
+      units: -1,
+      overage: -1,
+      plan: 'pro',
+      route: 'listPets',
     });
   });
 

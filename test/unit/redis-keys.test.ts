@@ -4,17 +4,8 @@ import { describe, expect, it } from 'vitest';
 import { compileConfig } from '../../gateway/config/config.js';
 import { NO_BILLING, type QuotaSubject } from '../../gateway/quota/decision.js';
 import { FIXED, WINDOWS } from '../../gateway/quota/windows.js';
-import {
-  QUOTA,
-  quotaArg,
-  quotaArgs,
-  REFUND,
-  refundArgs,
-  TOPUP,
-  topUpArgs,
-  WRITEBACK,
-  writeBackArgs,
-} from '../../gateway/quota/redis/script.js';
+import { QUOTA, quotaArg, quotaArgs, REFUND, TOPUP, topUpArgs, WRITEBACK, writeBackArgs } from '../../gateway/quota/redis/script.js';
+import { refundArgs } from '../../gateway/quota/redis/refunds.js';
 import {
   accountName,
   accountOfName,

@@ -1,7 +1,8 @@
 import type { FastifyBaseLogger } from 'fastify';
 import { LATE, within } from '../../redis/client.js';
 import type { QuotaSubject } from '../decision.js';
-import { CALL_KEEP_MS, type QuotaReply, type RefundCall, refundArgs, type Resolved, resolvedFrom } from './script.js';
+import { type RefundCall, refundArgs } from './refunds.js';
+import { CALL_KEEP_MS, type QuotaReply, type Resolved, resolvedFrom } from './script.js';
 
 /** Between tries to resolve the calls given up on without a reply. */
 const RESOLVE_EVERY_MS = 1000;

@@ -2,7 +2,11 @@ import type { FastifyBaseLogger } from 'fastify';
 import type { QuotaSubject } from '../decision.js';
 import type { DegradedBudget } from './degraded-budget.js';
 import { EventBatches } from './event-batches.js';
-import { refundArgs } from './script.js';
+import { subjectKey } from '../../redis/keys.js';
+import { wiresArgs } from '../../redis/wires.js';
+import { softQuota } from '../decision.js';
+import type { RefundLine } from '../store.js';
+import { REFUND } from './script.js';
 
 export interface RefundsOptions {
   /** refund.lua. */
@@ -25,10 +29,10 @@ export interface RefundsOptions {
 export class Refunds {
   constructor(private readonly o: RefundsOptions) {}
 
-  async refund(subject: QuotaSubject, countedAtMs: number, cost: number, eventId?: string): Promise<void> {
+  async refund(subject: QuotaSubject, countedAtMs: number, cost: number, eventId?: string, line?: RefundLine): Promise<void> {
     if (eventId !== undefined && EventBatches.isLeased(eventId)) return this.leased(subject, eventId, cost);
     if (this.o.failing()) return this.o.budget.refund(subject.name, countedAtMs, cost);
-    await this.inRedis(subject, countedAtMs, cost, eventId);
+    await this.inRedis(subject, countedAtMs, cost, eventId, line);
   }
 
   /**
@@ -43,9 +47,15 @@ export class Refunds {
   }
 
   /** refund.lua: the units back to their windows, credits, overage, and a refund event for `eventId`; the overage taken back, or undefined if it failed. */
-  async inRedis(subject: QuotaSubject, countedAtMs: number, cost: number, eventId?: string): Promise<number | undefined> {
+  async inRedis(
+    subject: QuotaSubject,
+    countedAtMs: number,
+    cost: number,
+    eventId?: string,
+    line?: RefundLine,
+  ): Promise<number | undefined> {
     try {
-      return Number(await this.o.refund(...refundArgs(subject, { countedAtMs, units: cost, eventId })));
+      return Number(await this.o.refund(...refundArgs(subject, { countedAtMs, units: cost, eventId, line })));
     } catch (err) {
       this.o.failed();
       this.o.log.warn(
@@ -57,4 +67,42 @@ export class Refunds {
       if (eventId && subject.events > 0) this.o.written(subject);
     }
   }
+}
+
+/**
+ * What a refund gives back: `units` counted at `countedAtMs` (the decision's time), or, with
+ * `callId`, what that call counted, as Redis kept its reply (a call given up on without one).
+ */
+export interface RefundCall {
+  countedAtMs: number;
+  units: number;
+  eventId?: string;
+  callId?: string;
+  /** The refunded request's plan and route, for its refund event ('' each: not known here, as for a call given up on). */
+  line?: RefundLine;
+}
+
+export function refundArgs(subject: QuotaSubject, c: RefundCall): Array<string | number> {
+  const { name, limits, billing } = subject;
+  const argv: Record<(typeof REFUND.argv)[number], string | number> = {
+    countedAt: c.countedAtMs,
+    units: c.units,
+    month: limits.perMonth ? 1 : 0,
+    paidWithCredits: billing.credits ? 1 : 0,
+    soft: softQuota(subject),
+    overageWindow: limits.perMonth ? 1 : 2,
+    // A resolved call's event is named by its kept reply.
+    eventsCap: c.eventId || c.callId ? subject.events : 0,
+    eventId: c.eventId ?? '',
+    callId: c.callId ?? '',
+    plan: c.line?.plan ?? '',
+    route: c.line?.route ?? '',
+  };
+  const keys = {
+    counters: subjectKey.counters(name),
+    credits: subjectKey.credits(name),
+    events: subjectKey.events(name),
+    call: subjectKey.call(name, c.callId ?? ''),
+  };
+  return wiresArgs(REFUND, keys, argv);
 }

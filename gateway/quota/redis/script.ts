@@ -275,20 +275,9 @@ export function countsOf(r: QuotaReply): WindowCounts {
 // refund.lua: a failed request's units back.
 export const REFUND = {
   keys: ['counters', 'credits', 'events', 'call'],
-  argv: ['countedAt', 'units', 'month', 'paidWithCredits', 'soft', 'overageWindow', 'eventsCap', 'eventId', 'callId'],
+  argv: ['countedAt', 'units', 'month', 'paidWithCredits', 'soft', 'overageWindow', 'eventsCap', 'eventId', 'callId', 'plan', 'route'],
   call: QUOTA.reply,
 } as const satisfies Wires<string, string>;
-
-/**
- * What a refund gives back: `units` counted at `countedAtMs` (the decision's time), or, with
- * `callId`, what that call counted, as Redis kept its reply (a call given up on without one).
- */
-export interface RefundCall {
-  countedAtMs: number;
-  units: number;
-  eventId?: string;
-  callId?: string;
-}
 
 /** What refund.lua did with a call given up on (a lost reply, resolved): its kept reply says it counted nothing, a request it refunded, or a lease (given back by the gateway). */
 export type Resolved = { kind: 'unknown' } | { kind: 'none' } | { kind: 'refunded' } | { kind: 'lease'; reply: QuotaReply };
@@ -299,29 +288,6 @@ export function resolvedFrom(raw: unknown): Resolved {
   return { kind: kind as 'unknown' | 'none' | 'refunded' };
 }
 type RawRecord = ReadonlyArray<number | string | null>;
-
-export function refundArgs(subject: QuotaSubject, c: RefundCall): Array<string | number> {
-  const { name, limits, billing } = subject;
-  const argv: Record<(typeof REFUND.argv)[number], string | number> = {
-    countedAt: c.countedAtMs,
-    units: c.units,
-    month: limits.perMonth ? 1 : 0,
-    paidWithCredits: billing.credits ? 1 : 0,
-    soft: softQuota(subject),
-    overageWindow: limits.perMonth ? 1 : 2,
-    // A resolved call's event is named by its kept reply.
-    eventsCap: c.eventId || c.callId ? subject.events : 0,
-    eventId: c.eventId ?? '',
-    callId: c.callId ?? '',
-  };
-  const keys = {
-    counters: subjectKey.counters(name),
-    credits: subjectKey.credits(name),
-    events: subjectKey.events(name),
-    call: subjectKey.call(name, c.callId ?? ''),
-  };
-  return wiresArgs(REFUND, keys, argv);
-}
 
 // writeback.lua: what an instance admitted on its own while Redis failed.
 export const WRITEBACK = {

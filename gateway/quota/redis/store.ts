@@ -26,6 +26,7 @@ import {
   type LedgerEntry,
   type Operations,
   QuotaStoreUnavailable,
+  type RefundLine,
   type RequestPath,
   type StoreCounts,
   type TopUp,
@@ -412,8 +413,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.slots.end(subject, slot);
   }
 
-  refund(subject: QuotaSubject, countedAtMs: number, cost = 1, eventId?: string): Promise<void> {
-    return this.refunds.refund(subject, countedAtMs, cost, eventId);
+  refund(subject: QuotaSubject, countedAtMs: number, cost = 1, eventId?: string, line?: RefundLine): Promise<void> {
+    return this.refunds.refund(subject, countedAtMs, cost, eventId, line);
   }
 
   /** Lifts the subject's ban in Redis (every instance sees it within a second); false when none was in force. */
