@@ -101,12 +101,16 @@ export async function duePeriods(redis: RedisClient, prefix: string, nowMs: numb
 }
 
 /**
- * A period not ready: tried again in NOT_YET_MS, so the ones behind it are tried meanwhile, or
- * at its settle's end if that comes first (a busy account's units are unsettled until then).
+ * A period not ready: tried again in NOT_YET_MS, so the ones behind it are tried meanwhile; but
+ * at its settle's end if that comes first (a busy account's units are unsettled until then),
+ * and every round in the NOT_YET_MS after it (its last bundle, written moments before, goes in
+ * the next round; this clock and Redis's may differ by a few ms).
  */
 export async function notYet(redis: RedisClient, prefix: string, d: Due, nowMs: number, settleMs: number): Promise<void> {
   const settled = d.endMs + settleMs;
-  await redis.zadd(periodsKey(prefix), 'XX', nowMs < settled ? Math.min(nowMs + NOT_YET_MS, settled) : nowMs + NOT_YET_MS, member(d));
+  const next =
+    nowMs < settled ? Math.min(nowMs + NOT_YET_MS, settled) : nowMs < settled + NOT_YET_MS ? nowMs + CLOSE_RETRY_MS : nowMs + NOT_YET_MS;
+  await redis.zadd(periodsKey(prefix), 'XX', next, member(d));
 }
 
 export async function freeze(redis: RedisClient, d: Due, token: number, settleMs: number): Promise<'frozen' | 'not yet' | 'fenced'> {

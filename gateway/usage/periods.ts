@@ -13,8 +13,8 @@ export const CLOSED_TYPE = 'com.petstore.gateway.period.closed';
 export const SEP = '|';
 /** Its events' ids and units: the sum of SHA-256(`<id> <units>`) over them, mod 2^256 (order-free, so it grows with each move). */
 export const DIGEST = 'sha256-sum';
-/** The plan and route of a refund whose request was not at hand (a reply Redis kept, settled later): its own line. */
-export const UNKNOWN_LINE = '-';
+/** The plan and route of a refund whose request was not at hand (a reply Redis kept, settled later): its own line; no plan is named so. */
+export const UNKNOWN_LINE = '?';
 const MOD = 1n << 256n;
 /** A statement is kept some 13 months after its last write. */
 export const STATEMENT_KEEP_MS = 400 * 86_400_000;
@@ -54,8 +54,8 @@ export const digestHex = (sum: bigint) => (((sum % MOD) + MOD) % MOD).toString(1
 interface Acc {
   end: number;
   figures: Record<string, number>;
-  /** `plan|route` -> requests, units and overage net of refunds, refunds. */
-  lines: Map<string, [number, number, number, number]>;
+  /** `plan|route` -> requests, their units and overage; refunds, their units and overage (LINE_FIELDS). */
+  lines: Map<string, [number, number, number, number, number, number]>;
   /** The digests' sum in eight 32-bit limbs, most significant first, carried once at the end. */
   limbs: number[];
 }
@@ -133,10 +133,11 @@ function count(acc: Acc, e: SentEvent, correction: boolean): void {
   } else bump(f, 'requests', 1);
   const key = `${e.data.plan}${SEP}${e.data.route}`;
   let line = acc.lines.get(key);
-  if (!line) acc.lines.set(key, (line = [0, 0, 0, 0]));
-  line[refund ? 3 : 0]++;
-  line[1] += units;
-  line[2] += overage;
+  if (!line) acc.lines.set(key, (line = [0, 0, 0, 0, 0, 0]));
+  const at = refund ? 3 : 0;
+  line[at]!++;
+  line[at + 1]! += Math.abs(units);
+  line[at + 2]! += Math.abs(overage);
 }
 
 /** The accumulators as MOVE_USAGE's fields: a figure that stayed 0 is left out. */
@@ -145,12 +146,11 @@ function partTally(accs: ReadonlyMap<number, Acc>): PartTally {
   for (const [s, acc] of accs) {
     t.ends.set(s, acc.end);
     for (const [name, n] of Object.entries(acc.figures)) if (n !== 0) t.adds.set(`${s}${SEP}${name}`, n);
-    for (const [key, [n, u, o, r]] of acc.lines) {
+    for (const [key, figures] of acc.lines) {
       const line = `${s}${SEP}l${SEP}${key}${SEP}`;
-      if (n !== 0) t.adds.set(`${line}n`, n);
-      if (u !== 0) t.adds.set(`${line}u`, u);
-      if (o !== 0) t.adds.set(`${line}o`, o);
-      if (r !== 0) t.adds.set(`${line}r`, r);
+      LINE_KEYS.forEach((k, i) => {
+        if (figures[i] !== 0) t.adds.set(`${line}${k}`, figures[i]!);
+      });
     }
     if (acc.figures.events)
       t.digests.set(
@@ -166,7 +166,6 @@ export function tallyLine(gate: number, t: PartTally): string {
   const out: Array<string | number> = [gate];
   for (const [field, n] of t.adds) out.push(field, n);
   for (const [s, sum] of t.digests) out.push(`${s}${SEP}digest`, digestHex(sum));
-  for (const [s, end] of t.ends) out.push(`${s}${SEP}end`, end);
   return out.join(' ');
 }
 
@@ -228,7 +227,6 @@ local function applyTally(stats, moved, tupto)
         if not field then field = v else
           if string.sub(field, -7) == '${SEP}digest' then
             redis.call('HSET', KEY.statements, field, addhex(redis.call('HGET', KEY.statements, field) or string.rep('0', 64), v))
-          elseif string.sub(field, -4) == '${SEP}end' then redis.call('HSET', KEY.statements, field, v)
           else redis.call('HINCRBY', KEY.statements, field, v) end
           field = nil
           any = true
@@ -250,8 +248,21 @@ export interface StatementLine {
   refunds: number;
 }
 
-/** A line's fields in the statements hash (`<start>|l|<plan>|<route>|<n, u, o or r>`). */
-const LINE_FIELDS = { n: 'requests', u: 'units', o: 'overage', r: 'refunds' } as const;
+/**
+ * A line's fields in the statements hash (`<start>|l|<plan>|<route>|<field>`): its requests,
+ * their units and overage, then its refunds, their units and overage, each a count (so a period
+ * tallied before refunds had lines reads as it was: its refunds in the totals alone), and what
+ * each adds to the statement's line, net of refunds.
+ */
+const LINE_FIELDS = {
+  n: ['requests', 1],
+  u: ['units', 1],
+  o: ['overage', 1],
+  r: ['refunds', 1],
+  ru: ['units', -1],
+  ro: ['overage', -1],
+} as const satisfies Record<string, readonly [keyof StatementLine, number]>;
+const LINE_KEYS = ['n', 'u', 'o', 'r', 'ru', 'ro'] as const;
 
 export interface Statement {
   period: { start: string; end: string };
@@ -285,7 +296,8 @@ export function statementOf(hash: Readonly<Record<string, string>>, period: Peri
     const key = `${plan}${SEP}${route}`;
     let line = lines.get(key);
     if (!line) lines.set(key, (line = { plan, route, requests: 0, units: 0, overage: 0, refunds: 0 }));
-    line[LINE_FIELDS[what]] = Number(value);
+    const [name, sign] = LINE_FIELDS[what];
+    line[name] += sign * Number(value);
   }
   const closed = hash[`${p}closed`];
   const frozen = hash[`${p}frozen`];

@@ -5,7 +5,7 @@ import type { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
-import { defineCloseScripts, duePeriods, freeze, notYet, periodsTouched } from '../../gateway/usage/closes.js';
+import { CLOSE_RETRY_MS, defineCloseScripts, duePeriods, freeze, notYet, periodsTouched } from '../../gateway/usage/closes.js';
 import { defineCursorScripts, moveUsageCursor } from '../../gateway/usage/cursors.js';
 import { SETTLE_MS } from '../../gateway/usage/exporter.js';
 import { adminCall } from '../helpers/admin.js';
@@ -43,6 +43,22 @@ function digest(events: ReadonlyArray<{ id: string; units: number }>): string {
 }
 
 const iso = (ms: number) => new Date(ms).toISOString();
+
+/** A request's entry as quota.lua writes it into an account's stream, stamped `at` (`id`: `<at>-0`, or `*` for one written now). */
+const seedRequest = (
+  redis: Redis,
+  stream: string,
+  id: string,
+  at: number,
+  r: { rid: string; key: string; route?: string; units?: number },
+) =>
+  redis.xadd(
+    stream,
+    id,
+    ...['kind', 'request', 'rid', r.rid, 'key', r.key, 'plan', 'metered', 'route', r.route ?? 'listPets', 'method', 'GET'],
+    ...['units', String(r.units ?? 1), 'at', String(at), 'minute', '1', 'day', '1', 'month', '1'],
+    ...['overage', '0', 'credits', '-1', 'status', '200'],
+  );
 
 type Sunk = { id: string; type: string; time: string; data: Record<string, unknown>; correctionof?: string; originaltime?: string };
 
@@ -87,35 +103,15 @@ describe('a billing period closed at the sink', () => {
     const stream = subjectKey.events(name);
     // The previous period, as the instances wrote it: three requests (one of a route costing 5), a
     // refund of the second (its backend failed), a top-up.
-    const seeded: Array<[number, string[]]> = [
-      [4, ['route', 'listPets', 'method', 'GET', 'units', '1']],
-      [3, ['route', 'listPets', 'method', 'GET', 'units', '1']],
-      [2, ['route', 'createPet', 'method', 'POST', 'units', '5']],
+    const seeded: Array<[number, string, number]> = [
+      [4, 'listPets', 1],
+      [3, 'listPets', 1],
+      [2, 'createPet', 5],
     ];
     const ids: string[] = [];
-    for (const [hoursBefore, fields] of seeded) {
+    for (const [hoursBefore, route, units] of seeded) {
       const at = currentStart - hoursBefore * 3_600_000;
-      const rid = `seed-${hoursBefore}`;
-      const entry = ['kind', 'request', 'rid', rid, 'key', key.id, 'plan', 'metered', ...fields, 'at', String(at)];
-      ids.push(
-        (await redis.xadd(
-          stream,
-          `${at}-0`,
-          ...entry,
-          'minute',
-          '1',
-          'day',
-          '1',
-          'month',
-          '1',
-          'overage',
-          '0',
-          'credits',
-          '-1',
-          'status',
-          '200',
-        ))!,
-      );
+      ids.push((await seedRequest(redis, stream, `${at}-0`, at, { rid: `seed-${hoursBefore}`, key: key.id, route, units }))!);
     }
     const refundAt = currentStart - 3_600_000;
     const refund = [
@@ -251,38 +247,7 @@ describe('a billing period closed at the sink', () => {
     const before = await statement(gateways[0]!, 'previous');
     const now = await statement(gateways[0]!, 'current');
     // Written now (its batch was held up), stamped in the previous period.
-    await redis.xadd(
-      subjectKey.events(name),
-      '*',
-      'kind',
-      'request',
-      'rid',
-      'late-1',
-      'key',
-      key.id,
-      'plan',
-      'metered',
-      'route',
-      'listPets',
-      'method',
-      'GET',
-      'units',
-      '1',
-      'at',
-      String(at),
-      'minute',
-      '1',
-      'day',
-      '1',
-      'month',
-      '1',
-      'overage',
-      '0',
-      'credits',
-      '-1',
-      'status',
-      '200',
-    );
+    await seedRequest(redis, subjectKey.events(name), '*', at, { rid: 'late-1', key: key.id });
     await call(`${gateways[0]!.url}/v1/pets`, key.key); // marks the account for the export
     await eventually(() => sunk().some((e) => e.data.requestId === 'late-1'), 30_000, 'the late event at the sink');
     const late = sunk().find((e) => e.data.requestId === 'late-1')!;
@@ -320,32 +285,7 @@ describe('a sink that refuses the close events', () => {
     try {
       const name = gw.gateway.config().accounts.get(account)!.name;
       const at = currentStart - 3_600_000;
-      await redis.xadd(
-        subjectKey.events(name),
-        `${at}-0`,
-        'kind',
-        'request',
-        'rid',
-        'seed',
-        'key',
-        key.id,
-        'plan',
-        'metered',
-        'route',
-        'listPets',
-        'method',
-        'GET',
-        'units',
-        '1',
-        'at',
-        String(at),
-        'overage',
-        '0',
-        'credits',
-        '-1',
-        'status',
-        '200',
-      );
+      await seedRequest(redis, subjectKey.events(name), `${at}-0`, at, { rid: 'seed', key: key.id });
       sink.state.fault = (events) => (events?.some((e) => e.type === CLOSED) ? 'fail' : undefined);
       const previous = async () => (await adminCall(gw, TOKEN, `/admin/accounts/${account}/statements/previous`)).json();
       for (let i = 0; i < 10; i++) expect((await call(`${gw.url}/v1/pets`, key.key)).status).toBe(200);
@@ -442,6 +382,11 @@ describe('freezing a period', () => {
     await notYet(redis, own, d, now, SETTLE_MS);
     expect(await duePeriods(redis, own, now + 2999)).toEqual([]);
     expect(await duePeriods(redis, own, now + 3000)).toEqual([d]);
+    // Just past its settle, still not ready (its last bundle goes in the next round): tried every round, not 5 s later.
+    const past = { name: `${own}:{k:a2}`, startMs: d.startMs, endMs: now - SETTLE_MS - 1000 };
+    await periodsTouched(redis, own, [past]);
+    await notYet(redis, own, past, now, SETTLE_MS);
+    expect(await duePeriods(redis, own, now + CLOSE_RETRY_MS)).toEqual([past]);
   });
 
   it('is fenced as the cursor is: a deposed leader freezes nothing', async () => {

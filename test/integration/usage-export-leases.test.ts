@@ -5,7 +5,7 @@ import { describe, expect, it, onTestFinished } from 'vitest';
 import { compileConfig, type ConfigFile, validateConfigFile } from '../../gateway/config/config.js';
 import { loadSettings } from '../../gateway/config/settings.js';
 import type { EventTag } from '../../gateway/quota/decision.js';
-import { EventBatches } from '../../gateway/quota/redis/event-batches.js';
+import { EventBatches, statusWait } from '../../gateway/quota/redis/event-batches.js';
 import { RedisQuotaStore } from '../../gateway/quota/redis/store.js';
 import { activityMarks } from '../../gateway/usage/active.js';
 import { UsageExporter } from '../../gateway/usage/exporter.js';
@@ -319,8 +319,8 @@ describe('a leased admission that fails after its event was written', () => {
   }, async () => {
     // The store and the exporter as the wiring builds them (app.ts), on a real Redis, to the
     // test's CloudEvents sink, at the shipped settings, but with the store's clock injected: an
-    // event waits for its status max(60 s, GATEWAY_REQUEST_TIMEOUT_MS + 2 x UPSTREAM_TIMEOUT_MS)
-    // = 60 s, and to outlive it a request would be kept open for a minute. So the store's
+    // event waits for its status (event-batches.ts, statusWait) 62 s, and to outlive it a
+    // request would be kept open for a minute. So the store's
     // monotonic clock is moved on past the wait instead; its wall clock is untouched.
     const shipped = loadSettings({});
     const redis = await spawnRedis();
@@ -382,7 +382,7 @@ describe('a leased admission that fails after its event was written', () => {
       ['allowed', true],
     ]);
     store.recordStatus(subject, quickTag.eventId!, 200);
-    movedOnMs = Math.max(60_000, shipped.requestTimeoutMs + 2 * shipped.upstreamTimeoutMs); // the slow request has outlived the status wait
+    movedOnMs = statusWait(shipped); // the slow request has outlived the status wait
     const at = () => new Map(sink.requests().map((e) => [e.data!.requestId, e.data!.status]));
     await eventually(() => at().size === 2, 20_000, 'both events at the sink');
     expect(at()).toEqual(

@@ -54,7 +54,7 @@ describe('event batches past MAX_KEPT (Redis not taking them)', () => {
 describe('a leased admission waiting for its status', () => {
   it('waits as long as a request may live before a 502: its body within GATEWAY_REQUEST_TIMEOUT_MS, then connect and headers', () => {
     // An operator who takes uploads of minutes raises GATEWAY_REQUEST_TIMEOUT_MS (here 120 s):
-    // a slow upload that ends in a 502 then comes after the shipped wait (52 s), and its refund
+    // a slow upload that ends in a 502 then comes after the shipped wait (62 s), and its refund
     // must still find its event. The clock is the batches' own (mono), moved by hand; nothing is sent.
     let now = 0;
     const batches = new EventBatches({
@@ -73,8 +73,9 @@ describe('a leased admission waiting for its status', () => {
       void batches.flush(); // what is due leaves at once; the send never settles
       return batches.refund(slow, 1); // true while its event waits: the refund goes in its batch
     };
-    // Until the upload's 120 s, the backend's connect and headers (10 s each) and 2 s more are over; then written with none.
-    expect({ at141s: open(141_000), at143s: open(143_000) }).toEqual({ at141s: true, at143s: false });
+    // Until the upload's 120 s, the backend's connect and headers, twice after a slow body (10 s
+    // each), and 2 s more are over; then written with none.
+    expect({ at151s: open(151_000), at153s: open(153_000) }).toEqual({ at151s: true, at153s: false });
   });
 });
 

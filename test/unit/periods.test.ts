@@ -3,7 +3,7 @@ import { loadSettings } from '../../gateway/config/settings.js';
 import { settleOf, statusWait } from '../../gateway/quota/redis/event-batches.js';
 import { CLOSE_RETRY_MS } from '../../gateway/usage/closes.js';
 import { SETTLE_MS } from '../../gateway/usage/exporter.js';
-import { tallyPart } from '../../gateway/usage/periods.js';
+import { statementOf, tallyPart } from '../../gateway/usage/periods.js';
 
 // The tally of a part's events into billing periods, as each format sends them: what the
 // statement and the close event are made of (test/integration/statements.test.ts runs it whole).
@@ -27,11 +27,13 @@ describe('tallyPart', () => {
       [`${s}|refunds`]: 1,
       [`${s}|refunded`]: 1,
       [`${s}|l|pro|listPets|n`]: 1,
+      [`${s}|l|pro|listPets|u`]: 1,
       [`${s}|l|pro|listPets|r`]: 1,
+      [`${s}|l|pro|listPets|ru`]: 1,
     });
   });
 
-  it("puts a refund in its own line, its request's (named by the refund, or found in its part), or '-' for one not at hand", () => {
+  it("puts a refund in its own line, its request's (named by the refund, or found in its part), or '?' for one not at hand", () => {
     const json = [
       event('acme/1', REQUEST, '2026-11-10T00:00:00.000Z', { plan: 'pro', route: 'listPets', units: 1, overage: 1 }),
       event('acme/2', REQUEST, '2026-11-10T00:00:00.000Z', { plan: 'pro', route: 'createPet', units: 5, overage: 0 }),
@@ -45,14 +47,20 @@ describe('tallyPart', () => {
     const { tally, json: out } = tallyPart(json, 1, 0);
     const s = Date.UTC(2026, 10, 1);
     const lines = Object.fromEntries([...tally.adds].filter(([f]) => f.includes('|l|')));
+    // Each a count: the requests' and the refunds' apart (a statement nets them: statementOf).
     expect(lines).toEqual({
       [`${s}|l|pro|listPets|n`]: 1,
+      [`${s}|l|pro|listPets|u`]: 1,
+      [`${s}|l|pro|listPets|o`]: 1,
       [`${s}|l|pro|listPets|r`]: 1,
+      [`${s}|l|pro|listPets|ru`]: 1,
+      [`${s}|l|pro|listPets|ro`]: 1,
       [`${s}|l|pro|createPet|n`]: 1,
-      [`${s}|l|pro|createPet|u`]: 3,
+      [`${s}|l|pro|createPet|u`]: 5,
       [`${s}|l|pro|createPet|r`]: 1,
-      [`${s}|l|-|-|u`]: -1,
-      [`${s}|l|-|-|r`]: 1,
+      [`${s}|l|pro|createPet|ru`]: 2,
+      [`${s}|l|?|?|r`]: 1,
+      [`${s}|l|?|?|ru`]: 1,
     });
     // The sink gets the line too (OpenMeter's group-by nets the refund in its request's route).
     const sent = JSON.parse(`[${out}]`) as Array<{ id: string; data: Record<string, unknown> }>;
@@ -98,13 +106,34 @@ describe('tallyPart', () => {
   });
 });
 
+describe('statementOf', () => {
+  const period = { startMs: Date.UTC(2026, 10, 1), endMs: Date.UTC(2026, 11, 1) };
+  const p = `${period.startMs}|l|pro|`;
+  it("nets each line's refunds, and reads a period tallied before lines had refunds as it was", () => {
+    const hash = {
+      [`${p}listPets|n`]: '3',
+      [`${p}listPets|u`]: '3',
+      [`${p}listPets|o`]: '2',
+      [`${p}listPets|r`]: '1',
+      [`${p}listPets|ru`]: '1',
+      [`${p}listPets|ro`]: '1',
+    };
+    expect(statementOf(hash, period).lines).toEqual([{ plan: 'pro', route: 'listPets', requests: 3, refunds: 1, units: 2, overage: 1 }]);
+    const before = { [`${p}createPet|n`]: '2', [`${p}createPet|u`]: '10' };
+    expect(statementOf(before, period).lines).toEqual([
+      { plan: 'pro', route: 'createPet', requests: 2, refunds: 0, units: 10, overage: 0 },
+    ]);
+  });
+});
+
 describe('the settle', () => {
   it("is the shipped settings' settleOf, and a busy account's period closes within 60 s of its end", () => {
     const shipped = loadSettings({});
     expect(settleOf(shipped)).toBe(SETTLE_MS);
-    // A not-ready period is tried again at its settle's end (closes.ts, notYet), then within a round's retry.
+    // A not-ready period is tried again at its settle's end (closes.ts, notYet), then every round.
     expect(SETTLE_MS + CLOSE_RETRY_MS).toBeLessThanOrEqual(57_000);
-    // As long as a request may live after its admission: its headers and body, then the backend's two timeouts.
-    expect(statusWait(shipped)).toBeGreaterThan(shipped.requestTimeoutMs + 2 * shipped.upstreamTimeoutMs);
+    // An event waits longer for its status (30 s for the request, 10 s to connect, twice 10 s for
+    // headers, 2 s): one written past the settle goes into the next period as a correction.
+    expect(statusWait(shipped)).toBe(62_000);
   });
 });

@@ -49,7 +49,7 @@ describe('priced', () => {
     expect(priced(statement([line('constructor', 'listPets', 1, 0)]), {}).lines[0]!.amount).toBeNull();
   });
 
-  it('writes a decimal without trailing zeros, negative too (a refund not matched to a line)', () => {
+  it('writes a decimal without trailing zeros, negative too (a line with more refunded than delivered in the period: refunds after its boundary)', () => {
     expect([decimal(0n), decimal(1_500_000_000n), decimal(-25n), decimal(123_000_000_010n)]).toEqual([
       '0',
       '1.5',

@@ -17,27 +17,35 @@ const PER_CALL = 250;
  * gets no event (its unit stays in the account's `unsettled`, so the reconcile still adds up).
  */
 export const MAX_KEPT = 100_000;
+/** The least an admission waits for its status (statusWaitMs). */
+const STATUS_WAIT_MS = 60_000;
 /**
  * Past a request's longest life, what an admission's event waits more for its status: the
- * request's own timer is checked once a second (GATEWAY_REQUEST_TIMEOUT_MS), and a busy loop lags.
+ * request's own timer is checked once a second (GATEWAY_REQUEST_TIMEOUT_MS), undici's connect
+ * and headers timers tick coarsely too, and a busy loop lags.
  */
 const STATUS_MARGIN_MS = 2000;
 
 /**
  * How long an admission's event may wait in memory for its status (statusWaitMs): as long as
- * its request may live after its admission (its headers and body, then the backend's connect
- * and headers, then its body), and a margin. 52 s at the shipped settings.
+ * its request may live after its admission, and a margin: its headers and body, then the
+ * backend's connect, its headers timer (undici starts it again once the body is sent, so a
+ * backend reading a body slowly gets two), at least 60 s. 62 s at the shipped settings.
  */
 export const statusWait = (s: { requestTimeoutMs: number; upstreamTimeoutMs: number }) =>
-  s.requestTimeoutMs + 2 * s.upstreamTimeoutMs + STATUS_MARGIN_MS;
+  Math.max(STATUS_WAIT_MS, s.requestTimeoutMs + 3 * s.upstreamTimeoutMs + STATUS_MARGIN_MS);
+
+/** A billing period waits at most this after its end for its events (usage/closes.ts): it closes within a minute. */
+const SETTLE_MAX_MS = 55_000;
 
 /**
- * How long after a billing period's end an event of it may still be written (usage/closes.ts):
- * its status wait, two batches (the one it waits in, and one Redis did not answer) and a round.
- * 55 s at the shipped settings, so a busy account's period closes within 60 s of its end.
+ * How long after a billing period's end its leased units may keep it open (usage/closes.ts):
+ * its status wait, two batches (the one it waits in, and one Redis did not answer) and a round,
+ * at most 55 s, so a busy account's period closes within a minute of its end. An event written
+ * later (a request that outlived that) goes into the next period as a flagged correction.
  */
 export const settleOf = (s: { requestTimeoutMs: number; upstreamTimeoutMs: number; usageBatchMs: number }) =>
-  statusWait(s) + 2 * s.usageBatchMs + 1000;
+  Math.min(SETTLE_MAX_MS, statusWait(s) + 2 * s.usageBatchMs + 1000);
 
 /** The ids of leased admissions' events start so (a stream's ids are `<ms>-<n>`). */
 const LEASED = 'lease:';
@@ -82,9 +90,9 @@ export interface EventBatchDeps {
    * UPSTREAM_TIMEOUT_MS and GATEWAY_REQUEST_TIMEOUT_MS: how long a request may live before its
    * answer starts, where a 502 or 504 comes. Its body arrives within the request timeout (the
    * server's, counted from its start), the backend's connect and headers within one upstream
-   * timeout each: an admission with no status after the sum (or STATUS_WAIT_MS, whichever is
-   * longer) is written with none (`-`), and every 502 or 504 comes before, so its refund goes in
-   * its event's batch (refund()).
+   * timeout each, and a second headers timeout after a slow body (statusWait): an admission with
+   * no status by then is written with none (`-`), and every 502 or 504 comes before, so its
+   * refund goes in its event's batch (refund()).
    */
   upstreamTimeoutMs: number;
   requestTimeoutMs: number;
