@@ -83,8 +83,8 @@ function statementSection(f: Figures): Html {
   const t = s.totals;
   return html`<h2>This billing period</h2>
 <table data-statement data-period="${s.period.start}" data-status="${s.status}" data-units="${t.units}" data-events="${s.events}">
-<caption>From ${when(s.period.start)} to ${when(s.period.end)}: what has reached billing so far</caption>
-<thead><tr><th scope="col">Plan</th><th scope="col">Route</th><th scope="col" class="n">Requests</th><th scope="col" class="n">Refunded (the backend failed)</th><th scope="col" class="n">Units</th><th scope="col" class="n">Overage</th>${s.currency ? html`<th scope="col" class="n">Amount (${s.currency})</th>` : ''}</tr></thead>
+<caption>From ${when(s.period.start)} to ${when(s.period.end)}: what has reached billing so far (refunded: requests the backend failed, not billed)</caption>
+<thead><tr><th scope="col">Plan</th><th scope="col">Route</th><th scope="col" class="n">Requests</th><th scope="col" class="n">Refunded</th><th scope="col" class="n">Units</th><th scope="col" class="n">Overage</th>${s.currency ? html`<th scope="col" class="n">Amount (${s.currency})</th>` : ''}</tr></thead>
 <tbody>${s.lines.map(
     (l) =>
       html`<tr><td>${l.plan}</td><td>${l.route}</td><td class="n">${figure(l.requests)}</td><td class="n">${figure(l.refunds)}</td><td class="n">${figure(l.units)}</td><td class="n">${figure(l.overage)}</td>${s.currency ? html`<td class="n">${l.amount ?? ''}</td>` : ''}</tr>`,

@@ -1,4 +1,5 @@
 import { createHash } from 'node:crypto';
+import { LRUCache } from 'lru-cache';
 import { request } from 'undici';
 import type { UsageExport } from '../config/usage-export.js';
 import { type EncodedEvent, REFUND_TYPE, REQUEST_TYPE, splitEvents } from './events.js';
@@ -15,6 +16,13 @@ export const STRIPE_BACKDATE_MS = 35 * 24 * 3600 * 1000;
 /** Stripe's `identifier`: at most 100 characters. */
 export const STRIPE_IDENTIFIER_MAX = 100;
 export const NO_CUSTOMER = 'no customer mapping';
+/**
+ * Event ids the biller is known to hold (it answered 2xx for them, or named them as held): a
+ * round that failed after they landed sends them again, and without this each would cost a
+ * POST of its own to learn it held (Stripe names one duplicate a refusal). Some 25 rounds'
+ * worth (exporter.ts: 4 batches of 100), some 2 MB.
+ */
+const HELD_KEPT = 10_000;
 export const TOO_OLD = "older than Stripe's 35-day backdate window";
 
 /** One usage event as the billers read it. */
@@ -140,6 +148,7 @@ export class BillerSink implements UsageSink {
   private readonly profile: Profile;
   private readonly customers: Readonly<Record<string, string>>;
   private readonly headers: Readonly<Record<string, string>>;
+  private readonly known = new LRUCache<string, true>({ max: HELD_KEPT });
 
   constructor(
     readonly target: UsageExport & { format: 'stripe' | 'lago' },
@@ -164,6 +173,7 @@ export class BillerSink implements UsageSink {
     lost.throwIfAborted();
     const setAside: Array<{ event: EncodedEvent; reason: string }> = [];
     let pending: Usage[] = [];
+    let held = 0;
     const now = Date.now();
     for (const part of batch)
       for (const json of splitEvents(part)) {
@@ -171,17 +181,24 @@ export class BillerSink implements UsageSink {
         if (u === 'not usage') continue;
         const why = 'unmapped' in u ? NO_CUSTOMER : this.profile.refusedBefore?.(u, now);
         if (why !== undefined) setAside.push({ event: json, reason: why });
+        else if (this.known.has((u as Usage).id))
+          continue; // held: not the biller's answer, so no duplicate counted
         else pending.push(u as Usage);
       }
-    let held = 0;
     let renewed = false;
+    const hold = (events: readonly Usage[]) => {
+      for (const u of events) this.known.set(u.id, true);
+    };
     // Each turn takes at least one event out, or renews the session once, so this ends.
     while (pending.length > 0) {
       const token = await this.session?.token(lost);
       if (typeof token === 'object') return { accepted: 'none', ...token };
       const answer = await this.post(this.profile.body(pending), lost, token);
       if ('accepted' in answer) return answer;
-      if (answer.status >= 200 && answer.status < 300) break;
+      if (answer.status >= 200 && answer.status < 300) {
+        hold(pending);
+        break;
+      }
       // A token expired early (or revoked): one new session, and the same events again.
       if (answer.status === 401 && token !== undefined && !renewed) {
         this.session!.expire(token);
@@ -201,6 +218,7 @@ export class BillerSink implements UsageSink {
       }
       for (const [i, why] of named.refused) setAside.push({ event: pending[i]!.json, reason: why });
       held += named.held.size;
+      hold(pending.filter((_, i) => named.held.has(i)));
       pending = pending.filter((_, i) => !named.held.has(i) && !named.refused.has(i));
     }
     return { accepted: 'all', ...(setAside.length > 0 && { setAside }), ...(held > 0 && { held }) };

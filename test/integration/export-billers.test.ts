@@ -190,9 +190,53 @@ describe("Stripe's backdate window", () => {
     expect(stripe.state.posts).toBe(1);
     expect([...stripe.kept.keys()]).toEqual(['shop/2-0', expect.stringMatching(/^sha256-[A-Za-z0-9_-]{43}$/)]);
     expect(stripe.meter.get('cus_shop')).toBe(6);
-    // The same long id again is the same identifier: Stripe's duplicate, delivered.
-    expect(await sink.deliver([event(long, 0)], new AbortController().signal)).toEqual({ accepted: 'all', held: 1 });
+    // The same long id again, from another instance's sink (a new leader), is the same identifier: Stripe's duplicate, delivered.
+    const next = new BillerSink({
+      url: stripe.url,
+      maxEvents: 1_000_000,
+      batchSize: 500,
+      format: 'stripe',
+      customers: { shop: 'cus_shop' },
+    });
+    expect(await next.deliver([event(long, 0)], new AbortController().signal)).toEqual({ accepted: 'all', held: 1 });
     expect(stripe.state.duplicates).toBe(1);
+  });
+});
+
+describe('a batch sent again', () => {
+  it('costs no POST for the events the biller is known to hold: a round that failed after they landed sends them again', async () => {
+    const stripe = await startStripe(['cus_shop']);
+    const sink = new BillerSink({
+      url: stripe.url,
+      maxEvents: 1_000_000,
+      batchSize: 500,
+      format: 'stripe',
+      customers: { shop: 'cus_shop' },
+    });
+    const batch = Array.from({ length: 100 }, (_, i) =>
+      JSON.stringify({
+        specversion: '1.0',
+        id: `shop/7-${i}`,
+        source: '/pet-store-gateway/production',
+        type: 'com.petstore.gateway.request',
+        subject: 'shop',
+        time: new Date().toISOString(),
+        datacontenttype: 'application/json',
+        data: { units: 1 },
+      }),
+    );
+    const signal = new AbortController().signal;
+    // Kept, its answer lost: the sink cannot know, and the round fails.
+    stripe.state.fault = () => (stripe.state.posts === 1 ? 'lose' : undefined);
+    expect((await sink.deliver(batch, signal)).accepted).toBe('none');
+    // Sent again: Stripe names one held event a refusal, so it learns them one POST each.
+    expect(await sink.deliver(batch, signal)).toEqual({ accepted: 'all', held: 100 });
+    const posts = stripe.state.posts;
+    expect(posts).toBe(101);
+    // A third time (the round failed later, on another batch): no POST at all.
+    expect(await sink.deliver(batch, signal)).toEqual({ accepted: 'all' });
+    expect(stripe.state.posts).toBe(posts);
+    expect(stripe.meter.get('cus_shop')).toBe(100);
   });
 });
 

@@ -1,10 +1,9 @@
 import type { FastifyBaseLogger } from 'fastify';
-import type { QuotaSubject } from '../decision.js';
 import type { DegradedBudget } from './degraded-budget.js';
 import { EventBatches } from './event-batches.js';
 import { subjectKey } from '../../redis/keys.js';
 import { wiresArgs } from '../../redis/wires.js';
-import { softQuota } from '../decision.js';
+import { type QuotaSubject, softQuota } from '../decision.js';
 import type { RefundLine } from '../store.js';
 import { REFUND } from './script.js';
 
