@@ -4,7 +4,7 @@ import { request } from 'undici';
 import type { UsageExport } from '../config/usage-export.js';
 import { type EncodedEvent, REFUND_TYPE, REQUEST_TYPE, splitEvents } from './events.js';
 import { isPermanent, waitMs } from './http-sink.js';
-import { POST_TIMEOUT_MS } from './leader.js';
+import { postDeadline } from './leader.js';
 import type { Accepted, UsageSink } from './sink.js';
 import { type StripeSession, withStripeVersion } from './stripe-session.js';
 
@@ -229,12 +229,13 @@ export class BillerSink implements UsageSink {
     lost: AbortSignal,
     token?: string,
   ): Promise<Accepted | { status: number; body: string; message: string; headers: Record<string, string | string[] | undefined> }> {
+    const deadline = postDeadline(lost);
     try {
       const res = await request(this.target.url, {
         method: 'POST',
         headers: { ...this.headers, ...(token !== undefined && { authorization: `Bearer ${token}` }), 'content-type': 'application/json' },
         body,
-        signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
+        signal: deadline.signal,
       });
       const text = await res.body.text();
       // A message that echoes the token (none of Stripe's do) must not carry it into a log line.
@@ -243,6 +244,8 @@ export class BillerSink implements UsageSink {
     } catch (err) {
       lost.throwIfAborted();
       return { accepted: 'none', reason: (err as Error).message };
+    } finally {
+      deadline.done();
     }
   }
 }

@@ -1,6 +1,6 @@
 import { request } from 'undici';
 import type { EncodedEvent } from './events.js';
-import { POST_TIMEOUT_MS } from './leader.js';
+import { postDeadline } from './leader.js';
 import { ALL_ACCEPTED, type Accepted, type UsageSink } from './sink.js';
 
 /**
@@ -24,13 +24,14 @@ export class HttpCloudEventsSink implements UsageSink {
     lost.throwIfAborted();
     let status: number;
     let headers: Record<string, string | string[] | undefined>;
+    const deadline = postDeadline(lost);
     try {
       // Not fetch: its web streams around the body cost a third of the export thread's CPU (docs/performance.md).
       const res = await request(this.url, {
         method: 'POST',
         headers: { ...this.headers, 'content-type': 'application/cloudevents-batch+json' },
         body: `[${batch.join(',')}]`,
-        signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
+        signal: deadline.signal,
       });
       await res.body.dump();
       status = res.statusCode;
@@ -38,6 +39,8 @@ export class HttpCloudEventsSink implements UsageSink {
     } catch (err) {
       lost.throwIfAborted();
       return { accepted: 'none', reason: (err as Error).message };
+    } finally {
+      deadline.done();
     }
     if (status >= 200 && status < 300) return ALL_ACCEPTED;
     const after = waitMs(status, headers);

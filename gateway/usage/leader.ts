@@ -45,6 +45,28 @@ const RENEW_MS = LEASE_MS / 3;
 /** A customer's sink answered in 6 s; below the lease, so a POST never outlives a lock that was not renewed. */
 export const POST_TIMEOUT_MS = 10_000;
 
+/**
+ * A POST's signal: aborted when `lost` is, or once `ms` have passed. Not `AbortSignal.any([lost,
+ * AbortSignal.timeout(ms)])`: on Node 20 nothing holds that timeout signal, a collection can take
+ * it before it fires (nodejs/node#57736), and the POST then waits for ever (a leader stalled in
+ * export-faults with its lock renewed). `done()` once the POST is over, answer read.
+ */
+export function postDeadline(lost: AbortSignal, ms = POST_TIMEOUT_MS): { signal: AbortSignal; done: () => void } {
+  const c = new AbortController();
+  const abort = () => c.abort(lost.reason);
+  if (lost.aborted) abort();
+  else lost.addEventListener('abort', abort, { once: true });
+  const timer = setTimeout(() => c.abort(new DOMException(`no answer within ${ms} ms`, 'TimeoutError')), ms);
+  timer.unref();
+  return {
+    signal: c.signal,
+    done: () => {
+      clearTimeout(timer);
+      lost.removeEventListener('abort', abort);
+    },
+  };
+}
+
 /** `signal` is aborted as soon as the lead is, or may be, lost. */
 export interface Lead {
   token: number;

@@ -1,6 +1,6 @@
 import { request } from 'undici';
 import { waitMs } from './http-sink.js';
-import { POST_TIMEOUT_MS } from './leader.js';
+import { postDeadline } from './leader.js';
 
 // Stripe's v2 meter event stream takes a meter event session's token, not the secret key: the
 // session is made with the key (`POST /v2/billing/meter_event_session`, Bearer sk_...) and
@@ -67,12 +67,13 @@ export class StripeSession {
     let status: number;
     let text: string;
     let headers: Record<string, string | string[] | undefined>;
+    const deadline = postDeadline(lost);
     try {
       const res = await request(this.url, {
         method: 'POST',
         headers: { ...this.headers, authorization: `Bearer ${this.secret}`, 'content-type': 'application/json' },
         body: '{}',
-        signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
+        signal: deadline.signal,
       });
       text = await res.body.text();
       status = res.statusCode;
@@ -80,6 +81,8 @@ export class StripeSession {
     } catch (err) {
       lost.throwIfAborted();
       return { reason: `no meter event session: ${(err as Error).message}` };
+    } finally {
+      deadline.done();
     }
     if (status === 401 || status === 403)
       return {

@@ -7,7 +7,7 @@ import { accountsOf, ActiveIndex } from './active.js';
 import { alertsPending, moveAlertsCursor, REFUSED } from './cursors.js';
 import type { StreamEntry } from './events.js';
 import { Sweep } from './sweep.js';
-import { DeliveryFailed, type Lead, LeaderLoop, LeadLost, POST_TIMEOUT_MS } from './leader.js';
+import { DeliveryFailed, type Lead, LeaderLoop, LeadLost, postDeadline } from './leader.js';
 
 // Threshold alerts as webhooks signed per Standard Webhooks; quota.lua and topup.lua write each crossing once.
 
@@ -143,6 +143,7 @@ export class WebhookDispatcher extends LeaderLoop<Target, GatewayConfig> {
     };
     lost.throwIfAborted();
     let res: Response;
+    const deadline = postDeadline(lost);
     try {
       res = await fetch(target.url, {
         method: 'POST',
@@ -153,13 +154,15 @@ export class WebhookDispatcher extends LeaderLoop<Target, GatewayConfig> {
           'webhook-signature': signature(target.secret, id, timestamp, body),
         },
         body,
-        signal: AbortSignal.any([lost, AbortSignal.timeout(POST_TIMEOUT_MS)]),
+        signal: deadline.signal,
       });
       await res.arrayBuffer();
     } catch (err) {
       lost.throwIfAborted(); // not the receiver's failure: this instance stopped leading
       await record(null, (err as Error).message);
       throw new DeliveryFailed((err as Error).message, { cause: err });
+    } finally {
+      deadline.done();
     }
     await record(res.status);
     if (!res.ok) throw new DeliveryFailed(`the receiver answered ${res.status}`);

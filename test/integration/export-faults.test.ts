@@ -18,9 +18,9 @@ import { eventually } from '../helpers/time.js';
 // meter = the 200s the clients got = the billing period's count, per account, and the reconcile
 // (exported + pending + dropped + unsettled + rejected = counted) with nothing pending, dropped,
 // unsettled or rejected. Not here: a Redis failover, a billing-day boundary during the run, and
-// answers lost all run long: at one lost a second (every fourth POST), Stripe's export settled in
-// 68 s in one run and not in 240 s in two, on a busy machine (a round is all or nothing, and one
-// that spans the next loss starts again; see docs/operators.md, Stripe).
+// answers lost all run long (tried at one a second, every fourth POST, before a collection could
+// take the POSTs' timeout: leader.ts, postDeadline; Stripe's then did not settle in 240 s in two
+// of three runs; not tried since).
 
 // Not in `npm test` (four minutes a file on a busy machine for parts it already runs smaller):
 // `npm run test:full` at the issue's 10^5, TEST_FULL_SIZE=smoke at 3,000.
