@@ -1,17 +1,44 @@
+import { readFileSync } from 'node:fs';
 import type { Server } from 'node:http';
 import { type AddressInfo, createServer, connect } from 'node:net';
 import { onTestFinished } from 'vitest';
 import { scaled } from './budget.js';
 
-export function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
+/**
+ * Where the kernel hands out ports of its own (outgoing connections, listeners on port 0): a
+ * port taken from there was free when asked, and could be another socket's by the time a child
+ * process binds it (a CI run: `ADMIN_PORT=33167 ... is already in use`).
+ */
+const EPHEMERAL_LOW = (() => {
+  try {
+    return Number(readFileSync('/proc/sys/net/ipv4/ip_local_port_range', 'utf8').trim().split(/\s+/)[0]) || 32_768;
+  } catch {
+    return 32_768;
+  }
+})();
+const LOWEST = 10_000;
+
+const bindable = (port: number) =>
+  new Promise<number | undefined>((resolve) => {
     const srv = createServer();
-    srv.once('error', reject);
-    srv.listen(0, '127.0.0.1', () => {
-      const { port } = srv.address() as { port: number };
-      srv.close(() => resolve(port));
+    srv.once('error', () => resolve(undefined));
+    srv.listen(port, '127.0.0.1', () => {
+      const { port: got } = srv.address() as { port: number };
+      srv.close(() => resolve(got));
     });
   });
+
+/** A free loopback port below the ephemeral range (EPHEMERAL_LOW), at random: nothing else is given it meanwhile. */
+export async function freePort(): Promise<number> {
+  if (EPHEMERAL_LOW - LOWEST >= 1000) {
+    for (let i = 0; i < 100; i++) {
+      const port = await bindable(LOWEST + Math.floor(Math.random() * (EPHEMERAL_LOW - LOWEST)));
+      if (port !== undefined) return port;
+    }
+  }
+  const any = await bindable(0);
+  if (any === undefined) throw new Error('no free loopback port');
+  return any;
 }
 
 /** Resolves once something accepts connections on `port`; `quietMs` is scaled (budget.ts). */
