@@ -1,7 +1,7 @@
-import { existsSync, readdirSync, readFileSync } from 'node:fs';
+import { readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { PerformanceObserver } from 'node:perf_hooks';
 import { beforeAll, describe, expect, it, onTestFinished } from 'vitest';
+import { longestGap, threadCpuMs } from '../helpers/loop-gaps.js';
 import { compileConfig } from '../../gateway/config/config.js';
 import { generateKey } from '../../gateway/auth/keys.js';
 import { timeoutFor } from '../helpers/budget.js';
@@ -18,59 +18,6 @@ import { eventually } from '../helpers/time.js';
 // noise (a GC, 48 ms once on Node 24 in CI) that the bound below was no clear line; at 60,000 it
 // takes about 300 ms and a gap holds 8-18 ms.
 const KEYS = 60_000;
-
-/** This thread's time on a CPU in ms (/proc/thread-self/schedstat, nanoseconds), or undefined off Linux. */
-function threadCpuMs(): number | undefined {
-  if (!existsSync('/proc/thread-self/schedstat')) return undefined;
-  return Number(readFileSync('/proc/thread-self/schedstat', 'utf8').split(' ')[0]) / 1e6;
-}
-
-/**
- * The test and the gateway share this event loop: the longest gap between two turns of a 5 ms
- * timer is the longest any request waited meanwhile. A gap is wall time, so on a loaded machine
- * it also holds the time the scheduler gave this thread's CPU to others (a CI run once saw 201 ms
- * in a gap); what the gateway's own code holds is this thread's CPU time within the gap, less the
- * garbage collector's pauses in it (`held`, asserted): a major GC of a heap holding 60,000 keys
- * took over 100 ms once on Node 24 under load, whether or not the compile is cut into turns. The
- * wall gap and the CPU with the pauses are printed beside it.
- */
-function longestGap(): { stop(): Promise<{ wallMs: number; heldMs: number; withGcMs: number }> } {
-  const gaps: Array<{ from: number; to: number; cpu: number }> = [];
-  const pauses: Array<{ from: number; to: number }> = [];
-  const gc = new PerformanceObserver((list) => {
-    for (const e of list.getEntries()) pauses.push({ from: e.startTime, to: e.startTime + e.duration });
-  });
-  gc.observe({ entryTypes: ['gc'] });
-  let last = performance.now();
-  let lastCpu = threadCpuMs();
-  const measure = () => {
-    const now = performance.now();
-    const cpu = threadCpuMs();
-    gaps.push({ from: last, to: now, cpu: cpu === undefined || lastCpu === undefined ? now - last : cpu - lastCpu });
-    last = now;
-    lastCpu = cpu;
-  };
-  const tick = setInterval(measure, 5);
-  onTestFinished(() => {
-    clearInterval(tick);
-    gc.disconnect();
-  });
-  const paused = (g: { from: number; to: number }) =>
-    pauses.reduce((ms, p) => ms + Math.max(0, Math.min(p.to, g.to) - Math.max(p.from, g.from)), 0);
-  return {
-    stop: async () => {
-      clearInterval(tick);
-      measure(); // a stall just before the stop, no tick since
-      await new Promise((r) => setTimeout(r, 50)); // the observer's last entries
-      gc.disconnect();
-      return {
-        wallMs: Math.max(...gaps.map((g) => g.to - g.from)),
-        heldMs: Math.max(...gaps.map((g) => g.cpu - paused(g))),
-        withGcMs: Math.max(...gaps.map((g) => g.cpu)),
-      };
-    },
-  };
-}
 
 /** The nice value of each of this process's threads (/proc/self/task/<tid>/stat, field 19). */
 function threadNices(): number[] {

@@ -4,13 +4,14 @@ import { afterEach, describe, expect, it, onTestFinished } from 'vitest';
 import { KeyFileThread } from '../../gateway/auth/key-file-thread.js';
 import { tempDir, testConfig, writeConfig } from '../helpers/config.js';
 
-// The key file's edit thread (key-file-thread.ts) ends once idle for 2 s; its exit comes a turn
-// or more after. A change made in that gap was posted to the ending thread and failed with its
-// exit: a portal key create answered an error page on a loaded machine (CI, 2026-11-29).
+// The key file's edit thread (key-file-thread.ts) is told to end once idle for 2 s; its exit
+// comes a turn or more after (longer since it unmaps its heap first). A change made in that gap
+// was posted to the ending thread and failed with its exit: a portal key create answered an error
+// page on a loaded machine (CI, 2026-11-29).
 
-const terminate = Worker.prototype.terminate;
+const postMessage = Worker.prototype.postMessage;
 afterEach(() => {
-  Worker.prototype.terminate = terminate;
+  Worker.prototype.postMessage = postMessage;
 });
 
 describe('the key file thread', () => {
@@ -23,10 +24,9 @@ describe('the key file thread', () => {
     expect(await thread.call<{ id: string }>('createKey', [file, { plan: 'free', id: 'first' }])).toMatchObject({ id: 'first' });
     // The change made at the very moment the idle thread is told to end.
     const racing = new Promise<unknown>((resolve) => {
-      Worker.prototype.terminate = function (this: Worker) {
-        const ended = terminate.call(this);
-        resolve(thread.call('createKey', [file, { plan: 'free', id: 'second' }]).catch((err: Error) => err));
-        return ended;
+      Worker.prototype.postMessage = function (this: Worker, message: unknown, transfer?: readonly Transferable[]) {
+        postMessage.call(this, message, transfer as never);
+        if (message === 'end') resolve(thread.call('createKey', [file, { plan: 'free', id: 'second' }]).catch((err: Error) => err));
       };
     });
     expect(await racing).toMatchObject({ id: 'second' });
