@@ -25,6 +25,23 @@ const metric = async (gw: TestGateway, name: string) =>
 
 const subjectOf = (gw: TestGateway, id: string) => [...gw.gateway.config().consumers.values()].find((c) => c.id === id)!.subject;
 
+/** A usage event as the exporter writes it, for the sink tests that call a BillerSink directly. */
+const usageEvent = (id: string, { ageMs = 0, units = 1 } = {}) =>
+  JSON.stringify({
+    specversion: '1.0',
+    id,
+    source: '/pet-store-gateway/production',
+    type: 'com.petstore.gateway.request',
+    subject: 'shop',
+    time: new Date(Date.now() - ageMs).toISOString(),
+    datacontenttype: 'application/json',
+    data: { units },
+  });
+
+/** A Stripe sink for the account shop at the shipped batch size (the profile caps it at Stripe's 100). */
+const stripeSink = (url: string, headers?: Record<string, string>) =>
+  new BillerSink({ url, maxEvents: 1_000_000, batchSize: 500, format: 'stripe', customers: { shop: 'cus_shop' } }, headers);
+
 /** Requests one at a time (the backend's every-other drop then falls on every other one): how many were answered 200. */
 async function send(gw: TestGateway, key: TestKey, n: number): Promise<number> {
   let delivered = 0;
@@ -163,25 +180,9 @@ describe('usage export in the lago format', () => {
 describe("Stripe's backdate window", () => {
   it('sets an event older than 35 days aside without a POST; a 34-day-old one goes', async () => {
     const stripe = await startStripe(['cus_shop']);
-    const sink = new BillerSink({
-      url: stripe.url,
-      maxEvents: 1_000_000,
-      batchSize: 500,
-      format: 'stripe',
-      customers: { shop: 'cus_shop' },
-    });
+    const sink = stripeSink(stripe.url);
     const day = 24 * 3600 * 1000;
-    const event = (id: string, ageMs: number) =>
-      JSON.stringify({
-        specversion: '1.0',
-        id,
-        source: '/pet-store-gateway/production',
-        type: 'com.petstore.gateway.request',
-        subject: 'shop',
-        time: new Date(Date.now() - ageMs).toISOString(),
-        datacontenttype: 'application/json',
-        data: { units: 3 },
-      });
+    const event = (id: string, ageMs: number) => usageEvent(id, { ageMs, units: 3 });
     // An id over Stripe's 100 characters goes as a stable digest of it.
     const long = `shop/${'9'.repeat(120)}`;
     const old = event('shop/1-0', 36 * day);
@@ -191,13 +192,7 @@ describe("Stripe's backdate window", () => {
     expect([...stripe.kept.keys()]).toEqual(['shop/2-0', expect.stringMatching(/^sha256-[A-Za-z0-9_-]{43}$/)]);
     expect(stripe.meter.get('cus_shop')).toBe(6);
     // The same long id again, from another instance's sink (a new leader), is the same identifier: Stripe's duplicate, delivered.
-    const next = new BillerSink({
-      url: stripe.url,
-      maxEvents: 1_000_000,
-      batchSize: 500,
-      format: 'stripe',
-      customers: { shop: 'cus_shop' },
-    });
+    const next = stripeSink(stripe.url);
     expect(await next.deliver([event(long, 0)], new AbortController().signal)).toEqual({ accepted: 'all', held: 1 });
     expect(stripe.state.duplicates).toBe(1);
   });
@@ -206,25 +201,8 @@ describe("Stripe's backdate window", () => {
 describe('a batch sent again', () => {
   it('costs no POST for the events the biller is known to hold: a round that failed after they landed sends them again', async () => {
     const stripe = await startStripe(['cus_shop']);
-    const sink = new BillerSink({
-      url: stripe.url,
-      maxEvents: 1_000_000,
-      batchSize: 500,
-      format: 'stripe',
-      customers: { shop: 'cus_shop' },
-    });
-    const batch = Array.from({ length: 100 }, (_, i) =>
-      JSON.stringify({
-        specversion: '1.0',
-        id: `shop/7-${i}`,
-        source: '/pet-store-gateway/production',
-        type: 'com.petstore.gateway.request',
-        subject: 'shop',
-        time: new Date().toISOString(),
-        datacontenttype: 'application/json',
-        data: { units: 1 },
-      }),
-    );
+    const sink = stripeSink(stripe.url);
+    const batch = Array.from({ length: 100 }, (_, i) => usageEvent(`shop/7-${i}`));
     const signal = new AbortController().signal;
     // Kept, its answer lost: the sink cannot know, and the round fails.
     stripe.state.fault = () => (stripe.state.posts === 1 ? 'lose' : undefined);
@@ -243,19 +221,9 @@ describe('a batch sent again', () => {
 describe("Stripe's API version", () => {
   it('is the one usage.export.headers names, when it names one, sent once', async () => {
     const stripe = await startStripe(['cus_shop']);
-    const target = { url: stripe.url, maxEvents: 1_000_000, batchSize: 500, format: 'stripe' as const, customers: { shop: 'cus_shop' } };
     // An account that pins its own (any case of the name): ours must not go beside it (Node would join the two).
-    const sink = new BillerSink(target, { 'Stripe-Version': '2025-03-31.basil' });
-    const event = JSON.stringify({
-      specversion: '1.0',
-      id: 'shop/1-0',
-      source: '/pet-store-gateway/production',
-      type: 'com.petstore.gateway.request',
-      subject: 'shop',
-      time: new Date().toISOString(),
-      datacontenttype: 'application/json',
-      data: { units: 1 },
-    });
+    const sink = stripeSink(stripe.url, { 'Stripe-Version': '2025-03-31.basil' });
+    const event = usageEvent('shop/1-0');
     expect(await sink.deliver([event], new AbortController().signal)).toEqual({ accepted: 'all' });
     expect(stripe.state.versions).toEqual(['2025-03-31.basil']);
   });
