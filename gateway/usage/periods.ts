@@ -13,7 +13,7 @@ export const CLOSED_TYPE = 'com.petstore.gateway.period.closed';
 export const SEP = '|';
 /** Its events' ids and units: the sum of SHA-256(`<id> <units>`) over them, mod 2^256 (order-free, so it grows with each move). */
 export const DIGEST = 'sha256-sum';
-/** The plan and route of a refund whose request was not at hand (a reply Redis kept, settled later): its own line; no plan is named so. */
+/** The plan and route of a refund whose request was not at hand (an event of a gateway before 2026-11-29): its own line; no plan is named so. */
 export const UNKNOWN_LINE = '?';
 const MOD = 1n << 256n;
 /** A statement is kept some 13 months after its last write. */

@@ -132,6 +132,15 @@ describe('a quota reply lost or late', () => {
     await eventually(() => refunded('request-late') && refunded('request-dropped'), 20_000, 'the late and dropped requests refunded');
     expect(rids.map((rid) => of(rid).length)).toEqual([1, 1, 1]);
     expect(refunded('request-lost')).toBe(false);
+    // Each refund in its request's statement line (plan and route), which prices it, not in '?'.
+    for (const rid of ['request-late', 'request-dropped']) {
+      const request = of(rid)[0]!.data!;
+      const refund = [...sink.events.values()].find(
+        (e) => e.type === 'com.petstore.gateway.request.refunded' && e.data!.refundOf === of(rid)[0]!.id,
+      )!;
+      expect({ rid, plan: refund.data!.plan, route: refund.data!.route }).toEqual({ rid, plan: 'prepaid', route: request.route });
+      expect(request.route).toBe('listPets');
+    }
   });
 });
 

@@ -1,6 +1,7 @@
 import type { FastifyBaseLogger } from 'fastify';
 import { LATE, within } from '../../redis/client.js';
 import type { QuotaSubject } from '../decision.js';
+import type { RefundLine } from '../store.js';
 import { type RefundCall, refundArgs } from './refunds.js';
 import { CALL_KEEP_MS, type QuotaReply, type Resolved, resolvedFrom } from './script.js';
 
@@ -16,6 +17,8 @@ interface LostCall {
   subject: QuotaSubject;
   cost: number;
   sentMono: number;
+  /** The request's plan and route, for its refund event ('' each if the call was no request's). */
+  line?: RefundLine;
 }
 
 export interface LostRepliesOptions {
@@ -48,10 +51,10 @@ export class LostReplies {
 
   constructor(private readonly o: LostRepliesOptions) {}
 
-  add(subject: QuotaSubject, id: string, cost: number, sentMono: number, err: unknown): void {
+  add(subject: QuotaSubject, id: string, cost: number, sentMono: number, err: unknown, line?: RefundLine): void {
     if (err instanceof Error && NOT_SENT.test(err.message)) return;
     if (this.lost.size >= MAX_LOST) return this.o.unresolved();
-    this.lost.set(id, { subject, cost, sentMono });
+    this.lost.set(id, { subject, cost, sentMono, line });
     this.soon();
   }
 
@@ -83,10 +86,10 @@ export class LostReplies {
     if (this.lost.size > 0) this.soon();
   }
 
-  private async resolveOne(id: string, { subject, cost, sentMono }: LostCall): Promise<void> {
+  private async resolveOne(id: string, { subject, cost, sentMono, line }: LostCall): Promise<void> {
     let done: Resolved;
     try {
-      const call: RefundCall = { countedAtMs: 0, units: cost, callId: id };
+      const call: RefundCall = { countedAtMs: 0, units: cost, callId: id, line };
       const raw = await within(this.o.refund(...refundArgs(subject, call)), this.o.timeoutMs);
       if (raw === LATE) return; // asked again: a second run finds the first's mark and does nothing
       done = resolvedFrom(raw);

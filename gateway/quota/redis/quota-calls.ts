@@ -1,5 +1,6 @@
 import { LATE, within } from '../../redis/client.js';
 import type { EventTag, QuotaSubject, WindowCounts } from '../decision.js';
+import type { RefundLine } from '../store.js';
 import type { Clock, RedisClock } from './clock.js';
 import type { DegradedBudget } from './degraded-budget.js';
 import type { Fleet } from './fleet.js';
@@ -36,7 +37,8 @@ export interface QuotaCallsOptions {
   fleet: () => Fleet;
   lost: () => LostReplies;
   /** A reply that came after the call was given up on: what it counted is undone. */
-  late: (subject: QuotaSubject, late: QuotaReply, sentMono: number, cost: number, id: string) => void;
+  /** `line`: the request's plan and route, for the refund event of a request's units undone. */
+  late: (subject: QuotaSubject, late: QuotaReply, sentMono: number, cost: number, id: string, line?: RefundLine) => void;
 }
 
 /**
@@ -72,6 +74,8 @@ export class QuotaCalls {
     const sentAt = clock.wall();
     // The call's id, and the id of a credit lease or a concurrency slot it takes.
     const id = `${this.c.instanceId}:${++this.calls}`;
+    // A request's statement line, for a refund if what this call counts is undone (a late or a lost reply).
+    const line = tag && { plan: tag.plan, route: tag.route };
     let reply: QuotaReply | typeof LATE;
     try {
       const deadline = redisClock.deadline(sentAt, o.timeoutMs);
@@ -81,13 +85,13 @@ export class QuotaCalls {
       reply = raw === LATE ? LATE : quotaReply(raw);
       if (reply === LATE)
         call.then(
-          (late) => this.c.late(subject, quotaReply(late), sentMono, cost, id),
-          (err: unknown) => this.c.lost().add(subject, id, cost, sentMono, err),
+          (late) => this.c.late(subject, quotaReply(late), sentMono, cost, id, line),
+          (err: unknown) => this.c.lost().add(subject, id, cost, sentMono, err, line),
         );
     } catch (err) {
       const waitedMs = clock.mono() - sentMono;
       o.observe(waitedMs / 1000);
-      this.c.lost().add(subject, id, cost, sentMono, err);
+      this.c.lost().add(subject, id, cost, sentMono, err, line);
       this.c.fleet().failed(err);
       this.markWritten(subject, tag);
       return { taken: 0, tokens: 0, sentMono, waitedMs, id };

@@ -129,8 +129,8 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
     this.slots = new Slots({ redis, log, ttlMs: o.slotTtlMs, lingerMs: o.slotLingerMs });
     this.tokens = new BurstTokens(this.clock, o.burstTokens);
     const { leases, statuses } = this;
-    const late = (subject: QuotaSubject, r: QuotaReply, sentMono: number, cost: number, id: string) =>
-      this.undo(subject, r, sentMono, cost, id);
+    const late = (subject: QuotaSubject, r: QuotaReply, sentMono: number, cost: number, id: string, line?: RefundLine) =>
+      this.undo(subject, r, sentMono, cost, id, line);
     const quota = (...args: Array<number | string>) => this.redis.quota(...args);
     const fleet = () => this.fleet;
     const lost = () => this.lost;
@@ -299,14 +299,14 @@ export class RedisQuotaStore implements RequestPath, AccountBook, Operations {
    * with the next call, as a lapsed lease's are; a request's units are refunded, with its
    * credits, its overage and its usage event. Never counted without being delivered.
    */
-  private undo(subject: QuotaSubject, late: QuotaReply, sentMono: number, cost: number, id: string): void {
+  private undo(subject: QuotaSubject, late: QuotaReply, sentMono: number, cost: number, id: string, line?: RefundLine): void {
     const { taken } = late;
     if (late.outcome !== 0 || taken === 0) return;
     this.tally.undone++;
     if (subject.short?.concurrent) this.slots.release(subject, id); // a slot serving no request, free at once
     if (taken > cost)
       return this.giveBack(subject, this.leaseFor(subject, leaseOf(taken, taken, sentMono, late.nowMs, countsOf(late), id)));
-    void this.refunds.inRedis(subject, late.nowMs, taken, late.eventId);
+    void this.refunds.inRedis(subject, late.nowMs, taken, late.eventId, line);
   }
 
   /**
