@@ -28,12 +28,13 @@ const member = (d: Due) => `${d.startMs} ${d.endMs} ${d.name}`;
  * instance that died keeps its units unsettled for good), and no unsent bundle written before
  * the end plus `settle` (a bundle's events are its instance's of the last `settle`, in the order
  * their statuses came, so none written after that holds one of the period's, but for an instance
- * that Redis held up longer: a correction). Fenced as the cursor's moves. 1: frozen (now or
+ * that Redis held up longer: a correction). Keeps ARG.prices (the plans' prices then) beside it,
+ * which the period is priced by from then on. Fenced as the cursor's moves. 1: frozen (now or
  * before); 0: not yet; -2: fenced.
  */
 const FREEZE = {
   keys: ['statements', 'cursor', 'stream', 'bundles'],
-  argv: ['token', 'start', 'end', 'settle'],
+  argv: ['token', 'start', 'end', 'settle', 'prices'],
   lua: `if tonumber(ARG.token) < tonumber(redis.call('HGET', KEY.cursor, 'fence') or '0') then return -2 end
 if redis.call('HEXISTS', KEY.statements, ARG.start .. '${SEP}frozen') == 1 then return 1 end
 local t = redis.call('TIME')
@@ -46,6 +47,7 @@ if first and tonumber(string.match(first[1], '^(%d+)')) < e then return 0 end
 local bundle = redis.call('XRANGE', KEY.bundles, '-', '+', 'COUNT', 1)[1]
 if bundle and tonumber(string.match(bundle[1], '^(%d+)')) < e + settle then return 0 end
 redis.call('HSET', KEY.statements, ARG.start .. '${SEP}frozen', now)
+if ARG.prices ~= '' then redis.call('HSET', KEY.statements, ARG.start .. '${SEP}prices', ARG.prices) end
 redis.call('PEXPIRE', KEY.statements, ${STATEMENT_KEEP_MS})
 if tonumber(redis.call('HGET', KEY.statements, 'frozen') or '0') < e then redis.call('HSET', KEY.statements, 'frozen', e) end
 redis.call('HSET', KEY.cursor, 'fence', ARG.token)
@@ -113,7 +115,14 @@ export async function notYet(redis: RedisClient, prefix: string, d: Due, nowMs: 
   await redis.zadd(periodsKey(prefix), 'XX', next, member(d));
 }
 
-export async function freeze(redis: RedisClient, d: Due, token: number, settleMs: number): Promise<'frozen' | 'not yet' | 'fenced'> {
+/** `prices`: the plans' prices in force (prices.ts, pricesInForce), kept with the frozen period; '' keeps none. */
+export async function freeze(
+  redis: RedisClient,
+  d: Due,
+  token: number,
+  settleMs: number,
+  prices = '',
+): Promise<'frozen' | 'not yet' | 'fenced'> {
   const keys = {
     statements: subjectKey.statements(d.name),
     cursor: subjectKey.eventsCursor(d.name),
@@ -121,7 +130,9 @@ export async function freeze(redis: RedisClient, d: Due, token: number, settleMs
     bundles: subjectKey.bundles(d.name),
   };
   const n = Number(
-    await (redis as CloseRedis).freezePeriod(...wiresArgs(FREEZE, keys, { token, start: d.startMs, end: d.endMs, settle: settleMs })),
+    await (redis as CloseRedis).freezePeriod(
+      ...wiresArgs(FREEZE, keys, { token, start: d.startMs, end: d.endMs, settle: settleMs, prices }),
+    ),
   );
   return n === 1 ? 'frozen' : n === 0 ? 'not yet' : 'fenced';
 }

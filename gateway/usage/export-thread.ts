@@ -3,6 +3,7 @@ import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig } from '../config/config.js';
 import type { RedisTarget } from '../redis/client.js';
 import type { ExportMetrics } from './exporter.js';
+import { pricesInForce } from './prices.js';
 
 // The exporter on its own thread: leading costs 15-17 us of CPU a request against 9-11 at 3,000/s (docs/performance.md,
 // "Usage export off the request thread"), which would slow the leader's requests and bound the whole export.
@@ -17,6 +18,8 @@ export interface PostedConfig {
   billingDays: Array<[account: string, day: number]>;
   /** exporter.ts, ExportConfig.settleMs. */
   settleMs: number;
+  /** exporter.ts, ExportConfig.prices. */
+  prices: string;
 }
 
 export interface ThreadData {
@@ -41,6 +44,7 @@ const posted = (c: GatewayConfig, settleMs: number): PostedConfig => ({
   accounts: [...c.accounts].map(([account, subject]) => [account, subject.name]),
   billingDays: [...c.billingDays],
   settleMs,
+  prices: pricesInForce(c.plans),
 });
 
 /** Under `npm test` (sources run by tsx) a bootstrap registers tsx in the thread first. */

@@ -24,6 +24,7 @@ const view = (c: PostedConfig): ExportConfig => ({
   accountOf: (name) => accountOfName(c.redisPrefix, name),
   billingDays: new Map(c.billingDays),
   settleMs: c.settleMs,
+  prices: c.prices,
 });
 let config = view(data.config);
 

@@ -61,6 +61,8 @@ export type ExportConfig = LoopConfig &
     billingDays?: ReadonlyMap<string, number>;
     /** How long after a period's end an event of it may still be written (closes.ts): this instance's settings'. */
     settleMs?: number;
+    /** The plans' prices (prices.ts, pricesInForce), kept with each period frozen. */
+    prices?: string;
   };
 
 /** At the shipped settings (event-batches.ts, settleOf): a test holds the two equal. */
@@ -240,7 +242,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
         await forget(this.redis, config.redisPrefix, d);
         continue;
       }
-      const frozen = await freeze(this.redis, d, lead.token, config.settleMs ?? SETTLE_MS);
+      const frozen = await freeze(this.redis, d, lead.token, config.settleMs ?? SETTLE_MS, config.prices);
       if (frozen === 'fenced') throw new LeadLost(`the period of ${subjectKey.statements(d.name)} was frozen by a newer lead`);
       if (frozen === 'not yet') await notYet(this.redis, config.redisPrefix, d, now, config.settleMs ?? SETTLE_MS);
       else closing.push({ d, name, statement: await frozenStatement(this.redis, d) });

@@ -41,8 +41,24 @@ export function decimal(n: bigint): string {
   return `${sign}${digits.slice(0, -PRICE_DECIMALS)}${fraction && `.${fraction}`}`;
 }
 
-/** The statement with each line's price and amount, by its plan's prices (`plans`: the config's). */
-export function priced(s: Statement, plans: Readonly<Record<string, { prices?: PlanPrices }>>): PricedStatement {
+type PlansPriced = Readonly<Record<string, { prices?: PlanPrices }>>;
+
+/**
+ * The plans' prices as a period's freeze keeps them (closes.ts): `{"<plan>":{"prices":{...}}}`
+ * for the plans that have some, so a closed period is priced as it was when it closed, whatever
+ * the config says since. As many entries as plans, whatever the accounts.
+ */
+export function pricesInForce(plans: PlansPriced): string {
+  return JSON.stringify(Object.fromEntries(Object.entries(plans).flatMap(([plan, p]) => (p.prices ? [[plan, { prices: p.prices }]] : []))));
+}
+
+/** The prices a period is priced by: those its freeze kept (`kept`, pricesInForce's), else the config's (an open period, or one frozen before 2026-11-29). */
+export function pricesFor(kept: string | undefined, plans: PlansPriced): PlansPriced {
+  return kept === undefined ? plans : (JSON.parse(kept) as PlansPriced);
+}
+
+/** The statement with each line's price and amount, by its plan's prices (`plans`: the config's, or pricesFor's). */
+export function priced(s: Statement, plans: PlansPriced): PricedStatement {
   let currency: string | null = null;
   let total: bigint | null = null;
   const lines = s.lines.map((line): PricedLine => {

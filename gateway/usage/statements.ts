@@ -3,8 +3,8 @@ import { GatewayError } from '../errors.js';
 import { billingPeriod, type Period } from '../quota/period.js';
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
-import { DIGEST, statementOf } from './periods.js';
-import { type PricedStatement, priced } from './prices.js';
+import { DIGEST, SEP, statementOf } from './periods.js';
+import { type PricedStatement, priced, pricesFor } from './prices.js';
 import { Type } from '@sinclair/typebox';
 
 // A usage statement per billing period (issue 49): GET /v1/me/statements/{period} and
@@ -116,6 +116,7 @@ export async function accountStatement(
     billingDay,
     // The quota the overage counts past: the month's limit less what overage admits (config.ts, ceilings).
     included: consumer.subject.limits.perMonth ? consumer.subject.limits.perMonth - consumer.subject.billing.overage : null,
-    ...priced(statementOf(hash, period), config.plans),
+    // A frozen period by the prices it froze with; an open one by the config's.
+    ...priced(statementOf(hash, period), pricesFor(hash[`${period.startMs}${SEP}prices`], config.plans)),
   };
 }

@@ -2,7 +2,7 @@ import { createHash } from 'node:crypto';
 import { Ajv2020 } from 'ajv/dist/2020.js';
 import formats from 'ajv-formats';
 import type { Redis } from 'ioredis';
-import { afterAll, beforeAll, describe, expect, inject, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
 import { CLOSE_RETRY_MS, defineCloseScripts, duePeriods, freeze, notYet, periodsTouched } from '../../gateway/usage/closes.js';
@@ -76,18 +76,20 @@ describe('a billing period closed at the sink', () => {
   const usage = (e: Sunk) => e.type.startsWith('com.petstore.gateway.request');
   const statement = async (g: TestGateway, period: string) =>
     (await adminCall(g, TOKEN, `/admin/accounts/${account}/statements/${period}`)).json();
+  const configAt = (p: ConfigFile['plans']) =>
+    testConfig([key], {
+      plans: p,
+      accounts: { [account]: { billingDay } },
+      // The statement routes, the document and the portal's pages count on the per-address quota: more than testConfig's 4 a minute here.
+      unauthenticated: { perMinute: 1000 },
+      usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 50 } },
+    });
 
   beforeAll(async () => {
     sink = await startSink();
     redis = testClient(inject('redisUrl'));
     ({ instances: gateways } = await buildInstances(3, {
-      config: testConfig([key], {
-        plans,
-        accounts: { [account]: { billingDay } },
-        // The statement routes, the document and the portal's pages count on the per-address quota: more than testConfig's 4 a minute here.
-        unauthenticated: { perMinute: 1000 },
-        usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 50 } },
-      }),
+      config: configAt(plans),
       admin: { token: TOKEN },
       backend: 'pets', // its document: the gateway's is made from it
     }));
@@ -239,6 +241,12 @@ describe('a billing period closed at the sink', () => {
     } finally {
       await browser.close();
     }
+    // The price raised since: the closed period stays as it was billed (its freeze kept the
+    // prices); the open one is priced at the new.
+    gateways[0]!.load(configAt({ metered: { ...plans.metered!, prices: { currency: 'EUR', unit: '0.02' } } }));
+    onTestFinished(() => gateways[0]!.load(configAt(plans)));
+    expect((await statement(gateways[0]!, iso(previousStart).slice(0, 10))).totals.amount).toBe('0.075');
+    expect((await statement(gateways[0]!, 'current')).totals.amount).toBe('0.8'); // 40 units at 0.02
   });
 
   it('sends an event of the closed period that comes late into the current one, flagged, and leaves the closed one as it was', async () => {

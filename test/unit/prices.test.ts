@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { validateConfigFile } from '../../gateway/config/config.js';
 import { DIGEST, type Statement } from '../../gateway/usage/periods.js';
-import { decimal, priced } from '../../gateway/usage/prices.js';
+import { decimal, priced, pricesFor, pricesInForce } from '../../gateway/usage/prices.js';
 
 // A statement's money (issue 49, item 6): each line's amount from its plan's prices, exact.
 
@@ -86,5 +86,16 @@ describe('prices in the config', () => {
     expect(problems(file({ currency: 'USD' }, { biz: { perMinute: 10, perDay: 100, prices: { currency: 'EUR' } } }))).toEqual([
       "plans: prices are in one currency, a statement's total in it; found USD, EUR",
     ]);
+  });
+
+  it('prices a frozen period by the prices its freeze kept, which name only the plans that had some; an open one by the config', () => {
+    const then = { pro: { prices: { currency: 'USD', unit: '0.1' } }, free: {} };
+    const kept = pricesInForce(then);
+    expect(JSON.parse(kept)).toEqual({ pro: { prices: { currency: 'USD', unit: '0.1' } } });
+    const now = { pro: { prices: { currency: 'USD', unit: '0.5' } }, free: {} };
+    const s = statement([line('pro', 'listPets', 3, 0)]);
+    expect([priced(s, pricesFor(kept, now)).totals.amount, priced(s, pricesFor(undefined, now)).totals.amount]).toEqual(['0.3', '1.5']);
+    // Frozen when no plan had prices: none, whatever came since.
+    expect(priced(s, pricesFor(pricesInForce({ pro: {} }), now)).totals.amount).toBeNull();
   });
 });
