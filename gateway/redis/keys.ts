@@ -59,6 +59,9 @@ export const subjectKey = {
   history: (name: string, unit: 'm' | 'd', startMs: number) => `${name}:hist:${unit}:${startMs}`,
 } as const;
 
+/** The plans' prices as they changed (a sorted set by when, in Redis time): what a period that ended is priced by (usage/closes.ts). */
+export const pricesKey = (prefix: string) => `${prefix}:{prices}`;
+
 /** The whole deployment's requests by outcome, as the accounts' `history` buckets, in one slot of their own. */
 export const deploymentHistoryKey = (prefix: string, unit: 'm' | 'd', startMs: number) => `${prefix}:{history}:${unit}:${startMs}`;
 /** The accounts' admitted requests in the UTC month from `monthStartMs` (a sorted set, by subject name): the operator's top accounts. */

@@ -1,5 +1,5 @@
 import type { RedisClient } from '../redis/client.js';
-import { loopKey, subjectKey } from '../redis/keys.js';
+import { loopKey, pricesKey, subjectKey } from '../redis/keys.js';
 import { defineScript, type Script, wiresArgs } from '../redis/wires.js';
 import { eventId, type EncodedEvent } from './events.js';
 import { CLOSED_TYPE, SEP, STATEMENT_KEEP_MS, type Statement, statementOf } from './periods.js';
@@ -28,13 +28,12 @@ const member = (d: Due) => `${d.startMs} ${d.endMs} ${d.name}`;
  * instance that died keeps its units unsettled for good), and no unsent bundle written before
  * the end plus `settle` (a bundle's events are its instance's of the last `settle`, in the order
  * their statuses came, so none written after that holds one of the period's, but for an instance
- * that Redis held up longer: a correction). Keeps ARG.prices (the plans' prices then) beside it,
- * which the period is priced by from then on. Fenced as the cursor's moves. 1: frozen (now or
+ * that Redis held up longer: a correction). Fenced as the cursor's moves. 1: frozen (now or
  * before); 0: not yet; -2: fenced.
  */
 const FREEZE = {
   keys: ['statements', 'cursor', 'stream', 'bundles'],
-  argv: ['token', 'start', 'end', 'settle', 'prices'],
+  argv: ['token', 'start', 'end', 'settle'],
   lua: `if tonumber(ARG.token) < tonumber(redis.call('HGET', KEY.cursor, 'fence') or '0') then return -2 end
 if redis.call('HEXISTS', KEY.statements, ARG.start .. '${SEP}frozen') == 1 then return 1 end
 local t = redis.call('TIME')
@@ -47,7 +46,6 @@ if first and tonumber(string.match(first[1], '^(%d+)')) < e then return 0 end
 local bundle = redis.call('XRANGE', KEY.bundles, '-', '+', 'COUNT', 1)[1]
 if bundle and tonumber(string.match(bundle[1], '^(%d+)')) < e + settle then return 0 end
 redis.call('HSET', KEY.statements, ARG.start .. '${SEP}frozen', now)
-if ARG.prices ~= '' then redis.call('HSET', KEY.statements, ARG.start .. '${SEP}prices', ARG.prices) end
 redis.call('PEXPIRE', KEY.statements, ${STATEMENT_KEEP_MS})
 if tonumber(redis.call('HGET', KEY.statements, 'frozen') or '0') < e then redis.call('HSET', KEY.statements, 'frozen', e) end
 redis.call('HSET', KEY.cursor, 'fence', ARG.token)
@@ -65,14 +63,35 @@ redis.call('PEXPIRE', KEY.statements, ${STATEMENT_KEEP_MS})
 return 1`,
 } as const satisfies Script<string, string>;
 
+/**
+ * Notes the plans' prices (prices.ts, pricesInForce) as of Redis's time, unless they are the last
+ * noted: `<ms>|<json>` by ms. A period that ended is priced by the last noted before its end, so
+ * a price changed at a boundary prices the next period, not the one that ended. Noted more than
+ * STATEMENT_KEEP_MS ago, all but the last of them go. 1: noted; 0: the same as the last.
+ */
+const PRICES = {
+  keys: ['prices'],
+  argv: ['prices'],
+  lua: `local last = redis.call('ZRANGE', KEY.prices, 0, 0, 'REV')[1]
+if last and string.sub(last, string.find(last, '|', 1, true) + 1) == ARG.prices then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEY.prices, now, now .. '|' .. ARG.prices)
+local kept = redis.call('ZRANGE', KEY.prices, now - ${STATEMENT_KEEP_MS}, '-inf', 'BYSCORE', 'REV', 'LIMIT', 0, 1, 'WITHSCORES')[2]
+if kept then redis.call('ZREMRANGEBYSCORE', KEY.prices, '-inf', '(' .. kept) end
+return 1`,
+} as const satisfies Script<string, string>;
+
 type CloseRedis = RedisClient & {
   freezePeriod(...keysThenArgs: Array<string | number>): Promise<number>;
   closePeriod(...keysThenArgs: Array<string | number>): Promise<number>;
+  notePrices(...keysThenArgs: Array<string | number>): Promise<number>;
 };
 
 export function defineCloseScripts(redis: RedisClient): void {
   defineScript(redis, 'freezePeriod', FREEZE);
   defineScript(redis, 'closePeriod', CLOSE);
+  defineScript(redis, 'notePrices', PRICES);
 }
 
 /**
@@ -115,14 +134,7 @@ export async function notYet(redis: RedisClient, prefix: string, d: Due, nowMs: 
   await redis.zadd(periodsKey(prefix), 'XX', next, member(d));
 }
 
-/** `prices`: the plans' prices in force (prices.ts, pricesInForce), kept with the frozen period; '' keeps none. */
-export async function freeze(
-  redis: RedisClient,
-  d: Due,
-  token: number,
-  settleMs: number,
-  prices = '',
-): Promise<'frozen' | 'not yet' | 'fenced'> {
+export async function freeze(redis: RedisClient, d: Due, token: number, settleMs: number): Promise<'frozen' | 'not yet' | 'fenced'> {
   const keys = {
     statements: subjectKey.statements(d.name),
     cursor: subjectKey.eventsCursor(d.name),
@@ -130,9 +142,7 @@ export async function freeze(
     bundles: subjectKey.bundles(d.name),
   };
   const n = Number(
-    await (redis as CloseRedis).freezePeriod(
-      ...wiresArgs(FREEZE, keys, { token, start: d.startMs, end: d.endMs, settle: settleMs, prices }),
-    ),
+    await (redis as CloseRedis).freezePeriod(...wiresArgs(FREEZE, keys, { token, start: d.startMs, end: d.endMs, settle: settleMs })),
   );
   return n === 1 ? 'frozen' : n === 0 ? 'not yet' : 'fenced';
 }
@@ -178,4 +188,20 @@ export function closedEvent(account: string, source: string, s: Statement & { fr
       digest: s.digest,
     },
   });
+}
+
+/** The plans' prices as pricesInForce gives them, noted if they changed since the last noted. */
+export async function notePrices(redis: RedisClient, prefix: string, prices: string): Promise<void> {
+  await (redis as CloseRedis).notePrices(...wiresArgs(PRICES, { prices: pricesKey(prefix) }, { prices }));
+}
+
+/**
+ * The prices a period ending at `endMs` is priced by: the last noted before its end, or, for a
+ * period that ended before any was noted, the first noted; undefined: none noted.
+ */
+export async function pricesAt(redis: RedisClient, prefix: string, endMs: number): Promise<string | undefined> {
+  const key = pricesKey(prefix);
+  const [entry] = await redis.zrange(key, `(${endMs}`, '-inf', 'BYSCORE', 'REV', 'LIMIT', 0, 1);
+  const found = entry ?? (await redis.zrange(key, 0, 0))[0];
+  return found?.slice(found.indexOf('|') + 1);
 }

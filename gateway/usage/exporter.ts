@@ -17,6 +17,7 @@ import {
   freeze,
   frozenStatement,
   markClosed,
+  notePrices,
   notYet,
   periodsTouched,
 } from './closes.js';
@@ -61,9 +62,12 @@ export type ExportConfig = LoopConfig &
     billingDays?: ReadonlyMap<string, number>;
     /** How long after a period's end an event of it may still be written (closes.ts): this instance's settings'. */
     settleMs?: number;
-    /** The plans' prices (prices.ts, pricesInForce), kept with each period frozen. */
+    /** The plans' prices (prices.ts, pricesInForce), noted when they change (closes.ts, notePrices). */
     prices?: string;
   };
+
+/** Between two notes of the same prices (notePrices). */
+const PRICES_AGAIN_MS = 60_000;
 
 /** At the shipped settings (event-batches.ts, settleOf): a test holds the two equal. */
 export const SETTLE_MS = 55_000;
@@ -89,6 +93,8 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   private sink?: { target: UsageExport; sink: UsageSink };
   private nextClose = 0;
   private closeBackoffMs = 0;
+  /** The prices this instance last noted (closes.ts, notePrices), and when. */
+  private pricesNoted: { prices?: string; at: number } = { at: 0 };
   /** The ids of the events the sink set aside this round. */
   private readonly setAside = new Set<string>();
 
@@ -129,6 +135,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
 
   protected async round(config: ExportConfig, target: UsageExport, lead: Lead): Promise<{ sent: number; full: boolean }> {
     await this.sweep.step(config);
+    await this.notePrices(config);
     const size = batchLimit(target);
     const { picked, more } = await this.index.take(config, Math.min(ACCOUNTS_PER_ROUND, size));
     const { account } = accountsOf(config);
@@ -226,6 +233,18 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   }
 
   /**
+   * The prices as they change, before the periods they price close: noted when this instance's
+   * change, and once a minute besides (an instance of an older config may have noted its own
+   * meanwhile, as in a rolling reload); the script writes nothing while they are the last noted.
+   */
+  private async notePrices(config: ExportConfig): Promise<void> {
+    const now = Date.now();
+    if (config.prices === undefined || (config.prices === this.pricesNoted.prices && now < this.pricesNoted.at + PRICES_AGAIN_MS)) return;
+    await notePrices(this.redis, config.redisPrefix, config.prices);
+    this.pricesNoted = { prices: config.prices, at: now };
+  }
+
+  /**
    * The periods ended that can close (closes.ts), a try a second at most: frozen, their close
    * events delivered in one batch, then marked closed. A period with nothing exported has no
    * close event; an account no longer configured leaves the index unclosed.
@@ -242,7 +261,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
         await forget(this.redis, config.redisPrefix, d);
         continue;
       }
-      const frozen = await freeze(this.redis, d, lead.token, config.settleMs ?? SETTLE_MS, config.prices);
+      const frozen = await freeze(this.redis, d, lead.token, config.settleMs ?? SETTLE_MS);
       if (frozen === 'fenced') throw new LeadLost(`the period of ${subjectKey.statements(d.name)} was frozen by a newer lead`);
       if (frozen === 'not yet') await notYet(this.redis, config.redisPrefix, d, now, config.settleMs ?? SETTLE_MS);
       else closing.push({ d, name, statement: await frozenStatement(this.redis, d) });

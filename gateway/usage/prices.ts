@@ -44,17 +44,22 @@ export function decimal(n: bigint): string {
 type PlansPriced = Readonly<Record<string, { prices?: PlanPrices }>>;
 
 /**
- * The plans' prices as a period's freeze keeps them (closes.ts): `{"<plan>":{"prices":{...}}}`
- * for the plans that have some, so a closed period is priced as it was when it closed, whatever
- * the config says since. As many entries as plans, whatever the accounts.
+ * The plans' prices as the exporter notes them when they change (closes.ts, notePrices):
+ * `{"<plan>":{"prices":{...}}}` for the plans that have some. As many entries as plans, whatever
+ * the accounts.
  */
 export function pricesInForce(plans: PlansPriced): string {
   return JSON.stringify(Object.fromEntries(Object.entries(plans).flatMap(([plan, p]) => (p.prices ? [[plan, { prices: p.prices }]] : []))));
 }
 
-/** The prices a period is priced by: those its freeze kept (`kept`, pricesInForce's), else the config's (an open period, or one frozen before 2026-11-29). */
+/** The prices a period is priced by: those noted for its end (`kept`, closes.ts, pricesAt), else the config's (an open period, or none noted or readable). */
 export function pricesFor(kept: string | undefined, plans: PlansPriced): PlansPriced {
-  return kept === undefined ? plans : (JSON.parse(kept) as PlansPriced);
+  if (kept === undefined) return plans;
+  try {
+    return JSON.parse(kept) as PlansPriced;
+  } catch {
+    return plans;
+  }
 }
 
 /** The statement with each line's price and amount, by its plan's prices (`plans`: the config's, or pricesFor's). */

@@ -3,7 +3,8 @@ import { GatewayError } from '../errors.js';
 import { billingPeriod, type Period } from '../quota/period.js';
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
-import { DIGEST, SEP, statementOf } from './periods.js';
+import { DIGEST, statementOf } from './periods.js';
+import { pricesAt } from './closes.js';
 import { type PricedStatement, priced, pricesFor } from './prices.js';
 import { Type } from '@sinclair/typebox';
 
@@ -46,7 +47,8 @@ export const StatementSchema = Type.Object(
         included: Int('Units within the quota: units less overage'),
         overage: Int('Units past the quota, net of refunds'),
         price: Type.Union([Type.Object({ unit: Money, overage: Money }), Type.Null()], {
-          description: "The plan's prices (config: plans.<plan>.prices) a unit, within the quota and past it; null: none set",
+          description:
+            "The plan's prices a unit, within the quota and past it (config: plans.<plan>.prices, as they were at the period's end for a period that ended); null: none set",
         }),
         amount: Type.Union([Money, Type.Null()], { description: 'included x unit + overage x overage price, exact (not rounded)' }),
       }),
@@ -108,7 +110,11 @@ export async function accountStatement(
       'Statements are tallied from the usage export: this gateway exports none (usage.export in its config, with Redis)',
     );
   }
-  const hash = await redis.hgetall(subjectKey.statements(consumer.subject.name)).catch(() => {
+  // A period that ended is priced as it was at its end (closes.ts, pricesAt); the open one by the config's prices.
+  const [hash, kept] = await Promise.all([
+    redis.hgetall(subjectKey.statements(consumer.subject.name)),
+    period.endMs <= nowMs ? pricesAt(redis, config.redisPrefix, period.endMs) : undefined,
+  ]).catch(() => {
     throw new GatewayError('quota_store_unavailable', 'The quota store did not answer; ask again');
   });
   return {
@@ -116,7 +122,6 @@ export async function accountStatement(
     billingDay,
     // The quota the overage counts past: the month's limit less what overage admits (config.ts, ceilings).
     included: consumer.subject.limits.perMonth ? consumer.subject.limits.perMonth - consumer.subject.billing.overage : null,
-    // A frozen period by the prices it froze with; an open one by the config's.
-    ...priced(statementOf(hash, period), pricesFor(hash[`${period.startMs}${SEP}prices`], config.plans)),
+    ...priced(statementOf(hash, period), pricesFor(kept, config.plans)),
   };
 }

@@ -4,8 +4,18 @@ import formats from 'ajv-formats';
 import type { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, inject, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
-import { subjectKey } from '../../gateway/redis/keys.js';
-import { CLOSE_RETRY_MS, defineCloseScripts, duePeriods, freeze, notYet, periodsTouched } from '../../gateway/usage/closes.js';
+import { pricesKey, subjectKey } from '../../gateway/redis/keys.js';
+import {
+  CLOSE_RETRY_MS,
+  defineCloseScripts,
+  duePeriods,
+  freeze,
+  notePrices,
+  notYet,
+  periodsTouched,
+  pricesAt,
+} from '../../gateway/usage/closes.js';
+import { pricesInForce } from '../../gateway/usage/prices.js';
 import { defineCursorScripts, moveUsageCursor } from '../../gateway/usage/cursors.js';
 import { SETTLE_MS } from '../../gateway/usage/exporter.js';
 import { adminCall } from '../helpers/admin.js';
@@ -241,10 +251,12 @@ describe('a billing period closed at the sink', () => {
     } finally {
       await browser.close();
     }
-    // The price raised since: the closed period stays as it was billed (its freeze kept the
-    // prices); the open one is priced at the new.
+    // The price raised since: the closed period stays as it was billed (priced as at its end:
+    // it ended before the first note, so by the first); the open one at the new.
     gateways[0]!.load(configAt({ metered: { ...plans.metered!, prices: { currency: 'EUR', unit: '0.02' } } }));
     onTestFinished(() => gateways[0]!.load(configAt(plans)));
+    const notes = pricesKey(gateways[0]!.gateway.config().redisPrefix);
+    await eventually(async () => (await redis.zcard(notes)) === 2, 10_000, 'the new prices noted by the exporting leader');
     expect((await statement(gateways[0]!, iso(previousStart).slice(0, 10))).totals.amount).toBe('0.075');
     expect((await statement(gateways[0]!, 'current')).totals.amount).toBe('0.8'); // 40 units at 0.02
   });
@@ -338,6 +350,26 @@ describe('freezing a period', () => {
     const d = { name, startMs: end - 30 * 86_400_000, endMs: end };
     return { name, end, try: (token = 1) => freeze(redis, d, token, SETTLE_MS) };
   }
+
+  it("is priced by the prices noted last before its end (the first, if it ended before any); the same prices noted again write nothing; notes older than the statements' 400 days go, but for the last of them", async () => {
+    const key = pricesKey(prefix);
+    const [a, b] = ['0.1', '0.2'].map((unit) => pricesInForce({ pro: { prices: { currency: 'EUR', unit } }, free: {} }));
+    const day = 86_400_000;
+    const start = await redisNow();
+    await redis.zadd(key, start - 500 * day, `${start - 500 * day}|old`, start - 450 * day, `${start - 450 * day}|older-kept`);
+    await notePrices(redis, prefix, a!);
+    await notePrices(redis, prefix, a!); // the same: nothing written
+    const [, first] = (await redis.zrange(key, 0, -1, 'WITHSCORES')).slice(-2);
+    while ((await redisNow()) <= Number(first)) await new Promise((r) => setTimeout(r, 1)); // a later ms in Redis's time
+    await notePrices(redis, prefix, b!);
+    const notes = await redis.zrange(key, 0, -1, 'WITHSCORES');
+    expect(notes.filter((_, i) => i % 2 === 0).map((m) => m.slice(m.indexOf('|') + 1))).toEqual(['older-kept', a, b]);
+    const second = Number(notes.at(-1));
+    expect(await pricesAt(redis, prefix, second)).toBe(a); // ended just as b was noted: a's period
+    expect(await pricesAt(redis, prefix, second + 1)).toBe(b);
+    expect(await pricesAt(redis, prefix, start - 600 * day)).toBe('older-kept'); // before any note: the first
+    expect(await pricesAt(redis, uniquePrefix(), second)).toBeUndefined();
+  });
 
   it('waits for its end, then for its unsettled units until the settle has passed', async () => {
     const future = await ended(-60_000);

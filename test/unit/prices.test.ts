@@ -88,14 +88,15 @@ describe('prices in the config', () => {
     ]);
   });
 
-  it('prices a frozen period by the prices its freeze kept, which name only the plans that had some; an open one by the config', () => {
+  it('prices an ended period by the prices noted for its end, which name only the plans that had some; an open one, or a damaged note, by the config', () => {
     const then = { pro: { prices: { currency: 'USD', unit: '0.1' } }, free: {} };
     const kept = pricesInForce(then);
     expect(JSON.parse(kept)).toEqual({ pro: { prices: { currency: 'USD', unit: '0.1' } } });
     const now = { pro: { prices: { currency: 'USD', unit: '0.5' } }, free: {} };
     const s = statement([line('pro', 'listPets', 3, 0)]);
     expect([priced(s, pricesFor(kept, now)).totals.amount, priced(s, pricesFor(undefined, now)).totals.amount]).toEqual(['0.3', '1.5']);
-    // Frozen when no plan had prices: none, whatever came since.
+    expect(priced(s, pricesFor('{"pro":', now)).totals.amount).toBe('1.5');
+    // Noted when no plan had prices: none, whatever came since.
     expect(priced(s, pricesFor(pricesInForce({ pro: {} }), now)).totals.amount).toBeNull();
   });
 });
