@@ -14,8 +14,11 @@ asBackgroundThread();
 port.on('message', async (call: KeyFileCall | 'end') => {
   // Retired once idle: its heap unmapped on this thread (background-thread.ts), then it ends.
   if (call === 'end') {
-    releaseHeap();
-    port.close();
+    try {
+      releaseHeap();
+    } finally {
+      port.close();
+    }
     return;
   }
   const { id, op, args } = call;

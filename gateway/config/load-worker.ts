@@ -16,8 +16,11 @@ const post = (m: FromLoader) => port.postMessage(m);
 const end = (m: FromLoader) => {
   post(m);
   keys = [];
-  releaseHeap();
-  port.close();
+  try {
+    releaseHeap();
+  } finally {
+    port.close();
+  }
 };
 
 let keys: KeyEntry[] = [];
