@@ -77,7 +77,7 @@ export interface RefundCall {
   units: number;
   eventId?: string;
   callId?: string;
-  /** The refunded request's plan and route, for its refund event ('' each: not known here, as for a call given up on). */
+  /** The refunded request's plan and route, for its refund event ('' each: no request's, as a call that took a lease ahead of need). */
   line?: RefundLine;
 }
 
