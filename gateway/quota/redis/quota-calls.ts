@@ -37,7 +37,7 @@ export interface QuotaCallsOptions {
   fleet: () => Fleet;
   lost: () => LostReplies;
   /** A reply that came after the call was given up on: what it counted is undone. */
-  /** `line`: the request's plan and route, for the refund event of a request's units undone. */
+  /** `line`: the request's plan and route (its event tag, nothing built per call), for the refund event of a request's units undone. */
   late: (subject: QuotaSubject, late: QuotaReply, sentMono: number, cost: number, id: string, line?: RefundLine) => void;
 }
 
@@ -74,8 +74,6 @@ export class QuotaCalls {
     const sentAt = clock.wall();
     // The call's id, and the id of a credit lease or a concurrency slot it takes.
     const id = `${this.c.instanceId}:${++this.calls}`;
-    // A request's statement line, for a refund if what this call counts is undone (a late or a lost reply).
-    const line = tag && { plan: tag.plan, route: tag.route };
     let reply: QuotaReply | typeof LATE;
     try {
       const deadline = redisClock.deadline(sentAt, o.timeoutMs);
@@ -85,13 +83,13 @@ export class QuotaCalls {
       reply = raw === LATE ? LATE : quotaReply(raw);
       if (reply === LATE)
         call.then(
-          (late) => this.c.late(subject, quotaReply(late), sentMono, cost, id, line),
-          (err: unknown) => this.c.lost().add(subject, id, cost, sentMono, err, line),
+          (late) => this.c.late(subject, quotaReply(late), sentMono, cost, id, tag),
+          (err: unknown) => this.c.lost().add(subject, id, cost, sentMono, err, tag),
         );
     } catch (err) {
       const waitedMs = clock.mono() - sentMono;
       o.observe(waitedMs / 1000);
-      this.c.lost().add(subject, id, cost, sentMono, err, line);
+      this.c.lost().add(subject, id, cost, sentMono, err, tag);
       this.c.fleet().failed(err);
       this.markWritten(subject, tag);
       return { taken: 0, tokens: 0, sentMono, waitedMs, id };
