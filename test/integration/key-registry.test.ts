@@ -151,8 +151,11 @@ describe('the key registry', () => {
       () => fromRegistry!.gateway.config(),
       fromRegistry!.gateway.config().redisPrefix,
     );
-    expect(await registry.add({ id: made.id, hash: made.hash, plan: made.plan })).toBe(true);
+    // Subscribed before the key is added, then the add heard: a request sent before the change
+    // reaches this instance's filter is refused as never issued (a CI run on Node 24 saw 401).
     await fromRegistry!.gateway.keys!.ready();
+    expect(await registry.add({ id: made.id, hash: made.hash, plan: made.plan })).toBe(true);
+    await eventually(() => fromRegistry!.gateway.keys!.announced === 1, 5000, 'the added key announced');
     expect(await answers(fromRegistry!, made.key)).toEqual(await answers(fromFile!, made.key));
   });
 
