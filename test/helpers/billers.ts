@@ -55,7 +55,7 @@ const LagoBatch = Type.Object({
 
 const DAY_MS = 24 * 3600 * 1000;
 
-interface Double<E> {
+export interface Double<E> {
   url: string;
   /** Each event kept, by its id, once. */
   kept: Map<string, E>;
@@ -268,6 +268,8 @@ export function startStripe(
   customers: readonly string[],
   /** Stripe's meter event sessions in front of the stream: the secret key they take, and each token's life. */
   auth?: { secret: string; lifetimeMs: number },
+  /** Stripe's clock, for its timestamp window: a test's deployment may run on a shifted one (shifted-clock.ts). */
+  clock: () => number = Date.now,
 ): Promise<Double<StripeEvent>> {
   const known = new Set(customers);
   const refuse = (res: ServerResponse, message: string) => json(res, 400, { error: { type: 'invalid_request_error', message } });
@@ -275,7 +277,7 @@ export function startStripe(
     '/v2/billing/meter_event_stream',
     (body, d, res) => {
       const list = (body as Static<typeof StripeStream>).events;
-      const now = Date.now();
+      const now = clock();
       const seen = new Set<string>();
       for (const e of list) {
         if (!known.has(e.payload.stripe_customer_id)) return refuse(res, `No such customer: '${e.payload.stripe_customer_id}'`);

@@ -32,6 +32,7 @@ export async function spawnRedis({
   at,
   args: extra = [],
   tlsPort,
+  env,
 }: {
   inRunGroup?: boolean;
   at?: number;
@@ -39,6 +40,8 @@ export async function spawnRedis({
   args?: string[];
   /** Serve TLS only, on this port (the plain port closed): `args` must name the certificate files. */
   tlsPort?: number;
+  /** More environment (a shifted clock: shifted-clock.ts). */
+  env?: Record<string, string>;
 } = {}): Promise<{
   url: string;
   proc: ChildProcess;
@@ -47,7 +50,7 @@ export async function spawnRedis({
   const port = tlsPort ?? at ?? (await freePort()); // `at`: a port a gateway already tries
   const listen = tlsPort ? ['--port', '0', '--tls-port', String(tlsPort)] : ['--port', String(port)];
   const args = [...listen, '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', ...NO_TITLE, ...extra];
-  const proc = spawnOwned('redis-server', args, { stdio: 'ignore', detached: !inRunGroup });
+  const proc = spawnOwned('redis-server', args, { stdio: 'ignore', detached: !inRunGroup, env: { ...process.env, ...env } });
   await waitForPort(port, 5000);
   const exited = new Promise<void>((r) => proc.once('exit', () => r()));
   return {

@@ -1,12 +1,16 @@
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { describe, expect, inject, it, onTestFinished } from 'vitest';
+import { Redis } from 'ioredis';
+import { describe, expect, it, onTestFinished } from 'vitest';
 import type { ConfigFile } from '../../gateway/config/config.js';
 import { echoBackend } from '../helpers/backends.js';
-import { startLago, startStripe } from '../helpers/billers.js';
+import { CLOSED_TYPE } from '../../gateway/usage/periods.js';
+import { type Double, startLago, startStripe } from '../helpers/billers.js';
 import { FULL_SIZE, scaled } from '../helpers/budget.js';
 import { call, makeKey, type TestKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
 import { type Started, startProcess } from '../helpers/processes.js';
+import { spawnRedis } from '../helpers/redis.js';
+import { shiftedEnv } from '../helpers/shifted-clock.js';
 import { type Fault, startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 
@@ -20,7 +24,10 @@ import { eventually } from '../helpers/time.js';
 // unsettled or rejected. Answers are lost all run long (every fourth POST, at most one a second:
 // at 3,000 requests that is 2-3 of them, 2026-11-29; before leader.ts's postDeadline a collection
 // could take a POST's timeout, and Stripe's then did not settle in 240 s in two of three runs).
-// Not here: a Redis failover, and a billing-day boundary during the run.
+// A billing-day boundary passes during the run: Redis, the gateways and the double's clock run
+// ahead (shifted-clock.ts) to a few seconds before the accounts' billing day, and traffic goes on
+// across it; each side's units are then the double's, its statement's and its close's.
+// Not here: a Redis failover.
 
 // Not in `npm test` (four minutes a file on a busy machine for parts it already runs smaller):
 // `npm run test:full` at the issue's 10^5, TEST_FULL_SIZE=smoke at 3,000.
@@ -28,8 +35,8 @@ const SMOKE = process.env.TEST_FULL_SIZE === 'smoke';
 const [REQUESTS, CLIENTS] = FULL_SIZE ? [100_000, 24] : [3_000, 8];
 const ACCOUNTS = 4;
 const TOKEN = 'admin-token-0123456789';
-/** Far from today either way (billing.test.ts): the period's count is one window for the whole run. */
-const BILLING_DAY = ((new Date().getUTCDate() + 10) % 28) + 1;
+/** The deployment's clock reaches the boundary this long after it starts: inside the first half's traffic, or just after it. */
+const LEAD_MS = FULL_SIZE ? 60_000 : 15_000;
 const plans: ConfigFile['plans'] = { metered: { perMinute: 10_000_000, perDay: 100_000_000, perMonth: 1_000_000_000 } };
 
 type Format = 'stripe' | 'lago' | 'openmeter';
@@ -38,25 +45,61 @@ interface Biller {
   url: string;
   state: { fault?: () => Fault | undefined; holding: number };
   meter: (account: string) => number;
+  /** The same, of the events stamped before `ms` alone. */
+  meterBefore: (account: string, ms: number) => number;
+  /** The close events it took, by our account: OpenMeter takes them as CloudEvents; Stripe and Lago have no place for them. */
+  closes?: (account: string) => Array<{ id: string; time: string; data: Record<string, unknown> }>;
   /** Redeliveries it refused or deduped: [answers naming a held id (Stripe, Lago) or events again (OpenMeter), events]. */
   duplicates: () => [number, number];
   invalid: () => string[];
 }
 
-async function startBiller(format: Format, keys: TestKey[]): Promise<Biller> {
+/** `clock`: the deployment's (Stripe's timestamp window is by it). */
+async function startBiller(format: Format, keys: TestKey[], clock: () => number): Promise<Biller> {
   const customer = (id: string) => `cus_${id}`;
   if (format === 'openmeter') {
     const sink = await startSink();
     onTestFinished(() => sink.close());
+    const usage = (id: string, before = Infinity) =>
+      sink
+        .requests()
+        .filter((e) => e.type !== CLOSED_TYPE && e.subject === id && Date.parse(e.time!) < before)
+        .reduce((sum, e) => sum + Number(e.data!.units), 0);
     return {
       url: sink.url,
       state: sink.state,
-      meter: (id) => sink.requests().reduce((sum, e) => sum + (e.subject === id ? Number(e.data!.units) : 0), 0),
+      meter: (id) => usage(id),
+      meterBefore: usage,
+      closes: (id) =>
+        [...sink.events.values()]
+          .filter((e) => e.type === CLOSED_TYPE && e.subject === id)
+          .map((e) => ({ id: e.id, time: e.time!, data: e.data! })),
       duplicates: () => [sink.state.duplicates, sink.state.duplicates],
       invalid: () => sink.state.invalid,
     };
   }
-  const double = format === 'stripe' ? await startStripe(keys.map((k) => customer(k.id))) : await startLago();
+  if (format === 'stripe') {
+    const double = await startStripe(
+      keys.map((k) => customer(k.id)),
+      undefined,
+      clock,
+    );
+    const sum = (id: string, before: number) =>
+      [...double.kept.values()]
+        .filter((e) => e.payload.stripe_customer_id === customer(id) && Date.parse(e.timestamp) < before)
+        .reduce((n, e) => n + Number(e.payload.value), 0);
+    return { ...doubleOf(double, customer), meterBefore: sum };
+  }
+  const double = await startLago();
+  const sum = (id: string, before: number) =>
+    [...double.kept.values()]
+      .filter((e) => e.external_subscription_id === customer(id) && e.timestamp * 1000 < before)
+      .reduce((n, e) => n + e.properties.units, 0);
+  return { ...doubleOf(double, customer), meterBefore: sum };
+}
+
+/** What Stripe's and Lago's doubles have alike. */
+function doubleOf<E>(double: Double<E>, customer: (id: string) => string): Omit<Biller, 'meterBefore' | 'closes'> {
   return {
     url: double.url,
     state: double.state,
@@ -138,27 +181,55 @@ interface Reconcile {
 const usage = async (admin: string, id: string) =>
   (await (await fetch(`${admin}/admin/accounts/${id}/usage`, { headers: { authorization: `Bearer ${TOKEN}` } })).json()) as Reconcile;
 
-const statement = async (admin: string, id: string) =>
-  (await (await fetch(`${admin}/admin/accounts/${id}/statements/current`, { headers: { authorization: `Bearer ${TOKEN}` } })).json()) as {
-    totals: { units: number };
-    events: number;
+interface Statement {
+  status: 'open' | 'closing' | 'closed';
+  period: { start: string; end: string };
+  closedAt?: string;
+  totals: { units: number; corrections: number };
+  events: number;
+  digest: { value: string };
+}
+const statement = async (admin: string, id: string, period: 'current' | 'previous') =>
+  (await (await fetch(`${admin}/admin/accounts/${id}/statements/${period}`, { headers: { authorization: `Bearer ${TOKEN}` } })).json()) as Statement;
+
+/**
+ * A deployment's clock: the next UTC midnight (the accounts' billing day) `LEAD_MS` from now, for
+ * Redis, the gateways and the double; `time()` asks Redis (the clock every count is by).
+ */
+async function shiftedClock() {
+  const now = Date.now();
+  const boundary = Math.ceil((now + LEAD_MS) / 86_400_000) * 86_400_000;
+  const shiftMs = boundary - LEAD_MS - now;
+  const env = await shiftedEnv(shiftMs);
+  const server = await spawnRedis({ env });
+  onTestFinished(() => server.stop());
+  const client = new Redis(server.url).on('error', () => {});
+  onTestFinished(() => client.disconnect());
+  const time = async () => {
+    const [s, us] = await client.time();
+    return Number(s) * 1000 + Math.floor(Number(us) / 1000);
   };
+  // Redis's clock is the shifted one (a shim that did not load would leave this machine's).
+  expect(Math.abs((await time()) - (Date.now() + shiftMs))).toBeLessThan(60_000);
+  return { url: server.url, env, boundary, billingDay: new Date(boundary).getUTCDate(), now: () => Date.now() + shiftMs, time };
+}
 
 /** Three processes on one Redis exporting to `biller`; the config gives each account its customer. */
-async function deployment(format: Format, keys: TestKey[], biller: Biller) {
+async function deployment(format: Format, keys: TestKey[], biller: Biller, clock: Awaited<ReturnType<typeof shiftedClock>>) {
   const dir = tempDir();
   onTestFinished(() => dir.cleanup());
   const echo = await echoBackend();
   onTestFinished(() => echo.close());
   const file = join(dir.dir, 'gateway.json');
   const customers = format === 'openmeter' ? {} : { customers: Object.fromEntries(keys.map((k) => [k.id, `cus_${k.id}`])) };
-  const accounts = Object.fromEntries(keys.map((k) => [k.id, { billingDay: BILLING_DAY }]));
+  const accounts = Object.fromEntries(keys.map((k) => [k.id, { billingDay: clock.billingDay }]));
   // batchSize at the shipped 500 (the billers' profiles send 100 a POST); maxEvents far above
   // what waits during the faults, so nothing is dropped: the cap has its own test (usage-export).
   const usageExport = { url: biller.url, maxEvents: 10_000_000, batchSize: 500, format, ...customers };
   writeFileSync(file, JSON.stringify(testConfig(keys, { plans, accounts, usage: { export: usageExport } })));
   const env = {
-    REDIS_URL: inject('redisUrl'),
+    ...clock.env,
+    REDIS_URL: clock.url,
     GATEWAY_CONFIG: file,
     BACKEND_URL: echo.url,
     REDIS_KEY_PREFIX: uniquePrefix(),
@@ -177,11 +248,12 @@ async function deployment(format: Format, keys: TestKey[], biller: Biller) {
 /** The run: half the requests, the leader killed while the double holds its POST, a new instance, the other half. */
 async function run(format: Format) {
   const keys = Array.from({ length: ACCOUNTS }, () => makeKey('metered'));
-  const biller = await startBiller(format, keys);
+  const clock = await shiftedClock();
+  const biller = await startBiller(format, keys, clock.now);
   const armed = { kill: false };
   const { fault, played } = schedule(armed);
   biller.state.fault = fault;
-  const { procs, start } = await deployment(format, keys, biller);
+  const { procs, start } = await deployment(format, keys, biller, clock);
   const answered = new Map<string, number>();
   const half = REQUESTS / 2;
   await traffic(
@@ -190,6 +262,19 @@ async function run(format: Format) {
     half - 40,
     answered,
   );
+  // Across the boundary (if the first half ended before it): requests on both sides, and at it.
+  while ((await clock.time()) < clock.boundary - 500) await new Promise((r) => setTimeout(r, 100));
+  const across = { before: 0, after: 0 };
+  while (across.after < 2 * CLIENTS) {
+    const at = await clock.time();
+    await traffic(
+      procs.map((p) => p.url),
+      keys,
+      2 * CLIENTS,
+      answered,
+    );
+    across[at >= clock.boundary ? 'after' : 'before'] += 2 * CLIENTS;
+  }
   armed.kill = true;
   // Answered before the kill: every request the clients sent is counted and answered.
   await traffic(
@@ -209,16 +294,38 @@ async function run(format: Format) {
     half,
     answered,
   );
-  return { keys, biller, live, answered, played };
+  return { keys, biller, live, answered, played, clock, across };
 }
 
-/** Every account's 200s in the double's meter and nothing left to send. */
+/** Every account's 200s in the double's meter, nothing left to send, and the period before the boundary closed. */
 async function settled(r: Awaited<ReturnType<typeof run>>): Promise<boolean> {
   for (const k of r.keys) {
     if (r.biller.meter(k.id) !== r.answered.get(k.id)) return false;
     if ((await usage(r.live[0]!.admin, k.id)).events.pending !== 0) return false;
+    if ((await statement(r.live[0]!.admin, k.id, 'previous')).status !== 'closed') return false;
   }
   return true;
+}
+
+/**
+ * Each side of the boundary, three ways: the statement, the double's events stamped on that side,
+ * and (OpenMeter's) the close event; what Redis counted in the period now open is the current
+ * statement; nothing was corrected (no event came after its period froze). The close's delay from the boundary.
+ */
+async function bothPeriods(r: Awaited<ReturnType<typeof run>>, id: string, counted: number): Promise<number> {
+  const [before, after] = [await statement(r.live[0]!.admin, id, 'previous'), await statement(r.live[0]!.admin, id, 'current')];
+  expect(before.totals.units).toBeGreaterThan(0);
+  expect(after.totals.units).toBeGreaterThan(0);
+  expect(before.totals.units + after.totals.units).toBe(r.answered.get(id));
+  expect(after.totals.units).toBe(counted);
+  expect(r.biller.meterBefore(id, r.clock.boundary)).toBe(before.totals.units);
+  expect([before.totals.corrections, after.totals.corrections]).toEqual([0, 0]);
+  if (r.biller.closes) {
+    const closes = r.biller.closes(id);
+    expect(closes.map((c) => c.id)).toEqual([`${id}/period/${before.period.start}`]);
+    expect(closes[0]!.data).toMatchObject({ units: before.totals.units, events: before.events, digest: { value: before.digest.value } });
+  }
+  return Date.parse(before.closedAt!) - r.clock.boundary;
 }
 
 async function check(format: Format) {
@@ -226,22 +333,25 @@ async function check(format: Format) {
   // The next leader takes over once the dead one's lock lapses (15 s); the hold, the bursts' backoff.
   await eventually(() => settled(r), FULL_SIZE ? 600_000 : 120_000, 'every account in the meter, nothing pending');
   expect(r.biller.invalid()).toEqual([]);
+  const closedAfter: number[] = [];
   for (const k of r.keys) {
     const { events, windows } = await usage(r.live[0]!.admin, k.id);
-    const counted = windows.month!.used;
-    expect(counted).toBe(r.answered.get(k.id));
-    expect(r.biller.meter(k.id)).toBe(counted);
-    expect(events).toEqual({ exported: counted, pending: 0, dropped: 0, rejected: 0, unsettled: 0 });
-    expect(events.exported + events.pending + events.dropped + events.unsettled + events.rejected).toBe(counted);
-    // The period's statement, tallied as the cursor moved: each event once, whatever the resends.
-    expect((await statement(r.live[0]!.admin, k.id)).totals.units).toBe(counted);
+    const answered = r.answered.get(k.id)!;
+    expect(r.biller.meter(k.id)).toBe(answered);
+    expect(events).toEqual({ exported: answered, pending: 0, dropped: 0, rejected: 0, unsettled: 0 });
+    expect(events.exported + events.pending + events.dropped + events.unsettled + events.rejected).toBe(answered);
+    // Each period's statement, tallied as the cursor moved: each event once, whatever the resends.
+    closedAfter.push(await bothPeriods(r, k.id, windows.month!.used));
   }
   const [answers, redelivered] = r.biller.duplicates();
   // The faults happened: both holds (the timeout's and the kill's), both bursts, lost answers; and redeliveries.
   expect(r.played).toMatchObject({ hold: 2, fail: 6 });
   expect(r.played.lose).toBeGreaterThanOrEqual(1);
   expect(redelivered).toBeGreaterThan(0);
-  console.log(`${format}: ${REQUESTS} requests; faults ${JSON.stringify(r.played)}; duplicates: ${answers} answers, ${redelivered} events`);
+  const total = [...r.answered.values()].reduce((a, b) => a + b, 0);
+  console.log(
+    `${format}: ${total} requests (${r.across.before} sent in the last half second before the boundary, ${r.across.after} after); faults ${JSON.stringify(r.played)}; duplicates: ${answers} answers, ${redelivered} events; the period before closed ${closedAfter.map((ms) => (ms / 1000).toFixed(1)).join(', ')} s after the boundary`,
+  );
 }
 
 const budget = scaled(FULL_SIZE ? 1_800_000 : 240_000);
