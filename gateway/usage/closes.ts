@@ -112,7 +112,13 @@ export interface Due {
   endMs: number;
 }
 
-/** The periods whose try is due by `nowMs`, the oldest first. */
+/** Redis's clock (ms): a period's end is by it, as the freeze script and the events' stamps are, not by this host's. */
+export async function redisNow(redis: RedisClient): Promise<number> {
+  const [s, us] = await redis.time();
+  return Number(s) * 1000 + Math.floor(Number(us) / 1000);
+}
+
+/** The periods whose try is due by `nowMs` (Redis's: redisNow), the oldest first. */
 export async function duePeriods(redis: RedisClient, prefix: string, nowMs: number): Promise<Due[]> {
   const got = await redis.zrangebyscore(periodsKey(prefix), '-inf', nowMs, 'LIMIT', 0, CLOSES_PER_ROUND);
   return got.map((m) => {

@@ -13,6 +13,7 @@ import {
   type Due,
   defineCloseScripts,
   duePeriods,
+  redisNow,
   forget,
   freeze,
   frozenStatement,
@@ -255,7 +256,9 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     this.nextClose = now + CLOSE_RETRY_MS;
     const { account } = accountsOf(config);
     const closing: Array<{ d: Due; name: string; statement: Awaited<ReturnType<typeof frozenStatement>> }> = [];
-    for (const d of await duePeriods(this.redis, config.redisPrefix, now)) {
+    // Due by Redis's clock: a host behind it would otherwise close a period late by as much.
+    const at = await redisNow(this.redis);
+    for (const d of await duePeriods(this.redis, config.redisPrefix, at)) {
       const name = account(d.name);
       if (name === undefined) {
         await forget(this.redis, config.redisPrefix, d);
@@ -263,7 +266,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       }
       const frozen = await freeze(this.redis, d, lead.token, config.settleMs ?? SETTLE_MS);
       if (frozen === 'fenced') throw new LeadLost(`the period of ${subjectKey.statements(d.name)} was frozen by a newer lead`);
-      if (frozen === 'not yet') await notYet(this.redis, config.redisPrefix, d, now, config.settleMs ?? SETTLE_MS);
+      if (frozen === 'not yet') await notYet(this.redis, config.redisPrefix, d, at, config.settleMs ?? SETTLE_MS);
       else closing.push({ d, name, statement: await frozenStatement(this.redis, d) });
     }
     const events = closing.filter((c) => c.statement.events + c.statement.credits.granted + c.statement.credits.purchased > 0);

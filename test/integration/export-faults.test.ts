@@ -190,7 +190,9 @@ interface Statement {
   digest: { value: string };
 }
 const statement = async (admin: string, id: string, period: 'current' | 'previous') =>
-  (await (await fetch(`${admin}/admin/accounts/${id}/statements/${period}`, { headers: { authorization: `Bearer ${TOKEN}` } })).json()) as Statement;
+  (await (
+    await fetch(`${admin}/admin/accounts/${id}/statements/${period}`, { headers: { authorization: `Bearer ${TOKEN}` } })
+  ).json()) as Statement;
 
 /**
  * A deployment's clock: the next UTC midnight (the accounts' billing day) `LEAD_MS` from now, for

@@ -22,7 +22,8 @@ import { adminCall } from '../helpers/admin.js';
 import { expectAccessible, freshPage, launch } from '../helpers/browser.js';
 import { call, makeKey, testConfig, uniquePrefix } from '../helpers/config.js';
 import { buildInstances, buildTestGateway, type TestGateway } from '../helpers/gateway.js';
-import { testClient } from '../helpers/redis.js';
+import { spawnRedis, testClient } from '../helpers/redis.js';
+import { shiftedEnv } from '../helpers/shifted-clock.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 
@@ -31,9 +32,10 @@ import { eventually } from '../helpers/time.js';
 // equal what the sink holds; the statement equals the sink and the month's count; an event of a
 // closed period that comes late goes into the next as a correction.
 //
-// A billing-day boundary cannot be waited for: the previous period's events are written into the
+// A billing-day boundary is not waited for here: the previous period's events are written into the
 // account's stream as an instance wrote them then (quota.lua's and refund.lua's fields, their
-// stream ids at their time), as billing.test seeds a past period's count.
+// stream ids at their time), as billing.test seeds a past period's count. export-faults.test.ts
+// (TEST_FULL_SIZE) runs traffic across one, on a clock shifted to just before it.
 
 const TOKEN = 'admin-token-0123456789';
 const CLOSED = 'com.petstore.gateway.period.closed';
@@ -325,6 +327,41 @@ describe('a sink that refuses the close events', () => {
       await sink.close();
       redis.disconnect();
     }
+  });
+});
+
+describe('a gateway host whose clock is behind Redis', () => {
+  it("closes a period that ended by Redis's clock, though not yet by its own", async () => {
+    // Redis two days ahead (shifted-clock.ts); the accounts' billing day is tomorrow's by this
+    // host: by Redis's clock, which stamps the events, the period ending then has ended.
+    const server = await spawnRedis({ env: await shiftedEnv(2 * 86_400_000) });
+    onTestFinished(() => server.stop());
+    const redis = testClient(server.url);
+    onTestFinished(() => void redis.disconnect());
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const account = `behind${Date.now().toString(36)}`;
+    const key = { ...makeKey('metered'), account };
+    const today = new Date();
+    const end = Date.UTC(today.getUTCFullYear(), today.getUTCMonth(), today.getUTCDate() + 1);
+    const billingDay = new Date(end).getUTCDate();
+    const start = dayIn(new Date(end).getUTCFullYear(), new Date(end).getUTCMonth() - 1, billingDay);
+    const gw = await buildTestGateway({
+      config: testConfig([key], {
+        plans,
+        accounts: { [account]: { billingDay } },
+        usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 50 } },
+      }),
+      redis: server.url,
+    });
+    onTestFinished(() => gw.close());
+    const at = end - 3_600_000;
+    await seedRequest(redis, subjectKey.events(gw.gateway.config().accounts.get(account)!.name), `${at}-0`, at, {
+      rid: 'seed',
+      key: key.id,
+    });
+    expect((await call(`${gw.url}/v1/pets`, key.key)).status).toBe(200); // its account is then the export's to read
+    await eventually(() => sink.events.has(`${account}/period/${iso(start)}`), 30_000, "the period closed by Redis's clock");
   });
 });
 
