@@ -84,6 +84,8 @@ export class KeyRegistry {
   private saidUnread = false;
   private loading = false;
   private loadFailed = false;
+  /** Digests whose change was announced while a read of theirs was in flight: that read may predate it. */
+  private readonly changedInFlight = new Set<string>();
   /** Changes announced to this instance so far (what a test waits on). */
   announced = 0;
   /** Times the channel was found silent and replaced (a metric). */
@@ -233,6 +235,7 @@ export class KeyRegistry {
   private changed(digest: string): void {
     this.announced++;
     this.cache.delete(digest);
+    if (this.pending.has(digest)) this.changedInFlight.add(digest);
     this.heard?.push(digest);
     this.held = true;
     if (this.bloom) setBits(this.bloom, digest);
@@ -261,8 +264,18 @@ export class KeyRegistry {
     return asked;
   }
 
+  /**
+   * Read again when the key's change is announced while its read is in flight: the answer may be
+   * of before the change (it comes on another connection than the announcement), and cached it
+   * would outlive a revoke for the cache's minute.
+   */
   private async fetch(digest: string, hit: Cached | undefined, config: GatewayConfig): Promise<Lookup> {
-    const f = await within(this.redis.hgetall(this.names.record(digest)), this.o.timeoutMs).catch((): typeof LATE => LATE);
+    let f: Record<string, string> | typeof LATE;
+    do {
+      this.changedInFlight.delete(digest);
+      f = await within(this.redis.hgetall(this.names.record(digest)), this.o.timeoutMs).catch((): typeof LATE => LATE);
+    } while (f !== LATE && this.changedInFlight.has(digest));
+    this.changedInFlight.delete(digest);
     if (f === LATE) return hit ? built(hit, config) : this.unavailable();
     const entry = f.id ? entryOf(f) : undefined;
     const cached: Cached = { entry, at: Date.now(), config, consumer: entry && config.consumerOf(entry) };

@@ -111,6 +111,8 @@ describe('the key registry under faults', () => {
     await gw.gateway.keys!.ready();
     const seen = await issue(gw, { plan: 'free' });
     const unseen = await issue(gw, { plan: 'free' });
+    // Both in this instance's filter before Redis goes: else `unseen` is a key never issued (401).
+    await eventually(() => gw.gateway.keys!.announced >= 2, 5000, 'both keys announced');
     await eventually(async () => (await statusOn(gw, seen.key)) === 200, 5000, 'the key read once');
     redis.proc.kill('SIGKILL');
     await eventually(() => gw.gateway.store.degraded, 5000, 'Redis declared failing');
@@ -142,6 +144,8 @@ describe('the key registry under faults', () => {
     await gw.gateway.keys!.ready();
     const seen = await issue(gw, { plan: 'free' });
     const unseen = await issue(gw, { plan: 'free' });
+    // Both in this instance's filter before Redis goes: else `unseen` is a key never issued (401).
+    await eventually(() => gw.gateway.keys!.announced >= 2, 5000, 'both keys announced');
     await eventually(async () => (await statusOn(gw, seen.key)) === 200, 5000, 'the key read once');
     redis.proc.kill('SIGSTOP');
     onTestFinished(() => void redis.proc.kill('SIGCONT'));

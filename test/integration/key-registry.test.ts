@@ -130,6 +130,35 @@ describe('the key registry', () => {
     expect(await lookups()).toBe(before);
   });
 
+  it('a revoke announced while the key is being read is not outlived by that read: the next request is refused', async () => {
+    const [gw] = await deployment(1, testConfig([]));
+    await gw!.gateway.keys!.ready();
+    const { id, key } = await issue(gw!, { plan: 'free' });
+    await eventually(() => gw!.gateway.keys!.announced >= 1, 5000, 'the new key announced');
+    // Redis answers the key's first read at once; the answer reaches the cache only once the
+    // revoke has been announced (the two come on different connections, in either order).
+    const redis = gw!.redis!;
+    const read = redis.hgetall.bind(redis);
+    let held = 0;
+    let letGo!: () => void;
+    const revoked = new Promise<void>((r) => (letGo = r));
+    redis.hgetall = (async (name: string) => {
+      const answer = await read(name);
+      if (name.includes(':key:') && held++ === 0) await revoked;
+      return answer;
+    }) as typeof redis.hgetall;
+    onTestFinished(() => void (redis.hgetall = read as typeof redis.hgetall));
+    const first = statusOn(gw!, key);
+    await eventually(() => held === 1, 5000, "the key's first read answered and held");
+    const before = gw!.gateway.keys!.announced;
+    expect((await admin(gw!, `/admin/keys/${id}/revoke`, { method: 'POST', body: '{}' })).status).toBe(200);
+    await eventually(() => gw!.gateway.keys!.announced > before, 5000, 'the revoke announced');
+    letGo();
+    // Read again once the revoke was heard: refused, as every request after it.
+    expect(await first).toBe(401);
+    expect(await statusOn(gw!, key)).toBe(401);
+  });
+
   it('gives the answers the config file gives: the same statuses, headers and refusals for the same keys', async () => {
     const answers = async (gw: TestGateway, key: string) => {
       const out = [];
