@@ -4,7 +4,7 @@ import { billingPeriod, type Period } from '../quota/period.js';
 import type { RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { DIGEST, statementOf } from './periods.js';
-import { pricesAt } from './closes.js';
+import { pricesAt, redisNow } from './closes.js';
 import { type PricedStatement, priced, pricesFor } from './prices.js';
 import { Type } from '@sinclair/typebox';
 
@@ -91,25 +91,29 @@ export function periodOf(param: string, nowMs: number, billingDay: number): Peri
 }
 
 /**
- * The statement of `consumer`'s account for `param`'s period. Without a usage export there is
- * nothing tallied: 409 statements_not_enabled; Redis not answering: 503.
+ * The statement of `consumer`'s account for `param`'s period (`current` and `previous` by Redis's
+ * clock, as the events are stamped). Without a usage export there is nothing tallied: 409
+ * statements_not_enabled; Redis not answering: 503.
  */
 export async function accountStatement(
   redis: RedisClient | undefined,
   config: GatewayConfig,
   consumer: Consumer,
   param: string,
-  nowMs = Date.now(),
 ): Promise<AccountStatement> {
   const { billingDay } = consumer.subject.billing;
-  const period = periodOf(param, nowMs, billingDay);
-  if (period instanceof GatewayError) throw period;
+  const checked = periodOf(param, Date.now(), billingDay);
+  if (checked instanceof GatewayError) throw checked;
   if (!redis || !config.usageExport) {
     throw new GatewayError(
       'statements_not_enabled',
       'Statements are tallied from the usage export: this gateway exports none (usage.export in its config, with Redis)',
     );
   }
+  const nowMs = await redisNow(redis).catch(() => {
+    throw new GatewayError('quota_store_unavailable', 'The quota store did not answer; ask again');
+  });
+  const period = periodOf(param, nowMs, billingDay) as Period;
   // A period that ended is priced as it was at its end (closes.ts, pricesAt); the open one by the config's prices.
   const [hash, kept] = await Promise.all([
     redis.hgetall(subjectKey.statements(consumer.subject.name)),

@@ -331,7 +331,7 @@ describe('a sink that refuses the close events', () => {
 });
 
 describe('a gateway host whose clock is behind Redis', () => {
-  it("closes a period that ended by Redis's clock, though not yet by its own", async () => {
+  it("closes a period that ended by Redis's clock, though not yet by its own; its statement is the previous one", async () => {
     // Redis two days ahead (shifted-clock.ts); the accounts' billing day is tomorrow's by this
     // host: by Redis's clock, which stamps the events, the period ending then has ended.
     const server = await spawnRedis({ env: await shiftedEnv(2 * 86_400_000) });
@@ -353,6 +353,7 @@ describe('a gateway host whose clock is behind Redis', () => {
         usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 50 } },
       }),
       redis: server.url,
+      admin: { token: TOKEN },
     });
     onTestFinished(() => gw.close());
     const at = end - 3_600_000;
@@ -362,6 +363,11 @@ describe('a gateway host whose clock is behind Redis', () => {
     });
     expect((await call(`${gw.url}/v1/pets`, key.key)).status).toBe(200); // its account is then the export's to read
     await eventually(() => sink.events.has(`${account}/period/${iso(start)}`), 30_000, "the period closed by Redis's clock");
+    // Its statement is the previous one; the current one is the period open by Redis's clock.
+    const of = async (period: string) => (await adminCall(gw, TOKEN, `/admin/accounts/${account}/statements/${period}`)).json();
+    expect(await of('previous')).toMatchObject({ status: 'closed', period: { start: iso(start), end: iso(end) }, totals: { units: 1 } });
+    await eventually(async () => (await of('current')).totals.units === 1, 30_000, "the request's event in the current period");
+    expect(await of('current')).toMatchObject({ status: 'open', period: { start: iso(end) } });
   });
 });
 
