@@ -43,6 +43,11 @@ export interface Named {
 
 interface Profile {
   body(events: readonly Usage[]): string;
+  /**
+   * It takes a request whole or not at all, and names one held event a refusal (Stripe): one it
+   * names from a POST whose answer never came means it took that POST, so it holds all its events.
+   */
+  namesOne?: true;
   /** Why the biller would refuse it for ever, before any POST. */
   refusedBefore?(u: Usage, now: number): string | undefined;
   named(status: number, body: string, events: readonly Usage[]): Named | undefined;
@@ -85,6 +90,7 @@ export const lagoBody = (code: string, events: readonly Usage[]) => ({
 function stripeProfile(eventName: string): Profile {
   return {
     body: (events) => JSON.stringify(stripeBody(eventName, events)),
+    namesOne: true,
     refusedBefore: (u, now) => (Date.parse(u.time) < now - STRIPE_BACKDATE_MS ? TOO_OLD : undefined),
     // `400 An event already exists with identifier <id>.`: the event it names is delivered (langfuse/langfuse#16292).
     named: (status, body, events) => {
@@ -149,6 +155,8 @@ export class BillerSink implements UsageSink {
   private readonly customers: Readonly<Record<string, string>>;
   private readonly headers: Readonly<Record<string, string>>;
   private readonly known = new LRUCache<string, true>({ max: HELD_KEPT });
+  /** With `namesOne`: each event of a POST whose answer never came, with that POST's ids. */
+  private readonly unanswered = new LRUCache<string, readonly string[]>({ max: HELD_KEPT });
 
   constructor(
     readonly target: UsageExport & { format: 'stripe' | 'lago' },
@@ -194,7 +202,10 @@ export class BillerSink implements UsageSink {
       const token = await this.session?.token(lost);
       if (typeof token === 'object') return { accepted: 'none', ...token };
       const answer = await this.post(this.profile.body(pending), lost, token);
-      if ('accepted' in answer) return answer;
+      if ('accepted' in answer) {
+        this.unansweredPost(pending);
+        return answer;
+      }
       if (answer.status >= 200 && answer.status < 300) {
         hold(pending);
         break;
@@ -217,11 +228,25 @@ export class BillerSink implements UsageSink {
         };
       }
       for (const [i, why] of named.refused) setAside.push({ event: pending[i]!.json, reason: why });
-      held += named.held.size;
       hold(pending.filter((_, i) => named.held.has(i)));
-      pending = pending.filter((_, i) => !named.held.has(i) && !named.refused.has(i));
+      this.heldWith(pending.filter((_, i) => named.held.has(i)));
+      const before = pending.length - named.refused.size;
+      pending = pending.filter((u, i) => !named.held.has(i) && !named.refused.has(i) && !this.known.has(u.id));
+      held += before - pending.length;
     }
     return { accepted: 'all', ...(setAside.length > 0 && { setAside }), ...(held > 0 && { held }) };
+  }
+
+  /** A POST whose answer never came: the biller may have taken it (whole, with `namesOne`). */
+  private unansweredPost(events: readonly Usage[]): void {
+    if (!this.profile.namesOne) return;
+    const ids = events.map((u) => u.id);
+    for (const id of ids) this.unanswered.set(id, ids);
+  }
+
+  /** Events the biller named as held: the rest of an unanswered POST of theirs is held too (`namesOne`). */
+  private heldWith(named: readonly Usage[]): void {
+    for (const u of named) for (const id of this.unanswered.get(u.id) ?? []) this.known.set(id, true);
   }
 
   private async post(

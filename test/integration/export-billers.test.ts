@@ -202,17 +202,20 @@ describe('a batch sent again', () => {
   it('costs no POST for the events the biller is known to hold: a round that failed after they landed sends them again', async () => {
     const stripe = await startStripe(['cus_shop']);
     const sink = stripeSink(stripe.url);
-    const batch = Array.from({ length: 100 }, (_, i) => usageEvent(`shop/7-${i}`));
+    const batch = Array.from({ length: 80 }, (_, i) => usageEvent(`shop/7-${i}`));
     const signal = new AbortController().signal;
     // Kept, its answer lost: the sink cannot know, and the round fails.
     stripe.state.fault = () => (stripe.state.posts === 1 ? 'lose' : undefined);
     expect((await sink.deliver(batch, signal)).accepted).toBe('none');
-    // Sent again: Stripe names one held event a refusal, so it learns them one POST each.
-    expect(await sink.deliver(batch, signal)).toEqual({ accepted: 'all', held: 100 });
+    // Sent again with 20 new events (Stripe's 100 a POST): Stripe names one held event a refusal;
+    // one of the POST whose answer was lost, so that POST was taken whole: its 80 held at once, the 20 new sent.
+    const more = [...batch, ...Array.from({ length: 20 }, (_, i) => usageEvent(`shop/8-${i}`))];
+    expect(await sink.deliver(more, signal)).toEqual({ accepted: 'all', held: 80 });
     const posts = stripe.state.posts;
-    expect(posts).toBe(101);
+    expect(posts).toBe(3);
+    expect(stripe.state.duplicates).toBe(1);
     // A third time (the round failed later, on another batch): no POST at all.
-    expect(await sink.deliver(batch, signal)).toEqual({ accepted: 'all' });
+    expect(await sink.deliver(more, signal)).toEqual({ accepted: 'all' });
     expect(stripe.state.posts).toBe(posts);
     expect(stripe.meter.get('cus_shop')).toBe(100);
   });
