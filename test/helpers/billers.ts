@@ -69,7 +69,7 @@ export interface Double<E> {
     invalid: string[];
     /** POSTs refused for an id already kept. */
     duplicates: number;
-    /** The events those refusals named. */
+    /** The events those refused POSTs carried that it held already: redeliveries (Stripe names one of them, Lago each). */
     duplicateEvents: number;
     /** Keep the next POSTs' events (Lago: `keepHalf`, the first half) and answer 503: a biller that stored, then timed out. */
     failAfterKeeping: number;
@@ -285,7 +285,7 @@ export function startStripe(
         if (at < now - 35 * DAY_MS || at > now + 5 * 60_000) return refuse(res, 'Timestamp must be within the past 35 days');
         if (d.kept.has(e.identifier) || seen.has(e.identifier)) {
           d.state.duplicates++;
-          d.state.duplicateEvents++;
+          d.state.duplicateEvents += list.filter((x) => d.kept.has(x.identifier)).length;
           return refuse(res, `An event already exists with identifier ${e.identifier}.`);
         }
         seen.add(e.identifier);
