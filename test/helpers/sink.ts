@@ -109,3 +109,16 @@ export async function startSink() {
       }),
   };
 }
+
+/** A usage event as the exporter writes it (its encoding's key order), for the tests that call a sink directly. */
+export const usageEvent = (id: string, { ageMs = 0, units = 1 } = {}) =>
+  JSON.stringify({
+    specversion: '1.0',
+    id,
+    source: '/pet-store-gateway/production',
+    type: 'com.petstore.gateway.request',
+    subject: 'shop',
+    time: new Date(Date.now() - ageMs).toISOString(),
+    datacontenttype: 'application/json',
+    data: { units },
+  });

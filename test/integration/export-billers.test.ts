@@ -8,6 +8,7 @@ import { startLago, startStripe } from '../helpers/billers.js';
 import { call, makeKey, type TestKey, testConfig } from '../helpers/config.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { eventually } from '../helpers/time.js';
+import { usageEvent } from '../helpers/sink.js';
 import { halfBroken } from '../helpers/backends.js';
 
 // Stripe's and Lago's sink profiles (issue 49, items 1 and 4) against doubles keeping the
@@ -24,19 +25,6 @@ const metric = async (gw: TestGateway, name: string) =>
   Number(/ (\d+)$/m.exec(await gw.gateway.metrics.registry.getSingleMetricAsString(name))?.[1] ?? Number.NaN);
 
 const subjectOf = (gw: TestGateway, id: string) => [...gw.gateway.config().consumers.values()].find((c) => c.id === id)!.subject;
-
-/** A usage event as the exporter writes it, for the sink tests that call a BillerSink directly. */
-const usageEvent = (id: string, { ageMs = 0, units = 1 } = {}) =>
-  JSON.stringify({
-    specversion: '1.0',
-    id,
-    source: '/pet-store-gateway/production',
-    type: 'com.petstore.gateway.request',
-    subject: 'shop',
-    time: new Date(Date.now() - ageMs).toISOString(),
-    datacontenttype: 'application/json',
-    data: { units },
-  });
 
 /** A Stripe sink for the account shop at the shipped batch size (the profile caps it at Stripe's 100). */
 const stripeSink = (url: string, headers?: Record<string, string>) =>

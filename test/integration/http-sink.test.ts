@@ -2,6 +2,7 @@ import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { HttpCloudEventsSink } from '../../gateway/usage/http-sink.js';
+import { startSink, usageEvent } from '../helpers/sink.js';
 
 // The HTTP sink against a real HTTP server that refuses with a Retry-After: the refusal carries
 // the wait the sink asked for, which the exporter keeps to (within its 30 s ceiling).
@@ -41,5 +42,28 @@ describe('the HTTP usage sink', () => {
   it('takes no wait from an answer without a readable Retry-After', async () => {
     expect(await deliver(await refusing(503, {}))).toEqual({ accepted: 'none', reason: 'the sink answered 503' });
     expect(await deliver(await refusing(503, { 'retry-after': 'soon' }))).toEqual({ accepted: 'none', reason: 'the sink answered 503' });
+  });
+});
+
+describe('a batch sent again to the HTTP sink', () => {
+  it('costs no POST for the events the sink took: a round that failed after they landed sends them again', async () => {
+    const sink = await startSink();
+    onTestFinished(() => sink.close());
+    const http = new HttpCloudEventsSink(sink.url);
+    const signal = new AbortController().signal;
+    const events = (from: number, n: number) => Array.from({ length: n }, (_, i) => usageEvent(`shop/${from + i}-0`));
+    const taken = events(1, 50);
+    expect(await http.deliver(taken, signal)).toEqual({ accepted: 'all' });
+    // Its answer lost: the sink keeps the events, the HTTP sink cannot know; they come again.
+    sink.state.fault = () => (sink.state.posts === 2 ? 'lose' : undefined);
+    const lostOnes = events(51, 10);
+    expect((await http.deliver(lostOnes, signal)).accepted).toBe('none');
+    // The round again, with 5 new: the 50 taken cost nothing; the 10 unanswered go again, with the 5.
+    expect(await http.deliver([...taken, ...lostOnes, ...events(61, 5)], signal)).toEqual({ accepted: 'all' });
+    expect(sink.state.posts).toBe(3);
+    expect(sink.state.duplicates).toBe(10);
+    expect(await http.deliver(taken, signal)).toEqual({ accepted: 'all' });
+    expect(sink.state.posts).toBe(3);
+    expect(sink.requests().length).toBe(65);
   });
 });
