@@ -258,7 +258,10 @@ export class KeyRegistry {
     if (this.o.failing()) return hit ? built(hit, config) : this.unavailable();
     let asked = this.pending.get(digest);
     if (!asked) {
-      asked = this.fetch(digest, hit, config).finally(() => this.pending.delete(digest));
+      asked = this.fetch(digest, hit, config).finally(() => {
+        this.pending.delete(digest);
+        this.changedInFlight.delete(digest); // one heard after the read: the cache entry went with it
+      });
       this.pending.set(digest, asked);
     }
     return asked;
@@ -275,7 +278,6 @@ export class KeyRegistry {
       this.changedInFlight.delete(digest);
       f = await within(this.redis.hgetall(this.names.record(digest)), this.o.timeoutMs).catch((): typeof LATE => LATE);
     } while (f !== LATE && this.changedInFlight.has(digest));
-    this.changedInFlight.delete(digest);
     if (f === LATE) return hit ? built(hit, config) : this.unavailable();
     const entry = f.id ? entryOf(f) : undefined;
     const cached: Cached = { entry, at: Date.now(), config, consumer: entry && config.consumerOf(entry) };
