@@ -10,6 +10,27 @@ import type { RedisTls } from './private-ca.js';
 import { spawnOwned } from './processes.js';
 
 /**
+ * A connection in MONITOR mode, on once this resolves. Not ioredis's monitor(): it marks its
+ * connection monitoring only once MONITOR's reply has been handled, so a command line read in the
+ * same chunk as that reply is taken for the reply to nothing, and that error rejects monitor() (a
+ * CI run on Node 24: "Command queue state error ... "info"", another client's ready check). Here
+ * that one line is dropped (its command ran before the caller could send anything) and the error
+ * is heard; a Redis the test stops is heard too.
+ */
+export async function monitorRedis(url: string): Promise<Redis> {
+  const monitor = new Redis(url, { monitor: true, lazyConnect: true });
+  monitor.on('error', () => {});
+  // Not events.once: it rejects on that 'error'. connect() may too, for the same reason.
+  const on = new Promise<void>((resolve, reject) => {
+    monitor.once('monitoring', () => resolve());
+    monitor.once('end', () => reject(new Error(`no MONITOR connection to ${url}`)));
+  });
+  monitor.connect().catch(() => {});
+  await on;
+  return monitor;
+}
+
+/**
  * A plain ioredis client for a test's own reads and writes. Its connection errors (a Redis the
  * test stops, freezes or never started) are heard here: the calls' own rejections tell the test,
  * and unheard, ioredis prints every failed reconnect as "[ioredis] Unhandled error event".

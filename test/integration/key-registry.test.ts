@@ -11,7 +11,7 @@ import { accountName } from '../../gateway/redis/keys.js';
 import { adminCall, issueKey } from '../helpers/admin.js';
 import { buildTestGateway, type TestGateway } from '../helpers/gateway.js';
 import { makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
-import { spawnCluster, spawnRedis } from '../helpers/redis.js';
+import { monitorRedis, spawnCluster, spawnRedis } from '../helpers/redis.js';
 import { startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
 import { scaled } from '../helpers/budget.js';
@@ -82,13 +82,8 @@ describe('the key registry', () => {
     expect(await statusOn(gw!, key)).toBe(200);
     // What Redis is asked, command by command: a count of all lookups would also see one the
     // gateway rightly makes for the issued key (its cache entry timing out on a slow machine).
-    // monitor() opens a connection of its own: the client it was asked of is closed too, or it stays
-    // connected (and reconnecting once its Redis stops) past the test.
-    const base = new Redis(own.url).on('error', () => {});
-    onTestFinished(() => base.disconnect());
-    const monitor = await base.monitor(); // resolves once MONITOR is on
+    const monitor = await monitorRedis(own.url); // resolves once MONITOR is on
     onTestFinished(() => monitor.disconnect());
-    monitor.on('error', () => {}); // its Redis stops with the test
     const looked: string[] = [];
     monitor.on('monitor', (_time: string, args: string[]) => {
       // Key lookups only (the heartbeat script reads the instances' hash with HGETALL too).
