@@ -89,7 +89,14 @@ function statementSection(f: Figures): Html {
     (l) =>
       html`<tr><td>${l.plan}</td><td>${l.route}</td><td class="n">${figure(l.requests)}</td><td class="n">${figure(l.refunds)}</td><td class="n">${figure(l.units)}</td><td class="n">${figure(l.overage)}</td>${s.currency ? html`<td class="n">${l.amount ?? ''}</td>` : ''}</tr>`,
   )}</tbody>
-<tfoot><tr><th scope="row" colspan="2">Total</th><td class="n">${figure(t.requests)}</td><td class="n">${figure(t.refunds.events)}</td><td class="n">${figure(t.units)}</td><td class="n">${figure(t.overage)}</td>${s.currency ? html`<td class="n" data-amount>${t.amount}</td>` : ''}</tr></tfoot></table>`;
+<tfoot><tr><th scope="row" colspan="2">Total</th><td class="n">${figure(t.requests)}</td><td class="n">${figure(t.refunds.events)}</td><td class="n">${figure(t.units)}</td><td class="n">${figure(t.overage)}</td>${s.currency ? html`<td class="n" data-amount>${t.amount}</td>` : ''}</tr></tfoot></table>
+${f.view?.credits ? statementCredits(s.credits) : ''}`;
+}
+
+/** The statement's credits: those the period's requests spent, from the grant and purchased, and those its refunds gave back. */
+function statementCredits(c: NonNullable<Figures['statement']>['credits']): Html {
+  const { granted, purchased } = c.applied;
+  return html`<p data-credits-applied="${granted + purchased}" data-applied-granted="${granted}" data-applied-purchased="${purchased}" data-credits-returned="${c.returned}">Credits applied this period: <strong>${figure(granted + purchased)}</strong> (${figure(granted)} granted, ${figure(purchased)} purchased); ${figure(c.returned)} given back by refunds, as purchased credits.</p>`;
 }
 
 function historySection(f: Figures): Html {

@@ -147,7 +147,7 @@ while taken < want do
       want = taken
       break
     end
-    for _, v in ipairs({e[1], n, f[4], f[6], f[8]}) do bundles[#bundles + 1] = v end
+    for _, v in ipairs({e[1], n, f[4], f[6], f[8], f[10] or ''}) do bundles[#bundles + 1] = v end
     taken = taken + n
     from = e[1]
     if taken >= want then break end
@@ -185,7 +185,7 @@ const usageKeys = (name: string) => ({
   statements: subjectKey.statements(name),
 });
 
-const BUNDLE = 5;
+const BUNDLE = 6;
 
 export interface UsageRead {
   /** '0-0': none yet. */
@@ -221,8 +221,8 @@ export async function readUsage(
   for (let i = 0; i < found.length; i += 2) statuses.set(found[i]!, Number(found[i + 1]));
   const bundles: Bundle[] = [];
   for (let i = 0; i < flat.length; i += BUNDLE) {
-    const [id, events, upto, data, refunds] = flat.slice(i, i + BUNDLE) as [string, number, string, string, string];
-    bundles.push({ id, events: Number(events), upto: Number(upto), data, refunds });
+    const [id, events, upto, data, refunds, credits] = flat.slice(i, i + BUNDLE) as [string, number, string, string, string, string];
+    bundles.push({ id, events: Number(events), upto: Number(upto), data, refunds, credits });
   }
   return {
     cursor,

@@ -51,6 +51,8 @@ export interface RequestData {
   overage: number;
   /** The balance after it; null: no credits in the plan, or a leased admission. */
   credits: number | null;
+  /** Paid with credits: its units' credits from the grant (spent first) and purchased. Absent: not paid with credits. */
+  creditsApplied?: { granted: number; purchased: number };
 }
 
 /** A pre-bundle leased entry's data, already in JSON: still read, and sent as it is. */
@@ -89,6 +91,7 @@ function requestEvent(account: string, source: string, id: string, f: Record<str
     overage: Number(f.overage),
     credits: credits >= 0 ? credits : null,
   };
+  if (f.cg !== undefined) data.creditsApplied = { granted: Number(f.cg), purchased: data.units - Number(f.cg) };
   return { ...head(account, source, id, REQUEST_TYPE, f.at!), data: data as unknown as Record<string, unknown> };
 }
 
@@ -143,33 +146,47 @@ export interface Bundle {
   data: string;
   /** `index units overage` per refund, space-separated ('': none). */
   refunds: string;
+  /** Paid with credits: those its events spent, `granted purchased` (its first events the granted ones); '': not paid with credits. */
+  credits?: string;
 }
 
 /** Request events, then a refund event per refund (`<bundle>.<k>.refund`) at the bundle's time. */
 export function bundleEvents(account: string, source: string, b: Bundle, refundType = REFUND_TYPE): string {
   const id = JSON.stringify(eventId(account, b.id)).slice(1, -1);
   const shared = `","source":${JSON.stringify(source)},"type":"${REQUEST_TYPE}","subject":${JSON.stringify(account)},"time":"`;
+  const paid = b.credits ? b.credits.split(' ').map(Number) : undefined;
   let json = b.data.startsWith(COMPACT)
-    ? compactEvents(`{"specversion":"1.0","id":"${id}.`, shared, b.data)
+    ? compactEvents(`{"specversion":"1.0","id":"${id}.`, shared, b.data, paid)
     : b.data.replaceAll(ID_MARK, id).replaceAll(HEAD_MARK, shared);
   if (b.refunds === '') return json;
   const r = b.refunds.split(' ');
   const at = b.id.split('-')[0]!;
   for (let i = 0; i < r.length; i += 3) {
     const of = bundledId(b.id, r[i]!);
-    const f = { ref: of, units: r[i + 1]!, overage: r[i + 2]!, at };
+    const f = { ref: of, units: r[i + 1]!, overage: r[i + 2]!, at, cr: paid ? r[i + 1]! : '0' };
     json += `,${JSON.stringify(refundEvent(account, source, `${of}.refund`, f, refundType))}`;
   }
   return json;
 }
 
-/** requestEvent's JSON with one unit, no overage (a lease carries none), no balance (Redis holds a credit lease's). */
-function compactEvents(start: string, shared: string, data: string): string {
+/**
+ * requestEvent's JSON with one unit, no overage (a lease carries none), no balance (Redis holds a
+ * credit lease's); `paid` (the bundle's credits spent, granted and purchased): its first events
+ * paid from the grant, the next with purchased credits, the rest (their hold lapsed) with none.
+ */
+function compactEvents(start: string, shared: string, data: string, paid?: number[]): string {
   const [, names, from, heads, lines] = data.split(COMPACT) as [string, string, string, string, string];
   const at = Number(from);
   const keys = names.split(',').map((n, i) => `${i === 0 ? '{' : ','}${JSON.stringify(n)}:`);
   const last = keys.length - 1;
   const mids = heads.split('\n').map((h) => `,${h},"units":1,"status":`);
+  const [granted = 0, purchased = 0] = paid ?? [];
+  const applied = (k: number) =>
+    k < granted
+      ? ',"creditsApplied":{"granted":1,"purchased":0}'
+      : k < granted + purchased
+        ? ',"creditsApplied":{"granted":0,"purchased":1}'
+        : '';
   let json = '';
   // By position: no array of lines or values, each event one string.
   for (let k = 0, p = 0; p < lines.length; k++) {
@@ -189,7 +206,7 @@ function compactEvents(start: string, shared: string, data: string): string {
     json +=
       `${k === 0 ? '' : ','}${start}${k}${shared}${isoTime(at + Number(lines.slice(a + 1, t)))}","datacontenttype":"application/json",` +
       `"data":{"requestId":${lines.slice(w + 1, end)}${mids[Number(lines.slice(p, a))]}${lines.slice(t + 1, s)},` +
-      `"windows":${windows}},"overage":0,"credits":null}}`;
+      `"windows":${windows}},"overage":0,"credits":null${applied(k)}}}`;
     p = end + 1;
   }
   return json;
@@ -208,6 +225,8 @@ function refundEvent(account: string, source: string, id: string, f: Record<stri
       refundOf: eventId(account, f.ref!),
       units: -Number(f.units),
       ...(Number(f.overage) > 0 && { overage: -Number(f.overage) }),
+      // The credits it gave back, as purchased ones (refund.lua, usagebatch.lua).
+      ...(Number(f.cr) > 0 && { creditsReturned: Number(f.cr) }),
       // The request's statement line (refund.lua's; a bundle's refund gets its request's in the tally: periods.ts).
       ...(f.plan && { plan: f.plan, route: f.route }),
     },

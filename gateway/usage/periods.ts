@@ -31,6 +31,8 @@ interface SentEvent {
     overage?: number;
     amount?: number;
     refundOf?: string;
+    creditsApplied?: { granted: number; purchased: number };
+    creditsReturned?: number;
   };
   correctionof?: string;
   originaltime?: string;
@@ -123,6 +125,12 @@ function count(acc: Acc, e: SentEvent, correction: boolean): void {
   bump(f, 'units', units);
   bump(f, 'overage', overage);
   if (correction) bump(f, 'corrections', 1);
+  const paid = e.data.creditsApplied;
+  if (paid) {
+    bump(f, 'appliedGranted', paid.granted);
+    bump(f, 'appliedPurchased', paid.purchased);
+  }
+  if (e.data.creditsReturned) bump(f, 'returned', e.data.creditsReturned);
   const h = sha256(`${e.id} ${units}`);
   for (let i = 0; i < 8; i++) acc.limbs[i]! += h.readUInt32BE(i * 4);
   // A refund (its own type, or OpenMeter's: the request's type with negative units) names the event it refunds.
@@ -279,7 +287,14 @@ export interface Statement {
     /** Events of a closed period that came after its close, counted here. */
     corrections: number;
   };
-  credits: { granted: number; purchased: number };
+  credits: {
+    granted: number;
+    purchased: number;
+    /** Spent by the period's requests: from the grant (spent first) and purchased. */
+    applied: { granted: number; purchased: number };
+    /** Given back by its refunds, as purchased credits. */
+    returned: number;
+  };
   /** Request and refund events. */
   events: number;
   digest: { algorithm: typeof DIGEST; value: string };
@@ -313,7 +328,12 @@ export function statementOf(hash: Readonly<Record<string, string>>, period: Peri
       overage: n('overage'),
       corrections: n('corrections'),
     },
-    credits: { granted: n('granted'), purchased: n('purchased') },
+    credits: {
+      granted: n('granted'),
+      purchased: n('purchased'),
+      applied: { granted: n('appliedGranted'), purchased: n('appliedPurchased') },
+      returned: n('returned'),
+    },
     events: n('events'),
     digest: { algorithm: DIGEST, value: hash[`${p}digest`] ?? digestHex(0n) },
   };

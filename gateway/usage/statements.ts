@@ -62,7 +62,20 @@ export const StatementSchema = Type.Object(
       corrections: Int('Events of an earlier, closed period that came after its close, counted here'),
       amount: Type.Union([Money, Type.Null()], { description: "The lines' amounts summed; null: no line has a price" }),
     }),
-    credits: Type.Object({ granted: Int(), purchased: Int() }, { description: 'Credits granted and bought in the period' }),
+    credits: Type.Object(
+      {
+        granted: Int('Credits granted in the period'),
+        purchased: Int('Credits bought in the period (top-ups)'),
+        applied: Type.Object(
+          { granted: Int('From the grant, which is spent first'), purchased: Int('From purchased credits') },
+          { description: "Credits the period's requests spent, by where they came from" },
+        ),
+        returned: Int("Credits the period's refunds gave back, as purchased credits (they never expire)"),
+      },
+      {
+        description: 'Prepaid credits: granted, bought, spent (applied) and given back in the period; zeros for an account without credits',
+      },
+    ),
     events: Int('Request and refund events exported for the period'),
     digest: Type.Object(
       { algorithm: Type.Literal(DIGEST), value: Type.String({ pattern: '^[0-9a-f]{64}$' }) },

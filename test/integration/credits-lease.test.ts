@@ -9,6 +9,8 @@ import { leaseOf } from '../../gateway/quota/redis/lease-book.js';
 import { EventBatches } from '../../gateway/quota/redis/event-batches.js';
 import { addBatchEvent, batchEvents, defineScripts, quotaArgs, quotaReply, usageBatchArgs } from '../../gateway/quota/redis/script.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
+import { bundleEvents } from '../../gateway/usage/events.js';
+import { tallyPart } from '../../gateway/usage/periods.js';
 import { echoBackend, type EchoBackend } from '../helpers/backends.js';
 import { call, makeKey, tempDir, testConfig, uniquePrefix, writeConfig } from '../helpers/config.js';
 import { startProcess } from '../helpers/processes.js';
@@ -319,5 +321,48 @@ describe('a key with credits and usage export, leased', () => {
     expect(await credited(s)).toEqual({ balance: 2000, reserved: 0 });
     const ledger = await redis.xrange(subjectKey.ledger(s.name), '-', '+');
     expect(ledger.filter(([, f]) => f[1] === 'lapsed').map(([, f]) => f[3])).toEqual(['5']);
+  });
+
+  it('names in its bundle the credits its events spent, the grant first, and its refund gives one back as purchased: the statement splits them so', async () => {
+    const s = { ...subject(3), events: 10_000 };
+    const run = scripts();
+    const a = new LeasingInstance(redis);
+    onTestFinished(() => a.store.close());
+    await a.store.topUp(s, { amount: 2000, reason: 'test', idempotencyKey: randomUUID() });
+    const balance = async () => (await redis.hmget(subjectKey.credits(s.name), 'g', 'p', 'r')).map(Number);
+    expect(await balance()).toEqual([3, 2000, 0]);
+    // A lease of 20 (1% of 2,003): the grant's 3 and 17 purchased.
+    await run.quota(...quotaArgs(s, { lease: 20, deadline: 0, cost: 1, refill: false, tag: tag('r0'), callId: 'L1' }));
+    expect(await run.usagebatch(...usageBatchArgs(s, 'i:1', fiveEvents('L1')))).toBe(5);
+    const [[id, f]] = (await redis.xrange(subjectKey.bundles(s.name), '-', '+')) as [[string, string[]]];
+    const field = (name: string) => f[f.indexOf(name) + 1]!;
+    expect(field('credits')).toBe('3 2');
+    const bundle = {
+      id,
+      events: Number(field('n')),
+      upto: Number(field('upto')),
+      data: field('data'),
+      refunds: field('refunds'),
+      credits: field('credits'),
+    };
+    const json = bundleEvents(s.name, '/src', bundle);
+    const events = JSON.parse(`[${json}]`) as Array<{ data: { requestId?: string; creditsApplied?: unknown; creditsReturned?: number } }>;
+    const granted = { granted: 1, purchased: 0 };
+    const purchased = { granted: 0, purchased: 1 };
+    expect(events.map((e) => e.data.creditsApplied ?? e.data.creditsReturned)).toEqual([
+      granted,
+      granted,
+      granted,
+      purchased,
+      purchased,
+      1,
+    ]);
+    const { tally } = tallyPart(json, billingDay, 0);
+    const figures = Object.fromEntries(
+      [...tally.adds].filter(([k]) => /\|(applied\w+|returned)$/.test(k)).map(([k, n]) => [k.split('|')[1], n]),
+    );
+    expect(figures).toEqual({ appliedGranted: 3, appliedPurchased: 2, returned: 1 });
+    // The balance says the same: the grant spent, 17 purchased taken less the refunded one given back, 15 still held.
+    expect(await balance()).toEqual([0, 2000 - 17 + 1, 15]);
   });
 });

@@ -190,7 +190,7 @@ describe('a billing period closed at the sink', () => {
       refunds: { events: 1, units: 1 },
       overage: 0,
       corrections: 0,
-      credits: { granted: 0, purchased: 50 },
+      credits: { granted: 0, purchased: 50, applied: { granted: 0, purchased: 0 }, returned: 0 },
       events: 4,
       digest: { algorithm: 'sha256-sum', value: digest(previous.map((e) => ({ id: e.id, units: Number(e.data.units) }))) },
     });

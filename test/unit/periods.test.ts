@@ -91,6 +91,39 @@ describe('tallyPart', () => {
     expect(out).toBe(json); // nothing late: sent as it came
   });
 
+  it('counts the credits a request spent, from the grant and purchased, and those a refund gave back, in the period of each', () => {
+    const json = [
+      event('acme/a', REQUEST, '2026-11-14T23:00:00.000Z', {
+        plan: 'pro',
+        route: 'createPet',
+        units: 5,
+        creditsApplied: { granted: 2, purchased: 3 },
+      }),
+      event('acme/b', REQUEST, '2026-11-15T01:00:00.000Z', {
+        plan: 'pro',
+        route: 'listPets',
+        units: 1,
+        creditsApplied: { granted: 0, purchased: 1 },
+      }),
+      event('acme/b.refund', REFUND, '2026-11-15T01:00:01.000Z', { refundOf: 'acme/b', units: -1, creditsReturned: 1 }),
+      // A key without credits: nothing applied.
+      event('acme/c', REQUEST, '2026-11-15T02:00:00.000Z', { plan: 'free', route: 'listPets', units: 1 }),
+    ].join(',');
+    const { tally } = tallyPart(json, 15, 0);
+    const [october, november] = [Date.UTC(2026, 9, 15), Date.UTC(2026, 10, 15)];
+    const figures = (s: number) =>
+      Object.fromEntries(['appliedGranted', 'appliedPurchased', 'returned'].map((f) => [f, tally.adds.get(`${s}|${f}`) ?? 0]));
+    expect(figures(october)).toEqual({ appliedGranted: 2, appliedPurchased: 3, returned: 0 });
+    expect(figures(november)).toEqual({ appliedGranted: 0, appliedPurchased: 1, returned: 1 });
+    const hash = Object.fromEntries([...tally.adds].map(([f, n]) => [f, String(n)]));
+    expect(statementOf(hash, { startMs: november, endMs: Date.UTC(2026, 11, 15) }).credits).toEqual({
+      granted: 0,
+      purchased: 0,
+      applied: { granted: 0, purchased: 1 },
+      returned: 1,
+    });
+  });
+
   it('rewrites an event of a frozen period as a correction of the next, stamped at its start', () => {
     const json = event('acme/late', REQUEST, '2026-10-31T23:00:00.000Z', { plan: 'pro', route: 'listPets', units: 1, overage: 0 });
     const november = Date.UTC(2026, 10, 1);

@@ -11,7 +11,7 @@ const statement = (lines: Statement['lines']): Statement => ({
   closedAt: null,
   lines,
   totals: { requests: 0, units: 0, refunds: { events: 0, units: 0 }, overage: 0, corrections: 0 },
-  credits: { granted: 0, purchased: 0 },
+  credits: { granted: 0, purchased: 0, applied: { granted: 0, purchased: 0 }, returned: 0 },
   events: 0,
   digest: { algorithm: DIGEST, value: '0'.repeat(64) },
 });

@@ -276,6 +276,8 @@ local function room()
   if soft > 0 then r = math.min(r, soft - long()) end
   return r
 end
+-- The granted part of the credits take() last spent (the rest purchased): the request's event names it.
+local tookGranted = 0
 -- Units taken: a request's (`leased` false), known delivered, or a lease's, not closed yet.
 local function take(units, leased)
   for _, w in ipairs(FIXED) do win[w.name].count = win[w.name].count + units end
@@ -285,6 +287,7 @@ local function take(units, leased)
   if leased and pending then redis.call('HINCRBY', KEY.cursor, 'unsettled', units) end
   if grant >= 0 then
     local fromGrant = math.min(g, units)
+    tookGranted = fromGrant
     g = g - fromGrant
     p = p - (units - fromGrant)
     redis.call('HSET', KEY.credits, 'g', g, 'p', p)
@@ -390,6 +393,11 @@ if cap > 0 and units == cost then
     end
   end
   for _, v in ipairs({'month', pc, 'overage', mine, 'credits', balance}) do entry[#entry + 1] = v end
+  -- Paid with credits: how many of its units came from the grant (spent first), the rest purchased.
+  if grant >= 0 then
+    entry[#entry + 1] = 'cg'
+    entry[#entry + 1] = tookGranted
+  end
   eventId = redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', unpack(entry))
 end
 return reply(0, units)

@@ -7,7 +7,8 @@
 -- purchased credits, which never expire); `soft`, the quota past which units are billed as
 -- overage (0: none), and `overageWindow` (1: the month, 2: the day); `eventsCap` (0: none) and
 -- `eventId`: the refund is an event of its own, cancelling that one's charge and the overage it
--- takes back, with the request's `plan` and `route` ('': not known) for its statement line.
+-- takes back, with the request's `plan` and `route` ('': not known) for its statement line and
+-- the credits it gives back (`cr`).
 -- Returns the overage units taken back.
 -- With `callId` (KEY.call, its kept reply): a call the gateway gave up on whose reply never came
 -- (its connection dropped, or the client library gave up on it), so the request was answered
@@ -37,7 +38,9 @@ local cap = tonumber(ARG.eventsCap) or 0
 if cap > 0 and eventId and eventId ~= '' then
   local t = redis.call('TIME')
   redis.call('XADD', KEY.events, 'MAXLEN', '~', cap, '*', 'kind', 'refund', 'ref', eventId, 'units', n,
-    'overage', over, 'at', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 'plan', ARG.plan, 'route', ARG.route)
+    'overage', over, 'at', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), 'plan', ARG.plan, 'route', ARG.route,
+    -- The credits given back (as purchased ones): none when the request was not paid with credits.
+    'cr', tonumber(ARG.paidWithCredits) == 1 and n or 0)
 end
 if settling then return {'refunded', over} end
 return over

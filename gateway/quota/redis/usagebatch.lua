@@ -29,6 +29,8 @@
 -- or after closing: its lost events' credits go back with the lapse, their units stay in `unsettled`.
 -- Returns the events written (0: a batch sent again, already written).
 if not redis.call('SET', KEY.batch, 1, 'NX', 'PX', 86400000) then return 0 end
+-- The credits the events spent: from the grant, and purchased.
+local spentGranted, spentPurchased = 0, 0
 -- `units` of the hold `field` spent: its grant's part first, as the hold gives its purchased part back first.
 local function spend(field, units)
   local v = redis.call('HGET', KEY.credits, field)
@@ -36,6 +38,8 @@ local function spend(field, units)
   local size, fromGrant, rest = string.match(v, '^(%d+) (%d+) (.*)$')
   size, fromGrant = tonumber(size), tonumber(fromGrant)
   local n = math.min(units, size)
+  spentGranted = spentGranted + math.min(n, fromGrant)
+  spentPurchased = spentPurchased + n - math.min(n, fromGrant)
   if n >= size then redis.call('HDEL', KEY.credits, field)
   else redis.call('HSET', KEY.credits, field, (size - n) .. ' ' .. math.max(0, fromGrant - n) .. ' ' .. rest) end
   redis.call('HSET', KEY.credits, 'r', math.max(0, (tonumber(redis.call('HGET', KEY.credits, 'r')) or 0) - n))
@@ -69,11 +73,16 @@ for i = REST, last, 3 do
   if paid then refundedCredits = refundedCredits + units end
 end
 added = added + total
-redis.call('XADD', KEY.bundles, '*', 'n', total, 'upto', added, 'data', ARG.data, 'refunds', table.concat(refunded, ' '))
-redis.call('HSET', KEY.cursor, 'badded', added)
+local fields = {'n', total, 'upto', added, 'data', ARG.data, 'refunds', table.concat(refunded, ' ')}
 if paid then
   for i = last + 1, #ARGV, 2 do spend('h:' .. ARGV[i], tonumber(ARGV[i + 1])) end
+  -- The credits the bundle's events spent, `granted purchased` (its first events the granted
+  -- ones; an event whose hold lapsed spent none): its refunds give theirs back as purchased.
+  fields[#fields + 1] = 'credits'
+  fields[#fields + 1] = spentGranted .. ' ' .. spentPurchased
 end
+redis.call('XADD', KEY.bundles, '*', unpack(fields))
+redis.call('HSET', KEY.cursor, 'badded', added)
 if refundedCredits > 0 then redis.call('HINCRBY', KEY.credits, 'p', refundedCredits) end
 redis.call('HINCRBY', KEY.cursor, 'unsettled', -n)
 return n
