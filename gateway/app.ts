@@ -143,7 +143,10 @@ function portalParts(
   log: FastifyBaseLogger,
 ): PortalParts & { history: OutcomeHistory } {
   const { redis } = deps;
-  const registry = settings.keyStore === 'redis' ? new RegistryKeys(redis, config, config().redisPrefix) : undefined;
+  const registry =
+    settings.keyStore === 'redis'
+      ? new RegistryKeys(redis, config, config().redisPrefix, (digest) => lookup?.changedHere(digest))
+      : undefined;
   // The file's edits on a thread of their own, its pages from the config in force (what `config` holds).
   const keys: KeyStore | undefined = registry ?? (deps.keyFile ? fileKeys(deps.keyFile, {}, config) : undefined);
   const timeoutMs = settings.redisTimeoutMs;
@@ -258,8 +261,16 @@ export function buildAdminPort(settings: GatewaySettings, from: AdminSources): P
   const metrics = own.metrics ?? from.gateway!.metrics;
   // With the key registry, keys are issued there (every instance hears of a change at once), and
   // changed in the file too where it holds a copy; accounts' settings stay in the file.
+  // A key changed here is known to this process's lookup before the answer (a primary has none: its workers hear the channel).
   const registry =
-    settings.keyStore === 'redis' && from.redis ? new RegistryKeys(from.redis, () => from.config(), from.config().redisPrefix) : undefined;
+    settings.keyStore === 'redis' && from.redis
+      ? new RegistryKeys(
+          from.redis,
+          () => from.config(),
+          from.config().redisPrefix,
+          (digest) => from.gateway?.keys?.changedHere(digest),
+        )
+      : undefined;
   const keys = registry && configFile ? bothStores(configFile, registry) : registry;
   return buildAdmin(
     { ...settings, configFile, portalUrl: from.portalUrl },

@@ -1,6 +1,7 @@
 import type { FastifyPluginAsyncTypebox } from '@fastify/type-provider-typebox';
 import { duration, KeyFileError, type KeyStore, type OtherKeys, setAccount } from '../auth/key-file.js';
 import { KeyFileThread } from '../auth/key-file-thread.js';
+import { REGISTRY_WHERE } from '../auth/registry.js';
 import { ConfigError } from '../config/config.js';
 import { GatewayError } from '../errors.js';
 import {
@@ -51,7 +52,11 @@ const noFile = failure('route_not_found: this instance has no config file to man
 const notFound = failure('key_not_found');
 const readOnly = failure('config_read_only: the config file cannot be written here; config_busy: another editor holds it');
 const tags = ['keys'];
-const NOTE = 'The key is shown only now; the gateway accepts it once it has reloaded the file (about a second).';
+/** The note beside a key issued: when it works depends on where it was issued. */
+const noteOf = (store: KeyStore) =>
+  store.where === REGISTRY_WHERE
+    ? 'The key is shown only now; this gateway accepts it at once, every other instance once it hears of it (tens of milliseconds).'
+    : 'The key is shown only now; the gateway accepts it once it has reloaded the file (about a second).';
 
 /** The key API's operations, as validated and documented. */
 const SCHEMAS = {
@@ -65,7 +70,8 @@ const SCHEMAS = {
   create: {
     operationId: 'createKey',
     tags,
-    description: 'Adds a key to the config file; the gateway accepts it once it has reloaded the file (about a second).',
+    description:
+      'Adds a key: to the key registry (KEY_STORE=redis), accepted at once by this instance and within tens of milliseconds by the others; else to the config file, accepted once the gateway has reloaded it (about a second).',
     body: NewKey,
     response: {
       201: IssuedKey,
@@ -137,7 +143,7 @@ export const keyApi: FastifyPluginAsyncTypebox<{
   app.post('/admin/keys', { schema: SCHEMAS.create }, async (request, reply) => {
     const created = await keyCall(() => store().create(request.body));
     reply.code(201).header('cache-control', 'no-store');
-    return { ...created, note: NOTE };
+    return { ...created, note: noteOf(store()) };
   });
 
   app.post('/admin/keys/:id/revoke', { schema: SCHEMAS.revoke }, async (request) => ({

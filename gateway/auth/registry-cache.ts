@@ -234,6 +234,15 @@ export class KeyRegistry {
 
   private changed(digest: string): void {
     this.announced++;
+    this.changedHere(digest);
+  }
+
+  /**
+   * A key this instance changed itself (its admin port or portal issued, revoked or rotated it):
+   * known here before the answer, as its announcement makes it known everywhere else. A client
+   * that uses a key the moment it is issued, through the same instance, is never refused.
+   */
+  changedHere(digest: string): void {
     this.cache.delete(digest);
     if (this.pending.has(digest)) this.changedInFlight.add(digest);
     this.heard?.push(digest);

@@ -149,19 +149,28 @@ async function exec(pipeline: { exec(): Promise<Array<[Error | null, unknown]> |
   return replies.map(([, reply]) => reply);
 }
 
+/** The registry's `where` (KeyStore): said in messages, and how the key API tells the registry from the file. */
+export const REGISTRY_WHERE = 'the key registry';
+
 /**
  * The keys command's and the key API's operations on the registry: each costs one key,
  * whatever the number of keys. `plans` are the config file's (read by the caller).
  */
 export class RegistryKeys implements KeyStore {
-  readonly where = 'the key registry';
+  readonly where = REGISTRY_WHERE;
   private readonly redis: RegistryRedis;
   private readonly names: Names;
 
+  /**
+   * `changedHere`: told each digest this store changed (a key added, revoked or rotated), once
+   * Redis took it and before its caller answers: the lookup of the same instance then knows it
+   * at once, not only once the change's announcement comes back on the channel.
+   */
   constructor(
     redis: RedisClient,
     private readonly current: () => Pick<ConfigFile, 'plans' | 'environment'>,
     redisPrefix: string,
+    private readonly changedHere?: (digest: string) => void,
   ) {
     this.redis = withScripts(redis);
     this.names = registryKeys(redisPrefix);
@@ -185,6 +194,7 @@ export class RegistryKeys implements KeyStore {
   async add(entry: KeyEntry): Promise<boolean> {
     const made = await this.redis.registryCreate(...this.createArgs(entry));
     if (Array.isArray(made)) throw new KeyFileError(this.disagreement(entry, made), 'invalid');
+    if (made === 1) this.changedHere?.(entry.hash);
     return made === 1;
   }
 
@@ -356,5 +366,6 @@ export class RegistryKeys implements KeyStore {
       { digest: entry.hash, channel: n.changed, field, value },
     );
     if ((await this.redis.registryUpdate(...args)) !== 1) throw new KeyFileError(`key "${entry.id}" changed meanwhile; try again`, 'busy');
+    this.changedHere?.(entry.hash);
   }
 }

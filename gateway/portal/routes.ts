@@ -1,6 +1,7 @@
 import type { FastifyInstance, FastifyPluginAsync, FastifyReply, FastifyRequest } from 'fastify';
 import { authenticate, type KeyLookup } from '../auth/authenticate.js';
 import { KeyFileError, type KeyStore } from '../auth/key-file.js';
+import { REGISTRY_WHERE } from '../auth/registry.js';
 import type { GatewayConfig, KeyLimits } from '../config/config.js';
 import { type LimitField, WINDOWS } from '../quota/windows.js';
 import { GatewayError } from '../errors.js';
@@ -225,7 +226,14 @@ function selfService(app: FastifyInstance, parts: PortalParts, sessionOf: Sessio
     return send(
       reply,
       201,
-      secretPage('Key created', created.id, created.key, 'It works within about a second, once every gateway has read it.'),
+      secretPage(
+        'Key created',
+        created.id,
+        created.key,
+        store().where === REGISTRY_WHERE
+          ? 'It works at once here, and on every gateway within tens of milliseconds.'
+          : 'It works within about a second, once every gateway has read it.',
+      ),
     );
   });
 

@@ -101,6 +101,28 @@ describe('the key registry under faults', () => {
     expect(await metric(deaf, 'gateway_key_registry_channel_silent')).toBe(0);
   });
 
+  it('an instance that issues, rotates or revokes a key itself enforces it before it answers, though its channel passes nothing', async () => {
+    const redis = await spawnRedis();
+    onTestFinished(() => redis.stop());
+    const proxy = await tcpProxy(new URL(redis.url).host);
+    const gw = await gatewayOn(proxy.url);
+    await gw.gateway.keys!.ready();
+    // Its channel passes nothing from here (held as a dead peer holds it): what it knows of a
+    // change it knows from making it. The requests follow at once, well within the second
+    // before the channel's silence is noticed (and the filter read again).
+    expect(proxy.hold((sent) => sent.includes('subscribe'))).toBe(1);
+    const heard = gw.gateway.keys!.announced;
+    const fresh = await issue(gw, { plan: 'free' });
+    expect(await statusOn(gw, fresh.key)).toBe(200);
+    const rotation = await admin(gw, `/admin/keys/${fresh.id}/rotate`, { method: 'POST', body: JSON.stringify({ grace: '1h' }) });
+    const rotated = (await rotation.json()) as { id: string; key: string };
+    expect(await statusOn(gw, rotated.key)).toBe(200);
+    expect((await admin(gw, `/admin/keys/${rotated.id}/revoke`, { method: 'POST', body: '{}' })).status).toBe(200);
+    expect(await statusOn(gw, rotated.key)).toBe(401); // cached a moment ago, as the first key is
+    expect(await statusOn(gw, fresh.key)).toBe(200); // within its grace
+    expect(gw.gateway.keys!.announced).toBe(heard); // none of it came by the channel
+  });
+
   it('Redis killed: a key read before keeps working past its cache minute, a key never read gets 503 at once; restarted, both work', {
     timeout: scaled(120_000),
   }, async () => {
