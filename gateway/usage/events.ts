@@ -146,7 +146,7 @@ export interface Bundle {
   data: string;
   /** `index units overage` per refund, space-separated ('': none). */
   refunds: string;
-  /** Paid with credits: those its events spent, `granted purchased` (its first events the granted ones); '': not paid with credits. */
+  /** Paid with credits: what paid each event, in line order (`g` the grant, `p` purchased credits, `-` none); '': not paid with credits. */
   credits?: string;
 }
 
@@ -154,7 +154,7 @@ export interface Bundle {
 export function bundleEvents(account: string, source: string, b: Bundle, refundType = REFUND_TYPE): string {
   const id = JSON.stringify(eventId(account, b.id)).slice(1, -1);
   const shared = `","source":${JSON.stringify(source)},"type":"${REQUEST_TYPE}","subject":${JSON.stringify(account)},"time":"`;
-  const paid = b.credits ? b.credits.split(' ').map(Number) : undefined;
+  const paid = b.credits || undefined;
   let json = b.data.startsWith(COMPACT)
     ? compactEvents(`{"specversion":"1.0","id":"${id}.`, shared, b.data, paid)
     : b.data.replaceAll(ID_MARK, id).replaceAll(HEAD_MARK, shared);
@@ -163,7 +163,9 @@ export function bundleEvents(account: string, source: string, b: Bundle, refundT
   const at = b.id.split('-')[0]!;
   for (let i = 0; i < r.length; i += 3) {
     const of = bundledId(b.id, r[i]!);
-    const f = { ref: of, units: r[i + 1]!, overage: r[i + 2]!, at, cr: paid ? r[i + 1]! : '0' };
+    // Its credit back (as purchased) if its request spent one (usagebatch.lua).
+    const spent = paid?.[Number(r[i])] === 'g' || paid?.[Number(r[i])] === 'p';
+    const f = { ref: of, units: r[i + 1]!, overage: r[i + 2]!, at, cr: spent ? r[i + 1]! : '0' };
     json += `,${JSON.stringify(refundEvent(account, source, `${of}.refund`, f, refundType))}`;
   }
   return json;
@@ -171,20 +173,18 @@ export function bundleEvents(account: string, source: string, b: Bundle, refundT
 
 /**
  * requestEvent's JSON with one unit, no overage (a lease carries none), no balance (Redis holds a
- * credit lease's); `paid` (the bundle's credits spent, granted and purchased): its first events
- * paid from the grant, the next with purchased credits, the rest (their hold lapsed) with none.
+ * credit lease's); `paid`, what paid each event (Bundle's `credits`): its creditsApplied.
  */
-function compactEvents(start: string, shared: string, data: string, paid?: number[]): string {
+function compactEvents(start: string, shared: string, data: string, paid?: string): string {
   const [, names, from, heads, lines] = data.split(COMPACT) as [string, string, string, string, string];
   const at = Number(from);
   const keys = names.split(',').map((n, i) => `${i === 0 ? '{' : ','}${JSON.stringify(n)}:`);
   const last = keys.length - 1;
   const mids = heads.split('\n').map((h) => `,${h},"units":1,"status":`);
-  const [granted = 0, purchased = 0] = paid ?? [];
   const applied = (k: number) =>
-    k < granted
+    paid?.[k] === 'g'
       ? ',"creditsApplied":{"granted":1,"purchased":0}'
-      : k < granted + purchased
+      : paid?.[k] === 'p'
         ? ',"creditsApplied":{"granted":0,"purchased":1}'
         : '';
   let json = '';

@@ -31,8 +31,17 @@ export interface DurableNode {
  * answering, as there; `detectAfter` changes that at run time, so a restart or a freeze can be
  * told from a failover.
  */
-export async function spawnDurableSentinels() {
+export async function spawnDurableSentinels({
+  env,
+  appendonly = true,
+}: {
+  /** More environment for every node and sentinel (a shifted clock: shifted-clock.ts). */
+  env?: Record<string, string>;
+  /** false: nothing kept on disk, for a run with no restart (a failover alone) that writes much. */
+  appendonly?: boolean;
+} = {}) {
   const dir = mkdtempSync(join(tmpdir(), 'redis-durable-'));
+  const spawnEnv = { ...process.env, ...env };
   const procs: ChildProcess[] = [];
   const name = 'petstore';
   const stop = () => {
@@ -45,9 +54,10 @@ export async function spawnDurableSentinels() {
   const start = (port: number, ...extra: string[]) => {
     const own = join(dir, `node-${port}`);
     mkdirSync(own, { recursive: true });
-    const args = ['--port', String(port), '--bind', '127.0.0.1', '--dir', own, '--save', '', '--appendonly', 'yes'];
+    const args = ['--port', String(port), '--bind', '127.0.0.1', '--dir', own, '--save', '', '--appendonly', appendonly ? 'yes' : 'no'];
     const proc = spawn('redis-server', [...args, '--appendfsync', 'always', '--repl-diskless-sync-delay', '0', ...extra], {
       stdio: 'ignore',
+      env: spawnEnv,
     });
     procs.push(proc);
     return proc;
@@ -79,7 +89,7 @@ export async function spawnDurableSentinels() {
           '',
         ].join('\n'),
       );
-      procs.push(spawn('redis-server', [conf, '--sentinel'], { stdio: 'ignore' }));
+      procs.push(spawn('redis-server', [conf, '--sentinel'], { stdio: 'ignore', env: spawnEnv }));
       ports.push(port);
     }
     for (const p of ports) await waitForPort(p, 5000);

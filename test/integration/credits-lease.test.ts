@@ -323,20 +323,10 @@ describe('a key with credits and usage export, leased', () => {
     expect(ledger.filter(([, f]) => f[1] === 'lapsed').map(([, f]) => f[3])).toEqual(['5']);
   });
 
-  it('names in its bundle the credits its events spent, the grant first, and its refund gives one back as purchased: the statement splits them so', async () => {
-    const s = { ...subject(3), events: 10_000 };
-    const run = scripts();
-    const a = new LeasingInstance(redis);
-    onTestFinished(() => a.store.close());
-    await a.store.topUp(s, { amount: 2000, reason: 'test', idempotencyKey: randomUUID() });
-    const balance = async () => (await redis.hmget(subjectKey.credits(s.name), 'g', 'p', 'r')).map(Number);
-    expect(await balance()).toEqual([3, 2000, 0]);
-    // A lease of 20 (1% of 2,003): the grant's 3 and 17 purchased.
-    await run.quota(...quotaArgs(s, { lease: 20, deadline: 0, cost: 1, refill: false, tag: tag('r0'), callId: 'L1' }));
-    expect(await run.usagebatch(...usageBatchArgs(s, 'i:1', fiveEvents('L1')))).toBe(5);
+  /** Redis's bundle of `s` (one batch written) as the exporter reads it, and its events as the sink gets them. */
+  const bundleOf = async (s: QuotaSubject) => {
     const [[id, f]] = (await redis.xrange(subjectKey.bundles(s.name), '-', '+')) as [[string, string[]]];
     const field = (name: string) => f[f.indexOf(name) + 1]!;
-    expect(field('credits')).toBe('3 2');
     const bundle = {
       id,
       events: Number(field('n')),
@@ -346,23 +336,60 @@ describe('a key with credits and usage export, leased', () => {
       credits: field('credits'),
     };
     const json = bundleEvents(s.name, '/src', bundle);
-    const events = JSON.parse(`[${json}]`) as Array<{ data: { requestId?: string; creditsApplied?: unknown; creditsReturned?: number } }>;
-    const granted = { granted: 1, purchased: 0 };
-    const purchased = { granted: 0, purchased: 1 };
-    expect(events.map((e) => e.data.creditsApplied ?? e.data.creditsReturned)).toEqual([
-      granted,
-      granted,
-      granted,
-      purchased,
-      purchased,
-      1,
-    ]);
+    const events = JSON.parse(`[${json}]`) as Array<{ data: { creditsApplied?: unknown; creditsReturned?: number; refundOf?: string } }>;
+    return { bundle, json, events };
+  };
+  const balance = async (s: QuotaSubject) => (await redis.hmget(subjectKey.credits(s.name), 'g', 'p', 'r')).map(Number);
+
+  it("names what paid each event, by the event's own lease, the grant first; a refund gives its event's credit back as purchased: the statement splits them so", async () => {
+    const s = { ...subject(3), events: 10_000 };
+    const run = scripts();
+    const a = new LeasingInstance(redis);
+    onTestFinished(() => a.store.close());
+    await a.store.topUp(s, { amount: 2000, reason: 'test', idempotencyKey: randomUUID() });
+    expect(await balance(s)).toEqual([3, 2000, 0]);
+    // L1, a lease of 20 (1% of 2,003): the grant's 3 and 17 purchased; then L2, 19 (1% of 1,983), all purchased.
+    await run.quota(...quotaArgs(s, { lease: 20, deadline: 0, cost: 1, refill: false, tag: tag('r0'), callId: 'L1' }));
+    await run.quota(...quotaArgs(s, { lease: 20, deadline: 0, cost: 1, refill: false, tag: tag('r1'), callId: 'L2' }));
+    expect(await balance(s)).toEqual([0, 2000 - 17 - 19, 39]);
+    // One batch, its events from both leases in turn, the second (one of L1's) refunded.
+    const events = batchEvents();
+    ['L2', 'L1', 'L2', 'L1', 'L1', 'L1'].forEach((lease, i) =>
+      addBatchEvent(events, { at: Date.now(), tag: tag(`e${i}`), status: 200, windows: '1,null,1,null' }, i === 1 ? 1 : 0, lease),
+    );
+    expect(await run.usagebatch(...usageBatchArgs(s, 'i:1', events))).toBe(6);
+    const { bundle, json, events: sent } = await bundleOf(s);
+    // L2's events purchased; L1's first three its grant's, its fourth purchased.
+    expect(bundle.credits).toBe('pgpggp');
+    const [g, p] = [
+      { granted: 1, purchased: 0 },
+      { granted: 0, purchased: 1 },
+    ];
+    expect(sent.map((e) => e.data.creditsApplied ?? e.data.creditsReturned)).toEqual([p, g, p, g, g, p, 1]);
     const { tally } = tallyPart(json, billingDay, 0);
     const figures = Object.fromEntries(
       [...tally.adds].filter(([k]) => /\|(applied\w+|returned)$/.test(k)).map(([k, n]) => [k.split('|')[1], n]),
     );
-    expect(figures).toEqual({ appliedGranted: 3, appliedPurchased: 2, returned: 1 });
-    // The balance says the same: the grant spent, 17 purchased taken less the refunded one given back, 15 still held.
-    expect(await balance()).toEqual([0, 2000 - 17 + 1, 15]);
+    expect(figures).toEqual({ appliedGranted: 3, appliedPurchased: 3, returned: 1 });
+    // The balance says the same: the refunded credit back as purchased, 16 of L1 and 17 of L2 still held.
+    expect(await balance(s)).toEqual([0, 2000 - 17 - 19 + 1, 16 + 17]);
+  });
+
+  it('spends nothing for an event written after its hold lapsed, and gives nothing back for its refund: the lapse gave its credit back', async () => {
+    const s = both();
+    const run = scripts();
+    await run.quota(...quotaArgs(s, { lease: 20, deadline: 0, cost: 1, refill: false, tag: tag('r0'), callId: 'L1' }));
+    // Its holder slow (a request that waited long on the backend): the lease lapses first (its time set in the past rather than 70 s waited).
+    const hold = (await redis.hget(subjectKey.credits(s.name), 'h:L1'))!;
+    await redis.hset(subjectKey.credits(s.name), 'h:L1', hold.replace(/\d+$/, '1'), 'rx', 1);
+    await run.quota(...quotaArgs(s, { lease: 1, deadline: 0, cost: 0, refill: true, callId: 'L2' }));
+    expect(await credited(s)).toEqual({ balance: 2000, reserved: 0 });
+    // Then its batch: five events, the fifth refunded.
+    expect(await run.usagebatch(...usageBatchArgs(s, 'i:1', fiveEvents('L1')))).toBe(5);
+    const { bundle, events } = await bundleOf(s);
+    expect(bundle.credits).toBe('-----');
+    expect(events.filter((e) => e.data.creditsApplied !== undefined || e.data.creditsReturned !== undefined)).toEqual([]);
+    // Delivered unpaid (the lapse's way), and not a credit more.
+    expect(await credited(s)).toEqual({ balance: 2000, reserved: 0 });
   });
 });

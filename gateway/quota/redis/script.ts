@@ -358,7 +358,7 @@ export const unbanArgs = (name: string) =>
 // usagebatch.lua: the events of leased admissions, a bundle per call, with their refunds.
 export const USAGE_BATCH = {
   keys: ['bundles', 'cursor', 'batch', 'counters', 'credits'],
-  argv: ['eventsCap', 'month', 'soft', 'overageWindow', 'paidWithCredits', 'events', 'refunds', 'data'],
+  argv: ['eventsCap', 'month', 'soft', 'overageWindow', 'paidWithCredits', 'events', 'refunds', 'data', 'payers'],
 } as const satisfies Wires<string, string>;
 
 /**
@@ -379,9 +379,22 @@ export interface BatchEvents {
   refunds: number[];
   /** Per credit lease the events' credits came from: how many of them. */
   spends: Map<string, number>;
+  /** Per event (a subject with credits): its credit lease, as 1 + its place in `spends`. */
+  payers: number[];
+  /** The last event's lease and its place: the next event's, nearly always. */
+  payer: [lease: string, place: number];
 }
 
-export const batchEvents = (): BatchEvents => ({ lines: [], at: 0, heads: [], headIndex: new Map(), refunds: [], spends: new Map() });
+export const batchEvents = (): BatchEvents => ({
+  lines: [],
+  at: 0,
+  heads: [],
+  headIndex: new Map(),
+  refunds: [],
+  spends: new Map(),
+  payers: [],
+  payer: ['', 0],
+});
 
 /** How many events a batch holds. */
 export const eventsIn = (b: BatchEvents) => b.lines.length;
@@ -411,16 +424,33 @@ export function addBatchEvent(
   creditLease: string,
 ): void {
   if (refundUnits > 0) b.refunds.push(b.lines.length, e.at, refundUnits);
-  if (creditLease !== '') b.spends.set(creditLease, (b.spends.get(creditLease) ?? 0) + 1);
+  if (creditLease !== '') {
+    const before = b.spends.size;
+    b.spends.set(creditLease, (b.spends.get(creditLease) ?? 0) + 1);
+    // A new lease goes last in `spends` (a Map keeps its order); a known one is nearly always the last event's.
+    if (b.payer[0] !== creditLease) b.payer = [creditLease, b.spends.size > before ? b.spends.size : placeOf(b.spends, creditLease)];
+    b.payers.push(b.payer[1]);
+  }
   if (b.lines.length === 0) b.at = e.at;
   b.lines.push(eventLine(headOf(b, e.tag), e.at - b.at, e.status, e.windows, e.tag.requestId));
 }
 type EventHead = Pick<EventTag, 'keyId' | 'plan' | 'route' | 'method'>;
 
+/** 1 + the place of `lease` in `spends` (a batch's leases: one or two). */
+function placeOf(spends: ReadonlyMap<string, number>, lease: string): number {
+  let i = 1;
+  for (const id of spends.keys()) {
+    if (id === lease) return i;
+    i++;
+  }
+  return 0;
+}
+
 /**
  * usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of the events `b` (a refund's
  * overage taken back as refund.lua's), in one string (`data`: usage/events.ts, bundleData).
- * From REST on: each refund's `index, at, units` (the index from 0), then each credit lease's `id, events`.
+ * From REST on: each refund's `index, at, units` (the index from 0), then each credit lease's `id, events`;
+ * `payers`, each event's lease as 1 + its place among those.
  */
 export function usageBatchArgs(subject: QuotaSubject, batchId: string, b: BatchEvents): Array<string | number> {
   const { name, limits } = subject;
@@ -440,6 +470,7 @@ export function usageBatchArgs(subject: QuotaSubject, batchId: string, b: BatchE
     events: eventsIn(b),
     refunds: b.refunds.length / 3,
     data: bundleData(b.at, b.heads, b.lines),
+    payers: b.payers.join(' '),
   };
   return wiresArgs(USAGE_BATCH, keys, argv, [...b.refunds, ...[...b.spends].flat()]);
 }

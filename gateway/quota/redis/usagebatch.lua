@@ -22,27 +22,27 @@
 -- With credits (`paidWithCredits` 1), each event names the credit lease its credit came from:
 -- written, its credit is spent from that lease's hold (quota.lua: `h:<id>`, "size fromGrant gp
 -- x"; `r` the holds' sum), so it no longer goes back to the balance when the lease closes or
--- lapses; a refunded unit's credit goes back as a purchased one, as refund.lua gives it. The
+-- lapses; a refunded unit's credit goes back as a purchased one, as refund.lua gives it, if it
+-- was spent (an event written after its hold lapsed spent none: the lapse gave it back). The
 -- holder closing its lease first gives back only what it did not hand out: the units it handed
 -- out stay held (quota.lua, unhold) until this spends them, so nothing is spent twice, nor
 -- before its event. So spent = events written net of refunds, whenever the holder dies, before
 -- or after closing: its lost events' credits go back with the lapse, their units stay in `unsettled`.
 -- Returns the events written (0: a batch sent again, already written).
 if not redis.call('SET', KEY.batch, 1, 'NX', 'PX', 86400000) then return 0 end
--- The credits the events spent: from the grant, and purchased.
-local spentGranted, spentPurchased = 0, 0
--- `units` of the hold `field` spent: its grant's part first, as the hold gives its purchased part back first.
+-- `units` of the hold `field` spent: its grant's part first, as the hold gives its purchased
+-- part back first. Returns how many of them its grant paid, and how many it paid in all (0, 0:
+-- no hold, it lapsed and went back to the balance whole).
 local function spend(field, units)
   local v = redis.call('HGET', KEY.credits, field)
-  if not v then return end
+  if not v then return 0, 0 end
   local size, fromGrant, rest = string.match(v, '^(%d+) (%d+) (.*)$')
   size, fromGrant = tonumber(size), tonumber(fromGrant)
   local n = math.min(units, size)
-  spentGranted = spentGranted + math.min(n, fromGrant)
-  spentPurchased = spentPurchased + n - math.min(n, fromGrant)
   if n >= size then redis.call('HDEL', KEY.credits, field)
   else redis.call('HSET', KEY.credits, field, (size - n) .. ' ' .. math.max(0, fromGrant - n) .. ' ' .. rest) end
   redis.call('HSET', KEY.credits, 'r', math.max(0, (tonumber(redis.call('HGET', KEY.credits, 'r')) or 0) - n))
+  return math.min(n, fromGrant), n
 end
 local paid = tonumber(ARG.paidWithCredits) == 1
 local month, soft, window = tonumber(ARG.month), tonumber(ARG.soft), tonumber(ARG.overageWindow)
@@ -64,22 +64,39 @@ while added + total - upto > cap do
   redis.call('HSET', KEY.cursor, 'bid', oldest[1], 'bupto', through)
   upto = through
 end
-local refunded, refundedCredits = {}, 0
 local last = REST + 3 * refunds - 1
+-- What paid each event, in line order (`payers`: each one's lease, 1 + its place after the
+-- refunds in ARGV): `g` its lease's grant, `p` purchased credits, `-` nothing (its hold lapsed,
+-- and gave its credit back). A lease's events in order, its granted ones first, as spend takes them.
+local paidBy = {}
+if paid then
+  local granted, spent, seen = {}, {}, {}
+  for i = last + 1, #ARGV, 2 do granted[#granted + 1], spent[#spent + 1] = spend('h:' .. ARGV[i], tonumber(ARGV[i + 1])) end
+  for j in string.gmatch(ARG.payers, '%d+') do
+    j = tonumber(j)
+    local c = (seen[j] or 0) + 1
+    seen[j] = c
+    if j > 0 and c <= (granted[j] or 0) then paidBy[#paidBy + 1] = 'g'
+    elseif j > 0 and c <= (spent[j] or 0) then paidBy[#paidBy + 1] = 'p'
+    else paidBy[#paidBy + 1] = '-' end
+  end
+end
+-- A refund gives its event's credit back, as purchased, if the event spent one.
+local refunded, refundedCredits = {}, 0
 for i = REST, last, 3 do
   local units = tonumber(ARGV[i + 2])
   local over = units_back(KEY.counters, units, tonumber(ARGV[i + 1]), month, soft, window)
   refunded[#refunded + 1] = ARGV[i] .. ' ' .. units .. ' ' .. over
-  if paid then refundedCredits = refundedCredits + units end
+  local by = paidBy[tonumber(ARGV[i]) + 1]
+  if by == 'g' or by == 'p' then refundedCredits = refundedCredits + units end
 end
 added = added + total
 local fields = {'n', total, 'upto', added, 'data', ARG.data, 'refunds', table.concat(refunded, ' ')}
+-- With credits, what paid each event (`g`, `p` or `-`, in line order): the exporter names it on
+-- each event, and on a refund the credit it gave back.
 if paid then
-  for i = last + 1, #ARGV, 2 do spend('h:' .. ARGV[i], tonumber(ARGV[i + 1])) end
-  -- The credits the bundle's events spent, `granted purchased` (its first events the granted
-  -- ones; an event whose hold lapsed spent none): its refunds give theirs back as purchased.
   fields[#fields + 1] = 'credits'
-  fields[#fields + 1] = spentGranted .. ' ' .. spentPurchased
+  fields[#fields + 1] = table.concat(paidBy)
 end
 redis.call('XADD', KEY.bundles, '*', unpack(fields))
 redis.call('HSET', KEY.cursor, 'badded', added)
