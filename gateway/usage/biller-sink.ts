@@ -5,7 +5,7 @@ import type { UsageExport } from '../config/usage-export.js';
 import { type EncodedEvent, REFUND_TYPE, REQUEST_TYPE, splitEvents } from './events.js';
 import { isPermanent, waitMs } from './http-sink.js';
 import { postDeadline } from './leader.js';
-import type { Accepted, UsageSink } from './sink.js';
+import { type Accepted, HeldIds, type UsageSink } from './sink.js';
 import { type StripeSession, withStripeVersion } from './stripe-session.js';
 
 // Stripe's and Lago's sink profiles (issue 49): our CloudEvents translated in the export thread
@@ -16,13 +16,8 @@ export const STRIPE_BACKDATE_MS = 35 * 24 * 3600 * 1000;
 /** Stripe's `identifier`: at most 100 characters. */
 export const STRIPE_IDENTIFIER_MAX = 100;
 export const NO_CUSTOMER = 'no customer mapping';
-/**
- * Event ids the biller is known to hold (it answered 2xx for them, or named them as held): a
- * round that failed after they landed sends them again, and without this each would cost a
- * POST of its own to learn it held (Stripe names one duplicate a refusal). Some 25 rounds'
- * worth (exporter.ts: 4 batches of 100), some 2 MB.
- */
-const HELD_KEPT = 10_000;
+/** An event sent in more than one unanswered POST: which one the biller took, if any, is not known. */
+const AMBIGUOUS: readonly string[] = [];
 export const TOO_OLD = "older than Stripe's 35-day backdate window";
 
 /** One usage event as the billers read it. */
@@ -154,9 +149,10 @@ export class BillerSink implements UsageSink {
   private readonly profile: Profile;
   private readonly customers: Readonly<Record<string, string>>;
   private readonly headers: Readonly<Record<string, string>>;
-  private readonly known = new LRUCache<string, true>({ max: HELD_KEPT });
+  /** Events the biller is known to hold: not sent again when a round starts over. */
+  private readonly known = new HeldIds();
   /** With `namesOne`: each event of a POST whose answer never came, with that POST's ids. */
-  private readonly unanswered = new LRUCache<string, readonly string[]>({ max: HELD_KEPT });
+  private readonly unanswered = new LRUCache<string, readonly string[]>({ max: HeldIds.KEPT });
 
   constructor(
     readonly target: UsageExport & { format: 'stripe' | 'lago' },
@@ -195,7 +191,7 @@ export class BillerSink implements UsageSink {
       }
     let renewed = false;
     const hold = (events: readonly Usage[]) => {
-      for (const u of events) this.known.set(u.id, true);
+      for (const u of events) this.known.add(u.id);
     };
     // Each turn takes at least one event out, or renews the session once, so this ends.
     while (pending.length > 0) {
@@ -237,16 +233,20 @@ export class BillerSink implements UsageSink {
     return { accepted: 'all', ...(setAside.length > 0 && { setAside }), ...(held > 0 && { held }) };
   }
 
-  /** A POST whose answer never came: the biller may have taken it (whole, with `namesOne`). */
+  /**
+   * A POST whose answer never came: the biller may have taken it (whole, with `namesOne`), or
+   * never had it. An event sent in an unanswered POST before is ambiguous: named held later, it
+   * tells which of the two POSTs the biller took no more than it tells of the other.
+   */
   private unansweredPost(events: readonly Usage[]): void {
     if (!this.profile.namesOne) return;
     const ids = events.map((u) => u.id);
-    for (const id of ids) this.unanswered.set(id, ids);
+    for (const id of ids) this.unanswered.set(id, this.unanswered.has(id) ? AMBIGUOUS : ids);
   }
 
-  /** Events the biller named as held: the rest of an unanswered POST of theirs is held too (`namesOne`). */
+  /** Events the biller named as held: the rest of the one unanswered POST that held each is held too (`namesOne`). */
   private heldWith(named: readonly Usage[]): void {
-    for (const u of named) for (const id of this.unanswered.get(u.id) ?? []) this.known.set(id, true);
+    for (const u of named) for (const id of this.unanswered.get(u.id) ?? []) this.known.add(id);
   }
 
   private async post(

@@ -212,6 +212,11 @@ function compactEvents(start: string, shared: string, data: string, paid?: strin
   return json;
 }
 
+/** How each encoded event (or bundle of them) begins: its (first) id follows. */
+const HEAD = '{"specversion":"1.0","id":"';
+/** The encoded event's id (a bundle's: its first event's), or undefined. */
+export const firstIdOf = (e: EncodedEvent) => (e.startsWith(HEAD) ? e.slice(HEAD.length, e.indexOf('"', HEAD.length)) : undefined);
+
 /** For the rare sink batch smaller than a bundle: a quote in a value is escaped, so `between` only meets between events. */
 export function splitEvents(json: string): string[] {
   const between = ',{"specversion":"1.0",';

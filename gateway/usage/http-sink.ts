@@ -1,28 +1,15 @@
-import { LRUCache } from 'lru-cache';
 import { request } from 'undici';
-import type { EncodedEvent } from './events.js';
+import { type EncodedEvent, firstIdOf } from './events.js';
 import { postDeadline } from './leader.js';
-import { ALL_ACCEPTED, type Accepted, type UsageSink } from './sink.js';
-
-/** How each encoded event (or bundle of them) begins: its (first) id follows. */
-const HEAD = '{"specversion":"1.0","id":"';
-/** The encoded event's (its bundle's first event's) id, or undefined. */
-const idOf = (e: EncodedEvent) => (e.startsWith(HEAD) ? e.slice(HEAD.length, e.indexOf('"', HEAD.length)) : undefined);
-
-/**
- * Events the sink took (a 2xx), by their first id, the last 10,000 (five rounds of four batches
- * of 500): a round that fails after some of its batches landed starts again whole, and without
- * this each failed round sends them again; a sink losing an answer in every round's last batches
- * would get the same batches for ever (BillerSink keeps the same).
- */
-const TAKEN_KEPT = 10_000;
+import { ALL_ACCEPTED, type Accepted, HeldIds, type UsageSink } from './sink.js';
 
 /**
  * A 2xx accepts all; anything else none, retried no sooner than the answer's Retry-After. A
  * permanent 4xx (isPermanent) is marked so, for the exporter to split the batch (exporter.ts).
  */
 export class HttpCloudEventsSink implements UsageSink {
-  private readonly taken = new LRUCache<string, true>({ max: TAKEN_KEPT });
+  /** The events (by their bundle's first id) the sink took: not sent again when a round starts over. */
+  private readonly taken = new HeldIds();
 
   /** `headers`: the config's, filled from the environment; sent on every POST, never logged. */
   constructor(
@@ -38,7 +25,7 @@ export class HttpCloudEventsSink implements UsageSink {
 
   async deliver(all: readonly EncodedEvent[], lost: AbortSignal): Promise<Accepted> {
     lost.throwIfAborted();
-    const batch = all.filter((e) => !this.taken.has(idOf(e) ?? ''));
+    const batch = all.filter((e) => !this.taken.has(firstIdOf(e) ?? ''));
     if (batch.length === 0) return ALL_ACCEPTED;
     let status: number;
     let headers: Record<string, string | string[] | undefined>;
@@ -62,8 +49,8 @@ export class HttpCloudEventsSink implements UsageSink {
     }
     if (status >= 200 && status < 300) {
       for (const e of batch) {
-        const id = idOf(e);
-        if (id !== undefined) this.taken.set(id, true);
+        const id = firstIdOf(e);
+        if (id !== undefined) this.taken.add(id);
       }
       return ALL_ACCEPTED;
     }

@@ -1,3 +1,4 @@
+import { LRUCache } from 'lru-cache';
 import type { EncodedEvent } from './events.js';
 
 /** All or none: the exporter moves a cursor past a batch only when all of it was accepted. */
@@ -30,4 +31,24 @@ export interface UsageSink {
   readonly name: string;
   /** A part may hold a bundle's events: a Kafka producer would split them with splitEvents. */
   deliver(batch: readonly EncodedEvent[], signal: AbortSignal): Promise<Accepted>;
+}
+
+/**
+ * Event ids a sink is known to hold (it answered 2xx for them, or named them as held), the last
+ * 10,000 (some 25 rounds of four batches of 100, or five of 500; some 2 MB): a round that fails
+ * after some of its batches landed starts again whole, and without this each failed round sends
+ * them again. A sink losing an answer in every round's last batch would get the same batches
+ * for ever; Stripe, naming one duplicate a refusal, would take a POST per event to say so.
+ */
+export class HeldIds {
+  static readonly KEPT = 10_000;
+  private readonly ids = new LRUCache<string, true>({ max: HeldIds.KEPT });
+
+  has(id: string): boolean {
+    return this.ids.has(id);
+  }
+
+  add(id: string): void {
+    this.ids.set(id, true);
+  }
 }

@@ -166,6 +166,7 @@ async function serve<E>(
     }
     const fault = d.state.fault?.();
     if (fault === 'fail') return void res.writeHead(503).end();
+    if (fault === 'drop') return void res.socket?.destroy();
     if (fault === 'hold') {
       d.state.holding++;
       // Its client may have closed it already (then no 'close' is left to wait for).

@@ -8,9 +8,10 @@ import { type CloudEvent, HTTP } from 'cloudevents';
  * A fault a double plays on one POST it took (its body valid): `fail` answers 503 and keeps
  * nothing; `lose` keeps the events and drops the connection unanswered (the answer lost on its
  * way: the same batch comes again); `hold` keeps the POST unanswered until its client closes it
- * (the exporter's timeout, or its death), then keeps the events.
+ * (the exporter's timeout, or its death), then keeps the events; `drop` drops the connection
+ * unanswered and keeps nothing (the POST lost on its way in: its client cannot tell it from `lose`).
  */
-export type Fault = 'fail' | 'lose' | 'hold';
+export type Fault = 'fail' | 'lose' | 'hold' | 'drop';
 
 /**
  * A billing sink: a real HTTP server that takes batches of CloudEvents, parsed and validated by
@@ -68,6 +69,7 @@ export async function startSink() {
     state.posts++;
     const fault = state.fault?.(list);
     if (fault === 'fail') return void res.writeHead(503).end();
+    if (fault === 'drop') return void req.socket.destroy();
     if (fault === 'hold') {
       state.holding++;
       // Its client may have closed it already (then no 'close' is left to wait for).

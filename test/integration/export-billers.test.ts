@@ -207,6 +207,21 @@ describe('a batch sent again', () => {
     expect(stripe.state.posts).toBe(posts);
     expect(stripe.meter.get('cus_shop')).toBe(100);
   });
+
+  it('takes a held event named by Stripe for its own alone when it went in two unanswered POSTs: the other may never have arrived', async () => {
+    const stripe = await startStripe(['cus_shop']);
+    const sink = stripeSink(stripe.url);
+    const signal = new AbortController().signal;
+    const first = Array.from({ length: 30 }, (_, i) => usageEvent(`shop/7-${i}`));
+    const more = [...first, ...Array.from({ length: 30 }, (_, i) => usageEvent(`shop/8-${i}`))];
+    // The first 30 kept, their answer lost; then all 60 sent again and lost on their way in (kept nowhere).
+    stripe.state.fault = () => (stripe.state.posts === 1 ? 'lose' : stripe.state.posts === 2 ? 'drop' : undefined);
+    expect((await sink.deliver(first, signal)).accepted).toBe('none');
+    expect((await sink.deliver(more, signal)).accepted).toBe('none');
+    // Stripe names one of the first 30 held: the first POST took it, and the second took nothing, so the 30 new go.
+    expect((await sink.deliver(more, signal)).accepted).toBe('all');
+    expect(stripe.meter.get('cus_shop')).toBe(60);
+  });
 });
 
 describe("Stripe's API version", () => {
