@@ -18,6 +18,11 @@ export const STRIPE_IDENTIFIER_MAX = 100;
 export const NO_CUSTOMER = 'no customer mapping';
 /** An event sent in more than one unanswered POST: which one the biller took, if any, is not known. */
 const AMBIGUOUS: readonly string[] = [];
+/** Whether the event (id `<account>/<Redis ms>-<seq>…`, events.ts) was written at or after `term` (Redis ms). */
+function writtenSince(id: string, term: number): boolean {
+  const at = /\/(\d+)-\d+/.exec(id)?.[1];
+  return at !== undefined && Number(at) >= term;
+}
 export const TOO_OLD = "older than Stripe's 35-day backdate window";
 
 /** One usage event as the billers read it. */
@@ -173,7 +178,7 @@ export class BillerSink implements UsageSink {
     return `${this.target.format} ${u.protocol}//${u.host}${u.pathname}`;
   }
 
-  async deliver(batch: readonly EncodedEvent[], lost: AbortSignal): Promise<Accepted> {
+  async deliver(batch: readonly EncodedEvent[], lost: AbortSignal, term = 0): Promise<Accepted> {
     lost.throwIfAborted();
     const setAside: Array<{ event: EncodedEvent; reason: string }> = [];
     let pending: Usage[] = [];
@@ -199,7 +204,7 @@ export class BillerSink implements UsageSink {
       if (typeof token === 'object') return { accepted: 'none', ...token };
       const answer = await this.post(this.profile.body(pending), lost, token);
       if ('accepted' in answer) {
-        this.unansweredPost(pending);
+        this.unansweredPost(pending, term);
         return answer;
       }
       if (answer.status >= 200 && answer.status < 300) {
@@ -215,6 +220,8 @@ export class BillerSink implements UsageSink {
       const named = this.profile.named(answer.status, answer.body, pending);
       const reason = `the sink answered ${answer.status}${answer.message ? `: ${answer.message}` : ''}`;
       if (!named) {
+        // Another answer than a duplicate named: whether the biller kept the POST is not known either.
+        this.unansweredPost(pending, term);
         const after = waitMs(answer.status, answer.headers);
         return {
           accepted: 'none',
@@ -234,14 +241,15 @@ export class BillerSink implements UsageSink {
   }
 
   /**
-   * A POST whose answer never came: the biller may have taken it (whole, with `namesOne`), or
-   * never had it. An event sent in an unanswered POST before is ambiguous: named held later, it
-   * tells which of the two POSTs the biller took no more than it tells of the other.
+   * A POST whose answer never came (or said nothing of duplicates): the biller may have taken it
+   * (whole, with `namesOne`), or not. An event named held later says the POST was taken only if
+   * that POST is the one ever to carry it: an event sent in an earlier such POST is ambiguous, as
+   * is one written before this lead began (`term`), which an earlier leader may have sent.
    */
-  private unansweredPost(events: readonly Usage[]): void {
+  private unansweredPost(events: readonly Usage[], term: number): void {
     if (!this.profile.namesOne) return;
     const ids = events.map((u) => u.id);
-    for (const id of ids) this.unanswered.set(id, this.unanswered.has(id) ? AMBIGUOUS : ids);
+    for (const id of ids) this.unanswered.set(id, this.unanswered.has(id) || !writtenSince(id, term) ? AMBIGUOUS : ids);
   }
 
   /** Events the biller named as held: the rest of the one unanswered POST that held each is held too (`namesOne`). */

@@ -194,7 +194,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const fair = interleaved(parts, Math.max(1, Math.floor(size / Math.max(1, parts.length))));
     const names = new Map(reads.map((r) => [account(r.name)!, r.name]));
     await periodsTouched(this.redis, config.redisPrefix, touched);
-    for (const batch of batches(fair, size)) await this.deliver(this.sinkOf(target), batch, lead.signal, names);
+    for (const batch of batches(fair, size)) await this.deliver(this.sinkOf(target), batch, lead, names);
     if (this.stopped) return { sent: 0, full: false };
     lead.signal.throwIfAborted();
     if (this.setAside.size > 0) this.tallyWithoutSetAside(moves, tallies, account);
@@ -306,7 +306,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const names = new Map(of.map((c) => [c.name, c.d.name]));
     const size = batchLimit(target);
     try {
-      for (let i = 0; i < closes.length; i += size) await this.deliver(sink, closes.slice(i, i + size), lead.signal, names);
+      for (let i = 0; i < closes.length; i += size) await this.deliver(sink, closes.slice(i, i + size), lead, names);
     } catch (err) {
       if (!(err instanceof DeliveryFailed)) throw err;
       this.closeBackoffMs = Math.min(30_000, Math.max(CLOSE_RETRY_MS, this.closeBackoffMs * 2));
@@ -387,11 +387,12 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
    * permanent refusal is sent again in halves down to the one event refused, which is set aside
    * (reject), so one bad event never holds the accounts behind it (issue 49): about 2·log2(batch) POSTs.
    */
-  private async deliver(sink: UsageSink, batch: EncodedEvent[], lost: AbortSignal, names: ReadonlyMap<string, string>): Promise<void> {
+  private async deliver(sink: UsageSink, batch: EncodedEvent[], lead: Lead, names: ReadonlyMap<string, string>): Promise<void> {
+    const lost = lead.signal;
     lost.throwIfAborted();
     let answer: Accepted;
     try {
-      answer = await sink.deliver(batch, lost);
+      answer = await sink.deliver(batch, lost, lead.token);
     } catch (err) {
       lost.throwIfAborted();
       throw new DeliveryFailed((err as Error).message, { cause: err });
@@ -405,8 +406,8 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     const events = batch.length === 1 ? splitEvents(batch[0]!) : batch;
     if (events.length > 1) {
       const half = Math.ceil(events.length / 2);
-      await this.deliver(sink, events.slice(0, half), lost, names);
-      await this.deliver(sink, events.slice(half), lost, names);
+      await this.deliver(sink, events.slice(0, half), lead, names);
+      await this.deliver(sink, events.slice(half), lead, names);
     } else if (answer.permanent.status !== 409) await this.reject(sink, events[0]!, answer.reason, names);
     else this.metrics.duplicates(1);
     // A 409 for one event: the sink has it already, delivered.

@@ -30,7 +30,11 @@ export interface UsageSink {
   /** For log lines. */
   readonly name: string;
   /** A part may hold a bundle's events: a Kafka producer would split them with splitEvents. */
-  deliver(batch: readonly EncodedEvent[], signal: AbortSignal): Promise<Accepted>;
+  /**
+   * `term`: the lead's fencing token, Redis's ms (or later) when this lead began: an event
+   * written before it may have been sent by an earlier leader too (BillerSink's inference).
+   */
+  deliver(batch: readonly EncodedEvent[], signal: AbortSignal, term?: number): Promise<Accepted>;
 }
 
 /**
