@@ -16,6 +16,9 @@ export const STRIPE_BACKDATE_MS = 35 * 24 * 3600 * 1000;
 /** Stripe's `identifier`: at most 100 characters. */
 export const STRIPE_IDENTIFIER_MAX = 100;
 export const NO_CUSTOMER = 'no customer mapping';
+/** POSTs sent again at once after a connection dropped unanswered within UNHEARD_QUICK_MS (Stripe's profile). */
+const UNHEARD_AGAIN = 3;
+const UNHEARD_QUICK_MS = 1000;
 /** An event sent in more than one unanswered POST: which one the biller took, if any, is not known. */
 const AMBIGUOUS: readonly string[] = [];
 /** Whether the event (id `<account>/<Redis ms>-<seq>…`, events.ts) was written at or after `term` (Redis ms). */
@@ -195,18 +198,26 @@ export class BillerSink implements UsageSink {
         else pending.push(u as Usage);
       }
     let renewed = false;
+    let unheard = 0;
     const hold = (events: readonly Usage[]) => {
       for (const u of events) this.known.add(u.id);
     };
-    // Each turn takes at least one event out, or renews the session once, so this ends.
+    // Each turn takes at least one event out, renews the session once, or sends again at once
+    // after a connection dropped unanswered (up to UNHEARD_AGAIN in a row), so this ends.
     while (pending.length > 0) {
       const token = await this.session?.token(lost);
       if (typeof token === 'object') return { accepted: 'none', ...token };
+      const sentAt = performance.now();
       const answer = await this.post(this.profile.body(pending), lost, token);
       if ('accepted' in answer) {
         this.unansweredPost(pending, term);
+        // Dropped, not timed out: the same events again now (the biller names what it took) rather
+        // than the whole round again after the export's backoff, which a biller that loses an
+        // answer every few POSTs would never let end while held events are named one a POST.
+        if (this.profile.namesOne && ++unheard <= UNHEARD_AGAIN && performance.now() - sentAt < UNHEARD_QUICK_MS) continue;
         return answer;
       }
+      unheard = 0;
       if (answer.status >= 200 && answer.status < 300) {
         hold(pending);
         break;
