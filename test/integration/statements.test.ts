@@ -195,6 +195,12 @@ describe('a billing period closed at the sink', () => {
       digest: { algorithm: 'sha256-sum', value: digest(previous.map((e) => ({ id: e.id, units: Number(e.data.units) }))) },
     });
     expect(previous.reduce((n, e) => n + Number(e.data.units), 0)).toBe(6);
+    // Marked closed once the leader has the sink's answer, a moment after the sink has the event.
+    await eventually(
+      async () => (await statement(gateways[0]!, iso(previousStart).slice(0, 10))).status === 'closed',
+      30_000,
+      'marked closed',
+    );
     const last = await statement(gateways[0]!, iso(previousStart).slice(0, 10));
     expect(last).toMatchObject({ account, billingDay, status: 'closed', period: close.data.period, events: 4, digest: close.data.digest });
     // Priced at the plan's 0.0125 a unit: 5 units, 0.0625; two requests less one refunded, 0.0125.
@@ -365,6 +371,8 @@ describe('a gateway host whose clock is behind Redis', () => {
     await eventually(() => sink.events.has(`${account}/period/${iso(start)}`), 30_000, "the period closed by Redis's clock");
     // Its statement is the previous one; the current one is the period open by Redis's clock.
     const of = async (period: string) => (await adminCall(gw, TOKEN, `/admin/accounts/${account}/statements/${period}`)).json();
+    // Marked closed once the leader has the sink's answer, a moment after the sink has the event (CI, 2026-11-29: 'closing').
+    await eventually(async () => (await of('previous')).status === 'closed', 30_000, 'marked closed');
     expect(await of('previous')).toMatchObject({ status: 'closed', period: { start: iso(start), end: iso(end) }, totals: { units: 1 } });
     await eventually(async () => (await of('current')).totals.units === 1, 30_000, "the request's event in the current period");
     expect(await of('current')).toMatchObject({ status: 'open', period: { start: iso(end) } });
