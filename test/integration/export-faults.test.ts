@@ -7,7 +7,7 @@ import { echoBackend } from '../helpers/backends.js';
 import { CLOSED_TYPE } from '../../gateway/usage/periods.js';
 import { type Double, startLago, startStripe } from '../helpers/billers.js';
 import { FULL_SIZE, scaled } from '../helpers/budget.js';
-import { call, makeKey, type TestKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
+import { callDecided, makeKey, type TestKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
 import { type Started, startProcess } from '../helpers/processes.js';
 import { spawnDurableSentinels } from '../helpers/durable-sentinels.js';
 import { shiftedEnv } from '../helpers/shifted-clock.js';
@@ -191,19 +191,11 @@ const unavailable = { answers: 0 };
  */
 async function traffic(urls: string[], keys: TestKey[], n: number, answered: Map<string, number>): Promise<void> {
   let next = 0;
-  const once = async (url: string, key: TestKey) => {
-    const res = await call(`${url}/v1/pets`, key.key);
-    return { status: res.status, body: await res.text() };
-  };
   const client = async () => {
     for (let i = next++; i < n; i = next++) {
       const key = keys[i % keys.length]!;
-      let a = await once(urls[i % urls.length]!, key);
-      while (a.status === 503 && a.body.includes('"quota_store_unavailable"')) {
-        unavailable.answers++;
-        await new Promise((r) => setTimeout(r, 50));
-        a = await once(urls[i % urls.length]!, key);
-      }
+      const a = await callDecided(`${urls[i % urls.length]!}/v1/pets`, key.key);
+      unavailable.answers += a.unavailable;
       expect(a.status, a.body).toBe(200);
       answered.set(key.id, (answered.get(key.id) ?? 0) + 1);
     }
