@@ -2,7 +2,7 @@ import { createHash } from 'node:crypto';
 import { LRUCache } from 'lru-cache';
 import { request } from 'undici';
 import type { UsageExport } from '../config/usage-export.js';
-import { type EncodedEvent, REFUND_TYPE, REQUEST_TYPE, splitEvents } from './events.js';
+import { type EncodedEvent, REFUND_TYPE, REQUEST_TYPE, splitEvents, writtenAtOf } from './events.js';
 import { isPermanent, waitMs } from './http-sink.js';
 import { postDeadline } from './leader.js';
 import { type Accepted, HeldIds, type UsageSink } from './sink.js';
@@ -23,8 +23,8 @@ const UNHEARD_QUICK_MS = 1000;
 const AMBIGUOUS: readonly string[] = [];
 /** Whether the event (id `<account>/<Redis ms>-<seq>…`, events.ts) was written at or after `term` (Redis ms). */
 function writtenSince(id: string, term: number): boolean {
-  const at = /\/(\d+)-\d+/.exec(id)?.[1];
-  return at !== undefined && Number(at) >= term;
+  const at = writtenAtOf(id);
+  return at !== undefined && at >= term;
 }
 export const TOO_OLD = "older than Stripe's 35-day backdate window";
 

@@ -70,6 +70,18 @@ const num = (v: string | undefined) => (v === undefined ? null : Number(v));
 /** Stable however often it is sent, so a sink can dedupe by it. */
 export const eventId = (account: string, entryId: string) => `${account}/${entryId}`;
 
+/**
+ * When the stream entry an event id names was written (Redis ms): `<account>/<ms>-<seq>`, a
+ * bundled event's `.<k>` and a refund's `.refund` after it. Undefined for an id naming no entry
+ * (a period close, `<account>/period/<start>`). Account names hold no `/` (AccountName).
+ */
+export function writtenAtOf(id: string): number | undefined {
+  const entry = id.slice(id.indexOf('/') + 1);
+  const dash = entry.indexOf('-');
+  const ms = dash > 0 ? Number(entry.slice(0, dash)) : Number.NaN;
+  return Number.isInteger(ms) ? ms : undefined;
+}
+
 export function eventWindows(count: (w: WindowRow) => number | null, month: number): RequestData['windows'] {
   const windows: RequestData['windows'] = {};
   for (const w of FIXED) windows[w.name] = count(w);
