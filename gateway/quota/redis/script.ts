@@ -379,10 +379,10 @@ export interface BatchEvents {
   refunds: number[];
   /** Per credit lease the events' credits came from: how many of them. */
   spends: Map<string, number>;
-  /** Per event (a subject with credits): its credit lease, as 1 + its place in `spends`. */
+  /** Per credit lease: 1 + its place in `spends` (a Map keeps its order). */
+  places: Map<string, number>;
+  /** Per event (a subject with credits): its credit lease's place. */
   payers: number[];
-  /** The last event's lease and its place: the next event's, nearly always. */
-  payer: [lease: string, place: number];
 }
 
 export const batchEvents = (): BatchEvents => ({
@@ -392,8 +392,8 @@ export const batchEvents = (): BatchEvents => ({
   headIndex: new Map(),
   refunds: [],
   spends: new Map(),
+  places: new Map(),
   payers: [],
-  payer: ['', 0],
 });
 
 /** How many events a batch holds. */
@@ -425,26 +425,15 @@ export function addBatchEvent(
 ): void {
   if (refundUnits > 0) b.refunds.push(b.lines.length, e.at, refundUnits);
   if (creditLease !== '') {
-    const before = b.spends.size;
     b.spends.set(creditLease, (b.spends.get(creditLease) ?? 0) + 1);
-    // A new lease goes last in `spends` (a Map keeps its order); a known one is nearly always the last event's.
-    if (b.payer[0] !== creditLease) b.payer = [creditLease, b.spends.size > before ? b.spends.size : placeOf(b.spends, creditLease)];
-    b.payers.push(b.payer[1]);
+    let place = b.places.get(creditLease);
+    if (place === undefined) b.places.set(creditLease, (place = b.places.size + 1));
+    b.payers.push(place);
   }
   if (b.lines.length === 0) b.at = e.at;
   b.lines.push(eventLine(headOf(b, e.tag), e.at - b.at, e.status, e.windows, e.tag.requestId));
 }
 type EventHead = Pick<EventTag, 'keyId' | 'plan' | 'route' | 'method'>;
-
-/** 1 + the place of `lease` in `spends` (a batch's leases: one or two). */
-function placeOf(spends: ReadonlyMap<string, number>, lease: string): number {
-  let i = 1;
-  for (const id of spends.keys()) {
-    if (id === lease) return i;
-    i++;
-  }
-  return 0;
-}
 
 /**
  * usagebatch.lua's KEYS then ARGV: `subject`'s batch `batchId` of the events `b` (a refund's
