@@ -54,6 +54,12 @@ describe("a statement's credits", () => {
         usage: { export: { url: sink.url, maxEvents: 10_000, batchSize: 100 } },
       }),
       admin: { token: TOKEN },
+      // REDIS_TIMEOUT_MS 10 s, not 1: about 120 of these requests are Redis calls (a balance under
+      // 200 takes no lease), and on a busy 2-core machine a reply can wait past 1 s for this
+      // process's event loop (portal-figures.test.ts saw it). A credits account then fails closed,
+      // and a 503 whose call Redis counted is refunded, which this file's sums would have to guess.
+      // This file counts; Redis failing with credits is credits-durability's and credits-lease's.
+      settings: { redisTimeoutMs: 10_000 },
       backend: await halfBroken(),
     });
     const topUp = await adminCall(gw, TOKEN, `/admin/accounts/${account}/credits`, {
