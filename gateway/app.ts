@@ -71,6 +71,7 @@ type AppSettings = PublicSettings &
     | 'keyStore'
     | 'creditsAckReplicas'
     | 'creditsAckTimeoutMs'
+    | 'usageExportAckReplicas'
     | 'idempotencyKeyHours'
     | 'redisUrl'
     | 'redisClusterNodes'
@@ -187,6 +188,7 @@ export async function buildGateway(settings: AppSettings, deps: GatewayDeps): Pr
           log,
           metrics: metrics.usage,
           settleMs: settleOf(settings),
+          ackReplicas: ackReplicas(settings, settings.usageExportAckReplicas),
         })
       : undefined;
   const webhooks = deps.redis ? new WebhookDispatcher({ redis: deps.redis, config: current, log, metrics: metrics.webhooks }) : undefined;

@@ -213,6 +213,11 @@ export const GatewaySettingsSchema = Type.Object({
   // whose replication is asynchronous (a failover could lose an unreplicated top-up); 0 on REDIS_URL.
   creditsAckReplicas: Type.Optional(Type.Integer({ env: 'CREDITS_ACK_REPLICAS', minimum: 0, maximum: 16 })),
   creditsAckTimeoutMs: Ms('CREDITS_ACK_TIMEOUT_MS', 2000),
+  // The usage exporter sends a round's events to the sink once this many replicas hold them
+  // (WAIT), so a failover never leaves the biller an event Redis lost; a replica that holds none
+  // for EXPORT_ACK_HOLD_MS (60 s) is no longer waited for (usage/replicated.ts). Unset: as
+  // CREDITS_ACK_REPLICAS's default, 1 on a Cluster or a Sentinel group, 0 on REDIS_URL.
+  usageExportAckReplicas: Type.Optional(Type.Integer({ env: 'USAGE_EXPORT_ACK_REPLICAS', minimum: 0, maximum: 16 })),
   // How long a top-up's Idempotency-Key is remembered (Stripe keeps 24 h): a retry after it adds again.
   idempotencyKeyHours: Type.Integer({ env: 'IDEMPOTENCY_KEY_HOURS', minimum: 1, maximum: 8760, default: 24 }),
   redisKeyPrefix: Type.String({ env: 'REDIS_KEY_PREFIX', pattern: '^[A-Za-z0-9_.-]{1,32}$', default: 'gw' }),
@@ -332,10 +337,17 @@ export function redisTarget(s: Partial<RedisSettings>): RedisTarget | undefined 
   return undefined;
 }
 
-/** Replicas a top-up waits for before it is acknowledged (CREDITS_ACK_REPLICAS, or its default for the topology). */
-export function ackReplicas(s: Partial<RedisSettings> & Pick<GatewaySettings, 'creditsAckReplicas'>): number {
+/**
+ * Replicas a top-up waits for before it is acknowledged (CREDITS_ACK_REPLICAS), or, `set` to
+ * USAGE_EXPORT_ACK_REPLICAS, the usage exporter before it sends: unset, 1 on a Cluster or a
+ * Sentinel group (asynchronous replicas a failover promotes), 0 on REDIS_URL.
+ */
+export function ackReplicas(
+  s: Partial<RedisSettings> & Pick<GatewaySettings, 'creditsAckReplicas'>,
+  set: number | undefined = s.creditsAckReplicas,
+): number {
   const kind = redisTarget(s)?.kind;
-  return s.creditsAckReplicas ?? (kind === 'cluster' || kind === 'sentinel' ? 1 : 0);
+  return set ?? (kind === 'cluster' || kind === 'sentinel' ? 1 : 0);
 }
 
 /** GATEWAY_CONFIG alone, for the keys command: other settings do not concern it. */

@@ -33,6 +33,8 @@ export const subjectKey = {
   topUp: (name: string, idempotencyKey: string) => `${name}:topup:${idempotencyKey}`,
   events: (name: string) => `${name}:events`,
   eventsCursor: (name: string) => `${name}:events:cursor`,
+  /** The usage exporter's last write before its WAIT, in the account's slot (usage/replicated.ts); it expires. */
+  eventsReplicated: (name: string) => `${name}:events:replicated`,
   /** Events a sink refused for good (a hash: event id -> why, and the event): out of the way of those behind them. */
   eventsRejected: (name: string) => `${name}:events:rejected`,
   statuses: (name: string) => `${name}:statuses`,

@@ -26,6 +26,8 @@ export interface ThreadData {
   target: RedisTarget;
   timeoutMs: number;
   config: PostedConfig;
+  /** exporter.ts, ExporterDeps.ackReplicas. */
+  ackReplicas: number;
 }
 
 export type ToThread = { kind: 'config'; config: PostedConfig } | { kind: 'stop' };
@@ -70,6 +72,8 @@ export class ExportThread {
       metrics: ExportMetrics;
       /** How long after a period's end an event of it may still be written (exporter.ts, ExportConfig.settleMs). */
       settleMs: number;
+      /** exporter.ts, ExporterDeps.ackReplicas. */
+      ackReplicas: number;
     },
   ) {}
 
@@ -86,6 +90,7 @@ export class ExportThread {
         target: this.deps.target,
         timeoutMs: this.deps.timeoutMs,
         config: posted(this.deps.config(), this.deps.settleMs),
+        ackReplicas: this.deps.ackReplicas,
       }),
     });
     this.worker = worker;

@@ -57,6 +57,7 @@ function sessionOf(target: UsageExport, headers: Readonly<Record<string, string>
 const redis = connectRedis(data.target, data.timeoutMs)!;
 const exporter = new UsageExporter({
   redis,
+  ackReplicas: data.ackReplicas,
   config: () => config,
   log,
   metrics: {

@@ -24,6 +24,7 @@ import {
 } from './closes.js';
 import { type Source, tallyAccount } from './periods.js';
 import { DeliveryFailed, type Lead, LeaderLoop, LeadLost } from './leader.js';
+import { ReplicaGate } from './replicated.js';
 import type { Accepted, UsageSink } from './sink.js';
 
 export interface ExportMetrics {
@@ -79,6 +80,8 @@ export interface ExporterDeps {
   log: FastifyBaseLogger;
   metrics: ExportMetrics;
   sink: (target: UsageExport) => UsageSink;
+  /** Replicas that must hold a round's events before they are sent (USAGE_EXPORT_ACK_REPLICAS; replicated.ts). */
+  ackReplicas?: number;
 }
 
 /**
@@ -90,6 +93,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   private readonly index: ActiveIndex;
   private readonly sweep: Sweep;
   private readonly sinkFor: (target: UsageExport) => UsageSink;
+  private readonly replicas: ReplicaGate;
   /** Made again only when a reload changes the target. */
   private sink?: { target: UsageExport; sink: UsageSink };
   private nextClose = 0;
@@ -106,6 +110,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     this.index = new ActiveIndex(deps.redis, 'usage-export');
     this.sweep = new Sweep(deps.redis, 'usage-export', EXPORT_SWEEP_PER_SECOND, usagePending);
     defineCloseScripts(deps.redis);
+    this.replicas = new ReplicaGate(deps.redis, deps.ackReplicas ?? 0, deps.log);
   }
 
   protected target(config: ExportConfig): UsageExport | undefined {
@@ -193,7 +198,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     this.metrics.lag((now - oldest) / 1000);
     const fair = interleaved(parts, Math.max(1, Math.floor(size / Math.max(1, parts.length))));
     const names = new Map(reads.map((r) => [account(r.name)!, r.name]));
-    await periodsTouched(this.redis, config.redisPrefix, touched);
+    await this.readyToSend(config, touched, moves, lead);
     for (const batch of batches(fair, size)) await this.deliver(this.sinkOf(target), batch, lead, names);
     if (this.stopped) return { sent: 0, full: false };
     lead.signal.throwIfAborted();
@@ -213,6 +218,16 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
       picked.filter((m) => done.has(m.name) || account(m.name) === undefined),
     );
     return { sent, full: sent >= room || more };
+  }
+
+  /**
+   * Before a round's events go: the periods they touch wait for their close, and the replicas
+   * hold the events (replicated.ts): nothing the sink takes may be lost from Redis by a failover.
+   */
+  private async readyToSend(config: ExportConfig, touched: Due[], moves: ReadonlyArray<{ name: string }>, lead: Lead): Promise<void> {
+    await periodsTouched(this.redis, config.redisPrefix, touched);
+    const names = moves.map((m) => m.name);
+    await this.replicas.pass(names, lead.token);
   }
 
   /** The events the sink set aside are not the period's: each account's parts tallied again without its own. */

@@ -1,0 +1,93 @@
+import { describe, expect, it, onTestFinished } from 'vitest';
+import { uniquePrefix } from '../helpers/config.js';
+import { spawnRedis, testClient } from '../helpers/redis.js';
+import { eventually } from '../helpers/time.js';
+import { ACK_TIMEOUT_MS, EXPORT_ACK_HOLD_MS, NotReplicated, ReplicaGate } from '../../gateway/usage/replicated.js';
+
+// The usage exporter's gate before a round's events go (usage/replicated.ts), on real Redis
+// processes: a replica that holds them, one frozen, none at all; the bound on the hold; an ACL
+// user without ROLE. export-replicated.test.ts runs it in the gateway through a failover.
+
+/** A master and its replica, in sync. */
+async function replicated(): Promise<{ master: Awaited<ReturnType<typeof spawnRedis>>; replica: Awaited<ReturnType<typeof spawnRedis>> }> {
+  const master = await spawnRedis({ args: ['--user', 'gw', 'on', '>gw-password', '~*', '+@all', '-@dangerous'] });
+  onTestFinished(() => master.stop());
+  const port = new URL(master.url).port;
+  const replica = await spawnRedis({ args: ['--replicaof', '127.0.0.1', port] });
+  onTestFinished(() => replica.stop());
+  await eventually(async () => /master_link_status:up/.test(await replicaInfo(replica.url)), undefined, 'the replica in sync');
+  return { master, replica };
+}
+
+const replicaInfo = async (url: string) => {
+  const client = testClient(url);
+  try {
+    return await client.info('replication');
+  } finally {
+    client.disconnect();
+  }
+};
+
+const warnings = () => {
+  const said: unknown[] = [];
+  return { said, log: { warn: (obj: unknown) => void said.push(obj) } };
+};
+
+describe('the replica gate before a round is sent', () => {
+  it('lets a round go once a replica holds it, and with a replica frozen holds it: WAIT tells', async () => {
+    const { master, replica } = await replicated();
+    const redis = testClient(master.url);
+    onTestFinished(() => redis.disconnect());
+    const names = [`${uniquePrefix()}:{k:a1}`, `${uniquePrefix()}:{k:a2}`];
+    const { said, log } = warnings();
+    const gate = new ReplicaGate(redis, 1, log);
+    await gate.pass(names, 1);
+    replica.proc.kill('SIGSTOP');
+    onTestFinished(() => void replica.proc.kill('SIGCONT'));
+    await redis.set(`${names[0]}:events`, 'written while the replica is frozen');
+    const held = await gate.pass(names, 2).catch((err: unknown) => err);
+    expect(held).toBeInstanceOf(NotReplicated);
+    expect((held as Error).message).toContain(`(WAIT: 0 of 1 within ${ACK_TIMEOUT_MS} ms)`);
+    replica.proc.kill('SIGCONT');
+    await gate.pass(names, 3);
+    expect(said).toEqual([]);
+  });
+
+  it('as a user without ROLE (+@all -@dangerous), asks WAIT alone', async () => {
+    const { master } = await replicated();
+    const port = new URL(master.url).port;
+    const redis = testClient(`redis://gw:gw-password@127.0.0.1:${port}`, { enableReadyCheck: false }); // INFO refused too
+    onTestFinished(() => redis.disconnect());
+    await expect(redis.role()).rejects.toThrow(/NOPERM/);
+    await new ReplicaGate(redis, 1, warnings().log).pass([`${uniquePrefix()}:{k:a1}`], 1);
+  });
+
+  it('with no replica connected holds rounds for EXPORT_ACK_HOLD_MS without waiting on WAIT, then lets them go, said once', async () => {
+    const alone = await spawnRedis(); // its own: no replica, and its WAITs counted
+    onTestFinished(() => alone.stop());
+    const redis = testClient(alone.url);
+    onTestFinished(() => redis.disconnect());
+    const waits = async () => Number(/^cmdstat_wait:calls=(\d+)/m.exec(await redis.info('commandstats'))?.[1] ?? 0);
+    let now = 1_000_000;
+    const { said, log } = warnings();
+    const gate = new ReplicaGate(redis, 1, log, () => now);
+    const names = [`${uniquePrefix()}:{k:a1}`];
+    await expect(gate.pass(names, 1)).rejects.toThrow('(0 of 1 connected)');
+    now += EXPORT_ACK_HOLD_MS - 1;
+    await expect(gate.pass(names, 1)).rejects.toBeInstanceOf(NotReplicated);
+    now += 1;
+    await gate.pass(names, 1);
+    now += 5000;
+    await gate.pass(names, 1);
+    expect(said).toEqual([{ acked: 0, connected: 0, replicas: 1, heldMs: EXPORT_ACK_HOLD_MS }]);
+    // ROLE said none connected: no WAIT held the connection its 2 s, held round or not.
+    expect(await waits()).toBe(0);
+  });
+
+  it('asks Redis nothing when no replica is asked for (REDIS_URL by default)', async () => {
+    // A client that has no Redis at all: any command would fail.
+    const redis = testClient('redis://127.0.0.1:9');
+    onTestFinished(() => redis.disconnect());
+    await new ReplicaGate(redis, 0, warnings().log).pass(['a'], 1);
+  });
+});
