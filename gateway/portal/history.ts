@@ -3,6 +3,7 @@ import type { AccessEntry } from '../observability/access-log.js';
 import type { Decision } from '../quota/decision.js';
 import { isWindow } from '../quota/windows.js';
 import type { RedisClient } from '../redis/client.js';
+import { DOCUMENT_ROUTE, PORTAL_ROUTE, type RouteId, STATEMENT_ROUTE, USAGE_ROUTE } from '../routes.js';
 import { deploymentHistoryKey, deploymentTopKey, subjectKey } from '../redis/keys.js';
 import { defineStandingScripts, writeStanding } from './standing.js';
 
@@ -39,10 +40,17 @@ export const monthStart = (ms: number) => {
   return Date.UTC(d.getUTCFullYear(), d.getUTCMonth(), 1);
 };
 
-/** The bucket field a request's answer counts in, or none (no key, or refused for another reason). */
+/**
+ * The gateway's own routes: a key's usage and statement, the document, the portal. They are
+ * answered on the per-address quota, never the key's: not its account's requests, and their
+ * decision (the address's windows) says nothing of the account's standing.
+ */
+const OWN_ROUTES: ReadonlySet<RouteId | undefined> = new Set([USAGE_ROUTE.id, STATEMENT_ROUTE.id, DOCUMENT_ROUTE.id, PORTAL_ROUTE.id]);
+
+/** The bucket field a request's answer counts in, or none (no key, the key's own routes, or refused for another reason). */
 export function outcomeField(e: AccessEntry): OutcomeField | undefined {
   const { outcome, status } = e;
-  if (!e.consumer || outcome === undefined) return undefined;
+  if (!e.consumer || outcome === undefined || OWN_ROUTES.has(e.route)) return undefined;
   if (outcome === 'allowed' || outcome.startsWith('would_')) {
     // The proxy gave a 502/504 back to the windows and credits: shown apart, not billed.
     if (status === 502) return 'refunded_502';

@@ -84,6 +84,9 @@ describe("the operator page's standing", () => {
     await inOneMinute(
       async () => {
         await Promise.all([send(gws[0]!, nearA, 9), send(gws[1]!, nearB, 10), send(gws[0]!, far, 8)]);
+        // The key reads its own usage, as the README's Try it does: served on the per-address
+        // quota, it is no request of the account's, and leaves its standing as it was.
+        for (let i = 0; i < 3; i++) expect((await gws[0]!.call('/v1/me/usage', nearA.key)).status).toBe(200);
         await topUp(gws[0]!, 'cone', 100);
         await topUp(gws[1]!, 'ctwo', 40);
         await Promise.all([send(gws[1]!, c1, 7), send(gws[0]!, c2, 5)]);
@@ -102,6 +105,8 @@ describe("the operator page's standing", () => {
           'both instances flushed',
         );
         expect(await nearRows(page)).toEqual(['neara day 9', 'nearb day 10']);
+        // Its requests this month are the ones its quota counted: the day's 9, not 12.
+        expect(await page.locator('[data-top-account="neara"]').getAttribute('data-month')).toBe('9');
         expect(await outstanding(page)).toBe(want);
         await expectAccessible(page, 'the operator overview with accounts near a limit');
         // One view, counted: the old page read each of the config's accounts (up to 1,000, two

@@ -48,6 +48,13 @@ describe('outcomeField', () => {
   it('counts nothing without a key', () => {
     expect(outcomeField(entry(429, 'minute', false))).toBeUndefined();
   });
+  it.each(['myUsage', 'myStatement', 'openapi', 'portal'] as const)(
+    "counts nothing of the key's own route %s (the per-address quota's)",
+    (route) => {
+      expect(outcomeField({ ...entry(200, 'allowed'), route })).toBeUndefined();
+      expect(outcomeField({ ...entry(429, 'minute'), route })).toBeUndefined();
+    },
+  );
 });
 
 describe('the session cookie and CSRF', () => {
