@@ -31,31 +31,31 @@ const TOKEN = 'portal-admin-token-0123456789';
 const GRACE_MS = 3000;
 
 const acct = (plan: string, account: string): TestKey => ({ ...makeKey(plan), account });
-const acme1 = acct('free', 'acme');
-const acme2 = acct('free', 'acme');
-const bravo = acct('free', 'bravo');
+const acme1 = acct('business', 'acme');
+const acme2 = acct('business', 'acme');
+const bravo = acct('business', 'bravo');
 const tiny = acct('tiny', 'tinyco');
 /** Its own tiny account, never refused: a run redone in the next minute finds it near its limit again, not banned. */
 const near = acct('tiny', 'nearco');
 const broke = acct('prepaid', 'credit');
-const rot = acct('free', 'rotco');
-const rev = acct('free', 'revco');
-const rev2 = acct('free', 'revco');
-const kbd = acct('free', 'kbdco');
-const kbd2 = acct('free', 'kbdco');
-const csrf = acct('free', 'csrfco');
+const rot = acct('business', 'rotco');
+const rev = acct('business', 'revco');
+const rev2 = acct('business', 'revco');
+const kbd = acct('business', 'kbdco');
+const kbd2 = acct('business', 'kbdco');
+const csrf = acct('business', 'csrfco');
 // Its own concurrency too: a key created in the portal must carry it, as the account's keys must agree.
 const ent: TestKey = { ...acct('enterprise', 'entco'), limits: { perMinute: 7, perDay: 70, concurrent: 50 } as TestKey['limits'] };
 const refused = acct('tiny', 'refco');
 const dry = acct('prepaid', 'dryco');
 /** More keys than a page of the operator page's account list (100), so it has a second page. */
-const fillers = Array.from({ length: 100 }, () => acct('free', 'fillco'));
+const fillers = Array.from({ length: 100 }, () => acct('business', 'fillco'));
 
 const dir = tempDir();
 const gw = useTestGateway(() => ({
   config: testConfig([acme1, acme2, bravo, tiny, broke, rot, rev, rev2, kbd, kbd2, csrf, ent, near, refused, dry, ...fillers], {
     plans: {
-      free: { perMinute: 1000, perDay: 100_000 },
+      business: { perMinute: 1000, perDay: 100_000 }, // the shipped business plan's: the README's screenshot shows it
       tiny: { perMinute: 3, perDay: 100 },
       prepaid: { perMinute: 1000, perDay: 100_000, credits: { grant: 0, every: 'month' } },
       enterprise: { custom: true },
