@@ -10,6 +10,7 @@ import { FULL_SIZE, scaled } from '../helpers/budget.js';
 import { callDecided, makeKey, type TestKey, tempDir, testConfig, uniquePrefix } from '../helpers/config.js';
 import { type Started, startProcess } from '../helpers/processes.js';
 import { spawnDurableSentinels } from '../helpers/durable-sentinels.js';
+import { spawnRedis } from '../helpers/redis.js';
 import { shiftedEnv } from '../helpers/shifted-clock.js';
 import { type Fault, startSink } from '../helpers/sink.js';
 import { eventually } from '../helpers/time.js';
@@ -328,17 +329,19 @@ async function run(format: Format) {
   const live = [...procs.filter((p) => p !== leader), await start()];
   const urls = live.map((p) => p.url);
   await traffic(urls, keys, half / 2, answered);
-  const failover = await failOver(clock.group, biller, armed, () => traffic(urls, keys, 40, answered));
+  const failover = await failOver(clock, biller, armed, () => traffic(urls, keys, 40, answered));
   await traffic(urls, keys, half / 2, answered);
   return { keys, biller, live, answered, played, clock, across, failover };
 }
 
 /**
  * A POST held at the double (`send` gives it events to carry), the replica caught up with no
- * request in flight, then the master SIGKILLed: the replica promoted. How long the promotion took.
+ * request in flight, then the master SIGKILLed: the replica promoted. How long the promotion
+ * took. Then a new replica for it, as an operator brings one: the exporter sends a round only
+ * once a replica holds it (usage/replicated.ts), else after a minute.
  */
 async function failOver(
-  group: Awaited<ReturnType<typeof spawnDurableSentinels>>,
+  { group, env }: Pick<Awaited<ReturnType<typeof shiftedClock>>, 'group' | 'env'>,
   biller: Biller,
   armed: { hold: boolean },
   send: () => Promise<void>,
@@ -351,7 +354,10 @@ async function failOver(
   group.master.proc.kill('SIGKILL');
   // A failover attempt that loses its vote is retried after 2 x failover-timeout.
   await eventually(async () => (await group.masterPort().catch(() => 0)) === group.replica.port, 45_000, 'the replica promoted');
-  return performance.now() - at;
+  const took = performance.now() - at;
+  const fresh = await spawnRedis({ env, args: ['--replicaof', '127.0.0.1', String(group.replica.port)] });
+  onTestFinished(() => fresh.stop());
+  return took;
 }
 
 /** What `settled` saw last, by account: for the failure's message. */
