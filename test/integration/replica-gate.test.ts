@@ -1,6 +1,8 @@
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { uniquePrefix } from '../helpers/config.js';
-import { spawnRedis, testClient } from '../helpers/redis.js';
+import { Cluster } from 'ioredis';
+import { subjectKey } from '../../gateway/redis/keys.js';
+import { spawnCluster, spawnRedis, testClient } from '../helpers/redis.js';
 import { eventually } from '../helpers/time.js';
 import { ACK_TIMEOUT_MS, EXPORT_ACK_HOLD_MS, NotReplicated, ReplicaGate } from '../../gateway/usage/replicated.js';
 
@@ -82,6 +84,31 @@ describe('the replica gate before a round is sent', () => {
     expect(said).toEqual([{ acked: 0, connected: 0, replicas: 1, heldMs: EXPORT_ACK_HOLD_MS }]);
     // ROLE said none connected: no WAIT held the connection its 2 s, held round or not.
     expect(await waits()).toBe(0);
+  });
+
+  it('on a Cluster, asks each master that holds one of the accounts once, whatever the number of accounts', async () => {
+    const cluster = await spawnCluster();
+    onTestFinished(() => cluster.stop());
+    const redis = new Cluster(cluster.all.map((n) => ({ host: '127.0.0.1', port: n.port }))).on('error', () => {});
+    onTestFinished(() => redis.disconnect());
+    const prefix = uniquePrefix();
+    const names = Array.from({ length: 60 }, (_, i) => `${prefix}:{k:a${i}}`);
+    const masters = [...new Set(names.map((n) => cluster.masterOf(subjectKey.eventsReplicated(n))))];
+    expect(masters).toHaveLength(3); // 60 accounts spread over the three
+    const waits = async () =>
+      Promise.all(
+        masters.map(async (m) => {
+          const node = testClient(`redis://127.0.0.1:${m.port}`);
+          try {
+            return Number(/^cmdstat_wait:calls=(\d+)/m.exec(await node.info('commandstats'))?.[1] ?? 0);
+          } finally {
+            node.disconnect();
+          }
+        }),
+      );
+    const before = await waits();
+    await new ReplicaGate(redis, 1, warnings().log).pass(names, 1);
+    expect((await waits()).map((n, i) => n - before[i]!)).toEqual([1, 1, 1]);
   });
 
   it('asks Redis nothing when no replica is asked for (REDIS_URL by default)', async () => {
