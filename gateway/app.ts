@@ -111,7 +111,7 @@ function quotaStore(
     requestTimeoutMs: settings.requestTimeoutMs,
     timeoutMs: settings.redisTimeoutMs,
     failClosed: settings.quotaStoreFailure === 'closed',
-    ackReplicas: ackReplicas(settings),
+    ackReplicas: ackReplicas(settings, settings.creditsAckReplicas),
     ackTimeoutMs: settings.creditsAckTimeoutMs,
     idempotencyMs: settings.idempotencyKeyHours * 3_600_000,
     registry: () => config().registryKey,

@@ -338,14 +338,11 @@ export function redisTarget(s: Partial<RedisSettings>): RedisTarget | undefined 
 }
 
 /**
- * Replicas a top-up waits for before it is acknowledged (CREDITS_ACK_REPLICAS), or, `set` to
- * USAGE_EXPORT_ACK_REPLICAS, the usage exporter before it sends: unset, 1 on a Cluster or a
- * Sentinel group (asynchronous replicas a failover promotes), 0 on REDIS_URL.
+ * Replicas a top-up waits for before it is acknowledged (`set`: CREDITS_ACK_REPLICAS), or the
+ * usage exporter before it sends (USAGE_EXPORT_ACK_REPLICAS), each set apart: unset, 1 on a
+ * Cluster or a Sentinel group (asynchronous replicas a failover promotes), 0 on REDIS_URL.
  */
-export function ackReplicas(
-  s: Partial<RedisSettings> & Pick<GatewaySettings, 'creditsAckReplicas'>,
-  set: number | undefined = s.creditsAckReplicas,
-): number {
+export function ackReplicas(s: Partial<RedisSettings>, set: number | undefined): number {
   const kind = redisTarget(s)?.kind;
   return set ?? (kind === 'cluster' || kind === 'sentinel' ? 1 : 0);
 }

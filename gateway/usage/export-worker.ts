@@ -58,6 +58,7 @@ const redis = connectRedis(data.target, data.timeoutMs)!;
 const exporter = new UsageExporter({
   redis,
   ackReplicas: data.ackReplicas,
+  timeoutMs: data.timeoutMs,
   config: () => config,
   log,
   metrics: {

@@ -1,7 +1,7 @@
 import type { FastifyBaseLogger } from 'fastify';
 import type { GatewayConfig, UsageExport } from '../config/config.js';
 import { batchLimit } from '../config/usage-export.js';
-import type { RedisClient } from '../redis/client.js';
+import { commandTimeoutFor, type RedisClient } from '../redis/client.js';
 import { subjectKey } from '../redis/keys.js';
 import { accountsOf, ActiveIndex, type LoopConfig, type Marked } from './active.js';
 import { countDropped, moveUsageCursor, readUsage, REFUSED, type UsageMove, type UsageRead, usagePending } from './cursors.js';
@@ -82,6 +82,8 @@ export interface ExporterDeps {
   sink: (target: UsageExport) => UsageSink;
   /** Replicas that must hold a round's events before they are sent (USAGE_EXPORT_ACK_REPLICAS; replicated.ts). */
   ackReplicas?: number;
+  /** REDIS_TIMEOUT_MS, which the connection's command timeout comes from (replicated.ts keeps its WAIT below it). */
+  timeoutMs?: number;
 }
 
 /**
@@ -94,6 +96,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   private readonly sweep: Sweep;
   private readonly sinkFor: (target: UsageExport) => UsageSink;
   private readonly replicas: ReplicaGate;
+  private readMark = 0;
   /** Made again only when a reload changes the target. */
   private sink?: { target: UsageExport; sink: UsageSink };
   private nextClose = 0;
@@ -110,7 +113,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     this.index = new ActiveIndex(deps.redis, 'usage-export');
     this.sweep = new Sweep(deps.redis, 'usage-export', EXPORT_SWEEP_PER_SECOND, usagePending);
     defineCloseScripts(deps.redis);
-    this.replicas = new ReplicaGate(deps.redis, deps.ackReplicas ?? 0, deps.log);
+    this.replicas = new ReplicaGate(deps.redis, deps.ackReplicas ?? 0, deps.log, commandTimeoutFor(deps.timeoutMs ?? 1000));
   }
 
   protected target(config: ExportConfig): UsageExport | undefined {
@@ -227,7 +230,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
   private async readyToSend(config: ExportConfig, touched: Due[], moves: ReadonlyArray<{ name: string }>, lead: Lead): Promise<void> {
     await periodsTouched(this.redis, config.redisPrefix, touched);
     const names = moves.map((m) => m.name);
-    await this.replicas.pass(names, lead.token);
+    await this.replicas.pass(names, lead.token, this.readMark);
   }
 
   /** The events the sink set aside are not the period's: each account's parts tallied again without its own. */
@@ -341,6 +344,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
    * account takes the batch only when the others leave it room. Whole bundles may overshoot a share; batches() caps.
    */
   private async fill(marked: Marked[], room: number, now: number): Promise<AccountRead[]> {
+    this.readMark = this.replicas.mark(); // the connection the round reads on (replicated.ts)
     const reads: AccountRead[] = marked.map((m) => ({
       name: m.name,
       cursor: '0-0',

@@ -33,7 +33,13 @@ interface NodeHolds {
  * pipeline: the node's connection. ROLE before: with fewer replicas connected than asked for,
  * WAIT could only wait. One account a node; the nodes at once.
  */
-export async function replicasHolding(redis: RedisClient, names: readonly string[], replicas: number, token: number): Promise<NodeHolds[]> {
+export async function replicasHolding(
+  redis: RedisClient,
+  names: readonly string[],
+  replicas: number,
+  token: number,
+  waitMs = ACK_TIMEOUT_MS,
+): Promise<NodeHolds[]> {
   const byNode = new Map<string, string>();
   for (const name of names) {
     const key = subjectKey.eventsReplicated(name);
@@ -45,10 +51,7 @@ export async function replicasHolding(redis: RedisClient, names: readonly string
       // An ACL without ROLE (+@all -@dangerous): WAIT tells.
       const connected = refused ? undefined : connectedReplicas(role);
       if (connected !== undefined && connected < replicas) return { acked: 0, connected };
-      const [, [failed, acked]] = await exec(
-        redis,
-        redis.pipeline().set(key, String(token), 'PX', FENCE_MS).wait(replicas, ACK_TIMEOUT_MS),
-      );
+      const [, [failed, acked]] = await exec(redis, redis.pipeline().set(key, String(token), 'PX', FENCE_MS).wait(replicas, waitMs));
       if (failed) throw failed;
       return { acked: Number(acked), connected };
     }),
@@ -73,46 +76,69 @@ async function exec(
   return [results[0] ?? [null, null], results[1] ?? [null, null]];
 }
 
+/** Held rounds this far apart (past the leader's longest backoff, 30 s) are two episodes: the second is held again. */
+const EPISODE_GAP_MS = 35_000;
+
 /**
  * Whether a round may send: yes once `replicas` replicas hold what it read, or once rounds have
- * been held EXPORT_ACK_HOLD_MS (the log says so, once an episode). Else NotReplicated.
+ * been held EXPORT_ACK_HOLD_MS in one episode (one lead, held rounds in a row; the log says so,
+ * once). Else NotReplicated. Asked on the connection the round read on: if it closed since
+ * (a Sentinel's switch to a new master, a Cluster's node lost), the WAIT's answer may be the new
+ * master's, which never had the round's events: the round is read again.
  */
 export class ReplicaGate {
-  private heldSince?: number;
-  private saidSince?: number;
+  private episode?: { since: number; token: number; last: number; said: boolean };
+  private closes = 0;
+  /** Below the connection's command timeout, so a lock renewal queued behind it still has time. */
+  private readonly waitMs: number;
 
   constructor(
     private readonly redis: RedisClient,
     private readonly replicas: number,
     private readonly log: Pick<FastifyBaseLogger, 'warn'>,
+    commandTimeoutMs: number,
     private readonly now: () => number = Date.now,
-  ) {}
+  ) {
+    this.waitMs = Math.min(ACK_TIMEOUT_MS, Math.floor(commandTimeoutMs / 2));
+    const closed = () => this.closes++;
+    if (replicas > 0) redis.on(redis instanceof Cluster ? '-node' : 'close', closed);
+  }
 
-  async pass(names: readonly string[], token: number): Promise<void> {
+  /** Taken before a round reads: what `pass` compares. */
+  mark(): number {
+    return this.closes;
+  }
+
+  async pass(names: readonly string[], token: number, mark: number): Promise<void> {
     if (this.replicas === 0 || names.length === 0) return;
-    const nodes = await replicasHolding(this.redis, names, this.replicas, token);
+    const nodes = await replicasHolding(this.redis, names, this.replicas, token, this.waitMs);
+    if (this.closes !== mark)
+      throw new NotReplicated('the connection to Redis closed during the round: it reads again from the master now');
     const short = nodes.find((n) => n.acked < this.replicas);
     if (!short) {
-      this.heldSince = undefined;
+      this.episode = undefined;
       return;
     }
     const now = this.now();
-    this.heldSince ??= now;
-    const heldMs = now - this.heldSince;
+    const e = this.episode;
+    if (!e || e.token !== token || now - e.last > EPISODE_GAP_MS) this.episode = { since: now, token, last: now, said: false };
+    const episode = this.episode!;
+    episode.last = now;
+    const heldMs = now - episode.since;
     if (heldMs < EXPORT_ACK_HOLD_MS) {
       const why =
         short.connected !== undefined && short.connected < this.replicas
           ? `${short.connected} of ${this.replicas} connected`
-          : `WAIT: ${short.acked} of ${this.replicas} within ${ACK_TIMEOUT_MS} ms`;
+          : `WAIT: ${short.acked} of ${this.replicas} within ${this.waitMs} ms`;
       throw new NotReplicated(
         `its replicas hold not yet the events this round read (${why}): they go to the sink once they do, or after ${EXPORT_ACK_HOLD_MS / 1000} s without`,
       );
     }
-    if (this.saidSince !== this.heldSince)
+    if (!episode.said)
       this.log.warn(
         { acked: short.acked, connected: short.connected, replicas: this.replicas, heldMs: Math.round(heldMs) },
         'usage export: no replica has held the events for a minute; they go to the sink without one (a failover now may lose from Redis events the sink has)',
       );
-    this.saidSince = this.heldSince;
+    episode.said = true;
   }
 }

@@ -1,6 +1,8 @@
 import { describe, expect, it, onTestFinished } from 'vitest';
 import { uniquePrefix } from '../helpers/config.js';
 import { Cluster } from 'ioredis';
+import { loadSettings } from '../../gateway/config/settings.js';
+import { commandTimeoutFor } from '../../gateway/redis/client.js';
 import { subjectKey } from '../../gateway/redis/keys.js';
 import { spawnCluster, spawnRedis, testClient } from '../helpers/redis.js';
 import { eventually } from '../helpers/time.js';
@@ -30,6 +32,9 @@ const replicaInfo = async (url: string) => {
   }
 };
 
+/** The command timeout at the shipped REDIS_TIMEOUT_MS (1 s): 4 s. */
+const SHIPPED_COMMAND_MS = commandTimeoutFor(loadSettings({}).redisTimeoutMs);
+
 const warnings = () => {
   const said: unknown[] = [];
   return { said, log: { warn: (obj: unknown) => void said.push(obj) } };
@@ -42,17 +47,36 @@ describe('the replica gate before a round is sent', () => {
     onTestFinished(() => redis.disconnect());
     const names = [`${uniquePrefix()}:{k:a1}`, `${uniquePrefix()}:{k:a2}`];
     const { said, log } = warnings();
-    const gate = new ReplicaGate(redis, 1, log);
-    await gate.pass(names, 1);
+    const gate = new ReplicaGate(redis, 1, log, SHIPPED_COMMAND_MS);
+    await gate.pass(names, 1, gate.mark());
     replica.proc.kill('SIGSTOP');
     onTestFinished(() => void replica.proc.kill('SIGCONT'));
     await redis.set(`${names[0]}:events`, 'written while the replica is frozen');
-    const held = await gate.pass(names, 2).catch((err: unknown) => err);
+    const held = await gate.pass(names, 2, gate.mark()).catch((err: unknown) => err);
     expect(held).toBeInstanceOf(NotReplicated);
     expect((held as Error).message).toContain(`(WAIT: 0 of 1 within ${ACK_TIMEOUT_MS} ms)`);
+    // REDIS_TIMEOUT_MS 250 (a command timeout of 1 s): WAIT stays below it, a held round and not a timed-out connection.
+    const quick = new ReplicaGate(redis, 1, log, commandTimeoutFor(250));
+    await expect(quick.pass(names, 2, quick.mark())).rejects.toThrow('(WAIT: 0 of 1 within 500 ms)');
     replica.proc.kill('SIGCONT');
-    await gate.pass(names, 3);
+    await gate.pass(names, 3, gate.mark());
     expect(said).toEqual([]);
+  });
+
+  it('reads the round again when its connection closed since it read (a Sentinel switching masters)', async () => {
+    const { master } = await replicated();
+    const redis = testClient(master.url);
+    onTestFinished(() => redis.disconnect());
+    const gate = new ReplicaGate(redis, 1, warnings().log, SHIPPED_COMMAND_MS);
+    const names = [`${uniquePrefix()}:{k:a1}`];
+    await redis.ping(); // connected, as the exporter's connection is
+    const mark = gate.mark();
+    await new Promise((ready) => {
+      redis.once('ready', ready);
+      redis.disconnect(true); // closed, then connected again: maybe to another master
+    });
+    await expect(gate.pass(names, 1, mark)).rejects.toThrow('closed during the round');
+    await gate.pass(names, 1, gate.mark());
   });
 
   it('as a user without ROLE (+@all -@dangerous), asks WAIT alone', async () => {
@@ -61,7 +85,8 @@ describe('the replica gate before a round is sent', () => {
     const redis = testClient(`redis://gw:gw-password@127.0.0.1:${port}`, { enableReadyCheck: false }); // INFO refused too
     onTestFinished(() => redis.disconnect());
     await expect(redis.role()).rejects.toThrow(/NOPERM/);
-    await new ReplicaGate(redis, 1, warnings().log).pass([`${uniquePrefix()}:{k:a1}`], 1);
+    const gate = new ReplicaGate(redis, 1, warnings().log, SHIPPED_COMMAND_MS);
+    await gate.pass([`${uniquePrefix()}:{k:a1}`], 1, gate.mark());
   });
 
   it('with no replica connected holds rounds for EXPORT_ACK_HOLD_MS without waiting on WAIT, then lets them go, said once', async () => {
@@ -72,16 +97,30 @@ describe('the replica gate before a round is sent', () => {
     const waits = async () => Number(/^cmdstat_wait:calls=(\d+)/m.exec(await redis.info('commandstats'))?.[1] ?? 0);
     let now = 1_000_000;
     const { said, log } = warnings();
-    const gate = new ReplicaGate(redis, 1, log, () => now);
+    const gate = new ReplicaGate(redis, 1, log, SHIPPED_COMMAND_MS, () => now);
     const names = [`${uniquePrefix()}:{k:a1}`];
-    await expect(gate.pass(names, 1)).rejects.toThrow('(0 of 1 connected)');
-    now += EXPORT_ACK_HOLD_MS - 1;
-    await expect(gate.pass(names, 1)).rejects.toBeInstanceOf(NotReplicated);
-    now += 1;
-    await gate.pass(names, 1);
+    const pass = (token: number) => gate.pass(names, token, gate.mark());
+    /** Rounds held every 20 s (the leader's backoff is at most 30 s) until `ms` have passed since the first. */
+    const heldFor = async (token: number, ms: number) => {
+      await expect(pass(token)).rejects.toThrow('(0 of 1 connected)');
+      for (let t = 20_000; t < ms; t += 20_000) {
+        now += 20_000;
+        await expect(pass(token)).rejects.toBeInstanceOf(NotReplicated);
+      }
+      now += ms % 20_000 || 20_000;
+    };
+    await heldFor(1, EXPORT_ACK_HOLD_MS);
+    await pass(1);
     now += 5000;
-    await gate.pass(names, 1);
+    await pass(1);
     expect(said).toEqual([{ acked: 0, connected: 0, replicas: 1, heldMs: EXPORT_ACK_HOLD_MS }]);
+    // A new lead (its token) is a new episode: held again, whatever the last one held.
+    await heldFor(2, EXPORT_ACK_HOLD_MS);
+    await pass(2);
+    // So is a held round long after the last (rounds that sent nothing meanwhile).
+    now += 10 * 60_000;
+    await expect(pass(2)).rejects.toBeInstanceOf(NotReplicated);
+    expect(said).toHaveLength(2);
     // ROLE said none connected: no WAIT held the connection its 2 s, held round or not.
     expect(await waits()).toBe(0);
   });
@@ -107,7 +146,9 @@ describe('the replica gate before a round is sent', () => {
         }),
       );
     const before = await waits();
-    await new ReplicaGate(redis, 1, warnings().log).pass(names, 1);
+    const gate = new ReplicaGate(redis, 1, warnings().log, SHIPPED_COMMAND_MS);
+    await redis.ping(); // connected, as the exporter's connection is: its nodes found
+    await gate.pass(names, 1, gate.mark());
     expect((await waits()).map((n, i) => n - before[i]!)).toEqual([1, 1, 1]);
   });
 
@@ -115,6 +156,6 @@ describe('the replica gate before a round is sent', () => {
     // A client that has no Redis at all: any command would fail.
     const redis = testClient('redis://127.0.0.1:9');
     onTestFinished(() => redis.disconnect());
-    await new ReplicaGate(redis, 0, warnings().log).pass(['a'], 1);
+    await new ReplicaGate(redis, 0, warnings().log, SHIPPED_COMMAND_MS).pass(['a'], 1, 0);
   });
 });

@@ -5,7 +5,7 @@ import { Type } from '@sinclair/typebox';
 import { describe, expect, it } from 'vitest';
 import { loadBackendSettings } from '../../backend/settings.js';
 import { readSettings } from '../../runtime/settings.js';
-import { configFilePath, loadSettings, redisTarget } from '../../gateway/config/settings.js';
+import { ackReplicas, configFilePath, loadSettings, redisTarget } from '../../gateway/config/settings.js';
 
 describe('settings', () => {
   it.each([
@@ -227,6 +227,19 @@ describe('settings from their schema', () => {
       /REDIS_SENTINEL_NAME: only means something with REDIS_SENTINELS/,
     );
     expect(() => loadSettings({ REDIS_CLUSTER_NODES: 'a:1;b:2' })).toThrow(/REDIS_CLUSTER_NODES/);
+  });
+
+  it('gives top-ups and the usage export their replicas each apart: unset, 1 on a Cluster or Sentinel group, 0 on one Redis', () => {
+    const both = (env: NodeJS.ProcessEnv) => {
+      const s = loadSettings(env);
+      return [ackReplicas(s, s.creditsAckReplicas), ackReplicas(s, s.usageExportAckReplicas)];
+    };
+    const cluster = { REDIS_CLUSTER_NODES: '127.0.0.1:7000' };
+    expect(both(cluster)).toEqual([1, 1]);
+    expect(both({ REDIS_URL: 'redis://127.0.0.1:6379' })).toEqual([0, 0]);
+    // Top-ups without replicas leave the export's default as it is, and the other way round.
+    expect(both({ ...cluster, CREDITS_ACK_REPLICAS: '0' })).toEqual([0, 1]);
+    expect(both({ ...cluster, USAGE_EXPORT_ACK_REPLICAS: '2' })).toEqual([1, 2]);
   });
 
   it('decodes each variable once', () => {
