@@ -214,8 +214,8 @@ export const GatewaySettingsSchema = Type.Object({
   creditsAckReplicas: Type.Optional(Type.Integer({ env: 'CREDITS_ACK_REPLICAS', minimum: 0, maximum: 16 })),
   creditsAckTimeoutMs: Ms('CREDITS_ACK_TIMEOUT_MS', 2000),
   // The usage exporter sends a round's events to the sink once this many replicas hold them
-  // (WAIT), so a failover never leaves the biller an event Redis lost; a replica that holds none
-  // for EXPORT_ACK_HOLD_MS (60 s) is no longer waited for (usage/replicated.ts). Unset: as
+  // (WAIT), so a failover never leaves the biller an event Redis lost; an event that waited
+  // EXPORT_ACK_HOLD_MS (60 s) goes without (usage/replicated.ts). Unset: as
   // CREDITS_ACK_REPLICAS's default, 1 on a Cluster or a Sentinel group, 0 on REDIS_URL.
   usageExportAckReplicas: Type.Optional(Type.Integer({ env: 'USAGE_EXPORT_ACK_REPLICAS', minimum: 0, maximum: 16 })),
   // How long a top-up's Idempotency-Key is remembered (Stripe keeps 24 h): a retry after it adds again.

@@ -201,7 +201,7 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
     this.metrics.lag((now - oldest) / 1000);
     const fair = interleaved(parts, Math.max(1, Math.floor(size / Math.max(1, parts.length))));
     const names = new Map(reads.map((r) => [account(r.name)!, r.name]));
-    await this.readyToSend(config, touched, moves, lead);
+    await this.readyToSend(config, touched, moves, lead, now - oldest);
     for (const batch of batches(fair, size)) await this.deliver(this.sinkOf(target), batch, lead, names);
     if (this.stopped) return { sent: 0, full: false };
     lead.signal.throwIfAborted();
@@ -227,10 +227,14 @@ export class UsageExporter extends LeaderLoop<UsageExport, ExportConfig> {
    * Before a round's events go: the periods they touch wait for their close, and the replicas
    * hold the events (replicated.ts): nothing the sink takes may be lost from Redis by a failover.
    */
-  private async readyToSend(config: ExportConfig, touched: Due[], moves: ReadonlyArray<{ name: string }>, lead: Lead): Promise<void> {
+  private async readyToSend(config: ExportConfig, touched: Due[], moves: Array<{ name: string }>, lead: Lead, waitedMs: number) {
     await periodsTouched(this.redis, config.redisPrefix, touched);
-    const names = moves.map((m) => m.name);
-    await this.replicas.pass(names, lead.token, this.readMark);
+    await this.replicas.pass(
+      moves.map((m) => m.name),
+      lead.token,
+      this.readMark,
+      waitedMs,
+    );
   }
 
   /** The events the sink set aside are not the period's: each account's parts tallied again without its own. */

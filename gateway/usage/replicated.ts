@@ -7,12 +7,12 @@ import { subjectKey } from '../redis/keys.js';
 // Replication is asynchronous: a master that dies takes with it what no replica had. Events the
 // exporter sent before that would then be at the biller and not in Redis (its statements, its
 // digests, its cursor): the bill and our figures would differ for good. So a round's events go
-// to the sink only once the replicas hold them (WAIT), within a bound: a replica that holds
-// nothing for EXPORT_ACK_HOLD_MS is not waited for, as Redis itself drops it after repl-timeout.
+// to the sink only once the replicas hold them (WAIT), within a bound: an event that waited
+// EXPORT_ACK_HOLD_MS goes without, as Redis itself drops a silent replica after repl-timeout.
 
 /** How long one WAIT holds the round. */
 export const ACK_TIMEOUT_MS = 2000;
-/** How long rounds are held for replicas before the events go without them (Redis's repl-timeout: 60 s). */
+/** How long an event waits for replicas before it goes without them (Redis's repl-timeout: 60 s). */
 export const EXPORT_ACK_HOLD_MS = 60_000;
 /** The written key's life: long past any round. */
 const FENCE_MS = 60_000;
@@ -76,18 +76,16 @@ async function exec(
   return [results[0] ?? [null, null], results[1] ?? [null, null]];
 }
 
-/** Held rounds this far apart (past the leader's longest backoff, 30 s) are two episodes: the second is held again. */
-const EPISODE_GAP_MS = 35_000;
-
 /**
- * Whether a round may send: yes once `replicas` replicas hold what it read, or once rounds have
- * been held EXPORT_ACK_HOLD_MS in one episode (one lead, held rounds in a row; the log says so,
- * once). Else NotReplicated. Asked on the connection the round read on: if it closed since
- * (a Sentinel's switch to a new master, a Cluster's node lost), the WAIT's answer may be the new
- * master's, which never had the round's events: the round is read again.
+ * Whether a round may send: yes once `replicas` replicas hold what it read, or once its oldest
+ * event has waited EXPORT_ACK_HOLD_MS (the log says so, at most once a minute): a bound that
+ * holds whichever instance leads, and however often the lead changes hands. Else NotReplicated.
+ * Asked on the connection the round read on: if it closed since (a Sentinel's switch to a new
+ * master, a Cluster's node lost), the WAIT's answer may be the new master's, which never had the
+ * round's events: the round is read again.
  */
 export class ReplicaGate {
-  private episode?: { since: number; token: number; last: number; said: boolean };
+  private saidAt?: number;
   private closes = 0;
   /** Below the connection's command timeout, so a lock renewal queued behind it still has time. */
   private readonly waitMs: number;
@@ -109,36 +107,29 @@ export class ReplicaGate {
     return this.closes;
   }
 
-  async pass(names: readonly string[], token: number, mark: number): Promise<void> {
+  /** `waitedMs`: how long the round's oldest event has waited to be sent. */
+  async pass(names: readonly string[], token: number, mark: number, waitedMs: number): Promise<void> {
     if (this.replicas === 0 || names.length === 0) return;
     const nodes = await replicasHolding(this.redis, names, this.replicas, token, this.waitMs);
     if (this.closes !== mark)
       throw new NotReplicated('the connection to Redis closed during the round: it reads again from the master now');
     const short = nodes.find((n) => n.acked < this.replicas);
-    if (!short) {
-      this.episode = undefined;
-      return;
-    }
-    const now = this.now();
-    const e = this.episode;
-    if (!e || e.token !== token || now - e.last > EPISODE_GAP_MS) this.episode = { since: now, token, last: now, said: false };
-    const episode = this.episode!;
-    episode.last = now;
-    const heldMs = now - episode.since;
-    if (heldMs < EXPORT_ACK_HOLD_MS) {
+    if (!short) return;
+    if (waitedMs < EXPORT_ACK_HOLD_MS) {
       const why =
         short.connected !== undefined && short.connected < this.replicas
           ? `${short.connected} of ${this.replicas} connected`
           : `WAIT: ${short.acked} of ${this.replicas} within ${this.waitMs} ms`;
       throw new NotReplicated(
-        `its replicas hold not yet the events this round read (${why}): they go to the sink once they do, or after ${EXPORT_ACK_HOLD_MS / 1000} s without`,
+        `its replicas hold not yet the events this round read (${why}): they go to the sink once they do, or once they have waited ${EXPORT_ACK_HOLD_MS / 1000} s`,
       );
     }
-    if (!episode.said)
-      this.log.warn(
-        { acked: short.acked, connected: short.connected, replicas: this.replicas, heldMs: Math.round(heldMs) },
-        'usage export: no replica has held the events for a minute; they go to the sink without one (a failover now may lose from Redis events the sink has)',
-      );
-    episode.said = true;
+    const now = this.now();
+    if (this.saidAt !== undefined && now - this.saidAt < EXPORT_ACK_HOLD_MS) return;
+    this.saidAt = now;
+    this.log.warn(
+      { acked: short.acked, connected: short.connected, replicas: this.replicas, waitedMs: Math.round(waitedMs) },
+      'usage export: events waited a minute for a replica to hold them; they go to the sink without one (a failover now may lose from Redis events the sink has)',
+    );
   }
 }
